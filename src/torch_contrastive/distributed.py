@@ -1,0 +1,167 @@
+"""Distributed helpers: gather across ranks with exact gradients (SPEC section 6).
+
+Seed 002 explains the problem: a contrastive loss needs every rank's embeddings, a
+plain ``all_gather`` drops their gradient, and DDP averages gradients over ranks. Here
+
+* :func:`all_gather_with_grad` gathers rows from every rank (uneven batch sizes
+  allowed); its backward gives each rank the *sum over ranks* of the gradients for its
+  own rows, so every rank's loss contributes to every rank's encoder;
+* each rank then computes only its own anchor rows against the gathered candidates
+  (:class:`Scope`), so the work is split, not repeated;
+* :meth:`Scope.finish` returns the *global* loss value on every rank, while the
+  gradient it carries is scaled so that, after DDP's averaging (``grad_reduction=
+  "mean"``, the default) or a framework's plain sum (``"sum"``), parameter gradients
+  equal single-process training on the concatenated batch.
+
+Only ``torch.distributed`` collectives are used (gloo on CPU, NCCL on GPU). Without an
+initialised process group, or with world size 1, everything is local and no
+collective is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Scope", "all_gather_with_grad", "make_scope"]
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gather_sizes(n: int, device: torch.device) -> list[int]:
+    size = torch.tensor([n], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    return [int(s) for s in sizes]
+
+
+def _gather_padded(x: Tensor, sizes: list[int]) -> Tensor:
+    """Concatenate ``x`` from every rank; ranks may hold different numbers of rows."""
+    longest = max(sizes)
+    padded = x.new_zeros((longest, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous())
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+
+class _AllGatherGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: list[int], rank: int):  # type: ignore[override]
+        ctx.sizes, ctx.rank = sizes, rank
+        return _gather_padded(x.detach(), sizes)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        # Every rank holds a gradient for every gathered row; this rank's rows need the
+        # sum over ranks. all_reduce works on every backend (gloo has no reduce_scatter).
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad[start : start + ctx.sizes[ctx.rank]], None, None
+
+
+def all_gather_with_grad(x: Tensor) -> Tensor:
+    """Gather ``x`` (rows may differ per rank) from every rank, keeping the gradient.
+
+    Forward: the rank-ordered concatenation. Backward: each rank receives the sum over
+    all ranks of the gradients for its own rows. Cost: two ``all_gather`` calls
+    forward (sizes, data) and one ``all_reduce`` of the gathered gradient backward.
+    Without an active process group it returns ``x`` unchanged.
+    """
+    if not _active():
+        return x
+    sizes = _gather_sizes(x.shape[0], x.device)
+    return _AllGatherGrad.apply(x, sizes, dist.get_rank())
+
+
+@dataclass
+class Scope:
+    """Where a loss runs: this rank's rows within the global batch.
+
+    Attributes:
+        rank, world_size: of the process group (0 and 1 when local).
+        sizes: number of rows on every rank (of the tensor first passed to :meth:`rows`).
+        grad_reduction: ``"mean"`` (DDP averages gradients; the local gradient is
+            multiplied by the world size) or ``"sum"`` (the framework sums them).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    grad_reduction: str = "mean"
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def offset(self) -> int:
+        """Global index of this rank's first row (0 when local)."""
+        return sum(self.sizes[: self.rank]) if self.distributed else 0
+
+    def rows(self, x: Tensor) -> Tensor:
+        """The global batch of ``x`` (autograd-aware gather); ``x`` itself when local."""
+        if not self.distributed:
+            return x
+        sizes = _gather_sizes(x.shape[0], x.device)
+        if not self.sizes:
+            self.sizes = tuple(sizes)
+        elif tuple(sizes) != self.sizes:
+            raise ValueError(f"inputs of one loss must have the same batch size on each rank, got {sizes} vs {list(self.sizes)}")
+        return _AllGatherGrad.apply(x, sizes, self.rank)
+
+    def ints(self, x: Tensor) -> Tensor:
+        """The global batch of an integer tensor (labels, ids); no gradient."""
+        if not self.distributed:
+            return x
+        return _gather_padded(x, list(self.sizes) or _gather_sizes(x.shape[0], x.device))
+
+    def total(self, x: Tensor) -> Tensor:
+        """Sum of a (detached) tensor over ranks."""
+        if not self.distributed:
+            return x
+        out = x.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def agree(self, what: str, values: list[float]) -> None:
+        """Raise the same clear error on every rank if ranks disagree on ``values``."""
+        if not self.distributed:
+            return
+        mine = torch.tensor(values, dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            mine = mine.cuda()
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if not torch.equal(lo, hi):
+            raise ValueError(f"ranks disagree on {what}: this rank has {values}, others range {lo.tolist()} .. {hi.tolist()}")
+
+    def finish(self, local_sum: Tensor, normaliser: Tensor) -> Tensor:
+        """``global_sum / global_normaliser`` on every rank, with the right gradient.
+
+        ``local_sum`` is this rank's differentiable share; ``normaliser`` its share of
+        the (gradient-free) denominator. The value is the global loss; the gradient is
+        ``world_size * d(local_sum)/global_normaliser`` for ``grad_reduction="mean"``
+        (undoing DDP's average), ``d(local_sum)/global_normaliser`` for ``"sum"``.
+        """
+        if not self.distributed:
+            return local_sum / normaliser
+        total_norm = self.total(normaliser)
+        value = self.total(local_sum) / total_norm
+        factor = self.world_size if self.grad_reduction == "mean" else 1
+        local = local_sum * factor / total_norm
+        return local + (value - local).detach()
+
+
+def make_scope(gather: bool, grad_reduction: str = "mean") -> Scope:
+    """The :class:`Scope` of a loss call: distributed when ``gather`` and a group is active."""
+    if gather and _active():
+        return Scope(rank=dist.get_rank(), world_size=dist.get_world_size(), grad_reduction=grad_reduction)
+    return Scope(grad_reduction=grad_reduction)

@@ -1,0 +1,177 @@
+"""Independent float64 references, written from the formulas of SPEC section 3.
+
+Naive loops over (i, j) on purpose: nothing here shares code with the library.
+Every function works on differentiable torch scalars so gradients can be compared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def cosine_matrix(a: Tensor, b: Tensor, normalize: bool = True) -> list[list[Tensor]]:
+    rows = []
+    for i in range(a.shape[0]):
+        row = []
+        for j in range(b.shape[0]):
+            dot = (a[i] * b[j]).sum()
+            if normalize:
+                dot = dot / (a[i].norm().clamp_min(1e-12) * b[j].norm().clamp_min(1e-12))
+            row.append(dot)
+        rows.append(row)
+    return rows
+
+
+def _lse(values: list[Tensor]) -> Tensor:
+    return torch.logsumexp(torch.stack(values), dim=0)
+
+
+def nt_xent(x: Tensor, tau, pairing: str = "adjacent", normalize: bool = True) -> Tensor:
+    n = x.shape[0]
+    s = cosine_matrix(x, x, normalize)
+    total = 0.0
+    for i in range(n):
+        p = i ^ 1 if pairing == "adjacent" else (i + n // 2) % n
+        others = [s[i][j] / tau for j in range(n) if j != i]
+        total = total + (-s[i][p] / tau + _lse(others))
+    return total / n
+
+
+def nt_xent_pml(x: Tensor, labels: Tensor, tau, normalize: bool = True) -> Tensor:
+    """pytorch-metric-learning convention: one term per positive pair, mean over pairs."""
+    n = x.shape[0]
+    s = cosine_matrix(x, x, normalize)
+    terms = []
+    for i in range(n):
+        negs = [s[i][k] / tau for k in range(n) if labels[k] != labels[i]]
+        for p in range(n):
+            if p != i and labels[p] == labels[i]:
+                terms.append(-s[i][p] / tau + _lse([s[i][p] / tau, *negs]))
+    if not terms:
+        return (x * 0).sum() * tau
+    return torch.stack(terms).mean()
+
+
+def nt_bxent(x: Tensor, tau, pos_indices: Tensor | None = None, labels: Tensor | None = None,
+             normalize: bool = True) -> Tensor:
+    n = x.shape[0]
+    s = cosine_matrix(x, x, normalize)
+    anchor_graph = (x * 0).sum() * tau  # keeps the graph for a batch with no pair at all
+    positive = [[i == j for j in range(n)] for i in range(n)]
+    if pos_indices is not None:
+        for r, c in pos_indices.tolist():
+            positive[r][c] = True
+    else:
+        for i in range(n):
+            for j in range(n):
+                positive[i][j] = positive[i][j] or bool(labels[i] == labels[j])
+    total = 0.0
+    for i in range(n):
+        pos_terms, neg_terms = [], []
+        for j in range(n):
+            if j == i:
+                continue
+            z = s[i][j] / tau
+            if positive[i][j]:
+                pos_terms.append(-torch.nn.functional.logsigmoid(z))
+            else:
+                neg_terms.append(-torch.nn.functional.logsigmoid(-z))
+        n_pos = sum(positive[i])
+        n_neg = n - n_pos
+        row = sum(pos_terms, torch.zeros((), dtype=x.dtype)) / n_pos
+        if n_neg:
+            row = row + sum(neg_terms, torch.zeros((), dtype=x.dtype)) / n_neg
+        total = total + row
+    return total / n + anchor_graph
+
+
+def image_text(img: Tensor, txt: Tensor, tau, image_id=None, text_id=None, normalize: bool = True) -> Tensor:
+    n = img.shape[0]
+    s = cosine_matrix(img, txt, normalize)
+    iid = image_id.tolist() if image_id is not None else list(range(n))
+    tid = text_id.tolist() if text_id is not None else list(range(n))
+    gt = [[iid[i] == iid[j] or tid[i] == tid[j] for j in range(n)] for i in range(n)]
+    n_gt = sum(sum(r) for r in gt)
+    loss1 = 0.0
+    loss2 = 0.0
+    for i in range(n):
+        row = _lse([s[i][j] / tau for j in range(n)])
+        col = _lse([s[j][i] / tau for j in range(n)])
+        for j in range(n):
+            if gt[i][j]:
+                loss1 = loss1 - (s[i][j] / tau - row)
+            if gt[j][i]:
+                loss2 = loss2 - (s[j][i] / tau - col)
+    return (loss1 / n_gt + loss2 / n_gt) / 2
+
+
+def supcon(features: Tensor, tau, labels=None, mask=None, base_tau=None, contrast_mode: str = "all",
+           normalize: bool = True) -> Tensor:
+    """SupCon from the paper's formula; anchors without positives are left out."""
+    if features.ndim == 2:
+        features = features[:, None]
+    bsz, views = features.shape[0], features.shape[1]
+    flat = torch.cat([features[:, v] for v in range(views)], dim=0)
+    n = flat.shape[0]
+    sample = [k % bsz for k in range(n)]
+    if mask is not None:
+        rel = [[bool(mask[sample[i]][sample[j]]) for j in range(n)] for i in range(n)]
+    elif labels is not None:
+        rel = [[bool(labels[sample[i]] == labels[sample[j]]) for j in range(n)] for i in range(n)]
+    else:
+        rel = [[sample[i] == sample[j] for j in range(n)] for i in range(n)]
+    s = cosine_matrix(flat, flat, normalize)
+    anchors = range(bsz) if contrast_mode == "one" else range(n)
+    losses = []
+    for i in anchors:
+        denom = _lse([s[i][a] / tau for a in range(n) if a != i])
+        pos = [s[i][p] / tau - denom for p in range(n) if p != i and rel[i][p]]
+        if pos:
+            losses.append(-torch.stack(pos).mean())
+    if not losses:
+        return (flat * 0).sum() * tau
+    factor = 1.0 if base_tau is None else tau / base_tau
+    return factor * torch.stack(losses).mean()
+
+
+# Seed 000's float32 tensor, reproduced by torch.manual_seed(21); torch.randn(8, 2).
+def seed000_x() -> Tensor:
+    torch.manual_seed(21)
+    return torch.randn(8, 2)
+
+
+SEED000_POS = torch.tensor([(0, 0), (0, 2), (0, 4), (1, 4), (1, 6), (1, 1), (2, 3), (3, 7), (4, 3), (7, 6)])
+
+# Seed 004's printed embeddings (4 decimals).
+SEED004_A = torch.tensor([
+    [-1.0192, -1.2504, 0.6781, -1.4978, -0.2036],
+    [-0.3796, -0.6767, 0.7013, -1.0596, -0.9061],
+    [0.4155, -0.4153, -1.3006, 0.6536, -1.1877],
+    [0.5762, 1.0520, -0.2545, -0.2044, 0.9800],
+])
+SEED004_B = torch.tensor([
+    [-0.2212, -3.0712, 0.7776, 1.9826, 0.6233],
+    [0.6597, 1.4035, 0.2884, -0.8971, -0.5095],
+    [0.5410, 1.2093, 0.8458, 1.2963, -0.3695],
+    [1.2558, -1.5282, -1.6592, -0.0406, -1.7611],
+    [0.2712, 0.6679, -0.3595, -0.5791, -1.6139],
+    [0.6026, -0.4435, -0.7715, -0.2869, 0.1029],
+    [-0.5828, -0.4375, -0.5919, 0.3499, 0.2800],
+    [-1.1419, -1.1917, 0.5485, -0.2690, 1.1158],
+    [0.6038, -1.4093, -0.1854, -1.5674, -2.6291],
+])
+SEED004_C = torch.tensor([
+    [-0.0031, -1.2745, -0.5312, 0.0224, -0.8322],
+    [-1.3428, -0.7471, -1.7685, -2.0902, -2.1853],
+    [0.2657, 0.0047, 0.3926, 0.0517, -0.2075],
+    [0.6994, 0.0610, -0.4057, 0.7450, 0.1561],
+    [-0.4123, -0.9179, -0.8227, 1.5111, -0.5250],
+    [0.7570, 0.0307, -0.0365, -0.9719, 0.4156],
+    [-0.6779, 0.9506, 0.2841, -0.3664, 2.0260],
+    [0.1467, 2.2670, 0.7604, 1.1003, 0.3780],
+])
+
+LOG_FLOAT32_TINY = -math.log(torch.finfo(torch.float32).tiny)

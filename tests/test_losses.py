@@ -1,0 +1,288 @@
+"""Values and gradients of every loss against the float64 references and the seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_contrastive as tc
+from reference import (
+    SEED000_POS,
+    SEED004_A,
+    SEED004_B,
+    SEED004_C,
+    image_text,
+    nt_bxent,
+    nt_xent,
+    nt_xent_pml,
+    seed000_x,
+    supcon,
+)
+
+TEMPS = (0.01, 0.1, 1.0, 10.0, 20.0)
+
+
+# ----------------------------------------------------------------- seed vectors (SPEC 4)
+@pytest.mark.parametrize("tau,expected", list(zip(TEMPS, (167.33397, 16.916988, 2.8555007, 2.0152008, 1.9799404))))
+def test_seed000_nt_xent(tau, expected):
+    x = seed000_x()
+    assert tc.nt_xent_loss(x.double(), tau).item() == pytest.approx(expected, rel=1e-6)
+    assert tc.nt_xent_loss(x, tau).item() == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("tau,expected", list(zip(TEMPS, (48.286442, 4.851107, 1.0727110, 0.9827174, 0.9820991))))
+def test_seed000_nt_bxent(tau, expected):
+    x = seed000_x()
+    assert tc.nt_bxent_loss(x.double(), SEED000_POS, tau).item() == pytest.approx(expected, rel=1e-6)
+    # float32 too: the seed's 62.8988 at tau=0.01 is a sigmoid-saturation artefact (SPEC 3.2).
+    assert tc.nt_bxent_loss(x, SEED000_POS, tau).item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_seed004_numbers():
+    l2 = torch.tensor([0, 1, 0, 1])
+    assert tc.supcon_loss(SEED004_A, l2, temperature=1).item() == pytest.approx(1.5018, abs=5e-4)
+    assert tc.nt_xent_loss(SEED004_A, 1.0, labels=l2).item() == pytest.approx(1.5018, abs=5e-4)
+    l3 = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2])
+    assert tc.supcon_loss(SEED004_B, l3, temperature=1).item() == pytest.approx(2.1960, abs=5e-4)
+    assert tc.nt_xent_loss(SEED004_B, 1.0, labels=l3).item() == pytest.approx(2.0615, abs=5e-4)
+    l4 = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
+    assert tc.supcon_loss(SEED004_C, l4, temperature=1).item() == pytest.approx(1.8374, abs=5e-4)
+    assert tc.nt_xent_loss(SEED004_C, 1.0, labels=l4).item() == pytest.approx(1.4141, abs=5e-4)
+    # The authors' form: (bsz, n_views, D), views only -> SimCLR NT-Xent (1.7731).
+    feats = torch.stack(torch.split(SEED004_C, [4, 4]), dim=1)
+    assert tc.supcon_loss(feats, temperature=1, base_temperature=1).item() == pytest.approx(1.7731, abs=5e-4)
+    assert tc.nt_xent_loss(SEED004_C, 1.0, pairing="halves").item() == pytest.approx(1.7731, abs=5e-4)
+    # and with labels in the authors' form it is the same SupCon as the flat form.
+    assert tc.supcon_loss(feats, torch.tensor([0, 1, 0, 1]) * 0 + torch.tensor([0, 0, 1, 1]), temperature=1).item() == \
+        pytest.approx(1.8374, abs=5e-4)
+
+
+# ----------------------------------------------------------------- references, values + grads
+def _rand(n, d=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _compare(fn_ours, fn_ref, inputs, tau, dtype, rtol):
+    """Value and gradients (inputs and temperature) of ours vs the float64 reference."""
+    ref_in = [x.detach().double().requires_grad_() for x in inputs]
+    ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
+    ref = fn_ref(*ref_in, ref_tau)
+    ref.backward()
+    our_in = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    our_tau = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
+    ours = fn_ours(*our_in, our_tau)
+    ours.backward()
+    assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
+    for a, b in zip(our_in, ref_in):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=rtol, atol=rtol * max(1.0, b.grad.abs().max().item()))
+    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=rtol, abs=rtol * max(1.0, abs(ref_tau.grad.item())))
+
+
+DTYPES = [(torch.float64, 1e-9), (torch.float32, 1e-5)]
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("n", [2, 8, 14])
+@pytest.mark.parametrize("pairing", ["adjacent", "halves"])
+@pytest.mark.parametrize("tau", [0.1, 0.5, 2.0])
+def test_nt_xent_reference(dtype, rtol, n, pairing, tau):
+    _compare(lambda x, t: tc.nt_xent_loss(x, t, pairing=pairing),
+             lambda x, t: nt_xent(x, t, pairing), [_rand(n, seed=n)], tau, dtype, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("n,classes", [(7, 3), (13, 4), (1, 1), (9, 9)])
+@pytest.mark.parametrize("tau", [0.1, 1.0])
+def test_nt_xent_labels_reference(dtype, rtol, n, classes, tau):
+    labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(n))
+    _compare(lambda x, t: tc.nt_xent_loss(x, t, labels=labels),
+             lambda x, t: nt_xent_pml(x, labels, t), [_rand(n, seed=n + 1)], tau, dtype, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("tau", [0.01, 0.1, 1.0])
+def test_nt_bxent_reference(dtype, rtol, tau):
+    x = seed000_x().double()
+    _compare(lambda z, t: tc.nt_bxent_loss(z, SEED000_POS, t),
+             lambda z, t: nt_bxent(z, t, pos_indices=SEED000_POS), [x], tau, dtype, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("n,classes", [(7, 2), (13, 5), (1, 1)])
+def test_nt_bxent_labels_reference(dtype, rtol, n, classes):
+    labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(3 * n))
+    _compare(lambda z, t: tc.nt_bxent_loss(z, labels=labels, temperature=t),
+             lambda z, t: nt_bxent(z, t, labels=labels), [_rand(n, seed=n)], 0.3, dtype, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 13])
+@pytest.mark.parametrize("ids", ["none", "image", "text", "both"])
+def test_image_text_reference(dtype, rtol, n, ids):
+    g = torch.Generator().manual_seed(n)
+    iid = torch.randint(0, max(1, n // 2), (n,), generator=g) if ids in ("image", "both") else None
+    tid = torch.randint(0, max(1, n // 3), (n,), generator=g) if ids in ("text", "both") else None
+    _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, iid, tid),
+             lambda a, b, t: image_text(a, b, t, iid, tid), [_rand(n, seed=n), _rand(n, seed=n + 100)], 0.07, dtype, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("bsz,views", [(4, 2), (7, 3), (1, 2), (5, 1)])
+@pytest.mark.parametrize("mode", ["all", "one"])
+@pytest.mark.parametrize("kind", ["labels", "mask", "views"])
+def test_supcon_reference(dtype, rtol, bsz, views, mode, kind):
+    g = torch.Generator().manual_seed(bsz * 10 + views)
+    feats = torch.randn(bsz, views, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 3, (bsz,), generator=g) if kind == "labels" else None
+    mask = (torch.rand(bsz, bsz, generator=g) > 0.5).float() if kind == "mask" else None  # asymmetric
+    _compare(lambda f, t: tc.supcon_loss(f, labels, mask, t, base_temperature=0.07, contrast_mode=mode),
+             lambda f, t: supcon(f, t, labels, mask, 0.07, mode), [feats], 0.2, dtype, rtol)
+
+
+def test_supcon_flat_equals_pml_form():
+    x = _rand(10, seed=4)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 5])  # the last anchor has no positive
+    ours = tc.supcon_loss(x, labels, temperature=0.3)
+    assert ours.item() == pytest.approx(supcon(x, 0.3, labels).item(), rel=1e-12)
+
+
+# ----------------------------------------------------------------- gradcheck (custom autograd)
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_gradcheck_all_losses(chunk):
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    tau = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 1, 0, 2, 1, 1])
+    checks = [
+        (lambda a, t: tc.nt_xent_loss(a, t, chunk_size=chunk), (x, tau)),
+        (lambda a, t: tc.nt_xent_loss(a, t, labels=labels, chunk_size=chunk), (x, tau)),
+        (lambda a, t: tc.nt_bxent_loss(a, torch.tensor([[0, 1], [2, 5], [4, 3]]), t, chunk_size=chunk), (x, tau)),
+        (lambda a, t: tc.nt_bxent_loss(a, labels=labels, temperature=t, chunk_size=chunk), (x, tau)),
+        (lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, labels, chunk_size=chunk), (x, y, tau)),
+        (lambda a, t: tc.supcon_loss(a.reshape(3, 2, 3), labels[:3], temperature=t, chunk_size=chunk), (x, tau)),
+        (lambda a, t: tc.nt_xent_loss(a, t, normalize=False, chunk_size=chunk), (x, tau)),
+    ]
+    for fn, inputs in checks:
+        assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------- peer library
+pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
+
+
+@pytest.mark.parametrize("tau", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_pytorch_metric_learning(tau, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(6, 40, (1,), generator=g))
+    x = torch.randn(n, 16, generator=g)
+    labels = torch.randint(0, max(2, n // 3), (n,), generator=g)
+    labels[-1] = 10_000  # an anchor without positives
+    ref = pml_losses.NTXentLoss(temperature=tau)(x, labels)
+    assert tc.nt_xent_loss(x, tau, labels=labels).item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    ref = pml_losses.SupConLoss(temperature=tau)(x, labels)
+    assert tc.supcon_loss(x, labels, temperature=tau).item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    assert tc.SupConLoss(tau)(x, labels).item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+
+
+def test_small_temperature_exact_where_pml_clamps():
+    torch.manual_seed(1)
+    x = torch.randn(12, 8, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+    ref = nt_xent_pml(x, labels, 0.01)
+    ours_in = x.float().requires_grad_()
+    ours = tc.nt_xent_loss(ours_in, 0.01, labels=labels)
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
+    ours.backward()
+    assert ours_in.grad.abs().sum() > 0
+    pml_in = x.float().requires_grad_()
+    pml = pml_losses.NTXentLoss(temperature=0.01)(pml_in, labels)
+    pml.backward()
+    # Our value is the exact one; PML's clamp changes it (documented difference).
+    if ref.item() > 87:
+        assert pml.item() != pytest.approx(ref.item(), rel=1e-3)
+
+
+# ----------------------------------------------------------------- reductions, modules, misc
+def test_reductions_are_consistent():
+    x = _rand(12, seed=5).float()
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 0, 1, 2, 3, 3, 9])
+    for fn in (lambda r: tc.nt_xent_loss(x, reduction=r), lambda r: tc.nt_bxent_loss(x, labels=labels, reduction=r)):
+        assert fn("none").shape == (12,)
+        assert fn("mean").item() == pytest.approx(fn("none").mean().item(), rel=1e-6)
+        assert fn("sum").item() == pytest.approx(fn("none").sum().item(), rel=1e-6)
+    pml = tc.nt_xent_loss(x, labels=labels, reduction="none")
+    n_pairs = sum(int((labels == labels[i]).sum()) - 1 for i in range(12))
+    assert tc.nt_xent_loss(x, labels=labels).item() == pytest.approx(pml.sum().item() / n_pairs, rel=1e-6)
+    y = _rand(12, seed=6).float()
+    e = tc.image_text_contrastive_loss(x, y, image_id=labels, reduction="none")
+    assert tc.image_text_contrastive_loss(x, y, image_id=labels).item() == pytest.approx(e.mean().item(), rel=1e-6)
+    assert tc.image_text_contrastive_loss(x, y, image_id=labels, reduction="sum").item() == pytest.approx(e.sum().item(), rel=1e-6)
+    s = tc.supcon_loss(x, labels, reduction="none")
+    has = torch.tensor([(labels == labels[i]).sum() > 1 for i in range(12)])
+    assert tc.supcon_loss(x, labels).item() == pytest.approx(s[has].mean().item(), rel=1e-6)
+    assert s[~has].abs().sum() == 0
+
+
+def test_image_text_without_ids_is_clip():
+    x, y = _rand(9, seed=1), _rand(9, seed=2)
+    logits = torch.nn.functional.normalize(x) @ torch.nn.functional.normalize(y).T / 0.07
+    target = torch.arange(9)
+    clip = (torch.nn.functional.cross_entropy(logits, target) + torch.nn.functional.cross_entropy(logits.T, target)) / 2
+    assert tc.clip_loss(x, y).item() == pytest.approx(clip.item(), rel=1e-12)
+    assert tc.ClipLoss()(x, y).item() == pytest.approx(clip.item(), rel=1e-12)
+
+
+def test_text_ids_deduplicate_strings():
+    ids = tc.text_ids(["a seven", "a two", "a seven"])
+    assert ids[0] == ids[2] and ids[0] != ids[1]
+
+
+def test_half_inputs_compute_in_float32():
+    x = _rand(10, seed=7)
+    for dtype in (torch.float16, torch.bfloat16):
+        xin = x.to(dtype).requires_grad_()
+        loss = tc.nt_xent_loss(xin, 0.1)
+        assert loss.dtype == torch.float32
+        loss.backward()
+        assert xin.grad.dtype == dtype
+        ref = nt_xent(x.to(dtype).double(), 0.1)
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_inputs_not_modified_and_zero_vectors_finite():
+    x = _rand(8, seed=8).float()
+    x[3] = 0
+    before = x.clone()
+    xin = x.clone().requires_grad_()
+    for loss in (tc.nt_xent_loss(xin), tc.nt_bxent_loss(xin, labels=torch.arange(8) % 3),
+                 tc.supcon_loss(xin, torch.arange(8) % 3), tc.image_text_contrastive_loss(xin, xin.flip(0))):
+        assert torch.isfinite(loss)
+        loss.backward()
+    assert torch.isfinite(xin.grad).all()
+    assert torch.equal(x, before)
+
+
+def test_no_positive_anywhere_is_zero_with_zero_grad():
+    x = _rand(6, seed=9).requires_grad_()
+    loss = tc.supcon_loss(x, torch.arange(6))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    loss = tc.nt_xent_loss(x, labels=torch.arange(6))
+    assert loss.item() == 0.0
+
+
+def test_learnable_temperature_module_gets_gradient():
+    m = tc.ClipLoss(learnable_temperature=True)
+    assert m.logit_scale.item() == pytest.approx(2.6592600, rel=1e-6)  # ln(1/0.07)
+    x, y = _rand(8, seed=10).float(), _rand(8, seed=11).float()
+    m(x, y).backward()
+    assert m.logit_scale.grad is not None and m.logit_scale.grad.abs() > 0
+    with torch.no_grad():
+        m.logit_scale.fill_(10.0)
+    assert float(m.temperature) == pytest.approx(0.01, rel=1e-6)  # clamped at scale 100
+    for cls in (tc.NTXentLoss, tc.NTBXentLoss, tc.SupConLoss):
+        assert "temperature" in repr(cls(0.3)) or "logit_scale" in repr(cls(0.3))
