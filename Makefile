@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/torch-contrastive explain
+	$(BIN)/torch-contrastive train
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=LOSS_CHOICES, default="all", help="which convention(s) to show")
     p.set_defaults(func=explain)
 
+    from .bench import add_bench_parser
+    from .train import add_train_parser
+
+    add_train_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,282 @@
+"""``torch-contrastive bench``: forward+backward time and peak memory vs. peers.
+
+Every case runs in a fresh subprocess so that peak memory is the case's own: the
+worker allocates its inputs, records the peak RSS (``ru_maxrss``; on CUDA
+``max_memory_allocated``), runs the loss forward+backward, and reports the growth of
+the peak. It then times, in the same process, the three plain matrix multiplies of
+the same shape (``S = A @ B.T``, ``G @ B``, ``G.T @ A``): ``R = loss time / matmul
+time`` is a ratio measured on one machine in one process, so it survives a noisy,
+shared machine better than seconds do.
+
+Peers: pytorch-metric-learning (always installed with the ``dev`` extra), open_clip's
+``ClipLoss`` and lightly's ``NTXentLoss`` when importable; otherwise a dense PyTorch
+baseline of the same formula, labelled ``dense-baseline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# (loss, implementation) pairs understood by the worker.
+IMPLEMENTATIONS = {
+    "clip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
+    "nt_xent": ["ours", "ours-dense", "lightly", "pml", "dense-baseline"],
+    "supcon": ["ours", "ours-dense", "pml", "supcon-authors-formula"],
+}
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _dense_clip(img: torch.Tensor, txt: torch.Tensor, tau: float) -> torch.Tensor:
+    img = torch.nn.functional.normalize(img, dim=1)
+    txt = torch.nn.functional.normalize(txt, dim=1)
+    logits = img @ txt.T / tau
+    target = torch.arange(img.shape[0], device=img.device)
+    return (torch.nn.functional.cross_entropy(logits, target) + torch.nn.functional.cross_entropy(logits.T, target)) / 2
+
+
+def _dense_nt_xent(z: torch.Tensor, tau: float) -> torch.Tensor:
+    """Dense NT-Xent with halves pairing, as lightly computes it (N x N logits)."""
+    n = z.shape[0] // 2
+    z = torch.nn.functional.normalize(z, dim=1)
+    logits = z @ z.T / tau
+    logits = logits.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
+    target = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+def _dense_supcon(z: torch.Tensor, labels: torch.Tensor, tau: float) -> torch.Tensor:
+    """The SupCon authors' formula written densely (mask, max-shift, log-prob, mean)."""
+    z = torch.nn.functional.normalize(z, dim=1)
+    logits = z @ z.T / tau
+    logits = logits - logits.max(dim=1, keepdim=True).values.detach()
+    same = (labels[:, None] == labels[None, :]).float()
+    not_self = 1 - torch.eye(z.shape[0], device=z.device)
+    same = same * not_self
+    log_prob = logits - torch.log((torch.exp(logits) * not_self).sum(1, keepdim=True))
+    mean_pos = (same * log_prob).sum(1) / same.sum(1).clamp_min(1)
+    return -mean_pos.mean()
+
+
+def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+    """A closure computing the loss, and the leaf tensors it differentiates."""
+    import torch_contrastive as tc
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+    dense_chunk = n  # one tile: the "dense" path of the same engine
+    if loss == "clip":
+        y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+        if impl in ("ours", "ours-dense"):
+            chunk = dense_chunk if impl == "ours-dense" else None
+            return (lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk)), [x, y]
+        if impl == "open_clip":
+            from open_clip.loss import ClipLoss  # type: ignore[import-not-found]
+
+            peer = ClipLoss()
+            return (lambda: peer(torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1), 1 / tau)), [x, y]
+        return (lambda: _dense_clip(x, y, tau)), [x, y]
+    labels = torch.randint(0, max(2, n // 64), (n,), generator=gen).to(device)
+    if loss == "nt_xent":
+        if impl in ("ours", "ours-dense"):
+            chunk = dense_chunk if impl == "ours-dense" else None
+            return (lambda: tc.nt_xent_loss(x, tau, pairing="halves", chunk_size=chunk)), [x]
+        if impl == "lightly":
+            from lightly.loss import NTXentLoss  # type: ignore[import-not-found]
+
+            peer = NTXentLoss(temperature=tau)
+            return (lambda: peer(x[: n // 2], x[n // 2 :])), [x]
+        if impl == "pml":
+            from pytorch_metric_learning.losses import NTXentLoss as PMLNTXent
+
+            pml = PMLNTXent(temperature=tau)
+            pair_labels = torch.arange(n, device=device) % (n // 2)
+            return (lambda: pml(x, pair_labels)), [x]
+        return (lambda: _dense_nt_xent(x, tau)), [x]
+    if impl in ("ours", "ours-dense"):
+        chunk = dense_chunk if impl == "ours-dense" else None
+        return (lambda: tc.supcon_loss(x, labels, temperature=tau, chunk_size=chunk)), [x]
+    if impl == "pml":
+        from pytorch_metric_learning.losses import SupConLoss as PMLSupCon
+
+        pml_supcon = PMLSupCon(temperature=tau)
+        return (lambda: pml_supcon(x, labels)), [x]
+    return (lambda: _dense_supcon(x, labels, tau)), [x]
+
+
+def _time(fn: Any, reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one case (called in a fresh process). Returns the measured row."""
+    device = torch.device(spec.get("device", "cpu"))
+    n, d, tau, reps = spec["n"], spec["d"], spec["tau"], spec["reps"]
+    # Warm up on a small batch first: thread pools and BLAS workspaces are allocated
+    # once per process and are not the loss's memory.
+    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device)
+    small_fn().backward()
+    del small_fn, small_leaves
+    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = _peak_bytes(device)
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        fn().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()
+    peak = _peak_bytes(device) - base
+    seconds = _time(step, reps)
+    # The reference: three matmuls of the same shape, timed after the loss so their
+    # N x N buffers do not count in the loss's peak memory.
+    a = torch.randn(n, d, device=device)
+    b = torch.randn(n, d, device=device)
+    g = torch.randn(n, n, device=device)
+    matmul = _time(lambda: (a @ b.T, g @ b, g.T @ a), reps)
+    return {**spec, "seconds": seconds, "matmul_seconds": matmul, "R": seconds / matmul, "extra_mib": peak / 2**20}
+
+
+def _run_case(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch_contrastive.bench", "--worker", json.dumps(spec)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": f"timeout > {timeout:.0f}s"}
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        if "ModuleNotFoundError" in out.stderr:
+            status = "not installed"
+        elif out.returncode < 0 or "alloc" in out.stderr or "out of memory" in out.stderr:
+            status = "out of memory"
+        else:
+            status = last[:80]
+        return {**spec, "status": status}
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "status": "ok"}
+
+
+def plan(quick: bool, sizes: list[int] | None, dim: int, tau: float, include_large: bool) -> list[dict[str, Any]]:
+    """The list of cases. Peers with N x N memory are limited to sizes they can hold."""
+    cases = []
+    reps = 1 if quick else 3
+    for loss in ("clip", "nt_xent", "supcon"):
+        default = [2048, 8192] if loss == "clip" else [4096, 16384]
+        for n in sizes or (default if quick else [1024, 4096, 8192, 16384]):
+            for impl in IMPLEMENTATIONS[loss]:
+                if impl == "pml" and n > 4096:
+                    continue  # pytorch-metric-learning builds several N x N float tensors
+                if quick and impl not in ("ours",) and n > 8192:
+                    continue
+                if impl == "ours-dense" and n > 8192:
+                    continue
+                cases.append({"loss": loss, "impl": impl, "n": n, "d": dim, "tau": tau, "reps": reps})
+    if include_large:
+        cases.append({"loss": "clip", "impl": "ours", "n": 65536, "d": dim, "tau": tau, "reps": 1})
+    return cases
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ok = [r for r in rows if r.get("status") == "ok"]
+    for loss in sorted({r["loss"] for r in ok}):
+        for impl in sorted({r["impl"] for r in ok if r["loss"] == loss}):
+            pts = sorted((r["n"], r["R"], r["extra_mib"]) for r in ok if r["loss"] == loss and r["impl"] == impl)
+            style = "-o" if impl.startswith("ours") else "--x"
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{loss}/{impl}")
+            axes[1].plot([p[0] for p in pts], [max(p[2], 0.1) for p in pts], style, label=f"{loss}/{impl}")
+    axes[0].set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="R = time / 3 matmuls", title="forward+backward time ratio")
+    axes[1].set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="extra peak memory (MiB)", title="memory")
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases = plan(args.quick, args.sizes, args.dim, args.temperature, args.large)
+    if args.loss != "all":
+        cases = [c for c in cases if c["loss"] == args.loss]
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+    print(f"torch-contrastive bench ({'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
+    print(f"{'loss':<8} {'impl':<24} {'N':>6} {'D':>4} {'time s':>8} {'R':>6} {'extra MiB':>10}  status")
+    rows = []
+    for spec in cases:
+        row = _run_case(spec, args.timeout)
+        rows.append(row)
+        if row["status"] == "ok":
+            print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {row['seconds']:>8.3f} {row['R']:>6.2f} "
+                  f"{row['extra_mib']:>10.1f}  ok", flush=True)
+        else:
+            print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}", flush=True)
+    fields = ["loss", "impl", "n", "d", "tau", "reps", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
+    with open(out_dir / "bench.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "machine.txt").write_text(machine + "\n")
+    try:
+        _plot(rows, out_dir / "bench.png")
+        print(f"wrote {out_dir / 'bench.csv'} and {out_dir / 'bench.png'}")
+    except ImportError:
+        print(f"wrote {out_dir / 'bench.csv'} (install the 'cli' extra for the plot)")
+    return 0
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_bench_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="time and memory of every loss vs. peers (CSV + PNG)")
+    p.add_argument("--quick", action="store_true", help="a reduced grid that finishes in under 2 minutes on 2 cores")
+    p.add_argument("--loss", choices=["all", "clip", "nt_xent", "supcon"], default="all")
+    p.add_argument("--sizes", type=_sizes, default=None, help="comma-separated N values (rows)")
+    p.add_argument("--dim", type=int, default=128, help="embedding size D (default 128)")
+    p.add_argument("--temperature", type=float, default=0.07, help="tau (default 0.07; 0.01 exercises the online maximum)")
+    p.add_argument("--large", action="store_true", help="add the image-text loss at N = 65,536 (ours only)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
+    p.add_argument("--out", default="bench-results", help="output folder (CSV, PNG)")
+    p.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+    else:
+        sys.exit("use: torch-contrastive bench")

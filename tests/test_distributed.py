@@ -1,0 +1,188 @@
+"""gather=True on a gloo group: global-batch values and gradients on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_contrastive as tc
+from dist_helpers import run_ranks
+
+D_IN, D = 6, 5
+
+
+def _sizes(world: int, uneven: bool) -> list[int]:
+    return [4 + 2 * r for r in range(world)] if uneven else [6] * world
+
+
+def _global_case(case: str, sizes: list[int], seed: int = 0):
+    """Inputs for every rank, and the single-process reference on the concatenation."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(sizes)
+    views = 2 if case.startswith("supcon_views") or case == "supcon_one" else 1
+    x = torch.randn(total * views, D_IN, generator=g, dtype=torch.float64)
+    y = torch.randn(total, D_IN, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 3, (total,), generator=g)
+    ids = torch.randint(0, 4, (total,), generator=g)
+    pairs = [torch.randint(0, n, (n, 2), generator=g) for n in sizes]
+    return x, y, labels, ids, pairs
+
+
+def _bounds(sizes, rank):
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
+    """The loss of one case on the given (local or global) batch."""
+    if case == "nt_xent_adjacent":
+        return tc.nt_xent_loss(emb, 0.3, gather=gather)
+    if case == "nt_xent_halves":
+        if gather:
+            return tc.nt_xent_loss(emb, 0.3, pairing="halves", gather=True)
+        return tc.nt_xent_loss(emb, 0.3, labels=offsets_for_keys)  # one positive each: same loss
+    if case == "nt_xent_pml":
+        return tc.nt_xent_loss(emb, 0.3, labels=labels, gather=gather)
+    if case == "nt_bxent_pairs":
+        return tc.nt_bxent_loss(emb, pairs, 0.3, gather=gather)
+    if case == "nt_bxent_labels":
+        return tc.nt_bxent_loss(emb, labels=labels, temperature=0.3, gather=gather)
+    if case == "clip":
+        return tc.image_text_contrastive_loss(emb, emb_y, 0.1, gather=gather)
+    if case == "clip_ids":
+        return tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, gather=gather)
+    if case == "supcon_labels":
+        return tc.supcon_loss(emb, labels, temperature=0.2, gather=gather)
+    if case == "supcon_views":
+        return tc.supcon_loss(emb.reshape(2, -1, D).transpose(0, 1), temperature=0.2, gather=gather)
+    if case == "supcon_one":
+        return tc.supcon_loss(emb.reshape(2, -1, D).transpose(0, 1), labels, temperature=0.2, contrast_mode="one", gather=gather)
+    raise ValueError(case)
+
+
+CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", "nt_bxent_labels",
+         "clip", "clip_ids", "supcon_labels", "supcon_views", "supcon_one"]
+
+
+def _check_case(rank, world, case, sizes):
+    torch.manual_seed(0)
+    model_x = torch.nn.Linear(D_IN, D).double()
+    model_y = torch.nn.Linear(D_IN, D).double()
+    x, y, labels, ids, pairs = _global_case(case, sizes)
+    lo, hi = _bounds(sizes, rank)
+    total = sum(sizes)
+    views = 2 if case in ("supcon_views", "supcon_one") else 1
+
+    def rows_of(t, lo, hi):
+        # Multi-view cases store view-major blocks (view 0 of all samples, then view 1).
+        if views == 1:
+            return t[lo:hi]
+        return torch.cat([t[v * total + lo : v * total + hi] for v in range(views)])
+
+    # Distributed: this rank's rows only.
+    emb = model_x(rows_of(x, lo, hi))
+    loss = _loss(case, emb, model_y(y[lo:hi]), labels[lo:hi], ids[lo:hi], pairs[rank], gather=True)
+    loss.backward()
+    grads = [p.grad.clone() for p in (*model_x.parameters(), *model_y.parameters()) if p.grad is not None]
+    for gr in grads:  # what DDP does: average over ranks
+        dist.all_reduce(gr)
+        gr /= world
+
+    # Single process on the concatenated batch, in each rank's order.
+    ref_x = torch.nn.Linear(D_IN, D).double()
+    ref_y = torch.nn.Linear(D_IN, D).double()
+    ref_x.load_state_dict(model_x.state_dict())
+    ref_y.load_state_dict(model_y.state_dict())
+    order = [rows_of(x, *_bounds(sizes, r)) for r in range(world)]
+    if views > 1:  # back to one view-major batch of all samples
+        order = [torch.cat([o.reshape(views, -1, D_IN)[v] for o in order]) for v in range(views)]
+    full = torch.cat(order)
+    all_pairs = torch.cat([p + _bounds(sizes, r)[0] for r, p in enumerate(pairs)])
+    halves_keys = torch.cat([torch.arange(n) % (n // 2) + _bounds(sizes, r)[0] for r, n in enumerate(sizes)])
+    ref = _loss(case, ref_x(full), ref_y(y), labels, ids, all_pairs, gather=False, offsets_for_keys=halves_keys)
+    ref.backward()
+    ref_grads = [p.grad for p in (*ref_x.parameters(), *ref_y.parameters()) if p.grad is not None]
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-9, atol=1e-12, msg=f"{case} value on rank {rank}")
+    assert len(grads) == len(ref_grads)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{case} gradient on rank {rank}")
+
+
+def _all_cases(rank, world, sizes):
+    for case in CASES:
+        _check_case(rank, world, case, sizes)
+
+
+@pytest.mark.parametrize("world,uneven", [(2, False), (2, True), (4, False), (4, True)])
+def test_every_loss_matches_single_process(world, uneven):
+    run_ranks(_all_cases, world, _sizes(world, uneven), timeout=300)
+
+
+def _mismatch(rank, world, what):
+    dim = 4 + rank if what == "dim" else 4
+    dtype = torch.float64 if (what == "dtype" and rank == 1) else torch.float32
+    x = torch.randn(6, dim, dtype=dtype)
+    labels = torch.arange(6) % 2 if (what != "labels" or rank == 0) else None
+    with pytest.raises(ValueError, match="ranks disagree"):
+        if labels is None:
+            tc.nt_xent_loss(x, gather=True)
+        else:
+            tc.nt_xent_loss(x, labels=labels, gather=True)
+
+
+@pytest.mark.parametrize("what", ["dim", "dtype", "labels"])
+def test_rank_mismatch_is_a_clear_error(what):
+    run_ranks(_mismatch, 2, what, timeout=60)
+
+
+def _ddp_training(rank, world, steps, batches, grad_reduction):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(D_IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, D)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(D_IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, D)).double()
+    reference.load_state_dict(model.state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    loss_fn = tc.SupConLoss(0.2, gather=True, grad_reduction=grad_reduction)
+    for step in range(steps):
+        xb, lb = batches[step]
+        per = xb.shape[0] // world
+        opt.zero_grad()
+        loss = loss_fn(ddp(xb[rank * per : (rank + 1) * per]), lb[rank * per : (rank + 1) * per])
+        loss.backward()
+        if grad_reduction == "sum":  # a framework that sums gradients instead of DDP's mean
+            for p in model.parameters():
+                p.grad *= world
+        opt.step()
+        ref_opt.zero_grad()
+        tc.SupConLoss(0.2)(reference(xb), lb).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("grad_reduction", ["mean", "sum"])
+def test_real_ddp_training_matches_single_process(grad_reduction):
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(12, D_IN, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g)) for _ in range(4)]
+    run_ranks(_ddp_training, 2, 4, batches, grad_reduction, timeout=120)
+
+
+def test_without_process_group_gather_is_local():
+    x = torch.randn(8, 4)
+    assert tc.nt_xent_loss(x, gather=True).item() == tc.nt_xent_loss(x).item()
+
+
+def test_example_script_under_torchrun(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "examples" / "ddp_simclr.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                          str(script), "--steps", "3", "--check"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "matches single-process" in out.stdout
