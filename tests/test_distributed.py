@@ -182,7 +182,7 @@ def test_without_process_group_gather_is_local():
 def test_example_script_under_torchrun(tmp_path):
     script = Path(__file__).resolve().parents[1] / "examples" / "ddp_simclr.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(script), "--steps", "3", "--check"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "matches single-process" in out.stdout

@@ -360,11 +360,8 @@ def image_text_contrastive_loss(
     img = _prepare(image_feat, normalize, eps)
     txt = _prepare(text_feat.to(image_feat.dtype), normalize, eps)
     scale = scale.to(device=img.device, dtype=img.dtype)
-    offset = scope.offset
-    own = torch.arange(n, device=device) + (scope.offset if scope.distributed else 0)
-    key_list = [k for k in (image_id, text_id) if k is not None] or [own]
     if not scope.distributed:
-        keys = tuple(key_list)
+        keys = tuple(k for k in (image_id, text_id) if k is not None) or (torch.arange(n, device=device),)
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions.
         pos = Positives.from_keys(keys, self_offset=None)
         row_lse, col_lse = logsumexp_rows(img, txt, scale, self_offset=None, columns=True, bounded=normalize, chunk_size=chunk)
@@ -374,6 +371,8 @@ def image_text_contrastive_loss(
         return _finish_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
 
     img_all, txt_all = scope.rows(img), scope.rows(txt)
+    offset = scope.offset  # known once rows() has gathered the sizes
+    key_list = [k for k in (image_id, text_id) if k is not None] or [torch.arange(n, device=device) + offset]
     global_keys = tuple(scope.ints(k) for k in key_list)
     local_keys = tuple(k[offset : offset + n] for k in global_keys)
     pos = Positives.from_keys(local_keys, global_keys, self_offset=None)
