@@ -155,12 +155,12 @@ def recipe_loss(cfg: Config, images: Tensor, labels: Tensor, index: Tensor, enc:
         z = enc(torch.cat([augment(images, gen), augment(images, gen)]))
         return losses.nt_xent_loss(z, cfg.temperature, pairing="halves", chunk_size=cfg.chunk_size, gather=gather)
     if cfg.loss == "supcon":
-        views = torch.stack([enc(augment(images, gen)), enc(augment(images, gen))], dim=1)
-        return losses.supcon_loss(views, labels, temperature=cfg.temperature, chunk_size=cfg.chunk_size, gather=gather)
+        two_views = torch.stack([enc(augment(images, gen)), enc(augment(images, gen))], dim=1)
+        return losses.supcon_loss(two_views, labels, temperature=cfg.temperature, chunk_size=cfg.chunk_size, gather=gather)
     # nt_bxent: 4 views per image, rows view-major; positives are all pairs of views of an image.
-    n, views = images.shape[0], 4
-    z = enc(torch.cat([augment(images, gen) for _ in range(views)]))
-    sample = torch.arange(n * views) % n
+    n_images, n_views = int(images.shape[0]), 4
+    z = enc(torch.cat([augment(images, gen) for _ in range(n_views)]))
+    sample = torch.arange(n_images * n_views) % n_images
     pos = (sample[:, None] == sample[None, :]).nonzero()
     return losses.nt_bxent_loss(z, pos, cfg.temperature, chunk_size=cfg.chunk_size, gather=gather)
 
@@ -229,6 +229,16 @@ def _table(before: dict[str, float], after: dict[str, float]) -> str:
 
 
 # ---------------------------------------------------------------------------- driver
+def _average_gradient(params: Any, world: int) -> None:
+    """Average gradients over ranks, as DDP does for the modules it wraps."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
 def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     """Train one recipe; returns the metrics dict (also written to ``cfg.out``)."""
     from tqdm import tqdm
@@ -251,7 +261,6 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     before = evaluate(enc, text, vocab, data) if rank == 0 else {}
     modules: list[nn.Module] = [m for m in (enc, text, clip) if m is not None]
     params = [p for m in modules for p in m.parameters()]
-    train_modules = modules
     if cfg.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -259,7 +268,6 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
         text_ddp: nn.Module | None = DDP(text) if text is not None else None
     else:
         enc_ddp, text_ddp = enc, text
-    del train_modules
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.epochs * math.ceil(len(y_tr) / cfg.batch_size))
     gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
@@ -278,6 +286,8 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
             loss = recipe_loss(cfg, x_tr[mine], y_tr[mine], mine, enc_ddp, text_ddp, clip, vocab, gen)
             opt.zero_grad()
             loss.backward()
+            if cfg.distributed and clip is not None:
+                _average_gradient(clip.parameters(), world)  # logit_scale lives outside DDP
             opt.step()
             sched.step()
             total, count = total + loss.item(), count + 1
