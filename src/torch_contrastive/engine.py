@@ -114,11 +114,11 @@ def _self_positions(
     return rows - r0, rows + self_offset - c0
 
 
-def _logits_tile(out: Tensor, a_scaled: Tensor, b: Tensor, shift: Tensor | None) -> Tensor:
-    """``out = a_scaled @ b.T - shift`` without allocating (shift folded into addmm)."""
+def _logits_tile(out: Tensor, a: Tensor, b: Tensor, scale: float, shift: Tensor | None) -> Tensor:
+    """``out = scale * a @ b.T - shift`` without allocating (scale and shift folded into addmm)."""
     if shift is None:
-        return torch.mm(a_scaled, b.t(), out=out)
-    return torch.addmm(shift, a_scaled, b.t(), out=out)
+        return torch.mm(a, b.t(), out=out).mul_(scale) if scale != 1.0 else torch.mm(a, b.t(), out=out)
+    return torch.addmm(shift, a, b.t(), alpha=scale, out=out)
 
 
 # ---------------------------------------------------------------------------------
@@ -139,8 +139,7 @@ class _LogSumExp(torch.autograd.Function):
         cdtype = _compute_dtype(a.dtype)
         a_c, b_c = a.to(cdtype), b.to(cdtype)
         scale_c = scale.detach().to(cdtype)
-        a_s = a_c * scale_c
-        row_lse, col_lse = _lse_forward(a_s, b_c, plan)
+        row_lse, col_lse = _lse_forward(a_c, b_c, float(scale_c), plan)
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, b.dtype)
         ctx.save_for_backward(a_c, b_c, scale_c, row_lse, col_lse if col_lse is not None else row_lse)
@@ -166,9 +165,9 @@ def _empty_rows_to_zero(lse: Tensor, total: Tensor) -> Tensor:
     return torch.where(total > 0, lse, torch.zeros_like(lse))
 
 
-def _lse_forward(a_s: Tensor, b: Tensor, plan: _LSEPlan) -> tuple[Tensor, Tensor | None]:
-    R, C = a_s.shape[0], b.shape[0]
-    dtype, device = a_s.dtype, a_s.device
+def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Tensor, Tensor | None]:
+    R, C = a.shape[0], b.shape[0]
+    dtype, device = a.dtype, a.device
     bufs = _Buffers(dtype, device)
     row_sum = torch.zeros(R, dtype=dtype, device=device)
     col_sum = torch.zeros(C, dtype=dtype, device=device) if plan.columns else None
@@ -180,7 +179,7 @@ def _lse_forward(a_s: Tensor, b: Tensor, plan: _LSEPlan) -> tuple[Tensor, Tensor
             for c0, c1 in _blocks(C, T):
                 if c1 <= c_start:
                     continue
-                e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1], shift).exp_()
+                e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale, shift).exp_()
                 diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
                 if diag is not None:
                     e[diag] = 0
@@ -203,7 +202,7 @@ def _lse_forward(a_s: Tensor, b: Tensor, plan: _LSEPlan) -> tuple[Tensor, Tensor
         for c0, c1 in _blocks(C, T):
             if c1 <= c_start:
                 continue
-            s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1], None)
+            s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale, None)
             diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
             if diag is not None:
                 s[diag] = low
@@ -246,7 +245,7 @@ def _lse_backward(
     R, C = a.shape[0], b.shape[0]
     dtype, device = a.dtype, a.device
     bufs = _Buffers(dtype, device)
-    a_s = a * scale
+    scale_f = float(scale)
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
     ga_acc = None if plan.symmetric else torch.zeros_like(b)  # G.T @ A
     T = plan.tile
@@ -263,7 +262,7 @@ def _lse_backward(
             diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
             g = bufs.get(r1 - r0, c1 - c0)
             if plan.shift is not None:
-                _logits_tile(g, a_s[r0:r1], b[c0:c1], shift).exp_()
+                _logits_tile(g, a[r0:r1], b[c0:c1], scale_f, shift).exp_()
                 weight = bufs.get(r1 - r0, c1 - c0, 1)
                 if v is not None:
                     torch.add(u[r0:r1, None], v[None, c0:c1], out=weight)
@@ -271,7 +270,7 @@ def _lse_backward(
                 else:
                     g.mul_(u[r0:r1, None])
             else:
-                s = _logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a_s[r0:r1], b[c0:c1], None)
+                s = _logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a[r0:r1], b[c0:c1], scale_f, None)
                 torch.sub(s, row_lse[r0:r1, None], out=g).exp_().mul_(g_row[r0:r1, None])
                 other = None
                 if plan.symmetric:
@@ -291,10 +290,10 @@ def _lse_backward(
                 ga_acc[c0:c1].addmm_(g.t(), a[r0:r1])
     if plan.symmetric:
         # H = G + G.T, so sum_ij G_ij z_i.z_j is half of sum_i z_i.(H Z)_i.
-        gscale = (gb_acc * a).sum() / 2
-        return gb_acc * scale, gb_acc, gscale
-    gscale = (gb_acc * a).sum()
-    return gb_acc * scale, ga_acc * scale, gscale  # type: ignore[operator]
+        gscale = torch.linalg.vecdot(gb_acc, a).sum() / 2
+        return gb_acc.mul_(scale), gb_acc, gscale
+    gscale = torch.linalg.vecdot(gb_acc, a).sum()
+    return gb_acc.mul_(scale), ga_acc.mul_(scale), gscale  # type: ignore[union-attr]
 
 
 def logsumexp_rows(
@@ -457,13 +456,12 @@ class _Pairwise(torch.autograd.Function):
         cdtype = _compute_dtype(a.dtype)
         a_c, b_c = a.to(cdtype), b.to(cdtype)
         scale_c = scale.detach().to(cdtype)
-        a_s = a_c * scale_c
         kernel = _KERNELS[plan.kernel](a.shape[0], cdtype, a.device)
         bufs = _Buffers(cdtype, a.device)
         for p in range(kernel.passes):
             for r0, r1 in _blocks(a.shape[0], plan.tile):
                 for c0, c1 in _blocks(b.shape[0], plan.tile):
-                    s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1], None)
+                    s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_c[r0:r1], b_c[c0:c1], float(scale_c), None)
                     pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                     kernel.visit(p, s, pos, neg, r0, r1)
         ctx.plan = plan
@@ -478,19 +476,18 @@ class _Pairwise(torch.autograd.Function):
         a, b, scale, *saved = ctx.saved_tensors
         grads = tuple(g.to(a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
-        a_s = a * scale
         gb = torch.zeros_like(a)
         ga = torch.zeros_like(b)
         bufs = _Buffers(a.dtype, a.device)
         for r0, r1 in _blocks(a.shape[0], plan.tile):
             for c0, c1 in _blocks(b.shape[0], plan.tile):
-                s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1], None)
+                s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], float(scale), None)
                 pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                 g = kernel.grad_tile(s, pos, neg, r0, r1, tuple(saved), grads)
                 gb[r0:r1].addmm_(g, b[c0:c1])
                 ga[c0:c1].addmm_(g.t(), a[r0:r1])
-        gscale = (gb * a).sum()
-        return (gb * scale).to(ctx.in_dtypes[0]), (ga * scale).to(ctx.in_dtypes[1]), gscale, None
+        gscale = torch.linalg.vecdot(gb, a).sum()
+        return gb.mul_(scale).to(ctx.in_dtypes[0]), ga.mul_(scale).to(ctx.in_dtypes[1]), gscale, None
 
 
 def pairwise_rows(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import _validation as v
 from .distributed import Scope, make_scope
@@ -51,20 +52,41 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _prepare(x: Tensor, normalize: bool, eps: float) -> Tensor:
-    """Cast to the compute dtype and L2-normalise rows: ``x / max(||x||, eps)``.
+class _L2Normalize(torch.autograd.Function):
+    """``x / max(||x||, eps)`` per row, overflow-free and memory-lean.
 
-    The row is first divided by its largest magnitude (a detached constant the result
-    does not depend on), so norms of 1e30 or 1e-30 neither overflow nor underflow.
+    The row is divided by its largest magnitude before the norm is taken, so norms of
+    1e30 or 1e-30 neither overflow nor underflow. Backward saves only the output and
+    the per-row norm (F.normalize keeps two more N x D tensors): for rows with
+    ``||x|| > eps`` the gradient is ``(g - y (g . y)) / ||x||``, otherwise ``g / eps``;
+    an all-zero row gets a zero gradient (not ``g / eps``).
     """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float):  # type: ignore[override]
+        peak = x.abs().amax(dim=1, keepdim=True)
+        nonzero = peak > 0
+        peak = torch.where(nonzero, peak, torch.ones_like(peak))
+        norm = torch.linalg.vector_norm(x / peak, dim=1, keepdim=True) * peak
+        denom = torch.clamp_min(norm, eps)
+        y = x / denom
+        ctx.save_for_backward(y, denom, norm > eps, nonzero)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        y, denom, above, nonzero = ctx.saved_tensors
+        radial = torch.where(above, (g * y).sum(dim=1, keepdim=True), torch.zeros_like(denom))
+        return (g - y * radial) / denom * nonzero, None
+
+
+def _prepare(x: Tensor, normalize: bool, eps: float) -> Tensor:
+    """Cast to the compute dtype and L2-normalise rows: ``x / max(||x||, eps)``."""
     x = x.to(_compute_dtype(x.dtype))
     if not normalize:
         return x
-    tiny = torch.finfo(x.dtype).tiny
-    peak = x.detach().abs().amax(dim=1, keepdim=True).clamp_min(tiny)
-    unit = x / peak
-    norm = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
-    return unit / torch.maximum(norm, eps / peak)
+    return _L2Normalize.apply(x, float(eps))
 
 
 def _options(reduction: str, chunk_size: object, grad_reduction: str, eps: float) -> int | None:
@@ -89,12 +111,23 @@ def _reduce(per_anchor: Tensor, normaliser: Tensor, reduction: str, scope: Scope
     ``mean`` divides the global sum by the global ``normaliser``; ``sum`` is the global
     sum; ``none`` returns this rank's per-anchor values (no communication).
     """
+    _check_finite(per_anchor)
     if reduction == "none":
         return per_anchor
     local_sum = per_anchor.sum()
     if reduction == "sum":
         return scope.finish(local_sum, torch.ones((), dtype=local_sum.dtype, device=local_sum.device))
     return scope.finish(local_sum, normaliser.to(local_sum.dtype).clamp_min(1))
+
+
+def _check_finite(values: Tensor) -> None:
+    # Finite inputs give finite losses unless raw dot products (normalize=False)
+    # overflow the compute dtype: say so instead of returning inf or NaN.
+    if not bool(torch.isfinite(values.detach()).all()):
+        raise ValueError(
+            f"the loss overflowed {values.dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
+            "use normalize=True, smaller embeddings or a larger temperature"
+        )
 
 
 def _positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, scale: Tensor) -> Tensor:
@@ -363,7 +396,7 @@ def image_text_contrastive_loss(
     if not scope.distributed:
         keys = tuple(k for k in (image_id, text_id) if k is not None) or (torch.arange(n, device=device),)
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions.
-        pos = Positives.from_keys(keys, self_offset=None)
+        pos = Positives.from_keys(keys, self_offset=None)  # col_keys default: the same tensors
         row_lse, col_lse = logsumexp_rows(img, txt, scale, self_offset=None, columns=True, bounded=normalize, chunk_size=chunk)
         counts = pos.row_counts()
         per_image = counts * row_lse - _positive_logits(img, txt, pos, scale)
@@ -385,6 +418,7 @@ def image_text_contrastive_loss(
 
 
 def _finish_image_text(per_image: Tensor, per_text: Tensor, n_gt: Tensor, n: int, reduction: str, scope: Scope) -> Tensor:
+    _check_finite(per_image + per_text)
     if reduction == "none":
         # e_i such that mean(e) is the loss: scale each direction by N / (2 sum gt).
         n_gt_all = scope.total(n_gt).to(per_image.dtype)

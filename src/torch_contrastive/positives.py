@@ -92,13 +92,9 @@ class Positives:
         ck = rk if col_keys is None else ((col_keys,) if isinstance(col_keys, Tensor) else tuple(col_keys))
         if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
-        return cls(
-            num_rows=int(rk[0].numel()),
-            num_cols=int(ck[0].numel()),
-            self_offset=self_offset,
-            row_keys=tuple(k.reshape(-1).long() for k in rk),
-            col_keys=tuple(k.reshape(-1).long() for k in ck),
-        )
+        rows = tuple(k.reshape(-1).long() for k in rk)
+        cols = rows if col_keys is None else tuple(k.reshape(-1).long() for k in ck)
+        return cls(num_rows=int(rk[0].numel()), num_cols=int(ck[0].numel()), self_offset=self_offset, row_keys=rows, col_keys=cols)
 
     @classmethod
     def from_pairs(cls, pairs: Tensor, num_rows: int, num_cols: int, *, self_offset: int | None = 0) -> Positives:
@@ -285,6 +281,8 @@ class Positives:
 
     @classmethod
     def _key_sum(cls, row_key: Tensor, col_key: Tensor, candidates: Tensor) -> Tensor:
+        if row_key is col_key and bool(torch.unique(row_key).numel() == row_key.numel()):
+            return candidates  # every key distinct on both sides: row i's positive is column i
         rg, cg, n = cls._groups(row_key, col_key)
         per_group = candidates.new_zeros(n, candidates.shape[1]).index_add(0, cg, candidates)
         return per_group[rg]

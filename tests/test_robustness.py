@@ -1,0 +1,252 @@
+"""Numerical robustness: precision grid, degenerate batches, properties, determinism.
+
+Tolerances (documented in the README, "Numerical guarantees"): the reference is the
+float64 computation on the *same* inputs (rounded to the tested dtype first), so the
+difference is only the library's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch_contrastive as tc
+
+TEMPERATURES = [0.01, 0.05, 0.1, 0.5, 1.0, 10.0, 100.0]
+# dtype -> (loss relative tolerance, gradient tolerance relative to the largest gradient)
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (2e-5, 1e-2),  # computed in fp32; gradients rounded to bf16 (8-bit mantissa)
+    torch.float16: (2e-5, 2e-3),  # computed in fp32; gradients rounded to fp16 (11-bit mantissa)
+}
+
+
+def _cases(n: int):
+    g = torch.Generator().manual_seed(n)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    pairs = torch.randint(0, n, (n, 2), generator=g)
+    return {
+        "nt_xent": lambda x, y, t, c: tc.nt_xent_loss(x, t, chunk_size=c),
+        "nt_xent_halves": lambda x, y, t, c: tc.nt_xent_loss(x, t, pairing="halves", chunk_size=c),
+        "nt_xent_pml": lambda x, y, t, c: tc.nt_xent_loss(x, t, labels=labels, chunk_size=c),
+        "nt_bxent": lambda x, y, t, c: tc.nt_bxent_loss(x, pairs, t, chunk_size=c),
+        "nt_bxent_labels": lambda x, y, t, c: tc.nt_bxent_loss(x, labels=labels, temperature=t, chunk_size=c),
+        "clip": lambda x, y, t, c: tc.image_text_contrastive_loss(x, y, t, chunk_size=c),
+        "clip_ids": lambda x, y, t, c: tc.image_text_contrastive_loss(x, y, t, labels, chunk_size=c),
+        "supcon": lambda x, y, t, c: tc.supcon_loss(x, labels, temperature=t, chunk_size=c),
+        "supcon_views": lambda x, y, t, c: tc.supcon_loss(x.reshape(n // 2, 2, -1), temperature=t, chunk_size=c),
+    }
+
+
+def _run(fn, x, y, tau, chunk):
+    x = x.clone().requires_grad_()
+    y = y.clone().requires_grad_()
+    loss = fn(x, y, tau, chunk)
+    loss.backward()
+    gy = y.grad if y.grad is not None else torch.zeros_like(y)
+    return loss.detach(), x.grad, gy
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("tau", TEMPERATURES)
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_precision_grid(dtype, tau, chunk):
+    n = 12
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g).to(dtype)
+    y = torch.randn(n, 8, generator=g).to(dtype)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    for name, fn in _cases(n).items():
+        loss, gx, gy = _run(fn, x, y, tau, chunk)
+        ref, rx, ry = _run(fn, x.double(), y.double(), tau, None)
+        assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), name
+        assert gx.dtype == dtype and torch.isfinite(gx).all() and torch.isfinite(loss), name
+        assert loss.item() == pytest.approx(ref.item(), rel=loss_tol, abs=loss_tol), f"{name} tau={tau}"
+        floor = 6e-8 if dtype == torch.float16 else 0.0  # fp16 subnormal spacing
+        for got, want in ((gx, rx), (gy, ry)):
+            bound = grad_tol * want.abs().max().item() + floor + 1e-300
+            assert (got.double() - want).abs().max().item() <= bound, f"{name} tau={tau} grad"
+
+
+def test_autocast_bf16_on_cpu():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 6)
+    x = torch.randn(10, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        emb = layer(x)
+        assert emb.dtype == torch.bfloat16
+        loss = tc.nt_xent_loss(emb, 0.1)
+    assert loss.dtype == torch.float32
+    ref = tc.nt_xent_loss(emb.detach().double(), 0.1)
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-5)
+    loss.backward()
+    assert torch.isfinite(layer.weight.grad).all()
+
+
+# ------------------------------------------------------------------ degenerate batches
+def _all_losses_finite(x, labels, y=None):
+    x = x.clone().requires_grad_()
+    y = (x.detach().flip(0) if y is None else y).clone().requires_grad_()
+    out = {
+        "nt_xent": tc.nt_xent_loss(x, 0.1) if x.shape[0] % 2 == 0 else None,
+        "nt_xent_pml": tc.nt_xent_loss(x, 0.1, labels=labels),
+        "nt_bxent": tc.nt_bxent_loss(x, labels=labels, temperature=0.1),
+        "clip": tc.image_text_contrastive_loss(x, y, 0.1, labels),
+        "supcon": tc.supcon_loss(x, labels, temperature=0.1),
+    }
+    for name, loss in out.items():
+        if loss is None:
+            continue
+        assert torch.isfinite(loss), name
+        x.grad = None
+        loss.backward(retain_graph=True)
+        assert torch.isfinite(x.grad).all(), name
+    return {k: (v.item() if v is not None else None) for k, v in out.items()}
+
+
+def test_two_rows():
+    vals = _all_losses_finite(torch.randn(2, 4), torch.tensor([0, 0]))
+    assert vals["nt_xent"] == pytest.approx(0.0, abs=1e-6)  # the only candidate is the positive
+
+
+def test_identical_embeddings_give_log_counts():
+    x = torch.ones(8, 3)
+    vals = _all_losses_finite(x, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), y=torch.ones(8, 3))
+    assert vals["nt_xent"] == pytest.approx(math.log(7), rel=1e-6)
+    assert vals["supcon"] == pytest.approx(math.log(7), rel=1e-6)
+
+
+def test_zero_vectors_give_zero_gradient():
+    x = torch.randn(6, 4)
+    x[2] = 0
+    xin = x.clone().requires_grad_()
+    tc.nt_xent_loss(xin, 0.2).backward()
+    assert torch.isfinite(xin.grad).all() and torch.equal(xin.grad[2], torch.zeros(4))
+    vals = _all_losses_finite(torch.zeros(6, 4), torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert vals["nt_xent"] == pytest.approx(math.log(5), rel=1e-6)  # every logit is 0
+
+
+def test_single_class_and_no_positives():
+    x = torch.randn(6, 4)
+    one = _all_losses_finite(x, torch.zeros(6, dtype=torch.int64))
+    assert one["nt_xent_pml"] == pytest.approx(0.0, abs=1e-7)  # no negatives: every term is log 1
+    none = _all_losses_finite(x, torch.arange(6))
+    assert none["supcon"] == 0.0 and none["nt_xent_pml"] == 0.0
+
+
+def test_huge_norms_are_scale_free():
+    x = torch.randn(8, 4)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    base = _all_losses_finite(x, labels)
+    scaled = _all_losses_finite(x * 1e30, labels, y=x.flip(0) * 1e30)  # ||x||^2 overflows fp32: no matter
+    for k in base:
+        if base[k] is not None:
+            assert scaled[k] == pytest.approx(base[k], rel=1e-5), k
+
+
+def test_tiny_norms_count_as_zero_vectors():
+    # SPEC: a / max(||a||, eps) with eps = 1e-12, so a 1e-30 row is (almost) the zero vector:
+    # every logit is ~0 and NT-Xent is log(2N - 1). A smaller eps keeps the direction.
+    x = torch.randn(8, 4, dtype=torch.float64)
+    vals = _all_losses_finite(x * 1e-30, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    assert vals["nt_xent"] == pytest.approx(math.log(7), rel=1e-9)
+    assert tc.nt_xent_loss(x * 1e-30, 0.1, eps=1e-40).item() == pytest.approx(tc.nt_xent_loss(x, 0.1).item(), rel=1e-9)
+
+
+def test_one_dimensional_and_duplicates():
+    x = torch.tensor([[1.0], [2.0], [-1.0], [3.0], [-0.5], [1.0]])
+    _all_losses_finite(x, torch.tensor([0, 0, 1, 1, 2, 2]))
+    dup = torch.randn(3, 4).repeat(2, 1)
+    _all_losses_finite(dup, torch.tensor([0, 1, 2, 0, 1, 2]))
+
+
+def test_raw_dot_overflow_is_a_clear_error():
+    x = torch.randn(4, 3) * 1e20
+    with pytest.raises(ValueError, match="normalize=False"):
+        tc.nt_xent_loss(x, 0.1, normalize=False)
+
+
+# ------------------------------------------------------------------ properties (hypothesis)
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def batches(draw):
+    pairs = draw(st.integers(1, 8))
+    d = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * pairs, d, generator=g, dtype=torch.float64)
+    classes = draw(st.integers(1, 4))
+    labels = torch.randint(0, classes, (2 * pairs,), generator=g)
+    tau = draw(st.sampled_from([0.03, 0.1, 0.5, 2.0]))
+    chunk = draw(st.sampled_from([1, 3, 4, None]))
+    perm = torch.randperm(2 * pairs, generator=g)
+    return x, labels, tau, chunk, perm
+
+
+@SETTINGS
+@given(batches())
+def test_permutation_invariance(batch):
+    x, labels, tau, chunk, perm = batch
+    for fn in (lambda a, lab: tc.nt_xent_loss(a, tau, labels=lab, chunk_size=chunk),
+               lambda a, lab: tc.supcon_loss(a, lab, temperature=tau, chunk_size=chunk),
+               lambda a, lab: tc.nt_bxent_loss(a, labels=lab, temperature=tau, chunk_size=chunk),
+               lambda a, lab: tc.image_text_contrastive_loss(a, a.roll(1, 1), tau, lab, chunk_size=chunk)):
+        assert fn(x[perm], labels[perm]).item() == pytest.approx(fn(x, labels).item(), rel=1e-9, abs=1e-12)
+    # Pairing rules: permute whole pairs (and swap inside them) to keep the pairs.
+    n = x.shape[0] // 2
+    pair_perm = perm[perm < n] if (perm < n).any() else torch.arange(n)
+    order = torch.stack([2 * pair_perm + 1, 2 * pair_perm], 1).reshape(-1)
+    assert tc.nt_xent_loss(x[order], tau).item() == pytest.approx(tc.nt_xent_loss(x, tau).item(), rel=1e-9)
+
+
+@SETTINGS
+@given(batches(), st.floats(1e-3, 1e3))
+def test_positive_rescaling_invariance(batch, factor):
+    x, labels, tau, chunk, perm = batch
+    scales = torch.linspace(0.5, 2.0, x.shape[0], dtype=torch.float64)[perm, None] * factor
+    for fn in (lambda a: tc.nt_xent_loss(a, tau, chunk_size=chunk), lambda a: tc.supcon_loss(a, labels, temperature=tau),
+               lambda a: tc.image_text_contrastive_loss(a, a.flip(0), tau, chunk_size=chunk)):
+        assert fn(x * scales).item() == pytest.approx(fn(x).item(), rel=1e-9, abs=1e-12)
+
+
+@SETTINGS
+@given(batches())
+def test_tiled_equals_dense_and_bounds(batch):
+    x, labels, tau, chunk, _ = batch
+    m = x.shape[0]
+    for fn in (lambda c: tc.nt_xent_loss(x, tau, chunk_size=c), lambda c: tc.supcon_loss(x, labels, temperature=tau, chunk_size=c),
+               lambda c: tc.nt_xent_loss(x, tau, labels=labels, chunk_size=c),
+               lambda c: tc.nt_bxent_loss(x, labels=labels, temperature=tau, chunk_size=c),
+               lambda c: tc.image_text_contrastive_loss(x, x.flip(0), tau, chunk_size=c)):
+        dense, tiled = fn(None), fn(chunk)
+        assert torch.isfinite(dense) and tiled.item() == pytest.approx(dense.item(), rel=1e-9, abs=1e-12)
+    # Analytic lower bounds on L2-normalised inputs (every logit lies in [-1/tau, 1/tau]):
+    nt = tc.nt_xent_loss(x, tau).item()
+    assert nt >= math.log1p((m - 2) * math.exp(-2 / tau)) - 1e-12
+    clip = tc.image_text_contrastive_loss(x, x.flip(0), tau).item()
+    assert clip >= math.log1p((m - 1) * math.exp(-2 / tau)) - 1e-12
+    # SupCon: loss_i >= log |P(i)| by Jensen, so every per-anchor value is >= 0.
+    per = tc.supcon_loss(x, labels, temperature=tau, reduction="none")
+    counts = torch.tensor([(labels == labels[i]).sum().item() - 1 for i in range(m)])
+    has = counts > 0
+    assert (per[has] >= counts[has].double().log() - 1e-9).all()
+
+
+def test_determinism_bit_identical():
+    torch.manual_seed(0)
+    x = torch.randn(40, 16)
+    y = torch.randn(40, 16)
+    labels = torch.randint(0, 5, (40,))
+    for fn in _cases(40).values():
+        a = _run(fn, x, y, 0.1, 7)
+        b = _run(fn, x, y, 0.1, 7)
+        for u, w in zip(a, b):
+            assert torch.equal(u, w)
+    del labels
