@@ -225,9 +225,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         for impl in sorted({r["impl"] for r in ok if r["loss"] == loss}):
             pts = sorted((r["n"], r["R"], r["extra_mib"]) for r in ok if r["loss"] == loss and r["impl"] == impl)
             style = "-o" if impl.startswith("ours") else "--x"
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{loss}/{impl}")
+            timed = [p for p in pts if p[1] == p[1]]  # R is NaN where no matmul reference was run
+            axes[0].plot([p[0] for p in timed], [p[1] for p in timed], style, label=f"{loss}/{impl}")
             axes[1].plot([p[0] for p in pts], [max(p[2], 0.1) for p in pts], style, label=f"{loss}/{impl}")
-    axes[0].set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="R = time / 3 matmuls", title="forward+backward time ratio")
+    any_ratio = any(r["R"] == r["R"] for r in ok)
+    axes[0].set(xscale="log", yscale="log" if any_ratio else "linear", xlabel="N (rows)", ylabel="R = time / 3 matmuls", title="forward+backward time ratio")
     axes[1].set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="extra peak memory (MiB)", title="memory")
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -259,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
         writer.writeheader()
         writer.writerows(rows)
     (out_dir / "machine.txt").write_text(machine + "\n")
+    if not any(r.get("status") == "ok" for r in rows):
+        print(f"wrote {out_dir / 'bench.csv'} (no successful case to plot)")
+        return 1
     try:
         _plot(rows, out_dir / "bench.png")
         print(f"wrote {out_dir / 'bench.csv'} and {out_dir / 'bench.png'}")

@@ -142,6 +142,16 @@ class Scope:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
+    def all_sum(self, x: Tensor) -> None:
+        """In-place sum over ranks (used by the engine for column statistics)."""
+        if self.distributed:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+
+    def all_max(self, x: Tensor) -> None:
+        """In-place maximum over ranks."""
+        if self.distributed:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+
     def agree(self, what: str, values: list[float]) -> None:
         """Raise the same clear error on every rank if ranks disagree on ``values``."""
         if not self.distributed:

@@ -131,6 +131,10 @@ class _LSEPlan:
     symmetric: bool
     tile: int
     shift: float | None  # fixed shift (= scale) or None for the online maximum
+    # Distributed column statistics: an object with in-place ``all_sum(t)`` and
+    # ``all_max(t)`` over ranks (a distributed.Scope). Each rank then holds only some
+    # anchor rows, and the column log-sum-exp is completed across ranks.
+    column_comm: Any = None
 
 
 class _LogSumExp(torch.autograd.Function):
@@ -152,6 +156,10 @@ class _LogSumExp(torch.autograd.Function):
         a_c, b_c, scale_c, row_lse, col_lse = ctx.saved_tensors
         g_row = g_row.to(a_c.dtype)
         g_col_c = g_col.to(a_c.dtype) if plan.columns else None
+        if g_col_c is not None and plan.column_comm is not None:
+            # Every rank's tiles touch every column: they all need the full column gradient.
+            g_col_c = g_col_c.clone()
+            plan.column_comm.all_sum(g_col_c)
         ga, gb, gscale = _lse_backward(a_c, b_c, scale_c, row_lse, col_lse if plan.columns else None, g_row, g_col_c, plan)
         ga = ga.to(ctx.in_dtypes[0])
         if plan.symmetric:
@@ -189,6 +197,8 @@ def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Te
                 if col_sum is not None:
                     col_sum[c0:c1] += e.sum(0)
         row_lse = _empty_rows_to_zero(row_sum.log() + plan.shift, row_sum)
+        if col_sum is not None and plan.column_comm is not None:
+            plan.column_comm.all_sum(col_sum)  # same shift on every rank: sums just add
         col_lse = None if col_sum is None else _empty_rows_to_zero(col_sum.log() + plan.shift, col_sum)
         return row_lse, col_lse
 
@@ -214,6 +224,13 @@ def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Te
     row_lse = _empty_rows_to_zero(row_sum.log() + row_max, row_sum)
     col_lse = None
     if col_sum is not None and col_max is not None:
+        if plan.column_comm is not None:
+            # Bring every rank's partial sums to the global maximum, then add them.
+            global_max = col_max.clone()
+            plan.column_comm.all_max(global_max)
+            col_sum *= torch.exp(col_max - global_max)
+            plan.column_comm.all_sum(col_sum)
+            col_max = global_max
         col_lse = _empty_rows_to_zero(col_sum.log() + col_max, col_sum)
     return row_lse, col_lse
 
@@ -305,6 +322,7 @@ def logsumexp_rows(
     columns: bool = False,
     bounded: bool = False,
     chunk_size: int | None = None,
+    column_comm: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Row (and column) log-sum-exp of ``S = scale * anchors @ candidates.T``.
 
@@ -321,6 +339,10 @@ def logsumexp_rows(
         bounded: rows of both inputs have norm <= 1, so ``|S| <= scale`` and a fixed
             shift may replace the online maximum.
         chunk_size: tile edge (see :func:`resolve_tile`).
+        column_comm: for ``columns=True`` in distributed training, an object with in-place
+            ``all_sum``/``all_max`` over ranks: each rank passes its own anchor rows and
+            all candidates, and gets the *global* column statistic (an O(C) all-reduce
+            forward, one more for the column gradient backward).
 
     Returns:
         ``(row_lse, col_lse)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
@@ -336,7 +358,7 @@ def logsumexp_rows(
     cdtype = _compute_dtype(anchors.dtype)
     scale_value = float(scale.detach())
     shift = scale_value if bounded and scale_value <= _MAX_FIXED_SCALE[cdtype] else None
-    plan = _LSEPlan(self_offset, columns, symmetric, resolve_tile(chunk_size, R, C), shift)
+    plan = _LSEPlan(self_offset, columns, symmetric, resolve_tile(chunk_size, R, C), shift, column_comm if columns else None)
     row_lse, col_lse = _LogSumExp.apply(anchors, candidates, scale, plan)
     return row_lse, (col_lse if columns else None)
 

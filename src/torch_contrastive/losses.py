@@ -197,7 +197,7 @@ def nt_xent_loss(
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.
 
     Memory: O(N * D + tile^2). Without labels the forward+backward costs about two
-    N x N x D matrix multiplies (symmetric tiles); with labels about four.
+    N x N x D matrix multiplies (symmetric tiles); with labels about five (two forward passes).
     """
     v.check_embeddings(embeddings, "embeddings")
     chunk = _options(reduction, chunk_size, grad_reduction, eps)
@@ -371,10 +371,11 @@ def image_text_contrastive_loss(
         reduction: ``"mean"``; ``"sum"``; ``"none"``: (N,) values ``e_i`` whose mean is
             the loss -- without ids ``e_i = (CE_image_i + CE_text_i) / 2``.
         chunk_size, gather, grad_reduction, eps: see :func:`nt_xent_loss`. With
-            ``gather`` each rank computes its own image rows and its own text rows
-            against all gathered candidates.
+            ``gather`` each rank computes only its own image rows against all gathered
+            texts; the second direction's per-text log-sum-exp is completed by an O(N)
+            all-reduce of partial column sums, so the N x N work is split across ranks.
 
-    Memory: O(N * D + tile^2); forward+backward cost about three N x N x D matrix
+    Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.
     """
     v.check_embeddings(image_feat, "image_feat")
@@ -409,8 +410,12 @@ def image_text_contrastive_loss(
     global_keys = tuple(scope.ints(k) for k in key_list)
     local_keys = tuple(k[offset : offset + n] for k in global_keys)
     pos = Positives.from_keys(local_keys, global_keys, self_offset=None)
-    row_lse, _ = logsumexp_rows(img, txt_all, scale, self_offset=None, bounded=normalize, chunk_size=chunk)
-    col_lse, _ = logsumexp_rows(txt, img_all, scale, self_offset=None, bounded=normalize, chunk_size=chunk)
+    # One pass over this rank's image rows x all texts gives the image rows' LSE and
+    # partial column sums; the engine all-reduces those (O(N)) into every text's LSE,
+    # so the N x N work is split W ways instead of being done twice.
+    row_lse, col_lse_all = logsumexp_rows(img, txt_all, scale, self_offset=None, columns=True, bounded=normalize,
+                                          chunk_size=chunk, column_comm=scope)
+    col_lse = col_lse_all[offset : offset + n]  # type: ignore[index]
     counts = pos.row_counts()
     per_image = counts * row_lse - _positive_logits(img, txt_all, pos, scale)
     per_text = counts * col_lse - _positive_logits(txt, img_all, pos, scale)
