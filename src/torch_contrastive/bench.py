@@ -229,7 +229,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
             axes[0].plot([p[0] for p in timed], [p[1] for p in timed], style, label=f"{loss}/{impl}")
             axes[1].plot([p[0] for p in pts], [max(p[2], 0.1) for p in pts], style, label=f"{loss}/{impl}")
     any_ratio = any(r["R"] == r["R"] for r in ok)
-    axes[0].set(xscale="log", yscale="log" if any_ratio else "linear", xlabel="N (rows)", ylabel="R = time / 3 matmuls", title="forward+backward time ratio")
+    axes[0].set(xscale="log", yscale="log" if any_ratio else "linear", xlabel="N (rows)",
+                ylabel="R = time / 3 matmuls", title="forward+backward time ratio")
     axes[1].set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="extra peak memory (MiB)", title="memory")
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
