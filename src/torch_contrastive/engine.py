@@ -23,10 +23,10 @@ Inputs in fp16/bf16 are computed and accumulated in fp32; gradients are returned
 the input dtype.
 
 Speed: when the inputs are L2-normalised every logit lies in ``[-scale, scale]``, so
-a fixed shift of ``scale`` replaces the running maximum whenever ``exp(-2 * scale)``
-cannot underflow (``scale <= 40`` in fp32, i.e. tau >= 0.025). Then one ``exp`` per
-element serves the row and the column soft-max, and in backward the gradient tile is
-that same ``exp`` scaled by ``u_i + v_j``. Single-set losses (A is B) visit only the
+for ``scale <= 40`` in fp32 (tau >= 0.025) ``exp(S)`` itself can neither overflow nor
+underflow and no running maximum (not even a fixed shift) is needed. Then one ``exp``
+per element serves the row and the column soft-max, and in backward the gradient tile
+is that same ``exp`` scaled by ``u_i + v_j`` with ``u_i = g_i exp(-LSE_i)``. Single-set losses (A is B) visit only the
 upper-triangle tiles: ``S`` is symmetric, so one tile feeds the statistics of both
 its row block and its column block, and ``H = G + G.T`` feeds both ``dZ_I`` and
 ``dZ_J``. Otherwise an online maximum keeps every ``exp`` finite; both are exact.
@@ -60,7 +60,8 @@ DEFAULT_TILE = int(os.environ.get("TORCH_CONTRASTIVE_TILE", "1024"))
 #: needs at most this many bytes (two fp32 buffers); larger batches are tiled.
 DENSE_BUDGET_BYTES = int(os.environ.get("TORCH_CONTRASTIVE_DENSE_BUDGET", str(8 * 2**20)))
 
-# Largest fixed shift for which exp(-2 * scale) stays a normal number.
+# Largest 1/tau for which exp(+-scale) and a sum of 2**40 such terms stay normal numbers
+# (fp32: exp(40) * 2**40 ~ 2.6e29 < 3.4e38 and exp(-40) ~ 4e-18 > 1.2e-38).
 _MAX_FIXED_SCALE = {torch.float32: 40.0, torch.float64: 340.0}
 
 
@@ -114,11 +115,9 @@ def _self_positions(
     return rows - r0, rows + self_offset - c0
 
 
-def _logits_tile(out: Tensor, a: Tensor, b: Tensor, scale: float, shift: Tensor | None) -> Tensor:
-    """``out = scale * a @ b.T - shift`` without allocating (scale and shift folded into addmm)."""
-    if shift is None:
-        return torch.mm(a, b.t(), out=out).mul_(scale) if scale != 1.0 else torch.mm(a, b.t(), out=out)
-    return torch.addmm(shift, a, b.t(), alpha=scale, out=out)
+def _logits_tile(out: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``out = scale * a @ b.T`` into a preallocated buffer (beta=0: the buffer is not read)."""
+    return torch.addmm(out, a, b.t(), beta=0, alpha=scale, out=out)
 
 
 # ---------------------------------------------------------------------------------
@@ -130,7 +129,9 @@ class _LSEPlan:
     columns: bool
     symmetric: bool
     tile: int
-    shift: float | None  # fixed shift (= scale) or None for the online maximum
+    # True: |S| <= scale is small enough that exp(S) neither overflows nor underflows,
+    # so no shift at all is needed; False: an online maximum keeps every exp finite.
+    fixed: bool
     # Distributed column statistics: an object with in-place ``all_sum(t)`` and
     # ``all_max(t)`` over ranks (a distributed.Scope). Each rank then holds only some
     # anchor rows, and the column log-sum-exp is completed across ranks.
@@ -180,14 +181,13 @@ def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Te
     row_sum = torch.zeros(R, dtype=dtype, device=device)
     col_sum = torch.zeros(C, dtype=dtype, device=device) if plan.columns else None
     T = plan.tile
-    if plan.shift is not None:
-        shift = torch.full((1, 1), -plan.shift, dtype=dtype, device=device)
+    if plan.fixed:
         for r0, r1 in _blocks(R, T):
             c_start = r0 if plan.symmetric else 0
             for c0, c1 in _blocks(C, T):
                 if c1 <= c_start:
                     continue
-                e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale, shift).exp_()
+                e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale).exp_()
                 diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
                 if diag is not None:
                     e[diag] = 0
@@ -196,10 +196,10 @@ def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Te
                     row_sum[c0:c1] += e.sum(0)
                 if col_sum is not None:
                     col_sum[c0:c1] += e.sum(0)
-        row_lse = _empty_rows_to_zero(row_sum.log() + plan.shift, row_sum)
+        row_lse = _empty_rows_to_zero(row_sum.log(), row_sum)
         if col_sum is not None and plan.column_comm is not None:
-            plan.column_comm.all_sum(col_sum)  # same shift on every rank: sums just add
-        col_lse = None if col_sum is None else _empty_rows_to_zero(col_sum.log() + plan.shift, col_sum)
+            plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
+        col_lse = None if col_sum is None else _empty_rows_to_zero(col_sum.log(), col_sum)
         return row_lse, col_lse
 
     # Online maximum: exact for any logit range. A masked (self) entry is set to the
@@ -212,7 +212,7 @@ def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Te
         for c0, c1 in _blocks(C, T):
             if c1 <= c_start:
                 continue
-            s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale, None)
+            s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale)
             diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
             if diag is not None:
                 s[diag] = low
@@ -266,11 +266,10 @@ def _lse_backward(
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
     ga_acc = None if plan.symmetric else torch.zeros_like(b)  # G.T @ A
     T = plan.tile
-    if plan.shift is not None:
-        shift = torch.full((1, 1), -plan.shift, dtype=dtype, device=device)
-        # exp(S - LSE_i) = exp(S - shift) * exp(shift - LSE_i): one exp per element.
-        u = g_row * torch.exp(plan.shift - row_lse)
-        v = u if plan.symmetric else (g_col * torch.exp(plan.shift - col_lse) if g_col is not None and col_lse is not None else None)
+    if plan.fixed:
+        # exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i): one exp per element serves rows and columns.
+        u = g_row * torch.exp(-row_lse)
+        v = u if plan.symmetric else (g_col * torch.exp(-col_lse) if g_col is not None and col_lse is not None else None)
     for r0, r1 in _blocks(R, T):
         c_start = r0 if plan.symmetric else 0
         for c0, c1 in _blocks(C, T):
@@ -278,8 +277,8 @@ def _lse_backward(
                 continue
             diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
             g = bufs.get(r1 - r0, c1 - c0)
-            if plan.shift is not None:
-                _logits_tile(g, a[r0:r1], b[c0:c1], scale_f, shift).exp_()
+            if plan.fixed:
+                _logits_tile(g, a[r0:r1], b[c0:c1], scale_f).exp_()
                 weight = bufs.get(r1 - r0, c1 - c0, 1)
                 if v is not None:
                     torch.add(u[r0:r1, None], v[None, c0:c1], out=weight)
@@ -287,7 +286,7 @@ def _lse_backward(
                 else:
                     g.mul_(u[r0:r1, None])
             else:
-                s = _logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a[r0:r1], b[c0:c1], scale_f, None)
+                s = _logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a[r0:r1], b[c0:c1], scale_f)
                 torch.sub(s, row_lse[r0:r1, None], out=g).exp_().mul_(g_row[r0:r1, None])
                 other = None
                 if plan.symmetric:
@@ -336,8 +335,8 @@ def logsumexp_rows(
             left out of row ``i``. ``None``: nothing is left out.
         columns: also return ``log sum_i exp(S_ij)`` for every candidate (requires
             ``self_offset=None``).
-        bounded: rows of both inputs have norm <= 1, so ``|S| <= scale`` and a fixed
-            shift may replace the online maximum.
+        bounded: rows of both inputs have norm <= 1, so ``|S| <= scale`` and, for small
+            enough ``scale``, plain ``exp(S)`` replaces the online maximum.
         chunk_size: tile edge (see :func:`resolve_tile`).
         column_comm: for ``columns=True`` in distributed training, an object with in-place
             ``all_sum``/``all_max`` over ranks: each rank passes its own anchor rows and
@@ -357,8 +356,8 @@ def logsumexp_rows(
     symmetric = anchors is candidates and self_offset == 0 and not columns
     cdtype = _compute_dtype(anchors.dtype)
     scale_value = float(scale.detach())
-    shift = scale_value if bounded and scale_value <= _MAX_FIXED_SCALE[cdtype] else None
-    plan = _LSEPlan(self_offset, columns, symmetric, resolve_tile(chunk_size, R, C), shift, column_comm if columns else None)
+    fixed = bounded and scale_value <= _MAX_FIXED_SCALE[cdtype]
+    plan = _LSEPlan(self_offset, columns, symmetric, resolve_tile(chunk_size, R, C), fixed, column_comm if columns else None)
     row_lse, col_lse = _LogSumExp.apply(anchors, candidates, scale, plan)
     return row_lse, (col_lse if columns else None)
 
@@ -483,7 +482,7 @@ class _Pairwise(torch.autograd.Function):
         for p in range(kernel.passes):
             for r0, r1 in _blocks(a.shape[0], plan.tile):
                 for c0, c1 in _blocks(b.shape[0], plan.tile):
-                    s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_c[r0:r1], b_c[c0:c1], float(scale_c), None)
+                    s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_c[r0:r1], b_c[c0:c1], float(scale_c))
                     pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                     kernel.visit(p, s, pos, neg, r0, r1)
         ctx.plan = plan
@@ -503,7 +502,7 @@ class _Pairwise(torch.autograd.Function):
         bufs = _Buffers(a.dtype, a.device)
         for r0, r1 in _blocks(a.shape[0], plan.tile):
             for c0, c1 in _blocks(b.shape[0], plan.tile):
-                s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], float(scale), None)
+                s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], float(scale))
                 pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                 g = kernel.grad_tile(s, pos, neg, r0, r1, tuple(saved), grads)
                 gb[r0:r1].addmm_(g, b[c0:c1])
