@@ -12,15 +12,17 @@ import argparse
 import statistics
 import tempfile
 
-from torch_contrastive.train import Config, train
+from torch_contrastive.train import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, Config, train
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=None, help="override every recipe's default batch size")
+    parser.add_argument("--recipes", nargs="+", default=["clip", "nt_xent", "nt_bxent", "supcon"])
     args = parser.parse_args()
-    variants = [("clip", True), ("clip", False), ("nt_xent", True), ("nt_bxent", True), ("supcon", True)]
+    variants = [(loss, dedupe) for loss in args.recipes for dedupe in ((True, False) if loss == "clip" else (True,))]
     print("| recipe | kNN untrained | kNN trained | linear probe | zero-shot | train s |")
     print("|---|---|---|---|---|---|")
     for loss, dedupe in variants:
@@ -28,7 +30,7 @@ def main() -> None:
         for seed in args.seeds:
             with tempfile.TemporaryDirectory() as out:
                 cfg = Config(loss=loss, seed=seed, epochs=args.epochs, dedupe_ids=dedupe,
-                             temperature=0.07 if loss == "clip" else 0.1, out=out)
+                             batch_size=args.batch_size or DEFAULT_BATCH_SIZE[loss], temperature=DEFAULT_TEMPERATURE[loss], out=out)
                 runs.append(train(cfg, progress=False))
 
         def mean(part: str, key: str, runs: list = runs) -> str:

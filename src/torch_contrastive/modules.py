@@ -44,8 +44,9 @@ class _Temperature(nn.Module):
         return self.fixed_temperature
 
     def _common(self) -> str:
-        t = f"logit_scale={float(self.logit_scale):.4f}" if self.learnable else f"temperature={self.fixed_temperature}"
-        return t
+        if self.learnable:
+            return f"logit_scale={float(self.logit_scale.detach()):.4f}"
+        return f"temperature={self.fixed_temperature}"
 
 
 class NTXentLoss(_Temperature):

@@ -225,7 +225,7 @@ class Positives:
             if len(self.row_keys) == 2:
                 total = total + self._key_sum(self.row_keys[1], self.col_keys[1], candidates)
                 total = total - self._key_sum(*self._joint_keys(), candidates)
-            return total - self._self_rows(candidates) * self._self_in_relation()[:, None].to(candidates.dtype)
+            return self._minus_self(total, candidates)
         if self.kind == "pairs":
             out = candidates.new_zeros(self.num_rows, candidates.shape[1])
             return out.index_add(0, self._pair_list[:, 0], candidates[self._pair_list[:, 1]])
@@ -234,13 +234,15 @@ class Positives:
             0, torch.arange(self.num_cols, device=candidates.device) % bsz, candidates
         )
         total = self._mask.to(candidates.dtype)[self._rows] @ per_sample
-        return total - self._self_rows(candidates) * self._self_in_relation()[:, None].to(candidates.dtype)
+        return self._minus_self(total, candidates)
 
     # ------------------------------------------------------------------ helpers
-    def _self_rows(self, candidates: Tensor) -> Tensor:
+    def _minus_self(self, total: Tensor, candidates: Tensor) -> Tensor:
+        """Remove each anchor's own row from a relation sum that included it."""
         if self.self_offset is None:
-            return candidates.new_zeros(self.num_rows, candidates.shape[1])
-        return candidates[self.self_offset : self.self_offset + self.num_rows]
+            return total
+        own = candidates[self.self_offset : self.self_offset + self.num_rows]
+        return total - own * self._self_in_relation()[:, None].to(candidates.dtype)
 
     def _self_in_relation(self) -> Tensor:
         """(R,) bool: is the anchor's self pair inside the raw relation (to subtract it)?"""

@@ -1,0 +1,62 @@
+"""nn.Module twins: same numbers as the functions, the peers' call forms, learnable temperature."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_contrastive as tc
+
+
+def test_modules_equal_functions():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randn(8, 5)
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
+    pos = torch.tensor([[0, 1], [2, 3]])
+    assert tc.NTXentLoss(0.3, pairing="halves")(x).item() == tc.nt_xent_loss(x, 0.3, pairing="halves").item()
+    assert tc.NTXentLoss(0.3)(x, labels).item() == tc.nt_xent_loss(x, 0.3, labels=labels).item()
+    assert tc.NTBXentLoss(0.3)(x, pos).item() == tc.nt_bxent_loss(x, pos, 0.3).item()
+    assert tc.NTBXentLoss(0.3)(x, labels=labels).item() == tc.nt_bxent_loss(x, labels=labels, temperature=0.3).item()
+    assert tc.ClipLoss(0.1)(x, y, labels).item() == tc.clip_loss(x, y, 0.1, labels).item()
+    feats = x.reshape(4, 2, 5)
+    assert tc.SupConLoss(0.1, base_temperature=0.07)(feats, labels[:4]).item() == \
+        tc.supcon_loss(feats, labels[:4], temperature=0.1, base_temperature=0.07).item()
+    assert tc.SupConLoss(0.1)(feats, mask=torch.eye(4)).item() == tc.supcon_loss(feats, temperature=0.1).item()
+
+
+@pytest.mark.parametrize("cls", [tc.NTXentLoss, tc.NTBXentLoss, tc.ImageTextContrastiveLoss, tc.SupConLoss])
+def test_learnable_temperature_is_a_parameter(cls):
+    m = cls(0.2, learnable_temperature=True)
+    params = dict(m.named_parameters())
+    assert list(params) == ["logit_scale"]
+    assert float(torch.as_tensor(m.temperature).detach()) == pytest.approx(0.2, rel=1e-6)
+    assert "logit_scale" in repr(m)
+    fixed = cls(0.2)
+    assert list(fixed.parameters()) == [] and "temperature=0.2" in repr(fixed)
+
+
+def test_temperature_gradient_reaches_logit_scale():
+    torch.manual_seed(1)
+    m = tc.SupConLoss(0.2, learnable_temperature=True)
+    x = torch.randn(10, 4)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    m(x, labels).backward()
+    # d loss / d logit_scale = d loss / d tau * (-tau): check against a finite difference.
+    h = 1e-3
+    with torch.no_grad():
+        up = tc.supcon_loss(x.double(), labels, temperature=0.2 * torch.exp(torch.tensor(-h)).item()).item()
+        down = tc.supcon_loss(x.double(), labels, temperature=0.2 * torch.exp(torch.tensor(h)).item()).item()
+    assert m.logit_scale.grad.item() == pytest.approx((up - down) / (2 * h), rel=1e-3)
+
+
+@pytest.mark.parametrize("call,exc,word", [
+    (lambda: tc.NTXentLoss()(torch.randn(7, 3)), ValueError, "even"),
+    (lambda: tc.SupConLoss()(torch.randn(6, 3)), ValueError, "labels"),
+    (lambda: tc.ClipLoss()(torch.randn(6, 3), torch.randn(5, 3)), ValueError, "batch size"),
+    (lambda: tc.NTBXentLoss()(torch.randn(6, 3)), ValueError, "pos_indices"),
+    (lambda: tc.NTXentLoss(reduction="median")(torch.randn(6, 3)), ValueError, "reduction"),
+    (lambda: tc.SupConLoss(base_temperature=-1.0), ValueError, "base_temperature"),
+])
+def test_module_bad_input(call, exc, word):
+    with pytest.raises(exc, match=word):
+        call()
