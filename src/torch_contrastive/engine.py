@@ -82,6 +82,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _to_compute(a: Tensor, b: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Inputs in the compute dtype (fp32 for fp16/bf16; no copy when already there)."""
+    cdtype = _compute_dtype(a.dtype)
+    return a.to(cdtype), b.to(cdtype), scale.detach().to(cdtype)
+
+
 def _blocks(n: int, tile: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, tile):
         yield start, min(start + tile, n)
@@ -141,9 +147,7 @@ class _LSEPlan:
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, scale: Tensor, plan: _LSEPlan):  # type: ignore[override]
-        cdtype = _compute_dtype(a.dtype)
-        a_c, b_c = a.to(cdtype), b.to(cdtype)
-        scale_c = scale.detach().to(cdtype)
+        a_c, b_c, scale_c = _to_compute(a, b, scale)
         row_lse, col_lse = _lse_forward(a_c, b_c, float(scale_c), plan)
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, b.dtype)
@@ -474,9 +478,8 @@ def _masks(positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tenso
 class _Pairwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, scale: Tensor, plan: _PairwisePlan):  # type: ignore[override]
-        cdtype = _compute_dtype(a.dtype)
-        a_c, b_c = a.to(cdtype), b.to(cdtype)
-        scale_c = scale.detach().to(cdtype)
+        a_c, b_c, scale_c = _to_compute(a, b, scale)
+        cdtype = a_c.dtype
         kernel = _KERNELS[plan.kernel](a.shape[0], cdtype, a.device)
         bufs = _Buffers(cdtype, a.device)
         for p in range(kernel.passes):
