@@ -388,7 +388,6 @@ class _PairKernel:
         self.neg_sum = torch.zeros(rows, dtype=dtype, device=device)
         self.out = torch.zeros(rows, dtype=dtype, device=device)
         self.weight = torch.zeros(rows, dtype=dtype, device=device)
-        self.neg_lse = self.neg_max  # replaced after pass 1
 
     def visit(self, p: int, s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int) -> None:
         if p == 0:
