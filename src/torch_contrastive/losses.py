@@ -97,12 +97,13 @@ def _options(reduction: str, chunk_size: object, grad_reduction: str, eps: float
     return v.check_chunk_size(chunk_size)
 
 
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
 def _check_agreement(scope: Scope, what: str, x: Tensor, *flags: bool) -> None:
     """Ranks must agree on feature shape, dtype and which optional inputs were given."""
-    dtype_code = [torch.float16, torch.bfloat16, torch.float32, torch.float64].index(x.dtype) if x.dtype in (
-        torch.float16, torch.bfloat16, torch.float32, torch.float64) else -1
     scope.agree(f"{what} (feature size, dtype code, optional inputs given)",
-                [float(x[0].numel()), float(dtype_code), *(float(f) for f in flags)])
+                [float(x[0].numel()), float(_DTYPE_CODES.get(x.dtype, -1)), *(float(f) for f in flags)])
 
 
 def _reduce(per_anchor: Tensor, normaliser: Tensor, reduction: str, scope: Scope) -> Tensor:
@@ -111,7 +112,7 @@ def _reduce(per_anchor: Tensor, normaliser: Tensor, reduction: str, scope: Scope
     ``mean`` divides the global sum by the global ``normaliser``; ``sum`` is the global
     sum; ``none`` returns this rank's per-anchor values (no communication).
     """
-    _check_finite(per_anchor)
+    _check_finite(per_anchor, scope)
     if reduction == "none":
         return per_anchor
     local_sum = per_anchor.sum()
@@ -120,10 +121,14 @@ def _reduce(per_anchor: Tensor, normaliser: Tensor, reduction: str, scope: Scope
     return scope.finish(local_sum, normaliser.to(local_sum.dtype).clamp_min(1))
 
 
-def _check_finite(values: Tensor) -> None:
+def _check_finite(values: Tensor, scope: Scope) -> None:
     # Finite inputs give finite losses unless raw dot products (normalize=False)
-    # overflow the compute dtype: say so instead of returning inf or NaN.
-    if not bool(torch.isfinite(values.detach()).all()):
+    # overflow the compute dtype: say so instead of returning inf or NaN. Under
+    # gather=True every rank learns of any rank's overflow, so none is left waiting.
+    bad = (~torch.isfinite(values.detach())).any().to(torch.float64)
+    if scope.distributed:
+        scope.all_max(bad)
+    if bool(bad):
         raise ValueError(
             f"the loss overflowed {values.dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
             "use normalize=True, smaller embeddings or a larger temperature"
@@ -423,7 +428,7 @@ def image_text_contrastive_loss(
 
 
 def _finish_image_text(per_image: Tensor, per_text: Tensor, n_gt: Tensor, n: int, reduction: str, scope: Scope) -> Tensor:
-    _check_finite(per_image + per_text)
+    _check_finite(per_image + per_text, scope)
     if reduction == "none":
         # e_i such that mean(e) is the loss: scale each direction by N / (2 sum gt).
         n_gt_all = scope.total(n_gt).to(per_image.dtype)
