@@ -191,13 +191,16 @@ def _run_case(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "status": "ok"}
 
 
-def plan(quick: bool, sizes: list[int] | None, dim: int, tau: float, include_large: bool) -> list[dict[str, Any]]:
-    """The list of cases. Peers with N x N memory are limited to sizes they can hold."""
+def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float, include_large: bool) -> list[dict[str, Any]]:
+    """The list of cases (every size x every dim). Peers with N x N memory only run at sizes they can hold."""
     cases = []
     reps = 1 if quick else 3
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    grid = [(n, d) for n in (sizes or []) for d in dims]
     for loss in ("clip", "nt_xent", "supcon"):
         default = [2048, 8192] if loss == "clip" else [4096, 16384]
-        for n in sizes or (default if quick else [1024, 4096, 8192, 16384]):
+        loss_grid = grid or [(n, d) for n in (default if quick else [1024, 4096, 8192, 16384]) for d in dims]
+        for n, d in loss_grid:
             for impl in IMPLEMENTATIONS[loss]:
                 if impl == "pml" and n > 4096:
                     continue  # pytorch-metric-learning builds several N x N float tensors
@@ -207,9 +210,9 @@ def plan(quick: bool, sizes: list[int] | None, dim: int, tau: float, include_lar
                     continue
                 if not impl.startswith("ours") and n > 16384:
                     continue  # the dense peers need several N x N matrices (16 GiB each at 65,536)
-                cases.append({"loss": loss, "impl": impl, "n": n, "d": dim, "tau": tau, "reps": reps})
+                cases.append({"loss": loss, "impl": impl, "n": n, "d": d, "tau": tau, "reps": reps})
     if include_large:
-        cases.append({"loss": "clip", "impl": "ours", "n": 65536, "d": dim, "tau": tau, "reps": 1})
+        cases.append({"loss": "clip", "impl": "ours", "n": 65536, "d": dims[0], "tau": tau, "reps": 1})
     return cases
 
 
@@ -221,6 +224,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ok = [r for r in rows if r.get("status") == "ok"]
+    main_d = max({r["d"] for r in ok}, key=lambda d: sum(r["d"] == d for r in ok)) if ok else 0
+    ok = [r for r in ok if r["d"] == main_d]  # the plot is against N at the most common D
     for loss in sorted({r["loss"] for r in ok}):
         for impl in sorted({r["impl"] for r in ok if r["loss"] == loss}):
             pts = sorted((r["n"], r["R"], r["extra_mib"]) for r in ok if r["loss"] == loss and r["impl"] == impl)
@@ -241,7 +246,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cases = plan(args.quick, args.sizes, args.dim, args.temperature, args.large)
+    cases = plan(args.quick, args.sizes, args.dims or [args.dim], args.temperature, args.large)
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
@@ -286,6 +291,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--loss", choices=["all", "clip", "nt_xent", "supcon"], default="all")
     p.add_argument("--sizes", type=_sizes, default=None, help="comma-separated N values (rows)")
     p.add_argument("--dim", type=int, default=128, help="embedding size D (default 128)")
+    p.add_argument("--dims", type=_sizes, default=None, help="comma-separated D values (a D sweep; overrides --dim)")
     p.add_argument("--temperature", type=float, default=0.07, help="tau (default 0.07; 0.01 exercises the online maximum)")
     p.add_argument("--large", action="store_true", help="add the image-text loss at N = 65,536 (ours only)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
