@@ -21,6 +21,8 @@ Conventions shared by every function here (SPEC section 2):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -104,6 +106,24 @@ def _check_agreement(scope: Scope, what: str, x: Tensor, *flags: bool) -> None:
     """Ranks must agree on feature shape, dtype and which optional inputs were given."""
     scope.agree(f"{what} (feature size, dtype code, optional inputs given)",
                 [float(x[0].numel()), float(_DTYPE_CODES.get(x.dtype, -1)), *(float(f) for f in flags)])
+
+
+class _SingleSet(NamedTuple):
+    scope: Scope
+    z: Tensor  # this rank's rows, normalised, in the compute dtype
+    z_all: Tensor  # the global batch (z itself when local)
+    scale: Tensor  # 1 / temperature in the compute dtype
+    offset: int  # global index of this rank's first row
+
+
+def _single_set(x: Tensor, name: str, scale: Tensor, normalize: bool, eps: float, gather: bool,
+                grad_reduction: str, *given: bool) -> _SingleSet:
+    """Shared set-up of the single-set losses: agreement check, normalisation, gather."""
+    scope = make_scope(gather, grad_reduction)
+    _check_agreement(scope, name, x, *given)
+    z = _prepare(x, normalize, eps)
+    z_all = scope.rows(z)
+    return _SingleSet(scope, z, z_all, scale.to(device=z.device, dtype=z.dtype), scope.offset)
 
 
 def _reduce(per_anchor: Tensor, normaliser: Tensor, reduction: str, scope: Scope) -> Tensor:
@@ -214,13 +234,8 @@ def nt_xent_loss(
             raise ValueError(f"embeddings must have an even number of rows (2N views) for pairing={pairing!r}, got {n}")
     else:
         labels = v.check_labels(labels, "labels", n, embeddings.device)
-    scope = make_scope(gather, grad_reduction)
-    _check_agreement(scope, "embeddings", embeddings, labels is not None)
-
-    z = _prepare(embeddings, normalize, eps)
-    scale = scale.to(device=z.device, dtype=z.dtype)
-    z_all = scope.rows(z)
-    offset = scope.offset
+    scope, z, z_all, scale, offset = _single_set(embeddings, "embeddings", scale, normalize, eps, gather, grad_reduction,
+                                                 labels is not None)
     if labels is None:
         keys = scope.ints(pair_keys(n, pairing, z.device) + offset)
     else:
@@ -289,13 +304,9 @@ def nt_bxent_loss(
         pos_indices = _check_pos_indices(pos_indices, n, embeddings.device)
     else:
         labels = v.check_labels(labels, "labels", n, embeddings.device)
-    scope = make_scope(gather, grad_reduction)
-    _check_agreement(scope, "embeddings", embeddings, labels is not None)
-
-    z = _prepare(embeddings, normalize, eps)
-    scale = scale.to(device=z.device, dtype=z.dtype)
-    z_all = scope.rows(z)
-    offset, total = scope.offset, z_all.shape[0]
+    scope, z, z_all, scale, offset = _single_set(embeddings, "embeddings", scale, normalize, eps, gather, grad_reduction,
+                                                 labels is not None)
+    total = z_all.shape[0]
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.
         pairs = pos_indices + torch.tensor([0, offset], device=pos_indices.device)
@@ -516,13 +527,8 @@ def supcon_loss(
         mask = _check_mask(mask, bsz, device)
         if gather:
             raise ValueError("mask cannot be combined with gather=True (it only relates this rank's samples); pass labels")
-    scope = make_scope(gather, grad_reduction)
-    _check_agreement(scope, "features", flat, labels is not None)
-
-    z = _prepare(flat, normalize, eps)
-    scale = scale.to(device=z.device, dtype=z.dtype)
-    z_all = scope.rows(z)
-    offset = scope.offset
+    scope, z, z_all, scale, offset = _single_set(flat, "features", scale, normalize, eps, gather, grad_reduction,
+                                                 labels is not None)
     n_anchor = bsz if contrast_mode == "one" else bsz * n_views
     if mask is not None:
         positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
