@@ -289,7 +289,8 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     for epoch in range(cfg.epochs):
         perm = torch.randperm(len(y_tr), generator=order_gen)
         batches = [perm[i : i + cfg.batch_size] for i in range(0, len(perm), cfg.batch_size)]
-        bar = tqdm(batches, desc=f"{cfg.loss} epoch {epoch + 1}/{cfg.epochs}", leave=False, disable=None if progress and rank == 0 else True)  # None: off when not a terminal
+        show = None if progress and rank == 0 else True  # tqdm's None: shown only on a terminal
+        bar = tqdm(batches, desc=f"{cfg.loss} epoch {epoch + 1}/{cfg.epochs}", leave=False, disable=show)
         total, count = 0.0, 0
         for idx in bar:
             if len(idx) < 2 * world:
