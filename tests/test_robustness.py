@@ -250,3 +250,17 @@ def test_determinism_bit_identical():
         for u, w in zip(a, b):
             assert torch.equal(u, w)
     del labels
+
+
+def test_nt_bxent_keeps_tiny_terms_at_large_logits():
+    # Two nearly parallel positives at tau = 0.01: -log sigmoid(s) ~ exp(-s) is tiny but not 0,
+    # and so is its gradient; 1 - sigmoid(s) or softplus(s) - s would round both to 0.
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.02], [-1.0, 0.0], [-1.0, -0.02]], requires_grad=True)
+    pos = torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]])
+    loss = tc.nt_bxent_loss(x, pos, 0.05)
+    ref = tc.nt_bxent_loss(x.detach().double(), pos, 0.05)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    loss.backward()
+    xd = x.detach().double().requires_grad_()
+    tc.nt_bxent_loss(xd, pos, 0.05).backward()
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-12)

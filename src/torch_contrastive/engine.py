@@ -394,15 +394,16 @@ class _PairKernel:
             masked = s.masked_fill(~neg, self.low)
             new_max = torch.maximum(self.neg_max[r0:r1], masked.amax(1))
             self.neg_sum[r0:r1] *= torch.exp(self.neg_max[r0:r1] - new_max)
-            self.neg_sum[r0:r1] += (torch.exp(masked - new_max[:, None]) * neg).sum(1)
+            self.neg_sum[r0:r1] += torch.where(neg, torch.exp(masked - new_max[:, None]), 0.0).sum(1)
             self.neg_max[r0:r1] = new_max
             return
         has_neg = self.neg_sum[r0:r1] > 0
         lse = self.neg_lse_rows(r0, r1)
         diff = lse[:, None] - s
-        term = torch.nn.functional.softplus(diff) * pos
-        self.out[r0:r1] += torch.where(has_neg, term.sum(1), torch.zeros_like(lse))
-        self.weight[r0:r1] += torch.where(has_neg, (torch.sigmoid(diff) * pos).sum(1), torch.zeros_like(lse))
+        term = torch.where(pos, torch.nn.functional.softplus(diff), 0.0).sum(1)
+        weight = torch.where(pos, torch.sigmoid(diff), 0.0).sum(1)
+        self.out[r0:r1] += torch.where(has_neg, term, 0.0)
+        self.weight[r0:r1] += torch.where(has_neg, weight, 0.0)
 
     def neg_lse_rows(self, r0: int, r1: int) -> Tensor:
         s = self.neg_sum[r0:r1]
@@ -418,10 +419,10 @@ class _PairKernel:
     def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
         neg_lse, weight, has_neg = (t[r0:r1] for t in saved)
         g = grads[0][r0:r1] * has_neg
-        d_pos = -torch.sigmoid(neg_lse[:, None] - s) * pos
-        # where(), not a product: exp() of a positive entry may overflow, and inf * 0 is NaN.
-        d_neg = torch.where(neg, torch.exp(s - neg_lse[:, None]), torch.zeros_like(s)) * weight[:, None]
-        return (d_pos + d_neg) * g[:, None]
+        # where(), not products with masks: exp() of a positive entry may overflow (inf * 0 is NaN),
+        # and bool-to-float mask products cost a copy each.
+        d_neg = torch.where(neg, torch.exp(s - neg_lse[:, None]) * weight[:, None], 0.0)
+        return torch.where(pos, -torch.sigmoid(neg_lse[:, None] - s), d_neg).mul_(g[:, None])
 
 
 class _BinaryKernel:
@@ -439,8 +440,10 @@ class _BinaryKernel:
         self.neg = torch.zeros(rows, dtype=dtype, device=device)
 
     def visit(self, p: int, s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int) -> None:
-        self.pos[r0:r1] += (torch.nn.functional.softplus(-s) * pos).sum(1)
-        self.neg[r0:r1] += (torch.nn.functional.softplus(s) * neg).sum(1)
+        # Two softplus calls on purpose: softplus(-s) = softplus(s) - s cancels catastrophically
+        # for large s (the very regime where the seed's sigmoid-then-log code fails).
+        self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(-s), 0.0).sum(1)
+        self.neg[r0:r1] += torch.where(neg, torch.nn.functional.softplus(s), 0.0).sum(1)
 
     def outputs(self) -> tuple[Tensor, ...]:
         return (self.pos, self.neg)
@@ -451,7 +454,8 @@ class _BinaryKernel:
     @staticmethod
     def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
         g_pos, g_neg = grads[0][r0:r1, None], grads[1][r0:r1, None]
-        return -torch.sigmoid(-s) * pos * g_pos + torch.sigmoid(s) * neg * g_neg
+        # sigmoid(-s), not 1 - sigmoid(s), which rounds tiny gradients to 0 for large s.
+        return torch.where(pos, -torch.sigmoid(-s) * g_pos, torch.where(neg, torch.sigmoid(s) * g_neg, 0.0))
 
 
 _KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKernel}
