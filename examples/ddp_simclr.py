@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,13 @@ def main() -> None:
         print(f"max weight difference {diff:.3e}: {status}")
         if diff >= 1e-9:
             raise SystemExit(1)
+    # Tear down together, then leave without interpreter finalisation: gloo worker threads
+    # can still hold tensors at that point and abort the process ("terminate called without
+    # an active exception", a known PyTorch/gloo teardown race) after everything succeeded.
+    dist.barrier()
     dist.destroy_process_group()
-    os.environ.pop("MASTER_PORT", None)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ time of the same global batch, all measured in this run.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -66,7 +68,10 @@ def main() -> None:
         print(f"all-gather fwd+bwd (2 inputs): {t_gather * 1e3:8.1f} ms")
         print(f"distributed loss fwd+bwd:      {t_loss * 1e3:8.1f} ms  (gather share {100 * t_gather / t_loss:.0f}%)")
         print(f"single process, global batch:  {t_single * 1e3:8.1f} ms  (1 thread)")
+    dist.barrier()  # tear down together, and skip finalisation (see examples/ddp_simclr.py)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

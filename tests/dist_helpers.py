@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -19,16 +21,22 @@ def _free_port() -> int:
 
 def _entry(rank, world, port, fn, args, err_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        gc.collect()  # release DDP reducers before the group goes away
+        dist.barrier()  # nobody tears down while another rank still communicates
+        dist.destroy_process_group()
     except BaseException:  # report to the parent, which fails the test
+        code = 1
         with open(os.path.join(err_dir, f"rank{rank}.err"), "w") as fh:
             fh.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Skip interpreter teardown: gloo's C++ threads can abort in static destructors
+    # ("terminate called without an active exception") after everything succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:

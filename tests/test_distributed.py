@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -186,3 +187,13 @@ def test_example_script_under_torchrun(tmp_path):
                           str(script), "--steps", "3", "--check"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "matches single-process" in out.stdout
+
+
+def test_train_command_under_torchrun(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "torch_contrastive", "train", "--distributed", "--loss", "supcon", "--epochs", "2",
+                          "--quiet", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["config"]["distributed"] and metrics["loss_history"][-1] < metrics["loss_history"][0]

@@ -335,6 +335,16 @@ def run(args: argparse.Namespace) -> int:
               "torchrun --nproc_per_node=2 -m torch_contrastive train --distributed", file=sys.stderr)
         return 2
     train(cfg, progress=not args.quiet)
+    if cfg.distributed:
+        import torch.distributed as dist
+
+        # Tear down together, then skip interpreter finalisation: gloo worker threads can still
+        # hold tensors then and abort the process (a known PyTorch/gloo teardown race).
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
