@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ._argtypes import int_list, positive_float, positive_int
+
 #: Above this many rows the matmul reference (two N x N fp32 matrices) is not run.
 MAX_REFERENCE_ROWS = 16384
 
@@ -278,23 +280,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def add_bench_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="time and memory of every loss vs. peers (CSV + PNG)")
     p.add_argument("--quick", action="store_true", help="a reduced grid that finishes in under 2 minutes on 2 cores")
     p.add_argument("--loss", choices=["all", "clip", "nt_xent", "supcon"], default="all")
-    p.add_argument("--sizes", type=_sizes, default=None, help="comma-separated N values (rows)")
-    p.add_argument("--dim", type=int, default=128, help="embedding size D (default 128)")
-    p.add_argument("--dims", type=_sizes, default=None, help="comma-separated D values (a D sweep; overrides --dim)")
-    p.add_argument("--temperature", type=float, default=0.07, help="tau (default 0.07; 0.01 exercises the online maximum)")
+    p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
+    p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")
+    p.add_argument("--dims", type=int_list, default=None, help="comma-separated D values (a D sweep; overrides --dim)")
+    p.add_argument("--temperature", type=positive_float, default=0.07, help="tau (default 0.07; 0.01 exercises the online maximum)")
     p.add_argument("--large", action="store_true", help="add the image-text loss at N = 65,536 (ours only)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per case")
     p.add_argument("--out", default="bench-results", help="output folder (CSV, PNG)")
     p.set_defaults(func=run)
 

@@ -13,27 +13,11 @@ from collections.abc import Sequence
 import torch
 
 from . import losses
+from ._argtypes import int_list, positive_float
 from .positives import Positives
 
 LOSS_CHOICES = ("all", "nt_xent", "nt_xent_halves", "nt_xent_pml", "supcon", "nt_bxent")
 SEED000_POS = [(0, 0), (0, 2), (0, 4), (1, 4), (1, 6), (1, 1), (2, 3), (3, 7), (4, 3), (7, 6)]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,0,1; got {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
 
 
 def _matrix(name: str, m: torch.Tensor, fmt: str = "{:7.4f}") -> str:
@@ -101,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=8, help="batch rows (default 8: seed 000's tensor)")
     p.add_argument("--dim", type=int, default=2, help="embedding size (default 2)")
     p.add_argument("--seed", type=int, default=21, help="torch.manual_seed (default 21 reproduces seed 000)")
-    p.add_argument("--labels", type=_int_list, default=None, help="comma-separated labels, one per row")
-    p.add_argument("--temperature", type=_positive_float, default=1.0, help="tau (default 1.0)")
+    p.add_argument("--labels", type=int_list, default=None, help="comma-separated labels, one per row")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="tau (default 1.0)")
     p.add_argument("--loss", choices=LOSS_CHOICES, default="all", help="which convention(s) to show")
     p.set_defaults(func=explain)
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import losses
+from ._argtypes import positive_float, positive_int
 from .modules import ClipLoss
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -348,39 +349,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
-
-
 def add_train_parser(sub: Any) -> None:
     p = sub.add_parser("train", help="train a contrastive model on scikit-learn's bundled digits and evaluate it")
     p.add_argument("--loss", choices=RECIPES, default="clip", help="recipe (default clip)")
-    p.add_argument("--epochs", type=_positive_int, default=30)
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="images per step (default: clip 256, others 128)")
-    p.add_argument("--dim", type=_positive_int, default=16, help="embedding size (default 16)")
-    p.add_argument("--lr", type=_positive_float, default=2e-3)
-    p.add_argument("--temperature", type=_positive_float, default=None,
+    p.add_argument("--epochs", type=positive_int, default=30)
+    p.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: clip 256, others 128)")
+    p.add_argument("--dim", type=positive_int, default=16, help="embedding size (default 16)")
+    p.add_argument("--lr", type=positive_float, default=2e-3)
+    p.add_argument("--temperature", type=positive_float, default=None,
                    help="tau (default: clip 0.07, its learnable initial value; nt_xent 0.1; nt_bxent 0.3; supcon 0.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dedupe-ids", action=argparse.BooleanOptionalAction, default=True,
                    help="clip: pass image/caption ids so duplicate captions are positives (default on)")
-    p.add_argument("--chunk-size", type=_positive_int, default=None, help="tile rows for the loss (default automatic)")
+    p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
     p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")

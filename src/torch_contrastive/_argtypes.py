@@ -1,0 +1,40 @@
+"""argparse ``type=`` converters shared by the command-line subcommands.
+
+Each raises ``argparse.ArgumentTypeError`` with a message saying what was expected, so
+argparse reports ``error: argument --x: expected ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers, e.g. ``0,1,0,1``."""
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,0,1; got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
