@@ -33,6 +33,7 @@ candidate ``i + self_offset``. :meth:`tile`, :meth:`row_counts` and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -189,10 +190,7 @@ class Positives:
     def row_counts(self) -> Tensor:
         """(R,) int64 number of positives of every anchor (self excluded). O(N) memory."""
         if self.kind == "keys":
-            counts = self._key_count(self.row_keys[0], self.col_keys[0])
-            if len(self.row_keys) == 2:
-                counts = counts + self._key_count(self.row_keys[1], self.col_keys[1])
-                counts = counts - self._key_count(*self._joint_keys())
+            counts = torch.stack([sign * torch.bincount(cg, minlength=n)[rg] for rg, cg, n, sign in self._key_terms]).sum(0)
             return counts - self._self_in_relation().long()
         if self.kind == "pairs":
             return torch.bincount(self._pair_list[:, 0], minlength=self.num_rows)
@@ -204,8 +202,7 @@ class Positives:
     def col_counts(self) -> Tensor:
         """(C,) int64 number of anchors each candidate is positive for (self excluded)."""
         if self.kind == "keys":
-            flipped = Positives(self.num_cols, self.num_rows, None, self.col_keys, self.row_keys)
-            counts = flipped.row_counts()
+            counts = torch.stack([sign * torch.bincount(rg, minlength=n)[cg] for rg, cg, n, sign in self._key_terms]).sum(0)
             if self.self_offset is not None:
                 own = torch.arange(self.num_rows, device=counts.device) + self.self_offset
                 counts = counts.index_add(0, own, -self._self_in_relation().long())
@@ -221,10 +218,15 @@ class Positives:
         ``keys`` and ``pairs`` relations, O(bsz^2 + N * D) for ``mask``.
         """
         if self.kind == "keys":
-            total = self._key_sum(self.row_keys[0], self.col_keys[0], candidates)
-            if len(self.row_keys) == 2:
-                total = total + self._key_sum(self.row_keys[1], self.col_keys[1], candidates)
-                total = total - self._key_sum(*self._joint_keys(), candidates)
+            terms = self._key_terms
+            if len(terms) == 1 and self.row_keys is self.col_keys and terms[0][2] == self.num_rows:
+                # Every key distinct and rows are columns: row i's only positive is column i
+                # (CLIP without ids). No copy at all.
+                return self._minus_self(candidates, candidates)
+            total = candidates.new_zeros(self.num_rows, candidates.shape[1])
+            for rg, cg, n, sign in terms:
+                per_group = candidates.new_zeros(n, candidates.shape[1]).index_add(0, cg, candidates)
+                total = total + sign * per_group[rg]
             return self._minus_self(total, candidates)
         if self.kind == "pairs":
             out = candidates.new_zeros(self.num_rows, candidates.shape[1])
@@ -261,30 +263,24 @@ class Positives:
                 return t.device
         return torch.device("cpu")
 
-    def _joint_keys(self) -> tuple[Tensor, Tensor]:
-        """Keys of the intersection of the two relations: both keys equal."""
-        both = torch.cat(
-            [torch.stack(self.row_keys, 1), torch.stack(self.col_keys, 1)],
-            0,
-        )
-        _, inverse = torch.unique(both, dim=0, return_inverse=True)
-        return inverse[: self.num_rows], inverse[self.num_rows :]
+    @cached_property
+    def _key_terms(self) -> tuple[tuple[Tensor, Tensor, int, int], ...]:
+        """(row group ids, column group ids, number of groups, sign) of every key relation.
 
-    @staticmethod
-    def _groups(row_key: Tensor, col_key: Tensor) -> tuple[Tensor, Tensor, int]:
-        _, inverse = torch.unique(torch.cat([row_key, col_key]), return_inverse=True)
+        Two relations combine by inclusion-exclusion, |A or B| = |A| + |B| - |A and B|,
+        so their intersection (both keys equal) enters with sign -1. Computed once per
+        object: ``torch.unique`` is O(N log N) and counts and aggregates all need it.
+        """
+        terms = []
+        for rk, ck in zip(self.row_keys, self.col_keys):
+            terms.append((*self._groups(torch.cat([rk, ck])), 1))
+        if len(self.row_keys) == 2:
+            both = torch.cat([torch.stack(self.row_keys, 1), torch.stack(self.col_keys, 1)], 0)
+            terms.append((*self._groups(both), -1))
+        return tuple(terms)
+
+    def _groups(self, keys: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Group ids of the R row keys and C column keys stacked in ``keys``."""
+        _, inverse = torch.unique(keys, dim=0 if keys.ndim > 1 else None, return_inverse=True)
         n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-        return inverse[: row_key.numel()], inverse[row_key.numel() :], n_groups
-
-    @classmethod
-    def _key_count(cls, row_key: Tensor, col_key: Tensor) -> Tensor:
-        rg, cg, n = cls._groups(row_key, col_key)
-        return torch.bincount(cg, minlength=n)[rg]
-
-    @classmethod
-    def _key_sum(cls, row_key: Tensor, col_key: Tensor, candidates: Tensor) -> Tensor:
-        if row_key is col_key and bool(torch.unique(row_key).numel() == row_key.numel()):
-            return candidates  # every key distinct on both sides: row i's positive is column i
-        rg, cg, n = cls._groups(row_key, col_key)
-        per_group = candidates.new_zeros(n, candidates.shape[1]).index_add(0, cg, candidates)
-        return per_group[rg]
+        return inverse[: self.num_rows], inverse[self.num_rows :], n_groups
