@@ -4,9 +4,10 @@ Every case runs in a fresh subprocess so that peak memory is the case's own: the
 worker allocates its inputs, records the peak RSS (``ru_maxrss``; on CUDA
 ``max_memory_allocated``), runs the loss forward+backward, and reports the growth of
 the peak. It then times, in the same process, the three plain matrix multiplies of
-the same shape (``S = A @ B.T``, ``G @ B``, ``G.T @ A``): ``R = loss time / matmul
-time`` is a ratio measured on one machine in one process, so it survives a noisy,
-shared machine better than seconds do.
+the same shape (``S = A @ B.T``, ``G @ B``, ``G.T @ A``), alternating loss and
+reference runs: ``R`` is the median of the per-pair ratios ``loss time / matmul time``,
+measured on one machine in one process, so it survives a noisy, shared machine better
+than seconds do.
 
 Peers: pytorch-metric-learning (always installed with the ``dev`` extra), open_clip's
 ``ClipLoss`` and lightly's ``NTXentLoss`` when importable; otherwise a dense PyTorch
@@ -21,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -125,8 +127,10 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
     return (lambda: _dense_supcon(x, labels, tau)), [x]
 
 
-def _time(fn: Any, reps: int) -> float:
-    fn()  # warm-up
+def _time(fn: Any, reps: int, warm: bool = True) -> float:
+    """Best of ``reps`` wall-clock runs (after one warm-up run unless ``warm=False``)."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
@@ -156,19 +160,29 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    step()
+    first = _time(step, 1, warm=False)
     peak = _peak_bytes(device) - base
-    seconds = _time(step, reps)
-    row = {**spec, "seconds": seconds, "matmul_seconds": float("nan"), "R": float("nan"), "extra_mib": peak / 2**20}
+    row = {**spec, "seconds": float("nan"), "matmul_seconds": float("nan"), "R": float("nan"), "extra_mib": peak / 2**20}
     if n > MAX_REFERENCE_ROWS:
-        return row  # the reference's own N x N matrices would not fit (2 x 16 GiB at 65,536)
-    # The reference: three matmuls of the same shape, timed after the loss so their
-    # N x N buffers do not count in the loss's peak memory.
+        # The reference's own N x N matrices would not fit (2 x 16 GiB at 65,536).
+        return {**row, "seconds": _time(step, reps)}
+    # The reference: three matmuls of the same shape, allocated after the loss's peak was
+    # taken. Loss and reference runs alternate, and R is the median of the per-pair
+    # ratios, so a slow spell of the shared machine hits both sides of a ratio alike.
     a = torch.randn(n, d, device=device)
     b = torch.randn(n, d, device=device)
     g = torch.randn(n, n, device=device)
-    matmul = _time(lambda: (a @ b.T, g @ b, g.T @ a), reps)
-    return {**row, "matmul_seconds": matmul, "R": seconds / matmul}
+
+    def reference() -> None:
+        a @ b.T, g @ b, g.T @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    reference()
+    count = 3 if first > 2.0 else max(3, 2 * reps + 1)  # slow peers: three pairs are enough
+    pairs = [(_time(step, 1, warm=False), _time(reference, 1, warm=False)) for _ in range(count)]
+    return {**row, "seconds": statistics.median(p[0] for p in pairs), "matmul_seconds": statistics.median(p[1] for p in pairs),
+            "R": statistics.median(p[0] / p[1] for p in pairs)}
 
 
 def _run_case(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
