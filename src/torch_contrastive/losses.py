@@ -410,27 +410,19 @@ def image_text_contrastive_loss(
     img = _prepare(image_feat, normalize, eps)
     txt = _prepare(text_feat.to(image_feat.dtype), normalize, eps)
     scale = scale.to(device=img.device, dtype=img.dtype)
-    if not scope.distributed:
-        keys = tuple(k for k in (image_id, text_id) if k is not None) or (torch.arange(n, device=device),)
-        # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions.
-        pos = Positives.from_keys(keys, self_offset=None)  # col_keys default: the same tensors
-        row_lse, col_lse = logsumexp_rows(img, txt, scale, self_offset=None, columns=True, bounded=normalize, chunk_size=chunk)
-        counts = pos.row_counts()
-        per_image = counts * row_lse - _positive_logits(img, txt, pos, scale)
-        per_text = counts * col_lse - _positive_logits(txt, img, pos, scale)  # type: ignore[operator]
-        return _finish_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
-
+    # Locally every "global" tensor below is the local one itself (same objects, no copy).
     img_all, txt_all = scope.rows(img), scope.rows(txt)
     offset = scope.offset  # known once rows() has gathered the sizes
     key_list = [k for k in (image_id, text_id) if k is not None] or [torch.arange(n, device=device) + offset]
     global_keys = tuple(scope.ints(k) for k in key_list)
-    local_keys = tuple(k[offset : offset + n] for k in global_keys)
+    local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
+    # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions.
     pos = Positives.from_keys(local_keys, global_keys, self_offset=None)
-    # One pass over this rank's image rows x all texts gives the image rows' LSE and
-    # partial column sums; the engine all-reduces those (O(N)) into every text's LSE,
-    # so the N x N work is split W ways instead of being done twice.
+    # One pass over this rank's image rows x all texts gives the image rows' LSE and the
+    # column sums; under gather=True the engine all-reduces those (O(N)) into every text's
+    # LSE, so the N x N work is split W ways instead of being done once per direction.
     row_lse, col_lse_all = logsumexp_rows(img, txt_all, scale, self_offset=None, columns=True, bounded=normalize,
-                                          chunk_size=chunk, column_comm=scope)
+                                          chunk_size=chunk, column_comm=scope if scope.distributed else None)
     col_lse = col_lse_all[offset : offset + n]  # type: ignore[index]
     counts = pos.row_counts()
     per_image = counts * row_lse - _positive_logits(img, txt_all, pos, scale)

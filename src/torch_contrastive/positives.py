@@ -94,7 +94,8 @@ class Positives:
         if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
         rows = tuple(k.reshape(-1).long() for k in rk)
-        cols = rows if col_keys is None else tuple(k.reshape(-1).long() for k in ck)
+        same = col_keys is None or all(c is r for c, r in zip(ck, rk))  # one set of keys: share it
+        cols = rows if same else tuple(k.reshape(-1).long() for k in ck)
         return cls(num_rows=int(rk[0].numel()), num_cols=int(ck[0].numel()), self_offset=self_offset, row_keys=rows, col_keys=cols)
 
     @classmethod
