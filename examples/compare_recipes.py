@@ -12,7 +12,7 @@ import argparse
 import statistics
 import tempfile
 
-from torch_contrastive.train import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, Config, train
+from torch_contrastive.cli.train import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, Config, train
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 
-from torch_contrastive.bench import plan, worker
 from torch_contrastive.cli import main
+from torch_contrastive.cli.bench import plan, worker
 
 
 def test_worker_measures_one_case():

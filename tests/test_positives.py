@@ -1,4 +1,4 @@
-"""The positive structure: tiles, counts and aggregates agree with a dense mask."""
+"""The positive structure: tiles, counts and aggregates agree with a dense mask written from the definition."""
 
 from __future__ import annotations
 
@@ -8,62 +8,80 @@ import torch
 from torch_contrastive.positives import Positives
 
 
-def _dense(pos: Positives) -> torch.Tensor:
-    return pos.tile(0, pos.num_rows, 0, pos.num_cols)
+def _drop_self(mask: torch.Tensor, offset: int | None) -> torch.Tensor:
+    mask = mask.clone()
+    if offset is not None:
+        for i in range(mask.shape[0]):
+            if 0 <= i + offset < mask.shape[1]:
+                mask[i, i + offset] = False
+    return mask
 
 
 def _structures():
+    """name -> (Positives, expected dense bool mask built with loops from the definition)."""
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 4, (13,), generator=g)
     other = torch.randint(0, 5, (13,), generator=g)
     mask = torch.rand(5, 5, generator=g) > 0.5
+    pairs = torch.randint(0, 13, (20, 2), generator=g)
+    same = labels[:, None] == labels[None, :]
+    pair_mask = torch.zeros(13, 13, dtype=torch.bool)
+    for r, c in pairs.tolist():
+        pair_mask[r, c] = True
+    partner = torch.arange(12) ^ 1
+    partner_mask = torch.zeros(12, 12, dtype=torch.bool)
+    partner_mask[torch.arange(12), partner] = True
+    views = torch.tensor([[bool(mask[i % 5, j % 5]) for j in range(15)] for i in range(15)])
     return {
-        "labels": Positives.from_keys(labels),
-        "labels_offset": Positives.from_keys(labels[3:9], labels, self_offset=3),
-        "two_keys": Positives.from_keys((labels, other), self_offset=None),
-        "pairs": Positives.from_pairs(torch.randint(0, 13, (20, 2), generator=g), 13, 13),
-        "mask": Positives.from_sample_mask(mask, torch.arange(15) % 5, 15),
-        "mask_one": Positives.from_sample_mask(mask, torch.arange(5), 15),
+        "labels": (Positives.from_keys(labels), _drop_self(same, 0)),
+        "labels_offset": (Positives.from_keys(labels[3:9], labels, self_offset=3), _drop_self(same[3:9], 3)),
+        "two_keys": (Positives.from_keys((labels, other), self_offset=None), same | (other[:, None] == other[None, :])),
+        "two_keys_offset": (Positives.from_keys((labels[2:7], other[2:7]), (labels, other), self_offset=2),
+                            _drop_self((same | (other[:, None] == other[None, :]))[2:7], 2)),
+        "pairs": (Positives.from_pairs(pairs, 13, 13), _drop_self(pair_mask, 0)),
+        "pairs_two_set": (Positives.from_pairs(pairs, 13, 13, self_offset=None), pair_mask),
+        "partner": (Positives.from_partner(partner, 12), partner_mask),
+        "partner_offset": (Positives.from_partner(partner[4:8], 12, self_offset=4), partner_mask[4:8]),
+        "mask": (Positives.from_sample_mask(mask, torch.arange(15) % 5, 15), _drop_self(views, 0)),
+        "mask_one": (Positives.from_sample_mask(mask, torch.arange(5), 15), _drop_self(views[:5], 0)),
     }
 
 
 @pytest.mark.parametrize("name", list(_structures()))
 def test_tiles_counts_and_aggregate_agree_with_dense(name):
-    pos = _structures()[name]
-    dense = _dense(pos)
-    for tile in (1, 4, 7):
+    pos, expected = _structures()[name]
+    assert expected.shape == (pos.num_rows, pos.num_cols)
+    for tile in (1, 4, 7, 64):
         for r0 in range(0, pos.num_rows, tile):
             for c0 in range(0, pos.num_cols, tile):
                 r1, c1 = min(r0 + tile, pos.num_rows), min(c0 + tile, pos.num_cols)
-                assert torch.equal(pos.tile(r0, r1, c0, c1), dense[r0:r1, c0:c1])
-    assert torch.equal(pos.row_counts(), dense.sum(1))
+                assert torch.equal(pos.tile(r0, r1, c0, c1), expected[r0:r1, c0:c1]), (tile, r0, c0)
+    assert torch.equal(pos.row_counts(), expected.sum(1))
     cand = torch.randn(pos.num_cols, 3, dtype=torch.float64)
-    torch.testing.assert_close(pos.aggregate(cand), dense.double() @ cand)
-    if pos.kind != "mask":
-        assert torch.equal(pos.col_counts(), dense.sum(0))
+    torch.testing.assert_close(pos.aggregate(cand), expected.double() @ cand)
 
 
 def test_self_pairs_are_never_positive():
     pos = Positives.from_keys(torch.zeros(6, dtype=torch.int64))
-    assert not _dense(pos).diagonal().any()
+    assert not pos.tile(0, 6, 0, 6).diagonal().any()
     assert pos.row_counts().tolist() == [5] * 6
-
-
-def test_two_keys_are_or_combined():
-    img = torch.tensor([0, 0, 1, 2])
-    txt = torch.tensor([5, 6, 6, 7])
-    dense = _dense(Positives.from_keys((img, txt), self_offset=None))
-    expected = (img[:, None] == img[None]) | (txt[:, None] == txt[None])
-    assert torch.equal(dense, expected)
 
 
 def test_pairs_drop_duplicates_and_self():
     pos = Positives.from_pairs(torch.tensor([[0, 1], [0, 1], [2, 2], [3, 0]]), 4, 4)
     assert pos.row_counts().tolist() == [1, 0, 0, 1]
+    cand = torch.eye(4, dtype=torch.float64)
+    assert pos.aggregate(cand).tolist() == [[0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
 
 
-def test_identity_keys_aggregate_is_the_candidates_themselves():
-    keys = torch.arange(5)
-    pos = Positives.from_keys(keys, self_offset=None)
+def test_identity_partner_aggregate_is_the_candidates_themselves():
+    pos = Positives.from_partner(torch.arange(5), 5, self_offset=None)
     cand = torch.randn(5, 2)
     assert pos.aggregate(cand) is cand  # no copy for CLIP without ids
+
+
+def test_large_keys_group_correctly():
+    # Keys far apart and negative (hashes) must group by equality only.
+    keys = torch.tensor([2**62, -(2**62), 2**62, 7, -1, 7])
+    pos = Positives.from_keys(keys)
+    assert pos.row_counts().tolist() == [1, 0, 1, 1, 0, 1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_contrastive.cli import main
-from torch_contrastive.train import Config, augment, load_digits_split, train
+from torch_contrastive.cli.train import Config, augment, load_digits_split, train
 
 
 @pytest.mark.parametrize("loss", ["clip", "nt_xent", "nt_bxent", "supcon"])

@@ -1,23 +1,101 @@
-"""Input checks shared by every public entry point (SPEC section 7).
+"""Input checks shared by every public entry point (README, "Errors").
 
 Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError``
 (wrong shape or value) with a message that names the argument and says what was
 expected. None of them modifies its input.
+
+Two kinds of check:
+
+* metadata checks (type, dtype, ndim, shape, option values) run on the host and cost
+  no device work; they always run;
+* value checks (finite entries, index ranges, a positive tensor temperature) need
+  device values. They are collected as 0-dim flags in a :class:`Checks` object and
+  read back together in **one** transfer, so a call with ``validate=True`` makes at
+  most one host synchronisation; ``validate=False`` skips them all.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+#: Integer dtypes accepted for indices (``pos_indices``).
+INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+#: Dtypes accepted for labels and ids: integers, and bool for two classes.
+LABEL_DTYPES = (*INDEX_DTYPES, torch.bool)
+
+REDUCTIONS = ("mean", "sum", "none")
+GRAD_REDUCTIONS = ("mean", "sum")
+PAIRINGS = ("adjacent", "halves")
+CONTRAST_MODES = ("all", "one")
+
+#: Above this 1/tau a normalised loss could overflow fp32 (2 * scale + log N), so the
+#: output is checked too; below it the result is finite by construction.
+_SAFE_SCALE = 1e30
+
+
+class Checks:
+    """Device-side validity flags of one call, read back together.
+
+    ``add`` records a 0-dim bool tensor (True = bad) with a function that builds the
+    error message (called only on failure, when extra reads no longer matter).
+    ``flush`` reads every flag in one transfer -- and optionally one value the caller
+    needs on the host -- and raises the first error.
+    """
+
+    def __init__(self, enabled: bool, scope: Any = None) -> None:
+        self.enabled = bool(enabled)
+        self.scope = scope
+        self._flags: list[Tensor] = []
+        self._messages: list[Callable[[], str]] = []
+
+    def add(self, bad: Tensor, message: Callable[[], str]) -> None:
+        if self.enabled:
+            self._flags.append(bad.reshape(()))
+            self._messages.append(message)
+
+    def finite(self, x: Tensor, name: str) -> None:
+        """Every entry of ``x`` is finite."""
+        if not self.enabled:
+            return
+
+        def message() -> str:
+            rows = torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
+            return (f"{name} contains non-finite values (NaN or inf) in {int((~rows).sum())} of {x.shape[0]} rows "
+                    f"(first bad row: {int((~rows).nonzero()[0])})")
+
+        self.add(~torch.isfinite(x).all(), message)
+
+    def flush(self, value: Tensor | None = None) -> float | None:
+        """Read every flag (and ``value``) in one transfer; raise the first failure.
+
+        Under ``gather=True`` the flags are max-reduced over ranks first, so every rank
+        raises when any rank has bad input and none is left waiting in a collective.
+        """
+        if not self._flags and value is None:
+            return None
+        parts = [f.to(torch.float64) for f in self._flags]
+        if value is not None:
+            parts.append(value.detach().reshape(()).to(torch.float64))
+        packed = torch.stack(parts)
+        if self.scope is not None and self.scope.distributed and self._flags:
+            flags = packed[: len(self._flags)].clone()
+            self.scope.all_max(flags)
+            packed = torch.cat([flags, packed[len(self._flags) :]])
+        host = packed.tolist()
+        messages, self._flags, self._messages = self._messages, [], []
+        for bad, message in zip(host, messages):
+            if bad:
+                raise ValueError(message())
+        return host[-1] if value is not None else None
 
 
 def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int | None = 2) -> Tensor:
-    """A floating tensor with ``min_ndim <= ndim <= max_ndim``, at least one row, all finite."""
+    """A floating tensor with ``min_ndim <= ndim <= max_ndim`` and at least one row (metadata only)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -27,13 +105,6 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
         raise ValueError(f"{name} must have {expected} dimensions, got shape {tuple(x.shape)}")
     if x.shape[0] == 0 or x[0].numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
-    finite = torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
-        raise ValueError(
-            f"{name} contains non-finite values (NaN or inf) in {bad} of {x.shape[0]} rows "
-            f"(first bad row: {int((~finite).nonzero()[0])})"
-        )
     return x
 
 
@@ -41,33 +112,80 @@ def check_labels(labels: object, name: str, length: int, device: torch.device) -
     """A 1-D integer (or bool) tensor of ``length`` entries, returned as int64 on ``device``."""
     if not isinstance(labels, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(labels).__name__}")
-    if labels.dtype not in _INTEGER_DTYPES:
+    if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"{name} must have an integer dtype (class or id per row), got {labels.dtype}")
     if labels.ndim != 1 or labels.shape[0] != length:
         raise ValueError(f"{name} must have shape ({length},), got {tuple(labels.shape)}")
     return labels.to(device=device, dtype=torch.int64)
 
 
-def check_temperature(temperature: object, name: str = "temperature") -> Tensor:
-    """A positive finite float or 0-dim tensor; returns ``1 / temperature`` as a tensor.
+def check_pos_indices(pos_indices: object, n: int, device: torch.device, checks: Checks) -> Tensor:
+    """A (P, 2) integer tensor of (row, column) pairs in ``[0, n)``, as int64 on ``device``.
 
-    The result keeps the autograd graph of a tensor temperature, so its gradient is exact.
+    The range is a value check (recorded in ``checks``); until it is read, the returned
+    indices are clamped into range so that no kernel indexes out of bounds.
+    """
+    if not isinstance(pos_indices, Tensor):
+        raise TypeError(f"pos_indices must be a (P, 2) integer tensor, got {type(pos_indices).__name__}")
+    if pos_indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"pos_indices must have an integer dtype, got {pos_indices.dtype}")
+    if pos_indices.ndim != 2 or pos_indices.shape[1] != 2:
+        raise ValueError(f"pos_indices must have shape (P, 2), got {tuple(pos_indices.shape)}")
+    p = pos_indices.to(device=device, dtype=torch.int64)
+    if not checks.enabled or p.numel() == 0:
+        return p
+    checks.add(((p < 0) | (p >= n)).any(), lambda: (
+        f"pos_indices must lie in [0, {n}) (rows of embeddings), got values in [{int(p.min())}, {int(p.max())}]"))
+    return p.clamp(0, n - 1)
+
+
+def check_mask(mask: object, bsz: int, device: torch.device, checks: Checks) -> Tensor:
+    """A (bsz, bsz) mask of 0/1 (or bool) values, returned as bool on ``device``."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a ({bsz}, {bsz}) tensor, got {type(mask).__name__}")
+    if mask.shape != (bsz, bsz):
+        raise ValueError(f"mask must have shape ({bsz}, {bsz}), got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must contain only 0 and 1")
+    return mask.to(device=device) != 0
+
+
+def inverse_temperature(temperature: object, checks: Checks, *, name: str = "temperature",
+                        need_bound: bool = False) -> tuple[Tensor | float, float | None]:
+    """``1 / temperature`` and a host-side bound of it.
+
+    A Python float is checked on the host and returned as a float (exact gradient is
+    not needed). A 0-dim tensor keeps its autograd graph, so its gradient is exact;
+    its value is a value check. With ``need_bound`` (the caller's fast path depends
+    on the value) the checks are flushed now and the value read in the same single
+    transfer; otherwise the bound is ``None`` and nothing is read.
+
+    Returns:
+        ``(scale, bound)``: ``scale`` is ``1 / temperature`` (float or 0-dim tensor),
+        ``bound`` the value of ``scale`` if known on the host, else ``None``.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, Tensor)):
         raise TypeError(f"{name} must be a positive float or a 0-dim tensor, got {type(temperature).__name__}")
-    if isinstance(temperature, Tensor):
-        if temperature.numel() != 1 or temperature.ndim > 1:
-            raise ValueError(f"{name} must be a scalar (0-dim tensor), got shape {tuple(temperature.shape)}")
-        if not temperature.is_floating_point():
-            raise TypeError(f"{name} tensor must be floating point, got {temperature.dtype}")
-        value = float(temperature.detach())
-    else:
+    if not isinstance(temperature, Tensor):
         value = float(temperature)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {value}")
-    if isinstance(temperature, Tensor):
-        return 1.0 / temperature.reshape(())
-    return torch.tensor(1.0 / value, dtype=torch.float64)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be positive and finite, got {value}")
+        return 1.0 / value, 1.0 / value
+    if temperature.numel() != 1 or temperature.ndim > 1:
+        raise ValueError(f"{name} must be a scalar (0-dim tensor), got shape {tuple(temperature.shape)}")
+    if not temperature.is_floating_point():
+        raise TypeError(f"{name} tensor must be floating point, got {temperature.dtype}")
+    t = temperature.reshape(())
+    checks.add(~(torch.isfinite(t) & (t > 0)), lambda: f"{name} must be positive and finite, got {float(t.detach())}")
+    scale = 1.0 / t
+    if need_bound and checks.enabled:
+        return scale, checks.flush(scale)
+    return scale, None
+
+
+def output_needs_check(normalize: bool, bound: float | None) -> bool:
+    """Whether a finite-input loss could still overflow (raw dot products or a huge scale)."""
+    return not normalize or bound is None or bound > _SAFE_SCALE
 
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
@@ -88,7 +206,17 @@ def check_chunk_size(chunk_size: object) -> int | None:
     return chunk_size
 
 
+def check_options(*, reduction: object, chunk_size: object, grad_reduction: object, eps: object) -> None:
+    """The options every loss shares (also checked by the modules at construction)."""
+    check_choice(reduction, "reduction", REDUCTIONS)
+    check_choice(grad_reduction, "grad_reduction", GRAD_REDUCTIONS)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    check_chunk_size(chunk_size)
+
+
 def check_same_rows(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
+    """Equal batch sizes and feature shapes."""
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"{a_name} and {b_name} must have the same batch size, got {a.shape[0]} and {b.shape[0]}")
     if a.shape[1:] != b.shape[1:]:

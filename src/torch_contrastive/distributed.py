@@ -165,7 +165,7 @@ class Scope:
         if not torch.equal(lo, hi):
             raise ValueError(f"ranks disagree on {what}: this rank has {values}, others range {lo.tolist()} .. {hi.tolist()}")
 
-    def finish(self, local_sum: Tensor, normaliser: Tensor) -> Tensor:
+    def finish(self, local_sum: Tensor, normaliser: Tensor | float) -> Tensor:
         """``global_sum / global_normaliser`` on every rank, with the right gradient.
 
         ``local_sum`` is this rank's differentiable share; ``normaliser`` its share of
@@ -175,6 +175,8 @@ class Scope:
         """
         if not self.distributed:
             return local_sum / normaliser
+        if not isinstance(normaliser, Tensor):
+            normaliser = torch.tensor(float(normaliser), dtype=local_sum.dtype, device=local_sum.device)
         total_norm = self.total(normaliser)
         value = self.total(local_sum) / total_norm
         factor = self.world_size if self.grad_reduction == "mean" else 1

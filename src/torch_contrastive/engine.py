@@ -2,7 +2,7 @@
 
 Every loss of the package reduces to per-anchor statistics of the logit matrix
 ``S = scale * A @ B.T`` (R anchors, C candidates), which this module computes
-block by block without ever holding S (SPEC section 5):
+block by block without ever holding S (README, "Tiled engine"):
 
 :func:`logsumexp_rows`
     ``LSE_i = log sum_{j != self(i)} exp(S_ij)`` for every anchor, and optionally the
@@ -20,16 +20,23 @@ Both are ``torch.autograd.Function`` s: forward keeps only O(R + C) statistics, 
 recomputes each logit tile, forms the gradient tile G and accumulates
 ``dA += scale * G @ B``, ``dB += scale * G.T @ A`` and ``dscale += sum(G * A @ B.T)``.
 Inputs in fp16/bf16 are computed and accumulated in fp32; gradients are returned in
-the input dtype.
+the input dtype. ``scale`` stays a tensor throughout (it multiplies the anchors once,
+O(R * D)), so no value is ever read back to the host.
 
-Speed: when the inputs are L2-normalised every logit lies in ``[-scale, scale]``, so
-for ``scale <= 40`` in fp32 (tau >= 0.025) ``exp(S)`` itself can neither overflow nor
-underflow and no running maximum (not even a fixed shift) is needed. Then one ``exp``
-per element serves the row and the column soft-max, and in backward the gradient tile
-is that same ``exp`` scaled by ``u_i + v_j`` with ``u_i = g_i exp(-LSE_i)``. Single-set losses (A is B) visit only the
-upper-triangle tiles: ``S`` is symmetric, so one tile feeds the statistics of both
-its row block and its column block, and ``H = G + G.T`` feeds both ``dZ_I`` and
-``dZ_J``. Otherwise an online maximum keeps every ``exp`` finite; both are exact.
+Two log-sum-exp algorithms, chosen by the caller from a host-side bound on ``scale``:
+
+* **fixed** -- when the inputs are L2-normalised every logit lies in ``[-scale, scale]``,
+  so for ``scale <= 40`` in fp32 (tau >= 0.025) ``exp(S)`` itself can neither overflow
+  nor underflow and no running maximum (not even a fixed shift) is needed. Then one
+  ``exp`` per element serves the row and the column soft-max, and in backward the
+  gradient tile is that same ``exp`` scaled by ``u_i + v_j`` with
+  ``u_i = g_i exp(-LSE_i)``.
+* **online maximum** -- exact for any logit range (raw dot products, tau < 0.025, or a
+  scale whose value is not known on the host).
+
+Single-set losses (``symmetric=True``) visit only the upper-triangle tiles: ``S`` is
+symmetric, so one tile feeds the statistics of both its row block and its column
+block, and ``H = G + G.T`` feeds both ``dZ_I`` and ``dZ_J``.
 """
 
 from __future__ import annotations
@@ -37,15 +44,20 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+if TYPE_CHECKING:
+    from .positives import Positives
+
 __all__ = [
     "DEFAULT_TILE",
     "DENSE_BUDGET_BYTES",
+    "compute_dtype",
+    "fixed_scale_applies",
     "logsumexp_rows",
     "pairwise_rows",
     "resolve_tile",
@@ -65,6 +77,23 @@ DENSE_BUDGET_BYTES = int(os.environ.get("TORCH_CONTRASTIVE_DENSE_BUDGET", str(8 
 _MAX_FIXED_SCALE = {torch.float32: 40.0, torch.float64: 340.0}
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine computes in: fp64 stays fp64, everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fixed_scale_applies(bounded: bool, scale_bound: float | None, dtype: torch.dtype) -> bool:
+    """Whether the fixed (no-shift) algorithm is exact.
+
+    Args:
+        bounded: every input row has norm <= 1 (L2-normalised), so ``|S| <= scale``.
+        scale_bound: a host-side upper bound of ``scale`` (``None``: unknown, e.g. a
+            learnable temperature under ``validate=False``, which never reads it).
+        dtype: the input dtype.
+    """
+    return bounded and scale_bound is not None and scale_bound <= _MAX_FIXED_SCALE[compute_dtype(dtype)]
+
+
 def resolve_tile(chunk_size: int | None, rows: int, cols: int) -> int:
     """Tile edge for a problem of ``rows`` x ``cols`` logits.
 
@@ -78,23 +107,44 @@ def resolve_tile(chunk_size: int | None, rows: int, cols: int) -> int:
     return DEFAULT_TILE
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+Scale = Tensor | float
 
 
-def _to_compute(a: Tensor, b: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Inputs in the compute dtype (fp32 for fp16/bf16; no copy when already there)."""
-    cdtype = _compute_dtype(a.dtype)
-    return a.to(cdtype), b.to(cdtype), scale.detach().to(cdtype)
+def _to_compute(a: Tensor, b: Tensor, scale: Scale) -> tuple[Tensor, Tensor, Scale]:
+    """Inputs in the compute dtype (fp32 for fp16/bf16; no copy when already there).
+
+    A float scale stays a Python float: turning it into a device tensor would be a
+    host-to-device copy on every call.
+    """
+    cdtype = compute_dtype(a.dtype)
+    if isinstance(scale, Tensor):
+        scale = scale.detach().to(device=a.device, dtype=cdtype)
+    return a.to(cdtype), b.to(cdtype), scale
 
 
-def _blocks(n: int, tile: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n, tile):
-        yield start, min(start + tile, n)
+def _save(ctx: Any, scale: Scale, *tensors: Tensor) -> None:
+    """Save tensors for backward; a float scale goes on ``ctx`` (it is not a tensor)."""
+    ctx.float_scale = None if isinstance(scale, Tensor) else scale
+    ctx.save_for_backward(*tensors, *((scale,) if isinstance(scale, Tensor) else ()))
+
+
+def _saved(ctx: Any) -> tuple[list[Tensor], Scale]:
+    saved = list(ctx.saved_tensors)
+    if ctx.float_scale is not None:
+        return saved, ctx.float_scale
+    return saved[:-1], saved[-1]
+
+
+def _tiles(rows: int, cols: int, tile: int, symmetric: bool) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) of every tile to visit; only the upper triangle when symmetric."""
+    for r0 in range(0, rows, tile):
+        r1 = min(r0 + tile, rows)
+        for c0 in range(r0 if symmetric else 0, cols, tile):
+            yield r0, r1, c0, min(c0 + tile, cols)
 
 
 class _Buffers:
-    """Preallocated tile buffers, one per distinct (rows, cols) shape."""
+    """Preallocated tile buffers, one per distinct (rows, cols, slot)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
@@ -107,23 +157,29 @@ class _Buffers:
         return self._store[key]
 
 
-def _self_positions(
-    r0: int, r1: int, c0: int, c1: int, self_offset: int | None, device: torch.device | None = None
-) -> tuple[Tensor, Tensor] | None:
-    """Local (row, col) indices of self pairs inside tile [r0:r1, c0:c1], or None."""
+def _self_diagonal(tile: Tensor, r0: int, c0: int, self_offset: int | None) -> Tensor | None:
+    """Strided view of the self pairs inside a tile (anchor i is candidate i + self_offset).
+
+    A view, not index tensors: filling it is one strided write, and no index tensor is
+    built per tile. ``None`` when the tile holds no self pair.
+    """
     if self_offset is None:
         return None
-    lo = max(r0, c0 - self_offset)
-    hi = min(r1, c1 - self_offset)
-    if lo >= hi:
+    k = r0 + self_offset - c0
+    if k >= tile.shape[1] or -k >= tile.shape[0]:
         return None
-    rows = torch.arange(lo, hi, device=device)
-    return rows - r0, rows + self_offset - c0
+    return tile.diagonal(k)
 
 
-def _logits_tile(out: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """``out = scale * a @ b.T`` into a preallocated buffer (beta=0: the buffer is not read)."""
-    return torch.addmm(out, a, b.t(), beta=0, alpha=scale, out=out)
+def _logits_tile(out: Tensor, a_scaled: Tensor, b: Tensor) -> Tensor:
+    """``out = a_scaled @ b.T`` into a preallocated buffer."""
+    return torch.mm(a_scaled, b.t(), out=out)
+
+
+def _log_or_zero(log_sum: Tensor, total: Tensor) -> Tensor:
+    # A row with no candidate at all (a batch of one) has LSE = -inf; report 0 so that
+    # it can never turn into NaN downstream (every loss leaves such rows out).
+    return torch.where(total > 0, log_sum, torch.zeros_like(log_sum))
 
 
 # ---------------------------------------------------------------------------------
@@ -146,184 +202,205 @@ class _LSEPlan:
 
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, scale: Tensor, plan: _LSEPlan):  # type: ignore[override]
+    def forward(ctx, a: Tensor, b: Tensor, scale: Scale, plan: _LSEPlan):  # type: ignore[override]
         a_c, b_c, scale_c = _to_compute(a, b, scale)
-        row_lse, col_lse = _lse_forward(a_c, b_c, float(scale_c), plan)
+        forward = _lse_forward_fixed if plan.fixed else _lse_forward_online
+        row_lse, col_lse = forward(a_c * scale_c, b_c, plan)
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, b.dtype)
-        ctx.save_for_backward(a_c, b_c, scale_c, row_lse, col_lse if col_lse is not None else row_lse)
+        _save(ctx, scale_c, a_c, b_c, row_lse, col_lse if col_lse is not None else row_lse)
         return row_lse, (col_lse if col_lse is not None else row_lse.new_zeros(0))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_row: Tensor, g_col: Tensor):  # type: ignore[override]
         plan: _LSEPlan = ctx.plan
-        a_c, b_c, scale_c, row_lse, col_lse = ctx.saved_tensors
+        (a_c, b_c, row_lse, col_lse), scale_c = _saved(ctx)
         g_row = g_row.to(a_c.dtype)
         g_col_c = g_col.to(a_c.dtype) if plan.columns else None
         if g_col_c is not None and plan.column_comm is not None:
             # Every rank's tiles touch every column: they all need the full column gradient.
             g_col_c = g_col_c.clone()
             plan.column_comm.all_sum(g_col_c)
-        ga, gb, gscale = _lse_backward(a_c, b_c, scale_c, row_lse, col_lse if plan.columns else None, g_row, g_col_c, plan)
-        ga = ga.to(ctx.in_dtypes[0])
+        # The two directions' weights: row i's soft-max enters with g_row_i, column j's
+        # with g_col_j; a single set's columns are its rows.
         if plan.symmetric:
-            return ga, None, gscale.to(scale_c.dtype), None
-        return ga, gb.to(ctx.in_dtypes[1]), gscale, None
+            col = (g_row, row_lse)
+        elif g_col_c is not None:
+            col = (g_col_c, col_lse)
+        else:
+            col = None
+        backward = _lse_backward_fixed if plan.fixed else _lse_backward_online
+        gb_acc, ga_acc = backward(a_c * scale_c, a_c, b_c, (g_row, row_lse), col, plan)
+        return _finish_gradients(ctx, a_c, scale_c, gb_acc, ga_acc)
 
 
-def _empty_rows_to_zero(lse: Tensor, total: Tensor) -> Tensor:
-    # A row with no candidate at all (a batch of one) has LSE = -inf; report 0 so that
-    # it can never turn into NaN downstream (every loss leaves such rows out).
-    return torch.where(total > 0, lse, torch.zeros_like(lse))
+def _finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: Tensor | None):  # type: ignore[no-untyped-def]
+    """From ``G @ B`` and ``G.T @ A`` to the gradients of (A, B, scale, plan).
+
+    ``dscale = sum_ij G_ij a_i . b_j = sum_i a_i . (G @ B)_i``; in the symmetric case
+    (``ga_acc`` is None) the accumulator holds ``H @ Z`` with ``H = G + G.T``, which
+    counts every pair twice. A float scale gets no gradient.
+    """
+    gscale = None
+    if isinstance(scale, Tensor):
+        gscale = torch.linalg.vecdot(gb_acc, a).sum()
+        if ga_acc is None:
+            gscale = gscale / 2
+    ga = gb_acc.mul_(scale).to(ctx.in_dtypes[0])
+    gb = None if ga_acc is None else ga_acc.mul_(scale).to(ctx.in_dtypes[1])
+    return ga, gb, gscale, None
 
 
-def _lse_forward(a: Tensor, b: Tensor, scale: float, plan: _LSEPlan) -> tuple[Tensor, Tensor | None]:
-    R, C = a.shape[0], b.shape[0]
-    dtype, device = a.dtype, a.device
-    bufs = _Buffers(dtype, device)
-    row_sum = torch.zeros(R, dtype=dtype, device=device)
-    col_sum = torch.zeros(C, dtype=dtype, device=device) if plan.columns else None
-    T = plan.tile
-    if plan.fixed:
-        for r0, r1 in _blocks(R, T):
-            c_start = r0 if plan.symmetric else 0
-            for c0, c1 in _blocks(C, T):
-                if c1 <= c_start:
-                    continue
-                e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale).exp_()
-                diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
-                if diag is not None:
-                    e[diag] = 0
-                row_sum[r0:r1] += e.sum(1)
-                if plan.symmetric and c0 != r0:
-                    row_sum[c0:c1] += e.sum(0)
-                if col_sum is not None:
-                    col_sum[c0:c1] += e.sum(0)
-        row_lse = _empty_rows_to_zero(row_sum.log(), row_sum)
-        if col_sum is not None and plan.column_comm is not None:
-            plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
-        col_lse = None if col_sum is None else _empty_rows_to_zero(col_sum.log(), col_sum)
-        return row_lse, col_lse
+def _lse_forward_fixed(a_s: Tensor, b: Tensor, plan: _LSEPlan) -> tuple[Tensor, Tensor | None]:
+    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
+    R, C = a_s.shape[0], b.shape[0]
+    bufs = _Buffers(a_s.dtype, a_s.device)
+    row_sum = a_s.new_zeros(R)
+    col_sum = a_s.new_zeros(C) if plan.columns else None
+    for r0, r1, c0, c1 in _tiles(R, C, plan.tile, plan.symmetric):
+        e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+        diag = _self_diagonal(e, r0, c0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        row_sum[r0:r1] += e.sum(1)
+        if plan.symmetric and c0 != r0:
+            row_sum[c0:c1] += e.sum(0)
+        if col_sum is not None:
+            col_sum[c0:c1] += e.sum(0)
+    row_lse = _log_or_zero(row_sum.log(), row_sum)
+    if col_sum is None:
+        return row_lse, None
+    if plan.column_comm is not None:
+        plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
+    return row_lse, _log_or_zero(col_sum.log(), col_sum)
 
-    # Online maximum: exact for any logit range. A masked (self) entry is set to the
-    # lowest finite value for the max and zeroed after the exp, so no inf - inf.
+
+def _lse_forward_online(a_s: Tensor, b: Tensor, plan: _LSEPlan) -> tuple[Tensor, Tensor | None]:
+    """Running (maximum, shifted sum) per row and column: exact for any logit range.
+
+    A self entry is set to the lowest finite value before the maximum is taken and
+    zeroed after the exp, so no ``inf - inf`` can arise.
+    """
+    R, C = a_s.shape[0], b.shape[0]
+    dtype = a_s.dtype
+    bufs = _Buffers(dtype, a_s.device)
     low = torch.finfo(dtype).min
-    row_max = torch.full((R,), low, dtype=dtype, device=device)
-    col_max = torch.full((C,), low, dtype=dtype, device=device) if col_sum is not None else None
-    for r0, r1 in _blocks(R, T):
-        c_start = r0 if plan.symmetric else 0
-        for c0, c1 in _blocks(C, T):
-            if c1 <= c_start:
-                continue
-            s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], scale)
-            diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
-            if diag is not None:
-                s[diag] = low
-            _online_update(s, row_max, row_sum, r0, r1, diag, dim=1, work=bufs.get(r1 - r0, c1 - c0, 1))
-            if plan.symmetric and c0 != r0:
-                _online_update(s, row_max, row_sum, c0, c1, None, dim=0, work=bufs.get(r1 - r0, c1 - c0, 1))
-            if col_sum is not None and col_max is not None:
-                _online_update(s, col_max, col_sum, c0, c1, None, dim=0, work=bufs.get(r1 - r0, c1 - c0, 1))
-    row_lse = _empty_rows_to_zero(row_sum.log() + row_max, row_sum)
-    col_lse = None
-    if col_sum is not None and col_max is not None:
-        if plan.column_comm is not None:
-            # Bring every rank's partial sums to the global maximum, then add them.
-            global_max = col_max.clone()
-            plan.column_comm.all_max(global_max)
-            col_sum *= torch.exp(col_max - global_max)
-            plan.column_comm.all_sum(col_sum)
-            col_max = global_max
-        col_lse = _empty_rows_to_zero(col_sum.log() + col_max, col_sum)
-    return row_lse, col_lse
+    row_max, row_sum = a_s.new_full((R,), low), a_s.new_zeros(R)
+    col_max, col_sum = (a_s.new_full((C,), low), a_s.new_zeros(C)) if plan.columns else (None, None)
+    for r0, r1, c0, c1 in _tiles(R, C, plan.tile, plan.symmetric):
+        s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+        diag = _self_diagonal(s, r0, c0, plan.self_offset)
+        if diag is not None:
+            diag.fill_(low)
+        work = bufs.get(r1 - r0, c1 - c0, 1)
+        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work)
+        if plan.symmetric and c0 != r0:
+            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work)
+        if col_max is not None and col_sum is not None:
+            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work)
+    row_lse = _log_or_zero(row_sum.log() + row_max, row_sum)
+    if col_max is None or col_sum is None:
+        return row_lse, None
+    if plan.column_comm is not None:
+        # Bring every rank's partial sums to the global maximum, then add them.
+        global_max = col_max.clone()
+        plan.column_comm.all_max(global_max)
+        col_sum *= torch.exp(col_max - global_max)
+        plan.column_comm.all_sum(col_sum)
+        col_max = global_max
+    return row_lse, _log_or_zero(col_sum.log() + col_max, col_sum)
 
 
 def _online_update(
-    s: Tensor, run_max: Tensor, run_sum: Tensor, i0: int, i1: int,
-    diag: tuple[Tensor, Tensor] | None, dim: int, work: Tensor,
+    s: Tensor, run_max: Tensor, run_sum: Tensor, i0: int, i1: int, other0: int,
+    self_offset: int | None, dim: int, work: Tensor,
 ) -> None:
-    """Fold one tile into running (max, sum-exp) statistics along ``dim``."""
+    """Fold one tile into running (max, sum-exp) statistics along ``dim``.
+
+    ``i0:i1`` are the statistics' indices (rows for ``dim=1``, columns for ``dim=0``);
+    ``other0`` is the first index of the other axis; ``self_offset`` (rows only) marks
+    self entries whose exp must be zeroed.
+    """
     tile_max = s.amax(dim)
     new_max = torch.maximum(run_max[i0:i1], tile_max)
     run_sum[i0:i1] *= torch.exp(run_max[i0:i1] - new_max)
     shifted = torch.sub(s, new_max[:, None] if dim == 1 else new_max[None, :], out=work).exp_()
+    diag = _self_diagonal(shifted, i0, other0, self_offset)
     if diag is not None:
-        shifted[diag] = 0
+        diag.zero_()
     run_sum[i0:i1] += shifted.sum(dim)
     run_max[i0:i1] = new_max
 
 
-def _lse_backward(
-    a: Tensor, b: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor | None,
-    g_row: Tensor, g_col: Tensor | None, plan: _LSEPlan,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``sum_i g_row_i LSE_i (+ sum_j g_col_j colLSE_j)``.
+_Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-exp)
 
-    G_ij = g_row_i softmax_row_ij + g_col_j softmax_col_ij (self pairs zero);
-    dA = scale * G @ B, dB = scale * G.T @ A, dscale = sum_i a_i . (G @ B)_i.
+
+def _lse_backward_fixed(
+    a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None, plan: _LSEPlan,
+) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
+
+    ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
+    directions.
     """
     R, C = a.shape[0], b.shape[0]
-    dtype, device = a.dtype, a.device
-    bufs = _Buffers(dtype, device)
-    scale_f = float(scale)
+    bufs = _Buffers(a.dtype, a.device)
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
     ga_acc = None if plan.symmetric else torch.zeros_like(b)  # G.T @ A
-    T = plan.tile
-    if plan.fixed:
-        # exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i): one exp per element serves rows and columns.
-        u = g_row * torch.exp(-row_lse)
-        v = u if plan.symmetric else (g_col * torch.exp(-col_lse) if g_col is not None and col_lse is not None else None)
-    for r0, r1 in _blocks(R, T):
-        c_start = r0 if plan.symmetric else 0
-        for c0, c1 in _blocks(C, T):
-            if c1 <= c_start:
-                continue
-            diag = _self_positions(r0, r1, c0, c1, plan.self_offset, device)
-            g = bufs.get(r1 - r0, c1 - c0)
-            if plan.fixed:
-                _logits_tile(g, a[r0:r1], b[c0:c1], scale_f).exp_()
-                weight = bufs.get(r1 - r0, c1 - c0, 1)
-                if v is not None:
-                    torch.add(u[r0:r1, None], v[None, c0:c1], out=weight)
-                    g.mul_(weight)
-                else:
-                    g.mul_(u[r0:r1, None])
-            else:
-                s = _logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a[r0:r1], b[c0:c1], scale_f)
-                torch.sub(s, row_lse[r0:r1, None], out=g).exp_().mul_(g_row[r0:r1, None])
-                other = None
-                if plan.symmetric:
-                    other = (g_row, row_lse)
-                elif g_col is not None and col_lse is not None:
-                    other = (g_col, col_lse)
-                if other is not None:
-                    s.sub_(other[1][None, c0:c1]).exp_().mul_(other[0][None, c0:c1])
-                    g.add_(s)
-            if diag is not None:
-                g[diag] = 0
-            gb_acc[r0:r1].addmm_(g, b[c0:c1])
-            if plan.symmetric:
-                if c0 != r0:
-                    gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])
-            elif ga_acc is not None:
-                ga_acc[c0:c1].addmm_(g.t(), a[r0:r1])
+    u = row[0] * torch.exp(-row[1])
+    v = None if col is None else col[0] * torch.exp(-col[1])
+    for r0, r1, c0, c1 in _tiles(R, C, plan.tile, plan.symmetric):
+        g = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+        if v is not None:
+            g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1], out=bufs.get(r1 - r0, c1 - c0, 1)))
+        else:
+            g.mul_(u[r0:r1, None])
+        _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+    return gb_acc, ga_acc
+
+
+def _lse_backward_online(
+    a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None, plan: _LSEPlan,
+) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
+    R, C = a.shape[0], b.shape[0]
+    bufs = _Buffers(a.dtype, a.device)
+    gb_acc = torch.zeros_like(a)
+    ga_acc = None if plan.symmetric else torch.zeros_like(b)
+    g_row, row_lse = row
+    for r0, r1, c0, c1 in _tiles(R, C, plan.tile, plan.symmetric):
+        s = _logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a_s[r0:r1], b[c0:c1])
+        g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0)).exp_().mul_(g_row[r0:r1, None])
+        if col is not None:
+            g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
+        _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+    return gb_acc, ga_acc
+
+
+def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
+                r0: int, r1: int, c0: int, c1: int, plan: _LSEPlan) -> None:
+    """Zero the self pairs of a gradient tile and add it into both accumulators."""
+    diag = _self_diagonal(g, r0, c0, plan.self_offset)
+    if diag is not None:
+        diag.zero_()
+    gb_acc[r0:r1].addmm_(g, b[c0:c1])
     if plan.symmetric:
-        # H = G + G.T, so sum_ij G_ij z_i.z_j is half of sum_i z_i.(H Z)_i.
-        gscale = torch.linalg.vecdot(gb_acc, a).sum() / 2
-        return gb_acc.mul_(scale), gb_acc, gscale
-    gscale = torch.linalg.vecdot(gb_acc, a).sum()
-    return gb_acc.mul_(scale), ga_acc.mul_(scale), gscale  # type: ignore[union-attr]
+        if c0 != r0:
+            gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])
+    elif ga_acc is not None:
+        ga_acc[c0:c1].addmm_(g.t(), a[r0:r1])
 
 
 def logsumexp_rows(
     anchors: Tensor,
     candidates: Tensor,
-    scale: Tensor,
+    scale: Scale,
     *,
     self_offset: int | None,
+    symmetric: bool = False,
     columns: bool = False,
-    bounded: bool = False,
+    fixed: bool = False,
     chunk_size: int | None = None,
     column_comm: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -331,16 +408,18 @@ def logsumexp_rows(
 
     Args:
         anchors: (R, D) tensor, any float dtype.
-        candidates: (C, D) tensor. Pass the *same tensor object* as ``anchors`` with
-            ``self_offset=0`` for a single-set loss: the symmetric path then visits
-            only the upper-triangle tiles.
-        scale: 0-dim tensor, ``1 / temperature`` (gradients flow to it).
+        candidates: (C, D) tensor.
+        scale: ``1 / temperature``: a float, or a 0-dim tensor (gradients flow to it;
+            its value is never read on the host).
         self_offset: anchor ``i`` is candidate ``i + self_offset``; that entry is
             left out of row ``i``. ``None``: nothing is left out.
+        symmetric: ``candidates`` are the anchors themselves (single-set losses on one
+            process, ``self_offset=0``): only the upper-triangle tiles are visited and
+            no gradient is returned for ``candidates`` (it is ``anchors``' gradient).
         columns: also return ``log sum_i exp(S_ij)`` for every candidate (requires
             ``self_offset=None``).
-        bounded: rows of both inputs have norm <= 1, so ``|S| <= scale`` and, for small
-            enough ``scale``, plain ``exp(S)`` replaces the online maximum.
+        fixed: use plain ``exp(S)`` without a shift; only exact when every row has
+            norm <= 1 and the scale is small (see :func:`fixed_scale_applies`).
         chunk_size: tile edge (see :func:`resolve_tile`).
         column_comm: for ``columns=True`` in distributed training, an object with in-place
             ``all_sum``/``all_max`` over ranks: each rank passes its own anchor rows and
@@ -356,11 +435,9 @@ def logsumexp_rows(
     """
     if columns and self_offset is not None:
         raise ValueError("columns=True needs self_offset=None (two-set losses only)")
+    if symmetric and (self_offset != 0 or columns or anchors.shape != candidates.shape):
+        raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
     R, C = anchors.shape[0], candidates.shape[0]
-    symmetric = anchors is candidates and self_offset == 0 and not columns
-    cdtype = _compute_dtype(anchors.dtype)
-    scale_value = float(scale.detach())
-    fixed = bounded and scale_value <= _MAX_FIXED_SCALE[cdtype]
     plan = _LSEPlan(self_offset, columns, symmetric, resolve_tile(chunk_size, R, C), fixed, column_comm if columns else None)
     row_lse, col_lse = _LogSumExp.apply(anchors, candidates, scale, plan)
     return row_lse, (col_lse if columns else None)
@@ -375,11 +452,10 @@ class _PairKernel:
     Pass 1: ``L_i = log sum_{n in N(i)} exp(S_in)`` over the negatives of row i.
     Pass 2: ``out_i = sum_{p in P(i)} softplus(L_i - S_ip)`` (= ``-log(e^S_ip /
     (e^S_ip + sum_n e^S_in))``) and ``w_i = sum_p sigmoid(L_i - S_ip)`` for backward.
-    Rows without negatives contribute exactly 0.
+    Rows without negatives contribute exactly 0 (and get no gradient).
     """
 
     passes = 2
-    n_outputs = 1
 
     def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
         low = torch.finfo(dtype).min
@@ -433,7 +509,6 @@ class _BinaryKernel:
     """
 
     passes = 1
-    n_outputs = 2
 
     def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
         self.pos = torch.zeros(rows, dtype=dtype, device=device)
@@ -464,64 +539,62 @@ _KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKerne
 @dataclass(frozen=True)
 class _PairwisePlan:
     kernel: str
-    positives: object  # Positives (kept untyped here to avoid an import cycle)
+    positives: Positives
     tile: int
 
 
-def _masks(positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor]:  # type: ignore[no-untyped-def]
-    """(positive, negative) float masks of a tile; the self pair is in neither."""
+def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor]:
+    """(positive, negative) bool masks of a tile; the self pair is in neither."""
     pos = positives.tile(r0, r1, c0, c1)
     neg = ~pos
-    diag = _self_positions(r0, r1, c0, c1, positives.self_offset, pos.device)
+    diag = _self_diagonal(neg, r0, c0, positives.self_offset)
     if diag is not None:
-        neg[diag] = False
+        diag.fill_(False)
     return pos, neg
 
 
 class _Pairwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, scale: Tensor, plan: _PairwisePlan):  # type: ignore[override]
+    def forward(ctx, a: Tensor, b: Tensor, scale: Scale, plan: _PairwisePlan):  # type: ignore[override]
         a_c, b_c, scale_c = _to_compute(a, b, scale)
-        cdtype = a_c.dtype
-        kernel = _KERNELS[plan.kernel](a.shape[0], cdtype, a.device)
-        bufs = _Buffers(cdtype, a.device)
+        a_s = a_c * scale_c
+        kernel = _KERNELS[plan.kernel](a.shape[0], a_c.dtype, a.device)
+        bufs = _Buffers(a_c.dtype, a.device)
         for p in range(kernel.passes):
-            for r0, r1 in _blocks(a.shape[0], plan.tile):
-                for c0, c1 in _blocks(b.shape[0], plan.tile):
-                    s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_c[r0:r1], b_c[c0:c1], float(scale_c))
-                    pos, neg = _masks(plan.positives, r0, r1, c0, c1)
-                    kernel.visit(p, s, pos, neg, r0, r1)
+            for r0, r1, c0, c1 in _tiles(a.shape[0], b.shape[0], plan.tile, False):
+                s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
+                pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+                kernel.visit(p, s, pos, neg, r0, r1)
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, b.dtype)
-        ctx.save_for_backward(a_c, b_c, scale_c, *kernel.saved())
+        _save(ctx, scale_c, a_c, b_c, *kernel.saved())
         return kernel.outputs()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: Tensor):  # type: ignore[override]
         plan: _PairwisePlan = ctx.plan
-        a, b, scale, *saved = ctx.saved_tensors
+        (a, b, *saved), scale = _saved(ctx)
         grads = tuple(g.to(a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
+        a_s = a * scale
         gb = torch.zeros_like(a)
         ga = torch.zeros_like(b)
         bufs = _Buffers(a.dtype, a.device)
-        for r0, r1 in _blocks(a.shape[0], plan.tile):
-            for c0, c1 in _blocks(b.shape[0], plan.tile):
-                s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a[r0:r1], b[c0:c1], float(scale))
-                pos, neg = _masks(plan.positives, r0, r1, c0, c1)
-                g = kernel.grad_tile(s, pos, neg, r0, r1, tuple(saved), grads)
-                gb[r0:r1].addmm_(g, b[c0:c1])
-                ga[c0:c1].addmm_(g.t(), a[r0:r1])
-        gscale = torch.linalg.vecdot(gb, a).sum()
-        return gb.mul_(scale).to(ctx.in_dtypes[0]), ga.mul_(scale).to(ctx.in_dtypes[1]), gscale, None
+        for r0, r1, c0, c1 in _tiles(a.shape[0], b.shape[0], plan.tile, False):
+            s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+            pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+            g = kernel.grad_tile(s, pos, neg, r0, r1, tuple(saved), grads)
+            gb[r0:r1].addmm_(g, b[c0:c1])
+            ga[c0:c1].addmm_(g.t(), a[r0:r1])
+        return _finish_gradients(ctx, a, scale, gb, ga)
 
 
 def pairwise_rows(
     anchors: Tensor,
     candidates: Tensor,
-    scale: Tensor,
-    positives: object,
+    scale: Scale,
+    positives: Positives,
     *,
     kernel: str,
     chunk_size: int | None = None,
@@ -529,7 +602,7 @@ def pairwise_rows(
     """Per-row statistics that need the positive mask in every tile.
 
     Args:
-        anchors: (R, D); candidates: (C, D); scale: 0-dim ``1 / temperature``.
+        anchors: (R, D); candidates: (C, D); scale: ``1 / temperature``, float or 0-dim tensor.
         positives: a :class:`~torch_contrastive.positives.Positives` for R x C.
         kernel: ``"pair_softplus"`` (returns ``(sum_p softplus(L_i - S_ip),)``, the
             pytorch-metric-learning NT-Xent numerators) or ``"binary"`` (returns

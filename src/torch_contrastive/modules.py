@@ -1,16 +1,22 @@
 """``nn.Module`` twins of the functional losses: they only hold hyper-parameters.
 
-Each module stores its options and, optionally, a learnable temperature in CLIP's
-parameterisation (``logit_scale = log(1 / tau)``, initialised from ``temperature``
-and clamped at ``log(100)`` when used, as OpenAI's CLIP does). ``forward`` accepts
-the call forms of the peer libraries: ``loss(embeddings, labels)``
-(pytorch-metric-learning), ``loss(features, labels)`` / ``loss(features, mask=...)``
-(the SupCon authors), ``loss(image_features, text_features)`` (open_clip).
+Each module stores its options -- validated once, at construction -- and, optionally,
+a learnable temperature in CLIP's parameterisation (``logit_scale = log(1 / tau)``,
+initialised from ``temperature`` and clamped at ``log(100)`` when used, as OpenAI's
+CLIP does). ``forward`` accepts the call forms of the peer libraries:
+``loss(embeddings, labels)`` (pytorch-metric-learning), ``loss(features, labels)`` /
+``loss(features, mask=...)`` (the SupCon authors), ``loss(image_features,
+text_features)`` (open_clip).
+
+Options shared by every module (keyword-only): ``normalize``, ``reduction``,
+``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate`` and
+``learnable_temperature``; see :func:`~torch_contrastive.nt_xent_loss`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,17 +30,31 @@ __all__ = ["ClipLoss", "ImageTextContrastiveLoss", "NTBXentLoss", "NTXentLoss", 
 MAX_LOGIT_SCALE = math.log(100.0)
 
 
-class _Temperature(nn.Module):
-    """Holds a fixed temperature or a learnable ``logit_scale`` (one level, no deeper)."""
+def _check_temperature(temperature: object, name: str = "temperature") -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"{name} must be a positive float, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"{name} must be positive and finite, got {temperature}")
+    return float(temperature)
 
-    def __init__(self, temperature: float, learnable: bool) -> None:
+
+class _Loss(nn.Module):
+    """Common state: a fixed temperature or a learnable ``logit_scale``, and the shared options."""
+
+    def __init__(self, temperature: float, *, learnable_temperature: bool = False, normalize: bool = True,
+                 reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
+                 grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True) -> None:
         super().__init__()
-        v.check_temperature(temperature)
-        self.learnable = bool(learnable)
+        temperature = _check_temperature(temperature)
+        v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+        self.learnable = bool(learnable_temperature)
         if self.learnable:
-            self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / float(temperature))))
+            self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
         else:
-            self.fixed_temperature = float(temperature)
+            self.fixed_temperature = temperature
+        self.options: dict[str, Any] = dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size,
+                                            gather=bool(gather), grad_reduction=grad_reduction, eps=float(eps),
+                                            validate=bool(validate))
 
     @property
     def temperature(self) -> float | Tensor:
@@ -43,13 +63,15 @@ class _Temperature(nn.Module):
             return torch.exp(-self.logit_scale.clamp(max=MAX_LOGIT_SCALE))
         return self.fixed_temperature
 
-    def _common(self) -> str:
-        if self.learnable:
-            return f"logit_scale={float(self.logit_scale.detach()):.4f}"
-        return f"temperature={self.fixed_temperature}"
+    def extra_repr(self) -> str:
+        head = f"logit_scale={float(self.logit_scale.detach()):.4f}" if self.learnable else f"temperature={self.fixed_temperature}"
+        return ", ".join([head, *(f"{k}={val!r}" for k, val in self._own_options().items()), f"reduction={self.options['reduction']!r}"])
+
+    def _own_options(self) -> dict[str, Any]:
+        return {}
 
 
-class NTXentLoss(_Temperature):
+class NTXentLoss(_Loss):
     """Module form of :func:`~torch_contrastive.nt_xent_loss`.
 
     Example:
@@ -58,43 +80,29 @@ class NTXentLoss(_Temperature):
         >>> loss = loss_fn(embeddings, labels)                 # pytorch-metric-learning form
     """
 
-    def __init__(self, temperature: float = 0.5, *, pairing: str = "adjacent", normalize: bool = True,
-                 reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
-                 grad_reduction: str = "mean", learnable_temperature: bool = False) -> None:
-        super().__init__(temperature, learnable_temperature)
-        self.pairing, self.normalize, self.reduction = pairing, normalize, reduction
-        self.chunk_size, self.gather, self.grad_reduction = chunk_size, gather, grad_reduction
+    def __init__(self, temperature: float = 0.5, *, pairing: str = "adjacent", **options: Any) -> None:
+        super().__init__(temperature, **options)
+        self.pairing = v.check_choice(pairing, "pairing", v.PAIRINGS)
 
     def forward(self, embeddings: Tensor, labels: Tensor | None = None) -> Tensor:
-        return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing,
-                            normalize=self.normalize, reduction=self.reduction, chunk_size=self.chunk_size,
-                            gather=self.gather, grad_reduction=self.grad_reduction)
+        return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing, **self.options)
 
-    def extra_repr(self) -> str:
-        return f"{self._common()}, pairing={self.pairing!r}, reduction={self.reduction!r}"
+    def _own_options(self) -> dict[str, Any]:
+        return {"pairing": self.pairing}
 
 
-class NTBXentLoss(_Temperature):
+class NTBXentLoss(_Loss):
     """Module form of :func:`~torch_contrastive.nt_bxent_loss`: ``loss(embeddings, pos_indices)``
     or ``loss(embeddings, labels=labels)``."""
 
-    def __init__(self, temperature: float = 0.5, *, normalize: bool = True, reduction: str = "mean",
-                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean",
-                 learnable_temperature: bool = False) -> None:
-        super().__init__(temperature, learnable_temperature)
-        self.normalize, self.reduction, self.chunk_size = normalize, reduction, chunk_size
-        self.gather, self.grad_reduction = gather, grad_reduction
+    def __init__(self, temperature: float = 0.5, **options: Any) -> None:
+        super().__init__(temperature, **options)
 
     def forward(self, embeddings: Tensor, pos_indices: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
-        return nt_bxent_loss(embeddings, pos_indices, self.temperature, labels=labels, normalize=self.normalize,
-                             reduction=self.reduction, chunk_size=self.chunk_size, gather=self.gather,
-                             grad_reduction=self.grad_reduction)
-
-    def extra_repr(self) -> str:
-        return f"{self._common()}, reduction={self.reduction!r}"
+        return nt_bxent_loss(embeddings, pos_indices, self.temperature, labels=labels, **self.options)
 
 
-class ImageTextContrastiveLoss(_Temperature):
+class ImageTextContrastiveLoss(_Loss):
     """Module form of :func:`~torch_contrastive.image_text_contrastive_loss` (alias ``ClipLoss``).
 
     ``learnable_temperature=True`` owns CLIP's ``logit_scale`` (init ``log(1/0.07)``,
@@ -105,28 +113,18 @@ class ImageTextContrastiveLoss(_Temperature):
         >>> loss = loss_fn(image_features, text_features, text_id=text_ids(captions))
     """
 
-    def __init__(self, temperature: float = 0.07, *, normalize: bool = True, reduction: str = "mean",
-                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean",
-                 learnable_temperature: bool = False) -> None:
-        super().__init__(temperature, learnable_temperature)
-        self.normalize, self.reduction, self.chunk_size = normalize, reduction, chunk_size
-        self.gather, self.grad_reduction = gather, grad_reduction
+    def __init__(self, temperature: float = 0.07, **options: Any) -> None:
+        super().__init__(temperature, **options)
 
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
                 text_id: Tensor | None = None) -> Tensor:
-        return image_text_contrastive_loss(image_features, text_features, self.temperature, image_id, text_id,
-                                           normalize=self.normalize, reduction=self.reduction,
-                                           chunk_size=self.chunk_size, gather=self.gather,
-                                           grad_reduction=self.grad_reduction)
-
-    def extra_repr(self) -> str:
-        return f"{self._common()}, reduction={self.reduction!r}"
+        return image_text_contrastive_loss(image_features, text_features, self.temperature, image_id, text_id, **self.options)
 
 
 ClipLoss = ImageTextContrastiveLoss
 
 
-class SupConLoss(_Temperature):
+class SupConLoss(_Loss):
     """Module form of :func:`~torch_contrastive.supcon_loss`.
 
     ``loss(features, labels)`` with (bsz, n_views, D) features as in the authors' code,
@@ -134,21 +132,14 @@ class SupConLoss(_Temperature):
     """
 
     def __init__(self, temperature: float = 0.07, *, base_temperature: float | None = None,
-                 contrast_mode: str = "all", normalize: bool = True, reduction: str = "mean",
-                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean",
-                 learnable_temperature: bool = False) -> None:
-        super().__init__(temperature, learnable_temperature)
-        if base_temperature is not None:
-            v.check_temperature(base_temperature, "base_temperature")
-        v.check_choice(contrast_mode, "contrast_mode", ("all", "one"))
-        self.base_temperature, self.contrast_mode = base_temperature, contrast_mode
-        self.normalize, self.reduction, self.chunk_size = normalize, reduction, chunk_size
-        self.gather, self.grad_reduction = gather, grad_reduction
+                 contrast_mode: str = "all", **options: Any) -> None:
+        super().__init__(temperature, **options)
+        self.base_temperature = None if base_temperature is None else _check_temperature(base_temperature, "base_temperature")
+        self.contrast_mode = v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
 
     def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         return supcon_loss(features, labels, mask, self.temperature, base_temperature=self.base_temperature,
-                           contrast_mode=self.contrast_mode, normalize=self.normalize, reduction=self.reduction,
-                           chunk_size=self.chunk_size, gather=self.gather, grad_reduction=self.grad_reduction)
+                           contrast_mode=self.contrast_mode, **self.options)
 
-    def extra_repr(self) -> str:
-        return f"{self._common()}, base_temperature={self.base_temperature}, contrast_mode={self.contrast_mode!r}"
+    def _own_options(self) -> dict[str, Any]:
+        return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode}

@@ -10,13 +10,15 @@ object instead of building an N x N mask. The object can
   turns the positive part of a soft-max loss, ``sum_p s_ip``, into an O(N * D)
   computation that needs no tiles at all.
 
-Three kinds of relation cover every convention in the seeds:
+Four kinds of relation cover every convention in the seeds:
 
+``partner``
+    Exactly one positive per anchor, ``partner[i]`` (pairing rules ``adjacent`` and
+    ``halves`` of seeds 000/001/003, CLIP without ids): aggregates are a gather.
 ``keys``
     ``i ~ j`` iff ``row_key[i] == col_key[j]`` for at least one of up to two key
-    pairs. Pairing rules (``adjacent``: key ``i // 2``; ``halves``: key ``i mod N``),
-    class labels, SupCon views (key = sample index) and the image/text ids of
-    seed 002 (image ids OR text ids) are all key relations.
+    pairs: class labels, SupCon views (key = sample index) and the image/text ids of
+    seed 002 (image ids OR text ids).
 ``pairs``
     An explicit, directional list of (row, column) index pairs (seed 000's
     ``pos_indices``).
@@ -28,6 +30,11 @@ Anchors may be a slice of the candidates (single-set losses, and the local rows 
 one rank in distributed training): ``self_offset`` then says that anchor ``i`` *is*
 candidate ``i + self_offset``. :meth:`tile`, :meth:`row_counts` and
 :meth:`aggregate` always leave that self pair out.
+
+Nothing here reads a device value on the host or makes a shape depend on data:
+groups of equal keys come from a sort (not ``torch.unique``), duplicate and self
+pairs get a zero weight instead of being filtered out. So a loss built on it makes
+no host synchronisation and can be compiled with ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -45,18 +52,21 @@ __all__ = ["Positives"]
 class Positives:
     """Description of the positive relation between R anchors and C candidates.
 
-    Build it with the class methods (:meth:`from_keys`, :meth:`from_pairs`,
-    :meth:`from_sample_mask`) rather than the constructor.
+    Build it with the class methods (:meth:`from_partner`, :meth:`from_keys`,
+    :meth:`from_pairs`, :meth:`from_sample_mask`) rather than the constructor.
 
     Attributes:
         num_rows: R, the number of anchors.
         num_cols: C, the number of candidates.
         self_offset: anchor ``i`` is candidate ``i + self_offset``; ``None`` when
             anchors and candidates are different sets (image-text).
+        partner: for ``partner`` relations, the (R,) int64 column of each anchor's
+            only positive (never its self column).
         row_keys: for ``keys`` relations, a tuple of (R,) int64 tensors.
         col_keys: for ``keys`` relations, a tuple of (C,) int64 tensors, same length.
-        pairs: for ``pairs`` relations, a (P, 2) int64 tensor of unique
-            (row, column) pairs without self pairs.
+        pairs: for ``pairs`` relations, a (P, 2) int64 tensor of (row, column) pairs.
+        pair_weight: for ``pairs`` relations, (P,) 1 for a pair that counts, 0 for a
+            self pair or a repeat of an earlier pair.
         sample_mask: for ``mask`` relations, a (bsz, bsz) bool tensor; anchor ``i``
             is sample ``row_sample[i]``, candidate ``j`` is sample ``j % bsz``.
         row_sample: for ``mask`` relations, the (R,) sample index of every anchor.
@@ -65,13 +75,25 @@ class Positives:
     num_rows: int
     num_cols: int
     self_offset: int | None
+    partner: Tensor | None = None
     row_keys: tuple[Tensor, ...] = ()
     col_keys: tuple[Tensor, ...] = ()
     pairs: Tensor | None = None
+    pair_weight: Tensor | None = None
     sample_mask: Tensor | None = None
     row_sample: Tensor | None = None
 
     # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_partner(cls, partner: Tensor, num_cols: int, *, self_offset: int | None = 0) -> Positives:
+        """One positive per anchor: column ``partner[i]`` (which must not be the self column).
+
+        Pairing rules (``adjacent``: ``i ^ 1``; ``halves``: ``(i + N) mod 2N``) and
+        CLIP without ids (``partner[i] = i``, ``self_offset=None``).
+        """
+        p = partner.reshape(-1).long()
+        return cls(num_rows=int(p.numel()), num_cols=num_cols, self_offset=self_offset, partner=p)
+
     @classmethod
     def from_keys(
         cls,
@@ -94,22 +116,27 @@ class Positives:
         if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
         rows = tuple(k.reshape(-1).long() for k in rk)
-        same = col_keys is None or all(c is r for c, r in zip(ck, rk))  # one set of keys: share it
-        cols = rows if same else tuple(k.reshape(-1).long() for k in ck)
-        return cls(num_rows=int(rk[0].numel()), num_cols=int(ck[0].numel()), self_offset=self_offset, row_keys=rows, col_keys=cols)
+        cols = tuple(k.reshape(-1).long() for k in ck)
+        return cls(num_rows=int(rows[0].numel()), num_cols=int(cols[0].numel()), self_offset=self_offset, row_keys=rows, col_keys=cols)
 
     @classmethod
     def from_pairs(cls, pairs: Tensor, num_rows: int, num_cols: int, *, self_offset: int | None = 0) -> Positives:
         """Positives from an explicit (P, 2) list of directional (row, column) pairs.
 
-        Duplicates and self pairs are dropped (the self pair is handled by each loss).
+        Repeated pairs count once and self pairs not at all (the self pair is handled
+        by each loss); both only get a zero weight, so no shape depends on the data.
         """
         p = pairs.reshape(-1, 2).long()
-        if self_offset is not None and p.numel():
-            p = p[p[:, 1] != p[:, 0] + self_offset]
-        if p.numel():
-            p = torch.unique(p, dim=0)
-        return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, pairs=p)
+        weight = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
+        if p.shape[0]:
+            code = p[:, 0] * num_cols + p[:, 1]
+            sorted_code, order = torch.sort(code, stable=True)
+            first = torch.ones_like(weight)
+            first[1:] = sorted_code[1:] != sorted_code[:-1]
+            weight = torch.empty_like(weight).scatter_(0, order, first)
+            if self_offset is not None:
+                weight &= p[:, 1] != p[:, 0] + self_offset
+        return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, pairs=p, pair_weight=weight)
 
     @classmethod
     def from_sample_mask(cls, sample_mask: Tensor, row_sample: Tensor, num_cols: int) -> Positives:
@@ -127,116 +154,110 @@ class Positives:
         )
 
     # ------------------------------------------------------------------ typed access
-    @property
-    def _pair_list(self) -> Tensor:
-        if self.pairs is None:
-            raise RuntimeError("internal: not a 'pairs' relation")
-        return self.pairs
+    @staticmethod
+    def _need(t: Tensor | None, kind: str) -> Tensor:
+        if t is None:
+            raise RuntimeError(f"internal: not a {kind!r} relation")
+        return t
 
-    @property
-    def _mask(self) -> Tensor:
-        if self.sample_mask is None:
-            raise RuntimeError("internal: not a 'mask' relation")
-        return self.sample_mask
-
-    @property
-    def _rows(self) -> Tensor:
-        if self.row_sample is None:
-            raise RuntimeError("internal: not a 'mask' relation")
-        return self.row_sample
-
-    # ------------------------------------------------------------------ queries
     @property
     def kind(self) -> str:
-        """``"keys"``, ``"pairs"`` or ``"mask"``."""
+        """``"partner"``, ``"keys"``, ``"pairs"`` or ``"mask"``."""
+        if self.partner is not None:
+            return "partner"
         if self.pairs is not None:
             return "pairs"
         if self.sample_mask is not None:
             return "mask"
         return "keys"
 
+    # ------------------------------------------------------------------ queries
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         """The (r1 - r0, c1 - c0) bool block of the relation, self pairs excluded.
 
-        Cost: O(tile) memory and time for ``keys``/``mask``, O(P) for ``pairs``.
+        Cost: O(tile) memory and time for ``partner``/``keys``/``mask``, O(P + tile)
+        for ``pairs``.
         """
-        if self.kind == "keys":
+        kind = self.kind
+        device = self._device()
+        if kind == "partner":
+            cols = torch.arange(c0, c1, device=device)
+            return self._need(self.partner, kind)[r0:r1, None] == cols[None, :]  # never the self column
+        if kind == "pairs":
+            return self._pair_tile(r0, r1, c0, c1)
+        if kind == "keys":
             block = self.row_keys[0][r0:r1, None] == self.col_keys[0][None, c0:c1]
             for rk, ck in zip(self.row_keys[1:], self.col_keys[1:]):
                 block |= rk[r0:r1, None] == ck[None, c0:c1]
-        elif self.kind == "pairs":
-            device = self._pair_list.device
-            block = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool, device=device)
-            p = self._pair_list
-            inside = (p[:, 0] >= r0) & (p[:, 0] < r1) & (p[:, 1] >= c0) & (p[:, 1] < c1)
-            p = p[inside]
-            block[p[:, 0] - r0, p[:, 1] - c0] = True
-            return block  # self pairs were dropped at construction
         else:
-            bsz = self._mask.shape[0]
-            cols = torch.arange(c0, c1, device=self._mask.device) % bsz
-            block = self._mask[self._rows[r0:r1]][:, cols]
-        return self._drop_self(block, r0, c0)
-
-    def _drop_self(self, block: Tensor, r0: int, c0: int) -> Tensor:
-        if self.self_offset is None:
-            return block
-        rows = torch.arange(r0, r0 + block.shape[0], device=block.device)
-        cols = rows + self.self_offset - c0
-        inside = (cols >= 0) & (cols < block.shape[1])
-        if bool(inside.any()):
-            block[(rows - r0)[inside], cols[inside]] = False
+            mask = self._need(self.sample_mask, kind)
+            cols = torch.arange(c0, c1, device=device) % mask.shape[0]
+            block = mask[self._need(self.row_sample, kind)[r0:r1]][:, cols]
+        if self.self_offset is not None:
+            k = r0 + self.self_offset - c0
+            if k < block.shape[1] and -k < block.shape[0]:
+                block.diagonal(k).fill_(False)
         return block
+
+    def _pair_tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        # Pairs outside the tile (or with zero weight) write into one spare slot past
+        # its end, so the scatter has the same shape whatever the data.
+        p, w = self._need(self.pairs, "pairs"), self._need(self.pair_weight, "pairs")
+        h, wdt = r1 - r0, c1 - c0
+        inside = w & (p[:, 0] >= r0) & (p[:, 0] < r1) & (p[:, 1] >= c0) & (p[:, 1] < c1)
+        flat = torch.where(inside, (p[:, 0] - r0) * wdt + (p[:, 1] - c0), h * wdt)
+        block = torch.zeros(h * wdt + 1, dtype=torch.bool, device=p.device)
+        block[flat] = True
+        return block[:-1].view(h, wdt)
 
     def row_counts(self) -> Tensor:
         """(R,) int64 number of positives of every anchor (self excluded). O(N) memory."""
-        if self.kind == "keys":
-            counts = torch.stack([sign * torch.bincount(cg, minlength=n)[rg] for rg, cg, n, sign in self._key_terms]).sum(0)
+        kind = self.kind
+        device = self._device()
+        if kind == "partner":
+            return torch.ones(self.num_rows, dtype=torch.int64, device=device)
+        if kind == "keys":
+            counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
+            for rg, cg, n_bound, sign in self._key_terms:
+                per_group = torch.zeros(n_bound, dtype=torch.int64, device=device).index_add_(0, cg, torch.ones_like(cg))
+                counts += sign * per_group[rg]
             return counts - self._self_in_relation().long()
-        if self.kind == "pairs":
-            return torch.bincount(self._pair_list[:, 0], minlength=self.num_rows)
-        bsz = self._mask.shape[0]
-        views_of = torch.bincount(torch.arange(self.num_cols, device=self._mask.device) % bsz, minlength=bsz)
-        per_sample = (self._mask.long() * views_of[None, :]).sum(1)
-        return per_sample[self._rows] - self._self_in_relation().long()
-
-    def col_counts(self) -> Tensor:
-        """(C,) int64 number of anchors each candidate is positive for (self excluded)."""
-        if self.kind == "keys":
-            counts = torch.stack([sign * torch.bincount(rg, minlength=n)[cg] for rg, cg, n, sign in self._key_terms]).sum(0)
-            if self.self_offset is not None:
-                own = torch.arange(self.num_rows, device=counts.device) + self.self_offset
-                counts = counts.index_add(0, own, -self._self_in_relation().long())
-            return counts
-        if self.kind == "pairs":
-            return torch.bincount(self._pair_list[:, 1], minlength=self.num_cols)
-        raise NotImplementedError("col_counts is only used by two-set losses, which have key relations")
+        if kind == "pairs":
+            p, w = self._need(self.pairs, kind), self._need(self.pair_weight, kind)
+            return torch.zeros(self.num_rows, dtype=torch.int64, device=device).index_add_(0, p[:, 0], w.long())
+        mask = self._need(self.sample_mask, kind)
+        views = self.num_cols // mask.shape[0]  # candidates are bsz * n_views, view-major
+        per_sample = mask.long().sum(1) * views
+        return per_sample[self._need(self.row_sample, kind)] - self._self_in_relation().long()
 
     def aggregate(self, candidates: Tensor) -> Tensor:
         """(R, D) sum of the positive candidates of every anchor, ``sum_j P_ij c_j``.
 
         Differentiable with respect to ``candidates``; O(N * D) memory and time for
-        ``keys`` and ``pairs`` relations, O(bsz^2 + N * D) for ``mask``.
+        ``partner``, ``keys`` and ``pairs`` relations, O(bsz^2 + N * D) for ``mask``.
         """
-        if self.kind == "keys":
-            terms = self._key_terms
-            if len(terms) == 1 and self.row_keys is self.col_keys and terms[0][2] == self.num_rows:
-                # Every key distinct and rows are columns: row i's only positive is column i
-                # (CLIP without ids). No copy at all.
-                return self._minus_self(candidates, candidates)
+        kind = self.kind
+        if kind == "partner":
+            partner = self._need(self.partner, kind)
+            if self.self_offset is None and partner.shape[0] == candidates.shape[0]:
+                # CLIP without ids: row i's positive is column i. No copy at all.
+                return candidates
+            return candidates[partner]
+        if kind == "keys":
             total = candidates.new_zeros(self.num_rows, candidates.shape[1])
-            for rg, cg, n, sign in terms:
-                per_group = candidates.new_zeros(n, candidates.shape[1]).index_add(0, cg, candidates)
+            for rg, cg, n_bound, sign in self._key_terms:
+                per_group = candidates.new_zeros(n_bound, candidates.shape[1]).index_add_(0, cg, candidates)
                 total = total + sign * per_group[rg]
             return self._minus_self(total, candidates)
-        if self.kind == "pairs":
+        if kind == "pairs":
+            p, w = self._need(self.pairs, kind), self._need(self.pair_weight, kind)
             out = candidates.new_zeros(self.num_rows, candidates.shape[1])
-            return out.index_add(0, self._pair_list[:, 0], candidates[self._pair_list[:, 1]])
-        bsz = self._mask.shape[0]
-        per_sample = candidates.new_zeros(bsz, candidates.shape[1]).index_add(
-            0, torch.arange(self.num_cols, device=candidates.device) % bsz, candidates
-        )
-        total = self._mask.to(candidates.dtype)[self._rows] @ per_sample
+            return out.index_add(0, p[:, 0], candidates[p[:, 1]] * w[:, None].to(candidates.dtype))
+        mask = self._need(self.sample_mask, kind)
+        bsz = mask.shape[0]
+        per_sample = candidates.reshape(-1, bsz, candidates.shape[1]).sum(0)  # view-major: j -> sample j % bsz
+        with torch.autocast(candidates.device.type, enabled=False):  # keep the compute dtype under autocast
+            total = mask.to(candidates.dtype)[self._need(self.row_sample, kind)] @ per_sample
         return self._minus_self(total, candidates)
 
     # ------------------------------------------------------------------ helpers
@@ -245,43 +266,54 @@ class Positives:
         if self.self_offset is None:
             return total
         own = candidates[self.self_offset : self.self_offset + self.num_rows]
+        if self.kind == "keys":
+            return total - own  # every key relation contains the self pair
         return total - own * self._self_in_relation()[:, None].to(candidates.dtype)
 
     def _self_in_relation(self) -> Tensor:
         """(R,) bool: is the anchor's self pair inside the raw relation (to subtract it)?"""
         device = self._device()
-        if self.self_offset is None:
+        if self.self_offset is None or self.kind in ("partner", "pairs"):
             return torch.zeros(self.num_rows, dtype=torch.bool, device=device)
         if self.kind == "keys":
             return torch.ones(self.num_rows, dtype=torch.bool, device=device)
-        if self.kind == "mask":
-            return self._mask[self._rows, self._rows]
-        return torch.zeros(self.num_rows, dtype=torch.bool, device=device)
+        rows = self._need(self.row_sample, "mask")
+        return self._need(self.sample_mask, "mask")[rows, rows]
 
     def _device(self) -> torch.device:
-        for t in (*self.row_keys, self.pairs, self.sample_mask):
+        for t in (self.partner, *self.row_keys, self.pairs, self.sample_mask):
             if t is not None:
                 return t.device
         return torch.device("cpu")
 
     @cached_property
     def _key_terms(self) -> tuple[tuple[Tensor, Tensor, int, int], ...]:
-        """(row group ids, column group ids, number of groups, sign) of every key relation.
+        """(row group ids, column group ids, bound on the number of groups, sign) per relation.
 
         Two relations combine by inclusion-exclusion, |A or B| = |A| + |B| - |A and B|,
         so their intersection (both keys equal) enters with sign -1. Computed once per
-        object: ``torch.unique`` is O(N log N) and counts and aggregates all need it.
+        object: the sort is O(N log N) and counts and aggregates all need it.
         """
         terms = []
         for rk, ck in zip(self.row_keys, self.col_keys):
-            terms.append((*self._groups(torch.cat([rk, ck])), 1))
+            terms.append((*self._groups(torch.cat([rk, ck])[:, None]), 1))
         if len(self.row_keys) == 2:
             both = torch.cat([torch.stack(self.row_keys, 1), torch.stack(self.col_keys, 1)], 0)
             terms.append((*self._groups(both), -1))
         return tuple(terms)
 
     def _groups(self, keys: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Group ids of the R row keys and C column keys stacked in ``keys``."""
-        _, inverse = torch.unique(keys, dim=0 if keys.ndim > 1 else None, return_inverse=True)
-        n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-        return inverse[: self.num_rows], inverse[self.num_rows :], n_groups
+        """Group ids of the R row keys and C column keys stacked in ``keys`` (R + C, k).
+
+        A lexicographic stable sort puts equal key tuples next to each other; a new
+        group starts wherever a tuple differs from its predecessor. Ids lie in
+        ``[0, R + C)``, a static bound, so nothing is read back from the device.
+        """
+        order = torch.arange(keys.shape[0], device=keys.device)
+        for column in reversed(range(keys.shape[1])):
+            order = order[torch.sort(keys[order, column], stable=True).indices]
+        ordered = keys[order]
+        starts = torch.ones(keys.shape[0], dtype=torch.int64, device=keys.device)
+        starts[1:] = (ordered[1:] != ordered[:-1]).any(1).long()
+        group = torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
+        return group[: self.num_rows], group[self.num_rows :], int(keys.shape[0])

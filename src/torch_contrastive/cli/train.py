@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import losses
+from .. import losses
+from ..modules import ClipLoss
 from ._argtypes import positive_float, positive_int
-from .modules import ClipLoss
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 TEMPLATES = ["a handwritten {name}", "the digit {name}", "a scan of the number {name}", "a {name} written by hand"]

@@ -186,7 +186,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_case(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch_contrastive.bench", "--worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "torch_contrastive.cli.bench", "--worker", json.dumps(spec)]
     # A fixed mmap threshold makes glibc return every freed tensor of >= 1 MiB to the OS,
     # so peak RSS is the peak of live memory (the default dynamic threshold keeps freed
     # blocks of up to 32 MiB in the heap). The same setting applies to every implementation.

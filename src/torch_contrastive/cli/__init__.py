@@ -1,6 +1,6 @@
 """The ``torch-contrastive`` command line: ``explain``, ``train``, ``bench``.
 
-The core library never imports this module; ``train`` and ``bench`` import their
+The core library never imports this package; ``train`` and ``bench`` import their
 optional dependencies (scikit-learn, tqdm, matplotlib: the ``cli`` extra) lazily.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import losses
+from .. import losses
+from ..positives import Positives
 from ._argtypes import int_list, positive_float
-from .positives import Positives
 
 LOSS_CHOICES = ("all", "nt_xent", "nt_xent_halves", "nt_xent_pml", "supcon", "nt_bxent")
 SEED000_POS = [(0, 0), (0, 2), (0, 4), (1, 4), (1, 6), (1, 1), (2, 3), (3, 7), (4, 3), (7, 6)]

@@ -1,0 +1,27 @@
+"""The contrastive losses, functional form: one module per loss family.
+
+* :mod:`.nt_xent` -- NT-Xent (SimCLR; seeds 000, 001, 003, 004)
+* :mod:`.nt_bxent` -- NT-BXent (seed 000)
+* :mod:`.image_text` -- the CLIP/ALIGN image-text loss with duplicate ids (seed 002)
+* :mod:`.supcon` -- SupCon (seed 004)
+
+Shared set-up (normalisation, gather, reduction, checks) lives in :mod:`._common`;
+the tiled math in :mod:`torch_contrastive.engine`; positives in
+:mod:`torch_contrastive.positives`.
+"""
+
+from ._common import pair_keys
+from .image_text import clip_loss, image_text_contrastive_loss, text_ids
+from .nt_bxent import nt_bxent_loss
+from .nt_xent import nt_xent_loss
+from .supcon import supcon_loss
+
+__all__ = [
+    "clip_loss",
+    "image_text_contrastive_loss",
+    "nt_bxent_loss",
+    "nt_xent_loss",
+    "pair_keys",
+    "supcon_loss",
+    "text_ids",
+]

@@ -1,0 +1,107 @@
+"""Set-up and reduction shared by the losses (README, "Conventions").
+
+* ``s_ij = <a_i, c_j> / temperature`` with ``a = a / max(||a||, eps)`` when
+  ``normalize=True`` (cosine similarity, the default); raw dot products otherwise.
+* fp16/bf16 inputs are computed in fp32 and the loss is returned in fp32.
+* ``validate=True`` reads device values once per call (one combined check);
+  ``validate=False`` reads none, so a call makes no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from .._normalize import prepare
+from ..distributed import Scope
+from ..engine import Scale
+from ..positives import Positives
+
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def check_agreement(scope: Scope, what: str, x: Tensor, validate: bool, *flags: bool) -> None:
+    """Ranks must agree on feature shape, dtype and which optional inputs were given."""
+    if validate:
+        scope.agree(f"{what} (feature size, dtype code, optional inputs given)",
+                    [float(x[0].numel()), float(_DTYPE_CODES.get(x.dtype, -1)), *(float(f) for f in flags)])
+
+
+class SingleSet(NamedTuple):
+    z: Tensor  # this rank's rows, normalised, in the compute dtype
+    z_all: Tensor  # the global batch (z itself when local)
+    offset: int  # global index of this rank's first row
+
+
+def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, checks: v.Checks, *given: bool) -> SingleSet:
+    """Shared set-up of the single-set losses: agreement check, normalisation, gather."""
+    check_agreement(scope, name, x, checks.enabled, *given)
+    z = prepare(x, normalize, eps)
+    z_all = scope.rows(z)
+    return SingleSet(z, z_all, scope.offset)
+
+
+def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope: Scope, checks: v.Checks,
+           check_output: bool) -> Tensor:
+    """Apply ``reduction`` to this rank's per-anchor values and run the call's checks.
+
+    ``mean`` divides the global sum by the global ``normaliser`` (at least 1); ``sum``
+    is the global sum; ``none`` returns this rank's per-anchor values.
+    """
+    finish_checks(per_anchor, checks, check_output)
+    if reduction == "none":
+        return per_anchor
+    local_sum = per_anchor.sum()
+    if reduction == "sum":
+        return scope.finish(local_sum, 1.0)
+    if isinstance(normaliser, Tensor):
+        normaliser = normaliser.to(local_sum.dtype).clamp_min(1)
+    return scope.finish(local_sum, max(normaliser, 1.0) if isinstance(normaliser, float) else normaliser)
+
+
+def finish_checks(values: Tensor, checks: v.Checks, check_output: bool) -> None:
+    """Read the call's value checks at once; with ``check_output`` also the result's finiteness.
+
+    Finite inputs give finite losses unless raw dot products (``normalize=False``)
+    overflow the compute dtype: then say so instead of returning inf or NaN.
+    """
+    if check_output:
+        checks.add(~torch.isfinite(values.detach()).all(), lambda: (
+            f"the loss overflowed {values.dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
+            "use normalize=True, smaller embeddings or a larger temperature"))
+    checks.flush()
+
+
+def positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, scale: Scale) -> Tensor:
+    """(R,) ``sum_{p in P(i)} s_ip``, in O(N * D) through the positive aggregate.
+
+    An element-wise product and sum, not ``vecdot``: autocast would run that in half precision.
+    """
+    return (anchors * positives.aggregate(candidates)).sum(1) * scale
+
+
+def pair_partner(n_rows: int, pairing: str, offset: int = 0, device: torch.device | None = None) -> Tensor:
+    """Global index of each row's positive under a pairing rule (rows ``offset ...``).
+
+    ``"adjacent"``: ``i ^ 1``; ``"halves"``: ``(i + n_rows / 2) mod n_rows`` with
+    ``n_rows`` the size of the batch the rule applies to.
+    """
+    rows = torch.arange(n_rows, device=device)
+    local = rows ^ 1 if pairing == "adjacent" else (rows + n_rows // 2) % n_rows
+    return local + offset
+
+
+def pair_keys(n_rows: int, pairing: str, device: torch.device | None = None) -> Tensor:
+    """Key of each row under a pairing rule: rows with equal keys are positives.
+
+    Args:
+        n_rows: 2N, the number of rows (even).
+        pairing: ``"adjacent"`` pairs rows (0, 1), (2, 3), ... (seeds 000/001);
+            ``"halves"`` pairs row i with i + N, as in ``torch.cat([view1, view2])``
+            (seed 003, the SimCLR and SupCon papers).
+    """
+    rows = torch.arange(n_rows, device=device)
+    return rows // 2 if pairing == "adjacent" else rows % (n_rows // 2)

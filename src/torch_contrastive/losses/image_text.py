@@ -1,0 +1,135 @@
+"""The symmetric image-text contrastive loss of CLIP/ALIGN, with duplicate ids (seed 002)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from .._normalize import prepare
+from ..distributed import Scope, make_scope
+from ..engine import fixed_scale_applies, logsumexp_rows
+from ..positives import Positives
+from ._common import check_agreement, finish_checks, positive_logits
+
+__all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
+
+
+def text_ids(texts: list[str]) -> Tensor:
+    """Ids for caption strings: equal strings get equal ids (seed 002's text hash).
+
+    Deterministic across processes and ranks (unlike Python's salted ``hash``): ids
+    are the first 8 bytes of each string's BLAKE2b digest. Call it in the data loader,
+    not in the training step.
+    """
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("texts must be a list of str")
+    values = [int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest(), "little", signed=True) for t in texts]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def image_text_contrastive_loss(
+    image_feat: Tensor,
+    text_feat: Tensor,
+    temperature: float | Tensor = 0.07,
+    image_id: Tensor | None = None,
+    text_id: Tensor | None = None,
+    *,
+    normalize: bool = True,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    gather: bool = False,
+    grad_reduction: str = "mean",
+    eps: float = 1e-12,
+    validate: bool = True,
+) -> Tensor:
+    """Symmetric image-text contrastive loss of CLIP/ALIGN (seed 002).
+
+    ``S = image @ text.T / tau`` on L2-normalised features. Without ids it is
+    ``(CE(S, arange) + CE(S.T, arange)) / 2``. With ids, duplicates are positives:
+    ``gt_ij = (image_id_i == image_id_j) or (text_id_i == text_id_j)`` and
+
+        ``loss = -(sum gt * log_softmax(S, 1) + sum gt.T * log_softmax(S.T, 1)) / (2 sum gt)``
+
+    -- the seed's global normalisation by ``sum gt``. A missing id tensor means every
+    image (text) is distinct.
+
+    Args:
+        image_feat: (N, D) image embeddings (anchors of the first direction).
+        text_feat: (N, D) text embeddings, row i paired with image i.
+        temperature: tau > 0 (default 0.07), float or 0-dim tensor (e.g.
+            ``1 / logit_scale.exp()``).
+        image_id, text_id: optional (N,) integer ids (see :func:`text_ids`).
+        normalize: L2-normalise (seed 002 insists; default True).
+        reduction: ``"mean"``; ``"sum"``; ``"none"``: (N,) values ``e_i`` whose mean is
+            the loss -- without ids ``e_i = (CE_image_i + CE_text_i) / 2``.
+        chunk_size, gather, grad_reduction, eps, validate: see
+            :func:`~torch_contrastive.nt_xent_loss`. With ``gather`` each rank computes
+            only its own image rows against all gathered texts; the second direction's
+            per-text log-sum-exp is completed by an O(N) all-reduce of partial column
+            sums, so the N x N work is split across ranks.
+
+    Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
+    multiplies, one ``exp`` per logit when the fixed shift applies.
+    """
+    v.check_embeddings(image_feat, "image_feat")
+    v.check_embeddings(text_feat, "text_feat")
+    v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    n = image_feat.shape[0]
+    device = image_feat.device
+    ids_given = (image_id is not None, text_id is not None)
+    image_id = None if image_id is None else v.check_labels(image_id, "image_id", n, device)
+    text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
+    scope = make_scope(gather, grad_reduction)
+    checks = v.Checks(validate, scope)
+    checks.finite(image_feat, "image_feat")
+    checks.finite(text_feat, "text_feat")
+    scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
+    check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
+
+    img = prepare(image_feat, normalize, eps)
+    txt = prepare(text_feat.to(image_feat.dtype), normalize, eps)
+    # Locally every "global" tensor below is the local one itself (same objects, no copy).
+    img_all, txt_all = scope.rows(img), scope.rows(txt)
+    offset = scope.offset  # known once rows() has gathered the sizes
+    # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions.
+    keys = [k for k in (image_id, text_id) if k is not None]
+    if keys:
+        global_keys = tuple(scope.ints(k) for k in keys)
+        local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
+        pos = Positives.from_keys(local_keys, global_keys, self_offset=None)
+    else:
+        pos = Positives.from_partner(torch.arange(n, device=device) + offset, img_all.shape[0], self_offset=None)
+    # One pass over this rank's image rows x all texts gives the image rows' LSE and the
+    # column sums; under gather=True the engine all-reduces those (O(N)) into every text's
+    # LSE, so the N x N work is split W ways instead of being done once per direction.
+    row_lse, col_lse_all = logsumexp_rows(img, txt_all, scale, self_offset=None, columns=True,
+                                          fixed=fixed_scale_applies(normalize, bound, img.dtype),
+                                          chunk_size=chunk_size, column_comm=scope if scope.distributed else None)
+    if col_lse_all is None:
+        raise RuntimeError("internal: columns=True returns the column statistic")
+    col_lse = col_lse_all[offset : offset + n] if scope.distributed else col_lse_all
+    counts = pos.row_counts()
+    per_image = counts * row_lse - positive_logits(img, txt_all, pos, scale)
+    per_text = counts * col_lse - positive_logits(txt, img_all, pos, scale)
+    finish_checks(per_image + per_text, checks, v.output_needs_check(normalize, bound))
+    return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
+
+
+def _reduce_image_text(per_image: Tensor, per_text: Tensor, n_gt: Tensor, n: int, reduction: str, scope: Scope) -> Tensor:
+    if reduction == "none":
+        # e_i such that mean(e) is the loss: scale each direction by N / (2 sum gt).
+        n_gt_all = scope.total(n_gt).to(per_image.dtype)
+        n_all = float(sum(scope.sizes)) if scope.distributed else float(n)
+        return (per_image + per_text) * (n_all / (2 * n_gt_all))
+    local_sum = (per_image.sum() + per_text.sum()) / 2
+    if reduction == "sum":
+        n_all_f = float(sum(scope.sizes)) if scope.distributed else float(n)
+        return scope.finish(local_sum * n_all_f, n_gt.to(per_image.dtype))
+    return scope.finish(local_sum, n_gt.to(per_image.dtype))
+
+
+clip_loss = image_text_contrastive_loss

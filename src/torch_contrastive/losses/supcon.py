@@ -1,0 +1,114 @@
+"""Supervised contrastive loss (Khosla et al. 2020; seed 004)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from ..distributed import make_scope
+from ..engine import fixed_scale_applies, logsumexp_rows
+from ..positives import Positives
+from ._common import positive_logits, reduce, single_set
+
+__all__ = ["supcon_loss"]
+
+
+def supcon_loss(
+    features: Tensor,
+    labels: Tensor | None = None,
+    mask: Tensor | None = None,
+    temperature: float | Tensor = 0.07,
+    *,
+    base_temperature: float | Tensor | None = None,
+    contrast_mode: str = "all",
+    normalize: bool = True,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    gather: bool = False,
+    grad_reduction: str = "mean",
+    eps: float = 1e-12,
+    validate: bool = True,
+) -> Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020; seed 004).
+
+    ``loss_i = -(tau / tau_base) * mean_{p in P(i)} [ s_ip - log sum_{a != i} exp(s_ia) ]``
+
+    Two input forms:
+
+    * the SupCon authors' ``features`` of shape (bsz, n_views, ...) (trailing dims are
+      flattened), flattened view-major (``torch.cat(torch.unbind(features, 1))``).
+      Positives: same ``labels`` (bsz,), or ``mask`` (bsz, bsz) (may be asymmetric),
+      or, with neither, the other views of the same sample (SimCLR);
+    * pytorch-metric-learning's (N, D) embeddings with ``labels`` (N,) (or an (N, N)
+      ``mask``).
+
+    Anchors without a positive are left out of the mean (as pytorch-metric-learning
+    does; the authors' code returns NaN); with no positive at all the loss is 0 with
+    a zero gradient.
+
+    Args:
+        features: (bsz, n_views, ...) or (N, D) float tensor.
+        labels: (bsz,) or (N,) integer class labels.
+        mask: (bsz, bsz) positive mask instead of labels (not with ``gather``).
+        temperature: tau > 0 (default 0.07).
+        base_temperature: tau_base; ``None`` means tau (no rescaling, as
+            pytorch-metric-learning). Pass 0.07 to reproduce the authors' scale.
+        contrast_mode: ``"all"`` (every view is an anchor) or ``"one"`` (view 0 only).
+        normalize: cosine similarity (default). The authors' code uses raw dot
+            products of features it expects to be normalised already.
+        reduction: ``"mean"`` over anchors with positives, ``"sum"``, or ``"none"``:
+            per-anchor losses in view-major order (0 for anchors without positives).
+        chunk_size, gather, grad_reduction, eps, validate: see
+            :func:`~torch_contrastive.nt_xent_loss`.
+
+    Memory: O(N * D + tile^2); forward+backward about two N x N x D matrix
+    multiplies in ``"all"`` mode, whatever the labels.
+    """
+    v.check_embeddings(features, "features", min_ndim=2, max_ndim=None)
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
+    if labels is not None and mask is not None:
+        raise ValueError("supcon_loss takes labels or mask, not both")
+    if features.ndim == 2:
+        if labels is None and mask is None:
+            raise ValueError("features of shape (N, D) need labels (or a mask); pass (bsz, n_views, D) for SimCLR-style views")
+        features = features[:, None]
+    bsz, n_views = features.shape[0], features.shape[1]
+    device = features.device
+    scope = make_scope(gather, grad_reduction)
+    checks = v.Checks(validate, scope)
+    if labels is not None:
+        labels = v.check_labels(labels, "labels", bsz, device)
+    if mask is not None:
+        if gather:
+            raise ValueError("mask cannot be combined with gather=True (it only relates this rank's samples); pass labels")
+        mask = v.check_mask(mask, bsz, device, checks)
+    checks.finite(features, "features")
+    flat = features.transpose(0, 1).reshape(bsz * n_views, -1)  # view-major, as the authors' code
+    scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
+    factor = None
+    if base_temperature is not None:
+        base_scale, _ = v.inverse_temperature(base_temperature, checks, name="base_temperature")
+        factor = base_scale / scale  # tau / tau_base
+    z, z_all, offset = single_set(flat, "features", normalize, eps, scope, checks,
+                                         labels is not None)
+    n_anchor = bsz if contrast_mode == "one" else bsz * n_views
+    if mask is not None:
+        positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
+    else:
+        sample_keys = labels if labels is not None else torch.arange(bsz, device=device) + offset
+        keys = scope.ints(sample_keys.repeat(n_views))
+        # This rank's anchors are its first n_anchor flattened rows.
+        positives = Positives.from_keys(keys[offset : offset + n_anchor], keys, self_offset=offset)
+    anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
+    symmetric = not scope.distributed and n_anchor == z.shape[0]
+    lse, _ = logsumexp_rows(anchors, z_all, scale, self_offset=offset, symmetric=symmetric,
+                            fixed=fixed_scale_applies(normalize, bound, z.dtype), chunk_size=chunk_size)
+    counts = positives.row_counts()
+    has_pos = counts > 0
+    mean_pos = positive_logits(anchors, z_all, positives, scale) / counts.clamp_min(1).to(z.dtype)
+    per_anchor = torch.where(has_pos, lse - mean_pos, 0.0)
+    if factor is not None:
+        per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
+    return reduce(per_anchor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
