@@ -1,8 +1,11 @@
-"""The benchmark command: a tiny grid runs, writes CSV + PNG, reports peers honestly."""
+"""The benchmark command: a tiny grid runs, writes CSV + PNG, and every implementation computes the same loss."""
 
 from __future__ import annotations
 
 import csv
+import math
+
+import pytest
 
 from torch_contrastive.cli import main
 from torch_contrastive.cli.bench import plan, worker
@@ -10,7 +13,11 @@ from torch_contrastive.cli.bench import plan, worker
 
 def test_worker_measures_one_case():
     row = worker({"loss": "nt_xent", "impl": "ours", "n": 128, "d": 16, "tau": 0.1, "reps": 1})
-    assert row["seconds"] > 0 and row["matmul_seconds"] > 0 and row["R"] > 0
+    dense = worker({"loss": "nt_xent", "impl": "dense-baseline", "n": 128, "d": 16, "tau": 0.1, "reps": 1})
+    assert row["value"] == pytest.approx(dense["value"], rel=1e-5)
+    # R is the ratio of the two medians' pairs: it must lie between the extreme ratios it was built from.
+    assert math.isfinite(row["R"]) and row["seconds"] > 0 and row["matmul_seconds"] > 0
+    assert row["R"] == pytest.approx(row["seconds"] / row["matmul_seconds"], rel=1.0)
 
 
 def test_plan_limits_peers_to_sizes_they_can_hold():
@@ -18,12 +25,23 @@ def test_plan_limits_peers_to_sizes_they_can_hold():
     big = [c for c in cases if c["n"] == 65536]
     assert big and all(c["impl"] == "ours" for c in big)
     assert not any(c["impl"] == "pml" and c["n"] > 4096 for c in cases)
+    small = {(c["loss"], c["impl"]) for c in cases if c["n"] == 2048}
+    assert ("clip", "dense-baseline") in small and ("supcon", "pml") in small
 
 
 def test_bench_command_writes_csv_and_plot(tmp_path, capsys):
     assert main(["bench", "--loss", "supcon", "--sizes", "96", "--dim", "8", "--out", str(tmp_path)]) == 0
-    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
-    impls = {r["impl"]: r["status"] for r in rows}
-    assert impls["ours"] == "ok" and impls["supcon-authors-formula"] == "ok"
+    with open(tmp_path / "bench.csv") as fh:
+        reader = csv.DictReader(fh)
+        assert reader.fieldnames is not None and {"loss", "impl", "n", "d", "value", "seconds", "R", "extra_mib", "status"} <= set(reader.fieldnames)
+        rows = list(reader)
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"ours", "ours-dense", "pml", "supcon-authors-formula"}
+    assert all(r["loss"] == "supcon" and r["n"] == "96" and r["d"] == "8" and r["status"] == "ok" for r in rows)
+    reference = float(by_impl["supcon-authors-formula"]["value"])
+    for impl in ("ours", "ours-dense", "pml"):
+        assert float(by_impl[impl]["value"]) == pytest.approx(reference, rel=1e-5), impl
+        assert float(by_impl[impl]["R"]) > 0 and float(by_impl[impl]["extra_mib"]) >= 0
     assert (tmp_path / "bench.png").stat().st_size > 0
-    assert "R" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "supcon-authors-formula" in printed and "wrote" in printed

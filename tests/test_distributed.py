@@ -142,6 +142,44 @@ def test_rank_mismatch_is_a_clear_error(what):
     run_ranks(_mismatch, 2, what, timeout=60)
 
 
+def _gather_with_grad(rank, world, sizes):
+    x = (torch.arange(sizes[rank] * 3, dtype=torch.float64).reshape(-1, 3) + 100 * rank).requires_grad_()
+    out = tc.all_gather_with_grad(x)
+    expected = torch.cat([torch.arange(n * 3, dtype=torch.float64).reshape(-1, 3) + 100 * r for r, n in enumerate(sizes)])
+    assert torch.equal(out.detach(), expected)
+    # Each rank weighs every gathered row by (rank + 1) * row index; this rank's rows must
+    # receive the sum of those weights over all ranks.
+    weight = torch.arange(expected.shape[0], dtype=torch.float64)[:, None].expand(-1, 3)
+    (out * weight * (rank + 1)).sum().backward()
+    lo, hi = _bounds(sizes, rank)
+    total_factor = sum(r + 1 for r in range(world))
+    torch.testing.assert_close(x.grad, weight[lo:hi] * total_factor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_with_grad_sums_gradients_over_ranks(world):
+    run_ranks(_gather_with_grad, world, [2 + r for r in range(world)], timeout=60)
+
+
+def test_all_gather_with_grad_without_group_is_identity():
+    x = torch.randn(3, 2)
+    assert tc.all_gather_with_grad(x) is x
+
+
+def _bad_input_on_one_rank(rank, world):
+    x = torch.randn(6, 4)
+    if rank == 1:
+        x[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        tc.nt_xent_loss(x, gather=True)
+    # The group is still usable afterwards: nobody was left waiting in a collective.
+    assert torch.isfinite(tc.nt_xent_loss(torch.randn(6, 4), gather=True))
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank():
+    run_ranks(_bad_input_on_one_rank, 2, timeout=60)
+
+
 def _ddp_training(rank, world, steps, batches, grad_reduction):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(D_IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, D)).double()

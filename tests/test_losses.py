@@ -7,6 +7,7 @@ import torch
 
 import torch_contrastive as tc
 from reference import (
+    LOG_FLOAT32_TINY,
     SEED000_POS,
     SEED004_A,
     SEED004_B,
@@ -63,81 +64,105 @@ def _rand(n, d=5, seed=0, dtype=torch.float64):
     return torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _compare(fn_ours, fn_ref, inputs, tau, dtype, rtol):
-    """Value and gradients (inputs and temperature) of ours vs the float64 reference."""
-    ref_in = [x.detach().double().requires_grad_() for x in inputs]
+def _compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
+    """Value and gradients (inputs and temperature) of ours vs the float64 reference.
+
+    Inputs are rounded to ``dtype`` first and the reference runs on those rounded values,
+    so the difference is the library's own arithmetic: ``tols = (value, gradient)``
+    relative tolerances (gradients relative to the largest reference gradient; half
+    precision gradients are rounded to the input dtype).
+    """
+    rtol, grad_tol = tols
+    rounded = [x.detach().to(dtype) for x in inputs]
+    ref_in = [x.double().clone().requires_grad_() for x in rounded]
     ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
     ref = fn_ref(*ref_in, ref_tau)
     ref.backward()
-    our_in = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    our_in = [x.clone().detach().requires_grad_() for x in rounded]
     our_tau = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
     ours = fn_ours(*our_in, our_tau)
     ours.backward()
     assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
     for a, b in zip(our_in, ref_in):
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=rtol, atol=rtol * max(1.0, b.grad.abs().max().item()))
-    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=rtol, abs=rtol * max(1.0, abs(ref_tau.grad.item())))
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=grad_tol, atol=grad_tol * max(1.0, b.grad.abs().max().item()))
+    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=10 * rtol, abs=10 * rtol * max(1.0, abs(ref_tau.grad.item())))
 
 
-DTYPES = [(torch.float64, 1e-9), (torch.float32, 1e-5)]
+DTYPES = [
+    (torch.float64, (1e-9, 1e-9)),
+    (torch.float32, (1e-5, 1e-5)),
+    (torch.float16, (2e-5, 2e-3)),  # computed in fp32; gradients rounded to fp16
+    (torch.bfloat16, (2e-5, 1e-2)),  # computed in fp32; gradients rounded to bf16
+]
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("dtype,tols", DTYPES)
 @pytest.mark.parametrize("n", [2, 8, 14])
 @pytest.mark.parametrize("pairing", ["adjacent", "halves"])
 @pytest.mark.parametrize("tau", [0.1, 0.5, 2.0])
-def test_nt_xent_reference(dtype, rtol, n, pairing, tau):
-    _compare(lambda x, t: tc.nt_xent_loss(x, t, pairing=pairing),
-             lambda x, t: nt_xent(x, t, pairing), [_rand(n, seed=n)], tau, dtype, rtol)
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_nt_xent_reference(chunk, dtype, tols, n, pairing, tau):
+    _compare(lambda x, t: tc.nt_xent_loss(x, t, pairing=pairing, chunk_size=chunk),
+             lambda x, t: nt_xent(x, t, pairing), [_rand(n, seed=n)], tau, dtype, tols)
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
-@pytest.mark.parametrize("n,classes", [(7, 3), (13, 4), (1, 1), (9, 9)])
+@pytest.mark.parametrize("dtype,tols", DTYPES)
+@pytest.mark.parametrize("n,classes", [(7, 3), (13, 4), (1, 1), (9, 9), (6, 1)])
 @pytest.mark.parametrize("tau", [0.1, 1.0])
-def test_nt_xent_labels_reference(dtype, rtol, n, classes, tau):
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_nt_xent_labels_reference(chunk, dtype, tols, n, classes, tau):
     labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(n))
-    _compare(lambda x, t: tc.nt_xent_loss(x, t, labels=labels),
-             lambda x, t: nt_xent_pml(x, labels, t), [_rand(n, seed=n + 1)], tau, dtype, rtol)
+    _compare(lambda x, t: tc.nt_xent_loss(x, t, labels=labels, chunk_size=chunk),
+             lambda x, t: nt_xent_pml(x, labels, t), [_rand(n, seed=n + 1)], tau, dtype, tols)
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("dtype,tols", DTYPES)
 @pytest.mark.parametrize("tau", [0.01, 0.1, 1.0])
-def test_nt_bxent_reference(dtype, rtol, tau):
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_nt_bxent_reference(chunk, dtype, tols, tau):
     x = seed000_x().double()
-    _compare(lambda z, t: tc.nt_bxent_loss(z, SEED000_POS, t),
-             lambda z, t: nt_bxent(z, t, pos_indices=SEED000_POS), [x], tau, dtype, rtol)
+    _compare(lambda z, t: tc.nt_bxent_loss(z, SEED000_POS, t, chunk_size=chunk),
+             lambda z, t: nt_bxent(z, t, pos_indices=SEED000_POS), [x], tau, dtype, tols)
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
-@pytest.mark.parametrize("n,classes", [(7, 2), (13, 5), (1, 1)])
-def test_nt_bxent_labels_reference(dtype, rtol, n, classes):
+@pytest.mark.parametrize("dtype,tols", DTYPES)
+@pytest.mark.parametrize("n,classes", [(7, 2), (13, 5), (1, 1), (6, 1)])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_nt_bxent_labels_reference(chunk, dtype, tols, n, classes):
     labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(3 * n))
-    _compare(lambda z, t: tc.nt_bxent_loss(z, labels=labels, temperature=t),
-             lambda z, t: nt_bxent(z, t, labels=labels), [_rand(n, seed=n)], 0.3, dtype, rtol)
+    _compare(lambda z, t: tc.nt_bxent_loss(z, labels=labels, temperature=t, chunk_size=chunk),
+             lambda z, t: nt_bxent(z, t, labels=labels), [_rand(n, seed=n)], 0.3, dtype, tols)
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("dtype,tols", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 13])
-@pytest.mark.parametrize("ids", ["none", "image", "text", "both"])
-def test_image_text_reference(dtype, rtol, n, ids):
+@pytest.mark.parametrize("ids", ["none", "image", "text", "both", "all_same"])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_image_text_reference(chunk, dtype, tols, n, ids):
     g = torch.Generator().manual_seed(n)
     iid = torch.randint(0, max(1, n // 2), (n,), generator=g) if ids in ("image", "both") else None
+    if ids == "all_same":  # every pair is a positive
+        iid = torch.zeros(n, dtype=torch.int64)
     tid = torch.randint(0, max(1, n // 3), (n,), generator=g) if ids in ("text", "both") else None
-    _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, iid, tid),
-             lambda a, b, t: image_text(a, b, t, iid, tid), [_rand(n, seed=n), _rand(n, seed=n + 100)], 0.07, dtype, rtol)
+    _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, iid, tid, chunk_size=chunk),
+             lambda a, b, t: image_text(a, b, t, iid, tid), [_rand(n, seed=n), _rand(n, seed=n + 100)], 0.07, dtype, tols)
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("dtype,tols", DTYPES)
 @pytest.mark.parametrize("bsz,views", [(4, 2), (7, 3), (1, 2), (5, 1)])
 @pytest.mark.parametrize("mode", ["all", "one"])
-@pytest.mark.parametrize("kind", ["labels", "mask", "views"])
-def test_supcon_reference(dtype, rtol, bsz, views, mode, kind):
+@pytest.mark.parametrize("kind", ["labels", "mask", "views", "one_class"])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_supcon_reference(chunk, dtype, tols, bsz, views, mode, kind):
     g = torch.Generator().manual_seed(bsz * 10 + views)
     feats = torch.randn(bsz, views, 6, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 3, (bsz,), generator=g) if kind == "labels" else None
+    if kind == "one_class":
+        labels = torch.zeros(bsz, dtype=torch.int64)
     mask = (torch.rand(bsz, bsz, generator=g) > 0.5).float() if kind == "mask" else None  # asymmetric
-    _compare(lambda f, t: tc.supcon_loss(f, labels, mask, t, base_temperature=0.07, contrast_mode=mode),
-             lambda f, t: supcon(f, t, labels, mask, 0.07, mode), [feats], 0.2, dtype, rtol)
+    _compare(lambda f, t: tc.supcon_loss(f, labels, mask, t, base_temperature=0.07, contrast_mode=mode, chunk_size=chunk),
+             lambda f, t: supcon(f, t, labels, mask, 0.07, mode), [feats], 0.2, dtype, tols)
 
 
 def test_supcon_flat_equals_pml_form():
@@ -169,12 +194,15 @@ def test_gradcheck_all_losses(chunk):
 
 
 # ----------------------------------------------------------------- peer library
-pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
+@pytest.fixture
+def pml_losses():
+    """pytorch-metric-learning's losses; only the tests that use the peer skip without it."""
+    return pytest.importorskip("pytorch_metric_learning.losses")
 
 
 @pytest.mark.parametrize("tau", [0.1, 0.5, 1.0])
 @pytest.mark.parametrize("seed", range(20))
-def test_matches_pytorch_metric_learning(tau, seed):
+def test_matches_pytorch_metric_learning(pml_losses, tau, seed):
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(6, 40, (1,), generator=g))
     x = torch.randn(n, 16, generator=g)
@@ -187,22 +215,28 @@ def test_matches_pytorch_metric_learning(tau, seed):
     assert tc.SupConLoss(tau)(x, labels).item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
 
 
-def test_small_temperature_exact_where_pml_clamps():
-    torch.manual_seed(1)
-    x = torch.randn(12, 8, dtype=torch.float64)
-    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
-    ref = nt_xent_pml(x, labels, 0.01)
+def test_small_temperature_exact_where_pml_clamps(pml_losses):
+    # Rows 0 and 1 share a label but point in opposite directions, and each has a negative
+    # pointing its own way: at tau = 0.01 the pair's term is about 200, far above the
+    # -log(float32 tiny) = 87.3 at which pytorch-metric-learning clamps it (and stops its gradient).
+    x = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.05, 0.0], [0.99, 0.1, 0.0], [-0.99, 0.0, 0.1],
+                      [0.0, 1.0, 0.0], [0.0, 0.9, 0.3]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 2, 3, 3])
+    ref_in = x.clone().requires_grad_()
+    ref = nt_xent_pml(ref_in, labels, 0.01)
+    ref.backward()
+    assert ref.item() > LOG_FLOAT32_TINY / 2  # the mean over 4 pairs, two of them ~200
     ours_in = x.float().requires_grad_()
     ours = tc.nt_xent_loss(ours_in, 0.01, labels=labels)
-    assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
     ours.backward()
-    assert ours_in.grad.abs().sum() > 0
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
+    torch.testing.assert_close(ours_in.grad.double(), ref_in.grad, rtol=1e-4, atol=1e-4 * ref_in.grad.abs().max().item())
     pml_in = x.float().requires_grad_()
     pml = pml_losses.NTXentLoss(temperature=0.01)(pml_in, labels)
     pml.backward()
-    # Our value is the exact one; PML's clamp changes it (documented difference).
-    if ref.item() > 87:
-        assert pml.item() != pytest.approx(ref.item(), rel=1e-3)
+    # PML's clamp changes the value (documented difference) and zeroes the clamped terms' gradient.
+    assert pml.item() < ref.item() - 50
+    assert pml_in.grad[0].abs().sum() < 0.5 * ours_in.grad[0].abs().sum()
 
 
 # ----------------------------------------------------------------- reductions, modules, misc

@@ -21,9 +21,14 @@ def test_recipe_smoke(loss, tmp_path):
     for key, value in metrics["trained"].items():
         assert 0.0 <= value <= 1.0, key
     assert metrics["loss_history"][-1] < metrics["loss_history"][0]
-    assert result["trained"]["knn_accuracy"] > 0.3
+    # Learning, measured against the untrained encoder on the same split (which already
+    # scores ~0.82 kNN and ~0.56 linear-probe on digits): two epochs must beat it clearly.
+    before, after = result["untrained"], result["trained"]
+    assert after["linear_probe_accuracy"] > before["linear_probe_accuracy"] + 0.1
+    if loss != "nt_bxent":  # two epochs of NT-BXent improve the probe but not yet kNN
+        assert after["knn_accuracy"] > before["knn_accuracy"] + 0.03
     if loss == "clip":
-        assert "zero_shot_accuracy" in metrics["trained"]
+        assert after["zero_shot_accuracy"] > before["zero_shot_accuracy"] + 0.1
 
 
 def test_augment_is_seeded_and_in_range():

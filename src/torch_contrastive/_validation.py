@@ -65,6 +65,8 @@ class Checks:
 
         def message() -> str:
             rows = torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
+            if bool(rows.all()):  # the flag came from another rank (gather=True)
+                return f"{name} contains non-finite values (NaN or inf) on another rank"
             return (f"{name} contains non-finite values (NaN or inf) in {int((~rows).sum())} of {x.shape[0]} rows "
                     f"(first bad row: {int((~rows).nonzero()[0])})")
 

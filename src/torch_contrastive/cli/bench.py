@@ -153,16 +153,22 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     base = _peak_bytes(device)
 
+    values: list[torch.Tensor] = []
+
     def step() -> None:
         for leaf in leaves:
             leaf.grad = None
-        fn().backward()
+        loss = fn()
+        loss.backward()
+        values.append(loss.detach())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     first = _time(step, 1, warm=False)
     peak = _peak_bytes(device) - base
-    row = {**spec, "seconds": float("nan"), "matmul_seconds": float("nan"), "R": float("nan"), "extra_mib": peak / 2**20}
+    # The loss value, so that a reader (and the tests) can see every implementation computed the same thing.
+    row = {**spec, "value": float(values[0]), "seconds": float("nan"), "matmul_seconds": float("nan"), "R": float("nan"),
+           "extra_mib": peak / 2**20}
     if n > MAX_REFERENCE_ROWS:
         # The reference's own N x N matrices would not fit (2 x 16 GiB at 65,536).
         return {**row, "seconds": _time(step, reps)}
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['extra_mib']:>10.1f}  ok", flush=True)
         else:
             print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}", flush=True)
-    fields = ["loss", "impl", "n", "d", "tau", "reps", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
+    fields = ["loss", "impl", "n", "d", "tau", "reps", "value", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
     with open(out_dir / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
