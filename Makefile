@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test lint bench mutate setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,8 +23,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests tools examples
 	$(BIN)/mypy src
+
+mutate: $(STAMP)
+	$(BIN)/python tools/mutate.py
 
 bench: $(STAMP)
 	$(BIN)/torch-contrastive bench --quick

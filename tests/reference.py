@@ -1,4 +1,4 @@
-"""Independent float64 references, written from the formulas of SPEC section 3.
+"""Independent float64 references, written from the formulas of the seeds and papers (README, "Conventions").
 
 Naive loops over (i, j) on purpose: nothing here shares code with the library.
 Every function works on differentiable torch scalars so gradients can be compared.

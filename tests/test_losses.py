@@ -23,7 +23,7 @@ from reference import (
 TEMPS = (0.01, 0.1, 1.0, 10.0, 20.0)
 
 
-# ----------------------------------------------------------------- seed vectors (SPEC 4)
+# ----------------------------------------------------------------- seed vectors (README, "Seed numbers reproduced")
 @pytest.mark.parametrize("tau,expected", list(zip(TEMPS, (167.33397, 16.916988, 2.8555007, 2.0152008, 1.9799404))))
 def test_seed000_nt_xent(tau, expected):
     x = seed000_x()
@@ -35,7 +35,7 @@ def test_seed000_nt_xent(tau, expected):
 def test_seed000_nt_bxent(tau, expected):
     x = seed000_x()
     assert tc.nt_bxent_loss(x.double(), SEED000_POS, tau).item() == pytest.approx(expected, rel=1e-6)
-    # float32 too: the seed's 62.8988 at tau=0.01 is a sigmoid-saturation artefact (SPEC 3.2).
+    # float32 too: the seed's 62.8988 at tau=0.01 is a sigmoid-saturation artefact (README, "Seed numbers reproduced").
     assert tc.nt_bxent_loss(x, SEED000_POS, tau).item() == pytest.approx(expected, rel=1e-4)
 
 

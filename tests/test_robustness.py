@@ -151,7 +151,7 @@ def test_huge_norms_are_scale_free():
 
 
 def test_tiny_norms_count_as_zero_vectors():
-    # SPEC: a / max(||a||, eps) with eps = 1e-12, so a 1e-30 row is (almost) the zero vector:
+    # Convention: a / max(||a||, eps) with eps = 1e-12, so a 1e-30 row is (almost) the zero vector:
     # every logit is ~0 and NT-Xent is log(2N - 1). A smaller eps keeps the direction.
     x = torch.randn(8, 4, dtype=torch.float64)
     vals = _all_losses_finite(x * 1e-30, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))

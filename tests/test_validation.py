@@ -1,4 +1,4 @@
-"""Bad input (SPEC section 7): the right exception, naming the argument; inputs untouched."""
+"""Bad input (README, "Errors"): the right exception, naming the argument; inputs untouched."""
 
 from __future__ import annotations
 

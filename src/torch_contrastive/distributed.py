@@ -1,4 +1,4 @@
-"""Distributed helpers: gather across ranks with exact gradients (SPEC section 6).
+"""Distributed helpers: gather across ranks with exact gradients (README, "Distributed training").
 
 Seed 002 explains the problem: a contrastive loss needs every rank's embeddings, a
 plain ``all_gather`` drops their gradient, and DDP averages gradients over ranks. Here

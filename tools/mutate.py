@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Mutation check of the test suite: does a one-line bug in the library fail a test?
+
+Each mutation below changes one line of the library (a sign, a dropped term, a wrong
+index). For each, the repository's ``src`` and ``tests`` are copied to a scratch folder,
+the line is changed there (never in the working tree), and the tests that should notice
+run against the copy (``PYTHONPATH`` points at the copy's ``src``). A mutation is
+*killed* when a test fails and *survives* when the suite passes. Every survivor needs a
+new test or a written reason (``reason`` below, for mutations that cannot change any
+result, e.g. an equivalent rewrite).
+
+Usage::
+
+    python tools/mutate.py                 # all mutations, a Markdown table at the end
+    python tools/mutate.py --only 1 5      # some of them
+    python tools/mutate.py --list          # what each one changes
+
+``make mutate`` runs it with the project's virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = "src/torch_contrastive"
+CORE_TESTS = ["tests/test_losses.py", "tests/test_engine.py", "tests/test_robustness.py", "tests/test_positives.py",
+              "tests/test_validation.py", "tests/test_modules.py"]
+DIST_TESTS = ["tests/test_distributed.py"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    path: str
+    before: str  # must occur exactly once in the file
+    after: str
+    what: str
+    tests: tuple[str, ...] = tuple(CORE_TESTS)
+    reason: str = ""  # why a survivor is acceptable (equivalent mutant)
+
+
+MUTATIONS = [
+    Mutation(f"{PKG}/engine.py", "g = grads[0][r0:r1] * has_neg", "g = grads[0][r0:r1]",
+             "PML NT-Xent: rows without negatives keep a gradient"),
+    Mutation(f"{PKG}/engine.py", "            gscale = gscale / 2", "            gscale = gscale",
+             "symmetric path: temperature gradient counts every pair twice"),
+    Mutation(f"{PKG}/engine.py", "        if plan.symmetric and c0 != r0:\n            row_sum[c0:c1] += e.sum(0)",
+             "        if plan.symmetric and c0 == r0:\n            row_sum[c0:c1] += e.sum(0)",
+             "fixed forward: lower-triangle tiles missing from the row sums"),
+    Mutation(f"{PKG}/engine.py", "        e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()\n"
+             "        diag = _self_diagonal(e, r0, c0, plan.self_offset)\n        if diag is not None:\n            diag.zero_()",
+             "        e = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()\n"
+             "        diag = _self_diagonal(e, r0, c0, plan.self_offset)\n        if diag is not None:\n            pass",
+             "fixed forward: self pair left in the denominator"),
+    Mutation(f"{PKG}/engine.py", "    run_sum[i0:i1] *= torch.exp(run_max[i0:i1] - new_max)", "    run_sum[i0:i1] *= 1.0",
+             "online maximum: running sum not rescaled when the maximum grows"),
+    Mutation(f"{PKG}/engine.py", "g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1]", "g.mul_(torch.sub(u[r0:r1, None], v[None, c0:c1]",
+             "fixed backward: column soft-max gradient with the wrong sign"),
+    Mutation(f"{PKG}/engine.py", "            g.add_(s.sub_(col[1][None, c0:c1])", "            g.sub_(s.sub_(col[1][None, c0:c1])",
+             "online backward: column soft-max gradient with the wrong sign"),
+    Mutation(f"{PKG}/engine.py", "        if c0 != r0:\n            gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])",
+             "        if c0 != r0 and False:\n            gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])",
+             "symmetric backward: transposed tile contribution dropped"),
+    Mutation(f"{PKG}/engine.py", "self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(-s)",
+             "self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(s)", "NT-BXent: positive term with the wrong sign"),
+    Mutation(f"{PKG}/engine.py", "torch.where(neg, torch.sigmoid(s) * g_neg, 0.0)", "torch.where(neg, torch.sigmoid(-s) * g_neg, 0.0)",
+             "NT-BXent: negative gradient with the wrong sign"),
+    Mutation(f"{PKG}/losses/nt_bxent.py", "n_pos = (positives.row_counts() + 1)", "n_pos = (positives.row_counts() + 0)",
+             "NT-BXent: diagonal not counted among the positives"),
+    Mutation(f"{PKG}/losses/supcon.py", "factor = base_scale / scale", "factor = scale / base_scale",
+             "SupCon: tau / tau_base inverted"),
+    Mutation(f"{PKG}/losses/image_text.py", "per_text = counts * col_lse", "per_text = counts * row_lse",
+             "image-text: text direction uses the image log-sum-exp"),
+    Mutation(f"{PKG}/losses/nt_xent.py", "positives.row_counts().sum(), reduction", "positives.row_counts().sum() + 1, reduction",
+             "PML NT-Xent: mean over one pair too many"),
+    Mutation(f"{PKG}/_normalize.py", "return (g - y * radial) / denom * nonzero, None", "return (g + y * radial) / denom * nonzero, None",
+             "L2 normalisation: radial gradient with the wrong sign"),
+    Mutation(f"{PKG}/positives.py", "            return total - own  # every key relation", "            return total  # every key relation",
+             "Positives.aggregate: self row left in the positive sum"),
+    Mutation(f"{PKG}/positives.py", "                weight &= p[:, 1] != p[:, 0] + self_offset", "                weight &= True",
+             "Positives.from_pairs: self pairs counted"),
+    Mutation(f"{PKG}/positives.py", "starts[1:] = (ordered[1:] != ordered[:-1]).any(1).long()",
+             "starts[1:] = (ordered[1:] != ordered[:-1]).all(1).long()", "Positives: two-key groups merged when one key matches"),
+    Mutation(f"{PKG}/losses/_common.py", "local = rows ^ 1 if pairing", "local = rows ^ 3 if pairing",
+             "adjacent pairing: wrong partner"),
+    Mutation(f"{PKG}/distributed.py", "        dist.all_reduce(total, op=dist.ReduceOp.SUM)", "        dist.all_reduce(total, op=dist.ReduceOp.MAX)",
+             "all_gather_with_grad: gradients not summed over ranks", tests=tuple(DIST_TESTS)),
+    Mutation(f"{PKG}/distributed.py", 'factor = self.world_size if self.grad_reduction == "mean" else 1', "factor = 1",
+             "Scope.finish: DDP averaging not undone", tests=tuple(DIST_TESTS)),
+    Mutation(f"{PKG}/engine.py", "            plan.column_comm.all_sum(g_col_c)", "            pass",
+             "distributed image-text: column gradient not summed over ranks", tests=tuple(DIST_TESTS)),
+    Mutation(f"{PKG}/_validation.py", "            if bad:\n                raise ValueError(message())",
+             "            if False:\n                raise ValueError(message())", "value checks never raise",
+             tests=("tests/test_validation.py", "tests/test_robustness.py")),
+]
+
+
+def run_one(index: int, m: Mutation, python: str) -> tuple[str, str, float]:
+    """Apply mutation ``index`` in a scratch copy and run its tests: (status, first failure, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
+        scratch = Path(tmp)
+        for part in ("src", "tests", "examples"):
+            shutil.copytree(ROOT / part, scratch / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copy(ROOT / "pyproject.toml", scratch / "pyproject.toml")
+        target = scratch / m.path
+        text = target.read_text()
+        if text.count(m.before) != 1:
+            return "stale", f"snippet found {text.count(m.before)} times in {m.path}", 0.0
+        target.write_text(text.replace(m.before, m.after))
+        env = {**os.environ, "PYTHONPATH": str(scratch / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+        start = time.perf_counter()
+        out = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                             cwd=scratch, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+    if out.returncode == 0:
+        return "SURVIVED", "", seconds
+    failed = [line.split(" ")[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")]
+    return "killed", (failed[0] if failed else out.stdout.strip().splitlines()[-1])[:90], seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", type=int, nargs="*", help="mutation numbers (1-based)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--python", default=sys.executable, help="interpreter with the test dependencies")
+    args = parser.parse_args()
+    chosen = args.only or list(range(1, len(MUTATIONS) + 1))
+    if args.list:
+        for i in chosen:
+            m = MUTATIONS[i - 1]
+            print(f"{i:>2} {m.path}: {m.what}\n     - {m.before.strip()}\n     + {m.after.strip()}")
+        return 0
+    rows = []
+    for i in chosen:
+        m = MUTATIONS[i - 1]
+        status, failure, seconds = run_one(i, m, args.python)
+        print(f"[{i}/{len(MUTATIONS)}] {status:<8} {seconds:6.1f}s  {m.what}  {failure}", flush=True)
+        rows.append((i, m, status, failure))
+    print("\n| # | file | mutation | result | first failing test |")
+    print("|---|---|---|---|---|")
+    for i, m, status, failure in rows:
+        note = failure or m.reason or "**needs a test**"
+        print(f"| {i} | `{m.path.removeprefix(PKG + '/')}` | {m.what} | {status} | {note} |")
+    bad = [i for i, m, status, _ in rows if status in ("SURVIVED", "stale") and not m.reason]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations killed or explained" + (f"; unexplained: {bad}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
