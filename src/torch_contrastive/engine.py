@@ -110,29 +110,35 @@ def resolve_tile(chunk_size: int | None, rows: int, cols: int) -> int:
 Scale = Tensor | float
 
 
-def _to_compute(a: Tensor, b: Tensor, scale: Scale) -> tuple[Tensor, Tensor, Scale]:
+def _to_compute(a: Tensor, b: Tensor | None, scale: Scale) -> tuple[Tensor, Tensor, Scale]:
     """Inputs in the compute dtype (fp32 for fp16/bf16; no copy when already there).
 
-    A float scale stays a Python float: turning it into a device tensor would be a
-    host-to-device copy on every call.
+    ``b=None`` (a single set) returns ``a`` itself as the candidates. A float scale stays
+    a Python float: turning it into a device tensor would be a host-to-device copy on
+    every call.
     """
     cdtype = compute_dtype(a.dtype)
     if isinstance(scale, Tensor):
         scale = scale.detach().to(device=a.device, dtype=cdtype)
-    return a.to(cdtype), b.to(cdtype), scale
+    a_c = a.to(cdtype)
+    return a_c, (a_c if b is None else b.to(cdtype)), scale
 
 
-def _save(ctx: Any, scale: Scale, *tensors: Tensor) -> None:
-    """Save tensors for backward; a float scale goes on ``ctx`` (it is not a tensor)."""
+def _save(ctx: Any, scale: Scale, a: Tensor, b: Tensor, *tensors: Tensor) -> None:
+    """Save tensors for backward: ``b`` only when it is not ``a`` (a single set), a float
+    scale on ``ctx`` (it is not a tensor)."""
     ctx.float_scale = None if isinstance(scale, Tensor) else scale
-    ctx.save_for_backward(*tensors, *((scale,) if isinstance(scale, Tensor) else ()))
+    ctx.single = b is a
+    ctx.save_for_backward(a, *(() if ctx.single else (b,)), *tensors, *((scale,) if isinstance(scale, Tensor) else ()))
 
 
-def _saved(ctx: Any) -> tuple[list[Tensor], Scale]:
+def _saved(ctx: Any) -> tuple[Tensor, Tensor, list[Tensor], Scale]:
+    """``(a, b, other saved tensors, scale)`` as given to :func:`_save`."""
     saved = list(ctx.saved_tensors)
-    if ctx.float_scale is not None:
-        return saved, ctx.float_scale
-    return saved[:-1], saved[-1]
+    scale: Scale = ctx.float_scale if ctx.float_scale is not None else saved.pop()
+    a = saved.pop(0)
+    b = a if ctx.single else saved.pop(0)
+    return a, b, saved, scale
 
 
 def _tiles(rows: int, cols: int, tile: int, symmetric: bool) -> Iterator[tuple[int, int, int, int]]:
@@ -202,12 +208,14 @@ class _LSEPlan:
 
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, scale: Scale, plan: _LSEPlan):  # type: ignore[override]
+    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _LSEPlan):  # type: ignore[override]
+        # b is None for a single set (the candidates are the anchors): passing the same
+        # tensor twice would be a duplicate input, which torch.compile cannot trace.
         a_c, b_c, scale_c = _to_compute(a, b, scale)
         forward = _lse_forward_fixed if plan.fixed else _lse_forward_online
         row_lse, col_lse = forward(a_c * scale_c, b_c, plan)
         ctx.plan = plan
-        ctx.in_dtypes = (a.dtype, b.dtype)
+        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         _save(ctx, scale_c, a_c, b_c, row_lse, col_lse if col_lse is not None else row_lse)
         return row_lse, (col_lse if col_lse is not None else row_lse.new_zeros(0))
 
@@ -215,7 +223,7 @@ class _LogSumExp(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_row: Tensor, g_col: Tensor):  # type: ignore[override]
         plan: _LSEPlan = ctx.plan
-        (a_c, b_c, row_lse, col_lse), scale_c = _saved(ctx)
+        a_c, b_c, (row_lse, col_lse), scale_c = _saved(ctx)
         g_row = g_row.to(a_c.dtype)
         g_col_c = g_col.to(a_c.dtype) if plan.columns else None
         if g_col_c is not None and plan.column_comm is not None:
@@ -240,13 +248,17 @@ def _finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc:
 
     ``dscale = sum_ij G_ij a_i . b_j = sum_i a_i . (G @ B)_i``; in the symmetric case
     (``ga_acc`` is None) the accumulator holds ``H @ Z`` with ``H = G + G.T``, which
-    counts every pair twice. A float scale gets no gradient.
+    counts every pair twice. For a single set (B is A) both accumulators are A's
+    gradient. A float scale gets no gradient.
     """
     gscale = None
     if isinstance(scale, Tensor):
         gscale = torch.linalg.vecdot(gb_acc, a).sum()
         if ga_acc is None:
             gscale = gscale / 2
+    if ctx.single and ga_acc is not None:
+        gb_acc.add_(ga_acc)
+        ga_acc = None
     ga = gb_acc.mul_(scale).to(ctx.in_dtypes[0])
     gb = None if ga_acc is None else ga_acc.mul_(scale).to(ctx.in_dtypes[1])
     return ga, gb, gscale, None
@@ -439,7 +451,8 @@ def logsumexp_rows(
         raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
     R, C = anchors.shape[0], candidates.shape[0]
     plan = _LSEPlan(self_offset, columns, symmetric, resolve_tile(chunk_size, R, C), fixed, column_comm if columns else None)
-    row_lse, col_lse = _LogSumExp.apply(anchors, candidates, scale, plan)
+    # The same tensor twice becomes "no separate candidates" (see _LogSumExp.forward).
+    row_lse, col_lse = _LogSumExp.apply(anchors, None if candidates is anchors else candidates, scale, plan)
     return row_lse, (col_lse if columns else None)
 
 
@@ -555,18 +568,18 @@ def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Te
 
 class _Pairwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, scale: Scale, plan: _PairwisePlan):  # type: ignore[override]
+    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _PairwisePlan):  # type: ignore[override]
         a_c, b_c, scale_c = _to_compute(a, b, scale)
         a_s = a_c * scale_c
         kernel = _KERNELS[plan.kernel](a.shape[0], a_c.dtype, a.device)
         bufs = _Buffers(a_c.dtype, a.device)
         for p in range(kernel.passes):
-            for r0, r1, c0, c1 in _tiles(a.shape[0], b.shape[0], plan.tile, False):
+            for r0, r1, c0, c1 in _tiles(a.shape[0], b_c.shape[0], plan.tile, False):
                 s = _logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
                 pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                 kernel.visit(p, s, pos, neg, r0, r1)
         ctx.plan = plan
-        ctx.in_dtypes = (a.dtype, b.dtype)
+        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         _save(ctx, scale_c, a_c, b_c, *kernel.saved())
         return kernel.outputs()
 
@@ -574,7 +587,7 @@ class _Pairwise(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads: Tensor):  # type: ignore[override]
         plan: _PairwisePlan = ctx.plan
-        (a, b, *saved), scale = _saved(ctx)
+        a, b, saved, scale = _saved(ctx)
         grads = tuple(g.to(a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
         a_s = a * scale
@@ -612,4 +625,4 @@ def pairwise_rows(
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
     plan = _PairwisePlan(kernel, positives, resolve_tile(chunk_size, anchors.shape[0], candidates.shape[0]))
-    return tuple(_Pairwise.apply(anchors, candidates, scale, plan))
+    return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan))

@@ -40,7 +40,6 @@ no host synchronisation and can be compiled with ``torch.compile(fullgraph=True)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -82,6 +81,7 @@ class Positives:
     pair_weight: Tensor | None = None
     sample_mask: Tensor | None = None
     row_sample: Tensor | None = None
+    key_terms: tuple[tuple[Tensor, Tensor, int, int], ...] = ()
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -117,7 +117,8 @@ class Positives:
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
         rows = tuple(k.reshape(-1).long() for k in rk)
         cols = tuple(k.reshape(-1).long() for k in ck)
-        return cls(num_rows=int(rows[0].numel()), num_cols=int(cols[0].numel()), self_offset=self_offset, row_keys=rows, col_keys=cols)
+        return cls(num_rows=int(rows[0].numel()), num_cols=int(cols[0].numel()), self_offset=self_offset, row_keys=rows,
+                   col_keys=cols, key_terms=_key_terms(rows, cols))
 
     @classmethod
     def from_pairs(cls, pairs: Tensor, num_rows: int, num_cols: int, *, self_offset: int | None = 0) -> Positives:
@@ -218,7 +219,7 @@ class Positives:
             return torch.ones(self.num_rows, dtype=torch.int64, device=device)
         if kind == "keys":
             counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
-            for rg, cg, n_bound, sign in self._key_terms:
+            for rg, cg, n_bound, sign in self.key_terms:
                 per_group = torch.zeros(n_bound, dtype=torch.int64, device=device).index_add_(0, cg, torch.ones_like(cg))
                 counts += sign * per_group[rg]
             return counts - self._self_in_relation().long()
@@ -245,7 +246,7 @@ class Positives:
             return candidates[partner]
         if kind == "keys":
             total = candidates.new_zeros(self.num_rows, candidates.shape[1])
-            for rg, cg, n_bound, sign in self._key_terms:
+            for rg, cg, n_bound, sign in self.key_terms:
                 per_group = candidates.new_zeros(n_bound, candidates.shape[1]).index_add_(0, cg, candidates)
                 total = total + sign * per_group[rg]
             return self._minus_self(total, candidates)
@@ -286,34 +287,35 @@ class Positives:
                 return t.device
         return torch.device("cpu")
 
-    @cached_property
-    def _key_terms(self) -> tuple[tuple[Tensor, Tensor, int, int], ...]:
-        """(row group ids, column group ids, bound on the number of groups, sign) per relation.
 
-        Two relations combine by inclusion-exclusion, |A or B| = |A| + |B| - |A and B|,
-        so their intersection (both keys equal) enters with sign -1. Computed once per
-        object: the sort is O(N log N) and counts and aggregates all need it.
-        """
-        terms = []
-        for rk, ck in zip(self.row_keys, self.col_keys):
-            terms.append((*self._groups(torch.cat([rk, ck])[:, None]), 1))
-        if len(self.row_keys) == 2:
-            both = torch.cat([torch.stack(self.row_keys, 1), torch.stack(self.col_keys, 1)], 0)
-            terms.append((*self._groups(both), -1))
-        return tuple(terms)
+def _key_terms(row_keys: tuple[Tensor, ...], col_keys: tuple[Tensor, ...]) -> tuple[tuple[Tensor, Tensor, int, int], ...]:
+    """(row group ids, column group ids, bound on the number of groups, sign) per relation.
 
-    def _groups(self, keys: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Group ids of the R row keys and C column keys stacked in ``keys`` (R + C, k).
+    Two relations combine by inclusion-exclusion, |A or B| = |A| + |B| - |A and B|,
+    so their intersection (both keys equal) enters with sign -1. Computed once, when
+    the object is built: the sort is O(N log N) and counts and aggregates all need it.
+    """
+    terms = []
+    for rk, ck in zip(row_keys, col_keys):
+        terms.append((*_groups(torch.cat([rk, ck])[:, None], rk.numel()), 1))
+    if len(row_keys) == 2:
+        both = torch.cat([torch.stack(row_keys, 1), torch.stack(col_keys, 1)], 0)
+        terms.append((*_groups(both, row_keys[0].numel()), -1))
+    return tuple(terms)
 
-        A lexicographic stable sort puts equal key tuples next to each other; a new
-        group starts wherever a tuple differs from its predecessor. Ids lie in
-        ``[0, R + C)``, a static bound, so nothing is read back from the device.
-        """
-        order = torch.arange(keys.shape[0], device=keys.device)
-        for column in reversed(range(keys.shape[1])):
-            order = order[torch.sort(keys[order, column], stable=True).indices]
-        ordered = keys[order]
-        starts = torch.ones(keys.shape[0], dtype=torch.int64, device=keys.device)
-        starts[1:] = (ordered[1:] != ordered[:-1]).any(1).long()
-        group = torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
-        return group[: self.num_rows], group[self.num_rows :], int(keys.shape[0])
+
+def _groups(keys: Tensor, num_rows: int) -> tuple[Tensor, Tensor, int]:
+    """Group ids of the R row keys and C column keys stacked in ``keys`` (R + C, k).
+
+    A lexicographic stable sort puts equal key tuples next to each other; a new group
+    starts wherever a tuple differs from its predecessor. Ids lie in ``[0, R + C)``, a
+    static bound, so nothing is read back from the device.
+    """
+    order = torch.arange(keys.shape[0], device=keys.device)
+    for column in reversed(range(keys.shape[1])):
+        order = order[torch.sort(keys[order, column], stable=True).indices]
+    ordered = keys[order]
+    starts = torch.ones(keys.shape[0], dtype=torch.int64, device=keys.device)
+    starts[1:] = (ordered[1:] != ordered[:-1]).any(1).long()
+    group = torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
+    return group[:num_rows], group[num_rows:], int(keys.shape[0])
