@@ -1,0 +1,131 @@
+"""``torch-contrastive bench --small``: the common case, 64 to 1,024 rows per call.
+
+At these sizes per-call overhead, kernel launches and host synchronisations decide the
+time, not FLOPs. Every loss/convention runs against the plain dense PyTorch formula it
+replaces (open_clip's CLIP loss, lightly's NT-Xent, a dense SupCon, a dense
+pytorch-metric-learning NT-Xent, a dense NT-BXent), forward + backward, in one process:
+loss and formula runs alternate and the ratio is the median of per-pair ratios, so a
+slow spell of a shared machine hits both sides alike. The host synchronisations per
+call are counted too (``validate=True`` and ``False``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import torch_contrastive as tc
+
+from .synccount import count_host_syncs
+
+SIZES = (64, 256, 1024)
+CLASSES = 10  # labelled cases: CIFAR-10-like classes
+
+
+def plain_clip(img: Tensor, txt: Tensor, tau: float) -> Tensor:
+    """open_clip's ClipLoss formula (world size 1)."""
+    logits = F.normalize(img, dim=1) @ F.normalize(txt, dim=1).T / tau
+    target = torch.arange(img.shape[0], device=img.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+def plain_nt_xent_halves(z: Tensor, tau: float) -> Tensor:
+    """lightly's NTXentLoss formula on ``cat([view1, view2])``."""
+    n = z.shape[0] // 2
+    z = F.normalize(z, dim=1)
+    logits = (z @ z.T / tau).masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
+    return F.cross_entropy(logits, (torch.arange(2 * n, device=z.device) + n) % (2 * n))
+
+
+def plain_supcon(z: Tensor, labels: Tensor, tau: float) -> Tensor:
+    """Dense SupCon (pytorch-metric-learning convention: anchors without positives left out)."""
+    z = F.normalize(z, dim=1)
+    eye = torch.eye(z.shape[0], dtype=torch.bool, device=z.device)
+    log_prob = F.log_softmax((z @ z.T / tau).masked_fill(eye, float("-inf")), dim=1)
+    pos = (labels[:, None] == labels[None, :]) & ~eye
+    count = pos.sum(1)
+    per = -torch.where(pos, log_prob, 0.0).sum(1) / count.clamp_min(1)
+    has = count > 0
+    return (per * has).sum() / has.sum().clamp_min(1)
+
+
+def plain_nt_xent_pml(z: Tensor, labels: Tensor, tau: float) -> Tensor:
+    """Dense pytorch-metric-learning NT-Xent: one term per positive pair, exact (no clamp)."""
+    z = F.normalize(z, dim=1)
+    s = z @ z.T / tau
+    eye = torch.eye(z.shape[0], dtype=torch.bool, device=z.device)
+    same = labels[:, None] == labels[None, :]
+    neg_lse = torch.logsumexp(s.masked_fill(same, float("-inf")), dim=1, keepdim=True)
+    pos = same & ~eye
+    terms = torch.where(pos, F.softplus(neg_lse - s), 0.0)
+    return terms.sum() / pos.sum().clamp_min(1)
+
+
+def plain_nt_bxent(z: Tensor, labels: Tensor, tau: float) -> Tensor:
+    """Dense NT-BXent of seed 000 with same-label positives (diagonal counted, not scored)."""
+    z = F.normalize(z, dim=1)
+    s = z @ z.T / tau
+    eye = torch.eye(z.shape[0], dtype=torch.bool, device=z.device)
+    same = labels[:, None] == labels[None, :]
+    n_pos = same.sum(1)
+    n_neg = z.shape[0] - n_pos
+    pos_term = torch.where(same & ~eye, F.softplus(-s), 0.0).sum(1) / n_pos
+    neg_term = torch.where(same, 0.0, F.softplus(s)).sum(1) / n_neg.clamp_min(1)
+    return (pos_term + neg_term).mean()
+
+
+Case = tuple[Callable[..., Tensor], Callable[..., Tensor], bool]  # ours(validate), plain, two inputs?
+
+
+def cases(n: int, d: int, tau: float, generator: torch.Generator) -> dict[str, tuple[Callable[[bool], Tensor], Callable[[], Tensor], list[Tensor]]]:
+    """name -> (ours(validate), plain formula, leaves)."""
+    x = torch.randn(n, d, generator=generator).requires_grad_()
+    y = torch.randn(n, d, generator=generator).requires_grad_()
+    labels = torch.randint(0, CLASSES, (n,), generator=generator)
+    return {
+        "clip": (lambda val: tc.image_text_contrastive_loss(x, y, tau, validate=val), lambda: plain_clip(x, y, tau), [x, y]),
+        "nt_xent halves": (lambda val: tc.nt_xent_loss(x, tau, pairing="halves", validate=val), lambda: plain_nt_xent_halves(x, tau), [x]),
+        "supcon labels": (lambda val: tc.supcon_loss(x, labels, temperature=tau, validate=val), lambda: plain_supcon(x, labels, tau), [x]),
+        "nt_xent labels (PML)": (lambda val: tc.nt_xent_loss(x, tau, labels=labels, validate=val),
+                                 lambda: plain_nt_xent_pml(x, labels, tau), [x]),
+        "nt_bxent labels": (lambda val: tc.nt_bxent_loss(x, labels=labels, temperature=tau, validate=val),
+                            lambda: plain_nt_bxent(x, labels, tau), [x]),
+    }
+
+
+def _step(fn: Callable[[], Tensor], leaves: list[Tensor]) -> float:
+    for leaf in leaves:
+        leaf.grad = None
+    start = time.perf_counter()
+    fn().backward()
+    return time.perf_counter() - start
+
+
+def measure(n: int, d: int = 128, tau: float = 0.1, pairs: int | None = None, validate: bool = True) -> list[dict[str, Any]]:
+    """One row per loss/convention at batch size ``n``: median ratio ours / plain, syncs."""
+    generator = torch.Generator().manual_seed(n)
+    rows = []
+    for name, (ours, plain, leaves) in cases(n, d, tau, generator).items():
+        value, want = float(ours(validate)), float(plain())
+        count = pairs or (200 if n <= 256 else 60)
+        for _ in range(5):  # warm-up: allocator, thread pools
+            _step(lambda o=ours: o(validate), leaves)
+            _step(plain, leaves)
+        ratios, ours_t, plain_t = [], [], []
+        for _ in range(count):
+            a = _step(lambda o=ours: o(validate), leaves)
+            b = _step(plain, leaves)
+            ratios.append(a / b)
+            ours_t.append(a)
+            plain_t.append(b)
+        syncs = {v: count_host_syncs(lambda o=ours, v=v: o(v).backward()) for v in (True, False)}
+        rows.append({"loss": name, "n": n, "d": d, "tau": tau, "validate": validate, "value": value, "plain_value": want,
+                     "ours_ms": 1e3 * statistics.median(ours_t), "plain_ms": 1e3 * statistics.median(plain_t),
+                     "ratio": statistics.median(ratios), "syncs_validate": syncs[True], "syncs_no_validate": syncs[False]})
+    return rows
