@@ -1,4 +1,8 @@
-"""Row-wise L2 normalisation as one autograd op: overflow-free and memory-lean."""
+"""Row-wise L2 normalisation as an autograd op, for inputs normalised before a gather.
+
+Local losses normalise inside the engine's autograd functions; under ``gather=True``
+each rank normalises its own rows first (with this op) and gathers the result.
+"""
 
 from __future__ import annotations
 
@@ -6,38 +10,24 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .engine import compute_dtype
+from .engine._common import compute_dtype, l2_normalize, l2_normalize_backward
 
 __all__ = ["prepare"]
 
 
 class _L2Normalize(torch.autograd.Function):
-    """``x / max(||x||, eps)`` per row.
-
-    The row is divided by its largest magnitude before the norm is taken, so norms of
-    1e30 or 1e-30 neither overflow nor underflow. Backward saves only the output and
-    the per-row norm (``F.normalize`` keeps two more N x D tensors): for rows with
-    ``||x|| > eps`` the gradient is ``(g - y (g . y)) / ||x||``, otherwise ``g / eps``;
-    an all-zero row gets a zero gradient (not ``g / eps``).
-    """
+    """``x / max(||x||, eps)`` per row; see :func:`~torch_contrastive.engine._common.l2_normalize`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, eps: float):  # type: ignore[override]
-        peak = x.abs().amax(dim=1, keepdim=True)
-        nonzero = peak > 0
-        peak = torch.where(nonzero, peak, torch.ones_like(peak))
-        norm = torch.linalg.vector_norm(x / peak, dim=1, keepdim=True) * peak
-        denom = torch.clamp_min(norm, eps)
-        y = x / denom
-        ctx.save_for_backward(y, denom, norm > eps, nonzero)
+        y, denom, state = l2_normalize(x, eps)
+        ctx.save_for_backward(y, denom, state)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        y, denom, above, nonzero = ctx.saved_tensors
-        radial = torch.where(above, (g * y).sum(dim=1, keepdim=True), torch.zeros_like(denom))
-        return (g - y * radial) / denom * nonzero, None
+        return l2_normalize_backward(g, *ctx.saved_tensors), None
 
 
 def prepare(x: Tensor, normalize: bool, eps: float) -> Tensor:

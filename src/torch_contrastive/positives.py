@@ -261,6 +261,37 @@ class Positives:
             total = mask.to(candidates.dtype)[self._need(self.row_sample, kind)] @ per_sample
         return self._minus_self(total, candidates)
 
+    def aggregate_transposed(self, rows: Tensor) -> Tensor:
+        """(C, D) ``sum_i P_ij r_i``: the transpose of :meth:`aggregate`, for gradients
+        with respect to candidates and for column statistics. Same cost as :meth:`aggregate`."""
+        kind = self.kind
+        width = rows.shape[1]
+        if kind == "partner":
+            partner = self._need(self.partner, kind)
+            if self.self_offset is None and partner.shape[0] == self.num_cols:
+                return rows  # CLIP without ids: column j's positive is row j
+            return rows.new_zeros(self.num_cols, width).index_add(0, partner, rows)
+        if kind == "keys":
+            total = rows.new_zeros(self.num_cols, width)
+            for rg, cg, n_bound, sign in self.key_terms:
+                per_group = rows.new_zeros(n_bound, width).index_add_(0, rg, rows)
+                total = total + sign * per_group[cg]
+            if self.self_offset is not None:  # every key relation contains the self pair
+                total = total.index_add(0, torch.arange(self.num_rows, device=rows.device) + self.self_offset, rows, alpha=-1)
+            return total
+        if kind == "pairs":
+            p, w = self._need(self.pairs, kind), self._need(self.pair_weight, kind)
+            return rows.new_zeros(self.num_cols, width).index_add(0, p[:, 1], rows[p[:, 0]] * w[:, None].to(rows.dtype))
+        mask = self._need(self.sample_mask, kind)
+        bsz = mask.shape[0]
+        row_sample = self._need(self.row_sample, kind)
+        per_sample = rows.new_zeros(bsz, width).index_add_(0, row_sample, rows)
+        with torch.autocast(rows.device.type, enabled=False):
+            per_col_sample = mask.to(rows.dtype).t() @ per_sample
+        total = per_col_sample.repeat(self.num_cols // bsz, 1)  # view-major: column j is sample j % bsz
+        own = rows * mask[row_sample, row_sample][:, None].to(rows.dtype)
+        return total.index_add(0, torch.arange(self.num_rows, device=rows.device), own, alpha=-1)
+
     # ------------------------------------------------------------------ helpers
     def _minus_self(self, total: Tensor, candidates: Tensor) -> Tensor:
         """Remove each anchor's own row from a relation sum that included it."""

@@ -31,17 +31,24 @@ def check_agreement(scope: Scope, what: str, x: Tensor, validate: bool, *flags: 
 
 
 class SingleSet(NamedTuple):
-    z: Tensor  # this rank's rows, normalised, in the compute dtype
+    z: Tensor  # this rank's rows
     z_all: Tensor  # the global batch (z itself when local)
     offset: int  # global index of this rank's first row
+    normalize_inside: bool  # the engine normalises z (local); else z is normalised already
 
 
 def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, checks: v.Checks, *given: bool) -> SingleSet:
-    """Shared set-up of the single-set losses: agreement check, normalisation, gather."""
+    """Shared set-up of the single-set losses: agreement check, normalisation, gather.
+
+    Locally the raw rows go to the engine, which normalises them inside its autograd
+    function (fewer autograd nodes); under ``gather=True`` each rank normalises its own
+    rows before they are gathered.
+    """
     check_agreement(scope, name, x, checks.enabled, *given)
+    if not scope.distributed:
+        return SingleSet(x, x, 0, normalize)
     z = prepare(x, normalize, eps)
-    z_all = scope.rows(z)
-    return SingleSet(z, z_all, scope.offset)
+    return SingleSet(z, scope.rows(z), scope.offset, False)
 
 
 def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope: Scope, checks: v.Checks,

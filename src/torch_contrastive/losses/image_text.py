@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope, make_scope
-from ..engine import fixed_scale_applies, logsumexp_rows
+from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
 from ._common import check_agreement, finish_checks, positive_logits
 
@@ -90,33 +90,53 @@ def image_text_contrastive_loss(
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
     check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
 
-    img = prepare(image_feat, normalize, eps)
-    txt = prepare(text_feat.to(image_feat.dtype), normalize, eps)
-    # Locally every "global" tensor below is the local one itself (same objects, no copy).
-    img_all, txt_all = scope.rows(img), scope.rows(txt)
-    offset = scope.offset  # known once rows() has gathered the sizes
-    # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions.
+    fixed = fixed_scale_applies(normalize, bound, image_feat.dtype)
     keys = [k for k in (image_id, text_id) if k is not None]
-    if keys:
-        global_keys = tuple(scope.ints(k) for k in keys)
-        local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
-        pos = Positives.from_keys(local_keys, global_keys, self_offset=None)
+    if not scope.distributed:
+        # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions, and the
+        # whole loss -- normalisation, both directions, positives -- is one engine call.
+        pos = Positives.from_keys(tuple(keys), tuple(keys), self_offset=None) if keys else \
+            Positives.from_partner(torch.arange(n, device=device), n, self_offset=None)
+        counts = pos.row_counts()
+        weights = (None, None) if not keys else (counts.to(compute_dtype(image_feat.dtype)), None)
+        per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
+                                            row_weights=weights, col_weights=weights, columns=True, fixed=fixed,
+                                            normalize=normalize, eps=eps, chunk_size=chunk_size)
+        if per_text is None:
+            raise RuntimeError("internal: columns=True returns the column terms")
     else:
-        pos = Positives.from_partner(torch.arange(n, device=device) + offset, img_all.shape[0], self_offset=None)
-    # One pass over this rank's image rows x all texts gives the image rows' LSE and the
-    # column sums; under gather=True the engine all-reduces those (O(N)) into every text's
-    # LSE, so the N x N work is split W ways instead of being done once per direction.
-    row_lse, col_lse_all = logsumexp_rows(img, txt_all, scale, self_offset=None, columns=True,
-                                          fixed=fixed_scale_applies(normalize, bound, img.dtype),
-                                          chunk_size=chunk_size, column_comm=scope if scope.distributed else None)
-    if col_lse_all is None:
-        raise RuntimeError("internal: columns=True returns the column statistic")
-    col_lse = col_lse_all[offset : offset + n] if scope.distributed else col_lse_all
-    counts = pos.row_counts()
-    per_image = counts * row_lse - positive_logits(img, txt_all, pos, scale)
-    per_text = counts * col_lse - positive_logits(txt, img_all, pos, scale)
+        per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, keys, scope, fixed, normalize, eps, chunk_size)
     finish_checks(per_image + per_text, checks, v.output_needs_check(normalize, bound))
     return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
+
+
+def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, keys: list[Tensor], scope: Scope, fixed: bool,
+                       normalize: bool, eps: float, chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-image and per-text terms of this rank's rows under ``gather=True``.
+
+    One pass over this rank's image rows x all texts gives the image rows' terms and the
+    column sums; the engine all-reduces those (O(N)) into every text's LSE, so the N x N
+    work is split W ways instead of being done once per direction. Each text row's
+    positive part needs all images, so it is computed here from the gathered images.
+    """
+    n = image_feat.shape[0]
+    img = prepare(image_feat, normalize, eps)
+    txt = prepare(text_feat.to(image_feat.dtype), normalize, eps)
+    img_all, txt_all = scope.rows(img), scope.rows(txt)
+    offset = scope.offset  # known once rows() has gathered the sizes
+    if keys:
+        global_keys = tuple(scope.ints(k) for k in keys)
+        pos = Positives.from_keys(tuple(k[offset : offset + n] for k in global_keys), global_keys, self_offset=None)
+    else:
+        pos = Positives.from_partner(torch.arange(n, device=img.device) + offset, img_all.shape[0], self_offset=None)
+    counts = pos.row_counts()
+    per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos,
+                                           row_weights=(counts.to(img.dtype), None), columns=True, column_positives=False,
+                                           fixed=fixed, chunk_size=chunk_size, column_comm=scope)
+    if col_lse_all is None:
+        raise RuntimeError("internal: columns=True returns the column terms")
+    per_text = counts * col_lse_all[offset : offset + n] - positive_logits(txt, img_all, pos, scale)
+    return per_image, per_text, counts
 
 
 def _reduce_image_text(per_image: Tensor, per_text: Tensor, n_gt: Tensor, n: int, reduction: str, scope: Scope) -> Tensor:

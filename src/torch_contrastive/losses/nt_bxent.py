@@ -67,8 +67,7 @@ def nt_bxent_loss(
         labels = v.check_labels(labels, "labels", n, embeddings.device)
     checks.finite(embeddings, "embeddings")
     scale, bound = v.inverse_temperature(temperature, checks)
-    z, z_all, offset = single_set(embeddings, "embeddings", normalize, eps, scope, checks,
-                                         labels is not None)
+    z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
     total = z_all.shape[0]
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.
@@ -77,8 +76,8 @@ def nt_bxent_loss(
     else:
         keys = scope.ints(labels)  # type: ignore[arg-type]
         positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
-    pos_sum, neg_sum = pairwise_rows(z, z_all, scale, positives, kernel="binary", chunk_size=chunk_size)
-    n_pos = (positives.row_counts() + 1).to(z.dtype)  # + the diagonal, as in the seed
+    pos_sum, neg_sum = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps, chunk_size=chunk_size)
+    n_pos = (positives.row_counts() + 1).to(pos_sum.dtype)  # + the diagonal, as in the seed
     n_neg = total - n_pos
     per_row = pos_sum / n_pos + torch.where(n_neg > 0, neg_sum / n_neg.clamp_min(1), 0.0)
     return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

@@ -6,9 +6,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import fixed_scale_applies, logsumexp_rows, pairwise_rows
+from ..engine import fixed_scale_applies, pairwise_rows, softmax_terms
 from ..positives import Positives
-from ._common import pair_partner, positive_logits, reduce, single_set
+from ._common import pair_partner, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 
@@ -78,18 +78,17 @@ def nt_xent_loss(
     checks = v.Checks(validate, scope)
     checks.finite(embeddings, "embeddings")
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
-    z, z_all, offset = single_set(embeddings, "embeddings", normalize, eps, scope, checks,
-                                         labels is not None)
+    z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
     check_output = v.output_needs_check(normalize, bound)
 
     if labels is None:
         positives = Positives.from_partner(pair_partner(n, pairing, offset, z.device), z_all.shape[0], self_offset=offset)
-        lse, _ = logsumexp_rows(z, z_all, scale, self_offset=offset, symmetric=not scope.distributed,
-                                fixed=fixed_scale_applies(normalize, bound, z.dtype), chunk_size=chunk_size)
-        per_row = lse - positive_logits(z, z_all, positives, scale)
+        per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
+                                   fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
+                                   chunk_size=chunk_size)
         return reduce(per_row, float(n), reduction, scope, checks, check_output)
 
     keys = scope.ints(labels)
     positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
-    (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", chunk_size=chunk_size)
+    (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size)
     return reduce(per_row, positives.row_counts().sum(), reduction, scope, checks, check_output)

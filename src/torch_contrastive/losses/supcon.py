@@ -7,9 +7,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import fixed_scale_applies, logsumexp_rows
+from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import positive_logits, reduce, single_set
+from ._common import reduce, single_set
 
 __all__ = ["supcon_loss"]
 
@@ -91,8 +91,7 @@ def supcon_loss(
     if base_temperature is not None:
         base_scale, _ = v.inverse_temperature(base_temperature, checks, name="base_temperature")
         factor = base_scale / scale  # tau / tau_base
-    z, z_all, offset = single_set(flat, "features", normalize, eps, scope, checks,
-                                         labels is not None)
+    z, z_all, offset, inside = single_set(flat, "features", normalize, eps, scope, checks, labels is not None)
     n_anchor = bsz if contrast_mode == "one" else bsz * n_views
     if mask is not None:
         positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
@@ -103,12 +102,14 @@ def supcon_loss(
         positives = Positives.from_keys(keys[offset : offset + n_anchor], keys, self_offset=offset)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
     symmetric = not scope.distributed and n_anchor == z.shape[0]
-    lse, _ = logsumexp_rows(anchors, z_all, scale, self_offset=offset, symmetric=symmetric,
-                            fixed=fixed_scale_applies(normalize, bound, z.dtype), chunk_size=chunk_size)
     counts = positives.row_counts()
     has_pos = counts > 0
-    mean_pos = positive_logits(anchors, z_all, positives, scale) / counts.clamp_min(1).to(z.dtype)
-    per_anchor = torch.where(has_pos, lse - mean_pos, 0.0)
+    cdtype = compute_dtype(z.dtype)
+    # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0)
+    weights = (has_pos.to(cdtype), has_pos.to(cdtype) / counts.clamp_min(1).to(cdtype))
+    per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
+                                  symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
+                                  eps=eps, chunk_size=chunk_size)
     if factor is not None:
         per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
     return reduce(per_anchor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))

@@ -1,0 +1,58 @@
+"""The tiled autograd engine: contrastive statistics in O(N * tile) extra memory.
+
+Every loss of the package reduces to per-anchor statistics of the logit matrix
+``S = scale * A @ B.T`` (R anchors, C candidates), which this package computes block
+by block without ever holding S (README, "Tiled engine"):
+
+:func:`softmax_terms` (:mod:`.softmax`)
+    ``alpha_i * log sum_{j != self(i)} exp(S_ij) - beta_i * sum_j P_ij S_ij`` per row,
+    and the same per column (the second direction of the image-text loss). This serves
+    NT-Xent (pairing rules), SupCon and the image-text loss: their positive part is
+    linear and costs O(N * D) through
+    :meth:`~torch_contrastive.positives.Positives.aggregate`, not a tile pass.
+    :func:`logsumexp_rows` is its plain log-sum-exp form.
+:func:`pairwise_rows` (:mod:`.pairwise`)
+    Statistics that need the positive mask inside the tile: the per-positive-pair
+    NT-Xent of pytorch-metric-learning and NT-BXent's element-wise binary cross-entropy.
+
+Both are ``torch.autograd.Function`` s that can also L2-normalise their inputs inside,
+so a loss call adds only a few autograd nodes. Forward keeps only O(R + C) statistics;
+backward recomputes each logit tile, forms the gradient tile G and accumulates
+``dA += scale * G @ B``, ``dB += scale * G.T @ A`` and ``dscale += sum(G * A @ B.T)``.
+Inputs in fp16/bf16 are computed and accumulated in fp32; gradients are returned in the
+input dtype. ``scale`` is a float or a 0-dim tensor that multiplies the anchors once
+(O(R * D)); its value is never read on the host, and nothing else is either, so the
+engine makes no host synchronisation and traces under ``torch.compile(fullgraph=True)``.
+
+Two log-sum-exp algorithms, chosen by the caller from a host-side bound on ``scale``:
+
+* **fixed** -- when the inputs are L2-normalised every logit lies in ``[-scale, scale]``,
+  so for ``scale <= 40`` in fp32 (tau >= 0.025) ``exp(S)`` itself can neither overflow
+  nor underflow and no running maximum (not even a fixed shift) is needed. Then one
+  ``exp`` per element serves the row and the column soft-max, and in backward the
+  gradient tile is that same ``exp`` scaled by ``u_i + v_j`` with
+  ``u_i = g_i exp(-LSE_i)``.
+* **online maximum** -- exact for any logit range (raw dot products, tau < 0.025, or a
+  scale whose value is not known on the host).
+
+Single-set losses (``symmetric=True``) visit only the upper-triangle tiles: ``S`` is
+symmetric, so one tile feeds the statistics of both its row block and its column
+block, and ``H = G + G.T`` feeds both ``dZ_I`` and ``dZ_J``. A problem that fits in one
+tile (the common small batch) skips the tile bookkeeping altogether.
+"""
+
+from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies, resolve_tile
+from .pairwise import pairwise_rows
+from .softmax import logsumexp_rows, softmax_terms
+
+__all__ = [
+    "DEFAULT_TILE",
+    "DENSE_BUDGET_BYTES",
+    "Scale",
+    "compute_dtype",
+    "fixed_scale_applies",
+    "logsumexp_rows",
+    "pairwise_rows",
+    "resolve_tile",
+    "softmax_terms",
+]

@@ -1,0 +1,233 @@
+"""Kernels that need the positive mask inside each tile.
+
+The per-positive-pair NT-Xent of pytorch-metric-learning (``kernel="pair_softplus"``)
+and NT-BXent's element-wise binary cross-entropy (``kernel="binary"``) are not linear in
+the positive mask, so each tile asks :meth:`~torch_contrastive.positives.Positives.tile`
+for its block of the mask. Forward keeps O(N) statistics, backward recomputes each tile
+(a single tile -- the small-batch case -- is kept from forward instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._common import Buffers, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
+
+if TYPE_CHECKING:
+    from ..positives import Positives
+
+
+class _PairKernel:
+    """Per-positive-pair NT-Xent (pytorch-metric-learning convention, seed 004).
+
+    Pass 1: ``L_i = log sum_{n in N(i)} exp(S_in)`` over the negatives of row i.
+    Pass 2: ``out_i = sum_{p in P(i)} softplus(L_i - S_ip)`` (= ``-log(e^S_ip /
+    (e^S_ip + sum_n e^S_in))``) and ``w_i = sum_p sigmoid(L_i - S_ip)`` for backward.
+    Rows without negatives contribute exactly 0 (and get no gradient).
+    """
+
+    passes = 2
+
+    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        low = torch.finfo(dtype).min
+        self.low = low
+        self.neg_max = torch.full((rows,), low, dtype=dtype, device=device)
+        self.neg_sum = torch.zeros(rows, dtype=dtype, device=device)
+        self.out = torch.zeros(rows, dtype=dtype, device=device)
+        self.weight = torch.zeros(rows, dtype=dtype, device=device)
+
+    def visit(self, p: int, s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int) -> None:
+        if p == 0:
+            masked = s.masked_fill(~neg, self.low)
+            new_max = torch.maximum(self.neg_max[r0:r1], masked.amax(1))
+            self.neg_sum[r0:r1] *= torch.exp(self.neg_max[r0:r1] - new_max)
+            self.neg_sum[r0:r1] += torch.where(neg, torch.exp(masked - new_max[:, None]), 0.0).sum(1)
+            self.neg_max[r0:r1] = new_max
+            return
+        has_neg = self.neg_sum[r0:r1] > 0
+        lse = self.neg_lse_rows(r0, r1)
+        diff = lse[:, None] - s
+        term = torch.where(pos, torch.nn.functional.softplus(diff), 0.0).sum(1)
+        weight = torch.where(pos, torch.sigmoid(diff), 0.0).sum(1)
+        self.out[r0:r1] += torch.where(has_neg, term, 0.0)
+        self.weight[r0:r1] += torch.where(has_neg, weight, 0.0)
+
+    def neg_lse_rows(self, r0: int, r1: int) -> Tensor:
+        s = self.neg_sum[r0:r1]
+        return torch.where(s > 0, s.log() + self.neg_max[r0:r1], torch.zeros_like(s))
+
+    def outputs(self) -> tuple[Tensor, ...]:
+        return (self.out,)
+
+    def saved(self) -> tuple[Tensor, ...]:
+        return (self.neg_lse_rows(0, self.neg_sum.shape[0]), self.weight, (self.neg_sum > 0))
+
+    @staticmethod
+    def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        neg_lse, weight, has_neg = (t[r0:r1] for t in saved)
+        g = grads[0][r0:r1] * has_neg
+        # where(), not products with masks: exp() of a positive entry may overflow (inf * 0 is NaN),
+        # and bool-to-float mask products cost a copy each.
+        d_neg = torch.where(neg, torch.exp(s - neg_lse[:, None]) * weight[:, None], 0.0)
+        return torch.where(pos, -torch.sigmoid(neg_lse[:, None] - s), d_neg).mul_(g[:, None])
+
+
+class _BinaryKernel:
+    """NT-BXent (seed 000): ``out = (sum_pos softplus(-S), sum_neg softplus(S))`` per row.
+
+    Computed with softplus (= -log-sigmoid), never ``log(sigmoid(.))``, so it stays
+    exact at tau = 0.01 where the seed's float32 code saturates.
+    """
+
+    passes = 1
+
+    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.pos = torch.zeros(rows, dtype=dtype, device=device)
+        self.neg = torch.zeros(rows, dtype=dtype, device=device)
+
+    def visit(self, p: int, s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int) -> None:
+        # Two softplus calls on purpose: softplus(-s) = softplus(s) - s cancels catastrophically
+        # for large s (the very regime where the seed's sigmoid-then-log code fails).
+        self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(-s), 0.0).sum(1)
+        self.neg[r0:r1] += torch.where(neg, torch.nn.functional.softplus(s), 0.0).sum(1)
+
+    def outputs(self) -> tuple[Tensor, ...]:
+        return (self.pos, self.neg)
+
+    def saved(self) -> tuple[Tensor, ...]:
+        return ()
+
+    @staticmethod
+    def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        g_pos, g_neg = grads[0][r0:r1, None], grads[1][r0:r1, None]
+        # sigmoid(-s), not 1 - sigmoid(s), which rounds tiny gradients to 0 for large s.
+        return torch.where(pos, -torch.sigmoid(-s) * g_pos, torch.where(neg, torch.sigmoid(s) * g_neg, 0.0))
+
+
+_KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKernel}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kernel: str
+    positives: Positives
+    tile: int  # 0: one tile covers everything
+    normalize: bool
+    eps: float
+
+
+def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor]:
+    """(positive, negative) bool masks of a tile; the self pair is in neither."""
+    pos = positives.tile(r0, r1, c0, c1)
+    neg = ~pos
+    diag = self_diagonal(neg, r0, c0, positives.self_offset)
+    if diag is not None:
+        diag.fill_(False)
+    return pos, neg
+
+
+class _Pairwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan):  # type: ignore[override]
+        # The engine chooses its own precision: an ambient autocast must not change it.
+        with torch.autocast(a.device.type, enabled=False):
+            return _Pairwise._forward(ctx, a, b, scale, plan)
+
+    @staticmethod
+    def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan) -> tuple[Tensor, ...]:
+        a_c, b_c, scale_c = to_compute(a, b, scale)
+        norms: list[Tensor] = []
+        if plan.normalize:
+            a_c, *norm_a = l2_normalize(a_c, plan.eps)
+            norms += norm_a
+            if b is None:
+                b_c = a_c
+            else:
+                b_c, *norm_b = l2_normalize(b_c, plan.eps)
+                norms += norm_b
+        a_s = a_c * scale_c
+        kernel = _KERNELS[plan.kernel](a.shape[0], a_c.dtype, a.device)
+        kept: tuple[Tensor, ...] = ()
+        if plan.tile == 0:
+            s = logits_tile(None, a_s, b_c)
+            pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
+            for p in range(kernel.passes):
+                kernel.visit(p, s, pos, neg, 0, a.shape[0])
+            kept = (s, pos, neg)  # one tile: keep it for backward instead of recomputing it
+        else:
+            bufs = Buffers(a_c.dtype, a.device)
+            for p in range(kernel.passes):
+                for r0, r1, c0, c1 in tiles(a.shape[0], b_c.shape[0], plan.tile, False):
+                    s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
+                    pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+                    kernel.visit(p, s, pos, neg, r0, r1)
+        ctx.plan = plan
+        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
+        kernel_saved = kernel.saved()
+        ctx.counts = (len(kernel_saved), len(kept))
+        save(ctx, scale_c, a_c, b_c, *kernel_saved, *kept, *norms)
+        return kernel.outputs()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        plan: _Plan = ctx.plan
+        a, b, rest, scale = saved(ctx)
+        n_kernel, n_kept = ctx.counts
+        kernel_saved, kept, norm_tensors = tuple(rest[:n_kernel]), rest[n_kernel : n_kernel + n_kept], rest[n_kernel + n_kept :]
+        grads = tuple(g.to(a.dtype) for g in grads)
+        kernel = _KERNELS[plan.kernel]
+        if kept:
+            s, pos, neg = kept
+            g = kernel.grad_tile(s, pos, neg, 0, a.shape[0], kernel_saved, grads)
+            gb, ga = g @ b, g.t() @ a
+        else:
+            a_s = a * scale
+            gb = torch.zeros_like(a)
+            ga = torch.zeros_like(b)
+            bufs = Buffers(a.dtype, a.device)
+            for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
+                s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+                pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+                g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads)
+                gb[r0:r1].addmm_(g, b[c0:c1])
+                ga[c0:c1].addmm_(g.t(), a[r0:r1])
+        norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
+        norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
+        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, False, norm_a, norm_b, b)
+        return grad_a, grad_b, gscale, None
+
+
+def pairwise_rows(
+    anchors: Tensor,
+    candidates: Tensor,
+    scale: Scale,
+    positives: Positives,
+    *,
+    kernel: str,
+    normalize: bool = False,
+    eps: float = 1e-12,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, ...]:
+    """Per-row statistics that need the positive mask in every tile.
+
+    Args:
+        anchors: (R, D); candidates: (C, D) (``anchors`` itself for a single set);
+            scale: ``1 / temperature``, float or 0-dim tensor.
+        positives: a :class:`~torch_contrastive.positives.Positives` for R x C.
+        kernel: ``"pair_softplus"`` (returns ``(sum_p softplus(L_i - S_ip),)``, the
+            pytorch-metric-learning NT-Xent numerators) or ``"binary"`` (returns
+            ``(sum_pos softplus(-S_ij), sum_neg softplus(S_ij))``, NT-BXent).
+        normalize, eps: L2-normalise both inputs inside the function.
+        chunk_size: tile edge (see :func:`resolve_tile`).
+
+    Memory: O((R + C) * D) plus a few tile-sized temporaries.
+    """
+    tile = resolve_tile(chunk_size, anchors.shape[0], candidates.shape[0])
+    plan = _Plan(kernel, positives, 0 if tile >= max(anchors.shape[0], candidates.shape[0]) else tile, normalize, float(eps))
+    return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan))

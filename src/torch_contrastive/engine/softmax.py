@@ -1,0 +1,421 @@
+"""Soft-max terms per row (and per column): log-sum-exp plus the linear positive part.
+
+For ``S = scale * A @ B.T`` (A, B optionally L2-normalised inside) this computes
+
+    ``row_out_i = alpha_i * log sum_{j != self(i)} exp(S_ij) - beta_i * sum_j P_ij S_ij``
+
+and, for two-set losses, the same per column (``log sum_i exp(S_ij)`` and
+``sum_i P_ij S_ij``). NT-Xent (pairing rules), SupCon and the image-text loss are all
+of this form; the positive part is linear in S, so it costs O(N * D) through
+:meth:`~torch_contrastive.positives.Positives.aggregate`, not a tile pass.
+
+Everything happens inside one ``torch.autograd.Function``: normalisation, logits, the
+positive part and their backward, so a loss call adds only a handful of autograd nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._common import Buffers, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
+
+if TYPE_CHECKING:
+    from ..positives import Positives
+
+
+@dataclass(frozen=True)
+class _Plan:
+    self_offset: int | None
+    columns: bool
+    symmetric: bool
+    tile: int
+    # True: |S| <= scale is small enough that exp(S) neither overflows nor underflows,
+    # so no shift at all is needed; False: an online maximum keeps every exp finite.
+    fixed: bool
+    normalize: bool
+    eps: float
+    positives: Positives | None
+    column_positives: bool
+    # The column weights alpha' are the row weights alpha (same tensor; passed once, as
+    # torch.compile cannot trace a duplicate input).
+    shared_alpha: bool
+    # Distributed column statistics: an object with in-place ``all_sum(t)`` and
+    # ``all_max(t)`` over ranks (a distributed.Scope). Each rank then holds only some
+    # anchor rows, and the column log-sum-exp is completed across ranks.
+    column_comm: Any = None
+
+    @property
+    def single_tile(self) -> bool:
+        return self.tile == 0
+
+
+def _log(total: Tensor, shift: Tensor | None, plan: _Plan, n_other: int) -> Tensor:
+    """``log(total) (+ shift)``; 0 for a row without any candidate (a batch of one)."""
+    out = total.log() if shift is None else total.log() + shift
+    if plan.self_offset is not None and n_other <= 1:
+        out = torch.where(total > 0, out, 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------- forward
+def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
+    R, C = a_s.shape[0], b.shape[0]
+    if plan.single_tile:
+        e = logits_tile(None, a_s, b).exp_()
+        diag = self_diagonal(e, 0, 0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        row_sum, col_sum = e.sum(1), (e.sum(0) if plan.columns else None)
+    else:
+        bufs = Buffers(a_s.dtype, a_s.device)
+        row_sum = a_s.new_zeros(R)
+        col_sum = a_s.new_zeros(C) if plan.columns else None
+        for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+            e = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+            diag = self_diagonal(e, r0, c0, plan.self_offset)
+            if diag is not None:
+                diag.zero_()
+            row_sum[r0:r1] += e.sum(1)
+            if plan.symmetric and c0 != r0:
+                row_sum[c0:c1] += e.sum(0)
+            if col_sum is not None:
+                col_sum[c0:c1] += e.sum(0)
+    row_lse = _log(row_sum, None, plan, C)
+    if col_sum is None:
+        return row_lse, None
+    if plan.column_comm is not None:
+        plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
+    return row_lse, col_sum.log()
+
+
+def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """Running (maximum, shifted sum) per row and column: exact for any logit range.
+
+    A self entry is set to the lowest finite value before the maximum is taken and
+    zeroed after the exp, so no ``inf - inf`` can arise.
+    """
+    R, C = a_s.shape[0], b.shape[0]
+    low = torch.finfo(a_s.dtype).min
+    if plan.single_tile:
+        s = logits_tile(None, a_s, b)
+        diag = self_diagonal(s, 0, 0, plan.self_offset)
+        if diag is not None:
+            diag.fill_(low)
+        row_max = s.amax(1)
+        e = torch.exp(s - row_max[:, None])
+        if diag is not None:
+            self_diagonal(e, 0, 0, plan.self_offset).zero_()  # type: ignore[union-attr]
+        row_lse = _log(e.sum(1), row_max, plan, C)
+        if not plan.columns:
+            return row_lse, None
+        col_max = s.amax(0)
+        col_sum = torch.exp(s - col_max[None, :]).sum(0)
+    else:
+        bufs = Buffers(a_s.dtype, a_s.device)
+        row_max, row_sum = a_s.new_full((R,), low), a_s.new_zeros(R)
+        col_max, col_sum = a_s.new_full((C,), low), a_s.new_zeros(C)
+        for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+            s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+            diag = self_diagonal(s, r0, c0, plan.self_offset)
+            if diag is not None:
+                diag.fill_(low)
+            work = bufs.get(r1 - r0, c1 - c0, 1)
+            _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work)
+            if plan.symmetric and c0 != r0:
+                _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work)
+            if plan.columns:
+                _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work)
+        row_lse = _log(row_sum, row_max, plan, C)
+        if not plan.columns:
+            return row_lse, None
+    if plan.column_comm is not None:
+        # Bring every rank's partial sums to the global maximum, then add them.
+        global_max = col_max.clone()
+        plan.column_comm.all_max(global_max)
+        col_sum = col_sum * torch.exp(col_max - global_max)
+        plan.column_comm.all_sum(col_sum)
+        col_max = global_max
+    return row_lse, col_sum.log() + col_max
+
+
+def _online_update(
+    s: Tensor, run_max: Tensor, run_sum: Tensor, i0: int, i1: int, other0: int,
+    self_offset: int | None, dim: int, work: Tensor,
+) -> None:
+    """Fold one tile into running (max, sum-exp) statistics along ``dim``.
+
+    ``i0:i1`` are the statistics' indices (rows for ``dim=1``, columns for ``dim=0``);
+    ``other0`` is the first index of the other axis; ``self_offset`` (rows only) marks
+    self entries whose exp must be zeroed.
+    """
+    tile_max = s.amax(dim)
+    new_max = torch.maximum(run_max[i0:i1], tile_max)
+    run_sum[i0:i1] *= torch.exp(run_max[i0:i1] - new_max)
+    shifted = torch.sub(s, new_max[:, None] if dim == 1 else new_max[None, :], out=work).exp_()
+    diag = self_diagonal(shifted, i0, other0, self_offset)
+    if diag is not None:
+        diag.zero_()
+    run_sum[i0:i1] += shifted.sum(dim)
+    run_max[i0:i1] = new_max
+
+
+# ----------------------------------------------------------------------- backward
+_Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-exp)
+
+
+def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+                    plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
+
+    ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
+    directions.
+    """
+    u = row[0] * torch.exp(-row[1])
+    v = None if col is None else col[0] * torch.exp(-col[1])
+    if plan.single_tile:
+        g = logits_tile(None, a_s, b).exp_()
+        g.mul_(u[:, None] if v is None else u[:, None] + v[None, :])
+        diag = self_diagonal(g, 0, 0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        if plan.symmetric:
+            return g @ b, None
+        return g @ b, g.t() @ a
+    R, C = a.shape[0], b.shape[0]
+    bufs = Buffers(a.dtype, a.device)
+    gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
+    ga_acc = None if plan.symmetric else torch.zeros_like(b)  # G.T @ A
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        g = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+        if v is not None:
+            g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1], out=bufs.get(r1 - r0, c1 - c0, 1)))
+        else:
+            g.mul_(u[r0:r1, None])
+        _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+    return gb_acc, ga_acc
+
+
+def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+                     plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
+    g_row, row_lse = row
+    if plan.single_tile:
+        s = logits_tile(None, a_s, b)
+        g = torch.exp(s - row_lse[:, None]).mul_(g_row[:, None])
+        if col is not None:
+            g.add_(s.sub_(col[1][None, :]).exp_().mul_(col[0][None, :]))
+        diag = self_diagonal(g, 0, 0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        if plan.symmetric:
+            return g @ b, None
+        return g @ b, g.t() @ a
+    R, C = a.shape[0], b.shape[0]
+    bufs = Buffers(a.dtype, a.device)
+    gb_acc = torch.zeros_like(a)
+    ga_acc = None if plan.symmetric else torch.zeros_like(b)
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        s = logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a_s[r0:r1], b[c0:c1])
+        g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0)).exp_().mul_(g_row[r0:r1, None])
+        if col is not None:
+            g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
+        _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+    return gb_acc, ga_acc
+
+
+def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
+                r0: int, r1: int, c0: int, c1: int, plan: _Plan) -> None:
+    """Zero the self pairs of a gradient tile and add it into both accumulators."""
+    diag = self_diagonal(g, r0, c0, plan.self_offset)
+    if diag is not None:
+        diag.zero_()
+    gb_acc[r0:r1].addmm_(g, b[c0:c1])
+    if plan.symmetric:
+        if c0 != r0:
+            gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])
+    elif ga_acc is not None:
+        ga_acc[c0:c1].addmm_(g.t(), a[r0:r1])
+
+
+def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
+    return g if weight is None else g * weight
+
+
+class _SoftmaxTerms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,  # type: ignore[override]
+                col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan):
+        # The engine chooses its own precision (fp32 or fp64): an ambient autocast region
+        # must not turn its matrix products into half precision.
+        with torch.autocast(a.device.type, enabled=False):
+            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan)
+
+    @staticmethod
+    def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,
+                 col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor]:
+        # b is None for a single set (the candidates are the anchors): passing the same
+        # tensor twice would be a duplicate input, which torch.compile cannot trace.
+        a_c, b_c, scale_c = to_compute(a, b, scale)
+        norms: list[Tensor] = []
+        if plan.normalize:
+            a_c, *norm_a = l2_normalize(a_c, plan.eps)
+            norms += norm_a
+            if b is None:
+                b_c = a_c
+            else:
+                b_c, *norm_b = l2_normalize(b_c, plan.eps)
+                norms += norm_b
+        a_s = a_c * scale_c
+        row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
+        row_out = _weighted(row_lse, row_alpha)
+        if plan.shared_alpha:
+            col_alpha = row_alpha
+        col_out = row_lse.new_zeros(0) if col_lse is None else _weighted(col_lse, col_alpha)
+        if plan.positives is not None:
+            row_out = row_out - _weighted((a_s * plan.positives.aggregate(b_c)).sum(1), row_beta)
+            if plan.column_positives:
+                col_out = col_out - _weighted((b_c * plan.positives.aggregate_transposed(a_s)).sum(1), col_beta)
+        ctx.plan = plan
+        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
+        own_col_alpha = None if plan.shared_alpha else col_alpha
+        ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
+        weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
+        save(ctx, scale_c, a_c, b_c, row_lse, row_lse if col_lse is None else col_lse, *weights, *norms)
+        return row_out, col_out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_row: Tensor, g_col: Tensor):  # type: ignore[override]
+        plan: _Plan = ctx.plan
+        a, b, rest, scale = saved(ctx)
+        row_lse, col_lse = rest[0], rest[1]
+        given = iter(rest[2:])
+        row_alpha, row_beta, col_alpha, col_beta = (next(given) if present else None for present in ctx.weights)
+        if plan.shared_alpha:
+            col_alpha = row_alpha
+        norm_tensors = list(given)
+        norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
+        norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
+        g_row = g_row.to(a.dtype)
+        col: _Direction | None = None
+        g_col_c = None
+        if plan.columns:
+            g_col_c = g_col.to(a.dtype)
+            if plan.column_comm is not None:
+                # Every rank's tiles touch every column: they all need the full column gradient.
+                g_col_c = g_col_c.clone()
+                plan.column_comm.all_sum(g_col_c)
+            col = (_weighted(g_col_c, col_alpha), col_lse)
+        u = _weighted(g_row, row_alpha)
+        if plan.symmetric:
+            col = (u, row_lse)  # a single set's columns are its rows
+        a_s = a * scale
+        gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan)
+        if plan.positives is not None:
+            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, -_weighted(g_row, row_beta),
+                                                 None if g_col_c is None or not plan.column_positives else -_weighted(g_col_c, col_beta))
+        ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b)
+        return ga, gb, gscale, None, None, None, None, None
+
+
+def _positive_gradients(pos: Positives, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
+                        c_row: Tensor, c_col: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Add the positive part ``G_ij += P_ij (c_row_i + c_col_j)`` to ``G @ B`` and ``G.T @ A``."""
+    gb_acc = gb_acc + c_row[:, None] * pos.aggregate(b)
+    if c_col is not None:
+        gb_acc = gb_acc + pos.aggregate(c_col[:, None] * b)
+    if ga_acc is None:  # symmetric: the columns are the rows, so both roles land in one accumulator
+        return gb_acc + pos.aggregate_transposed(c_row[:, None] * a), None
+    ga_acc = ga_acc + pos.aggregate_transposed(c_row[:, None] * a)
+    if c_col is not None:
+        ga_acc = ga_acc + c_col[:, None] * pos.aggregate_transposed(a)
+    return gb_acc, ga_acc
+
+
+def softmax_terms(
+    anchors: Tensor,
+    candidates: Tensor,
+    scale: Scale,
+    *,
+    self_offset: int | None,
+    positives: Positives | None = None,
+    row_weights: tuple[Tensor | None, Tensor | None] = (None, None),
+    col_weights: tuple[Tensor | None, Tensor | None] = (None, None),
+    symmetric: bool = False,
+    columns: bool = False,
+    column_positives: bool = True,
+    fixed: bool = False,
+    normalize: bool = False,
+    eps: float = 1e-12,
+    chunk_size: int | None = None,
+    column_comm: Any = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
+
+    ``row_out_i = alpha_i * LSE_i - beta_i * sum_j P_ij S_ij`` with
+    ``LSE_i = log sum_{j != self(i)} exp(S_ij)``, and with ``columns=True`` also
+    ``col_out_j = alpha'_j * LSE'_j - beta'_j * sum_i P_ij S_ij`` with
+    ``LSE'_j = log sum_i exp(S_ij)``.
+
+    Args:
+        anchors: (R, D) tensor, any float dtype.
+        candidates: (C, D) tensor; pass ``anchors`` itself for a single set.
+        scale: ``1 / temperature``: a float, or a 0-dim tensor (gradients flow to it;
+            its value is never read on the host).
+        self_offset: anchor ``i`` is candidate ``i + self_offset``; that entry is
+            left out of row ``i``. ``None``: nothing is left out.
+        positives: the relation P (R x C); ``None``: no positive part (plain LSE).
+        row_weights, col_weights: ``(alpha, beta)`` (R,) / (C,) tensors without
+            gradient; ``None`` means 1.
+        symmetric: ``candidates`` are the anchors themselves (single-set losses on one
+            process, ``self_offset=0``): only the upper-triangle tiles are visited.
+        columns: also return the column terms (requires ``self_offset=None``).
+        column_positives: include ``sum_i P_ij S_ij`` in the column terms (the caller
+            computes it itself in distributed training, where this rank holds only
+            some rows).
+        fixed: use plain ``exp(S)`` without a shift; only exact when every row has
+            norm <= 1 and the scale is small (see :func:`fixed_scale_applies`).
+        normalize: L2-normalise anchors and candidates inside (``x / max(||x||, eps)``),
+            so the whole loss is one autograd node.
+        chunk_size: tile edge (see :func:`resolve_tile`).
+        column_comm: for ``columns=True`` in distributed training, an object with in-place
+            ``all_sum``/``all_max`` over ranks: each rank passes its own anchor rows and
+            all candidates, and gets the *global* column statistic (an O(C) all-reduce
+            forward, one more for the column gradient backward).
+
+    Returns:
+        ``(row_out, col_out)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
+        (fp64 for fp64). A row with no candidate at all gets ``LSE = 0``.
+
+    Memory: O((R + C) * D) for the compute-dtype copies plus two tile buffers; never
+    R x C (unless one tile covers everything).
+    """
+    if columns and self_offset is not None:
+        raise ValueError("columns=True needs self_offset=None (two-set losses only)")
+    if symmetric and (self_offset != 0 or columns or anchors.shape != candidates.shape):
+        raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
+    R, C = anchors.shape[0], candidates.shape[0]
+    tile = resolve_tile(chunk_size, R, C)
+    shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
+    plan = _Plan(self_offset, columns, symmetric, 0 if tile >= max(R, C) else tile, fixed, normalize, float(eps), positives,
+                 columns and column_positives, shared_alpha, column_comm if columns else None)
+    row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
+                                           None if shared_alpha else col_weights[0], col_weights[1], plan)
+    return row_out, (col_out if columns else None)
+
+
+def logsumexp_rows(anchors: Tensor, candidates: Tensor, scale: Scale, *, self_offset: int | None, symmetric: bool = False,
+                   columns: bool = False, fixed: bool = False, chunk_size: int | None = None,
+                   column_comm: Any = None) -> tuple[Tensor, Tensor | None]:
+    """Row (and column) log-sum-exp of ``S = scale * anchors @ candidates.T``.
+
+    :func:`softmax_terms` without a positive part or weights; see its arguments.
+    """
+    return softmax_terms(anchors, candidates, scale, self_offset=self_offset, symmetric=symmetric, columns=columns,
+                         fixed=fixed, chunk_size=chunk_size, column_comm=column_comm)
