@@ -20,14 +20,15 @@ class _L2Normalize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, eps: float):  # type: ignore[override]
-        y, denom, state = l2_normalize(x, eps)
-        ctx.save_for_backward(y, denom, state)
+        y, denom, norm = l2_normalize(x, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(y, denom, norm)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        return l2_normalize_backward(g, *ctx.saved_tensors), None
+        return l2_normalize_backward(g, *ctx.saved_tensors, ctx.eps), None
 
 
 def prepare(x: Tensor, normalize: bool, eps: float) -> Tensor:

@@ -105,9 +105,9 @@ def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
 def l2_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``y = x / max(||x||, eps)`` per row, overflow- and underflow-free.
 
-    Returns ``(y, denom, state)`` for :func:`l2_normalize_backward`. The norm of a
-    fp32 row is accumulated in fp64, where squares of any fp32 value neither overflow
-    nor underflow (one op instead of a rescaling pass); fp64 rows are divided by their
+    Returns ``(y, denom, norm)`` for :func:`l2_normalize_backward`. The norm of a fp32
+    row is accumulated in fp64, where squares of any fp32 value neither overflow nor
+    underflow (one op instead of a rescaling pass); fp64 rows are divided by their
     largest magnitude first. Rows whose norm exceeds the fp32 range (> 3.4e38) cannot
     be normalised in fp32 and come out as zero.
     """
@@ -118,17 +118,14 @@ def l2_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     else:
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float64).to(x.dtype)
     denom = norm.clamp_min(eps)
-    # state: 1 where the gradient is the tangential one (||x|| > eps), 0 for the
-    # eps-floored rows (gradient g / eps) and -1 for all-zero rows (no gradient).
-    state = (norm > eps).to(x.dtype) - (norm == 0).to(x.dtype)
-    return x / denom, denom, state
+    return x / denom, denom, norm
 
 
-def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, state: Tensor) -> Tensor:
+def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps: float) -> Tensor:
     """Gradient of :func:`l2_normalize`: ``(g - y (g . y)) / ||x||`` for rows with
     ``||x|| > eps``, ``g / eps`` for smaller non-zero rows, 0 for all-zero rows."""
-    radial = (g * y).sum(dim=1, keepdim=True) * state.clamp_min(0)
-    return (g - y * radial) / denom * (state >= 0)
+    radial = torch.where(norm > eps, (g * y).sum(dim=1, keepdim=True), 0.0)
+    return torch.where(norm > 0, (g - y * radial) / denom, 0.0)
 
 
 # ---------------------------------------------------------------------------------
@@ -169,14 +166,14 @@ def saved(ctx: Any) -> tuple[Tensor, Tensor, list[Tensor], Scale]:
 
 def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: Tensor | None, symmetric: bool,
                      norm_a: tuple[Tensor, Tensor] | None, norm_b: tuple[Tensor, Tensor] | None,
-                     b: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                     b: Tensor, eps: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """From ``G @ B`` and ``G.T @ A`` (unscaled) to the gradients of the raw inputs and scale.
 
     ``dscale = sum_ij G_ij a_i . b_j = sum_i a_i . (G @ B)_i``; when ``symmetric`` the
     accumulator holds ``H @ Z`` with ``H = G + G.T``, which counts every pair twice. For
     a single set (B is A, not symmetric) both accumulators are A's gradient. ``norm_a``
     / ``norm_b`` are the ``(denom, state)`` of a normalisation done inside the function,
-    whose backward is applied last. A float scale gets no gradient.
+    whose backward is applied last (with floor ``eps``). A float scale gets no gradient.
     """
     gscale = None
     if isinstance(scale, Tensor):
@@ -188,11 +185,11 @@ def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: 
         ga_acc = None
     ga = gb_acc * scale
     if norm_a is not None:
-        ga = l2_normalize_backward(ga, a, *norm_a)
+        ga = l2_normalize_backward(ga, a, *norm_a, eps)
     gb = None
     if ga_acc is not None:
         gb = ga_acc * scale
         if norm_b is not None:
-            gb = l2_normalize_backward(gb, b, *norm_b)
+            gb = l2_normalize_backward(gb, b, *norm_b, eps)
         gb = gb.to(ctx.in_dtypes[1])
     return ga.to(ctx.in_dtypes[0]), gb, gscale

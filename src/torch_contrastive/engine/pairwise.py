@@ -199,7 +199,7 @@ class _Pairwise(torch.autograd.Function):
                 ga[c0:c1].addmm_(g.t(), a[r0:r1])
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
-        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, False, norm_a, norm_b, b)
+        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, False, norm_a, norm_b, b, plan.eps)
         return grad_a, grad_b, gscale, None
 
 

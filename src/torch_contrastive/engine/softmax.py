@@ -63,15 +63,21 @@ def _log(total: Tensor, shift: Tensor | None, plan: _Plan, n_other: int) -> Tens
 
 
 # ----------------------------------------------------------------------- forward
-def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
-    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
+def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32).
+
+    Returns ``(row_lse, col_lse, kept)``; ``kept`` is the single tile's ``exp(S)``, which
+    backward reuses (it is within the dense budget), else None.
+    """
     R, C = a_s.shape[0], b.shape[0]
+    kept = None
     if plan.single_tile:
         e = logits_tile(None, a_s, b).exp_()
         diag = self_diagonal(e, 0, 0, plan.self_offset)
         if diag is not None:
             diag.zero_()
         row_sum, col_sum = e.sum(1), (e.sum(0) if plan.columns else None)
+        kept = e
     else:
         bufs = Buffers(a_s.dtype, a_s.device)
         row_sum = a_s.new_zeros(R)
@@ -88,20 +94,22 @@ def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor 
                 col_sum[c0:c1] += e.sum(0)
     row_lse = _log(row_sum, None, plan, C)
     if col_sum is None:
-        return row_lse, None
+        return row_lse, None, kept
     if plan.column_comm is not None:
         plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
-    return row_lse, col_sum.log()
+    return row_lse, col_sum.log(), kept
 
 
-def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Running (maximum, shifted sum) per row and column: exact for any logit range.
 
     A self entry is set to the lowest finite value before the maximum is taken and
-    zeroed after the exp, so no ``inf - inf`` can arise.
+    zeroed after the exp, so no ``inf - inf`` can arise. A single tile's logits are
+    returned for backward (``kept``), as in :func:`_forward_fixed`.
     """
     R, C = a_s.shape[0], b.shape[0]
     low = torch.finfo(a_s.dtype).min
+    kept = None
     if plan.single_tile:
         s = logits_tile(None, a_s, b)
         diag = self_diagonal(s, 0, 0, plan.self_offset)
@@ -112,8 +120,9 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         if diag is not None:
             self_diagonal(e, 0, 0, plan.self_offset).zero_()  # type: ignore[union-attr]
         row_lse = _log(e.sum(1), row_max, plan, C)
+        kept = s
         if not plan.columns:
-            return row_lse, None
+            return row_lse, None, kept
         col_max = s.amax(0)
         col_sum = torch.exp(s - col_max[None, :]).sum(0)
     else:
@@ -133,7 +142,7 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
                 _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work)
         row_lse = _log(row_sum, row_max, plan, C)
         if not plan.columns:
-            return row_lse, None
+            return row_lse, None, kept
     if plan.column_comm is not None:
         # Bring every rank's partial sums to the global maximum, then add them.
         global_max = col_max.clone()
@@ -141,7 +150,7 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         col_sum = col_sum * torch.exp(col_max - global_max)
         plan.column_comm.all_sum(col_sum)
         col_max = global_max
-    return row_lse, col_sum.log() + col_max
+    return row_lse, col_sum.log() + col_max, kept
 
 
 def _online_update(
@@ -170,7 +179,7 @@ _Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-ex
 
 
 def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
-                    plan: _Plan) -> tuple[Tensor, Tensor | None]:
+                    plan: _Plan, kept: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
 
     ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
@@ -178,9 +187,8 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
     """
     u = row[0] * torch.exp(-row[1])
     v = None if col is None else col[0] * torch.exp(-col[1])
-    if plan.single_tile:
-        g = logits_tile(None, a_s, b).exp_()
-        g.mul_(u[:, None] if v is None else u[:, None] + v[None, :])
+    if kept is not None:  # the single tile's exp(S), kept from forward (self pairs already 0)
+        g = kept * (u[:, None] if v is None else u[:, None] + v[None, :])
         diag = self_diagonal(g, 0, 0, plan.self_offset)
         if diag is not None:
             diag.zero_()
@@ -202,14 +210,13 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
 
 
 def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
-                     plan: _Plan) -> tuple[Tensor, Tensor | None]:
+                     plan: _Plan, kept: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
     g_row, row_lse = row
-    if plan.single_tile:
-        s = logits_tile(None, a_s, b)
-        g = torch.exp(s - row_lse[:, None]).mul_(g_row[:, None])
+    if kept is not None:  # the single tile's logits, kept from forward
+        g = torch.exp(kept - row_lse[:, None]).mul_(g_row[:, None])
         if col is not None:
-            g.add_(s.sub_(col[1][None, :]).exp_().mul_(col[0][None, :]))
+            g.add_(torch.exp(kept - col[1][None, :]).mul_(col[0][None, :]))
         diag = self_diagonal(g, 0, 0, plan.self_offset)
         if diag is not None:
             diag.zero_()
@@ -272,7 +279,7 @@ class _SoftmaxTerms(torch.autograd.Function):
                 b_c, *norm_b = l2_normalize(b_c, plan.eps)
                 norms += norm_b
         a_s = a_c * scale_c
-        row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
+        row_lse, col_lse, kept = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
         row_out = _weighted(row_lse, row_alpha)
         if plan.shared_alpha:
             col_alpha = row_alpha
@@ -286,7 +293,8 @@ class _SoftmaxTerms(torch.autograd.Function):
         own_col_alpha = None if plan.shared_alpha else col_alpha
         ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
         weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
-        save(ctx, scale_c, a_c, b_c, row_lse, row_lse if col_lse is None else col_lse, *weights, *norms)
+        ctx.kept = kept is not None
+        save(ctx, scale_c, a_c, b_c, row_lse, row_lse if col_lse is None else col_lse, *weights, *norms, *(() if kept is None else (kept,)))
         return row_out, col_out
 
     @staticmethod
@@ -295,6 +303,7 @@ class _SoftmaxTerms(torch.autograd.Function):
         plan: _Plan = ctx.plan
         a, b, rest, scale = saved(ctx)
         row_lse, col_lse = rest[0], rest[1]
+        kept = rest.pop() if ctx.kept else None
         given = iter(rest[2:])
         row_alpha, row_beta, col_alpha, col_beta = (next(given) if present else None for present in ctx.weights)
         if plan.shared_alpha:
@@ -315,12 +324,12 @@ class _SoftmaxTerms(torch.autograd.Function):
         u = _weighted(g_row, row_alpha)
         if plan.symmetric:
             col = (u, row_lse)  # a single set's columns are its rows
-        a_s = a * scale
-        gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan)
+        a_s = a * scale if kept is None else a  # the scaled anchors only serve to recompute tiles
+        gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan, kept)
         if plan.positives is not None:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, -_weighted(g_row, row_beta),
                                                  None if g_col_c is None or not plan.column_positives else -_weighted(g_col_c, col_beta))
-        ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b)
+        ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return ga, gb, gscale, None, None, None, None, None
 
 
