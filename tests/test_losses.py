@@ -320,3 +320,34 @@ def test_learnable_temperature_module_gets_gradient():
     assert float(torch.as_tensor(m.temperature).detach()) == pytest.approx(0.01, rel=1e-6)  # clamped at scale 100
     for cls in (tc.NTXentLoss, tc.NTBXentLoss, tc.SupConLoss):
         assert "temperature" in repr(cls(0.3)) or "logit_scale" in repr(cls(0.3))
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_sorted_key_grouping_equals_dense_relation(chunk, monkeypatch):
+    """Small key relations are held densely, large ones grouped by a sort: both give the same loss."""
+    import torch_contrastive.positives as positives_module
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(14, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(14, 5, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 4, (14,), generator=g)
+    ids = torch.randint(0, 6, (14,), generator=g)
+    fns = [
+        lambda a, b: tc.nt_xent_loss(a, 0.2, labels=labels, chunk_size=chunk),
+        lambda a, b: tc.nt_bxent_loss(a, labels=labels, temperature=0.2, chunk_size=chunk),
+        lambda a, b: tc.supcon_loss(a, labels, temperature=0.2, chunk_size=chunk),
+        lambda a, b: tc.image_text_contrastive_loss(a, b, 0.2, labels, ids, chunk_size=chunk),
+    ]
+
+    def run(fn):
+        a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+        loss = fn(a, b)
+        loss.backward()
+        return loss.detach(), a.grad, b.grad
+
+    dense = [run(fn) for fn in fns]
+    monkeypatch.setattr(positives_module, "DENSE_KEYS_LIMIT", 0)
+    for fn, want in zip(fns, dense):
+        for got, ref in zip(run(fn), want):
+            if ref is not None:
+                torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_contrastive.positives as positives_module
 from torch_contrastive.positives import Positives
 
 
@@ -47,8 +48,11 @@ def _structures():
     }
 
 
+@pytest.mark.parametrize("dense_limit", [0, positives_module.DENSE_KEYS_LIMIT])
 @pytest.mark.parametrize("name", list(_structures()))
-def test_tiles_counts_and_aggregate_agree_with_dense(name):
+def test_tiles_counts_and_aggregate_agree_with_dense(name, dense_limit, monkeypatch):
+    # dense_limit 0: key relations grouped by a sort; the default: small ones held densely.
+    monkeypatch.setattr(positives_module, "DENSE_KEYS_LIMIT", dense_limit)
     pos, expected = _structures()[name]
     assert expected.shape == (pos.num_rows, pos.num_cols)
     for tile in (1, 4, 7, 64):
@@ -59,6 +63,8 @@ def test_tiles_counts_and_aggregate_agree_with_dense(name):
     assert torch.equal(pos.row_counts(), expected.sum(1))
     cand = torch.randn(pos.num_cols, 3, dtype=torch.float64)
     torch.testing.assert_close(pos.aggregate(cand), expected.double() @ cand)
+    rows = torch.randn(pos.num_rows, 3, dtype=torch.float64)
+    torch.testing.assert_close(pos.aggregate_transposed(rows), expected.double().T @ rows)
 
 
 def test_self_pairs_are_never_positive():
@@ -80,7 +86,9 @@ def test_identity_partner_aggregate_is_the_candidates_themselves():
     assert pos.aggregate(cand) is cand  # no copy for CLIP without ids
 
 
-def test_large_keys_group_correctly():
+@pytest.mark.parametrize("dense_limit", [0, positives_module.DENSE_KEYS_LIMIT])
+def test_large_keys_group_correctly(dense_limit, monkeypatch):
+    monkeypatch.setattr(positives_module, "DENSE_KEYS_LIMIT", dense_limit)
     # Keys far apart and negative (hashes) must group by equality only.
     keys = torch.tensor([2**62, -(2**62), 2**62, 7, -1, 7])
     pos = Positives.from_keys(keys)

@@ -44,7 +44,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Positives"]
+__all__ = ["DENSE_KEYS_LIMIT", "Positives"]
+
+#: Key relations with at most this many (row, column) entries are held as a dense bool
+#: matrix (64 KiB): for small batches a few element-wise ops beat grouping by a sort.
+DENSE_KEYS_LIMIT = 256 * 256
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,10 @@ class Positives:
         sample_mask: for ``mask`` relations, a (bsz, bsz) bool tensor; anchor ``i``
             is sample ``row_sample[i]``, candidate ``j`` is sample ``j % bsz``.
         row_sample: for ``mask`` relations, the (R,) sample index of every anchor.
+        key_terms: for large ``keys`` relations, the sorted grouping of the keys
+            (see :func:`_key_terms`).
+        dense: for small ``keys`` relations (at most :data:`DENSE_KEYS_LIMIT` entries),
+            the (R, C) bool relation itself, self pairs excluded.
     """
 
     num_rows: int
@@ -82,6 +90,7 @@ class Positives:
     sample_mask: Tensor | None = None
     row_sample: Tensor | None = None
     key_terms: tuple[tuple[Tensor, Tensor, int, int], ...] = ()
+    dense: Tensor | None = None
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -117,7 +126,19 @@ class Positives:
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
         rows = tuple(k.reshape(-1).long() for k in rk)
         cols = tuple(k.reshape(-1).long() for k in ck)
-        return cls(num_rows=int(rows[0].numel()), num_cols=int(cols[0].numel()), self_offset=self_offset, row_keys=rows,
+        num_rows, num_cols = int(rows[0].numel()), int(cols[0].numel())
+        if num_rows * num_cols <= DENSE_KEYS_LIMIT:
+            # Small batches: the R x C relation itself is cheaper than grouping by a sort
+            # (a few element-wise ops instead of a dozen small ones).
+            dense = rows[0][:, None] == cols[0][None, :]
+            for r, c in zip(rows[1:], cols[1:]):
+                dense |= r[:, None] == c[None, :]
+            if self_offset is not None:
+                k = self_offset
+                if k < num_cols and -k < num_rows:
+                    dense.diagonal(k).fill_(False)
+            return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, row_keys=rows, col_keys=cols, dense=dense)
+        return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, row_keys=rows,
                    col_keys=cols, key_terms=_key_terms(rows, cols))
 
     @classmethod
@@ -174,13 +195,15 @@ class Positives:
 
     # ------------------------------------------------------------------ queries
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
-        """The (r1 - r0, c1 - c0) bool block of the relation, self pairs excluded.
+        """The (r1 - r0, c1 - c0) bool block of the relation, self pairs excluded (read-only).
 
         Cost: O(tile) memory and time for ``partner``/``keys``/``mask``, O(P + tile)
         for ``pairs``.
         """
         kind = self.kind
         device = self._device()
+        if self.dense is not None:
+            return self.dense[r0:r1, c0:c1]
         if kind == "partner":
             cols = torch.arange(c0, c1, device=device)
             return self._need(self.partner, kind)[r0:r1, None] == cols[None, :]  # never the self column
@@ -217,6 +240,8 @@ class Positives:
         device = self._device()
         if kind == "partner":
             return torch.ones(self.num_rows, dtype=torch.int64, device=device)
+        if self.dense is not None:
+            return self.dense.sum(1)
         if kind == "keys":
             counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
             for rg, cg, n_bound, sign in self.key_terms:
@@ -244,6 +269,9 @@ class Positives:
                 # CLIP without ids: row i's positive is column i. No copy at all.
                 return candidates
             return candidates[partner]
+        if self.dense is not None:
+            with torch.autocast(candidates.device.type, enabled=False):
+                return self.dense.to(candidates.dtype) @ candidates
         if kind == "keys":
             total = candidates.new_zeros(self.num_rows, candidates.shape[1])
             for rg, cg, n_bound, sign in self.key_terms:
@@ -271,6 +299,9 @@ class Positives:
             if self.self_offset is None and partner.shape[0] == self.num_cols:
                 return rows  # CLIP without ids: column j's positive is row j
             return rows.new_zeros(self.num_cols, width).index_add(0, partner, rows)
+        if self.dense is not None:
+            with torch.autocast(rows.device.type, enabled=False):
+                return self.dense.t().to(rows.dtype) @ rows
         if kind == "keys":
             total = rows.new_zeros(self.num_cols, width)
             for rg, cg, n_bound, sign in self.key_terms:
