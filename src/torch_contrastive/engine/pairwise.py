@@ -68,6 +68,27 @@ class _PairKernel:
         return (self.neg_lse_rows(0, self.neg_sum.shape[0]), self.weight, (self.neg_sum > 0))
 
     @staticmethod
+    def single(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """The whole problem as one tile: ``(outputs, kept for single_grad)``.
+
+        ``L_i = -inf`` for a row without negatives makes every one of its terms and
+        gradients exactly 0 (``softplus(-inf) = sigmoid(-inf) = 0``), so no row mask is needed.
+        """
+        neg_lse = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1, keepdim=True)
+        diff = neg_lse - s
+        out = torch.where(pos, torch.nn.functional.softplus(diff), 0.0).sum(1)
+        sig = torch.sigmoid(diff)
+        weight = torch.where(pos, sig, 0.0).sum(1, keepdim=True)
+        return (out,), (diff, sig, weight, pos, neg)
+
+    @staticmethod
+    def single_grad(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        diff, sig, weight, pos, neg = kept
+        # negatives: exp(S_in - L_i) * w_i; positives: -sigmoid(L_i - S_ip)
+        d_neg = torch.where(neg, torch.exp(-diff) * weight, 0.0)
+        return torch.where(pos, -sig, d_neg).mul_(grads[0][:, None])
+
+    @staticmethod
     def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
         neg_lse, weight, has_neg = (t[r0:r1] for t in saved)
         g = grads[0][r0:r1] * has_neg
@@ -101,6 +122,21 @@ class _BinaryKernel:
 
     def saved(self) -> tuple[Tensor, ...]:
         return ()
+
+    @staticmethod
+    def single(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """The whole problem as one tile. Every pair's loss is ``softplus(-z S)`` with
+        ``z = +1`` for positives and -1 for negatives: one exact softplus per element."""
+        signed = torch.where(pos, -s, s)
+        loss = torch.nn.functional.softplus(signed)
+        return (torch.where(pos, loss, 0.0).sum(1), torch.where(neg, loss, 0.0).sum(1)), (signed, pos, neg)
+
+    @staticmethod
+    def single_grad(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        signed, pos, neg = kept
+        # d softplus(-z S) / dS = -z sigmoid(-z S); the self pair is neither positive nor negative.
+        coef = torch.where(pos, -grads[0][:, None], torch.where(neg, grads[1][:, None], 0.0))
+        return torch.sigmoid(signed).mul_(coef)
 
     @staticmethod
     def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
@@ -151,27 +187,27 @@ class _Pairwise(torch.autograd.Function):
                 b_c, *norm_b = l2_normalize(b_c, plan.eps)
                 norms += norm_b
         a_s = a_c * scale_c
-        kernel = _KERNELS[plan.kernel](a.shape[0], a_c.dtype, a.device)
+        kernel_cls = _KERNELS[plan.kernel]
         kept: tuple[Tensor, ...] = ()
+        kernel_saved: tuple[Tensor, ...] = ()
         if plan.tile == 0:
-            s = logits_tile(None, a_s, b_c)
+            # One tile: compute it once and keep what backward needs instead of recomputing it.
             pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
-            for p in range(kernel.passes):
-                kernel.visit(p, s, pos, neg, 0, a.shape[0])
-            kept = (s, pos, neg)  # one tile: keep it for backward instead of recomputing it
+            outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
         else:
+            kernel = kernel_cls(a.shape[0], a_c.dtype, a.device)
             bufs = Buffers(a_c.dtype, a.device)
             for p in range(kernel.passes):
                 for r0, r1, c0, c1 in tiles(a.shape[0], b_c.shape[0], plan.tile, False):
                     s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
                     pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                     kernel.visit(p, s, pos, neg, r0, r1)
+            outputs, kernel_saved = kernel.outputs(), kernel.saved()
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
-        kernel_saved = kernel.saved()
         ctx.counts = (len(kernel_saved), len(kept))
         save(ctx, scale_c, a_c, b_c, *kernel_saved, *kept, *norms)
-        return kernel.outputs()
+        return outputs
 
     @staticmethod
     @once_differentiable
@@ -183,8 +219,7 @@ class _Pairwise(torch.autograd.Function):
         grads = tuple(g.to(a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
         if kept:
-            s, pos, neg = kept
-            g = kernel.grad_tile(s, pos, neg, 0, a.shape[0], kernel_saved, grads)
+            g = kernel.single_grad(tuple(kept), grads)
             gb, ga = g @ b, g.t() @ a
         else:
             a_s = a * scale

@@ -41,6 +41,10 @@ class _Plan:
     eps: float
     positives: Positives | None
     column_positives: bool
+    # One tile, and the positive relation is cheap to lay over it (a partner per row, a
+    # small dense or sample mask, index pairs): the positive part is read off the tile.
+    # Otherwise (large key relations) it goes through Positives.aggregate in O(N * D).
+    tile_positives: bool
     # The column weights alpha' are the row weights alpha (same tensor; passed once, as
     # torch.compile cannot trace a duplicate input).
     shared_alpha: bool
@@ -62,95 +66,170 @@ def _log(total: Tensor, shift: Tensor | None, plan: _Plan, n_other: int) -> Tens
     return out
 
 
-# ----------------------------------------------------------------------- forward
-def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32).
+_Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-exp)
 
-    Returns ``(row_lse, col_lse, kept)``; ``kept`` is the single tile's ``exp(S)``, which
-    backward reuses (it is within the dense budget), else None.
+
+# ----------------------------------------------------------------------- one tile
+# A problem that fits in one tile (the common small batch) keeps that tile from forward
+# to backward, and reads its positive part off the tile itself: no aggregate, no
+# recomputed matrix product, a few large ops.
+def _positive_layout(positives: Positives, plan: _Plan, rows: int, cols: int) -> tuple[str, Tensor]:
+    """("partner", column per row) or ("mask", R x C bool) of the positive relation."""
+    if positives.kind == "partner" and positives.partner is not None:
+        return "partner", positives.partner
+    return "mask", positives.tile(0, rows, 0, cols)
+
+
+def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """``(row_lse, col_lse, row_pos, col_pos, kept)`` of a single tile.
+
+    ``kept`` is ``exp(S)`` (fixed; self pairs zeroed) or ``S`` (online; self pairs at
+    the lowest finite value), which backward reuses.
     """
     R, C = a_s.shape[0], b.shape[0]
-    kept = None
-    if plan.single_tile:
-        e = logits_tile(None, a_s, b).exp_()
-        diag = self_diagonal(e, 0, 0, plan.self_offset)
+    s = a_s @ b.t()
+    row_pos = col_pos = None
+    if plan.positives is not None and plan.tile_positives:
+        how, rel = _positive_layout(plan.positives, plan, R, C)
+        if how == "partner":
+            row_pos = s.gather(1, rel[:, None])[:, 0]
+            if plan.column_positives:
+                col_pos = row_pos if (plan.self_offset is None and R == C) else s.new_zeros(C).index_add_(0, rel, row_pos)
+        else:
+            masked = torch.where(rel, s, 0.0)
+            row_pos = masked.sum(1)
+            col_pos = masked.sum(0) if plan.column_positives else None
+    diag = self_diagonal(s, 0, 0, plan.self_offset)
+    if plan.fixed:
+        e = s.exp_()
         if diag is not None:
             diag.zero_()
-        row_sum, col_sum = e.sum(1), (e.sum(0) if plan.columns else None)
-        kept = e
-    else:
-        bufs = Buffers(a_s.dtype, a_s.device)
-        row_sum = a_s.new_zeros(R)
-        col_sum = a_s.new_zeros(C) if plan.columns else None
-        for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-            e = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
-            diag = self_diagonal(e, r0, c0, plan.self_offset)
-            if diag is not None:
-                diag.zero_()
-            row_sum[r0:r1] += e.sum(1)
-            if plan.symmetric and c0 != r0:
-                row_sum[c0:c1] += e.sum(0)
-            if col_sum is not None:
-                col_sum[c0:c1] += e.sum(0)
-    row_lse = _log(row_sum, None, plan, C)
-    if col_sum is None:
-        return row_lse, None, kept
-    if plan.column_comm is not None:
-        plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
-    return row_lse, col_sum.log(), kept
+        row_lse = _log(e.sum(1), None, plan, C)
+        col_lse = None
+        if plan.columns:
+            col_sum = e.sum(0)
+            if plan.column_comm is not None:
+                plan.column_comm.all_sum(col_sum)
+            col_lse = col_sum.log()
+        return row_lse, col_lse, row_pos, col_pos, e
+    if diag is not None:
+        diag.fill_(torch.finfo(s.dtype).min)
+    row_max = s.amax(1)
+    e = torch.exp(s - row_max[:, None])
+    if diag is not None:
+        e.diagonal(plan.self_offset or 0).zero_()
+    row_lse = _log(e.sum(1), row_max, plan, C)
+    if not plan.columns:
+        return row_lse, None, row_pos, col_pos, s
+    col_max = s.amax(0)
+    col_sum = torch.exp(s - col_max[None, :]).sum(0)
+    return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s
 
 
-def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Running (maximum, shifted sum) per row and column: exact for any logit range.
+def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+                     c_row: Tensor | None, c_col: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` of a single tile, positive part folded into G.
 
-    A self entry is set to the lowest finite value before the maximum is taken and
-    zeroed after the exp, so no ``inf - inf`` can arise. A single tile's logits are
-    returned for backward (``kept``), as in :func:`_forward_fixed`.
+    Soft-max part ``G_ij = u_i p_ij + v_j q_ij`` (row and column soft-max), positive part
+    ``G_ij += P_ij (c_i + c'_j)``. Symmetric: G already holds both roles of every row
+    (``H = G + G.T``), so the positive part enters as ``P_ij c_i + P_ji c_j``.
     """
-    R, C = a_s.shape[0], b.shape[0]
-    low = torch.finfo(a_s.dtype).min
-    kept = None
-    if plan.single_tile:
-        s = logits_tile(None, a_s, b)
-        diag = self_diagonal(s, 0, 0, plan.self_offset)
-        if diag is not None:
-            diag.fill_(low)
-        row_max = s.amax(1)
-        e = torch.exp(s - row_max[:, None])
-        if diag is not None:
-            self_diagonal(e, 0, 0, plan.self_offset).zero_()  # type: ignore[union-attr]
-        row_lse = _log(e.sum(1), row_max, plan, C)
-        kept = s
-        if not plan.columns:
-            return row_lse, None, kept
-        col_max = s.amax(0)
-        col_sum = torch.exp(s - col_max[None, :]).sum(0)
+    if plan.fixed:  # exp(S_ij - LSE_i) = exp(S_ij) exp(-LSE_i): one exp per element for both directions
+        u = row[0] * torch.exp(-row[1])
+        if plan.symmetric:
+            g = kept * (u[:, None] + u[None, :])
+        elif col is not None:
+            g = kept * (u[:, None] + (col[0] * torch.exp(-col[1]))[None, :])
+        else:
+            g = kept * u[:, None]
     else:
-        bufs = Buffers(a_s.dtype, a_s.device)
-        row_max, row_sum = a_s.new_full((R,), low), a_s.new_zeros(R)
-        col_max, col_sum = a_s.new_full((C,), low), a_s.new_zeros(C)
-        for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-            s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
-            diag = self_diagonal(s, r0, c0, plan.self_offset)
-            if diag is not None:
-                diag.fill_(low)
-            work = bufs.get(r1 - r0, c1 - c0, 1)
-            _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work)
-            if plan.symmetric and c0 != r0:
-                _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work)
-            if plan.columns:
-                _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work)
-        row_lse = _log(row_sum, row_max, plan, C)
-        if not plan.columns:
-            return row_lse, None, kept
+        g = torch.exp(kept - row[1][:, None]).mul_(row[0][:, None])
+        if plan.symmetric:
+            g.add_(g.t().clone())
+        elif col is not None:
+            g.add_(torch.exp(kept - col[1][None, :]).mul_(col[0][None, :]))
+        diag = self_diagonal(g, 0, 0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+    if plan.positives is not None and c_row is not None:
+        how, rel = _positive_layout(plan.positives, plan, a.shape[0], b.shape[0])
+        if how == "partner":
+            rows = torch.arange(a.shape[0], device=a.device)
+            g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
+            if plan.symmetric:
+                g.index_put_((rel, rows), c_row, accumulate=True)
+        else:
+            weight = c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :]
+            g.add_(torch.where(rel, weight, 0.0))
+            if plan.symmetric:
+                g.add_(torch.where(rel.t(), c_row[None, :], 0.0))
+    if plan.symmetric:
+        return g @ b, None
+    return g @ b, g.t() @ a
+
+
+def _complete_columns(col_sum: Tensor, col_max: Tensor, plan: _Plan) -> Tensor:
+    """Column LSE from (sum, max); across ranks: bring partial sums to the global maximum."""
     if plan.column_comm is not None:
-        # Bring every rank's partial sums to the global maximum, then add them.
         global_max = col_max.clone()
         plan.column_comm.all_max(global_max)
         col_sum = col_sum * torch.exp(col_max - global_max)
         plan.column_comm.all_sum(col_sum)
         col_max = global_max
-    return row_lse, col_sum.log() + col_max, kept
+    return col_sum.log() + col_max
+
+
+# ----------------------------------------------------------------------- many tiles
+def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
+    R, C = a_s.shape[0], b.shape[0]
+    bufs = Buffers(a_s.dtype, a_s.device)
+    row_sum = a_s.new_zeros(R)
+    col_sum = a_s.new_zeros(C) if plan.columns else None
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        e = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+        diag = self_diagonal(e, r0, c0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        row_sum[r0:r1] += e.sum(1)
+        if plan.symmetric and c0 != r0:
+            row_sum[c0:c1] += e.sum(0)
+        if col_sum is not None:
+            col_sum[c0:c1] += e.sum(0)
+    row_lse = _log(row_sum, None, plan, C)
+    if col_sum is None:
+        return row_lse, None
+    if plan.column_comm is not None:
+        plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
+    return row_lse, col_sum.log()
+
+
+def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """Running (maximum, shifted sum) per row and column: exact for any logit range.
+
+    A self entry is set to the lowest finite value before the maximum is taken and
+    zeroed after the exp, so no ``inf - inf`` can arise.
+    """
+    R, C = a_s.shape[0], b.shape[0]
+    low = torch.finfo(a_s.dtype).min
+    bufs = Buffers(a_s.dtype, a_s.device)
+    row_max, row_sum = a_s.new_full((R,), low), a_s.new_zeros(R)
+    col_max, col_sum = a_s.new_full((C,), low), a_s.new_zeros(C)
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+        diag = self_diagonal(s, r0, c0, plan.self_offset)
+        if diag is not None:
+            diag.fill_(low)
+        work = bufs.get(r1 - r0, c1 - c0, 1)
+        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work)
+        if plan.symmetric and c0 != r0:
+            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work)
+        if plan.columns:
+            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work)
+    row_lse = _log(row_sum, row_max, plan, C)
+    if not plan.columns:
+        return row_lse, None
+    return row_lse, _complete_columns(col_sum, col_max, plan)
 
 
 def _online_update(
@@ -174,12 +253,8 @@ def _online_update(
     run_max[i0:i1] = new_max
 
 
-# ----------------------------------------------------------------------- backward
-_Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-exp)
-
-
 def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
-                    plan: _Plan, kept: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                    plan: _Plan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
 
     ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
@@ -187,14 +262,6 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
     """
     u = row[0] * torch.exp(-row[1])
     v = None if col is None else col[0] * torch.exp(-col[1])
-    if kept is not None:  # the single tile's exp(S), kept from forward (self pairs already 0)
-        g = kept * (u[:, None] if v is None else u[:, None] + v[None, :])
-        diag = self_diagonal(g, 0, 0, plan.self_offset)
-        if diag is not None:
-            diag.zero_()
-        if plan.symmetric:
-            return g @ b, None
-        return g @ b, g.t() @ a
     R, C = a.shape[0], b.shape[0]
     bufs = Buffers(a.dtype, a.device)
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
@@ -210,19 +277,9 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
 
 
 def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
-                     plan: _Plan, kept: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                     plan: _Plan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
     g_row, row_lse = row
-    if kept is not None:  # the single tile's logits, kept from forward
-        g = torch.exp(kept - row_lse[:, None]).mul_(g_row[:, None])
-        if col is not None:
-            g.add_(torch.exp(kept - col[1][None, :]).mul_(col[0][None, :]))
-        diag = self_diagonal(g, 0, 0, plan.self_offset)
-        if diag is not None:
-            diag.zero_()
-        if plan.symmetric:
-            return g @ b, None
-        return g @ b, g.t() @ a
     R, C = a.shape[0], b.shape[0]
     bufs = Buffers(a.dtype, a.device)
     gb_acc = torch.zeros_like(a)
@@ -266,8 +323,6 @@ class _SoftmaxTerms(torch.autograd.Function):
     @staticmethod
     def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,
                  col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor]:
-        # b is None for a single set (the candidates are the anchors): passing the same
-        # tensor twice would be a duplicate input, which torch.compile cannot trace.
         a_c, b_c, scale_c = to_compute(a, b, scale)
         norms: list[Tensor] = []
         if plan.normalize:
@@ -279,22 +334,32 @@ class _SoftmaxTerms(torch.autograd.Function):
                 b_c, *norm_b = l2_normalize(b_c, plan.eps)
                 norms += norm_b
         a_s = a_c * scale_c
-        row_lse, col_lse, kept = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
-        row_out = _weighted(row_lse, row_alpha)
+        kept = None
+        row_pos = col_pos = None
+        if plan.single_tile:
+            row_lse, col_lse, row_pos, col_pos, kept = _single_forward(a_s, b_c, plan)
+        else:
+            row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
+        if plan.positives is not None and not plan.tile_positives:
+            row_pos = (a_s * plan.positives.aggregate(b_c)).sum(1)
+            if plan.column_positives:
+                col_pos = (b_c * plan.positives.aggregate_transposed(a_s)).sum(1)
         if plan.shared_alpha:
             col_alpha = row_alpha
+        row_out = _weighted(row_lse, row_alpha)
         col_out = row_lse.new_zeros(0) if col_lse is None else _weighted(col_lse, col_alpha)
-        if plan.positives is not None:
-            row_out = row_out - _weighted((a_s * plan.positives.aggregate(b_c)).sum(1), row_beta)
-            if plan.column_positives:
-                col_out = col_out - _weighted((b_c * plan.positives.aggregate_transposed(a_s)).sum(1), col_beta)
+        if row_pos is not None:
+            row_out = row_out - _weighted(row_pos, row_beta)
+        if col_pos is not None:
+            col_out = col_out - _weighted(col_pos, col_beta)
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         own_col_alpha = None if plan.shared_alpha else col_alpha
         ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
         weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
         ctx.kept = kept is not None
-        save(ctx, scale_c, a_c, b_c, row_lse, row_lse if col_lse is None else col_lse, *weights, *norms, *(() if kept is None else (kept,)))
+        save(ctx, scale_c, a_c, b_c, row_lse, row_lse if col_lse is None else col_lse, *weights, *norms,
+             *(() if kept is None else (kept,)))
         return row_out, col_out
 
     @staticmethod
@@ -302,8 +367,8 @@ class _SoftmaxTerms(torch.autograd.Function):
     def backward(ctx, g_row: Tensor, g_col: Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
         a, b, rest, scale = saved(ctx)
-        row_lse, col_lse = rest[0], rest[1]
         kept = rest.pop() if ctx.kept else None
+        row_lse, col_lse = rest[0], rest[1]
         given = iter(rest[2:])
         row_alpha, row_beta, col_alpha, col_beta = (next(given) if present else None for present in ctx.weights)
         if plan.shared_alpha:
@@ -322,13 +387,19 @@ class _SoftmaxTerms(torch.autograd.Function):
                 plan.column_comm.all_sum(g_col_c)
             col = (_weighted(g_col_c, col_alpha), col_lse)
         u = _weighted(g_row, row_alpha)
-        if plan.symmetric:
-            col = (u, row_lse)  # a single set's columns are its rows
-        a_s = a * scale if kept is None else a  # the scaled anchors only serve to recompute tiles
-        gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan, kept)
-        if plan.positives is not None:
-            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, -_weighted(g_row, row_beta),
-                                                 None if g_col_c is None or not plan.column_positives else -_weighted(g_col_c, col_beta))
+        has_pos = plan.positives is not None
+        c_row = -_weighted(g_row, row_beta) if has_pos else None
+        c_col = -_weighted(g_col_c, col_beta) if has_pos and g_col_c is not None and plan.column_positives else None
+        if kept is not None:
+            folded = (c_row, c_col) if plan.tile_positives else (None, None)
+            gb_acc, ga_acc = _single_backward(kept, a, b, (u, row_lse), col, *folded, plan)
+        else:
+            if plan.symmetric:
+                col = (u, row_lse)  # a single set's columns are its rows
+            a_s = a * scale
+            gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan)
+        if plan.positives is not None and c_row is not None and not plan.tile_positives:
+            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row, c_col)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return ga, gb, gscale, None, None, None, None, None
 
@@ -412,8 +483,10 @@ def softmax_terms(
     R, C = anchors.shape[0], candidates.shape[0]
     tile = resolve_tile(chunk_size, R, C)
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
-    plan = _Plan(self_offset, columns, symmetric, 0 if tile >= max(R, C) else tile, fixed, normalize, float(eps), positives,
-                 columns and column_positives, shared_alpha, column_comm if columns else None)
+    single = tile >= max(R, C)
+    tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
+    plan = _Plan(self_offset, columns, symmetric, 0 if single else tile, fixed, normalize, float(eps), positives,
+                 columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan)
     return row_out, (col_out if columns else None)
