@@ -116,7 +116,7 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     if x.ndim < min_ndim or (max_ndim is not None and x.ndim > max_ndim):
         expected = f"{min_ndim}" if max_ndim == min_ndim else f"at least {min_ndim}" if max_ndim is None else f"{min_ndim} to {max_ndim}"
         raise ValueError(f"{name} must have {expected} dimensions, got shape {tuple(x.shape)}")
-    if x.shape[0] == 0 or x[0].numel() == 0:
+    if x.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     return x
 

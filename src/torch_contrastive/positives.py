@@ -65,6 +65,9 @@ class Positives:
             anchors and candidates are different sets (image-text).
         partner: for ``partner`` relations, the (R,) int64 column of each anchor's
             only positive (never its self column).
+        layout: for ``partner`` relations whose positives lie on strided diagonals of the
+            R x C matrix (``"identity"``: column i; ``"adjacent"``: i ^ 1; ``"halves"``:
+            (i + R/2) mod R), so a single tile reads and writes them as views.
         row_keys: for ``keys`` relations, a tuple of (R,) int64 tensors.
         col_keys: for ``keys`` relations, a tuple of (C,) int64 tensors, same length.
         pairs: for ``pairs`` relations, a (P, 2) int64 tensor of (row, column) pairs.
@@ -83,6 +86,7 @@ class Positives:
     num_cols: int
     self_offset: int | None
     partner: Tensor | None = None
+    layout: str | None = None
     row_keys: tuple[Tensor, ...] = ()
     col_keys: tuple[Tensor, ...] = ()
     pairs: Tensor | None = None
@@ -94,14 +98,17 @@ class Positives:
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_partner(cls, partner: Tensor, num_cols: int, *, self_offset: int | None = 0) -> Positives:
+    def from_partner(cls, partner: Tensor, num_cols: int, *, self_offset: int | None = 0, layout: str | None = None) -> Positives:
         """One positive per anchor: column ``partner[i]`` (which must not be the self column).
 
         Pairing rules (``adjacent``: ``i ^ 1``; ``halves``: ``(i + N) mod 2N``) and
-        CLIP without ids (``partner[i] = i``, ``self_offset=None``).
+        CLIP without ids (``partner[i] = i``, ``self_offset=None``). ``layout`` names the
+        rule when ``partner`` follows it exactly on a square problem (see the attribute).
         """
         p = partner.reshape(-1).long()
-        return cls(num_rows=int(p.numel()), num_cols=num_cols, self_offset=self_offset, partner=p)
+        if layout is not None and (layout not in ("identity", "adjacent", "halves") or int(p.numel()) != num_cols):
+            raise ValueError(f"layout must be 'identity', 'adjacent' or 'halves' on a square problem, got {layout!r}")
+        return cls(num_rows=int(p.numel()), num_cols=num_cols, self_offset=self_offset, partner=p, layout=layout)
 
     @classmethod
     def from_keys(

@@ -92,6 +92,15 @@ def self_diagonal(tile: Tensor, r0: int, c0: int, self_offset: int | None) -> Te
     return tile.diagonal(k)
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether an autocast region is active for ``device_type`` (cheaper than entering a
+    disabling context on every call)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4 takes no argument
+        return bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
+
+
 def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
     """``a_scaled @ b.T``, into ``out`` when given (a reused tile buffer)."""
     if out is None:

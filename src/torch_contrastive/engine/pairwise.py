@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import Buffers, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
+from ._common import Buffers, autocast_enabled, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -171,6 +171,8 @@ class _Pairwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan):  # type: ignore[override]
         # The engine chooses its own precision: an ambient autocast must not change it.
+        if not autocast_enabled(a.device.type):
+            return _Pairwise._forward(ctx, a, b, scale, plan)
         with torch.autocast(a.device.type, enabled=False):
             return _Pairwise._forward(ctx, a, b, scale, plan)
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import Buffers, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
+from ._common import Buffers, autocast_enabled, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -73,11 +73,37 @@ _Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-ex
 # A problem that fits in one tile (the common small batch) keeps that tile from forward
 # to backward, and reads its positive part off the tile itself: no aggregate, no
 # recomputed matrix product, a few large ops.
-def _positive_layout(positives: Positives, plan: _Plan, rows: int, cols: int) -> tuple[str, Tensor]:
-    """("partner", column per row) or ("mask", R x C bool) of the positive relation."""
+def _positive_layout(positives: Positives, plan: _Plan, rows: int, cols: int) -> tuple[str, Tensor | None]:
+    """How the positives lie on the tile: a named strided layout ("identity", "adjacent",
+    "halves"; no tensor), ("partner", column per row) or ("mask", R x C bool)."""
+    if positives.layout is not None:
+        return positives.layout, None
     if positives.kind == "partner" and positives.partner is not None:
         return "partner", positives.partner
     return "mask", positives.tile(0, rows, 0, cols)
+
+
+def _strided_positives(t: Tensor, layout: str) -> list[Tensor]:
+    """Views of the positive entries of a square tile under a strided layout.
+
+    Returns views whose concatenation, in order, is row i's positive entry for every i:
+    identity ``t[i, i]``; adjacent ``t[2k, 2k+1]`` and ``t[2k+1, 2k]`` (interleaved);
+    halves ``t[i, i+N]`` then ``t[i+N, i]``.
+    """
+    if layout == "identity":
+        return [t.diagonal()]
+    if layout == "adjacent":
+        return [t.diagonal(1)[::2], t.diagonal(-1)[::2]]
+    half = t.shape[0] // 2
+    return [t.diagonal(half), t.diagonal(-half)]
+
+
+def _read_strided(t: Tensor, layout: str) -> Tensor:
+    parts = _strided_positives(t, layout)
+    if layout == "adjacent":
+        return torch.stack(parts, 1).reshape(-1)
+    # a copy, not a view: the tile is exponentiated in place afterwards
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
 
 def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor]:
@@ -91,7 +117,11 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     row_pos = col_pos = None
     if plan.positives is not None and plan.tile_positives:
         how, rel = _positive_layout(plan.positives, plan, R, C)
-        if how == "partner":
+        if rel is None:  # strided layout: a view, no index tensor
+            row_pos = _read_strided(s, how)
+            if plan.column_positives:  # identity: column j's positive is row j
+                col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, plan.positives.partner, row_pos)  # type: ignore[arg-type]
+        elif how == "partner":
             row_pos = s.gather(1, rel[:, None])[:, 0]
             if plan.column_positives:
                 col_pos = row_pos if (plan.self_offset is None and R == C) else s.new_zeros(C).index_add_(0, rel, row_pos)
@@ -153,7 +183,9 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
             diag.zero_()
     if plan.positives is not None and c_row is not None:
         how, rel = _positive_layout(plan.positives, plan, a.shape[0], b.shape[0])
-        if how == "partner":
+        if rel is None:
+            _add_strided(g, how, c_row, c_col, plan.symmetric)
+        elif how == "partner":
             rows = torch.arange(a.shape[0], device=a.device)
             g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
             if plan.symmetric:
@@ -166,6 +198,23 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
     if plan.symmetric:
         return g @ b, None
     return g @ b, g.t() @ a
+
+
+def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor | None, symmetric: bool) -> None:
+    """``G[i, p(i)] += c_i (+ c'_p(i))`` on a strided layout; symmetric: also ``G[p(i), i] += c_i``."""
+    if layout == "identity":
+        g.diagonal().add_(c_row if c_col is None else c_row + c_col)
+        return
+    # adjacent and halves are involutions: p(p(i)) = i, so the symmetric term adds c_p(i) at (i, p(i)).
+    views = _strided_positives(g, layout)
+    first, second = (c_row[0::2], c_row[1::2]) if layout == "adjacent" else (c_row[: g.shape[0] // 2], c_row[g.shape[0] // 2 :])
+    if symmetric:
+        both = first + second
+        views[0].add_(both)
+        views[1].add_(both)
+    else:
+        views[0].add_(first if c_col is None else first + (c_col[1::2] if layout == "adjacent" else c_col[g.shape[0] // 2 :]))
+        views[1].add_(second if c_col is None else second + (c_col[0::2] if layout == "adjacent" else c_col[: g.shape[0] // 2]))
 
 
 def _complete_columns(col_sum: Tensor, col_max: Tensor, plan: _Plan) -> Tensor:
@@ -317,6 +366,8 @@ class _SoftmaxTerms(torch.autograd.Function):
                 col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan):
         # The engine chooses its own precision (fp32 or fp64): an ambient autocast region
         # must not turn its matrix products into half precision.
+        if not autocast_enabled(a.device.type):
+            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan)
         with torch.autocast(a.device.type, enabled=False):
             return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan)
 

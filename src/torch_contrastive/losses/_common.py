@@ -91,15 +91,27 @@ def positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, s
     return (anchors * positives.aggregate(candidates)).sum(1) * scale
 
 
+_PARTNERS: dict[tuple[int, str, int, torch.device], Tensor] = {}
+
+
 def pair_partner(n_rows: int, pairing: str, offset: int = 0, device: torch.device | None = None) -> Tensor:
     """Global index of each row's positive under a pairing rule (rows ``offset ...``).
 
     ``"adjacent"``: ``i ^ 1``; ``"halves"``: ``(i + n_rows / 2) mod n_rows`` with
-    ``n_rows`` the size of the batch the rule applies to.
+    ``n_rows`` the size of the batch the rule applies to; ``"identity"``: ``i``. The
+    index tensors are constants, built once per (size, rule, offset, device) and reused
+    (a training loop calls with the same shapes every step). Treat them as read-only.
     """
-    rows = torch.arange(n_rows, device=device)
-    local = rows ^ 1 if pairing == "adjacent" else (rows + n_rows // 2) % n_rows
-    return local + offset
+    key = (n_rows, pairing, offset, torch.device(device) if device is not None else torch.device("cpu"))
+    cached = _PARTNERS.get(key)
+    if cached is None:
+        rows = torch.arange(n_rows, device=device)
+        local = rows if pairing == "identity" else rows ^ 1 if pairing == "adjacent" else (rows + n_rows // 2) % n_rows
+        cached = local + offset
+        if len(_PARTNERS) > 256:  # many distinct shapes: keep the cache small
+            _PARTNERS.clear()
+        _PARTNERS[key] = cached
+    return cached
 
 
 def pair_keys(n_rows: int, pairing: str, device: torch.device | None = None) -> Tensor:

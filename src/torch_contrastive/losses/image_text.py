@@ -12,7 +12,7 @@ from .._normalize import prepare
 from ..distributed import Scope, make_scope
 from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import check_agreement, finish_checks, positive_logits
+from ._common import check_agreement, finish_checks, pair_partner, positive_logits
 
 __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
 
@@ -96,7 +96,7 @@ def image_text_contrastive_loss(
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions, and the
         # whole loss -- normalisation, both directions, positives -- is one engine call.
         pos = Positives.from_keys(tuple(keys), tuple(keys), self_offset=None) if keys else \
-            Positives.from_partner(torch.arange(n, device=device), n, self_offset=None)
+            Positives.from_partner(pair_partner(n, "identity", 0, device), n, self_offset=None, layout="identity")
         counts = pos.row_counts()
         weights = (None, None) if not keys else (counts.to(compute_dtype(image_feat.dtype)), None)
         per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
@@ -128,7 +128,7 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, keys
         global_keys = tuple(scope.ints(k) for k in keys)
         pos = Positives.from_keys(tuple(k[offset : offset + n] for k in global_keys), global_keys, self_offset=None)
     else:
-        pos = Positives.from_partner(torch.arange(n, device=img.device) + offset, img_all.shape[0], self_offset=None)
+        pos = Positives.from_partner(pair_partner(n, "identity", offset, img.device), img_all.shape[0], self_offset=None)
     counts = pos.row_counts()
     per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos,
                                            row_weights=(counts.to(img.dtype), None), columns=True, column_positives=False,

@@ -82,7 +82,8 @@ def nt_xent_loss(
     check_output = v.output_needs_check(normalize, bound)
 
     if labels is None:
-        positives = Positives.from_partner(pair_partner(n, pairing, offset, z.device), z_all.shape[0], self_offset=offset)
+        positives = Positives.from_partner(pair_partner(n, pairing, offset, z.device), z_all.shape[0], self_offset=offset,
+                                           layout=None if scope.distributed else pairing)
         per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
                                    fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
                                    chunk_size=chunk_size)
