@@ -28,7 +28,8 @@ class _L2Normalize(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        return l2_normalize_backward(g, *ctx.saved_tensors, ctx.eps), None
+        y, denom, norm = ctx.saved_tensors
+        return l2_normalize_backward(g, y, denom, norm, ctx.eps), None
 
 
 def prepare(x: Tensor, normalize: bool, eps: float) -> Tensor:

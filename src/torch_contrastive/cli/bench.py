@@ -268,6 +268,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.small:
+        from .bench_small import run_small
+
+        machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+        return run_small(args.sizes, args.dim, 0.1 if args.temperature == 0.07 else args.temperature, out_dir, machine)
     cases = plan(args.quick, args.sizes, args.dims or [args.dim], args.temperature, args.large)
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
@@ -303,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="time and memory of every loss vs. peers (CSV + PNG)")
     p.add_argument("--quick", action="store_true", help="a reduced grid that finishes in under 2 minutes on 2 cores")
+    p.add_argument("--small", action="store_true",
+                   help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
+                        "time ratio and host syncs per call (tau 0.1 unless --temperature)")
     p.add_argument("--loss", choices=["all", "clip", "nt_xent", "supcon"], default="all")
     p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
     p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")

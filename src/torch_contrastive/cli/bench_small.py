@@ -80,9 +80,6 @@ def plain_nt_bxent(z: Tensor, labels: Tensor, tau: float) -> Tensor:
     return (pos_term + neg_term).mean()
 
 
-Case = tuple[Callable[..., Tensor], Callable[..., Tensor], bool]  # ours(validate), plain, two inputs?
-
-
 def cases(n: int, d: int, tau: float, generator: torch.Generator) -> dict[str, tuple[Callable[[bool], Tensor], Callable[[], Tensor], list[Tensor]]]:
     """name -> (ours(validate), plain formula, leaves)."""
     x = torch.randn(n, d, generator=generator).requires_grad_()
@@ -112,20 +109,70 @@ def measure(n: int, d: int = 128, tau: float = 0.1, pairs: int | None = None, va
     generator = torch.Generator().manual_seed(n)
     rows = []
     for name, (ours, plain, leaves) in cases(n, d, tau, generator).items():
-        value, want = float(ours(validate)), float(plain())
+        value, want = float(ours(validate).detach()), float(plain().detach())
         count = pairs or (200 if n <= 256 else 60)
+        def run_ours(o: Callable[[bool], Tensor] = ours) -> Tensor:
+            return o(validate)
+
         for _ in range(5):  # warm-up: allocator, thread pools
-            _step(lambda o=ours: o(validate), leaves)
+            _step(run_ours, leaves)
             _step(plain, leaves)
         ratios, ours_t, plain_t = [], [], []
         for _ in range(count):
-            a = _step(lambda o=ours: o(validate), leaves)
+            a = _step(run_ours, leaves)
             b = _step(plain, leaves)
             ratios.append(a / b)
             ours_t.append(a)
             plain_t.append(b)
-        syncs = {v: count_host_syncs(lambda o=ours, v=v: o(v).backward()) for v in (True, False)}
+        syncs = {flag: count_host_syncs(lambda o=ours, f=flag: o(f).backward()) for flag in (True, False)}  # type: ignore[misc]
         rows.append({"loss": name, "n": n, "d": d, "tau": tau, "validate": validate, "value": value, "plain_value": want,
                      "ours_ms": 1e3 * statistics.median(ours_t), "plain_ms": 1e3 * statistics.median(plain_t),
                      "ratio": statistics.median(ratios), "syncs_validate": syncs[True], "syncs_no_validate": syncs[False]})
     return rows
+
+
+def _plot(rows: list[dict[str, Any]], path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in dict.fromkeys(r["loss"] for r in rows):
+        pts = sorted((r["n"], r["ratio"]) for r in rows if r["loss"] == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xscale="log", xlabel="N (rows per call)", ylabel="ours / plain formula (fwd+bwd)",
+           title="small batches: time ratio to the plain PyTorch formula")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_small(sizes: list[int] | None, dim: int, tau: float, out_dir: Any, machine: str) -> int:
+    """``torch-contrastive bench --small``: table, ``bench-small.csv`` and ``bench-small.png``."""
+    import csv
+
+    sizes = sizes or list(SIZES)
+    print(f"torch-contrastive bench --small: N = {sizes}, D = {dim}, tau = {tau}, fp32, on {machine}")
+    print("ratio = median over interleaved pairs of (ours fwd+bwd) / (plain formula fwd+bwd), one process")
+    print(f"{'loss':<22} {'N':>5} {'ours ms':>8} {'plain ms':>9} {'ratio':>6} {'syncs (validate / not)':>23}")
+    rows = []
+    for n in sizes:
+        for row in measure(n, dim, tau):
+            rows.append(row)
+            print(f"{row['loss']:<22} {n:>5} {row['ours_ms']:>8.3f} {row['plain_ms']:>9.3f} {row['ratio']:>6.2f} "
+                  f"{row['syncs_validate']:>14d} / {row['syncs_no_validate']:d}", flush=True)
+    fields = ["loss", "n", "d", "tau", "value", "plain_value", "ours_ms", "plain_ms", "ratio", "syncs_validate", "syncs_no_validate"]
+    with open(out_dir / "bench-small.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "machine.txt").write_text(machine + "\n")
+    try:
+        _plot(rows, out_dir / "bench-small.png")
+        print(f"wrote {out_dir / 'bench-small.csv'} and {out_dir / 'bench-small.png'}")
+    except ImportError:
+        print(f"wrote {out_dir / 'bench-small.csv'} (install the 'cli' extra for the plot)")
+    return 0

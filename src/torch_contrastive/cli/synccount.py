@@ -28,29 +28,37 @@ class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[str] = []
+        self.depth = 0  # > 0 inside a wrapped tensor method, which is counted once itself
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        if name in SYNC_OPERATORS:
-            self.events.append(name)
+        if self.depth == 0:
+            if name in SYNC_OPERATORS:
+                self.events.append(name)
+            elif name in ("index", "index_put", "index_put_") and _has_bool_index(args):
+                self.events.append(f"{name}(bool mask)")  # a data-dependent shape: nonzero inside
         return func(*args, **(kwargs or {}))
+
+
+def _has_bool_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
 
 
 def host_sync_events(fn: Callable[[], Any]) -> list[str]:
     """Run ``fn()`` and return the names of the host synchronisations it made, in order."""
     counter = _Counter()
     originals = {name: getattr(torch.Tensor, name) for name in _METHODS}
-    depth = [0]  # a method calling another (item -> __float__) counts once
 
     def wrap(name: str, original: Any) -> Any:
         def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if depth[0] == 0:
+            if counter.depth == 0:  # a method calling another (item -> __float__) counts once
                 counter.events.append(name)
-            depth[0] += 1
+            counter.depth += 1
             try:
                 return original(self, *args, **kwargs)
             finally:
-                depth[0] -= 1
+                counter.depth -= 1
         return method
 
     for name, original in originals.items():

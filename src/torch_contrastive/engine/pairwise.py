@@ -16,7 +16,20 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import Buffers, autocast_enabled, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
+from ._common import (
+    Buffers,
+    Scale,
+    autocast_enabled,
+    finish_gradients,
+    l2_normalize,
+    logits_tile,
+    resolve_tile,
+    save,
+    saved,
+    self_diagonal,
+    tiles,
+    to_compute,
+)
 
 if TYPE_CHECKING:
     from ..positives import Positives

@@ -22,7 +22,20 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import Buffers, autocast_enabled, Scale, finish_gradients, l2_normalize, logits_tile, resolve_tile, save, saved, self_diagonal, tiles, to_compute
+from ._common import (
+    Buffers,
+    Scale,
+    autocast_enabled,
+    finish_gradients,
+    l2_normalize,
+    logits_tile,
+    resolve_tile,
+    save,
+    saved,
+    self_diagonal,
+    tiles,
+    to_compute,
+)
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -106,29 +119,38 @@ def _read_strided(t: Tensor, layout: str) -> Tensor:
     return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
 
+def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """``sum_j P_ij S_ij`` per row and (for two-set losses) ``sum_i P_ij S_ij`` per column, off the tile."""
+    positives = plan.positives
+    if positives is None:
+        raise RuntimeError("internal: no positive relation")
+    R, C = s.shape
+    how, rel = _positive_layout(positives, plan, R, C)
+    col_pos = None
+    if rel is None:  # strided layout: a view, no index tensor
+        row_pos = _read_strided(s, how)
+        if plan.column_positives:  # identity: column j's positive is row j
+            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives._need(positives.partner, "partner"), row_pos)
+    elif how == "partner":
+        row_pos = s.gather(1, rel[:, None])[:, 0]
+        if plan.column_positives:
+            col_pos = row_pos if (plan.self_offset is None and R == C) else s.new_zeros(C).index_add_(0, rel, row_pos)
+    else:
+        masked = torch.where(rel, s, 0.0)
+        row_pos = masked.sum(1)
+        col_pos = masked.sum(0) if plan.column_positives else None
+    return row_pos, col_pos
+
+
 def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor]:
     """``(row_lse, col_lse, row_pos, col_pos, kept)`` of a single tile.
 
     ``kept`` is ``exp(S)`` (fixed; self pairs zeroed) or ``S`` (online; self pairs at
     the lowest finite value), which backward reuses.
     """
-    R, C = a_s.shape[0], b.shape[0]
+    C = b.shape[0]
     s = a_s @ b.t()
-    row_pos = col_pos = None
-    if plan.positives is not None and plan.tile_positives:
-        how, rel = _positive_layout(plan.positives, plan, R, C)
-        if rel is None:  # strided layout: a view, no index tensor
-            row_pos = _read_strided(s, how)
-            if plan.column_positives:  # identity: column j's positive is row j
-                col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, plan.positives.partner, row_pos)  # type: ignore[arg-type]
-        elif how == "partner":
-            row_pos = s.gather(1, rel[:, None])[:, 0]
-            if plan.column_positives:
-                col_pos = row_pos if (plan.self_offset is None and R == C) else s.new_zeros(C).index_add_(0, rel, row_pos)
-        else:
-            masked = torch.where(rel, s, 0.0)
-            row_pos = masked.sum(1)
-            col_pos = masked.sum(0) if plan.column_positives else None
+    row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
     diag = self_diagonal(s, 0, 0, plan.self_offset)
     if plan.fixed:
         e = s.exp_()
@@ -182,22 +204,27 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
         if diag is not None:
             diag.zero_()
     if plan.positives is not None and c_row is not None:
-        how, rel = _positive_layout(plan.positives, plan, a.shape[0], b.shape[0])
-        if rel is None:
-            _add_strided(g, how, c_row, c_col, plan.symmetric)
-        elif how == "partner":
-            rows = torch.arange(a.shape[0], device=a.device)
-            g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
-            if plan.symmetric:
-                g.index_put_((rel, rows), c_row, accumulate=True)
-        else:
-            weight = c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :]
-            g.add_(torch.where(rel, weight, 0.0))
-            if plan.symmetric:
-                g.add_(torch.where(rel.t(), c_row[None, :], 0.0))
+        _fold_positives(g, plan.positives, plan, c_row, c_col)
     if plan.symmetric:
         return g @ b, None
     return g @ b, g.t() @ a
+
+
+def _fold_positives(g: Tensor, positives: Positives, plan: _Plan, c_row: Tensor, c_col: Tensor | None) -> None:
+    """``G_ij += P_ij (c_i + c'_j)`` in place (symmetric: ``P_ij c_i + P_ji c_j``)."""
+    how, rel = _positive_layout(positives, plan, g.shape[0], g.shape[1])
+    if rel is None:
+        _add_strided(g, how, c_row, c_col, plan.symmetric)
+    elif how == "partner":
+        rows = torch.arange(g.shape[0], device=g.device)
+        g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
+        if plan.symmetric:
+            g.index_put_((rel, rows), c_row, accumulate=True)
+    else:
+        weight = c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :]
+        g.add_(torch.where(rel, weight, 0.0))
+        if plan.symmetric:
+            g.add_(torch.where(rel.t(), c_row[None, :], 0.0))
 
 
 def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor | None, symmetric: bool) -> None:
