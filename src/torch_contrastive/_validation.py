@@ -89,16 +89,20 @@ class Checks:
         """
         if not self._values and value is None:
             return None
-        parts = [t.to(torch.float64) for t in self._values]
+        parts = list(self._values)
         if value is not None:
-            parts.append(value.detach().reshape(()).to(torch.float64))
-        packed = torch.stack(parts)
+            parts.append(value.detach().reshape(()))
         n = len(self._values)
-        if self.scope is not None and self.scope.distributed and n:
-            checked = packed[:n].nan_to_num(nan=math.inf)  # MAX would drop a NaN on some backends
-            self.scope.all_max(checked)
-            packed = torch.cat([checked, packed[n:]])
-        host = packed.tolist()
+        distributed = self.scope is not None and self.scope.distributed and n
+        if len(parts) == 1 and not distributed:
+            host = [parts[0].item()]  # one value: no packing
+        else:
+            packed = torch.stack([t.to(torch.float64) for t in parts])
+            if distributed:
+                checked = packed[:n].nan_to_num(nan=math.inf)  # MAX would drop a NaN on some backends
+                self.scope.all_max(checked)
+                packed = torch.cat([checked, packed[n:]])
+            host = packed.tolist()
         bad, messages = self._bad, self._messages
         self._values, self._bad, self._messages = [], [], []
         for is_bad, message, got in zip(bad, messages, host):

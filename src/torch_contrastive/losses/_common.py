@@ -26,7 +26,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.flo
 
 def check_agreement(scope: Scope, what: str, x: Tensor, validate: bool, *flags: bool) -> None:
     """Ranks must agree on feature shape, dtype and which optional inputs were given."""
-    if validate:
+    if validate and scope.distributed:
         scope.agree(f"{what} (feature size, dtype code, optional inputs given)",
                     [float(x[0].numel()), float(_DTYPE_CODES.get(x.dtype, -1)), *(float(f) for f in flags)])
 
