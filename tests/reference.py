@@ -175,3 +175,17 @@ SEED004_C = torch.tensor([
 ])
 
 LOG_FLOAT32_TINY = -math.log(torch.finfo(torch.float32).tiny)
+
+
+def siglip(img: Tensor, txt: Tensor, scale, bias, image_id=None, text_id=None, normalize: bool = True) -> Tensor:
+    """SigLIP from the paper's formula: -sum_ij log sigmoid(z_ij (t <a_i, b_j> + b)) / N."""
+    n = img.shape[0]
+    s = cosine_matrix(img, txt, normalize)
+    iid = image_id.tolist() if image_id is not None else list(range(n))
+    tid = text_id.tolist() if text_id is not None else list(range(n))
+    total = (img * 0).sum() + (txt * 0).sum()
+    for i in range(n):
+        for j in range(n):
+            z = 1.0 if (iid[i] == iid[j] or tid[i] == tid[j]) else -1.0
+            total = total - torch.nn.functional.logsigmoid(z * (scale * s[i][j] + bias))
+    return total / n

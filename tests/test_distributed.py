@@ -58,6 +58,10 @@ def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
         return tc.image_text_contrastive_loss(emb, emb_y, 0.1, gather=gather)
     if case == "clip_ids":
         return tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, gather=gather)
+    if case == "siglip":
+        return tc.siglip_loss(emb, emb_y, 7.0, -2.0, gather=gather)
+    if case == "siglip_ids":
+        return tc.siglip_loss(emb, emb_y, 7.0, -2.0, ids, labels, gather=gather)
     if case == "supcon_labels":
         return tc.supcon_loss(emb, labels, temperature=0.2, gather=gather)
     if case == "supcon_views":
@@ -68,7 +72,7 @@ def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
 
 
 CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", "nt_bxent_labels",
-         "clip", "clip_ids", "supcon_labels", "supcon_views", "supcon_one"]
+         "clip", "clip_ids", "siglip", "siglip_ids", "supcon_labels", "supcon_views", "supcon_one"]
 
 
 def _check_case(rank, world, case, sizes):

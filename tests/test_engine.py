@@ -139,3 +139,84 @@ def test_tiled_memory_has_no_n_squared_allocation(kind):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["finite"]
     assert report["growth_mib"] < 128, report
+
+
+def _relation(kind: str, rows: int, cols: int, self_offset, g):
+    """(Positives, dense bool mask) for an engine-level test, self pairs excluded."""
+    from torch_contrastive.positives import Positives
+
+    if kind == "partner":
+        partner = torch.randperm(cols, generator=g)[:rows]
+        if self_offset is not None:  # never the self column
+            partner = torch.where(partner == torch.arange(rows) + self_offset, (partner + 1) % cols, partner)
+        pos = Positives.from_partner(partner, cols, self_offset=self_offset)
+        dense = torch.zeros(rows, cols, dtype=torch.bool)
+        dense[torch.arange(rows), partner] = True
+    elif kind == "keys":
+        keys = torch.randint(0, 3, (cols,), generator=g)
+        row_keys = keys[:rows] if self_offset is not None else torch.randint(0, 3, (rows,), generator=g)
+        pos = Positives.from_keys(row_keys, keys, self_offset=self_offset)
+        dense = row_keys[:, None] == keys[None, :]
+    elif kind == "pairs":
+        pairs = torch.randint(0, min(rows, cols), (10, 2), generator=g)
+        pos = Positives.from_pairs(pairs, rows, cols, self_offset=self_offset)
+        dense = torch.zeros(rows, cols, dtype=torch.bool)
+        dense[pairs[:, 0], pairs[:, 1]] = True
+    else:
+        bsz = cols // 2
+        mask = torch.rand(bsz, bsz, generator=g) > 0.5
+        pos = Positives.from_sample_mask(mask, torch.arange(rows) % bsz, cols)
+        dense = mask[torch.arange(rows) % bsz][:, torch.arange(cols) % bsz]
+        dense[torch.arange(rows), torch.arange(rows)] = False  # a sample mask never relates a row to itself
+    if self_offset is not None:
+        dense[torch.arange(rows), torch.arange(rows) + self_offset] = False
+    return pos, dense
+
+
+@pytest.mark.parametrize("kind", ["partner", "keys", "pairs", "mask"])
+@pytest.mark.parametrize("single_set", [False, True])
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_softmax_terms_against_the_dense_formula(kind, single_set, fixed, chunk):
+    from torch_contrastive.engine import softmax_terms
+
+    g = torch.Generator().manual_seed(5)
+    rows = cols = 8
+    if single_set:
+        a0 = torch.randn(rows, 4, generator=g, dtype=torch.float64)
+        b0 = a0
+    else:
+        a0, b0 = torch.randn(rows, 4, generator=g, dtype=torch.float64), torch.randn(cols, 4, generator=g, dtype=torch.float64)
+    self_offset = 0 if single_set else None
+    pos, dense = _relation(kind, rows, cols, self_offset, g)
+    weights = [torch.rand(rows, generator=g, dtype=torch.float64) + 0.5 for _ in range(4)]
+    w_row, w_col = torch.randn(rows, generator=g, dtype=torch.float64), torch.randn(cols, generator=g, dtype=torch.float64)
+
+    def ours(a, b, scale):
+        row, col = softmax_terms(a, a if single_set else b, scale, self_offset=self_offset, positives=pos,
+                                 row_weights=(weights[0], weights[1]), col_weights=(weights[2], weights[3]),
+                                 symmetric=single_set, columns=not single_set, fixed=fixed, normalize=True, chunk_size=chunk)
+        return (row * w_row).sum() + (0 if col is None else (col * w_col).sum())
+
+    def reference(a, b, scale):
+        an = a / a.norm(dim=1, keepdim=True)
+        bn = an if single_set else b / b.norm(dim=1, keepdim=True)
+        s = scale * an @ bn.T
+        masked = s if self_offset is None else s.masked_fill(torch.eye(rows, dtype=torch.bool), float("-inf"))
+        pos_s = torch.where(dense, s, 0.0)
+        row = weights[0] * torch.logsumexp(masked, 1) - weights[1] * pos_s.sum(1)
+        total = (row * w_row).sum()
+        if not single_set:
+            col = weights[2] * torch.logsumexp(s, 0) - weights[3] * pos_s.sum(0)
+            total = total + (col * w_col).sum()
+        return total
+
+    results = []
+    for fn in (ours, reference):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        scale = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+        value = fn(a, b, scale)
+        grads = torch.autograd.grad(value, [a, scale] if single_set else [a, b, scale])
+        results.append((value.detach(), *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -81,9 +81,13 @@ def test_pairs_drop_duplicates_and_self():
 
 
 def test_identity_partner_aggregate_is_the_candidates_themselves():
-    pos = Positives.from_partner(torch.arange(5), 5, self_offset=None)
+    pos = Positives.from_partner(torch.arange(5), 5, self_offset=None, layout="identity")
     cand = torch.randn(5, 2)
     assert pos.aggregate(cand) is cand  # no copy for CLIP without ids
+    assert pos.aggregate_transposed(cand) is cand
+    shuffled = Positives.from_partner(torch.tensor([2, 0, 1, 4, 3]), 5, self_offset=None)
+    assert torch.equal(shuffled.aggregate(cand), cand[[2, 0, 1, 4, 3]])
+    assert torch.equal(shuffled.aggregate_transposed(cand), cand[[1, 2, 0, 4, 3]])
 
 
 @pytest.mark.parametrize("dense_limit", [0, positives_module.DENSE_KEYS_LIMIT])

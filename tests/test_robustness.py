@@ -40,6 +40,8 @@ def _cases(n: int):
         "clip": lambda x, y, t, c: tc.image_text_contrastive_loss(x, y, t, chunk_size=c),
         "clip_ids": lambda x, y, t, c: tc.image_text_contrastive_loss(x, y, t, labels, chunk_size=c),
         "supcon": lambda x, y, t, c: tc.supcon_loss(x, labels, temperature=t, chunk_size=c),
+        "siglip": lambda x, y, t, c: tc.siglip_loss(x, y, 1 / t, -2.0, chunk_size=c),
+        "siglip_ids": lambda x, y, t, c: tc.siglip_loss(x, y, 1 / t, 3.0, labels, chunk_size=c),
         "supcon_views": lambda x, y, t, c: tc.supcon_loss(x.reshape(n // 2, 2, -1), temperature=t, chunk_size=c),
     }
 

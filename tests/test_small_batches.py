@@ -25,6 +25,8 @@ def _cases(n: int, device: str = "cpu"):
         ("nt_bxent_labels", lambda x, y, t, v, c: tc.nt_bxent_loss(x, labels=labels, temperature=t, validate=v, chunk_size=c)),
         ("clip", lambda x, y, t, v, c: tc.image_text_contrastive_loss(x, y, t, validate=v, chunk_size=c)),
         ("clip_ids", lambda x, y, t, v, c: tc.image_text_contrastive_loss(x, y, t, ids, labels, validate=v, chunk_size=c)),
+        ("siglip", lambda x, y, t, v, c: tc.siglip_loss(x, y, 1 / t, -2.0, validate=v, chunk_size=c)),
+        ("siglip_ids", lambda x, y, t, v, c: tc.siglip_loss(x, y, 1 / t, t - 1.0, ids, labels, validate=v, chunk_size=c)),
         ("supcon_labels", lambda x, y, t, v, c: tc.supcon_loss(x, labels, temperature=t, validate=v, chunk_size=c)),
         ("supcon_views", lambda x, y, t, v, c: tc.supcon_loss(x.reshape(n // 2, 2, -1), temperature=t, validate=v, chunk_size=c)),
         ("supcon_mask_one", lambda x, y, t, v, c: tc.supcon_loss(x.reshape(n // 2, 2, -1), mask=mask, temperature=t,

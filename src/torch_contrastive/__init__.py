@@ -1,14 +1,25 @@
 """torch-contrastive: exact, tiled, distributed-correct contrastive losses for PyTorch.
 
 Functional API: :func:`nt_xent_loss`, :func:`nt_bxent_loss`,
-:func:`image_text_contrastive_loss` (alias :func:`clip_loss`), :func:`supcon_loss`.
+:func:`image_text_contrastive_loss` (alias :func:`clip_loss`), :func:`supcon_loss`,
+:func:`siglip_loss`.
 Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
-:class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`.
+:class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
+:class:`SigLipLoss`.
 """
 
 from .distributed import all_gather_with_grad
-from .losses import clip_loss, image_text_contrastive_loss, nt_bxent_loss, nt_xent_loss, pair_keys, supcon_loss, text_ids
-from .modules import ClipLoss, ImageTextContrastiveLoss, NTBXentLoss, NTXentLoss, SupConLoss
+from .losses import (
+    clip_loss,
+    image_text_contrastive_loss,
+    nt_bxent_loss,
+    nt_xent_loss,
+    pair_keys,
+    siglip_loss,
+    supcon_loss,
+    text_ids,
+)
+from .modules import ClipLoss, ImageTextContrastiveLoss, NTBXentLoss, NTXentLoss, SigLipLoss, SupConLoss
 from .positives import Positives
 
 __version__ = "0.1.0"
@@ -19,6 +30,7 @@ __all__ = [
     "NTBXentLoss",
     "NTXentLoss",
     "Positives",
+    "SigLipLoss",
     "SupConLoss",
     "all_gather_with_grad",
     "clip_loss",
@@ -26,6 +38,7 @@ __all__ = [
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",
+    "siglip_loss",
     "supcon_loss",
     "text_ids",
 ]

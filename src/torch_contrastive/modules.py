@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _validation as v
-from .losses import image_text_contrastive_loss, nt_bxent_loss, nt_xent_loss, supcon_loss
+from .losses import image_text_contrastive_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
-__all__ = ["ClipLoss", "ImageTextContrastiveLoss", "NTBXentLoss", "NTXentLoss", "SupConLoss"]
+__all__ = ["ClipLoss", "ImageTextContrastiveLoss", "NTBXentLoss", "NTXentLoss", "SigLipLoss", "SupConLoss"]
 
 #: CLIP clamps its logit scale at 100 (temperature 0.01).
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -143,3 +143,45 @@ class SupConLoss(_Loss):
 
     def _own_options(self) -> dict[str, Any]:
         return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode}
+
+
+class SigLipLoss(nn.Module):
+    """Module form of :func:`~torch_contrastive.siglip_loss` with its own scale and bias.
+
+    ``logit_scale`` holds ``log t`` (used as ``exp(logit_scale)``) and ``logit_bias`` holds
+    ``b``, initialised as in the SigLIP paper (``t = 10``, ``b = -10``); with
+    ``learnable=False`` both are fixed buffers. Options as for the other modules.
+
+    Example:
+        >>> loss_fn = SigLipLoss()
+        >>> loss = loss_fn(image_features, text_features)          # put loss_fn's parameters in the optimiser
+    """
+
+    def __init__(self, init_logit_scale: float = 10.0, init_logit_bias: float = -10.0, *, learnable: bool = True,
+                 normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
+                 grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True) -> None:
+        super().__init__()
+        scale = _check_temperature(init_logit_scale, "init_logit_scale")
+        if isinstance(init_logit_bias, bool) or not isinstance(init_logit_bias, (int, float)) or not math.isfinite(init_logit_bias):
+            raise ValueError(f"init_logit_bias must be a finite float, got {init_logit_bias!r}")
+        v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+        self.learnable = bool(learnable)
+        log_scale = torch.tensor(math.log(scale))
+        bias = torch.tensor(float(init_logit_bias))
+        if self.learnable:
+            self.logit_scale = nn.Parameter(log_scale)
+            self.logit_bias = nn.Parameter(bias)
+        else:
+            self.register_buffer("logit_scale", log_scale)
+            self.register_buffer("logit_bias", bias)
+        self.options: dict[str, Any] = dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size,
+                                            gather=bool(gather), grad_reduction=grad_reduction, eps=float(eps),
+                                            validate=bool(validate))
+
+    def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
+                text_id: Tensor | None = None) -> Tensor:
+        return siglip_loss(image_features, text_features, self.logit_scale.exp(), self.logit_bias, image_id, text_id, **self.options)
+
+    def extra_repr(self) -> str:
+        return (f"logit_scale=exp({float(self.logit_scale.detach()):.4f}), logit_bias={float(self.logit_bias.detach()):.4f}, "
+                f"learnable={self.learnable}, reduction={self.options['reduction']!r}")

@@ -271,11 +271,9 @@ class Positives:
         """
         kind = self.kind
         if kind == "partner":
-            partner = self._need(self.partner, kind)
-            if self.self_offset is None and partner.shape[0] == candidates.shape[0]:
-                # CLIP without ids: row i's positive is column i. No copy at all.
+            if self.layout == "identity":  # CLIP without ids: row i's positive is column i. No copy at all.
                 return candidates
-            return candidates[partner]
+            return candidates[self._need(self.partner, kind)]
         if self.dense is not None:
             with torch.autocast(candidates.device.type, enabled=False):
                 return self.dense.to(candidates.dtype) @ candidates
@@ -302,10 +300,9 @@ class Positives:
         kind = self.kind
         width = rows.shape[1]
         if kind == "partner":
-            partner = self._need(self.partner, kind)
-            if self.self_offset is None and partner.shape[0] == self.num_cols:
+            if self.layout == "identity":
                 return rows  # CLIP without ids: column j's positive is row j
-            return rows.new_zeros(self.num_cols, width).index_add(0, partner, rows)
+            return rows.new_zeros(self.num_cols, width).index_add(0, self._need(self.partner, kind), rows)
         if self.dense is not None:
             with torch.autocast(rows.device.type, enabled=False):
                 return self.dense.t().to(rows.dtype) @ rows

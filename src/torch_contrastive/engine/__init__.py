@@ -11,6 +11,9 @@ by block without ever holding S (README, "Tiled engine"):
     linear and costs O(N * D) through
     :meth:`~torch_contrastive.positives.Positives.aggregate`, not a tile pass.
     :func:`logsumexp_rows` is its plain log-sum-exp form.
+:func:`sigmoid_rows` (:mod:`.sigmoid`)
+    SigLIP's per-pair binary cross-entropy ``softplus(-z_ij S_ij)`` with a logit bias;
+    positives fixed in place (a strided diagonal, or a mask with ids).
 :func:`pairwise_rows` (:mod:`.pairwise`)
     Statistics that need the positive mask inside the tile: the per-positive-pair
     NT-Xent of pytorch-metric-learning and NT-BXent's element-wise binary cross-entropy.
@@ -43,6 +46,7 @@ tile (the common small batch) skips the tile bookkeeping altogether.
 
 from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies, resolve_tile
 from .pairwise import pairwise_rows
+from .sigmoid import sigmoid_rows
 from .softmax import logsumexp_rows, softmax_terms
 
 __all__ = [
@@ -54,5 +58,6 @@ __all__ = [
     "logsumexp_rows",
     "pairwise_rows",
     "resolve_tile",
+    "sigmoid_rows",
     "softmax_terms",
 ]

@@ -134,7 +134,7 @@ def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
     elif how == "partner":
         row_pos = s.gather(1, rel[:, None])[:, 0]
         if plan.column_positives:
-            col_pos = row_pos if (plan.self_offset is None and R == C) else s.new_zeros(C).index_add_(0, rel, row_pos)
+            col_pos = s.new_zeros(C).index_add_(0, rel, row_pos)
     else:
         masked = torch.where(rel, s, 0.0)
         row_pos = masked.sum(1)

@@ -4,6 +4,7 @@
 * :mod:`.nt_bxent` -- NT-BXent (seed 000)
 * :mod:`.image_text` -- the CLIP/ALIGN image-text loss with duplicate ids (seed 002)
 * :mod:`.supcon` -- SupCon (seed 004)
+* :mod:`.siglip` -- SigLIP, the sigmoid image-text loss (Zhai et al. 2023)
 
 Shared set-up (normalisation, gather, reduction, checks) lives in :mod:`._common`;
 the tiled math in :mod:`torch_contrastive.engine`; positives in
@@ -14,6 +15,7 @@ from ._common import pair_keys
 from .image_text import clip_loss, image_text_contrastive_loss, text_ids
 from .nt_bxent import nt_bxent_loss
 from .nt_xent import nt_xent_loss
+from .siglip import siglip_loss
 from .supcon import supcon_loss
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",
+    "siglip_loss",
     "supcon_loss",
     "text_ids",
 ]

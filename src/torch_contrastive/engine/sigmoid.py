@@ -1,0 +1,184 @@
+"""Pairwise sigmoid (binary cross-entropy) terms: the SigLIP loss (Zhai et al. 2023).
+
+For ``S = scale * A @ B.T + bias`` and labels ``z_ij = +1`` on positives, -1 elsewhere,
+this computes per row ``sum_j softplus(-z_ij S_ij)`` (= ``-sum_j log sigmoid(z_ij S_ij)``)
+block by block. Every element is a negative except the few positives, so a tile costs
+one ``softplus`` per element; positives are fixed in place -- a strided diagonal when
+the positive of image i is text i (no ids), a mask where ids make duplicates positive.
+Never ``log(sigmoid(.))`` and never ``softplus(s) - s`` for a positive: both lose the
+small terms that remain when the model is confident (a test pins scale 100, bias 20).
+
+Backward: ``dS_ij = -z_ij sigmoid(-z_ij S_ij) g_i``; ``dA += scale G B``,
+``dB += scale G.T A``, ``dscale = sum_ij G_ij a_i.b_j``, ``dbias = sum_ij G_ij``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._common import (
+    Buffers,
+    Scale,
+    autocast_enabled,
+    finish_gradients,
+    l2_normalize,
+    logits_tile,
+    resolve_tile,
+    save,
+    saved,
+    self_diagonal,
+    tiles,
+    to_compute,
+)
+
+if TYPE_CHECKING:
+    from ..positives import Positives
+
+
+@dataclass(frozen=True)
+class _Plan:
+    positives: Positives
+    # Positive of row i is column i + diagonal_offset (no ids): a strided diagonal of
+    # each tile. None: positives come from Positives.tile (ids).
+    diagonal_offset: int | None
+    tile: int  # 0: one tile covers everything
+    normalize: bool
+    eps: float
+
+
+def _signed_tile(s: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor | None]:
+    """``-z_ij S_ij`` (in place on ``s``) and the positive mask (None for the diagonal layout)."""
+    if plan.diagonal_offset is not None:
+        diag = self_diagonal(s, r0, c0, plan.diagonal_offset)
+        if diag is not None:
+            diag.neg_()
+        return s, None
+    pos = plan.positives.tile(r0, r1, c0, c1)
+    return torch.where(pos, -s, s), pos
+
+
+def _grad_tile(signed: Tensor, pos: Tensor | None, g_row: Tensor, plan: _Plan, r0: int, c0: int) -> Tensor:
+    """``dS = -z sigmoid(-z S) g_i``: ``sigmoid(signed)`` times ``+g`` (negatives) or ``-g`` (positives)."""
+    grad = torch.sigmoid(signed)
+    if pos is None:
+        grad.mul_(g_row[:, None])
+        diag = self_diagonal(grad, r0, c0, plan.diagonal_offset)
+        if diag is not None:
+            diag.neg_()
+        return grad
+    return grad.mul_(torch.where(pos, -g_row[:, None], g_row[:, None]))
+
+
+def _bias_tensor(bias: Scale, like: Tensor) -> Tensor | float:
+    return bias.detach().to(device=like.device, dtype=like.dtype) if isinstance(bias, Tensor) else float(bias)
+
+
+class _SigmoidRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, scale: Scale, bias: Scale, plan: _Plan):  # type: ignore[override]
+        if not autocast_enabled(a.device.type):
+            return _SigmoidRows._forward(ctx, a, b, scale, bias, plan)
+        with torch.autocast(a.device.type, enabled=False):  # the engine chooses its own precision
+            return _SigmoidRows._forward(ctx, a, b, scale, bias, plan)
+
+    @staticmethod
+    def _forward(ctx: Any, a: Tensor, b: Tensor, scale: Scale, bias: Scale, plan: _Plan) -> Tensor:
+        a_c, b_c, scale_c = to_compute(a, b, scale)
+        norms: list[Tensor] = []
+        if plan.normalize:
+            a_c, *norm_a = l2_normalize(a_c, plan.eps)
+            b_c, *norm_b = l2_normalize(b_c, plan.eps)
+            norms = [*norm_a, *norm_b]
+        bias_c = _bias_tensor(bias, a_c)
+        a_s = a_c * scale_c
+        R, C = a_c.shape[0], b_c.shape[0]
+        kept: tuple[Tensor, ...] = ()
+        if plan.tile == 0:
+            signed, pos = _signed_tile(logits_tile(None, a_s, b_c).add_(bias_c), plan, 0, R, 0, C)
+            out = F.softplus(signed).sum(1)
+            kept = (signed,) if pos is None else (signed, pos)  # one tile: kept for backward
+        else:
+            out = a_c.new_zeros(R)
+            bufs = Buffers(a_c.dtype, a_c.device)
+            for r0, r1, c0, c1 in tiles(R, C, plan.tile, False):
+                signed, _ = _signed_tile(logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1]).add_(bias_c),
+                                         plan, r0, r1, c0, c1)
+                out[r0:r1] += F.softplus(signed).sum(1)
+        ctx.plan = plan
+        ctx.in_dtypes = (a.dtype, b.dtype)
+        ctx.bias_is_tensor = isinstance(bias, Tensor)
+        ctx.float_bias = None if isinstance(bias_c, Tensor) else bias_c
+        ctx.counts = len(kept)
+        save(ctx, scale_c, a_c, b_c, *((bias_c,) if isinstance(bias_c, Tensor) else ()), *kept, *norms)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_row: Tensor):  # type: ignore[override]
+        plan: _Plan = ctx.plan
+        a, b, rest, scale = saved(ctx)
+        bias: Tensor | float = rest.pop(0) if ctx.float_bias is None else ctx.float_bias
+        kept, norm_tensors = rest[: ctx.counts], rest[ctx.counts :]
+        g_row = g_row.to(a.dtype)
+        if kept:
+            signed, pos = kept[0], (kept[1] if len(kept) > 1 else None)
+            grad = _grad_tile(signed, pos, g_row, plan, 0, 0)
+            gb, ga, gbias = grad @ b, grad.t() @ a, grad.sum()
+        else:
+            a_s = a * scale
+            gb, ga = torch.zeros_like(a), torch.zeros_like(b)
+            gbias = a.new_zeros(())
+            bufs = Buffers(a.dtype, a.device)
+            for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
+                signed, pos = _signed_tile(logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).add_(bias),
+                                           plan, r0, r1, c0, c1)
+                grad = _grad_tile(signed, pos, g_row[r0:r1], plan, r0, c0)
+                gb[r0:r1].addmm_(grad, b[c0:c1])
+                ga[c0:c1].addmm_(grad.t(), a[r0:r1])
+                gbias += grad.sum()
+        norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
+        norm_b = (norm_tensors[2], norm_tensors[3]) if plan.normalize else None
+        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, False, norm_a, norm_b, b, plan.eps)
+        return grad_a, grad_b, gscale, (gbias if ctx.bias_is_tensor else None), None
+
+
+def sigmoid_rows(
+    anchors: Tensor,
+    candidates: Tensor,
+    scale: Scale,
+    bias: Scale,
+    positives: Positives,
+    *,
+    diagonal_offset: int | None = None,
+    normalize: bool = False,
+    eps: float = 1e-12,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Per-row ``sum_j softplus(-z_ij S_ij)`` with ``S = scale * anchors @ candidates.T + bias``.
+
+    Args:
+        anchors: (R, D) image embeddings; candidates: (C, D) text embeddings.
+        scale: the logit scale (multiplier), float or 0-dim tensor (gets its gradient).
+        bias: the logit bias, float or 0-dim tensor (gets its gradient).
+        positives: a :class:`~torch_contrastive.positives.Positives` (R x C, no self
+            pairs) giving ``z_ij = +1``.
+        diagonal_offset: when the only positive of row i is column ``i + diagonal_offset``
+            (no ids), positives are handled as a strided diagonal, without a mask.
+        normalize, eps: L2-normalise both inputs inside the function.
+        chunk_size: tile edge (see :func:`resolve_tile`).
+
+    Returns:
+        (R,) row sums in the compute dtype (fp32 for half inputs).
+
+    Memory: O((R + C) * D) plus two tile buffers; a single tile is kept for backward.
+    """
+    R, C = anchors.shape[0], candidates.shape[0]
+    tile = resolve_tile(chunk_size, R, C)
+    plan = _Plan(positives, diagonal_offset, 0 if tile >= max(R, C) else tile, normalize, float(eps))
+    return _SigmoidRows.apply(anchors, candidates, scale, bias, plan)

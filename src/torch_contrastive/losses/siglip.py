@@ -1,0 +1,123 @@
+"""SigLIP: the sigmoid image-text loss (Zhai et al. 2023), with seed 002's duplicate ids."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from .. import _validation as v
+from .._normalize import prepare
+from ..distributed import make_scope
+from ..engine import Scale, sigmoid_rows
+from ..positives import Positives
+from ._common import check_agreement, pair_partner, reduce
+
+__all__ = ["siglip_loss"]
+
+
+def _check_bias(bias: object, checks: v.Checks) -> Scale:
+    if isinstance(bias, bool) or not isinstance(bias, (int, float, Tensor)):
+        raise TypeError(f"logit_bias must be a float or a 0-dim tensor, got {type(bias).__name__}")
+    if isinstance(bias, Tensor):
+        if bias.numel() != 1 or bias.ndim > 1:
+            raise ValueError(f"logit_bias must be a scalar (0-dim tensor), got shape {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"logit_bias tensor must be floating point, got {bias.dtype}")
+        b = bias.reshape(())
+        checks.add(b, lambda: f"logit_bias must be finite, got {float(b.detach())}", lambda value: not math.isfinite(value))
+        return b
+    if not math.isfinite(float(bias)):
+        raise ValueError(f"logit_bias must be finite, got {bias}")
+    return float(bias)
+
+
+def siglip_loss(
+    image_feat: Tensor,
+    text_feat: Tensor,
+    logit_scale: float | Tensor,
+    logit_bias: float | Tensor,
+    image_id: Tensor | None = None,
+    text_id: Tensor | None = None,
+    *,
+    normalize: bool = True,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    gather: bool = False,
+    grad_reduction: str = "mean",
+    eps: float = 1e-12,
+    validate: bool = True,
+) -> Tensor:
+    """SigLIP, the sigmoid loss for language-image pre-training (Zhai et al. 2023).
+
+    Every image-text pair is an independent binary problem:
+
+        ``s_ij = logit_scale * <a_i, b_j> + logit_bias``,
+        ``loss = -sum_ij log sigmoid(z_ij s_ij) / N``
+
+    with ``z_ij = +1`` for positives and -1 otherwise, N the number of images -- the
+    value of open_clip's ``SigLipLoss`` (world size 1). Positives are the diagonal or,
+    with ids, ``image_id_i == image_id_j or text_id_i == text_id_j`` (seed 002's rule,
+    which the paper's implementation cannot express). Computed as ``softplus(-z s)``,
+    never ``log(sigmoid(.))``.
+
+    Args:
+        image_feat: (N, D) image embeddings (the rows).
+        text_feat: (N, D) text embeddings, row i paired with image i.
+        logit_scale: the multiplier ``t > 0`` (open_clip passes ``exp(t')``; the paper
+            initialises ``t' = log 10``), float or 0-dim tensor (gets its gradient).
+        logit_bias: ``b`` (paper init -10), float or 0-dim tensor (gets its gradient).
+        image_id, text_id: optional (N,) integer ids; duplicates are positives.
+        normalize: L2-normalise both inputs (default; open_clip expects normalised features).
+        reduction: ``"mean"`` (sum over all pairs / N, as open_clip), ``"sum"`` (no ``/N``),
+            ``"none"``: (N,) per-image row sums ``sum_j softplus(-z_ij s_ij)``.
+        chunk_size, gather, grad_reduction, eps, validate: see
+            :func:`~torch_contrastive.nt_xent_loss`. With ``gather`` the texts (and ids) of
+            every rank are gathered and each rank computes its own image rows against all
+            of them; the value is the global loss on every rank.
+
+    Memory: O(N * D + tile^2); forward+backward about three N x N x D matrix multiplies
+    (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid
+    per pair.
+    """
+    v.check_embeddings(image_feat, "image_feat")
+    v.check_embeddings(text_feat, "text_feat")
+    v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    n = image_feat.shape[0]
+    device = image_feat.device
+    ids_given = (image_id is not None, text_id is not None)
+    image_id = None if image_id is None else v.check_labels(image_id, "image_id", n, device)
+    text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
+    scope = make_scope(gather, grad_reduction)
+    checks = v.Checks(validate, scope)
+    checks.finite(image_feat, "image_feat")
+    checks.finite(text_feat, "text_feat")
+    # The scale is a multiplier: 1 / scale is a "temperature" that must be positive and finite.
+    v.inverse_temperature(logit_scale, checks, name="logit_scale")  # positive and finite, like a temperature
+    scale: Scale = logit_scale.reshape(()) if isinstance(logit_scale, Tensor) else float(logit_scale)
+    bias = _check_bias(logit_bias, checks)
+    check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
+
+    text_feat = text_feat.to(image_feat.dtype)
+    if scope.distributed:
+        img, txt = prepare(image_feat, normalize, eps), prepare(text_feat, normalize, eps)
+        txt_all = scope.rows(txt)
+        inside = False
+    else:
+        img, txt_all, inside = image_feat, text_feat, normalize
+    offset = scope.offset
+    keys = [k for k in (image_id, text_id) if k is not None]
+    if keys:
+        global_keys = tuple(scope.ints(k) for k in keys)
+        local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
+        positives = Positives.from_keys(local_keys, global_keys, self_offset=None)
+        diagonal = None
+    else:
+        positives = Positives.from_partner(pair_partner(n, "identity", offset, device), txt_all.shape[0], self_offset=None)
+        diagonal = offset
+    per_image = sigmoid_rows(img, txt_all, scale, bias, positives, diagonal_offset=diagonal, normalize=inside, eps=eps,
+                             chunk_size=chunk_size)
+    # "mean": the global sum over all pairs / the global number of images (open_clip's / N).
+    bound = None if isinstance(scale, Tensor) or isinstance(bias, Tensor) else scale + abs(bias)
+    return reduce(per_image, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
