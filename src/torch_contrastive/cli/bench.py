@@ -10,8 +10,9 @@ measured on one machine in one process, so it survives a noisy, shared machine b
 than seconds do.
 
 Peers: pytorch-metric-learning (always installed with the ``dev`` extra), open_clip's
-``ClipLoss`` and lightly's ``NTXentLoss`` when importable; otherwise a dense PyTorch
-baseline of the same formula, labelled ``dense-baseline``.
+``ClipLoss`` and ``SigLipLoss`` (its ``loss.py`` loaded alone, when installed) and
+lightly's ``NTXentLoss`` when importable; and a dense PyTorch baseline of the same
+formula, labelled ``dense-baseline``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MAX_REFERENCE_ROWS = 16384
 # (loss, implementation) pairs understood by the worker.
 IMPLEMENTATIONS = {
     "clip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
+    "siglip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
     "nt_xent": ["ours", "ours-dense", "lightly", "pml", "dense-baseline"],
     "supcon": ["ours", "ours-dense", "pml", "supcon-authors-formula"],
 }
@@ -81,6 +83,32 @@ def _dense_supcon(z: torch.Tensor, labels: torch.Tensor, tau: float) -> torch.Te
     return -mean_pos.mean()
 
 
+def load_open_clip_loss() -> Any:
+    """open_clip's ``loss.py`` loaded on its own: the package imports torchvision at import
+    time (which does not import beside a CPU torch wheel), the loss module does not."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("open_clip_torch is not installed (pip install --no-deps open_clip_torch)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "loss.py"
+    module_spec = importlib.util.spec_from_file_location("open_clip_loss_only", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ModuleNotFoundError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _dense_siglip(img: torch.Tensor, txt: torch.Tensor, scale: float, bias: float) -> torch.Tensor:
+    """open_clip's SigLipLoss formula (world size 1) in plain PyTorch: N x N logits and labels."""
+    img = torch.nn.functional.normalize(img, dim=1)
+    txt = torch.nn.functional.normalize(txt, dim=1)
+    logits = scale * img @ txt.T + bias
+    labels = 2 * torch.eye(img.shape[0], device=img.device) - 1
+    return -torch.nn.functional.logsigmoid(labels * logits).sum() / img.shape[0]
+
+
 def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
     """A closure computing the loss, and the leaf tensors it differentiates."""
     import torch_contrastive as tc
@@ -94,11 +122,19 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
             chunk = dense_chunk if impl == "ours-dense" else None
             return (lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk)), [x, y]
         if impl == "open_clip":
-            from open_clip.loss import ClipLoss  # type: ignore[import-not-found]
-
-            peer = ClipLoss()
+            peer = load_open_clip_loss().ClipLoss()
             return (lambda: peer(torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1), 1 / tau)), [x, y]
         return (lambda: _dense_clip(x, y, tau)), [x, y]
+    if loss == "siglip":  # tau is 1 / logit_scale; the bias is the paper's init, -10
+        y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+        if impl in ("ours", "ours-dense"):
+            chunk = dense_chunk if impl == "ours-dense" else None
+            return (lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk)), [x, y]
+        if impl == "open_clip":
+            siglip_peer = load_open_clip_loss().SigLipLoss()
+            return (lambda: siglip_peer(torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1),
+                                        1 / tau, -10.0)), [x, y]
+        return (lambda: _dense_siglip(x, y, 1 / tau, -10.0)), [x, y]
     labels = torch.randint(0, max(2, n // 64), (n,), generator=gen).to(device)
     if loss == "nt_xent":
         if impl in ("ours", "ours-dense"):
@@ -219,8 +255,8 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
     reps = 1 if quick else 3
     dims = [dim] if isinstance(dim, int) else list(dim)
     grid = [(n, d) for n in (sizes or []) for d in dims]
-    for loss in ("clip", "nt_xent", "supcon"):
-        default = [2048, 8192] if loss == "clip" else [4096, 16384]
+    for loss in ("clip", "siglip", "nt_xent", "supcon"):
+        default = [2048, 8192] if loss in ("clip", "siglip") else [4096, 16384]
         loss_grid = grid or [(n, d) for n in (default if quick else [1024, 4096, 8192, 16384]) for d in dims]
         for n, d in loss_grid:
             for impl in IMPLEMENTATIONS[loss]:
@@ -311,7 +347,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--small", action="store_true",
                    help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
                         "time ratio and host syncs per call (tau 0.1 unless --temperature)")
-    p.add_argument("--loss", choices=["all", "clip", "nt_xent", "supcon"], default="all")
+    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon"], default="all")
     p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
     p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")
     p.add_argument("--dims", type=int_list, default=None, help="comma-separated D values (a D sweep; overrides --dim)")

@@ -1,18 +1,22 @@
 """``torch-contrastive train``: real contrastive training on scikit-learn's digits.
 
-Nothing is downloaded: the 1,797 8x8 handwritten digits ship with scikit-learn. Four
+Nothing is downloaded: the 1,797 8x8 handwritten digits ship with scikit-learn. Five
 recipes (``--loss``):
 
 * ``clip`` (default): images <-> captions such as "a handwritten seven", a learned
   bag-of-words text encoder, a learnable temperature. Many images in a batch share a
   caption; ``--dedupe-ids`` (default) passes image and caption ids so duplicates are
   positives (seed 002), ``--no-dedupe-ids`` treats them as negatives.
+* ``siglip``: the same images and captions with the sigmoid loss (learnable logit scale
+  and bias; scale initialised at 10 as in the SigLIP paper, bias at ``--logit-bias``,
+  default -3: the paper's -10 balances 32k negatives per positive, a 512-row batch of
+  ten classes needs far less; ids as for ``clip``).
 * ``nt_xent``: SimCLR, two augmented views per image (``pairing="halves"``).
 * ``nt_bxent``: four views per image, positives as seed 000's ``pos_indices``.
 * ``supcon``: two views per image, class labels as positives.
 
 After training, the held-out split is embedded and scored: kNN accuracy (k = 5,
-cosine), a linear probe (logistic regression), and for ``clip`` zero-shot accuracy
+cosine), a linear probe (logistic regression), and for ``clip``/``siglip`` zero-shot accuracy
 (nearest class caption), each also for the untrained encoder. Files in ``--out``:
 ``metrics.json``, ``config.json``, ``loss.png``, ``embedding.png``.
 
@@ -37,19 +41,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import losses
-from ..modules import ClipLoss
+from ..modules import ClipLoss, SigLipLoss
 from ._argtypes import positive_float, positive_int
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 TEMPLATES = ["a handwritten {name}", "the digit {name}", "a scan of the number {name}", "a {name} written by hand"]
-RECIPES = ("clip", "nt_xent", "nt_bxent", "supcon")
+RECIPES = ("clip", "siglip", "nt_xent", "nt_bxent", "supcon")
+IMAGE_TEXT = ("clip", "siglip")
 CAPTIONS_PER_IMAGE = 2
 #: Default temperature per recipe (clip: the initial value of its learnable temperature).
 #: NT-BXent scores pairs with independent sigmoids and did best at 0.3 on this data.
-DEFAULT_TEMPERATURE = {"clip": 0.07, "nt_xent": 0.1, "nt_bxent": 0.3, "supcon": 0.1}
+#: siglip: 1 / the initial logit scale (the paper's t = 10; its bias starts at -10).
+DEFAULT_TEMPERATURE = {"clip": 0.07, "siglip": 0.1, "nt_xent": 0.1, "nt_bxent": 0.3, "supcon": 0.1}
 #: Default images per step. CLIP is trained with large batches (and that is where duplicate
 #: captions matter); NT-BXent's four views per image make its batches 4x longer already.
-DEFAULT_BATCH_SIZE = {"clip": 256, "nt_xent": 128, "nt_bxent": 128, "supcon": 128}
+#: SigLIP scores every pair on its own, so the ~25 same-class images per class in a
+#: 256-image batch (negatives unless their caption is identical) weigh on it more than on
+#: CLIP's soft-max: 128 images (256 rows with two captions each) train it reliably.
+DEFAULT_BATCH_SIZE = {"clip": 256, "siglip": 128, "nt_xent": 128, "nt_bxent": 128, "supcon": 128}
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Config:
     temperature: float = 0.1
     seed: int = 0
     dedupe_ids: bool = True
+    logit_bias: float = -3.0
     chunk_size: int | None = None
     distributed: bool = False
     out: str = ""
@@ -145,12 +155,12 @@ class TextEncoder(nn.Module):
 
 # --------------------------------------------------------------------------- recipes
 def recipe_loss(cfg: Config, images: Tensor, labels: Tensor, index: Tensor, enc: nn.Module, text: nn.Module | None,
-                clip_loss: ClipLoss | None, vocab: Vocabulary, gen: torch.Generator) -> Tensor:
+                clip_loss: ClipLoss | SigLipLoss | None, vocab: Vocabulary, gen: torch.Generator) -> Tensor:
     """The loss of one (local) batch under the chosen recipe."""
     gather = cfg.distributed
-    if cfg.loss == "clip":
+    if cfg.loss in IMAGE_TEXT:
         if text is None or clip_loss is None:
-            raise RuntimeError("the clip recipe needs a text encoder and a ClipLoss")
+            raise RuntimeError("the image-text recipes need a text encoder and a loss module")
         # As in COCO (seed 002), an image comes with several captions: every image appears
         # CAPTIONS_PER_IMAGE times per batch, each time with its own augmentation and phrasing.
         # Without ids, those copies of one image (and the images sharing a caption) are negatives.
@@ -268,9 +278,12 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     x_tr, y_tr, x_te, y_te = data
     vocab = Vocabulary()
     enc = ImageEncoder(cfg.dim)
-    text = TextEncoder(len(vocab.index), cfg.dim) if cfg.loss == "clip" else None
-    clip = ClipLoss(cfg.temperature, learnable_temperature=True, chunk_size=cfg.chunk_size, gather=cfg.distributed) \
-        if cfg.loss == "clip" else None
+    text = TextEncoder(len(vocab.index), cfg.dim) if cfg.loss in IMAGE_TEXT else None
+    clip: ClipLoss | SigLipLoss | None = None
+    if cfg.loss == "clip":
+        clip = ClipLoss(cfg.temperature, learnable_temperature=True, chunk_size=cfg.chunk_size, gather=cfg.distributed)
+    elif cfg.loss == "siglip":
+        clip = SigLipLoss(1.0 / cfg.temperature, cfg.logit_bias, chunk_size=cfg.chunk_size, gather=cfg.distributed)
     before = evaluate(enc, text, vocab, data) if rank == 0 else {}
     modules: list[nn.Module] = [m for m in (enc, text, clip) if m is not None]
     params = [p for m in modules for p in m.parameters()]
@@ -312,8 +325,11 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     if rank == 0:
         after = evaluate(enc, text, vocab, data)
         result.update(untrained=before, trained=after)
-        if clip is not None:
+        if isinstance(clip, ClipLoss):
             result["final_temperature"] = float(torch.as_tensor(clip.temperature).detach())
+        elif isinstance(clip, SigLipLoss):
+            result["final_logit_scale"] = float(clip.logit_scale.detach().exp())
+            result["final_logit_bias"] = float(clip.logit_bias.detach())
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -329,7 +345,8 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     cfg = Config(loss=args.loss, epochs=args.epochs, batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.loss], dim=args.dim, lr=args.lr,
                  temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
-                 seed=args.seed, dedupe_ids=args.dedupe_ids, chunk_size=args.chunk_size, distributed=args.distributed,
+                 seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
+                 distributed=args.distributed,
                  out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
     if cfg.distributed and "RANK" not in os.environ:
         print("error: --distributed must run under torchrun, e.g. "
@@ -360,7 +377,8 @@ def add_train_parser(sub: Any) -> None:
                    help="tau (default: clip 0.07, its learnable initial value; nt_xent 0.1; nt_bxent 0.3; supcon 0.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dedupe-ids", action=argparse.BooleanOptionalAction, default=True,
-                   help="clip: pass image/caption ids so duplicate captions are positives (default on)")
+                   help="clip, siglip: pass image/caption ids so duplicate captions are positives (default on)")
+    p.add_argument("--logit-bias", type=float, default=-3.0, help="siglip: initial logit bias (default -3; the paper's -10 is for 32k batches)")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
     p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>)")
