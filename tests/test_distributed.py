@@ -42,33 +42,24 @@ def _bounds(sizes, rank):
 
 def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
     """The loss of one case on the given (local or global) batch."""
-    if case == "nt_xent_adjacent":
-        return tc.nt_xent_loss(emb, 0.3, gather=gather)
-    if case == "nt_xent_halves":
-        if gather:
-            return tc.nt_xent_loss(emb, 0.3, pairing="halves", gather=True)
-        return tc.nt_xent_loss(emb, 0.3, labels=offsets_for_keys)  # one positive each: same loss
-    if case == "nt_xent_pml":
-        return tc.nt_xent_loss(emb, 0.3, labels=labels, gather=gather)
-    if case == "nt_bxent_pairs":
-        return tc.nt_bxent_loss(emb, pairs, 0.3, gather=gather)
-    if case == "nt_bxent_labels":
-        return tc.nt_bxent_loss(emb, labels=labels, temperature=0.3, gather=gather)
-    if case == "clip":
-        return tc.image_text_contrastive_loss(emb, emb_y, 0.1, gather=gather)
-    if case == "clip_ids":
-        return tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, gather=gather)
-    if case == "siglip":
-        return tc.siglip_loss(emb, emb_y, 7.0, -2.0, gather=gather)
-    if case == "siglip_ids":
-        return tc.siglip_loss(emb, emb_y, 7.0, -2.0, ids, labels, gather=gather)
-    if case == "supcon_labels":
-        return tc.supcon_loss(emb, labels, temperature=0.2, gather=gather)
-    if case == "supcon_views":
-        return tc.supcon_loss(emb.reshape(2, -1, D).transpose(0, 1), temperature=0.2, gather=gather)
-    if case == "supcon_one":
-        return tc.supcon_loss(emb.reshape(2, -1, D).transpose(0, 1), labels, temperature=0.2, contrast_mode="one", gather=gather)
-    raise ValueError(case)
+    if case == "nt_xent_halves" and not gather:
+        return tc.nt_xent_loss(emb, 0.3, labels=offsets_for_keys)  # one positive each: same loss as halves
+    views = emb.reshape(2, -1, D).transpose(0, 1) if case in ("supcon_views", "supcon_one") else None
+    calls = {
+        "nt_xent_adjacent": lambda: tc.nt_xent_loss(emb, 0.3, gather=gather),
+        "nt_xent_halves": lambda: tc.nt_xent_loss(emb, 0.3, pairing="halves", gather=True),
+        "nt_xent_pml": lambda: tc.nt_xent_loss(emb, 0.3, labels=labels, gather=gather),
+        "nt_bxent_pairs": lambda: tc.nt_bxent_loss(emb, pairs, 0.3, gather=gather),
+        "nt_bxent_labels": lambda: tc.nt_bxent_loss(emb, labels=labels, temperature=0.3, gather=gather),
+        "clip": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, gather=gather),
+        "clip_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, gather=gather),
+        "siglip": lambda: tc.siglip_loss(emb, emb_y, 7.0, -2.0, gather=gather),
+        "siglip_ids": lambda: tc.siglip_loss(emb, emb_y, 7.0, -2.0, ids, labels, gather=gather),
+        "supcon_labels": lambda: tc.supcon_loss(emb, labels, temperature=0.2, gather=gather),
+        "supcon_views": lambda: tc.supcon_loss(views, temperature=0.2, gather=gather),
+        "supcon_one": lambda: tc.supcon_loss(views, labels, temperature=0.2, contrast_mode="one", gather=gather),
+    }
+    return calls[case]()
 
 
 CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", "nt_bxent_labels",

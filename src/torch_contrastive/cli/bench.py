@@ -109,6 +109,27 @@ def _dense_siglip(img: torch.Tensor, txt: torch.Tensor, scale: float, bias: floa
     return -torch.nn.functional.logsigmoid(labels * logits).sum() / img.shape[0]
 
 
+def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, tau: float, dense_chunk: int) -> Any:
+    """The closure of an image-text case. SigLIP: tau is 1 / logit_scale; the bias is the paper's init, -10."""
+    import torch_contrastive as tc
+
+    normalize = torch.nn.functional.normalize
+    chunk = dense_chunk if impl == "ours-dense" else None
+    if loss == "clip":
+        if impl in ("ours", "ours-dense"):
+            return lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk)
+        if impl == "open_clip":
+            peer = load_open_clip_loss().ClipLoss()
+            return lambda: peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau)
+        return lambda: _dense_clip(x, y, tau)
+    if impl in ("ours", "ours-dense"):
+        return lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk)
+    if impl == "open_clip":
+        siglip_peer = load_open_clip_loss().SigLipLoss()
+        return lambda: siglip_peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau, -10.0)
+    return lambda: _dense_siglip(x, y, 1 / tau, -10.0)
+
+
 def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
     """A closure computing the loss, and the leaf tensors it differentiates."""
     import torch_contrastive as tc
@@ -116,25 +137,9 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, d, generator=gen).to(device).requires_grad_()
     dense_chunk = n  # one tile: the "dense" path of the same engine
-    if loss == "clip":
+    if loss in ("clip", "siglip"):
         y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
-        if impl in ("ours", "ours-dense"):
-            chunk = dense_chunk if impl == "ours-dense" else None
-            return (lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk)), [x, y]
-        if impl == "open_clip":
-            peer = load_open_clip_loss().ClipLoss()
-            return (lambda: peer(torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1), 1 / tau)), [x, y]
-        return (lambda: _dense_clip(x, y, tau)), [x, y]
-    if loss == "siglip":  # tau is 1 / logit_scale; the bias is the paper's init, -10
-        y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
-        if impl in ("ours", "ours-dense"):
-            chunk = dense_chunk if impl == "ours-dense" else None
-            return (lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk)), [x, y]
-        if impl == "open_clip":
-            siglip_peer = load_open_clip_loss().SigLipLoss()
-            return (lambda: siglip_peer(torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1),
-                                        1 / tau, -10.0)), [x, y]
-        return (lambda: _dense_siglip(x, y, 1 / tau, -10.0)), [x, y]
+        return _build_image_text(loss, impl, x, y, tau, dense_chunk), [x, y]
     labels = torch.randint(0, max(2, n // 64), (n,), generator=gen).to(device)
     if loss == "nt_xent":
         if impl in ("ours", "ours-dense"):

@@ -262,6 +262,23 @@ def _average_gradient(params: Any, world: int) -> None:
             p.grad /= world
 
 
+def _image_text_loss(cfg: Config) -> ClipLoss | SigLipLoss | None:
+    """The loss module (with its learnable parameters) of an image-text recipe, else None."""
+    if cfg.loss == "clip":
+        return ClipLoss(cfg.temperature, learnable_temperature=True, chunk_size=cfg.chunk_size, gather=cfg.distributed)
+    if cfg.loss == "siglip":
+        return SigLipLoss(1.0 / cfg.temperature, cfg.logit_bias, chunk_size=cfg.chunk_size, gather=cfg.distributed)
+    return None
+
+
+def _learned_loss_parameters(loss: nn.Module | None) -> dict[str, float]:
+    if isinstance(loss, ClipLoss):
+        return {"final_temperature": float(torch.as_tensor(loss.temperature).detach())}
+    if isinstance(loss, SigLipLoss):
+        return {"final_logit_scale": float(loss.logit_scale.detach().exp()), "final_logit_bias": float(loss.logit_bias.detach())}
+    return {}
+
+
 def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     """Train one recipe; returns the metrics dict (also written to ``cfg.out``)."""
     from tqdm import tqdm
@@ -279,11 +296,7 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     vocab = Vocabulary()
     enc = ImageEncoder(cfg.dim)
     text = TextEncoder(len(vocab.index), cfg.dim) if cfg.loss in IMAGE_TEXT else None
-    clip: ClipLoss | SigLipLoss | None = None
-    if cfg.loss == "clip":
-        clip = ClipLoss(cfg.temperature, learnable_temperature=True, chunk_size=cfg.chunk_size, gather=cfg.distributed)
-    elif cfg.loss == "siglip":
-        clip = SigLipLoss(1.0 / cfg.temperature, cfg.logit_bias, chunk_size=cfg.chunk_size, gather=cfg.distributed)
+    clip = _image_text_loss(cfg)
     before = evaluate(enc, text, vocab, data) if rank == 0 else {}
     modules: list[nn.Module] = [m for m in (enc, text, clip) if m is not None]
     params = [p for m in modules for p in m.parameters()]
@@ -325,11 +338,7 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
     if rank == 0:
         after = evaluate(enc, text, vocab, data)
         result.update(untrained=before, trained=after)
-        if isinstance(clip, ClipLoss):
-            result["final_temperature"] = float(torch.as_tensor(clip.temperature).detach())
-        elif isinstance(clip, SigLipLoss):
-            result["final_logit_scale"] = float(clip.logit_scale.detach().exp())
-            result["final_logit_bias"] = float(clip.logit_bias.detach())
+        result.update(_learned_loss_parameters(clip))
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
