@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "src/torch_contrastive"
 CORE_TESTS = ["tests/test_losses.py", "tests/test_engine.py", "tests/test_robustness.py", "tests/test_positives.py",
-              "tests/test_validation.py", "tests/test_modules.py"]
+              "tests/test_validation.py", "tests/test_modules.py", "tests/test_siglip.py"]
 DIST_TESTS = ["tests/test_distributed.py"]
 
 
@@ -92,6 +92,14 @@ MUTATIONS = [
              "self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(s)", "tiled NT-BXent: positive term with the wrong sign"),
     Mutation(f"{E}/pairwise.py", "torch.where(neg, torch.sigmoid(s) * g_neg, 0.0)", "torch.where(neg, torch.sigmoid(-s) * g_neg, 0.0)",
              "tiled NT-BXent: negative gradient with the wrong sign"),
+    # engine: SigLIP sigmoid kernel
+    Mutation(f"{E}/sigmoid.py", "        if diag is not None:\n            diag.neg_()\n        return s, None",
+             "        if diag is not None:\n            pass\n        return s, None", "SigLIP: diagonal positives scored as negatives"),
+    Mutation(f"{E}/sigmoid.py", "    return grad.mul_(torch.where(pos, -g_row[:, None], g_row[:, None]))",
+             "    return grad.mul_(torch.where(pos, g_row[:, None], g_row[:, None]))", "SigLIP with ids: positive gradient with the wrong sign"),
+    Mutation(f"{E}/sigmoid.py", "                gbias += grad.sum()", "                gbias += 0", "SigLIP tiled: bias gradient dropped"),
+    Mutation(f"{PKG}/losses/siglip.py", "    return reduce(per_image, float(n), reduction,", "    return reduce(per_image, float(n) + 1, reduction,",
+             "SigLIP: mean over one image too many"),
     # losses
     Mutation(f"{PKG}/losses/nt_bxent.py", "n_pos = (positives.row_counts() + 1)", "n_pos = (positives.row_counts() + 0)",
              "NT-BXent: diagonal not counted among the positives"),

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
-from ..distributed import Scope
+from ..distributed import Scope, make_scope
 from ..engine import Scale
 from ..positives import Positives
 
@@ -29,6 +29,36 @@ def check_agreement(scope: Scope, what: str, x: Tensor, validate: bool, *flags: 
     if validate and scope.distributed:
         scope.agree(f"{what} (feature size, dtype code, optional inputs given)",
                     [float(x[0].numel()), float(_DTYPE_CODES.get(x.dtype, -1)), *(float(f) for f in flags)])
+
+
+class ImageTextInputs(NamedTuple):
+    n: int  # rows (images) on this rank
+    device: torch.device
+    image_id: Tensor | None  # int64 on device
+    text_id: Tensor | None
+    ids_given: tuple[bool, bool]
+    scope: Scope
+    checks: v.Checks
+
+
+def image_text_inputs(image_feat: Tensor, text_feat: Tensor, image_id: Tensor | None, text_id: Tensor | None, *,
+                      reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, gather: bool,
+                      validate: bool) -> ImageTextInputs:
+    """Checks and set-up shared by the two-set image-text losses (CLIP's and SigLIP)."""
+    v.check_embeddings(image_feat, "image_feat")
+    v.check_embeddings(text_feat, "text_feat")
+    v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    n = image_feat.shape[0]
+    device = image_feat.device
+    ids_given = (image_id is not None, text_id is not None)
+    image_id = None if image_id is None else v.check_labels(image_id, "image_id", n, device)
+    text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
+    scope = make_scope(gather, grad_reduction)
+    checks = v.Checks(validate, scope)
+    checks.finite(image_feat, "image_feat")
+    checks.finite(text_feat, "text_feat")
+    return ImageTextInputs(n, device, image_id, text_id, ids_given, scope, checks)
 
 
 class SingleSet(NamedTuple):

@@ -9,10 +9,10 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
-from ..distributed import Scope, make_scope
+from ..distributed import Scope
 from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import check_agreement, finish_checks, pair_partner, positive_logits
+from ._common import check_agreement, finish_checks, image_text_inputs, pair_partner, positive_logits
 
 __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
 
@@ -74,19 +74,9 @@ def image_text_contrastive_loss(
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.
     """
-    v.check_embeddings(image_feat, "image_feat")
-    v.check_embeddings(text_feat, "text_feat")
-    v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    n = image_feat.shape[0]
-    device = image_feat.device
-    ids_given = (image_id is not None, text_id is not None)
-    image_id = None if image_id is None else v.check_labels(image_id, "image_id", n, device)
-    text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
-    checks.finite(image_feat, "image_feat")
-    checks.finite(text_feat, "text_feat")
+    pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
+                             grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
+    n, device, image_id, text_id, ids_given, scope, checks = pair
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
     check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
 

@@ -8,10 +8,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
-from ..distributed import make_scope
 from ..engine import Scale, sigmoid_rows
 from ..positives import Positives
-from ._common import check_agreement, pair_partner, reduce
+from ._common import check_agreement, image_text_inputs, pair_partner, reduce
 
 __all__ = ["siglip_loss"]
 
@@ -80,19 +79,9 @@ def siglip_loss(
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid
     per pair.
     """
-    v.check_embeddings(image_feat, "image_feat")
-    v.check_embeddings(text_feat, "text_feat")
-    v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    n = image_feat.shape[0]
-    device = image_feat.device
-    ids_given = (image_id is not None, text_id is not None)
-    image_id = None if image_id is None else v.check_labels(image_id, "image_id", n, device)
-    text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
-    checks.finite(image_feat, "image_feat")
-    checks.finite(text_feat, "text_feat")
+    pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
+                             grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
+    n, device, image_id, text_id, ids_given, scope, checks = pair
     # The scale is a multiplier: 1 / scale is a "temperature" that must be positive and finite.
     v.inverse_temperature(logit_scale, checks, name="logit_scale")  # positive and finite, like a temperature
     scale: Scale = logit_scale.reshape(()) if isinstance(logit_scale, Tensor) else float(logit_scale)
