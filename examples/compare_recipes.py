@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=None, help="override every recipe's default batch size")
-    parser.add_argument("--recipes", nargs="+", default=["clip", "nt_xent", "nt_bxent", "supcon"])
+    parser.add_argument("--recipes", nargs="+", default=["clip", "siglip", "nt_xent", "nt_bxent", "supcon"])
     args = parser.parse_args()
     variants = [(loss, dedupe) for loss in args.recipes for dedupe in ((True, False) if loss == "clip" else (True,))]
     print("| recipe | kNN untrained | kNN trained | linear probe | zero-shot | train s |")
