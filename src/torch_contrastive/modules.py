@@ -38,23 +38,26 @@ def _check_temperature(temperature: object, name: str = "temperature") -> float:
     return float(temperature)
 
 
+def _shared_options(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
+                    grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True) -> dict[str, Any]:
+    """The options every loss takes, checked once (at construction), as keyword arguments."""
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    return dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size, gather=bool(gather),
+                grad_reduction=grad_reduction, eps=float(eps), validate=bool(validate))
+
+
 class _Loss(nn.Module):
     """Common state: a fixed temperature or a learnable ``logit_scale``, and the shared options."""
 
-    def __init__(self, temperature: float, *, learnable_temperature: bool = False, normalize: bool = True,
-                 reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
-                 grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True) -> None:
+    def __init__(self, temperature: float, *, learnable_temperature: bool = False, **options: Any) -> None:
         super().__init__()
         temperature = _check_temperature(temperature)
-        v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+        self.options = _shared_options(**options)
         self.learnable = bool(learnable_temperature)
         if self.learnable:
             self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
         else:
             self.fixed_temperature = temperature
-        self.options: dict[str, Any] = dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size,
-                                            gather=bool(gather), grad_reduction=grad_reduction, eps=float(eps),
-                                            validate=bool(validate))
 
     @property
     def temperature(self) -> float | Tensor:
@@ -158,13 +161,12 @@ class SigLipLoss(nn.Module):
     """
 
     def __init__(self, init_logit_scale: float = 10.0, init_logit_bias: float = -10.0, *, learnable: bool = True,
-                 normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
-                 grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True) -> None:
+                 **options: Any) -> None:
         super().__init__()
         scale = _check_temperature(init_logit_scale, "init_logit_scale")
         if isinstance(init_logit_bias, bool) or not isinstance(init_logit_bias, (int, float)) or not math.isfinite(init_logit_bias):
             raise ValueError(f"init_logit_bias must be a finite float, got {init_logit_bias!r}")
-        v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+        self.options = _shared_options(**options)
         self.learnable = bool(learnable)
         log_scale = torch.tensor(math.log(scale))
         bias = torch.tensor(float(init_logit_bias))
@@ -174,9 +176,6 @@ class SigLipLoss(nn.Module):
         else:
             self.register_buffer("logit_scale", log_scale)
             self.register_buffer("logit_bias", bias)
-        self.options: dict[str, Any] = dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size,
-                                            gather=bool(gather), grad_reduction=grad_reduction, eps=float(eps),
-                                            validate=bool(validate))
 
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
                 text_id: Tensor | None = None) -> Tensor:
