@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="time and memory of every loss vs. peers (CSV + PNG)")
-    p.add_argument("--quick", action="store_true", help="a reduced grid that finishes in under 2 minutes on 2 cores")
+    p.add_argument("--quick", action="store_true", help="a reduced grid (about 2-3 minutes on 2 cores)")
     p.add_argument("--small", action="store_true",
                    help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
                         "time ratio and host syncs per call (tau 0.1 unless --temperature)")
