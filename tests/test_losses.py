@@ -351,3 +351,57 @@ def test_sorted_key_grouping_equals_dense_relation(chunk, monkeypatch):
         for got, ref in zip(run(fn), want):
             if ref is not None:
                 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["unsorted", "sorted", "one_class", "all_distinct", "uneven"])
+@pytest.mark.parametrize("validate", [True, False])
+def test_label_sorted_tiles_equal_the_reference(kind, validate):
+    """Tiled labelled losses (PML NT-Xent, NT-BXent): rows sorted by label skip the mask in
+    all-negative tiles (validate=True reads the tile plan); both paths equal the float64 loops."""
+    g = torch.Generator().manual_seed(21)
+    n = 26
+    labels = {
+        "unsorted": torch.randint(0, 4, (n,), generator=g),
+        "sorted": torch.sort(torch.randint(0, 4, (n,), generator=g)).values,
+        "one_class": torch.zeros(n, dtype=torch.int64),
+        "all_distinct": torch.randperm(n, generator=g),
+        "uneven": torch.tensor([0] * 15 + [1] * 2 + [2] * 6 + [3] * 3)[torch.randperm(n, generator=g)],
+    }[kind]
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    for ours_fn, ref_fn in (
+        (lambda a, t: tc.nt_xent_loss(a, t, labels=labels, chunk_size=4, validate=validate), lambda a, t: nt_xent_pml(a, labels, t)),
+        (lambda a, t: tc.nt_bxent_loss(a, labels=labels, temperature=t, chunk_size=4, validate=validate),
+         lambda a, t: nt_bxent(a, t, labels=labels)),
+    ):
+        _compare(ours_fn, ref_fn, [x], 0.2, torch.float64, (1e-9, 1e-9))
+
+
+def test_label_sorted_path_skips_the_mask_in_negative_tiles(monkeypatch):
+    import torch_contrastive.engine.pairwise as pairwise
+
+    calls = {"negatives": 0}
+    for kernel in (pairwise._PairKernel, pairwise._BinaryKernel):
+        original = kernel.visit_negatives
+
+        def counting(self, *args, _original=original):
+            calls["negatives"] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(kernel, "visit_negatives", counting)
+    x = torch.randn(40, 4, dtype=torch.float64)
+    labels = torch.arange(40) % 10
+    tc.nt_xent_loss(x, 0.2, labels=labels, chunk_size=4, validate=False)
+    tc.nt_bxent_loss(x, labels=labels, temperature=0.2, chunk_size=4, validate=False)
+    assert calls["negatives"] == 0  # no plan without the validation read: every tile masked
+    tc.nt_xent_loss(x, 0.2, labels=labels, chunk_size=4)
+    tc.nt_bxent_loss(x, labels=labels, temperature=0.2, chunk_size=4)
+    assert calls["negatives"] > 100  # 10 row tiles x 10 column tiles, 8 of 10 pure per row
+
+
+def test_label_sorted_path_keeps_reduction_none_order():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 5, (30,), generator=g)
+    for fn in (lambda c, v: tc.nt_xent_loss(x, 0.3, labels=labels, reduction="none", chunk_size=c, validate=v),
+               lambda c, v: tc.nt_bxent_loss(x, labels=labels, temperature=0.3, reduction="none", chunk_size=c, validate=v)):
+        torch.testing.assert_close(fn(4, True), fn(None, False), rtol=1e-12, atol=1e-12)

@@ -101,7 +101,7 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/siglip.py", "    return reduce(per_image, float(n), reduction,", "    return reduce(per_image, float(n) + 1, reduction,",
              "SigLIP: mean over one image too many"),
     # losses
-    Mutation(f"{PKG}/losses/nt_bxent.py", "n_pos = (positives.row_counts() + 1)", "n_pos = (positives.row_counts() + 0)",
+    Mutation(f"{PKG}/losses/nt_bxent.py", "n_pos = (counts + 1)", "n_pos = (counts + 0)",
              "NT-BXent: diagonal not counted among the positives"),
     Mutation(f"{PKG}/losses/supcon.py", "factor = base_scale / scale", "factor = scale / base_scale", "SupCon: tau / tau_base inverted"),
     Mutation(f"{PKG}/losses/supcon.py", "has_pos.to(cdtype) / counts.clamp_min(1).to(cdtype))", "has_pos.to(cdtype))",

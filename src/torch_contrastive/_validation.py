@@ -80,6 +80,11 @@ class Checks:
 
         self.add(x.abs().amax(), message, lambda value: not math.isfinite(value))
 
+    def flush_values(self, values: Tensor) -> list[float]:
+        """Like :meth:`flush`, with a 1-D tensor of values the caller needs on the host
+        (e.g. a tile plan), read in the same single transfer."""
+        return self._read(values.detach().reshape(-1))
+
     def flush(self, value: Tensor | None = None) -> float | None:
         """Read every check (and ``value``) in one transfer; raise the first failure.
 
@@ -89,26 +94,33 @@ class Checks:
         """
         if not self._values and value is None:
             return None
-        parts = list(self._values)
-        if value is not None:
-            parts.append(value.detach().reshape(()))
+        host = self._read(None if value is None else value.detach().reshape(1))
+        return host[-1] if value is not None else None
+
+    def _read(self, extra: Tensor | None) -> list[float]:
+        """Read the checks and ``extra`` in one transfer, raise the first failure, reset.
+
+        Returns the host values of ``extra`` (empty list without it).
+        """
         n = len(self._values)
-        distributed = self.scope is not None and self.scope.distributed and n
-        if len(parts) == 1 and not distributed:
-            host = [parts[0].item()]  # one value: no packing
+        distributed = self.scope is not None and self.scope.distributed and n > 0
+        if n == 1 and extra is None and not distributed:
+            host = [self._values[0].item()]  # one value: no packing
         else:
-            packed = torch.stack([t.to(torch.float64) for t in parts])
+            parts = [t.reshape(1).to(torch.float64) for t in self._values]
+            checked = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
             if distributed:
-                checked = packed[:n].nan_to_num(nan=math.inf)  # MAX would drop a NaN on some backends
+                checked = checked.nan_to_num(nan=math.inf)  # MAX would drop a NaN on some backends
                 self.scope.all_max(checked)
-                packed = torch.cat([checked, packed[n:]])
-            host = packed.tolist()
+            if extra is not None:
+                checked = torch.cat([checked.to(extra.device), extra.to(torch.float64)])
+            host = checked.tolist()
         bad, messages = self._bad, self._messages
         self._values, self._bad, self._messages = [], [], []
         for is_bad, message, got in zip(bad, messages, host):
             if is_bad(got):
                 raise ValueError(message())
-        return host[-1] if value is not None else None
+        return host[n:]
 
 
 def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int | None = 2) -> Tensor:

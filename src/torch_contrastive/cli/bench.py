@@ -43,6 +43,9 @@ IMPLEMENTATIONS = {
     "siglip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
     "nt_xent": ["ours", "ours-dense", "lightly", "pml", "dense-baseline"],
     "supcon": ["ours", "ours-dense", "pml", "supcon-authors-formula"],
+    # labelled mask-in-tile losses (only with --loss and --classes; their dense forms need several N x N matrices)
+    "nt_xent_pml": ["ours"],
+    "nt_bxent": ["ours"],
 }
 
 
@@ -130,7 +133,8 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
     return lambda: _dense_siglip(x, y, 1 / tau, -10.0)
 
 
-def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device,
+           spec_classes: int = 100) -> tuple[Any, list[torch.Tensor]]:
     """A closure computing the loss, and the leaf tensors it differentiates."""
     import torch_contrastive as tc
 
@@ -141,6 +145,11 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
         y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
         return _build_image_text(loss, impl, x, y, tau, dense_chunk), [x, y]
     labels = torch.randint(0, max(2, n // 64), (n,), generator=gen).to(device)
+    if loss in ("nt_xent_pml", "nt_bxent"):
+        classes = torch.randint(0, int(spec_classes), (n,), generator=gen).to(device)
+        if loss == "nt_xent_pml":
+            return (lambda: tc.nt_xent_loss(x, tau, labels=classes)), [x]
+        return (lambda: tc.nt_bxent_loss(x, labels=classes, temperature=tau)), [x]
     if loss == "nt_xent":
         if impl in ("ours", "ours-dense"):
             chunk = dense_chunk if impl == "ours-dense" else None
@@ -186,10 +195,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     n, d, tau, reps = spec["n"], spec["d"], spec["tau"], spec["reps"]
     # Warm up on a small batch first: thread pools and BLAS workspaces are allocated
     # once per process and are not the loss's memory.
-    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device)
+    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device, spec.get("classes", 100))
     small_fn().backward()
     del small_fn, small_leaves
-    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device)
+    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device, spec.get("classes", 100))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = _peak_bytes(device)
@@ -260,7 +269,9 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
     reps = 1 if quick else 3
     dims = [dim] if isinstance(dim, int) else list(dim)
     grid = [(n, d) for n in (sizes or []) for d in dims]
-    for loss in ("clip", "siglip", "nt_xent", "supcon"):
+    for loss in ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"):
+        if loss in ("nt_xent_pml", "nt_bxent") and not sizes:
+            continue  # on request only: --loss nt_xent_pml|nt_bxent --sizes N [--classes C]
         default = [2048, 8192] if loss in ("clip", "siglip") else [4096, 16384]
         loss_grid = grid or [(n, d) for n in (default if quick else [1024, 4096, 8192, 16384]) for d in dims]
         for n, d in loss_grid:
@@ -317,6 +328,10 @@ def run(args: argparse.Namespace) -> int:
     cases = plan(args.quick, args.sizes, args.dims or [args.dim], args.temperature, args.large)
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
+    else:
+        cases = [c for c in cases if c["loss"] not in ("nt_xent_pml", "nt_bxent")]
+    for case in cases:
+        case["classes"] = args.classes
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     print(f"torch-contrastive bench ({'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
     print(f"{'loss':<8} {'impl':<24} {'N':>6} {'D':>4} {'time s':>8} {'R':>6} {'extra MiB':>10}  status")
@@ -329,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['extra_mib']:>10.1f}  ok", flush=True)
         else:
             print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}", flush=True)
-    fields = ["loss", "impl", "n", "d", "tau", "reps", "value", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
+    fields = ["loss", "impl", "n", "d", "tau", "classes", "reps", "value", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
     with open(out_dir / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -352,7 +367,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--small", action="store_true",
                    help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
                         "time ratio and host syncs per call (tau 0.1 unless --temperature)")
-    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon"], default="all")
+    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"], default="all",
+                   help="nt_xent_pml (labels, pytorch-metric-learning convention) and nt_bxent (labels) need --sizes")
+    p.add_argument("--classes", type=positive_int, default=100, help="random classes for nt_xent_pml / nt_bxent (default 100)")
     p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
     p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")
     p.add_argument("--dims", type=int_list, default=None, help="comma-separated D values (a D sweep; overrides --dim)")

@@ -45,7 +45,7 @@ tile (the common small batch) skips the tile bookkeeping altogether.
 """
 
 from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies, resolve_tile
-from .pairwise import pairwise_rows
+from .pairwise import pairwise_rows, tile_label_bounds
 from .sigmoid import sigmoid_rows
 from .softmax import logsumexp_rows, softmax_terms
 
@@ -60,4 +60,5 @@ __all__ = [
     "resolve_tile",
     "sigmoid_rows",
     "softmax_terms",
+    "tile_label_bounds",
 ]

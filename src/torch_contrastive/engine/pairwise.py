@@ -70,6 +70,22 @@ class _PairKernel:
         self.out[r0:r1] += torch.where(has_neg, term, 0.0)
         self.weight[r0:r1] += torch.where(has_neg, weight, 0.0)
 
+    def visit_negatives(self, p: int, s: Tensor, r0: int, r1: int) -> None:
+        """A tile without any positive or self pair: every entry is a negative, no mask."""
+        if p == 0:
+            new_max = torch.maximum(self.neg_max[r0:r1], s.amax(1))
+            self.neg_sum[r0:r1] *= torch.exp(self.neg_max[r0:r1] - new_max)
+            self.neg_sum[r0:r1] += torch.exp(s - new_max[:, None]).sum(1)
+            self.neg_max[r0:r1] = new_max
+        # pass 1 (the per-positive terms) has nothing to do here
+
+    @staticmethod
+    def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        """Gradient tile of an all-negative tile: a row-scaled exp, ``e^{S_in - L_i} w_i g_i``."""
+        neg_lse, weight, has_neg = (t[r0:r1] for t in saved)
+        scale = weight * grads[0][r0:r1] * has_neg
+        return torch.exp(s - neg_lse[:, None]).mul_(scale[:, None])
+
     def neg_lse_rows(self, r0: int, r1: int) -> Tensor:
         s = self.neg_sum[r0:r1]
         return torch.where(s > 0, s.log() + self.neg_max[r0:r1], torch.zeros_like(s))
@@ -136,6 +152,14 @@ class _BinaryKernel:
     def saved(self) -> tuple[Tensor, ...]:
         return ()
 
+    def visit_negatives(self, p: int, s: Tensor, r0: int, r1: int) -> None:
+        """A tile without any positive or self pair: one softplus per entry, no mask."""
+        self.neg[r0:r1] += torch.nn.functional.softplus(s).sum(1)
+
+    @staticmethod
+    def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        return torch.sigmoid(s).mul_(grads[1][r0:r1, None])
+
     @staticmethod
     def single(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """The whole problem as one tile. Every pair's loss is ``softplus(-z S)`` with
@@ -168,6 +192,12 @@ class _Plan:
     tile: int  # 0: one tile covers everything
     normalize: bool
     eps: float
+    # Which tiles can hold a positive or self pair ((row tile, column tile) -> bool), from
+    # rows and columns sorted by label; None: every tile is treated as mixed.
+    mixed: tuple[tuple[bool, ...], ...] | None = None
+
+    def is_mixed(self, r0: int, c0: int) -> bool:
+        return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
 
 
 def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor]:
@@ -214,6 +244,10 @@ class _Pairwise(torch.autograd.Function):
             bufs = Buffers(a_c.dtype, a.device)
             for p in range(kernel.passes):
                 for r0, r1, c0, c1 in tiles(a.shape[0], b_c.shape[0], plan.tile, False):
+                    if not plan.is_mixed(r0, c0):
+                        if p == 0 or plan.kernel == "binary":  # all negatives: no mask, and no positive terms
+                            kernel.visit_negatives(p, logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1]), r0, r1)
+                        continue
                     s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
                     pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                     kernel.visit(p, s, pos, neg, r0, r1)
@@ -243,8 +277,11 @@ class _Pairwise(torch.autograd.Function):
             bufs = Buffers(a.dtype, a.device)
             for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
                 s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
-                pos, neg = _masks(plan.positives, r0, r1, c0, c1)
-                g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads)
+                if plan.is_mixed(r0, c0):
+                    pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+                    g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads)
+                else:
+                    g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads)
                 gb[r0:r1].addmm_(g, b[c0:c1])
                 ga[c0:c1].addmm_(g.t(), a[r0:r1])
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
@@ -263,6 +300,7 @@ def pairwise_rows(
     normalize: bool = False,
     eps: float = 1e-12,
     chunk_size: int | None = None,
+    label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None,
 ) -> tuple[Tensor, ...]:
     """Per-row statistics that need the positive mask in every tile.
 
@@ -275,9 +313,30 @@ def pairwise_rows(
             ``(sum_pos softplus(-S_ij), sum_neg softplus(S_ij))``, NT-BXent).
         normalize, eps: L2-normalise both inputs inside the function.
         chunk_size: tile edge (see :func:`resolve_tile`).
+        label_ranges: for rows and columns sorted by label (a key relation), the (lowest,
+            highest) label of every row tile and every column tile (see :func:`tile_label_bounds`).
+            A tile whose two ranges do not overlap holds only negatives and takes the fast
+            path: no mask, no per-positive work (PML NT-Xent skips it in its second pass).
 
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
     tile = resolve_tile(chunk_size, anchors.shape[0], candidates.shape[0])
-    plan = _Plan(kernel, positives, 0 if tile >= max(anchors.shape[0], candidates.shape[0]) else tile, normalize, float(eps))
+    single = tile >= max(anchors.shape[0], candidates.shape[0])
+    mixed = None
+    if label_ranges is not None and not single:
+        rows, cols = label_ranges
+        mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
+    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed)
     return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan))
+
+
+def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:
+    """(2 * n_tiles,) the first and last label of every ``tile``-row block of sorted labels.
+
+    A device tensor: the caller reads it on the host together with its other checks
+    (one transfer) and passes the pairs as ``label_ranges`` to :func:`pairwise_rows`.
+    """
+    n = sorted_labels.shape[0]
+    starts = torch.arange(0, n, tile, device=sorted_labels.device)
+    ends = (starts + tile).clamp(max=n) - 1
+    return torch.stack([sorted_labels[starts], sorted_labels[ends]], 1).reshape(-1)

@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope, make_scope
-from ..engine import Scale
+from ..engine import Scale, resolve_tile, tile_label_bounds
 from ..positives import Positives
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -111,6 +111,35 @@ def finish_checks(values: Tensor, checks: v.Checks, check_output: bool) -> None:
             f"the loss overflowed {values.dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
             "use normalize=True, smaller embeddings or a larger temperature"), lambda value: not math.isfinite(value))
     checks.flush()
+
+
+class SortedByLabel(NamedTuple):
+    rows: Tensor  # the rows, sorted by label
+    labels: Tensor  # their labels, sorted
+    ranges: list[tuple[float, float]]  # (first, last) label of every tile of sorted rows
+    order: Tensor  # sorted position of every original row: per_row_sorted[order] is in the caller's order
+
+
+def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.Checks, scope: Scope,
+                  normalize: bool) -> SortedByLabel | None:
+    """Rows sorted by label and the tile plan of the mask-in-tile kernels, or None.
+
+    Sorted by label, the positives of a single-set labelled loss are contiguous diagonal
+    blocks, so most tiles hold only negatives and skip the mask work. Which tiles do is
+    known from each tile's first and last label -- values on the device. They are read in
+    the call's one validation transfer, so the sorted path is taken when that read
+    happens anyway (``validate=True``), on one process, for normalised inputs (raw dot
+    products need a second read, for the overflow check) and when the batch spans
+    several tiles; otherwise every tile is masked (exact too, slower).
+    """
+    n = z.shape[0]
+    tile = resolve_tile(chunk_size, n, n)
+    if scope.distributed or not checks.enabled or not normalize or tile >= n:
+        return None
+    sorted_labels, perm = torch.sort(labels, stable=True)
+    bounds = checks.flush_values(tile_label_bounds(sorted_labels, tile))
+    ranges = [(bounds[2 * i], bounds[2 * i + 1]) for i in range(len(bounds) // 2)]
+    return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm))
 
 
 def positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, scale: Scale) -> Tensor:

@@ -8,7 +8,7 @@ from .. import _validation as v
 from ..distributed import make_scope
 from ..engine import fixed_scale_applies, pairwise_rows, softmax_terms
 from ..positives import Positives
-from ._common import pair_partner, reduce, single_set
+from ._common import pair_partner, reduce, single_set, sort_by_label
 
 __all__ = ["nt_xent_loss"]
 
@@ -77,7 +77,8 @@ def nt_xent_loss(
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
     checks.finite(embeddings, "embeddings")
-    scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
+    # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
+    scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
     check_output = v.output_needs_check(normalize, bound)
 
@@ -90,6 +91,13 @@ def nt_xent_loss(
         return reduce(per_row, float(n), reduction, scope, checks, check_output)
 
     keys = scope.ints(labels)
-    positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
-    (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size)
+    by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize)
+    if by_label is not None:  # sorted: most tiles hold only negatives
+        positives = Positives.from_keys(by_label.labels, self_offset=0)
+        (per_row,) = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel="pair_softplus", normalize=inside,
+                                   eps=eps, chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges))
+        per_row = per_row[by_label.order]
+    else:
+        positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
+        (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size)
     return reduce(per_row, positives.row_counts().sum(), reduction, scope, checks, check_output)
