@@ -118,10 +118,11 @@ class SortedByLabel(NamedTuple):
     labels: Tensor  # their labels, sorted
     ranges: list[tuple[float, float]]  # (first, last) label of every tile of sorted rows
     order: Tensor  # sorted position of every original row: per_row_sorted[order] is in the caller's order
+    scale_bound: float | None  # the value of a tensor scale, read in the same transfer (None for a float scale)
 
 
 def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.Checks, scope: Scope,
-                  normalize: bool) -> SortedByLabel | None:
+                  normalize: bool, scale: Scale) -> SortedByLabel | None:
     """Rows sorted by label and the tile plan of the mask-in-tile kernels, or None.
 
     Sorted by label, the positives of a single-set labelled loss are contiguous diagonal
@@ -130,16 +131,21 @@ def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.C
     the call's one validation transfer, so the sorted path is taken when that read
     happens anyway (``validate=True``), on one process, for normalised inputs (raw dot
     products need a second read, for the overflow check) and when the batch spans
-    several tiles; otherwise every tile is masked (exact too, slower).
+    several tiles; otherwise every tile is masked (exact too, slower). A tensor scale is
+    read in the same transfer, so no output check (a second read) is needed afterwards.
     """
     n = z.shape[0]
     tile = resolve_tile(chunk_size, n, n)
     if scope.distributed or not checks.enabled or not normalize or tile >= n:
         return None
     sorted_labels, perm = torch.sort(labels, stable=True)
-    bounds = checks.flush_values(tile_label_bounds(sorted_labels, tile))
-    ranges = [(bounds[2 * i], bounds[2 * i + 1]) for i in range(len(bounds) // 2)]
-    return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm))
+    bounds = tile_label_bounds(sorted_labels, tile)
+    if isinstance(scale, Tensor):
+        bounds = torch.cat([bounds.to(torch.float64), scale.detach().reshape(1).to(device=bounds.device, dtype=torch.float64)])
+    values = checks.flush_values(bounds)
+    scale_bound = values.pop() if isinstance(scale, Tensor) else None
+    ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(values) // 2)]
+    return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm), scale_bound)
 
 
 def positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, scale: Scale) -> Tensor:

@@ -77,7 +77,7 @@ def nt_bxent_loss(
         pos_sum, neg_sum = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps, chunk_size=chunk_size)
     else:
         keys = scope.ints(labels)  # type: ignore[arg-type]
-        by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize)
+        by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
         if by_label is not None:  # sorted: most tiles hold only negatives
             positives = Positives.from_keys(by_label.labels, self_offset=0)
             pos_sum, neg_sum = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel="binary", normalize=inside,
@@ -92,4 +92,6 @@ def nt_bxent_loss(
     n_pos = (counts + 1).to(pos_sum.dtype)  # + the diagonal, as in the seed
     n_neg = total - n_pos
     per_row = pos_sum / n_pos + torch.where(n_neg > 0, neg_sum / n_neg.clamp_min(1), 0.0)
+    if by_label is not None and by_label.scale_bound is not None:
+        bound = by_label.scale_bound  # read with the tile plan
     return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

@@ -91,12 +91,14 @@ def nt_xent_loss(
         return reduce(per_row, float(n), reduction, scope, checks, check_output)
 
     keys = scope.ints(labels)
-    by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize)
+    by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
     if by_label is not None:  # sorted: most tiles hold only negatives
         positives = Positives.from_keys(by_label.labels, self_offset=0)
         (per_row,) = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel="pair_softplus", normalize=inside,
                                    eps=eps, chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges))
         per_row = per_row[by_label.order]
+        if by_label.scale_bound is not None:
+            check_output = v.output_needs_check(normalize, by_label.scale_bound)
     else:
         positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
         (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size)
