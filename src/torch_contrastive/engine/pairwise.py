@@ -46,15 +46,21 @@ class _PairKernel:
 
     passes = 2
 
-    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device, fixed: bool = False) -> None:
         low = torch.finfo(dtype).min
         self.low = low
-        self.neg_max = torch.full((rows,), low, dtype=dtype, device=device)
+        # fixed: every |S| is small enough for plain exp (see engine.fixed_scale_applies): the
+        # running maximum stays 0 and no tile needs a max or a rescale.
+        self.fixed = fixed
+        self.neg_max = torch.full((rows,), 0.0 if fixed else low, dtype=dtype, device=device)
         self.neg_sum = torch.zeros(rows, dtype=dtype, device=device)
         self.out = torch.zeros(rows, dtype=dtype, device=device)
         self.weight = torch.zeros(rows, dtype=dtype, device=device)
 
     def visit(self, p: int, s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int) -> None:
+        if p == 0 and self.fixed:
+            self.neg_sum[r0:r1] += torch.where(neg, s.exp(), 0.0).sum(1)
+            return
         if p == 0:
             masked = s.masked_fill(~neg, self.low)
             new_max = torch.maximum(self.neg_max[r0:r1], masked.amax(1))
@@ -72,7 +78,9 @@ class _PairKernel:
 
     def visit_negatives(self, p: int, s: Tensor, r0: int, r1: int) -> None:
         """A tile without any positive or self pair: every entry is a negative, no mask."""
-        if p == 0:
+        if p == 0 and self.fixed:
+            self.neg_sum[r0:r1] += s.exp_().sum(1)  # s is a scratch tile buffer
+        elif p == 0:
             new_max = torch.maximum(self.neg_max[r0:r1], s.amax(1))
             self.neg_sum[r0:r1] *= torch.exp(self.neg_max[r0:r1] - new_max)
             self.neg_sum[r0:r1] += torch.exp(s - new_max[:, None]).sum(1)
@@ -80,10 +88,13 @@ class _PairKernel:
         # pass 1 (the per-positive terms) has nothing to do here
 
     @staticmethod
-    def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
-        """Gradient tile of an all-negative tile: a row-scaled exp, ``e^{S_in - L_i} w_i g_i``."""
+    def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], fixed: bool) -> Tensor:
+        """Gradient tile of an all-negative tile: a row-scaled exp, ``e^{S_in - L_i} w_i g_i``
+        (fixed: ``e^{S_in}`` times the row factor ``e^{-L_i} w_i g_i``, one exp, in place)."""
         neg_lse, weight, has_neg = (t[r0:r1] for t in saved)
         scale = weight * grads[0][r0:r1] * has_neg
+        if fixed:
+            return s.exp_().mul_((scale * torch.exp(-neg_lse))[:, None])
         return torch.exp(s - neg_lse[:, None]).mul_(scale[:, None])
 
     def neg_lse_rows(self, r0: int, r1: int) -> Tensor:
@@ -136,7 +147,7 @@ class _BinaryKernel:
 
     passes = 1
 
-    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device, fixed: bool = False) -> None:
         self.pos = torch.zeros(rows, dtype=dtype, device=device)
         self.neg = torch.zeros(rows, dtype=dtype, device=device)
 
@@ -157,8 +168,8 @@ class _BinaryKernel:
         self.neg[r0:r1] += torch.nn.functional.softplus(s).sum(1)
 
     @staticmethod
-    def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
-        return torch.sigmoid(s).mul_(grads[1][r0:r1, None])
+    def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], fixed: bool) -> Tensor:
+        return torch.sigmoid_(s).mul_(grads[1][r0:r1, None])  # s is a scratch tile buffer
 
     @staticmethod
     def single(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
@@ -195,6 +206,7 @@ class _Plan:
     # Which tiles can hold a positive or self pair ((row tile, column tile) -> bool), from
     # rows and columns sorted by label; None: every tile is treated as mixed.
     mixed: tuple[tuple[bool, ...], ...] | None = None
+    fixed: bool = False
 
     def is_mixed(self, r0: int, c0: int) -> bool:
         return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
@@ -240,7 +252,7 @@ class _Pairwise(torch.autograd.Function):
             pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
             outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
         else:
-            kernel = kernel_cls(a.shape[0], a_c.dtype, a.device)
+            kernel = kernel_cls(a.shape[0], a_c.dtype, a.device, plan.fixed)
             bufs = Buffers(a_c.dtype, a.device)
             for p in range(kernel.passes):
                 for r0, r1, c0, c1 in tiles(a.shape[0], b_c.shape[0], plan.tile, False):
@@ -281,7 +293,7 @@ class _Pairwise(torch.autograd.Function):
                     pos, neg = _masks(plan.positives, r0, r1, c0, c1)
                     g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads)
                 else:
-                    g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads)
+                    g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads, plan.fixed)
                 gb[r0:r1].addmm_(g, b[c0:c1])
                 ga[c0:c1].addmm_(g.t(), a[r0:r1])
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
@@ -301,6 +313,7 @@ def pairwise_rows(
     eps: float = 1e-12,
     chunk_size: int | None = None,
     label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None,
+    fixed: bool = False,
 ) -> tuple[Tensor, ...]:
     """Per-row statistics that need the positive mask in every tile.
 
@@ -317,6 +330,9 @@ def pairwise_rows(
             highest) label of every row tile and every column tile (see :func:`tile_label_bounds`).
             A tile whose two ranges do not overlap holds only negatives and takes the fast
             path: no mask, no per-positive work (PML NT-Xent skips it in its second pass).
+        fixed: every ``|S|`` is small enough for plain ``exp`` (see
+            :func:`~torch_contrastive.engine.fixed_scale_applies`): PML NT-Xent then needs no
+            running maximum.
 
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
@@ -326,7 +342,7 @@ def pairwise_rows(
     if label_ranges is not None and not single:
         rows, cols = label_ranges
         mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
-    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed)
+    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, fixed)
     return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan))
 
 

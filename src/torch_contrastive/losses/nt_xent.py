@@ -94,12 +94,15 @@ def nt_xent_loss(
     by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
     if by_label is not None:  # sorted: most tiles hold only negatives
         positives = Positives.from_keys(by_label.labels, self_offset=0)
+        known = bound if by_label.scale_bound is None else by_label.scale_bound
         (per_row,) = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel="pair_softplus", normalize=inside,
-                                   eps=eps, chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges))
+                                   eps=eps, chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
+                                   fixed=fixed_scale_applies(normalize, known, z.dtype))
         per_row = per_row[by_label.order]
         if by_label.scale_bound is not None:
             check_output = v.output_needs_check(normalize, by_label.scale_bound)
     else:
         positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
-        (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size)
+        (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size,
+                                   fixed=fixed_scale_applies(normalize, bound, z.dtype))
     return reduce(per_row, positives.row_counts().sum(), reduction, scope, checks, check_output)
