@@ -92,6 +92,10 @@ MUTATIONS = [
              "self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(s)", "tiled NT-BXent: positive term with the wrong sign"),
     Mutation(f"{E}/pairwise.py", "torch.where(neg, torch.sigmoid(s) * g_neg, 0.0)", "torch.where(neg, torch.sigmoid(-s) * g_neg, 0.0)",
              "tiled NT-BXent: negative gradient with the wrong sign"),
+    Mutation(f"{E}/pairwise.py", "mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for", "mixed = tuple(tuple(r_lo == c_lo for",
+             "label-sorted tiles: a tile holding positives taken for all-negative"),
+    Mutation(f"{E}/pairwise.py", "            self.neg_sum[r0:r1] += s.exp_().sum(1)  # s is a scratch tile buffer", "            pass",
+             "label-sorted PML NT-Xent (fixed): all-negative tiles left out of the negatives' sum"),
     # engine: SigLIP sigmoid kernel
     Mutation(f"{E}/sigmoid.py", "        if diag is not None:\n            diag.neg_()\n        return s, None",
              "        if diag is not None:\n            pass\n        return s, None", "SigLIP: diagonal positives scored as negatives"),
