@@ -87,6 +87,22 @@ class _PairKernel:
             self.neg_max[r0:r1] = new_max
         # pass 1 (the per-positive terms) has nothing to do here
 
+    def visit_negatives_both(self, s: Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
+        """Pass 1 of an all-negative tile of a symmetric S (fixed mode): one exp feeds the
+        negatives' sums of its row block and, transposed, of its column block."""
+        e = s.exp_()
+        self.neg_sum[r0:r1] += e.sum(1)
+        self.neg_sum[c0:c1] += e.sum(0)
+
+    @staticmethod
+    def grad_negatives_both(s: Tensor, r0: int, r1: int, c0: int, c1: int, saved: tuple[Tensor, ...],
+                            grads: tuple[Tensor, ...]) -> Tensor:
+        """``H = G + G'^T`` of an all-negative tile of a symmetric S (fixed mode):
+        ``e^{S_ij} (c_i + c_j)`` with ``c_i = e^{-L_i} w_i g_i``."""
+        neg_lse, weight, has_neg = saved
+        c = weight * grads[0] * has_neg * torch.exp(-neg_lse)
+        return s.exp_().mul_(c[r0:r1, None] + c[None, c0:c1])
+
     @staticmethod
     def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], fixed: bool) -> Tensor:
         """Gradient tile of an all-negative tile: a row-scaled exp, ``e^{S_in - L_i} w_i g_i``
@@ -171,6 +187,18 @@ class _BinaryKernel:
     def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], fixed: bool) -> Tensor:
         return torch.sigmoid_(s).mul_(grads[1][r0:r1, None])  # s is a scratch tile buffer
 
+    def visit_negatives_both(self, s: Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
+        """An all-negative tile of a symmetric S: one softplus per entry feeds both blocks."""
+        loss = torch.nn.functional.softplus(s)
+        self.neg[r0:r1] += loss.sum(1)
+        self.neg[c0:c1] += loss.sum(0)
+
+    @staticmethod
+    def grad_negatives_both(s: Tensor, r0: int, r1: int, c0: int, c1: int, saved: tuple[Tensor, ...],
+                            grads: tuple[Tensor, ...]) -> Tensor:
+        """``H = sigmoid(S) (g_i + g_j)`` of an all-negative tile of a symmetric S."""
+        return torch.sigmoid_(s).mul_(grads[1][r0:r1, None] + grads[1][None, c0:c1])
+
     @staticmethod
     def single(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """The whole problem as one tile. Every pair's loss is ``softplus(-z S)`` with
@@ -207,6 +235,9 @@ class _Plan:
     # rows and columns sorted by label; None: every tile is treated as mixed.
     mixed: tuple[tuple[bool, ...], ...] | None = None
     fixed: bool = False
+    # Single set sorted by label: S is symmetric, so only upper-triangle tiles are visited
+    # and each feeds the statistics (and gradients) of its row block and its column block.
+    symmetric: bool = False
 
     def is_mixed(self, r0: int, c0: int) -> bool:
         return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
@@ -254,7 +285,9 @@ class _Pairwise(torch.autograd.Function):
         else:
             kernel = kernel_cls(a.shape[0], a_c.dtype, a.device, plan.fixed)
             bufs = Buffers(a_c.dtype, a.device)
-            for p in range(kernel.passes):
+            if plan.symmetric:
+                _symmetric_forward(kernel, a_s, b_c, plan, bufs)
+            for p in range(0 if plan.symmetric else kernel.passes):
                 for r0, r1, c0, c1 in tiles(a.shape[0], b_c.shape[0], plan.tile, False):
                     if not plan.is_mixed(r0, c0):
                         if p == 0 or plan.kernel == "binary":  # all negatives: no mask, and no positive terms
@@ -282,6 +315,9 @@ class _Pairwise(torch.autograd.Function):
         if kept:
             g = kernel.single_grad(tuple(kept), grads)
             gb, ga = g @ b, g.t() @ a
+        elif plan.symmetric:
+            gb = _symmetric_backward(kernel, a * scale, a, plan, kernel_saved, grads)
+            ga = None
         else:
             a_s = a * scale
             gb = torch.zeros_like(a)
@@ -298,8 +334,52 @@ class _Pairwise(torch.autograd.Function):
                 ga[c0:c1].addmm_(g.t(), a[r0:r1])
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
-        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, False, norm_a, norm_b, b, plan.eps)
+        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return grad_a, grad_b, gscale, None
+
+
+def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: Buffers) -> None:
+    """Both passes over the upper-triangle tiles of a symmetric S (rows = columns, sorted by label).
+
+    A mixed tile off the diagonal is visited twice, as rows of its row block and, transposed,
+    as rows of its column block (the relation is symmetric); an all-negative tile feeds
+    both blocks from one exp (PML, fixed mode) or one softplus (NT-BXent).
+    """
+    n = z.shape[0]
+    for p in range(kernel.passes):
+        for r0, r1, c0, c1 in tiles(n, n, plan.tile, True):
+            s = logits_tile(bufs.get(r1 - r0, c1 - c0), z_s[r0:r1], z[c0:c1])
+            if not plan.is_mixed(r0, c0):
+                if p == 0:
+                    kernel.visit_negatives_both(s, r0, r1, c0, c1)
+                continue
+            pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+            kernel.visit(p, s, pos, neg, r0, r1)
+            if c0 != r0:
+                kernel.visit(p, s.t(), pos.t(), neg.t(), c0, c1)
+
+
+def _symmetric_backward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, saved: tuple[Tensor, ...],
+                        grads: tuple[Tensor, ...]) -> Tensor:
+    """``H @ Z`` over the upper-triangle tiles, ``H = G + G'^T`` (both blocks' gradient tiles)."""
+    n = z.shape[0]
+    acc = torch.zeros_like(z)
+    bufs = Buffers(z.dtype, z.device)
+    for r0, r1, c0, c1 in tiles(n, n, plan.tile, True):
+        s = logits_tile(bufs.get(r1 - r0, c1 - c0), z_s[r0:r1], z[c0:c1])
+        if plan.is_mixed(r0, c0):
+            pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+            h = kernel.grad_tile(s, pos, neg, r0, r1, saved, grads)
+            if c0 == r0:
+                h = h + h.t()
+            else:
+                h = h.add_(kernel.grad_tile(s.t(), pos.t(), neg.t(), c0, c1, saved, grads).t())
+        else:
+            h = kernel.grad_negatives_both(s, r0, r1, c0, c1, saved, grads)
+        acc[r0:r1].addmm_(h, z[c0:c1])
+        if c0 != r0:
+            acc[c0:c1].addmm_(h.t(), z[r0:r1])
+    return acc
 
 
 def pairwise_rows(
@@ -342,7 +422,9 @@ def pairwise_rows(
     if label_ranges is not None and not single:
         rows, cols = label_ranges
         mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
-    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, fixed)
+    symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
+                 and (kernel == "binary" or fixed))  # PML's one exp for both blocks needs the fixed mode
+    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, fixed, symmetric)
     return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan))
 
 
