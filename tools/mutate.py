@@ -96,6 +96,10 @@ MUTATIONS = [
              "label-sorted tiles: a tile holding positives taken for all-negative"),
     Mutation(f"{E}/pairwise.py", "            self.neg_sum[r0:r1] += s.exp_().sum(1)  # s is a scratch tile buffer", "            pass",
              "label-sorted PML NT-Xent (fixed): all-negative tiles left out of the negatives' sum"),
+    Mutation(f"{E}/pairwise.py", "        self.neg_sum[c0:c1] += e.sum(0)", "        pass",
+             "label-sorted symmetric PML: column block of an all-negative tile left out"),
+    Mutation(f"{E}/pairwise.py", "            if c0 == r0:\n                h = h + h.t()", "            if c0 == r0:\n                h = h + 0",
+             "label-sorted symmetric backward: diagonal tile's transposed gradient dropped"),
     # engine: SigLIP sigmoid kernel
     Mutation(f"{E}/sigmoid.py", "        if diag is not None:\n            diag.neg_()\n        return s, None",
              "        if diag is not None:\n            pass\n        return s, None", "SigLIP: diagonal positives scored as negatives"),
