@@ -156,6 +156,27 @@ def to_compute(a: Tensor, b: Tensor | None, scale: Scale) -> tuple[Tensor, Tenso
     return a_c, (b if b.dtype == cdtype else b.to(cdtype)), scale
 
 
+def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
+                   eps: float) -> tuple[Tensor, Tensor, Scale, list[Tensor]]:
+    """Compute-dtype inputs, L2-normalised inside the autograd function when asked.
+
+    Returns ``(a, b, scale, norms)``: ``b`` is ``a`` for a single set (``b=None``), and
+    ``norms`` the (denominator, norm) of ``a`` -- then of ``b`` unless it is ``a`` -- for
+    :func:`finish_gradients`.
+    """
+    a_c, b_c, scale_c = to_compute(a, b, scale)
+    norms: list[Tensor] = []
+    if normalize:
+        a_c, *norm_a = l2_normalize(a_c, eps)
+        norms += norm_a
+        if b is None:
+            b_c = a_c
+        else:
+            b_c, *norm_b = l2_normalize(b_c, eps)
+            norms += norm_b
+    return a_c, b_c, scale_c, norms
+
+
 def save(ctx: Any, scale: Scale, a: Tensor, b: Tensor, *tensors: Tensor) -> None:
     """Save tensors for backward: ``b`` only when it is not ``a`` (a single set), a float
     scale on ``ctx`` (it is not a tensor)."""

@@ -21,14 +21,13 @@ from ._common import (
     Scale,
     autocast_enabled,
     finish_gradients,
-    l2_normalize,
     logits_tile,
+    prepare_inputs,
     resolve_tile,
     save,
     saved,
     self_diagonal,
     tiles,
-    to_compute,
 )
 
 if TYPE_CHECKING:
@@ -264,16 +263,7 @@ class _Pairwise(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan) -> tuple[Tensor, ...]:
-        a_c, b_c, scale_c = to_compute(a, b, scale)
-        norms: list[Tensor] = []
-        if plan.normalize:
-            a_c, *norm_a = l2_normalize(a_c, plan.eps)
-            norms += norm_a
-            if b is None:
-                b_c = a_c
-            else:
-                b_c, *norm_b = l2_normalize(b_c, plan.eps)
-                norms += norm_b
+        a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
         a_s = a_c * scale_c
         kernel_cls = _KERNELS[plan.kernel]
         kept: tuple[Tensor, ...] = ()

@@ -27,14 +27,13 @@ from ._common import (
     Scale,
     autocast_enabled,
     finish_gradients,
-    l2_normalize,
     logits_tile,
+    prepare_inputs,
     resolve_tile,
     save,
     saved,
     self_diagonal,
     tiles,
-    to_compute,
 )
 
 if TYPE_CHECKING:
@@ -89,12 +88,7 @@ class _SigmoidRows(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx: Any, a: Tensor, b: Tensor, scale: Scale, bias: Scale, plan: _Plan) -> Tensor:
-        a_c, b_c, scale_c = to_compute(a, b, scale)
-        norms: list[Tensor] = []
-        if plan.normalize:
-            a_c, *norm_a = l2_normalize(a_c, plan.eps)
-            b_c, *norm_b = l2_normalize(b_c, plan.eps)
-            norms = [*norm_a, *norm_b]
+        a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
         bias_c = _bias_tensor(bias, a_c)
         a_s = a_c * scale_c
         R, C = a_c.shape[0], b_c.shape[0]
