@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 import torch_contrastive as tc
 from reference import siglip
+from torch_contrastive.cli.bench import load_open_clip_loss
 
 DTYPES = [
     (torch.float64, (1e-9, 1e-9)),
@@ -53,14 +52,10 @@ def test_matches_float64_reference_values_and_gradients(dtype, tols, chunk, n, i
 
 def _open_clip_loss_module():
     """open_clip's loss.py loaded on its own (the package imports torchvision, which does not import here)."""
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return load_open_clip_loss()
+    except ModuleNotFoundError:
         pytest.skip("open_clip_torch is not installed (make test installs it with --no-deps)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "loss.py"
-    module_spec = importlib.util.spec_from_file_location("open_clip_loss_only", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -118,7 +118,7 @@ MUTATIONS = [
              "image-text with ids: text direction ignores the positive counts"),
     Mutation(f"{PKG}/losses/image_text.py", "per_text = counts * col_lse_all[offset : offset + n]", "per_text = col_lse_all[offset : offset + n]",
              "distributed image-text: text direction ignores the positive counts", tests=tuple(DIST_TESTS)),
-    Mutation(f"{PKG}/losses/nt_xent.py", "positives.row_counts().sum(), reduction", "positives.row_counts().sum() + 1, reduction",
+    Mutation(f"{PKG}/losses/nt_xent.py", "rows.counts.sum(), reduction", "rows.counts.sum() + 1, reduction",
              "PML NT-Xent: mean over one pair too many"),
     Mutation(f"{PKG}/losses/_common.py", "else rows ^ 1 if pairing", "else rows ^ 3 if pairing", "adjacent pairing: wrong partner"),
     # positives

@@ -200,17 +200,22 @@ def inverse_temperature(temperature: object, checks: Checks, *, name: str = "tem
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be positive and finite, got {value}")
         return 1.0 / value, 1.0 / value
-    if temperature.numel() != 1 or temperature.ndim > 1:
-        raise ValueError(f"{name} must be a scalar (0-dim tensor), got shape {tuple(temperature.shape)}")
-    if not temperature.is_floating_point():
-        raise TypeError(f"{name} tensor must be floating point, got {temperature.dtype}")
-    t = temperature.reshape(())
+    t = check_scalar_tensor(temperature, name)
     checks.add(t, lambda: f"{name} must be positive and finite, got {float(t.detach())}",
                lambda value: not (math.isfinite(value) and value > 0))
     scale = 1.0 / t
     if need_bound and checks.enabled:
         return scale, checks.flush(scale)
     return scale, None
+
+
+def check_scalar_tensor(value: Tensor, name: str) -> Tensor:
+    """A one-element floating tensor (a learnable scalar), returned as 0-dim (metadata only)."""
+    if value.numel() != 1 or value.ndim > 1:
+        raise ValueError(f"{name} must be a scalar (0-dim tensor), got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} tensor must be floating point, got {value.dtype}")
+    return value.reshape(())
 
 
 def output_needs_check(normalize: bool, bound: float | None) -> bool:

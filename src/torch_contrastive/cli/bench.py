@@ -55,7 +55,7 @@ def _peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _dense_clip(img: torch.Tensor, txt: torch.Tensor, tau: float) -> torch.Tensor:
+def dense_clip(img: torch.Tensor, txt: torch.Tensor, tau: float) -> torch.Tensor:
     img = torch.nn.functional.normalize(img, dim=1)
     txt = torch.nn.functional.normalize(txt, dim=1)
     logits = img @ txt.T / tau
@@ -63,7 +63,7 @@ def _dense_clip(img: torch.Tensor, txt: torch.Tensor, tau: float) -> torch.Tenso
     return (torch.nn.functional.cross_entropy(logits, target) + torch.nn.functional.cross_entropy(logits.T, target)) / 2
 
 
-def _dense_nt_xent(z: torch.Tensor, tau: float) -> torch.Tensor:
+def dense_nt_xent(z: torch.Tensor, tau: float) -> torch.Tensor:
     """Dense NT-Xent with halves pairing, as lightly computes it (N x N logits)."""
     n = z.shape[0] // 2
     z = torch.nn.functional.normalize(z, dim=1)
@@ -124,7 +124,7 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
         if impl == "open_clip":
             peer = load_open_clip_loss().ClipLoss()
             return lambda: peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau)
-        return lambda: _dense_clip(x, y, tau)
+        return lambda: dense_clip(x, y, tau)
     if impl in ("ours", "ours-dense"):
         return lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk)
     if impl == "open_clip":
@@ -165,7 +165,7 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
             pml = PMLNTXent(temperature=tau)
             pair_labels = torch.arange(n, device=device) % (n // 2)
             return (lambda: pml(x, pair_labels)), [x]
-        return (lambda: _dense_nt_xent(x, tau)), [x]
+        return (lambda: dense_nt_xent(x, tau)), [x]
     if impl in ("ours", "ours-dense"):
         chunk = dense_chunk if impl == "ours-dense" else None
         return (lambda: tc.supcon_loss(x, labels, temperature=tau, chunk_size=chunk)), [x]

@@ -2,7 +2,7 @@
 
 At these sizes per-call overhead, kernel launches and host synchronisations decide the
 time, not FLOPs. Every loss/convention runs against the plain dense PyTorch formula it
-replaces (open_clip's CLIP loss, lightly's NT-Xent, a dense SupCon, a dense
+replaces (open_clip's CLIP loss and lightly's NT-Xent -- the large-N bench's dense baselines -- a dense SupCon, a dense
 pytorch-metric-learning NT-Xent, a dense NT-BXent), forward + backward, in one process:
 loss and formula runs alternate and the ratio is the median of per-pair ratios, so a
 slow spell of a shared machine hits both sides alike. The host synchronisations per
@@ -22,25 +22,11 @@ from torch import Tensor
 
 import torch_contrastive as tc
 
+from .bench import dense_clip, dense_nt_xent
 from .synccount import count_host_syncs
 
 SIZES = (64, 256, 1024)
 CLASSES = 10  # labelled cases: CIFAR-10-like classes
-
-
-def plain_clip(img: Tensor, txt: Tensor, tau: float) -> Tensor:
-    """open_clip's ClipLoss formula (world size 1)."""
-    logits = F.normalize(img, dim=1) @ F.normalize(txt, dim=1).T / tau
-    target = torch.arange(img.shape[0], device=img.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-
-
-def plain_nt_xent_halves(z: Tensor, tau: float) -> Tensor:
-    """lightly's NTXentLoss formula on ``cat([view1, view2])``."""
-    n = z.shape[0] // 2
-    z = F.normalize(z, dim=1)
-    logits = (z @ z.T / tau).masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
-    return F.cross_entropy(logits, (torch.arange(2 * n, device=z.device) + n) % (2 * n))
 
 
 def plain_supcon(z: Tensor, labels: Tensor, tau: float) -> Tensor:
@@ -86,8 +72,8 @@ def cases(n: int, d: int, tau: float, generator: torch.Generator) -> dict[str, t
     y = torch.randn(n, d, generator=generator).requires_grad_()
     labels = torch.randint(0, CLASSES, (n,), generator=generator)
     return {
-        "clip": (lambda val: tc.image_text_contrastive_loss(x, y, tau, validate=val), lambda: plain_clip(x, y, tau), [x, y]),
-        "nt_xent halves": (lambda val: tc.nt_xent_loss(x, tau, pairing="halves", validate=val), lambda: plain_nt_xent_halves(x, tau), [x]),
+        "clip": (lambda val: tc.image_text_contrastive_loss(x, y, tau, validate=val), lambda: dense_clip(x, y, tau), [x, y]),
+        "nt_xent halves": (lambda val: tc.nt_xent_loss(x, tau, pairing="halves", validate=val), lambda: dense_nt_xent(x, tau), [x]),
         "supcon labels": (lambda val: tc.supcon_loss(x, labels, temperature=tau, validate=val), lambda: plain_supcon(x, labels, tau), [x]),
         "nt_xent labels (PML)": (lambda val: tc.nt_xent_loss(x, tau, labels=labels, validate=val),
                                  lambda: plain_nt_xent_pml(x, labels, tau), [x]),

@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope, make_scope
-from ..engine import Scale, resolve_tile, tile_label_bounds
+from ..engine import Scale, fixed_scale_applies, pairwise_rows, resolve_tile, tile_label_bounds
 from ..positives import Positives
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -59,6 +59,24 @@ def image_text_inputs(image_feat: Tensor, text_feat: Tensor, image_id: Tensor | 
     checks.finite(image_feat, "image_feat")
     checks.finite(text_feat, "text_feat")
     return ImageTextInputs(n, device, image_id, text_id, ids_given, scope, checks)
+
+
+def image_text_positives(image_id: Tensor | None, text_id: Tensor | None, n: int, num_cols: int, scope: Scope,
+                         device: torch.device) -> Positives:
+    """Positives of this rank's n image rows against all ``num_cols`` texts (seed 002's rule).
+
+    With ids: ``image_id_i == image_id_j or text_id_i == text_id_j`` (ids gathered under
+    ``gather=True``); without: image i's positive is text ``offset + i``. The relation is
+    symmetric, so it serves both directions.
+    """
+    keys = [k for k in (image_id, text_id) if k is not None]
+    offset = scope.offset
+    if keys:
+        global_keys = tuple(scope.ints(k) for k in keys)
+        local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
+        return Positives.from_keys(local_keys, global_keys, self_offset=None)
+    return Positives.from_partner(pair_partner(n, "identity", offset, device), num_cols, self_offset=None,
+                                  layout=None if scope.distributed else "identity")
 
 
 class SingleSet(NamedTuple):
@@ -146,6 +164,33 @@ def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.C
     scale_bound = values.pop() if isinstance(scale, Tensor) else None
     ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(values) // 2)]
     return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm), scale_bound)
+
+
+class LabelledRows(NamedTuple):
+    outputs: tuple[Tensor, ...]  # the kernel's per-row statistics, in the caller's row order
+    counts: Tensor  # (R,) positives per row, same order
+    scale_bound: float | None  # the scale's value when it was read (see SortedByLabel), else the bound given
+
+
+def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, scale: Scale, bound: float | None, *,
+                           kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
+                           chunk_size: int | None) -> LabelledRows:
+    """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
+    :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels."""
+    by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
+    if by_label is None:
+        positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
+        outputs = pairwise_rows(z, z_all, scale, positives, kernel=kernel, normalize=inside, eps=eps, chunk_size=chunk_size,
+                                fixed=fixed_scale_applies(normalize, bound, z.dtype))
+        return LabelledRows(outputs, positives.row_counts(), bound)
+    # Sorted: most tiles hold only negatives.
+    known = bound if by_label.scale_bound is None else by_label.scale_bound
+    positives = Positives.from_keys(by_label.labels, self_offset=0)
+    outputs = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel=kernel, normalize=inside, eps=eps,
+                            chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
+                            fixed=fixed_scale_applies(normalize, known, z.dtype))
+    order = by_label.order
+    return LabelledRows(tuple(t[order] for t in outputs), positives.row_counts()[order], known)
 
 
 def positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, scale: Scale) -> Tensor:

@@ -11,8 +11,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope
 from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
-from ..positives import Positives
-from ._common import check_agreement, finish_checks, image_text_inputs, pair_partner, positive_logits
+from ._common import check_agreement, finish_checks, image_text_inputs, image_text_positives, positive_logits
 
 __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
 
@@ -81,27 +80,26 @@ def image_text_contrastive_loss(
     check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
 
     fixed = fixed_scale_applies(normalize, bound, image_feat.dtype)
-    keys = [k for k in (image_id, text_id) if k is not None]
     if not scope.distributed:
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions, and the
         # whole loss -- normalisation, both directions, positives -- is one engine call.
-        pos = Positives.from_keys(tuple(keys), tuple(keys), self_offset=None) if keys else \
-            Positives.from_partner(pair_partner(n, "identity", 0, device), n, self_offset=None, layout="identity")
+        pos = image_text_positives(image_id, text_id, n, n, scope, device)
         counts = pos.row_counts()
-        weights = (None, None) if not keys else (counts.to(compute_dtype(image_feat.dtype)), None)
+        weights = (None, None) if pos.kind == "partner" else (counts.to(compute_dtype(image_feat.dtype)), None)
         per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
                                             row_weights=weights, col_weights=weights, columns=True, fixed=fixed,
                                             normalize=normalize, eps=eps, chunk_size=chunk_size)
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")
     else:
-        per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, keys, scope, fixed, normalize, eps, chunk_size)
+        per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, image_id, text_id, scope, fixed, normalize,
+                                                         eps, chunk_size)
     finish_checks(per_image + per_text, checks, v.output_needs_check(normalize, bound))
     return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
 
 
-def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, keys: list[Tensor], scope: Scope, fixed: bool,
-                       normalize: bool, eps: float, chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, image_id: Tensor | None, text_id: Tensor | None,
+                       scope: Scope, fixed: bool, normalize: bool, eps: float, chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-image and per-text terms of this rank's rows under ``gather=True``.
 
     One pass over this rank's image rows x all texts gives the image rows' terms and the
@@ -114,11 +112,7 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, keys
     txt = prepare(text_feat.to(image_feat.dtype), normalize, eps)
     img_all, txt_all = scope.rows(img), scope.rows(txt)
     offset = scope.offset  # known once rows() has gathered the sizes
-    if keys:
-        global_keys = tuple(scope.ints(k) for k in keys)
-        pos = Positives.from_keys(tuple(k[offset : offset + n] for k in global_keys), global_keys, self_offset=None)
-    else:
-        pos = Positives.from_partner(pair_partner(n, "identity", offset, img.device), img_all.shape[0], self_offset=None)
+    pos = image_text_positives(image_id, text_id, n, img_all.shape[0], scope, img.device)
     counts = pos.row_counts()
     per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos,
                                            row_weights=(counts.to(img.dtype), None), columns=True, column_positives=False,

@@ -9,7 +9,7 @@ from .. import _validation as v
 from ..distributed import make_scope
 from ..engine import pairwise_rows
 from ..positives import Positives
-from ._common import reduce, single_set, sort_by_label
+from ._common import labelled_pairwise_rows, reduce, single_set
 
 __all__ = ["nt_bxent_loss"]
 
@@ -69,29 +69,17 @@ def nt_bxent_loss(
     scale, bound = v.inverse_temperature(temperature, checks)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
     total = z_all.shape[0]
-    by_label = None
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.
         pairs = pos_indices if not offset else pos_indices + torch.tensor([0, offset], device=pos_indices.device)
         positives = Positives.from_pairs(pairs, n, total, self_offset=offset)
         pos_sum, neg_sum = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps, chunk_size=chunk_size)
-    else:
-        keys = scope.ints(labels)  # type: ignore[arg-type]
-        by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
-        if by_label is not None:  # sorted: most tiles hold only negatives
-            positives = Positives.from_keys(by_label.labels, self_offset=0)
-            pos_sum, neg_sum = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel="binary", normalize=inside,
-                                             eps=eps, chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges))
-            pos_sum, neg_sum, counts = pos_sum[by_label.order], neg_sum[by_label.order], positives.row_counts()[by_label.order]
-        else:
-            positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
-            pos_sum, neg_sum = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps,
-                                             chunk_size=chunk_size)
-    if by_label is None:
         counts = positives.row_counts()
+    else:
+        rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="binary",  # type: ignore[arg-type]
+                                      checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size)
+        (pos_sum, neg_sum), counts, bound = rows
     n_pos = (counts + 1).to(pos_sum.dtype)  # + the diagonal, as in the seed
     n_neg = total - n_pos
     per_row = pos_sum / n_pos + torch.where(n_neg > 0, neg_sum / n_neg.clamp_min(1), 0.0)
-    if by_label is not None and by_label.scale_bound is not None:
-        bound = by_label.scale_bound  # read with the tile plan
     return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

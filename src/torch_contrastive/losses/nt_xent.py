@@ -6,9 +6,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import fixed_scale_applies, pairwise_rows, softmax_terms
+from ..engine import fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import pair_partner, reduce, single_set, sort_by_label
+from ._common import labelled_pairwise_rows, pair_partner, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 
@@ -80,7 +80,6 @@ def nt_xent_loss(
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
-    check_output = v.output_needs_check(normalize, bound)
 
     if labels is None:
         positives = Positives.from_partner(pair_partner(n, pairing, offset, z.device), z_all.shape[0], self_offset=offset,
@@ -88,21 +87,8 @@ def nt_xent_loss(
         per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
                                    fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
                                    chunk_size=chunk_size)
-        return reduce(per_row, float(n), reduction, scope, checks, check_output)
+        return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
-    keys = scope.ints(labels)
-    by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
-    if by_label is not None:  # sorted: most tiles hold only negatives
-        positives = Positives.from_keys(by_label.labels, self_offset=0)
-        known = bound if by_label.scale_bound is None else by_label.scale_bound
-        (per_row,) = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel="pair_softplus", normalize=inside,
-                                   eps=eps, chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
-                                   fixed=fixed_scale_applies(normalize, known, z.dtype))
-        per_row = per_row[by_label.order]
-        if by_label.scale_bound is not None:
-            check_output = v.output_needs_check(normalize, by_label.scale_bound)
-    else:
-        positives = Positives.from_keys(keys[offset : offset + n] if scope.distributed else keys, keys, self_offset=offset)
-        (per_row,) = pairwise_rows(z, z_all, scale, positives, kernel="pair_softplus", normalize=inside, eps=eps, chunk_size=chunk_size,
-                                   fixed=fixed_scale_applies(normalize, bound, z.dtype))
-    return reduce(per_row, positives.row_counts().sum(), reduction, scope, checks, check_output)
+    rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
+                                  scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size)
+    return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, v.output_needs_check(normalize, rows.scale_bound))

@@ -9,8 +9,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Scale, sigmoid_rows
-from ..positives import Positives
-from ._common import check_agreement, image_text_inputs, pair_partner, reduce
+from ._common import check_agreement, image_text_inputs, image_text_positives, reduce
 
 __all__ = ["siglip_loss"]
 
@@ -19,11 +18,7 @@ def _check_bias(bias: object, checks: v.Checks) -> Scale:
     if isinstance(bias, bool) or not isinstance(bias, (int, float, Tensor)):
         raise TypeError(f"logit_bias must be a float or a 0-dim tensor, got {type(bias).__name__}")
     if isinstance(bias, Tensor):
-        if bias.numel() != 1 or bias.ndim > 1:
-            raise ValueError(f"logit_bias must be a scalar (0-dim tensor), got shape {tuple(bias.shape)}")
-        if not bias.is_floating_point():
-            raise TypeError(f"logit_bias tensor must be floating point, got {bias.dtype}")
-        b = bias.reshape(())
+        b = v.check_scalar_tensor(bias, "logit_bias")
         checks.add(b, lambda: f"logit_bias must be finite, got {float(b.detach())}", lambda value: not math.isfinite(value))
         return b
     if not math.isfinite(float(bias)):
@@ -95,16 +90,9 @@ def siglip_loss(
         inside = False
     else:
         img, txt_all, inside = image_feat, text_feat, normalize
-    offset = scope.offset
-    keys = [k for k in (image_id, text_id) if k is not None]
-    if keys:
-        global_keys = tuple(scope.ints(k) for k in keys)
-        local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
-        positives = Positives.from_keys(local_keys, global_keys, self_offset=None)
-        diagonal = None
-    else:
-        positives = Positives.from_partner(pair_partner(n, "identity", offset, device), txt_all.shape[0], self_offset=None)
-        diagonal = offset
+    positives = image_text_positives(image_id, text_id, n, txt_all.shape[0], scope, device)
+    # Without ids image i's positive is text offset + i: a strided diagonal of each tile.
+    diagonal = scope.offset if positives.kind == "partner" else None
     per_image = sigmoid_rows(img, txt_all, scale, bias, positives, diagonal_offset=diagonal, normalize=inside, eps=eps,
                              chunk_size=chunk_size)
     # "mean": the global sum over all pairs / the global number of images (open_clip's / N).
