@@ -189,3 +189,64 @@ def siglip(img: Tensor, txt: Tensor, scale, bias, image_id=None, text_id=None, n
             z = 1.0 if (iid[i] == iid[j] or tid[i] == tid[j]) else -1.0
             total = total - torch.nn.functional.logsigmoid(z * (scale * s[i][j] + bias))
     return total / n
+
+
+def info_nce(query: Tensor, key: Tensor, negatives, tau, mode: str = "unpaired", in_batch: bool = True,
+             normalize: bool = True) -> Tensor:
+    """SPEC §10: query i against its key, the other keys (in_batch), the pool or its own negatives."""
+    n = query.shape[0]
+    s_keys = cosine_matrix(query, key, normalize)
+    total = 0.0
+    for i in range(n):
+        cands = [s_keys[i][i] / tau]
+        if in_batch:
+            cands += [s_keys[i][j] / tau for j in range(n) if j != i]
+        if negatives is not None:
+            own = negatives if mode == "unpaired" else negatives[i]
+            cands += [c / tau for c in cosine_matrix(query[i : i + 1], own, normalize)[0]]
+        total = total + (-s_keys[i][i] / tau + _lse(cands))
+    return total / n
+
+
+def mnrl(anchors: Tensor, positives: Tensor, hard_negatives: Tensor, scale: float) -> Tensor:
+    """sentence-transformers' MultipleNegativesRankingLoss as its documentation states it:
+    cross-entropy of scale * cos(anchor_i, [all positives; all hard negatives]) with target i."""
+    cands = torch.cat([positives, hard_negatives])
+    s = cosine_matrix(anchors, cands)
+    total = 0.0
+    for i in range(anchors.shape[0]):
+        total = total + (-scale * s[i][i] + _lse([scale * c for c in s[i]]))
+    return total / anchors.shape[0]
+
+
+def supcon_memory(x: Tensor, labels, memory: Tensor, memory_labels, tau) -> Tensor:
+    """SupCon with extra candidates: anchors = batch rows; candidates = batch (self excluded) + memory."""
+    cands = torch.cat([x, memory])
+    cand_labels = [int(v) for v in labels] + [int(v) for v in memory_labels]
+    s = cosine_matrix(x, cands)
+    losses = []
+    for i in range(x.shape[0]):
+        others = [j for j in range(cands.shape[0]) if j != i]
+        denom = _lse([s[i][j] / tau for j in others])
+        pos = [s[i][j] / tau - denom for j in others if cand_labels[j] == int(labels[i])]
+        if pos:
+            losses.append(-torch.stack(pos).mean())
+    if not losses:
+        return (x * 0).sum() * tau
+    return torch.stack(losses).mean()
+
+
+def nt_xent_pml_memory(x: Tensor, labels, memory: Tensor, memory_labels, tau) -> Tensor:
+    """pytorch-metric-learning NT-Xent (one term per positive pair) over batch + memory candidates."""
+    cands = torch.cat([x, memory])
+    cand_labels = [int(v) for v in labels] + [int(v) for v in memory_labels]
+    s = cosine_matrix(x, cands)
+    terms = []
+    for i in range(x.shape[0]):
+        negs = [s[i][j] / tau for j in range(cands.shape[0]) if cand_labels[j] != int(labels[i])]
+        for p in range(cands.shape[0]):
+            if p != i and cand_labels[p] == int(labels[i]):
+                terms.append(-s[i][p] / tau + _lse([s[i][p] / tau, *negs]))
+    if not terms:
+        return (x * 0).sum() * tau
+    return torch.stack(terms).mean()

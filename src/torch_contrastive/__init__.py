@@ -2,16 +2,18 @@
 
 Functional API: :func:`nt_xent_loss`, :func:`nt_bxent_loss`,
 :func:`image_text_contrastive_loss` (alias :func:`clip_loss`), :func:`supcon_loss`,
-:func:`siglip_loss`.
+:func:`siglip_loss`, :func:`info_nce_loss`.
 Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
-:class:`SigLipLoss`.
+:class:`SigLipLoss`, :class:`InfoNCELoss`. Candidates beyond the batch:
+:class:`FeatureQueue` (MoCo queue / memory bank).
 """
 
 from .distributed import all_gather_with_grad
 from .losses import (
     clip_loss,
     image_text_contrastive_loss,
+    info_nce_loss,
     nt_bxent_loss,
     nt_xent_loss,
     pair_keys,
@@ -19,14 +21,17 @@ from .losses import (
     supcon_loss,
     text_ids,
 )
-from .modules import ClipLoss, ImageTextContrastiveLoss, NTBXentLoss, NTXentLoss, SigLipLoss, SupConLoss
+from .modules import ClipLoss, ImageTextContrastiveLoss, InfoNCELoss, NTBXentLoss, NTXentLoss, SigLipLoss, SupConLoss
 from .positives import Positives
+from .queue import FeatureQueue
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClipLoss",
+    "FeatureQueue",
     "ImageTextContrastiveLoss",
+    "InfoNCELoss",
     "NTBXentLoss",
     "NTXentLoss",
     "Positives",
@@ -35,6 +40,7 @@ __all__ = [
     "all_gather_with_grad",
     "clip_loss",
     "image_text_contrastive_loss",
+    "info_nce_loss",
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",

@@ -32,6 +32,7 @@ REDUCTIONS = ("mean", "sum", "none")
 GRAD_REDUCTIONS = ("mean", "sum")
 PAIRINGS = ("adjacent", "halves")
 CONTRAST_MODES = ("all", "one")
+NEGATIVE_MODES = ("unpaired", "paired")
 
 #: Above this 1/tau a normalised loss could overflow fp32 (2 * scale + log N), so the
 #: output is checked too; below it the result is finite by construction.
@@ -68,7 +69,7 @@ class Checks:
         ``max |x|`` is NaN or inf exactly when some entry is, and costs two cheap
         reductions (``isfinite(x).all()`` is several times slower).
         """
-        if not self.enabled:
+        if not self.enabled or x.numel() == 0:
             return
 
         def message() -> str:
@@ -123,8 +124,12 @@ class Checks:
         return host[n:]
 
 
-def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int | None = 2) -> Tensor:
-    """A floating tensor with ``min_ndim <= ndim <= max_ndim`` and at least one row (metadata only)."""
+def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int | None = 2, empty_rows: bool = False) -> Tensor:
+    """A floating tensor with ``min_ndim <= ndim <= max_ndim`` and at least one row (metadata only).
+
+    ``empty_rows``: zero rows are allowed (a queue or memory that has not filled yet),
+    but not a zero feature size.
+    """
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -132,9 +137,30 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     if x.ndim < min_ndim or (max_ndim is not None and x.ndim > max_ndim):
         expected = f"{min_ndim}" if max_ndim == min_ndim else f"at least {min_ndim}" if max_ndim is None else f"{min_ndim} to {max_ndim}"
         raise ValueError(f"{name} must have {expected} dimensions, got shape {tuple(x.shape)}")
-    if x.numel() == 0:
+    if x.numel() == 0 and not (empty_rows and x.shape[0] == 0 and all(d > 0 for d in x.shape[1:])):
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     return x
+
+
+def check_memory(memory_emb: object, memory_labels: object, width: int, device: torch.device,
+                 checks: Checks) -> tuple[Tensor, Tensor] | None:
+    """``memory_emb`` (M, D) rows with ``memory_labels`` (M,) for a supervised loss, or None.
+
+    Both or neither; ``D`` must be the batch's feature size; M may be 0 (a queue that
+    has not filled yet).
+    """
+    if memory_emb is None and memory_labels is None:
+        return None
+    if memory_emb is None:
+        raise ValueError("memory_labels was given without memory_emb")
+    if memory_labels is None:
+        raise ValueError("memory_emb needs memory_labels: positives among memory rows are found by label")
+    emb = check_embeddings(memory_emb, "memory_emb", empty_rows=True)
+    if emb.shape[1] != width:
+        raise ValueError(f"memory_emb must have feature size {width} (as the batch), got {emb.shape[1]}")
+    labels = check_labels(memory_labels, "memory_labels", emb.shape[0], device)
+    checks.finite(emb, "memory_emb")
+    return emb, labels
 
 
 def check_labels(labels: object, name: str, length: int, device: torch.device) -> Tensor:

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _validation as v
-from .losses import image_text_contrastive_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
+from .losses import image_text_contrastive_loss, info_nce_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
-__all__ = ["ClipLoss", "ImageTextContrastiveLoss", "NTBXentLoss", "NTXentLoss", "SigLipLoss", "SupConLoss"]
+__all__ = ["ClipLoss", "ImageTextContrastiveLoss", "InfoNCELoss", "NTBXentLoss", "NTXentLoss", "SigLipLoss", "SupConLoss"]
 
 #: CLIP clamps its logit scale at 100 (temperature 0.01).
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -87,8 +87,10 @@ class NTXentLoss(_Loss):
         super().__init__(temperature, **options)
         self.pairing = v.check_choice(pairing, "pairing", v.PAIRINGS)
 
-    def forward(self, embeddings: Tensor, labels: Tensor | None = None) -> Tensor:
-        return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing, **self.options)
+    def forward(self, embeddings: Tensor, labels: Tensor | None = None, memory_emb: Tensor | None = None,
+                memory_labels: Tensor | None = None) -> Tensor:
+        return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing, memory_emb=memory_emb,
+                            memory_labels=memory_labels, **self.options)
 
     def _own_options(self) -> dict[str, Any]:
         return {"pairing": self.pairing}
@@ -140,12 +142,42 @@ class SupConLoss(_Loss):
         self.base_temperature = None if base_temperature is None else _check_temperature(base_temperature, "base_temperature")
         self.contrast_mode = v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
 
-    def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+    def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
+                memory_emb: Tensor | None = None, memory_labels: Tensor | None = None) -> Tensor:
         return supcon_loss(features, labels, mask, self.temperature, base_temperature=self.base_temperature,
-                           contrast_mode=self.contrast_mode, **self.options)
+                           contrast_mode=self.contrast_mode, memory_emb=memory_emb, memory_labels=memory_labels, **self.options)
 
     def _own_options(self) -> dict[str, Any]:
         return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode}
+
+
+class InfoNCELoss(_Loss):
+    """Module form of :func:`~torch_contrastive.info_nce_loss`: ``loss(query, key)`` or
+    ``loss(query, key, negatives)`` (info-nce-pytorch's call form).
+
+    Example:
+        >>> loss_fn = InfoNCELoss(0.07, in_batch_negatives=False)      # MoCo
+        >>> loss = loss_fn(q, k, queue.features)
+        >>> queue.push(k)
+    """
+
+    def __init__(self, temperature: float = 0.07, *, negative_mode: str = "unpaired", in_batch_negatives: bool = True,
+                 gather_negatives: bool | None = None, **options: Any) -> None:
+        super().__init__(temperature, **options)
+        self.negative_mode = v.check_choice(negative_mode, "negative_mode", v.NEGATIVE_MODES)
+        if not isinstance(in_batch_negatives, bool):
+            raise TypeError(f"in_batch_negatives must be a bool, got {type(in_batch_negatives).__name__}")
+        if gather_negatives is not None and not isinstance(gather_negatives, bool):
+            raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")
+        self.in_batch_negatives = in_batch_negatives
+        self.gather_negatives = gather_negatives
+
+    def forward(self, query: Tensor, key: Tensor, negatives: Tensor | None = None) -> Tensor:
+        return info_nce_loss(query, key, negatives, self.temperature, negative_mode=self.negative_mode,
+                             in_batch_negatives=self.in_batch_negatives, gather_negatives=self.gather_negatives, **self.options)
+
+    def _own_options(self) -> dict[str, Any]:
+        return {"negative_mode": self.negative_mode, "in_batch_negatives": self.in_batch_negatives}
 
 
 class SigLipLoss(nn.Module):

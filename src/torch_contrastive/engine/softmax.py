@@ -15,7 +15,7 @@ positive part and their backward, so a loss call adds only a handful of autograd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +64,9 @@ class _Plan:
     # ``all_max(t)`` over ranks (a distributed.Scope). Each rank then holds only some
     # anchor rows, and the column log-sum-exp is completed across ranks.
     column_comm: Any = None
+    # Only candidates [0, grad_columns) get a gradient; the rest are constants (a queue of
+    # past keys, detached hard negatives), so their G.T @ A products are skipped.
+    grad_columns: int = 0
 
     @property
     def single_tile(self) -> bool:
@@ -204,9 +207,13 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
             diag.zero_()
     if plan.positives is not None and c_row is not None:
         _fold_positives(g, plan.positives, plan, c_row, c_col)
-    if plan.symmetric:
+    if plan.symmetric or plan.grad_columns == 0:
         return g @ b, None
-    return g @ b, g.t() @ a
+    if plan.grad_columns >= b.shape[0]:
+        return g @ b, g.t() @ a
+    ga_acc = torch.zeros_like(b)
+    torch.mm(g[:, : plan.grad_columns].t(), a, out=ga_acc[: plan.grad_columns])
+    return g @ b, ga_acc
 
 
 def _fold_positives(g: Tensor, positives: Positives, plan: _Plan, c_row: Tensor, c_col: Tensor | None) -> None:
@@ -340,7 +347,7 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
     R, C = a.shape[0], b.shape[0]
     bufs = Buffers(a.dtype, a.device)
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
-    ga_acc = None if plan.symmetric else torch.zeros_like(b)  # G.T @ A
+    ga_acc = _column_accumulator(b, plan)  # G.T @ A
     for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
         g = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
         if v is not None:
@@ -358,7 +365,7 @@ def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _D
     R, C = a.shape[0], b.shape[0]
     bufs = Buffers(a.dtype, a.device)
     gb_acc = torch.zeros_like(a)
-    ga_acc = None if plan.symmetric else torch.zeros_like(b)
+    ga_acc = _column_accumulator(b, plan)
     for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
         s = logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a_s[r0:r1], b[c0:c1])
         g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0)).exp_().mul_(g_row[r0:r1, None])
@@ -366,6 +373,12 @@ def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _D
             g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
         _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
     return gb_acc, ga_acc
+
+
+def _column_accumulator(b: Tensor, plan: _Plan) -> Tensor | None:
+    """``G.T @ A``'s accumulator: none for a symmetric set (its columns are its rows) or
+    when no candidate needs a gradient; rows past ``grad_columns`` stay zero."""
+    return None if plan.symmetric or plan.grad_columns == 0 else torch.zeros_like(b)
 
 
 def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
@@ -378,8 +391,9 @@ def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor 
     if plan.symmetric:
         if c0 != r0:
             gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])
-    elif ga_acc is not None:
-        ga_acc[c0:c1].addmm_(g.t(), a[r0:r1])
+    elif ga_acc is not None and c0 < plan.grad_columns:
+        end = min(c1, plan.grad_columns)
+        ga_acc[c0:end].addmm_(g[:, : end - c0].t(), a[r0:r1])
 
 
 def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
@@ -458,6 +472,8 @@ class _SoftmaxTerms(torch.autograd.Function):
         has_pos = plan.positives is not None
         c_row = -_weighted(g_row, row_beta) if has_pos else None
         c_col = -_weighted(g_col_c, col_beta) if has_pos and g_col_c is not None and plan.column_positives else None
+        if not plan.symmetric and not ctx.needs_input_grad[1 if not ctx.single else 0]:
+            plan = replace(plan, grad_columns=0)
         if kept is not None:
             folded = (c_row, c_col) if plan.tile_positives else (None, None)
             gb_acc, ga_acc = _single_backward(kept, a, b, (u, row_lse), col, *folded, plan)
@@ -467,19 +483,21 @@ class _SoftmaxTerms(torch.autograd.Function):
             a_s = a * scale
             gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
-            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row, c_col)
+            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row, c_col, plan.symmetric)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return ga, gb, gscale, None, None, None, None, None
 
 
 def _positive_gradients(pos: Positives, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
-                        c_row: Tensor, c_col: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                        c_row: Tensor, c_col: Tensor | None, symmetric: bool) -> tuple[Tensor, Tensor | None]:
     """Add the positive part ``G_ij += P_ij (c_row_i + c_col_j)`` to ``G @ B`` and ``G.T @ A``."""
     gb_acc = gb_acc + c_row[:, None] * pos.aggregate(b)
     if c_col is not None:
         gb_acc = gb_acc + pos.aggregate(c_col[:, None] * b)
-    if ga_acc is None:  # symmetric: the columns are the rows, so both roles land in one accumulator
+    if symmetric:  # the columns are the rows, so both roles land in one accumulator
         return gb_acc + pos.aggregate_transposed(c_row[:, None] * a), None
+    if ga_acc is None:  # no candidate needs a gradient
+        return gb_acc, None
     ga_acc = ga_acc + pos.aggregate_transposed(c_row[:, None] * a)
     if c_col is not None:
         ga_acc = ga_acc + c_col[:, None] * pos.aggregate_transposed(a)
@@ -503,6 +521,7 @@ def softmax_terms(
     eps: float = 1e-12,
     chunk_size: int | None = None,
     column_comm: Any = None,
+    grad_columns: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
 
@@ -536,6 +555,10 @@ def softmax_terms(
             ``all_sum``/``all_max`` over ranks: each rank passes its own anchor rows and
             all candidates, and gets the *global* column statistic (an O(C) all-reduce
             forward, one more for the column gradient backward).
+        grad_columns: only the first ``grad_columns`` candidates need a gradient (the
+            rest are constants, e.g. a queue of past keys concatenated after the live
+            keys): their ``G.T @ A`` products are skipped and their gradient rows are 0.
+            ``None``: every candidate (when ``candidates`` requires grad at all).
 
     Returns:
         ``(row_out, col_out)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
@@ -554,7 +577,8 @@ def softmax_terms(
     single = tile >= max(R, C)
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     plan = _Plan(self_offset, columns, symmetric, 0 if single else tile, fixed, normalize, float(eps), positives,
-                 columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None)
+                 columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
+                 C if grad_columns is None else max(0, min(int(grad_columns), C)))
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan)
     return row_out, (col_out if columns else None)

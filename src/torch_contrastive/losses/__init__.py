@@ -5,6 +5,7 @@
 * :mod:`.image_text` -- the CLIP/ALIGN image-text loss with duplicate ids (seed 002)
 * :mod:`.supcon` -- SupCon (seed 004)
 * :mod:`.siglip` -- SigLIP, the sigmoid image-text loss (Zhai et al. 2023)
+* :mod:`.info_nce` -- InfoNCE with hard negatives and queues (MNRL, info-nce-pytorch, MoCo)
 
 Shared set-up (normalisation, gather, reduction, checks) lives in :mod:`._common`;
 the tiled math in :mod:`torch_contrastive.engine`; positives in
@@ -13,6 +14,7 @@ the tiled math in :mod:`torch_contrastive.engine`; positives in
 
 from ._common import pair_keys
 from .image_text import clip_loss, image_text_contrastive_loss, text_ids
+from .info_nce import info_nce_loss
 from .nt_bxent import nt_bxent_loss
 from .nt_xent import nt_xent_loss
 from .siglip import siglip_loss
@@ -21,6 +23,7 @@ from .supcon import supcon_loss
 __all__ = [
     "clip_loss",
     "image_text_contrastive_loss",
+    "info_nce_loss",
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",

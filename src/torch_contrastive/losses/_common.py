@@ -131,6 +131,23 @@ def finish_checks(values: Tensor, checks: v.Checks, check_output: bool) -> None:
     checks.flush()
 
 
+def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positives, inside: bool, normalize: bool,
+                eps: float) -> tuple[Tensor, Positives, int | None]:
+    """Candidates and positives of a single-set labelled loss extended by memory rows.
+
+    The memory rows follow the batch as extra candidate columns (the self pairs keep
+    their place); their labels extend the column keys. Returns ``(candidates, positives,
+    grad_columns)``: a memory that does not require grad skips its gradient products.
+    """
+    emb, labels = memory
+    # normalised like the batch: inside the engine (local) or already (gathered rows)
+    rows = emb.to(z_all.dtype) if inside else prepare(emb.to(z_all.dtype), normalize, eps)
+    candidates = torch.cat([z_all, rows])
+    row_keys, col_keys = positives.row_keys[0], positives.col_keys[0]
+    extended = Positives.from_keys(row_keys, torch.cat([col_keys, labels]), self_offset=positives.self_offset)
+    return candidates, extended, (None if emb.requires_grad else z_all.shape[0])
+
+
 class SortedByLabel(NamedTuple):
     rows: Tensor  # the rows, sorted by label
     labels: Tensor  # their labels, sorted
@@ -174,12 +191,15 @@ class LabelledRows(NamedTuple):
 
 def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, scale: Scale, bound: float | None, *,
                            kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
-                           chunk_size: int | None) -> LabelledRows:
+                           chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None) -> LabelledRows:
     """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
-    :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels."""
-    by_label = sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
+    :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
+    ``memory`` (rows, labels) adds candidates (then the given order is kept)."""
+    by_label = None if memory is not None else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
     if by_label is None:
         positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
+        if memory is not None:
+            z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
         outputs = pairwise_rows(z, z_all, scale, positives, kernel=kernel, normalize=inside, eps=eps, chunk_size=chunk_size,
                                 fixed=fixed_scale_applies(normalize, bound, z.dtype))
         return LabelledRows(outputs, positives.row_counts(), bound)

@@ -26,6 +26,8 @@ def nt_xent_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
+    memory_emb: Tensor | None = None,
+    memory_labels: Tensor | None = None,
 ) -> Tensor:
     """NT-Xent, the SimCLR loss (seeds 000, 001, 003, 004).
 
@@ -58,6 +60,11 @@ def nt_xent_loss(
         validate: check device values (finite inputs, a positive tensor temperature,
             rank agreement) with one host synchronisation; ``False`` makes none
             (for ``torch.compile`` and GPU pipelines).
+        memory_emb, memory_labels: (M, D) rows kept from earlier batches (a
+            :class:`~torch_contrastive.FeatureQueue`) and their (M,) labels, with
+            ``labels`` only: extra candidates of every row (positives and negatives by
+            label) -- pytorch-metric-learning's ``CrossBatchMemory`` around its
+            ``NTXentLoss``, with this batch's rows live as candidates. Not gathered.
 
     Returns:
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.
@@ -77,6 +84,9 @@ def nt_xent_loss(
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
     checks.finite(embeddings, "embeddings")
+    memory = v.check_memory(memory_emb, memory_labels, embeddings.shape[1], embeddings.device, checks)
+    if memory is not None and labels is None:
+        raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
@@ -90,5 +100,5 @@ def nt_xent_loss(
         return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
-                                  scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size)
+                                  scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size, memory=memory)
     return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, v.output_needs_check(normalize, rows.scale_bound))

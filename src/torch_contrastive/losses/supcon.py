@@ -9,7 +9,7 @@ from .. import _validation as v
 from ..distributed import make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import reduce, single_set
+from ._common import reduce, single_set, with_memory
 
 __all__ = ["supcon_loss"]
 
@@ -29,6 +29,8 @@ def supcon_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
+    memory_emb: Tensor | None = None,
+    memory_labels: Tensor | None = None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020; seed 004).
 
@@ -61,9 +63,16 @@ def supcon_loss(
             per-anchor losses in view-major order (0 for anchors without positives).
         chunk_size, gather, grad_reduction, eps, validate: see
             :func:`~torch_contrastive.nt_xent_loss`.
+        memory_emb, memory_labels: (M, D) rows kept from earlier batches (a
+            :class:`~torch_contrastive.FeatureQueue`) and their (M,) labels: extra
+            candidates of every anchor, positives by label -- pytorch-metric-learning's
+            ``CrossBatchMemory`` around its ``SupConLoss``, with this batch's rows live
+            (they get gradients as candidates too). Needs ``labels``. Memory rows are not
+            gathered (a queue pushed with ``gather=True`` is global already).
 
-    Memory: O(N * D + tile^2); forward+backward about two N x N x D matrix
-    multiplies in ``"all"`` mode, whatever the labels.
+    Memory: O((N + M) * D + tile^2); forward+backward about two N x N x D matrix
+    multiplies in ``"all"`` mode, whatever the labels (plus N x M x D products per
+    direction with a memory).
     """
     v.check_embeddings(features, "features", min_ndim=2, max_ndim=None)
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
@@ -86,6 +95,9 @@ def supcon_loss(
         mask = v.check_mask(mask, bsz, device, checks)
     checks.finite(features, "features")
     flat = features.transpose(0, 1).reshape(bsz * n_views, -1)  # view-major, as the authors' code
+    memory = v.check_memory(memory_emb, memory_labels, flat.shape[1], device, checks)
+    if memory is not None and labels is None:
+        raise ValueError("memory_emb needs labels for the batch (positives with memory rows are found by label)")
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
     factor = None
     if base_temperature is not None:
@@ -101,7 +113,10 @@ def supcon_loss(
         # This rank's anchors are its first n_anchor flattened rows.
         positives = Positives.from_keys(keys[offset : offset + n_anchor], keys, self_offset=offset)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
-    symmetric = not scope.distributed and n_anchor == z.shape[0]
+    symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None
+    grad_columns = None
+    if memory is not None:
+        z_all, positives, grad_columns = with_memory(z_all, memory, positives, inside, normalize, eps)
     counts = positives.row_counts()
     has_pos = counts > 0
     cdtype = compute_dtype(z.dtype)
@@ -109,7 +124,7 @@ def supcon_loss(
     weights = (has_pos.to(cdtype), has_pos.to(cdtype) / counts.clamp_min(1).to(cdtype))
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
-                                  eps=eps, chunk_size=chunk_size)
+                                  eps=eps, chunk_size=chunk_size, grad_columns=grad_columns)
     if factor is not None:
         per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
     return reduce(per_anchor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
