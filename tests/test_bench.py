@@ -45,3 +45,14 @@ def test_bench_command_writes_csv_and_plot(tmp_path, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "supcon-authors-formula" in printed and "wrote" in printed
+
+
+def test_queue_case_values_agree_and_reference_has_the_queue_shape():
+    """info_nce_queue: in-batch + queue equals the dense formula; MoCo's form equals info-nce-pytorch."""
+    pytest.importorskip("info_nce")
+    spec = {"loss": "info_nce_queue", "n": 64, "d": 16, "tau": 0.1, "reps": 1, "queue": 300}
+    rows = {impl: worker({**spec, "impl": impl}) for impl in ("ours", "dense-baseline", "ours-moco", "info_nce")}
+    assert rows["ours"]["value"] == pytest.approx(rows["dense-baseline"]["value"], rel=1e-5)
+    assert rows["ours-moco"]["value"] == pytest.approx(rows["info_nce"]["value"], rel=1e-5)
+    assert rows["ours"]["value"] != pytest.approx(rows["ours-moco"]["value"], rel=1e-3)  # two different forms
+    assert all(math.isfinite(r["R"]) for r in rows.values())

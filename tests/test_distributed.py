@@ -58,12 +58,31 @@ def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
         "supcon_labels": lambda: tc.supcon_loss(emb, labels, temperature=0.2, gather=gather),
         "supcon_views": lambda: tc.supcon_loss(views, temperature=0.2, gather=gather),
         "supcon_one": lambda: tc.supcon_loss(views, labels, temperature=0.2, contrast_mode="one", gather=gather),
+        # candidates beyond the batch: keys and pools of all ranks; paired negatives stay with their
+        # query; a queue / memory is global already (same rows on every rank, not gathered)
+        "info_nce": lambda: tc.info_nce_loss(emb, emb_y, None, 0.2, gather=gather),
+        "info_nce_pool": lambda: tc.info_nce_loss(emb, emb_y, torch.sin(emb_y) * 2, 0.2, gather=gather),
+        "info_nce_pool_only": lambda: tc.info_nce_loss(emb, emb_y, torch.sin(emb_y) * 2, 0.2, in_batch_negatives=False, gather=gather),
+        "info_nce_paired": lambda: tc.info_nce_loss(emb, emb_y, torch.stack([emb_y.roll(1, 1), emb_y.cos()], 1), 0.2,
+                                                    negative_mode="paired", gather=gather),
+        "info_nce_queue": lambda: tc.info_nce_loss(emb, emb_y, QUEUE, 0.2, in_batch_negatives=False, gather=gather,
+                                                   gather_negatives=False),
+        "info_nce_keys_queue": lambda: tc.info_nce_loss(emb, emb_y, QUEUE, 0.2, gather=gather, gather_negatives=False),
+        "supcon_memory": lambda: tc.supcon_loss(emb, labels, temperature=0.2, memory_emb=QUEUE, memory_labels=QUEUE_LABELS,
+                                                gather=gather),
+        "nt_xent_pml_memory": lambda: tc.nt_xent_loss(emb, 0.3, labels=labels, memory_emb=QUEUE, memory_labels=QUEUE_LABELS,
+                                                      gather=gather),
     }
     return calls[case]()
 
 
+QUEUE = torch.randn(9, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+QUEUE_LABELS = torch.randint(0, 4, (9,), generator=torch.Generator().manual_seed(6))
+
 CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", "nt_bxent_labels",
-         "clip", "clip_ids", "siglip", "siglip_ids", "supcon_labels", "supcon_views", "supcon_one"]
+         "clip", "clip_ids", "siglip", "siglip_ids", "supcon_labels", "supcon_views", "supcon_one",
+         "info_nce", "info_nce_pool", "info_nce_pool_only", "info_nce_paired", "info_nce_queue", "info_nce_keys_queue",
+         "supcon_memory", "nt_xent_pml_memory"]
 
 
 def _check_case(rank, world, case, sizes):
@@ -230,3 +249,22 @@ def test_train_command_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["config"]["distributed"] and metrics["loss_history"][-1] < metrics["loss_history"][0]
+
+
+def _queue_push_gather(rank, world, sizes):
+    """push(gather=True): every rank holds the same rows (rank order), sizes may differ."""
+    queue = tc.FeatureQueue(sum(sizes) + 3)
+    rows = torch.full((sizes[rank], 2), float(rank)) + torch.arange(sizes[rank])[:, None]
+    queue.push(rows, torch.full((sizes[rank],), 10**15 + rank), gather=True)  # ids beyond float precision stay exact
+    expected = torch.cat([torch.full((n, 2), float(r)) + torch.arange(n)[:, None] for r, n in enumerate(sizes)])
+    assert len(queue) == sum(sizes)
+    assert torch.equal(queue.features, expected)
+    assert queue.labels.tolist() == [10**15 + r for r, n in enumerate(sizes) for _ in range(n)]
+    local = tc.FeatureQueue(8)
+    local.push(rows)  # without gather: this rank's rows only
+    assert len(local) == sizes[rank]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_queue_push_gather_keeps_ranks_identical(world):
+    run_ranks(_queue_push_gather, world, [1 + r for r in range(world)])

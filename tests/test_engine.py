@@ -220,3 +220,14 @@ def test_softmax_terms_against_the_dense_formula(kind, single_set, fixed, chunk)
         results.append((value.detach(), *grads))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_row_norms_of_large_inputs_go_through_blocks_with_the_same_result():
+    """Above 2**19 elements the fp64 norm accumulation runs per row block (bounded copy): same norms."""
+    from torch_contrastive.engine._common import _NORM_BLOCK, l2_normalize
+
+    x = torch.randn(_NORM_BLOCK // 128 * 2 + 37, 128) * torch.logspace(-30, 30, _NORM_BLOCK // 128 * 2 + 37)[:, None]
+    y, _, norm = l2_normalize(x, 1e-12)
+    ref = torch.linalg.vector_norm(x.double(), dim=1, keepdim=True)
+    torch.testing.assert_close(norm.double(), ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(y.double(), x.double() / ref.clamp_min(1e-12), rtol=1e-6, atol=1e-7)

@@ -46,7 +46,13 @@ IMPLEMENTATIONS = {
     # labelled mask-in-tile losses (only with --loss and --classes; their dense forms need several N x N matrices)
     "nt_xent_pml": ["ours"],
     "nt_bxent": ["ours"],
+    # N queries against their keys plus a queue of Q negatives (only with --loss info_nce_queue):
+    # in-batch keys + queue (N x (N + Q) logits), and MoCo's form (key + queue) against info-nce-pytorch
+    "info_nce_queue": ["ours", "dense-baseline", "ours-moco", "info_nce"],
 }
+
+#: Queue rows of the info_nce_queue case unless --queue.
+DEFAULT_QUEUE = 65536
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -133,14 +139,41 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
     return lambda: _dense_siglip(x, y, 1 / tau, -10.0)
 
 
+def dense_info_nce(q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, tau: float) -> torch.Tensor:
+    """In-batch keys plus a queue, densely: N x (N + Q) logits and a cross-entropy."""
+    normalize = torch.nn.functional.normalize
+    q = normalize(q, dim=1)
+    logits = q @ torch.cat([normalize(k, dim=1), normalize(queue, dim=1)]).T / tau
+    return torch.nn.functional.cross_entropy(logits, torch.arange(q.shape[0], device=q.device))
+
+
+def _build_queue(impl: str, x: torch.Tensor, gen: torch.Generator, queue_rows: int, tau: float) -> tuple[Any, list[torch.Tensor]]:
+    """The info_nce_queue case: queries x, keys and a constant queue (no gradient)."""
+    import torch_contrastive as tc
+
+    k = torch.randn(x.shape, generator=gen).to(x.device).requires_grad_()
+    queue = torch.randn(queue_rows, x.shape[1], generator=gen).to(x.device)
+    if impl == "ours":
+        return (lambda: tc.info_nce_loss(x, k, queue, tau)), [x, k]
+    if impl == "ours-moco":
+        return (lambda: tc.info_nce_loss(x, k, queue, tau, in_batch_negatives=False)), [x, k]
+    if impl == "info_nce":
+        from info_nce import info_nce  # type: ignore[import-not-found]
+
+        return (lambda: info_nce(x, k, queue, temperature=tau)), [x, k]
+    return (lambda: dense_info_nce(x, k, queue, tau)), [x, k]
+
+
 def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device,
-           spec_classes: int = 100) -> tuple[Any, list[torch.Tensor]]:
+           spec_classes: int = 100, queue_rows: int = DEFAULT_QUEUE) -> tuple[Any, list[torch.Tensor]]:
     """A closure computing the loss, and the leaf tensors it differentiates."""
     import torch_contrastive as tc
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, d, generator=gen).to(device).requires_grad_()
     dense_chunk = n  # one tile: the "dense" path of the same engine
+    if loss == "info_nce_queue":
+        return _build_queue(impl, x, gen, queue_rows, tau)
     if loss in ("clip", "siglip"):
         y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
         return _build_image_text(loss, impl, x, y, tau, dense_chunk), [x, y]
@@ -195,10 +228,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     n, d, tau, reps = spec["n"], spec["d"], spec["tau"], spec["reps"]
     # Warm up on a small batch first: thread pools and BLAS workspaces are allocated
     # once per process and are not the loss's memory.
-    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device, spec.get("classes", 100))
+    queue_rows = int(spec.get("queue", DEFAULT_QUEUE))
+    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device, spec.get("classes", 100), min(queue_rows, 256))
     small_fn().backward()
     del small_fn, small_leaves
-    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device, spec.get("classes", 100))
+    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device, spec.get("classes", 100), queue_rows)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = _peak_bytes(device)
@@ -225,9 +259,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     # The reference: three matmuls of the same shape, allocated after the loss's peak was
     # taken. Loss and reference runs alternate, and R is the median of the per-pair
     # ratios, so a slow spell of the shared machine hits both sides of a ratio alike.
+    # With a queue the shape is N x (N + Q) (the in-batch keys plus the queue).
+    cols = n + queue_rows if spec["loss"] == "info_nce_queue" else n
     a = torch.randn(n, d, device=device)
-    b = torch.randn(n, d, device=device)
-    g = torch.randn(n, n, device=device)
+    b = torch.randn(cols, d, device=device)
+    g = torch.randn(n, cols, device=device)
 
     def reference() -> None:
         a @ b.T, g @ b, g.T @ a
@@ -269,9 +305,9 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
     reps = 1 if quick else 3
     dims = [dim] if isinstance(dim, int) else list(dim)
     grid = [(n, d) for n in (sizes or []) for d in dims]
-    for loss in ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"):
-        if loss in ("nt_xent_pml", "nt_bxent") and not sizes:
-            continue  # on request only: --loss nt_xent_pml|nt_bxent --sizes N [--classes C]
+    for loss in ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue"):
+        if loss in ("nt_xent_pml", "nt_bxent", "info_nce_queue") and not sizes:
+            continue  # on request only: --loss nt_xent_pml|nt_bxent|info_nce_queue --sizes N [--classes C] [--queue Q]
         default = [2048, 8192] if loss in ("clip", "siglip") else [4096, 16384]
         loss_grid = grid or [(n, d) for n in (default if quick else [1024, 4096, 8192, 16384]) for d in dims]
         for n, d in loss_grid:
@@ -329,9 +365,11 @@ def run(args: argparse.Namespace) -> int:
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
     else:
-        cases = [c for c in cases if c["loss"] not in ("nt_xent_pml", "nt_bxent")]
+        cases = [c for c in cases if c["loss"] not in ("nt_xent_pml", "nt_bxent", "info_nce_queue")]
     for case in cases:
         case["classes"] = args.classes
+        if case["loss"] == "info_nce_queue":
+            case["queue"] = args.queue
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     print(f"torch-contrastive bench ({'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
     print(f"{'loss':<8} {'impl':<24} {'N':>6} {'D':>4} {'time s':>8} {'R':>6} {'extra MiB':>10}  status")
@@ -344,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['extra_mib']:>10.1f}  ok", flush=True)
         else:
             print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}", flush=True)
-    fields = ["loss", "impl", "n", "d", "tau", "classes", "reps", "value", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
+    fields = ["loss", "impl", "n", "d", "tau", "classes", "queue", "reps", "value", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
     with open(out_dir / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -367,8 +405,11 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--small", action="store_true",
                    help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
                         "time ratio and host syncs per call (tau 0.1 unless --temperature)")
-    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"], default="all",
-                   help="nt_xent_pml (labels, pytorch-metric-learning convention) and nt_bxent (labels) need --sizes")
+    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue"],
+                   default="all", help="nt_xent_pml (labels, pytorch-metric-learning convention), nt_bxent (labels) and "
+                                       "info_nce_queue (N queries, their keys and a queue of --queue negatives) need --sizes")
+    p.add_argument("--queue", type=positive_int, default=DEFAULT_QUEUE,
+                   help=f"queue rows of info_nce_queue (default {DEFAULT_QUEUE})")
     p.add_argument("--classes", type=positive_int, default=100, help="random classes for nt_xent_pml / nt_bxent (default 100)")
     p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
     p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")

@@ -111,6 +111,10 @@ def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------
 # Row-wise L2 normalisation inside the engine's autograd functions
 # ---------------------------------------------------------------------------------
+#: Elements per block of the fp64 norm accumulation (a 4 MiB fp64 copy at most).
+_NORM_BLOCK = 1 << 19
+
+
 def l2_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``y = x / max(||x||, eps)`` per row, overflow- and underflow-free.
 
@@ -124,8 +128,12 @@ def l2_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
         peak = x.abs().amax(dim=1, keepdim=True)
         peak = torch.where(peak > 0, peak, 1.0)
         norm = torch.linalg.vector_norm(x / peak, dim=1, keepdim=True) * peak
-    else:
+    elif x.numel() <= _NORM_BLOCK:
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float64).to(x.dtype)
+    else:  # the fp64 accumulation copies its input: bound that copy by going through row blocks
+        rows = max(1, _NORM_BLOCK // max(1, x.shape[1]))
+        norm = torch.cat([torch.linalg.vector_norm(part, dim=1, keepdim=True, dtype=torch.float64).to(x.dtype)
+                          for part in x.split(rows)])
     denom = norm.clamp_min(eps)
     return x / denom, denom, norm
 

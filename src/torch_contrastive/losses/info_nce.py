@@ -98,9 +98,10 @@ def info_nce_loss(
     key = key.to(query.dtype)
     negatives = None if negatives is None else negatives.to(query.dtype)
 
-    if not scope.distributed and in_batch_negatives and not paired:
-        # The common case (info-nce-pytorch's default, MNRL): one engine call on the raw
-        # rows, normalised inside; the positive is candidate i.
+    constant_pool = negatives is not None and not paired and not negatives.requires_grad and negatives.shape[0] > 0
+    if not scope.distributed and in_batch_negatives and not paired and not constant_pool:
+        # The common case (info-nce-pytorch's default, MNRL with live hard negatives): one
+        # engine call on the raw rows, normalised inside; the positive is candidate i.
         per_query = _in_batch(query, key, negatives, scale, fixed, normalize, eps, chunk_size)
     else:
         spread = gather if gather_negatives is None else gather_negatives
@@ -139,51 +140,40 @@ def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale
               eps: float, chunk_size: int | None) -> Tensor:
     n = query.shape[0]
     cols = key if negatives is None else torch.cat([key, negatives])
-    grad_columns = n if negatives is not None and not negatives.requires_grad else None
     positives = Positives.from_partner(pair_partner(n, "identity", 0, query.device), cols.shape[0], self_offset=None,
                                        layout="identity" if negatives is None else None)
     per_query, _ = softmax_terms(query, cols, scale, self_offset=None, positives=positives, fixed=fixed, normalize=normalize,
-                                 eps=eps, chunk_size=chunk_size, grad_columns=grad_columns)
+                                 eps=eps, chunk_size=chunk_size)
     return per_query
 
 
 def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool, in_batch: bool, scale: Scale, scope: Scope,
              spread: bool, fixed: bool, normalize: bool, eps: float, chunk_size: int | None) -> Tensor:
-    """Per-query loss as ``log sum exp`` of terms relative to the positive logit.
+    """Per-query loss as ``log sum exp`` of terms relative to the positive logit ``s_ii``.
 
-    The shared candidates (gathered keys, the unpaired pool) go through the engine; the
-    positive logit and the paired negatives are O(N * D) and O(N * K * D) products.
+    Each candidate group is its own engine call: the (gathered) keys, with query i's
+    positive read off the tile, and the unpaired pool, whose log-sum-exp needs no
+    positive -- a constant pool (a queue) then costs no gradient products and no copy
+    beside the batch. The positive logit and the paired negatives are O(N * D) and
+    O(N * K * D) products.
     """
     n = query.shape[0]
     q = prepare(query, normalize, eps)
     k = prepare(key, normalize, eps)
     s_pos = (q * k).sum(1) * scale
     terms: list[Tensor] = []
-    shared: list[Tensor] = []
-    constant_rows = 0
     if in_batch:
-        shared.append(scope.rows(k))
+        keys = scope.rows(k)
+        # the engine's row term is LSE_i - s_ii: query i's key is global column offset + i
+        positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None)
+        terms.append(softmax_terms(q, keys, scale, self_offset=None, positives=positives, fixed=fixed, chunk_size=chunk_size)[0])
+    else:
+        terms.append(torch.zeros_like(s_pos))  # the positive's own exp(s_ii - s_ii)
     if negatives is not None and not paired:
         pool = prepare(negatives, normalize, eps)
         pool = all_gather_with_grad(pool) if spread and scope.distributed else pool
         if pool.shape[0]:  # an empty queue adds nothing
-            shared.append(pool)
-            constant_rows = 0 if pool.requires_grad else pool.shape[0]
-    if shared:
-        cols = shared[0] if len(shared) == 1 else torch.cat(shared)
-        grad_columns = cols.shape[0] - constant_rows
-        if in_batch:
-            # engine's row term is LSE_i - s(q_i, k_i): the positive is global column offset + i
-            partner = pair_partner(n, "identity", scope.offset, q.device)
-            positives = Positives.from_partner(partner, cols.shape[0], self_offset=None)
-            relative, _ = softmax_terms(q, cols, scale, self_offset=None, positives=positives, fixed=fixed,
-                                        chunk_size=chunk_size, grad_columns=grad_columns)
-        else:
-            lse, _ = softmax_terms(q, cols, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size, grad_columns=grad_columns)
-            relative = lse - s_pos
-        terms.append(relative[:, None])
-    if not in_batch:
-        terms.append(torch.zeros_like(s_pos)[:, None])  # the positive's own exp(s_ii - s_ii)
+            terms.append(softmax_terms(q, pool, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size)[0] - s_pos)
     if paired and negatives is not None:
         own = prepare(negatives.reshape(-1, negatives.shape[-1]), normalize, eps).reshape(negatives.shape)
         # (N, K, D) x (N, D, 1): each query against its own K negatives only, in the
@@ -193,5 +183,5 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
         terms.append(paired_logits * scale - s_pos[:, None])
     if len(terms) == 1:
         # in_batch_negatives=False and an empty pool: the positive is the only candidate
-        return terms[0][:, 0] if shared or paired else s_pos * 0.0
-    return torch.logsumexp(torch.cat(terms, 1), 1)
+        return terms[0] if in_batch else s_pos * 0.0
+    return torch.logsumexp(torch.cat([t if t.ndim == 2 else t[:, None] for t in terms], 1), 1)
