@@ -318,6 +318,8 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
                     continue
                 if impl == "ours-dense" and n > 8192:
                     continue
+                if loss == "info_nce_queue" and not impl.startswith("ours") and n > 4096:
+                    continue  # dense N x (N + Q) logits
                 if not impl.startswith("ours") and n > 16384:
                     continue  # the dense peers need several N x N matrices (16 GiB each at 65,536)
                 cases.append({"loss": loss, "impl": impl, "n": n, "d": d, "tau": tau, "reps": reps})
