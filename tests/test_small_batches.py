@@ -17,6 +17,8 @@ def _cases(n: int, device: str = "cpu"):
     ids = torch.randint(0, 4, (n,), generator=g).to(device)
     pairs = torch.randint(0, n, (n, 2), generator=g).to(device)
     mask = (torch.rand(n // 2, n // 2, generator=g) > 0.5).float().to(device)
+    queue = torch.randn(7, 6, generator=g).to(device)  # a constant queue / memory (D = 6 as _inputs)
+    queue_labels = torch.randint(0, 3, (7,), generator=g).to(device)
     return [
         ("nt_xent_adjacent", lambda x, y, t, v, c: tc.nt_xent_loss(x, t, validate=v, chunk_size=c)),
         ("nt_xent_halves", lambda x, y, t, v, c: tc.nt_xent_loss(x, t, pairing="halves", validate=v, chunk_size=c)),
@@ -31,6 +33,15 @@ def _cases(n: int, device: str = "cpu"):
         ("supcon_views", lambda x, y, t, v, c: tc.supcon_loss(x.reshape(n // 2, 2, -1), temperature=t, validate=v, chunk_size=c)),
         ("supcon_mask_one", lambda x, y, t, v, c: tc.supcon_loss(x.reshape(n // 2, 2, -1), mask=mask, temperature=t,
                                                                   contrast_mode="one", validate=v, chunk_size=c)),
+        ("info_nce", lambda x, y, t, v, c: tc.info_nce_loss(x, y, None, t, validate=v, chunk_size=c)),
+        ("info_nce_hard", lambda x, y, t, v, c: tc.info_nce_loss(x, y, y.roll(1, 1) * 2, t, validate=v, chunk_size=c)),
+        ("info_nce_queue", lambda x, y, t, v, c: tc.info_nce_loss(x, y, queue, t, in_batch_negatives=False, validate=v, chunk_size=c)),
+        ("info_nce_paired", lambda x, y, t, v, c: tc.info_nce_loss(x, y, torch.stack([y.roll(1, 1), y.flip(1)], 1), t,
+                                                                   negative_mode="paired", validate=v, chunk_size=c)),
+        ("supcon_memory", lambda x, y, t, v, c: tc.supcon_loss(x, labels, temperature=t, memory_emb=queue,
+                                                               memory_labels=queue_labels, validate=v, chunk_size=c)),
+        ("nt_xent_pml_memory", lambda x, y, t, v, c: tc.nt_xent_loss(x, t, labels=labels, memory_emb=queue,
+                                                                     memory_labels=queue_labels, validate=v, chunk_size=c)),
     ]
 
 
