@@ -139,6 +139,23 @@ MUTATIONS = [
     Mutation(f"{PKG}/_validation.py", "            if is_bad(got):\n                raise ValueError(message())",
              "            if False:\n                raise ValueError(message())", "value checks never raise",
              tests=("tests/test_validation.py", "tests/test_robustness.py")),
+    # candidates beyond the batch (issue 13)
+    Mutation(f"{E}/softmax.py", "    elif ga_acc is not None and c0 < plan.grad_columns:", "    elif ga_acc is not None and c0 <= 0:",
+             "tiled backward: only the first column tile of a live candidate set gets its gradient",
+             tests=("tests/test_queue.py", "tests/test_info_nce.py")),
+    Mutation(f"{PKG}/losses/info_nce.py", "            terms.append(softmax_terms(q, pool, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size)[0] - s_pos)",
+             "            terms.append(softmax_terms(q, pool, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size)[0])",
+             "info_nce: the pool's log-sum-exp not taken relative to the positive logit",
+             tests=("tests/test_info_nce.py", "tests/test_queue.py")),
+    Mutation(f"{PKG}/losses/info_nce.py", "        terms.append(paired_logits * scale - s_pos[:, None])", "        terms.append(paired_logits - s_pos[:, None])",
+             "info_nce: paired negatives' logits not scaled by 1 / tau", tests=("tests/test_info_nce.py",)),
+    Mutation(f"{PKG}/losses/info_nce.py", 'pair_partner(n, "identity", scope.offset, q.device)', 'pair_partner(n, "identity", 0, q.device)',
+             "distributed info_nce: a query's positive key not offset to its rank's rows", tests=tuple(DIST_TESTS)),
+    Mutation(f"{PKG}/losses/_common.py", "    extended = Positives.from_keys(row_keys, torch.cat([col_keys, labels]), self_offset=positives.self_offset)",
+             "    extended = Positives.from_keys(row_keys, torch.cat([col_keys, labels * 0 - 1]), self_offset=positives.self_offset)",
+             "memory rows never positives (their labels ignored)", tests=("tests/test_queue.py",)),
+    Mutation(f"{PKG}/queue.py", "        targets = [(self._ptr, 0, first), (0, first, b - first)]", "        targets = [(self._ptr, 0, first)]",
+             "FeatureQueue: rows past the end of the ring dropped instead of wrapping", tests=("tests/test_queue.py",)),
 ]
 
 
