@@ -19,7 +19,8 @@ import json
 import torch
 
 import torch_contrastive as tc
-from torch_contrastive.cli.train import ImageEncoder, augment, embed, load_digits_split
+from torch_contrastive.cli.models import ImageEncoder, augment, embed
+from torch_contrastive.cli.train import load_digits_split
 
 
 @torch.no_grad()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -58,3 +62,57 @@ def test_distributed_flag_outside_torchrun(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "--distributed", "--epochs", "1"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch_contrastive", *args]
+
+
+def test_sigkill_after_a_checkpoint_then_resume_gives_the_uninterrupted_results(tmp_path):
+    """A run killed (SIGKILL) after its first checkpoint and resumed with --resume writes the
+    same loss history and trained metrics, bit for bit, as a run that was never interrupted."""
+    args = ["train", "--loss", "nt_xent", "--epochs", "6", "--quiet"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(_cli(*args, "--out", str(whole)), check=True, timeout=600)
+    proc = subprocess.Popen(_cli(*args, "--out", str(killed)))
+    checkpoint = killed / "checkpoint.pt"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.exists() and not (killed / "metrics.json").exists(), "the run was not interrupted mid-way"
+    done = torch.load(checkpoint, weights_only=False)["epochs_done"]
+    assert 1 <= done < 6
+    subprocess.run(_cli("train", "--resume", str(killed)), check=True, timeout=600, capture_output=True)
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in (whole, killed))
+    assert a["loss_history"] == b["loss_history"] and len(a["loss_history"]) == 6
+    assert a["trained"] == b["trained"] and a["untrained"] == b["untrained"]
+    again = subprocess.run(_cli("train", "--resume", str(killed)), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "already finished" in again.stdout
+
+
+def test_checkpoint_holds_the_whole_state_and_is_written_atomically(tmp_path):
+    cfg = Config(loss="clip", epochs=1, batch_size=128, out=str(tmp_path))
+    train(cfg, progress=False)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["epochs_done"] == 1 and len(state["loss_history"]) == 1
+    assert set(state["rng"]) >= {"torch", "augment", "order"} and "optimizer" in state and "scheduler" in state
+    assert len(state["modules"]) == 3 and "logit_scale" in state["modules"][2]  # the learnable temperature
+    assert "handwritten" in state["vocabulary"] and len(state["split"]["test"]) == 540
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
+
+
+def test_resume_errors(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "checkpoint.pt does not exist" in capsys.readouterr().err
+
+
+def test_missing_cli_extra_names_the_extra(monkeypatch, capsys):
+    import torch_contrastive.cli as cli
+
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+    assert main(["train", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'torch-contrastive[cli]'" in err and "scikit-learn" in err

@@ -1,12 +1,14 @@
-"""The ``torch-contrastive`` command line: ``explain``, ``train``, ``bench``.
+"""The ``torch-contrastive`` command line: ``explain``, ``train``, ``embed``, ``bench``.
 
-The core library never imports this package; ``train`` and ``bench`` import their
-optional dependencies (scikit-learn, tqdm, matplotlib: the ``cli`` extra) lazily.
+The core library never imports this package; ``train``, ``embed`` and ``bench`` import
+their optional dependencies (scikit-learn, tqdm, matplotlib, Pillow: the ``cli`` extra)
+lazily, and say which extra to install when one is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -77,6 +79,15 @@ def explain(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Modules of the ``cli`` extra (import name, distribution name).
+CLI_EXTRA = (("sklearn", "scikit-learn"), ("tqdm", "tqdm"), ("matplotlib", "matplotlib"), ("PIL", "Pillow"), ("numpy", "numpy"))
+
+
+def missing_cli_extra() -> list[str]:
+    """Distributions of the ``cli`` extra that are not installed."""
+    return [dist for module, dist in CLI_EXTRA if importlib.util.find_spec(module) is None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torch-contrastive", description="Exact, tiled, distributed contrastive losses.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=explain)
 
     from .bench import add_bench_parser
+    from .embed import add_embed_parser
     from .train import add_train_parser
 
     add_train_parser(sub)
+    add_embed_parser(sub)
     add_bench_parser(sub)
     return parser
 
@@ -103,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "rows", 2) < 2 and args.command == "explain":
         parser.error("--rows must be at least 2")
+    missing = missing_cli_extra() if args.command in ("train", "embed", "bench") else []
+    if missing:
+        print(f"error: torch-contrastive {args.command} needs the 'cli' extra ({', '.join(missing)} not installed): "
+              "pip install 'torch-contrastive[cli]'", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 

@@ -1,24 +1,27 @@
-"""``torch-contrastive train``: real contrastive training on scikit-learn's digits.
+"""``torch-contrastive train``: real contrastive training on bundled digits or your own images.
 
-Nothing is downloaded: the 1,797 8x8 handwritten digits ship with scikit-learn. Five
-recipes (``--loss``):
+Without ``--data`` nothing is downloaded: the 1,797 8x8 handwritten digits ship with
+scikit-learn. ``--data PATH`` trains on a folder of class subfolders (``nt_xent``,
+``nt_bxent``, ``supcon``) or a caption CSV (``clip``, ``siglip``); see :mod:`.data`.
+Five recipes (``--loss``):
 
-* ``clip`` (default): images <-> captions such as "a handwritten seven", a learned
-  bag-of-words text encoder, a learnable temperature. Many images in a batch share a
-  caption; ``--dedupe-ids`` (default) passes image and caption ids so duplicates are
-  positives (seed 002), ``--no-dedupe-ids`` treats them as negatives.
-* ``siglip``: the same images and captions with the sigmoid loss (learnable logit scale
-  and bias; scale initialised at 10 as in the SigLIP paper, bias at ``--logit-bias``,
-  default -3: the paper's -10 balances 32k negatives per positive, a 512-row batch of
-  ten classes needs far less; ids as for ``clip``).
+* ``clip`` (default): images <-> captions, a learned bag-of-words text encoder, a
+  learnable temperature. On digits the captions are class templates such as "a
+  handwritten seven", so many images in a batch share a caption; ``--dedupe-ids``
+  (default) passes image and caption ids so duplicates are positives (seed 002),
+  ``--no-dedupe-ids`` treats them as negatives.
+* ``siglip``: the same with the sigmoid loss (learnable logit scale and bias; scale
+  initialised at 10 as in the SigLIP paper, bias at ``--logit-bias``, default -3).
 * ``nt_xent``: SimCLR, two augmented views per image (``pairing="halves"``).
 * ``nt_bxent``: four views per image, positives as seed 000's ``pos_indices``.
 * ``supcon``: two views per image, class labels as positives.
 
-After training, the held-out split is embedded and scored: kNN accuracy (k = 5,
-cosine), a linear probe (logistic regression), and for ``clip``/``siglip`` zero-shot accuracy
-(nearest class caption), each also for the untrained encoder. Files in ``--out``:
-``metrics.json``, ``config.json``, ``loss.png``, ``embedding.png``.
+After training, the held-out split is scored, each metric also for the untrained
+encoder: kNN accuracy (k = 5, cosine) and a linear probe for labelled data, zero-shot
+accuracy for the digits image-text recipes, image<->text recall@1/5/10 for caption CSVs.
+Files in ``--out``: ``metrics.json``, ``config.json``, ``checkpoint.pt`` (after every
+epoch; ``--resume RUN_DIR`` continues it, see :mod:`.checkpoint`), ``loss.png``,
+``embedding.png``.
 
 With ``--distributed`` under ``torchrun`` each rank trains on its shard of every
 batch with ``gather=True`` and DDP.
@@ -32,20 +35,21 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import losses
 from ..modules import ClipLoss, SigLipLoss
+from . import checkpoint as ckpt
 from ._argtypes import positive_float, positive_int
+from .data import Data, DataError, load
+from .evaluate import caption_metrics, labelled_metrics
+from .models import TEMPLATES, ImageEncoder, TextEncoder, Vocabulary, augment, embed
 
-DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-TEMPLATES = ["a handwritten {name}", "the digit {name}", "a scan of the number {name}", "a {name} written by hand"]
 RECIPES = ("clip", "siglip", "nt_xent", "nt_bxent", "supcon")
 IMAGE_TEXT = ("clip", "siglip")
 CAPTIONS_PER_IMAGE = 2
@@ -75,105 +79,49 @@ class Config:
     chunk_size: int | None = None
     distributed: bool = False
     out: str = ""
+    data: str | None = None  # None: digits; a folder of class subfolders, or a caption CSV
+    channels: int = 3  # 1 (grayscale) or 3 (RGB) for --data; digits are grayscale
+    image_size: int = 32  # --data images are resized to this square; digits are 8x8
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
 
 
-# ----------------------------------------------------------------------------- data
 def load_digits_split(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(train images, train labels, test images, test labels); images (n, 1, 8, 8) in [0, 1]."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    idx_train, idx_test = train_test_split(torch.arange(len(y)).numpy(), test_size=0.3, random_state=seed, stratify=y.numpy())
-    return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
+    """(train images, train labels, test images, test labels) of the digits; images (n, 1, 8, 8) in [0, 1]."""
+    data = load(None, channels=1, size=8, seed=seed)
+    if data.labels is None:
+        raise RuntimeError("internal: digits have labels")
+    return data.images[data.train_idx], data.labels[data.train_idx], data.images[data.test_idx], data.labels[data.test_idx]
 
 
-def augment(x: Tensor, generator: torch.Generator) -> Tensor:
-    """Random rotation (+-15 deg), shift (+-1 px), scale, Gaussian noise and a 3x3 cut-out."""
-    n = x.shape[0]
-    angle = (torch.rand(n, generator=generator) - 0.5) * (math.pi / 6)
-    scale = 1 + (torch.rand(n, generator=generator) - 0.5) * 0.2
-    shift = (torch.rand(n, 2, generator=generator) - 0.5) * 0.5  # in [-1, 1] coordinates: +-1 px of 8
-    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
-    theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    out = F.grid_sample(x, grid, align_corners=False, padding_mode="zeros")
-    out = out + 0.05 * torch.randn(out.shape, generator=generator)
-    corner = torch.randint(0, 6, (n, 2), generator=generator)
-    rows = torch.arange(8)
-    keep = ~(((rows[None, :, None] >= corner[:, 0, None, None]) & (rows[None, :, None] < corner[:, 0, None, None] + 3))
-             & ((rows[None, None, :] >= corner[:, 1, None, None]) & (rows[None, None, :] < corner[:, 1, None, None] + 3)))
-    drop = torch.rand(n, generator=generator) < 0.5  # cut-out on half of the views
-    keep = keep | ~drop[:, None, None]
-    return (out * keep[:, None]).clamp(0, 1)
-
-
-class Vocabulary:
-    """The fixed word list of the caption templates; captions -> token ids."""
-
-    def __init__(self) -> None:
-        words = sorted({w for t in TEMPLATES for name in DIGIT_NAMES for w in t.format(name=name).split()})
-        self.index = {w: i for i, w in enumerate(words)}
-        self.captions = [t.format(name=name) for name in DIGIT_NAMES for t in TEMPLATES]  # class-major
-
-    def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
-        """(flat token ids, offsets) for ``nn.EmbeddingBag``."""
-        tokens = [[self.index[w] for w in c.split()] for c in captions]
-        offsets = torch.tensor([0] + [len(t) for t in tokens[:-1]]).cumsum(0)
-        return torch.tensor([i for t in tokens for i in t]), offsets
-
-
-# ---------------------------------------------------------------------------- models
-class ImageEncoder(nn.Module):
-    """Small CNN for 8x8 digits with a projection head to ``dim``."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.backbone = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 16, 128), nn.ReLU(),
-        )
-        self.head = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.backbone(x))
-
-
-class TextEncoder(nn.Module):
-    """Bag of words over the fixed caption vocabulary."""
-
-    def __init__(self, vocab_size: int, dim: int) -> None:
-        super().__init__()
-        self.bag = nn.EmbeddingBag(vocab_size, 64, mode="mean")
-        self.proj = nn.Sequential(nn.ReLU(), nn.Linear(64, dim))
-
-    def forward(self, tokens: Tensor, offsets: Tensor) -> Tensor:
-        return self.proj(self.bag(tokens, offsets))
+def check_recipe_data(cfg: Config, data: Data) -> None:
+    """Image-text recipes need captions; the view recipes need class folders (or digits)."""
+    if cfg.loss in IMAGE_TEXT and data.source == "folder":
+        raise DataError(f"--loss {cfg.loss} trains images against captions: pass a caption CSV (columns image, caption) as --data")
+    if cfg.loss not in IMAGE_TEXT and data.source == "csv":
+        raise DataError(f"--loss {cfg.loss} needs labelled images: pass a folder of class subfolders as --data (a CSV is for clip/siglip)")
 
 
 # --------------------------------------------------------------------------- recipes
-def recipe_loss(cfg: Config, images: Tensor, labels: Tensor, index: Tensor, enc: nn.Module, text: nn.Module | None,
-                clip_loss: ClipLoss | SigLipLoss | None, vocab: Vocabulary, gen: torch.Generator) -> Tensor:
-    """The loss of one (local) batch under the chosen recipe."""
+@dataclass
+class Models:
+    enc: nn.Module
+    text: nn.Module | None
+    loss: ClipLoss | SigLipLoss | None
+    vocab: Vocabulary | None
+
+
+def recipe_loss(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator) -> Tensor:
+    """The loss of one (local) batch under the chosen recipe. ``batch`` indexes images
+    (labelled data) or caption rows (a caption CSV)."""
     gather = cfg.distributed
+    enc = models.enc
     if cfg.loss in IMAGE_TEXT:
-        if text is None or clip_loss is None:
-            raise RuntimeError("the image-text recipes need a text encoder and a loss module")
-        # As in COCO (seed 002), an image comes with several captions: every image appears
-        # CAPTIONS_PER_IMAGE times per batch, each time with its own augmentation and phrasing.
-        # Without ids, those copies of one image (and the images sharing a caption) are negatives.
-        images = images.repeat(CAPTIONS_PER_IMAGE, 1, 1, 1)
-        labels, index = labels.repeat(CAPTIONS_PER_IMAGE), index.repeat(CAPTIONS_PER_IMAGE)
-        choice = torch.randint(0, len(TEMPLATES), (len(labels),), generator=gen)
-        caption_idx = labels * len(TEMPLATES) + choice
-        tokens, offsets = vocab.encode([vocab.captions[int(i)] for i in caption_idx])
-        img = enc(augment(images, gen))
-        txt = text(tokens, offsets)
-        if cfg.dedupe_ids:
-            return clip_loss(img, txt, image_id=index, text_id=caption_idx)
-        return clip_loss(img, txt)
+        return _image_text_loss_of_batch(cfg, data, batch, models, text_keys, gen)
+    images, labels = data.images[batch], data.labels[batch] if data.labels is not None else None
     if cfg.loss == "nt_xent":
         z = enc(torch.cat([augment(images, gen), augment(images, gen)]))
         return losses.nt_xent_loss(z, cfg.temperature, pairing="halves", chunk_size=cfg.chunk_size, gather=gather)
@@ -188,38 +136,42 @@ def recipe_loss(cfg: Config, images: Tensor, labels: Tensor, index: Tensor, enc:
     return losses.nt_bxent_loss(z, pos, cfg.temperature, chunk_size=cfg.chunk_size, gather=gather)
 
 
-# ------------------------------------------------------------------------ evaluation
-@torch.no_grad()
-def embed(enc: nn.Module, x: Tensor) -> Tensor:
-    enc.eval()
-    out = F.normalize(enc(x), dim=1)
-    enc.train()
-    return out
+def _image_text_loss_of_batch(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None,
+                              gen: torch.Generator) -> Tensor:
+    if models.text is None or models.loss is None or models.vocab is None:
+        raise RuntimeError("the image-text recipes need a text encoder and a loss module")
+    if data.row_image is not None and text_keys is not None:
+        # a caption CSV: the batch is caption rows; rows of one image (and equal captions) are duplicates
+        image_index, caption_index = data.row_image[batch], text_keys[batch]
+        captions = [data.captions[int(r)] for r in batch]
+    else:
+        # digits: as in COCO (seed 002) an image comes with several captions: every image appears
+        # CAPTIONS_PER_IMAGE times per batch, each time with its own augmentation and phrasing.
+        # Without ids, those copies of one image (and the images sharing a caption) are negatives.
+        if data.labels is None:
+            raise RuntimeError("internal: digits have labels")
+        image_index = batch.repeat(CAPTIONS_PER_IMAGE)
+        labels = data.labels[image_index]
+        caption_index = labels * len(TEMPLATES) + torch.randint(0, len(TEMPLATES), (len(labels),), generator=gen)
+        captions = [models.vocab.class_captions[int(i)] for i in caption_index]
+    tokens, offsets = models.vocab.encode(captions)
+    img = models.enc(augment(data.images[image_index], gen))
+    txt = models.text(tokens, offsets)
+    if cfg.dedupe_ids:
+        return models.loss(img, txt, image_id=image_index, text_id=caption_index)
+    return models.loss(img, txt)
 
 
-@torch.no_grad()
-def evaluate(enc: nn.Module, text: nn.Module | None, vocab: Vocabulary, data: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict[str, float]:
-    """kNN (k=5, cosine) and linear-probe accuracy on the test split; zero-shot for clip."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neighbors import KNeighborsClassifier
-
-    x_tr, y_tr, x_te, y_te = data
-    e_tr, e_te = embed(enc, x_tr).numpy(), embed(enc, x_te).numpy()
-    knn = KNeighborsClassifier(n_neighbors=5, metric="cosine").fit(e_tr, y_tr.numpy())
-    probe = LogisticRegression(max_iter=2000).fit(e_tr, y_tr.numpy())
-    metrics = {"knn_accuracy": float(knn.score(e_te, y_te.numpy())), "linear_probe_accuracy": float(probe.score(e_te, y_te.numpy()))}
-    if text is not None:
-        text.eval()
-        tokens, offsets = vocab.encode(vocab.captions)
-        prototypes = F.normalize(text(tokens, offsets), dim=1).reshape(10, len(TEMPLATES), -1).mean(1)
-        text.train()
-        pred = (torch.from_numpy(e_te) @ F.normalize(prototypes, dim=1).T).argmax(1)
-        metrics["zero_shot_accuracy"] = float((pred == y_te).float().mean())
-    return metrics
+def evaluate(cfg: Config, data: Data, models: Models) -> dict[str, float]:
+    if data.source == "csv":
+        if models.text is None or models.vocab is None:
+            raise RuntimeError("internal: caption data needs the text encoder")
+        return caption_metrics(models.enc, models.text, models.vocab, data)
+    return labelled_metrics(models.enc, models.text, models.vocab, data)
 
 
 # ------------------------------------------------------------------------ reporting
-def _plots(out: Path, history: list[float], enc: nn.Module, x_te: Tensor, y_te: Tensor, title: str) -> None:
+def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,13 +183,16 @@ def _plots(out: Path, history: list[float], enc: nn.Module, x_te: Tensor, y_te: 
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
     plt.close(fig)
-    e = embed(enc, x_te)
+    e = embed(enc, data.images[data.test_idx])
     centred = e - e.mean(0)
     _, _, v = torch.pca_lowrank(centred, q=2, center=False)
     xy = (centred @ v[:, :2]).numpy()
     fig, ax = plt.subplots(figsize=(5, 4.4))
-    points = ax.scatter(xy[:, 0], xy[:, 1], c=y_te.numpy(), cmap="tab10", s=8)
-    fig.colorbar(points, ax=ax, ticks=range(10), label="digit")
+    if data.labels is not None:
+        points = ax.scatter(xy[:, 0], xy[:, 1], c=data.labels[data.test_idx].numpy(), cmap="tab10", s=8)
+        fig.colorbar(points, ax=ax, label="class")
+    else:
+        ax.scatter(xy[:, 0], xy[:, 1], s=8)
     ax.set(title=f"{title}: test embeddings (PCA)", xticks=[], yticks=[])
     fig.tight_layout()
     fig.savefig(out / "embedding.png", dpi=110)
@@ -245,9 +200,9 @@ def _plots(out: Path, history: list[float], enc: nn.Module, x_te: Tensor, y_te: 
 
 
 def _table(before: dict[str, float], after: dict[str, float]) -> str:
-    lines = [f"{'metric (test split)':<24} {'untrained':>10} {'trained':>10}"]
+    lines = [f"{'metric (test split)':<28} {'untrained':>10} {'trained':>10}"]
     for key in after:
-        lines.append(f"{key:<24} {before[key] * 100:>9.1f}% {after[key] * 100:>9.1f}%")
+        lines.append(f"{key:<28} {before[key] * 100:>9.1f}% {after[key] * 100:>9.1f}%")
     return "\n".join(lines)
 
 
@@ -279,8 +234,33 @@ def _learned_loss_parameters(loss: nn.Module | None) -> dict[str, float]:
     return {}
 
 
-def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
-    """Train one recipe; returns the metrics dict (also written to ``cfg.out``)."""
+def build_models(cfg: Config, data: Data) -> Models:
+    """Encoders (and the image-text loss module) for a recipe on ``data``, freshly initialised."""
+    vocab = None
+    if cfg.loss in IMAGE_TEXT:
+        vocab = Vocabulary(data.captions) if data.source == "csv" else Vocabulary.digits()
+    enc = ImageEncoder(cfg.dim, data.channels, data.size)
+    text = TextEncoder(len(vocab.words), cfg.dim) if vocab is not None else None
+    return Models(enc, text, _image_text_loss(cfg), vocab)
+
+
+def _training_units(data: Data) -> tuple[Tensor, Tensor | None]:
+    """What one epoch permutes: training images, or a CSV's training caption rows (with
+    an id per distinct caption string for the duplicate-aware loss)."""
+    if data.source != "csv":
+        return data.train_idx, None
+    rows = data.rows_of(data.train_idx)
+    ids: dict[str, int] = {}
+    keys = torch.tensor([ids.setdefault(c, len(ids)) for c in data.captions], dtype=torch.int64)
+    return rows, keys
+
+
+def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, data: Data | None = None) -> dict[str, Any]:
+    """Train one recipe; returns the metrics dict (also written to ``cfg.out``).
+
+    A checkpoint is written to ``cfg.out`` after every epoch; ``resume`` continues from
+    one (same configuration), giving the results of an uninterrupted run.
+    """
     from tqdm import tqdm
 
     rank, world = 0, 1
@@ -291,77 +271,109 @@ def train(cfg: Config, progress: bool = True) -> dict[str, Any]:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    data = load_digits_split(cfg.seed)
-    x_tr, y_tr, x_te, y_te = data
-    vocab = Vocabulary()
-    enc = ImageEncoder(cfg.dim)
-    text = TextEncoder(len(vocab.index), cfg.dim) if cfg.loss in IMAGE_TEXT else None
-    clip = _image_text_loss(cfg)
-    before = evaluate(enc, text, vocab, data) if rank == 0 else {}
-    modules: list[nn.Module] = [m for m in (enc, text, clip) if m is not None]
+    data = data if data is not None else load(cfg.data, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
+    check_recipe_data(cfg, data)
+    models = build_models(cfg, data)
+    units, text_keys = _training_units(data)
+    modules: list[nn.Module] = [m for m in (models.enc, models.text, models.loss) if m is not None]
     params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.epochs * math.ceil(len(units) / cfg.batch_size))
+    gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
+    order_gen = torch.Generator().manual_seed(cfg.seed + 2)  # same order on every rank
+    out = Path(cfg.out)
+    if resume is None:
+        before = evaluate(cfg, data, models) if rank == 0 else {}
+        history: list[float] = []
+        first_epoch, elapsed = 0, 0.0
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    else:
+        first_epoch, history, before, elapsed = ckpt.restore(resume, data, modules, opt, sched, gen, order_gen)
+    plain = models  # the unwrapped modules: evaluated, plotted, checkpointed
     if cfg.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        enc_ddp: nn.Module = DDP(enc)
-        text_ddp: nn.Module | None = DDP(text) if text is not None else None
-    else:
-        enc_ddp, text_ddp = enc, text
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.epochs * math.ceil(len(y_tr) / cfg.batch_size))
-    gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
-    order_gen = torch.Generator().manual_seed(cfg.seed + 2)  # same order on every rank
-    history: list[float] = []
+        models = Models(DDP(models.enc), DDP(models.text) if models.text is not None else None, models.loss, models.vocab)
     start = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        perm = torch.randperm(len(y_tr), generator=order_gen)
+    for epoch in range(first_epoch, cfg.epochs):
+        perm = units[torch.randperm(len(units), generator=order_gen)]
         batches = [perm[i : i + cfg.batch_size] for i in range(0, len(perm), cfg.batch_size)]
         show = None if progress and rank == 0 else True  # tqdm's None: shown only on a terminal
         bar = tqdm(batches, desc=f"{cfg.loss} epoch {epoch + 1}/{cfg.epochs}", leave=False, disable=show)
-        total, count = 0.0, 0
-        for idx in bar:
-            if len(idx) < 2 * world:
-                continue
-            mine = idx.tensor_split(world)[rank]
-            loss = recipe_loss(cfg, x_tr[mine], y_tr[mine], mine, enc_ddp, text_ddp, clip, vocab, gen)
-            opt.zero_grad()
-            loss.backward()
-            if cfg.distributed and clip is not None:
-                _average_gradient(clip.parameters(), world)  # logit_scale lives outside DDP
-            opt.step()
-            sched.step()
-            total, count = total + loss.item(), count + 1
-            bar.set_postfix(loss=f"{total / count:.4f}")
-        history.append(total / max(count, 1))
-    seconds = time.perf_counter() - start
+        history.append(_epoch(cfg, data, bar, models, text_keys, gen, opt, sched, rank, world))
+        if rank == 0:
+            ckpt.save(out, cfg, epoch + 1, history, before, elapsed + time.perf_counter() - start, data, modules, opt, sched,
+                      gen, order_gen, models.vocab)
+    seconds = elapsed + time.perf_counter() - start
     result: dict[str, Any] = {"config": asdict(cfg), "train_seconds": seconds, "loss_history": history}
     if rank == 0:
-        after = evaluate(enc, text, vocab, data)
+        after = evaluate(cfg, data, plain)
         result.update(untrained=before, trained=after)
-        result.update(_learned_loss_parameters(clip))
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        _plots(out, history, enc, x_te, y_te, cfg.loss)
+        result.update(_learned_loss_parameters(models.loss))
+        ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
+        _plots(out, history, plain.enc, data, cfg.loss)
         if progress:
             print(f"\n{cfg.loss}: {cfg.epochs} epochs in {seconds:.1f}s, loss {history[0]:.4f} -> {history[-1]:.4f}")
             print(_table(before, after))
-            print(f"wrote {out}/metrics.json, loss.png, embedding.png, config.json")
+            print(f"wrote {out}/metrics.json, checkpoint.pt, loss.png, embedding.png, config.json")
     return result
 
 
+def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor | None, gen: torch.Generator,
+           opt: torch.optim.Optimizer, sched: Any, rank: int, world: int) -> float:
+    """One pass over the batches in ``bar``; returns the mean training loss."""
+    total, count = 0.0, 0
+    for idx in bar:
+        if len(idx) < 2 * world:
+            continue
+        loss = recipe_loss(cfg, data, idx.tensor_split(world)[rank], models, text_keys, gen)
+        opt.zero_grad()
+        loss.backward()
+        if cfg.distributed and models.loss is not None:
+            _average_gradient(models.loss.parameters(), world)  # logit_scale lives outside DDP
+        opt.step()
+        sched.step()
+        total, count = total + loss.item(), count + 1
+        bar.set_postfix(loss=f"{total / count:.4f}")
+    return total / max(count, 1)
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    channels = args.channels if args.channels is not None else (3 if args.data else 1)
+    return Config(loss=args.loss, epochs=args.epochs, batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.loss], dim=args.dim,
+                  lr=args.lr, temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
+                  seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
+                  distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
+                  out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = Config(loss=args.loss, epochs=args.epochs, batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.loss], dim=args.dim, lr=args.lr,
-                 temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
-                 seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
-                 distributed=args.distributed,
-                 out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    resume = None
+    if args.resume is not None:
+        try:
+            cfg, resume = ckpt.open_run(args.resume)
+        except ckpt.ResumeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        if resume is None:
+            print(f"{args.resume}: this run already finished ({cfg.epochs} epochs; metrics.json is there); nothing to resume")
+            return 0
+    else:
+        cfg = _config_from_args(args)
     if cfg.distributed and "RANK" not in os.environ:
         print("error: --distributed must run under torchrun, e.g. "
               "torchrun --nproc_per_node=2 -m torch_contrastive train --distributed", file=sys.stderr)
         return 2
-    train(cfg, progress=not args.quiet)
+    try:
+        # read and check the data before anything is written
+        data = load(cfg.data, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
+        check_recipe_data(cfg, data)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    train(cfg, progress=not args.quiet, resume=resume, data=data)
     if cfg.distributed:
         import torch.distributed as dist
 
@@ -376,8 +388,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_train_parser(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a contrastive model on scikit-learn's bundled digits and evaluate it")
+    p = sub.add_parser("train", help="train a contrastive model (bundled digits, or --data: your images) and evaluate it")
     p.add_argument("--loss", choices=RECIPES, default="clip", help="recipe (default clip)")
+    p.add_argument("--data", default=None,
+                   help="a folder of class subfolders (nt_xent, nt_bxent, supcon) or a CSV with columns image, caption "
+                        "[, image_id] (clip, siglip); default: scikit-learn's digits")
+    p.add_argument("--channels", type=int, choices=(1, 3), default=None, help="--data: 1 grayscale or 3 RGB (default 3)")
+    p.add_argument("--image-size", type=positive_int, default=32, help="--data: images are resized to this square (default 32)")
     p.add_argument("--epochs", type=positive_int, default=30)
     p.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: clip 256, others 128)")
     p.add_argument("--dim", type=positive_int, default=16, help="embedding size (default 16)")
@@ -391,5 +408,7 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
     p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run from RUN_DIR/checkpoint.pt (its config.json; other options are ignored)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
     p.set_defaults(func=run)
