@@ -6,10 +6,12 @@ Functional API: :func:`nt_xent_loss`, :func:`nt_bxent_loss`,
 Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
 :class:`SigLipLoss`, :class:`InfoNCELoss`. Candidates beyond the batch:
-:class:`FeatureQueue` (MoCo queue / memory bank).
+:class:`FeatureQueue` (MoCo queue / memory bank). Batches beyond activation memory:
+:func:`grad_cache`.
 """
 
 from .distributed import all_gather_with_grad
+from .grad_cache import grad_cache
 from .losses import (
     clip_loss,
     image_text_contrastive_loss,
@@ -39,6 +41,7 @@ __all__ = [
     "SupConLoss",
     "all_gather_with_grad",
     "clip_loss",
+    "grad_cache",
     "image_text_contrastive_loss",
     "info_nce_loss",
     "nt_bxent_loss",
