@@ -23,3 +23,14 @@ def test_moco_queue_beats_the_untrained_encoder():
     result = _load("moco_queue").train(seed=0)
     assert result["queue_rows"] == 1024
     assert result["knn_trained"] > result["knn_untrained"] + 0.02, result
+
+
+@pytest.mark.slow
+def test_grad_cache_memory_example_reports_less_memory(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(EXAMPLES / "grad_cache_memory.py"), "--rows", "4096", "--micro-batch", "256",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True).stdout
+    ratio = float(out.split("memory ratio cached / full: ")[1].split(";")[0])
+    assert 0 < ratio < 1 / 3, out

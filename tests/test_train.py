@@ -116,3 +116,27 @@ def test_missing_cli_extra_names_the_extra(monkeypatch, capsys):
     assert main(["train", "--epochs", "1"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'torch-contrastive[cli]'" in err and "scikit-learn" in err
+
+
+@pytest.mark.parametrize("loss", ["nt_xent", "supcon", "nt_bxent", "clip"])
+def test_micro_batch_gives_the_results_of_whole_batches(loss, tmp_path):
+    """--micro-batch K (gradient caching) trains the same model: equal loss history to round-off."""
+    results = []
+    for micro in (None, 48):
+        cfg = Config(loss=loss, epochs=2, batch_size=128, dim=16, temperature=0.1, micro_batch=micro, out=str(tmp_path / str(micro)))
+        results.append(train(cfg, progress=False))
+    whole, cached = results
+    assert cached["loss_history"] == pytest.approx(whole["loss_history"], rel=1e-4)
+    for key, value in whole["trained"].items():
+        assert cached["trained"][key] == pytest.approx(value, abs=0.02), key
+
+
+def test_padded_text_equals_the_bag_of_words_form():
+    from torch_contrastive.cli.models import TextEncoder, Vocabulary
+    from torch_contrastive.cli.train import PaddedText
+
+    vocab = Vocabulary.digits()
+    text = TextEncoder(len(vocab.words), 8)
+    captions = ["a handwritten seven", "the digit one", "an unknown caption", "a scan of the number two"]
+    tokens, offsets = vocab.encode(captions)
+    torch.testing.assert_close(PaddedText(text)(PaddedText.pad(tokens, offsets)), text(tokens, offsets))

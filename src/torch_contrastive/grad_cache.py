@@ -22,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["grad_cache"]
 
-Batch = Union[Tensor, Mapping[str, Tensor]]
+Batch = Tensor | Mapping[str, Tensor]
 
 
 def _rows(batch: Batch, name: str) -> int:
@@ -173,7 +173,8 @@ def grad_cache(
     for k, (tower, batch, plan) in enumerate(zip(towers, batches, plans)):
         for i, (start, stop, state) in enumerate(plan):
             final = last_use[id(tower)] == (k, i)
-            sync = contextlib.nullcontext() if final or not hasattr(tower, "no_sync") else tower.no_sync()
+            no_sync = getattr(tower, "no_sync", None)  # DistributedDataParallel: all-reduce on the last backward only
+            sync = no_sync() if callable(no_sync) and not final else contextlib.nullcontext()
             with sync, state.restored():
                 out = _call(tower, _slice(batch, start, stop))
                 out.backward(cached[k][start:stop].to(out.dtype))

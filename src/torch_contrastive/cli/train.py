@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import losses
+from ..grad_cache import grad_cache
 from ..modules import ClipLoss, SigLipLoss
 from . import checkpoint as ckpt
 from ._argtypes import positive_float, positive_int
@@ -82,6 +83,7 @@ class Config:
     data: str | None = None  # None: digits; a folder of class subfolders, or a caption CSV
     channels: int = 3  # 1 (grayscale) or 3 (RGB) for --data; digits are grayscale
     image_size: int = 32  # --data images are resized to this square; digits are 8x8
+    micro_batch: int | None = None  # gradient caching: encode this many rows at a time (None: whole batch)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
@@ -117,27 +119,83 @@ class Models:
 def recipe_loss(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator) -> Tensor:
     """The loss of one (local) batch under the chosen recipe. ``batch`` indexes images
     (labelled data) or caption rows (a caption CSV)."""
+    towers, inputs, loss_fn, kwargs = recipe_parts(cfg, data, batch, models, text_keys, gen)
+    return loss_fn(*(_encode(t, x) for t, x in zip(towers, inputs)), **kwargs)
+
+
+def recipe_step(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator) -> Tensor:
+    """Forward and backward of one batch; with ``cfg.micro_batch`` through :func:`grad_cache`
+    (the same gradients, one micro-batch of activations at a time). Returns the loss."""
+    if cfg.micro_batch is None:
+        loss = recipe_loss(cfg, data, batch, models, text_keys, gen)
+        loss.backward()
+        return loss.detach()
+    towers, inputs, loss_fn, kwargs = recipe_parts(cfg, data, batch, models, text_keys, gen)
+    return grad_cache(towers, inputs, loss_fn, cfg.micro_batch, **kwargs)
+
+
+def _encode(tower: nn.Module, x: Tensor) -> Tensor:
+    return tower(x)
+
+
+class PaddedText(nn.Module):
+    """A bag-of-words text encoder fed batch-first: (B, L) token ids, -1 for padding
+    (so :func:`grad_cache` can slice captions into micro-batches)."""
+
+    def __init__(self, text: nn.Module) -> None:
+        super().__init__()
+        self.text = text
+
+    @staticmethod
+    def pad(tokens: Tensor, offsets: Tensor) -> Tensor:
+        lengths = torch.diff(offsets, append=torch.tensor([len(tokens)]))
+        out = torch.full((len(offsets), max(1, int(lengths.max()) if len(lengths) else 1)), -1, dtype=torch.int64)
+        for row, (start, length) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+            out[row, :length] = tokens[start : start + length]
+        return out
+
+    def forward(self, padded: Tensor) -> Tensor:
+        keep = padded >= 0
+        lengths = keep.sum(1)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+        return self.text(padded[keep], offsets)
+
+
+def recipe_parts(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None,
+                 gen: torch.Generator) -> tuple[list[nn.Module], list[Tensor], Any, dict[str, Any]]:
+    """(encoders, their batch-first inputs, loss function, its keyword arguments) of one batch.
+
+    Augmentations are drawn here, outside the encoders, so a gradient-cached step sees the
+    same views as a plain one.
+    """
     gather = cfg.distributed
     enc = models.enc
     if cfg.loss in IMAGE_TEXT:
-        return _image_text_loss_of_batch(cfg, data, batch, models, text_keys, gen)
+        return _image_text_parts(cfg, data, batch, models, text_keys, gen)
     images, labels = data.images[batch], data.labels[batch] if data.labels is not None else None
     if cfg.loss == "nt_xent":
-        z = enc(torch.cat([augment(images, gen), augment(images, gen)]))
-        return losses.nt_xent_loss(z, cfg.temperature, pairing="halves", chunk_size=cfg.chunk_size, gather=gather)
+        views = torch.cat([augment(images, gen), augment(images, gen)])
+        return [enc], [views], losses.nt_xent_loss, dict(temperature=cfg.temperature, pairing="halves", chunk_size=cfg.chunk_size,
+                                                         gather=gather)
     if cfg.loss == "supcon":
-        two_views = torch.stack([enc(augment(images, gen)), enc(augment(images, gen))], dim=1)
-        return losses.supcon_loss(two_views, labels, temperature=cfg.temperature, chunk_size=cfg.chunk_size, gather=gather)
+        first, second = augment(images, gen), augment(images, gen)
+
+        def supcon(z1: Tensor, z2: Tensor) -> Tensor:
+            return losses.supcon_loss(torch.stack([z1, z2], dim=1), labels, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
+                                      gather=gather)
+
+        return [enc, enc], [first, second], supcon, {}
     # nt_bxent: 4 views per image, rows view-major; positives are all pairs of views of an image.
     n_images, n_views = int(images.shape[0]), 4
-    z = enc(torch.cat([augment(images, gen) for _ in range(n_views)]))
+    views = torch.cat([augment(images, gen) for _ in range(n_views)])
     sample = torch.arange(n_images * n_views) % n_images
     pos = (sample[:, None] == sample[None, :]).nonzero()
-    return losses.nt_bxent_loss(z, pos, cfg.temperature, chunk_size=cfg.chunk_size, gather=gather)
+    return [enc], [views], losses.nt_bxent_loss, dict(pos_indices=pos, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
+                                                      gather=gather)
 
 
-def _image_text_loss_of_batch(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None,
-                              gen: torch.Generator) -> Tensor:
+def _image_text_parts(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None,
+                      gen: torch.Generator) -> tuple[list[nn.Module], list[Tensor], Any, dict[str, Any]]:
     if models.text is None or models.loss is None or models.vocab is None:
         raise RuntimeError("the image-text recipes need a text encoder and a loss module")
     if data.row_image is not None and text_keys is not None:
@@ -155,11 +213,9 @@ def _image_text_loss_of_batch(cfg: Config, data: Data, batch: Tensor, models: Mo
         caption_index = labels * len(TEMPLATES) + torch.randint(0, len(TEMPLATES), (len(labels),), generator=gen)
         captions = [models.vocab.class_captions[int(i)] for i in caption_index]
     tokens, offsets = models.vocab.encode(captions)
-    img = models.enc(augment(data.images[image_index], gen))
-    txt = models.text(tokens, offsets)
-    if cfg.dedupe_ids:
-        return models.loss(img, txt, image_id=image_index, text_id=caption_index)
-    return models.loss(img, txt)
+    views = augment(data.images[image_index], gen)
+    kwargs = dict(image_id=image_index, text_id=caption_index) if cfg.dedupe_ids else {}
+    return [models.enc, PaddedText(models.text)], [views, PaddedText.pad(tokens, offsets)], models.loss, kwargs
 
 
 def evaluate(cfg: Config, data: Data, models: Models) -> dict[str, float]:
@@ -328,9 +384,8 @@ def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor 
     for idx in bar:
         if len(idx) < 2 * world:
             continue
-        loss = recipe_loss(cfg, data, idx.tensor_split(world)[rank], models, text_keys, gen)
         opt.zero_grad()
-        loss.backward()
+        loss = recipe_step(cfg, data, idx.tensor_split(world)[rank], models, text_keys, gen)
         if cfg.distributed and models.loss is not None:
             _average_gradient(models.loss.parameters(), world)  # logit_scale lives outside DDP
         opt.step()
@@ -346,6 +401,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
                   lr=args.lr, temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
                   seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
                   distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
+                  micro_batch=args.micro_batch,
                   out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
@@ -407,6 +463,8 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--logit-bias", type=float, default=-3.0, help="siglip: initial logit bias (default -3; the paper's -10 is for 32k batches)")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="gradient caching: encode this many rows at a time (same gradients, less activation memory)")
     p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue an interrupted run from RUN_DIR/checkpoint.pt (its config.json; other options are ignored)")
