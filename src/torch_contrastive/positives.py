@@ -385,3 +385,43 @@ def _groups(keys: Tensor, num_rows: int) -> tuple[Tensor, Tensor, int]:
     starts[1:] = (ordered[1:] != ordered[:-1]).any(1).long()
     group = torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
     return group[:num_rows], group[num_rows:], int(keys.shape[0])
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """Candidates left out of an anchor's denominator, besides the self pair.
+
+    The engine asks for one (row-block, column-block) tile at a time, so no R x C mask
+    is ever held. The excluded block is ``relation | guide_verdict`` minus ``keep``:
+
+    * ``relation``: pairs to leave out, as a :class:`Positives` (ids equal to the
+      positive's id; DCL's positives themselves);
+    * ``guide``: ``(g_rows, g_cols, threshold)`` with L2-normalised guide embeddings:
+      candidate j leaves row i when ``<g_rows_i, g_cols_j> > threshold_i`` (GISTEmbed's
+      guide-model filter; one small matrix product per tile, no gradient);
+    * ``keep``: pairs never left out (the positive itself), as a :class:`Positives`.
+
+    Attributes:
+        symmetric: the relation is symmetric (``excluded(i, j) == excluded(j, i)``), so the
+            single-set engine may serve a tile's row and column blocks from one mask.
+    """
+
+    relation: Positives | None = None
+    guide: tuple[Tensor, Tensor, Tensor] | None = None
+    keep: Positives | None = None
+    symmetric: bool = False
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        """The (r1 - r0, c1 - c0) bool block of excluded candidates."""
+        block: Tensor | None = None
+        if self.relation is not None:
+            block = self.relation.tile(r0, r1, c0, c1)
+        if self.guide is not None:
+            rows, cols, threshold = self.guide
+            verdict = torch.mm(rows[r0:r1], cols[c0:c1].t()) > threshold[r0:r1, None]
+            block = verdict if block is None else block | verdict
+        if block is None:
+            raise ValueError("an Exclusion needs a relation or a guide")
+        if self.keep is not None:
+            block = block & ~self.keep.tile(r0, r1, c0, c1)
+        return block

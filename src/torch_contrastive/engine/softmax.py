@@ -67,6 +67,10 @@ class _Plan:
     # Only candidates [0, grad_columns) get a gradient; the rest are constants (a queue of
     # past keys, detached hard negatives), so their G.T @ A products are skipped.
     grad_columns: int = 0
+    # Candidates left out of a row's denominator besides the self pair (false negatives:
+    # equal ids, a guide model's verdict, DCL's positives): an object whose
+    # ``tile(r0, r1, c0, c1)`` is the bool block to leave out (see positives.Exclusion).
+    exclude: Any = None
 
     @property
     def single_tile(self) -> bool:
@@ -74,11 +78,30 @@ class _Plan:
 
 
 def _log(total: Tensor, shift: Tensor | None, plan: _Plan, n_other: int) -> Tensor:
-    """``log(total) (+ shift)``; 0 for a row without any candidate (a batch of one)."""
+    """``log(total) (+ shift)``; 0 for a row without any candidate (a batch of one).
+
+    With exclusions a row whose every candidate is left out gets ``-inf`` (an empty
+    log-sum-exp), so callers combining several candidate groups can tell; the backward
+    passes give such rows a zero gradient (:func:`_inverse_exp`).
+    """
     out = total.log() if shift is None else total.log() + shift
+    if plan.exclude is not None:
+        return torch.where(total > 0, out, float("-inf"))
     if plan.self_offset is not None and n_other <= 1:
         out = torch.where(total > 0, out, 0.0)
     return out
+
+
+def _inverse_exp(lse: Tensor, plan: _Plan) -> Tensor:
+    """``exp(-LSE)``, 0 for an empty row (``LSE = -inf``, possible only with exclusions)."""
+    if plan.exclude is None:
+        return torch.exp(-lse)
+    return torch.where(torch.isneginf(lse), 0.0, torch.exp(-lse))
+
+
+def _excluded(plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
+    """The tile's bool block of excluded candidates, or None."""
+    return None if plan.exclude is None else plan.exclude.tile(r0, r1, c0, c1)
 
 
 _Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-exp)
@@ -154,10 +177,13 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     s = a_s @ b.t()
     row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
     diag = self_diagonal(s, 0, 0, plan.self_offset)
+    out = _excluded(plan, 0, s.shape[0], 0, C)
     if plan.fixed:
         e = s.exp_()
         if diag is not None:
             diag.zero_()
+        if out is not None:
+            e.masked_fill_(out, 0.0)
         row_lse = _log(e.sum(1), None, plan, C)
         col_lse = None
         if plan.columns:
@@ -168,15 +194,20 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         return row_lse, col_lse, row_pos, col_pos, e
     if diag is not None:
         diag.fill_(torch.finfo(s.dtype).min)
+    if out is not None:
+        s.masked_fill_(out, torch.finfo(s.dtype).min)
     row_max = s.amax(1)
     e = torch.exp(s - row_max[:, None])
     if diag is not None:
         e.diagonal(plan.self_offset or 0).zero_()
+    if out is not None:
+        e.masked_fill_(out, 0.0)
     row_lse = _log(e.sum(1), row_max, plan, C)
     if not plan.columns:
         return row_lse, None, row_pos, col_pos, s
     col_max = s.amax(0)
-    col_sum = torch.exp(s - col_max[None, :]).sum(0)
+    col_e = torch.exp(s - col_max[None, :])
+    col_sum = (col_e if out is None else col_e.masked_fill_(out, 0.0)).sum(0)
     return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s
 
 
@@ -189,11 +220,11 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
     (``H = G + G.T``), so the positive part enters as ``P_ij c_i + P_ji c_j``.
     """
     if plan.fixed:  # exp(S_ij - LSE_i) = exp(S_ij) exp(-LSE_i): one exp per element for both directions
-        u = row[0] * torch.exp(-row[1])
+        u = row[0] * _inverse_exp(row[1], plan)
         if plan.symmetric:
             g = kept * (u[:, None] + u[None, :])
         elif col is not None:
-            g = kept * (u[:, None] + (col[0] * torch.exp(-col[1]))[None, :])
+            g = kept * (u[:, None] + (col[0] * _inverse_exp(col[1], plan))[None, :])
         else:
             g = kept * u[:, None]
     else:
@@ -205,6 +236,9 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
         diag = self_diagonal(g, 0, 0, plan.self_offset)
         if diag is not None:
             diag.zero_()
+        out = _excluded(plan, 0, g.shape[0], 0, g.shape[1])
+        if out is not None:
+            g.masked_fill_(out, 0.0)
     if plan.positives is not None and c_row is not None:
         _fold_positives(g, plan.positives, plan, c_row, c_col)
     if plan.symmetric or plan.grad_columns == 0:
@@ -273,6 +307,9 @@ def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor 
         diag = self_diagonal(e, r0, c0, plan.self_offset)
         if diag is not None:
             diag.zero_()
+        out = _excluded(plan, r0, r1, c0, c1)
+        if out is not None:
+            e.masked_fill_(out, 0.0)
         row_sum[r0:r1] += e.sum(1)
         if plan.symmetric and c0 != r0:
             row_sum[c0:c1] += e.sum(0)
@@ -302,12 +339,15 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         diag = self_diagonal(s, r0, c0, plan.self_offset)
         if diag is not None:
             diag.fill_(low)
+        out = _excluded(plan, r0, r1, c0, c1)
+        if out is not None:
+            s.masked_fill_(out, low)
         work = bufs.get(r1 - r0, c1 - c0, 1)
-        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work)
+        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work, out=out)
         if plan.symmetric and c0 != r0:
-            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work)
+            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work, out=out)
         if plan.columns:
-            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work)
+            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work, out=out)
     row_lse = _log(row_sum, row_max, plan, C)
     if not plan.columns:
         return row_lse, None
@@ -316,7 +356,7 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
 
 def _online_update(
     s: Tensor, run_max: Tensor, run_sum: Tensor, i0: int, i1: int, other0: int,
-    self_offset: int | None, dim: int, work: Tensor,
+    self_offset: int | None, dim: int, work: Tensor, out: Tensor | None = None,
 ) -> None:
     """Fold one tile into running (max, sum-exp) statistics along ``dim``.
 
@@ -331,6 +371,8 @@ def _online_update(
     diag = self_diagonal(shifted, i0, other0, self_offset)
     if diag is not None:
         diag.zero_()
+    if out is not None:  # excluded entries sit at the lowest value: exp(0) = 1 while nothing else is seen
+        shifted.masked_fill_(out, 0.0)
     run_sum[i0:i1] += shifted.sum(dim)
     run_max[i0:i1] = new_max
 
@@ -342,8 +384,8 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
     ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
     directions.
     """
-    u = row[0] * torch.exp(-row[1])
-    v = None if col is None else col[0] * torch.exp(-col[1])
+    u = row[0] * _inverse_exp(row[1], plan)
+    v = None if col is None else col[0] * _inverse_exp(col[1], plan)
     R, C = a.shape[0], b.shape[0]
     bufs = Buffers(a.dtype, a.device)
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
@@ -383,10 +425,13 @@ def _column_accumulator(b: Tensor, plan: _Plan) -> Tensor | None:
 
 def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
                 r0: int, r1: int, c0: int, c1: int, plan: _Plan) -> None:
-    """Zero the self pairs of a gradient tile and add it into both accumulators."""
+    """Zero the self pairs (and excluded entries) of a gradient tile and add it into both accumulators."""
     diag = self_diagonal(g, r0, c0, plan.self_offset)
     if diag is not None:
         diag.zero_()
+    out = _excluded(plan, r0, r1, c0, c1)
+    if out is not None:
+        g.masked_fill_(out, 0.0)
     gb_acc[r0:r1].addmm_(g, b[c0:c1])
     if plan.symmetric:
         if c0 != r0:
@@ -522,6 +567,7 @@ def softmax_terms(
     chunk_size: int | None = None,
     column_comm: Any = None,
     grad_columns: int | None = None,
+    exclude: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
 
@@ -559,6 +605,10 @@ def softmax_terms(
             rest are constants, e.g. a queue of past keys concatenated after the live
             keys): their ``G.T @ A`` products are skipped and their gradient rows are 0.
             ``None``: every candidate (when ``candidates`` requires grad at all).
+        exclude: candidates left out of the log-sum-exp besides the self pair (and out of
+            the column log-sum-exp): a :class:`~torch_contrastive.positives.Exclusion`.
+            With ``symmetric=True`` it must be a symmetric relation. A row whose every
+            candidate is left out gets ``LSE = 0``.
 
     Returns:
         ``(row_out, col_out)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
@@ -578,7 +628,7 @@ def softmax_terms(
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     plan = _Plan(self_offset, columns, symmetric, 0 if single else tile, fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
-                 C if grad_columns is None else max(0, min(int(grad_columns), C)))
+                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan)
     return row_out, (col_out if columns else None)

@@ -213,6 +213,14 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     return LabelledRows(tuple(t[order] for t in outputs), positives.row_counts()[order], known)
 
 
+def safe_logsumexp(terms: Tensor) -> Tensor:
+    """``logsumexp`` over dim 1 where a row of only ``-inf`` (no candidate left: every one
+    excluded as a false negative) gives 0 and a zero gradient instead of ``-inf``/NaN."""
+    empty = torch.isneginf(terms).all(1)
+    safe = torch.where(empty[:, None], 0.0, terms)
+    return torch.where(empty, 0.0, torch.logsumexp(safe, 1))
+
+
 def positive_logits(anchors: Tensor, candidates: Tensor, positives: Positives, scale: Scale) -> Tensor:
     """(R,) ``sum_{p in P(i)} s_ip``, in O(N * D) through the positive aggregate.
 
