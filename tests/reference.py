@@ -250,3 +250,43 @@ def nt_xent_pml_memory(x: Tensor, labels, memory: Tensor, memory_labels, tau) ->
     if not terms:
         return (x * 0).sum() * tau
     return torch.stack(terms).mean()
+
+
+def info_nce_masked(query: Tensor, key: Tensor, negatives, tau, mode: str = "unpaired", in_batch: bool = True,
+                    key_ids=None, negative_ids=None, guide=None, margin: float = 0.0, margin_mode: str = "absolute",
+                    decoupled: bool = False) -> Tensor:
+    """SPEC §12: info_nce where false negatives are masked with -inf (a query left with nothing gives 0)."""
+    n = query.shape[0]
+    s_keys = cosine_matrix(query, key)
+    if guide is not None:
+        g_keys = cosine_matrix(guide[0], guide[1])
+    total = 0.0
+    for i in range(n):
+        g_pos = g_keys[i][i] if guide is not None else None
+        thr = None
+        if guide is not None:
+            thr = g_pos - (margin if margin_mode == "absolute" else margin * abs(float(g_pos)))
+
+        def leaves(cand_id, g_value):
+            by_id = key_ids is not None and cand_id is not None and int(cand_id) == int(key_ids[i])
+            by_guide = thr is not None and g_value is not None and float(g_value) > float(thr)
+            return by_id or by_guide
+
+        cands = [] if decoupled else [s_keys[i][i] / tau]
+        if in_batch:
+            for j in range(n):
+                if j != i and not leaves(key_ids[j] if key_ids is not None else None, g_keys[i][j] if guide is not None else None):
+                    cands.append(s_keys[i][j] / tau)
+        if negatives is not None:
+            own = negatives if mode == "unpaired" else negatives[i]
+            ids = None if negative_ids is None else (negative_ids if mode == "unpaired" else negative_ids[i])
+            s_neg = cosine_matrix(query[i : i + 1], own)[0]
+            g_neg = cosine_matrix(guide[0][i : i + 1], guide[2] if mode == "unpaired" else guide[2][i])[0] if guide is not None else None
+            for m, value in enumerate(s_neg):
+                if not leaves(None if ids is None else ids[m], None if g_neg is None else g_neg[m]):
+                    cands.append(value / tau)
+        if cands:
+            total = total + (-s_keys[i][i] / tau + _lse(cands))
+    # every input stays in the graph (a fully masked input has a zero, not a missing, gradient)
+    connected = 0.0 * (query.sum() + key.sum() + (0.0 if negatives is None else negatives.sum())) * tau
+    return total / n + connected

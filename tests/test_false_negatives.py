@@ -1,0 +1,135 @@
+"""False negatives and variants (SPEC §12): id and guide masking, DCL/DCLW, label smoothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_contrastive as tc
+from reference import info_nce_masked
+from test_losses import DTYPES, _compare
+
+
+def _case(n, m, k, seed, paired, dg=3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    key = q + 0.8 * torch.randn(n, 5, generator=g, dtype=torch.float64)
+    neg = torch.randn(n, k, 5, generator=g, dtype=torch.float64) if paired else torch.randn(m, 5, generator=g, dtype=torch.float64)
+    key_ids = torch.randint(0, max(1, n // 2), (n,), generator=g)
+    neg_ids = torch.randint(0, max(1, n // 2), (n, k) if paired else (m,), generator=g)
+    gq = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    gk = gq + 0.5 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+    gn = torch.randn(n, k, 3, generator=g, dtype=torch.float64) if paired else torch.randn(m, 3, generator=g, dtype=torch.float64)
+    return q, key, neg, key_ids, neg_ids, (gq, gk, gn)
+
+
+MODES = [("none", True), ("unpaired", True), ("unpaired", False), ("paired", True), ("paired", False)]
+
+
+@pytest.mark.parametrize("dtype,tols", DTYPES[:2])
+@pytest.mark.parametrize("mode,in_batch", MODES)
+@pytest.mark.parametrize("n", [1, 7, 13])
+@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("rule", ["ids", "guide_absolute", "guide_relative", "decoupled", "ids_decoupled"])
+def test_masked_info_nce_equals_the_minus_inf_reference(rule, chunk, n, mode, in_batch, dtype, tols):
+    if mode == "none" and not in_batch:
+        return
+    q, key, neg, key_ids, neg_ids, guide = _case(n, 9, 3, seed=n + len(rule), paired=mode == "paired")
+    negs = None if mode == "none" else neg
+    neg_mode = "unpaired" if mode == "none" else mode
+    kw = {}
+    ref_kw = {}
+    if rule.startswith("ids"):
+        kw = dict(key_ids=key_ids, negative_ids=None if negs is None else neg_ids)
+        ref_kw = dict(key_ids=key_ids, negative_ids=None if negs is None else neg_ids)
+    if rule.startswith("guide"):
+        margin_mode = rule.split("_")[1]
+        g = guide if negs is not None else guide[:2]
+        kw = dict(guide=g, guide_margin=0.1, guide_margin_mode=margin_mode)
+        ref_kw = dict(guide=guide, margin=0.1, margin_mode=margin_mode)
+    if rule.endswith("decoupled"):
+        kw["decoupled"] = True
+        ref_kw["decoupled"] = True
+
+    def ours(a, b, *rest):
+        *c, t = rest
+        return tc.info_nce_loss(a, b, c[0] if c else None, t, negative_mode=neg_mode, in_batch_negatives=in_batch,
+                                chunk_size=chunk, **kw)
+
+    def ref(a, b, *rest):
+        *c, t = rest
+        return info_nce_masked(a, b, c[0] if c else None, t, neg_mode, in_batch, **ref_kw)
+
+    _compare(ours, ref, [q, key] + ([] if negs is None else [negs]), 0.2, dtype, tols)
+
+
+def test_every_candidate_excluded_gives_zero_and_a_zero_gradient():
+    q, key, _, _, _, _ = _case(6, 0, 0, seed=1, paired=False)
+    q.requires_grad_()
+    same = torch.zeros(6, dtype=torch.long)  # every key is a duplicate of every positive
+    loss = tc.info_nce_loss(q, key, None, 0.1, key_ids=same, decoupled=True, chunk_size=4)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(q.grad).all() and q.grad.abs().max() == 0
+    # without decoupling the positive stays: the loss is -s_ii + log exp(s_ii) = 0 as well
+    assert tc.info_nce_loss(q, key, None, 0.1, key_ids=same).item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_guide_margin_zero_keeps_candidates_less_similar_than_the_positive():
+    q, key, neg, _, _, guide = _case(8, 6, 0, seed=2, paired=False)
+    # a guide equal to the student: with margin 0 the candidates above the positive leave
+    gq, gk, gn = q.clone(), key.clone(), neg.clone()
+    out = tc.info_nce_loss(q, key, neg, 0.1, guide=(gq, gk, gn), reduction="none")
+    ref = torch.stack([info_nce_masked(q[i : i + 1], key[i : i + 1], torch.cat([key[:i], key[i + 1 :], neg]), 0.1, in_batch=False,
+                                       guide=(gq[i : i + 1], gk[i : i + 1], torch.cat([gk[:i], gk[i + 1 :], gn]))) for i in range(8)])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    # every remaining negative scores below the positive in the guide
+    plain = tc.info_nce_loss(q, key, neg, 0.1, reduction="none")
+    assert (out <= plain + 1e-12).all() and (out < plain).any()
+
+
+@pytest.mark.parametrize("mode", ["none", "unpaired", "paired"])
+@pytest.mark.parametrize("in_batch", [True, False])
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.5])
+def test_label_smoothing_equals_pytorch_cross_entropy(mode, in_batch, eps):
+    if mode == "none" and not in_batch:
+        return
+    q, key, neg, *_ = _case(7, 5, 3, seed=3, paired=mode == "paired")
+    leaves = [t.clone().requires_grad_() for t in (q, key, neg)]
+    qn, kn, nn_ = (F.normalize(t, dim=-1) for t in leaves)
+    pos = (qn * kn).sum(1, keepdim=True)
+    parts = [qn @ kn.T] if in_batch else [pos]
+    if mode == "unpaired":
+        parts.append(qn @ nn_.T)
+    if mode == "paired":
+        parts.append(torch.bmm(nn_, qn[:, :, None])[:, :, 0])
+    logits = torch.cat(parts, 1) / 0.2
+    target = torch.arange(7) if in_batch else torch.zeros(7, dtype=torch.long)
+    ref = F.cross_entropy(logits, target, label_smoothing=eps)
+    ref_grads = torch.autograd.grad(ref, leaves[:2] + ([leaves[2]] if mode != "none" else []))
+    ours_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ours = tc.info_nce_loss(ours_leaves[0], ours_leaves[1], None if mode == "none" else ours_leaves[2], 0.2,
+                            negative_mode="unpaired" if mode == "none" else mode, in_batch_negatives=in_batch, label_smoothing=eps,
+                            chunk_size=3)
+    grads = torch.autograd.grad(ours, ours_leaves[:2] + ([ours_leaves[2]] if mode != "none" else []))
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-10)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("call,exc,words", [
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, negative_ids=ni), ValueError, "negative_ids needs key_ids"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, key_ids=ki[:3]), ValueError, "key_ids must have shape"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, key_ids=ki, negative_ids=ni[:2]), ValueError, "negative_ids must have shape"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, guide=g[:2]), ValueError, "g_negatives"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, guide=(g[0][:2], g[1], g[2])), ValueError, "guide[0] (g_query) must have"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, guide=g, guide_margin=-1.0), ValueError, "guide_margin"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, guide=g, guide_margin_mode="ratio"), ValueError, "guide_margin_mode"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, label_smoothing=1.0), ValueError, "label_smoothing"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, label_smoothing=0.1, decoupled=True), ValueError, "not combined"),
+    (lambda q, k, n, ki, ni, g: tc.info_nce_loss(q, k, n, decoupled=1), TypeError, "decoupled must be a bool"),
+])
+def test_bad_input(call, exc, words):
+    q, key, neg, ki, ni, g = _case(6, 4, 0, seed=0, paired=False)
+    with pytest.raises(exc, match=__import__("re").escape(words)):
+        call(q, key, neg, ki, ni, g)
