@@ -290,3 +290,46 @@ def info_nce_masked(query: Tensor, key: Tensor, negatives, tau, mode: str = "unp
     # every input stays in the graph (a fully masked input has a zero, not a missing, gradient)
     connected = 0.0 * (query.sum() + key.sum() + (0.0 if negatives is None else negatives.sum())) * tau
     return total / n + connected
+
+
+def image_text_variant(img: Tensor, txt: Tensor, tau, image_id=None, text_id=None, decoupled: bool = False,
+                       smoothing: float = 0.0) -> Tensor:
+    """Seed 002's loss with DCL (positives out of the denominators) or label smoothing, from the formula."""
+    n = img.shape[0]
+    s = cosine_matrix(img, txt)
+    gt = [[(image_id is not None and int(image_id[i]) == int(image_id[j])) or (text_id is not None and int(text_id[i]) == int(text_id[j]))
+           or (image_id is None and text_id is None and i == j) for j in range(n)] for i in range(n)]
+    n_gt = sum(sum(r) for r in gt)
+    directions = []
+    for transpose in (False, True):
+        def logit(i, j):
+            return (s[j][i] if transpose else s[i][j]) / tau
+
+        def rel(i, j):
+            return gt[j][i] if transpose else gt[i][j]
+
+        main, uniform = 0.0, 0.0
+        for i in range(n):
+            cands = [logit(i, j) for j in range(n) if not (decoupled and rel(i, j))]
+            lse = _lse(cands) if cands else None
+            for j in range(n):
+                if rel(i, j) and lse is not None:
+                    main = main - (logit(i, j) - lse)
+            if smoothing:
+                uniform = uniform + sum(_lse([logit(i, k) for k in range(n)]) - logit(i, j) for j in range(n)) / n
+        directions.append((1 - smoothing) * main / n_gt + smoothing * uniform / n)
+    return (directions[0] + directions[1]) / 2 + 0.0 * (img.sum() + txt.sum()) * tau
+
+
+def nt_xent_decoupled(x: Tensor, tau, pairing: str = "halves", weight=None) -> Tensor:
+    """DCL: NT-Xent with the positive out of the denominator; optional positive weights (DCLW)."""
+    n = x.shape[0]
+    s = cosine_matrix(x, x)
+    total = 0.0
+    for i in range(n):
+        p = i ^ 1 if pairing == "adjacent" else (i + n // 2) % n
+        others = [s[i][j] / tau for j in range(n) if j not in (i, p)]
+        w = 1.0 if weight is None else float(weight[i])
+        if others:
+            total = total + (-w * s[i][p] / tau + _lse(others))
+    return total / n + 0.0 * x.sum() * tau

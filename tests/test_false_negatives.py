@@ -133,3 +133,108 @@ def test_bad_input(call, exc, words):
     q, key, neg, ki, ni, g = _case(6, 4, 0, seed=0, paired=False)
     with pytest.raises(exc, match=__import__("re").escape(words)):
         call(q, key, neg, ki, ni, g)
+
+
+# ----------------------------------------------------------------- DCL / DCLW, image-text variants
+from reference import image_text_variant, nt_xent_decoupled  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,tols", DTYPES)
+@pytest.mark.parametrize("n", [2, 8, 14])
+@pytest.mark.parametrize("pairing", ["adjacent", "halves"])
+@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("tau", [0.01, 0.3])
+def test_nt_xent_decoupled_reference(tau, chunk, pairing, n, dtype, tols):
+    x = torch.randn(n, 5, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    _compare(lambda a, t: tc.nt_xent_loss(a, t, pairing=pairing, decoupled=True, chunk_size=chunk),
+             lambda a, t: nt_xent_decoupled(a, t, pairing), [x], tau, dtype, tols)
+
+
+def test_nt_xent_positive_weight_reference():
+    x = torch.randn(10, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    w = torch.linspace(0.5, 1.5, 10, dtype=torch.float64)
+    for chunk in (None, 3):
+        _compare(lambda a, t: tc.nt_xent_loss(a, t, pairing="halves", decoupled=True, positive_weight=w, chunk_size=chunk),
+                 lambda a, t: nt_xent_decoupled(a, t, "halves", w), [x], 0.2, torch.float64, (1e-9, 1e-9))
+
+
+@pytest.mark.parametrize("dtype,tols", DTYPES[:2])
+@pytest.mark.parametrize("ids", ["none", "image", "both"])
+@pytest.mark.parametrize("variant", [dict(decoupled=True), dict(smoothing=0.1), dict(smoothing=0.4)])
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("n", [1, 7])
+def test_image_text_variants_reference(n, chunk, variant, ids, dtype, tols):
+    g = torch.Generator().manual_seed(n)
+    img, txt = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 5, generator=g, dtype=torch.float64)
+    image_id = None if ids == "none" else torch.randint(0, 3, (n,), generator=g)
+    text_id = torch.randint(0, 3, (n,), generator=g) if ids == "both" else None
+    kw = dict(decoupled=variant.get("decoupled", False), label_smoothing=variant.get("smoothing", 0.0))
+    _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, image_id, text_id, chunk_size=chunk, **kw),
+             lambda a, b, t: image_text_variant(a, b, t, image_id, text_id, kw["decoupled"], kw["label_smoothing"]),
+             [img, txt], 0.2, dtype, tols)
+
+
+def test_image_text_smoothing_without_ids_is_pytorch_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(9, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    logits = F.normalize(leaves[0], dim=1) @ F.normalize(leaves[1], dim=1).T / 0.07
+    target = torch.arange(9)
+    ref = (F.cross_entropy(logits, target, label_smoothing=0.2) + F.cross_entropy(logits.T, target, label_smoothing=0.2)) / 2
+    ours = tc.ClipLoss(0.07)  # the module passes the options through
+    value = tc.image_text_contrastive_loss(*leaves, 0.07, label_smoothing=0.2, chunk_size=4)
+    torch.testing.assert_close(value, ref, rtol=1e-12, atol=1e-12)
+    assert ours(*leaves).item() != pytest.approx(value.item())  # smoothing changes the value
+
+
+@pytest.fixture
+def lightly_dcl():
+    """lightly 1.6's dcl_loss.py loaded on its own (the package imports torchvision at import time)."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("lightly")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("lightly is not installed (pip install --no-deps lightly==1.6.0)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    saved = {k: sys.modules.get(k) for k in ("lightly", "lightly.utils", "lightly.utils.dist")}
+
+    def load(name, path):
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+        return module
+
+    try:
+        package, utils = types.ModuleType("lightly"), types.ModuleType("lightly.utils")
+        package.__path__, utils.__path__ = [], []
+        sys.modules["lightly"], sys.modules["lightly.utils"] = package, utils
+        utils.dist = load("lightly.utils.dist", root / "utils" / "dist.py")
+        yield load("lightly_dcl_loss_only", root / "loss" / "dcl_loss.py")
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dcl_and_dclw_equal_lightly(lightly_dcl, weighted, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 30, (1,), generator=g))
+    out0, out1 = torch.randn(n, 12, generator=g), torch.randn(n, 12, generator=g)
+    peer = lightly_dcl.DCLWLoss(0.1, sigma=0.5) if weighted else lightly_dcl.DCLLoss(0.1)
+    ours = tc.DCLWLoss(0.1, sigma=0.5) if weighted else tc.DCLLoss(0.1)
+    leaves = [t.clone().requires_grad_() for t in (out0, out1)]
+    ref = peer(*leaves)
+    ref_grads = torch.autograd.grad(ref, leaves)
+    mine = [t.clone().requires_grad_() for t in (out0, out1)]
+    value = ours(*mine)
+    assert value.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    for a, b in zip(torch.autograd.grad(value, mine), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -5,7 +5,7 @@ Functional API: :func:`nt_xent_loss`, :func:`nt_bxent_loss`,
 :func:`siglip_loss`, :func:`info_nce_loss`.
 Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
-:class:`SigLipLoss`, :class:`InfoNCELoss`. Candidates beyond the batch:
+:class:`SigLipLoss`, :class:`InfoNCELoss`, :class:`DCLLoss`, :class:`DCLWLoss`. Candidates beyond the batch:
 :class:`FeatureQueue` (MoCo queue / memory bank). Batches beyond activation memory:
 :func:`grad_cache`.
 """
@@ -23,7 +23,17 @@ from .losses import (
     supcon_loss,
     text_ids,
 )
-from .modules import ClipLoss, ImageTextContrastiveLoss, InfoNCELoss, NTBXentLoss, NTXentLoss, SigLipLoss, SupConLoss
+from .modules import (
+    ClipLoss,
+    DCLLoss,
+    DCLWLoss,
+    ImageTextContrastiveLoss,
+    InfoNCELoss,
+    NTBXentLoss,
+    NTXentLoss,
+    SigLipLoss,
+    SupConLoss,
+)
 from .positives import Positives
 from .queue import FeatureQueue
 
@@ -31,6 +41,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClipLoss",
+    "DCLLoss",
+    "DCLWLoss",
     "FeatureQueue",
     "ImageTextContrastiveLoss",
     "InfoNCELoss",

@@ -142,6 +142,22 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     return x
 
 
+def check_fraction(value: object, name: str) -> float:
+    """A float in [0, 1) (label smoothing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_row_weight(weight: object, name: str, length: int, device: torch.device) -> Tensor:
+    """A (length,) floating tensor of per-row weights, detached, on ``device``."""
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor")
+    if weight.ndim != 1 or weight.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(weight.shape)}")
+    return weight.detach().to(device)
+
+
 def check_memory(memory_emb: object, memory_labels: object, width: int, device: torch.device,
                  checks: Checks) -> tuple[Tensor, Tensor] | None:
     """``memory_emb`` (M, D) rows with ``memory_labels`` (M,) for a supervised loss, or None.

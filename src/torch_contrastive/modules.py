@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from . import _validation as v
 from .losses import image_text_contrastive_loss, info_nce_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
-__all__ = ["ClipLoss", "ImageTextContrastiveLoss", "InfoNCELoss", "NTBXentLoss", "NTXentLoss", "SigLipLoss", "SupConLoss"]
+__all__ = ["ClipLoss", "DCLLoss", "DCLWLoss", "ImageTextContrastiveLoss", "InfoNCELoss", "NTBXentLoss", "NTXentLoss", "SigLipLoss",
+           "SupConLoss"]
 
 #: CLIP clamps its logit scale at 100 (temperature 0.01).
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -178,6 +179,48 @@ class InfoNCELoss(_Loss):
 
     def _own_options(self) -> dict[str, Any]:
         return {"negative_mode": self.negative_mode, "in_batch_negatives": self.in_batch_negatives}
+
+
+class DCLLoss(_Loss):
+    """Decoupled contrastive loss (Yeh et al. 2021) in lightly's call form ``loss(out0, out1)``.
+
+    NT-Xent over ``torch.cat([out0, out1])`` (``pairing="halves"``) with each row's positive
+    left out of its denominator: ``nt_xent_loss(..., decoupled=True)``. ``gather=True`` is
+    lightly's ``gather_distributed``.
+    """
+
+    def __init__(self, temperature: float = 0.1, **options: Any) -> None:
+        super().__init__(temperature, **options)
+
+    def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
+        return None
+
+    def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
+        v.check_embeddings(out0, "out0")
+        v.check_embeddings(out1, "out1")
+        v.check_same_rows(out0, "out0", out1, "out1")
+        weight = self.positive_weight(out0, out1)
+        return nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
+                            positive_weight=None if weight is None else torch.cat([weight, weight]), **self.options)
+
+
+class DCLWLoss(DCLLoss):
+    """Weighted DCL: the positive term of pair i is weighted by the von Mises-Fisher factor
+    ``w_i = 2 - N * softmax_i(<o0_i, o1_i> / sigma)`` on L2-normalised outputs, detached (as
+    lightly's ``DCLWLoss``; the softmax runs over this rank's N pairs)."""
+
+    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, **options: Any) -> None:
+        super().__init__(temperature, **options)
+        self.sigma = _check_temperature(sigma, "sigma")
+
+    def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
+        with torch.no_grad():
+            a = torch.nn.functional.normalize(out0.detach().float() if out0.dtype != torch.float64 else out0.detach(), dim=1)
+            b = torch.nn.functional.normalize(out1.detach().to(a.dtype), dim=1)
+            return 2 - out0.shape[0] * torch.softmax((a * b).sum(1) / self.sigma, dim=0)
+
+    def _own_options(self) -> dict[str, Any]:
+        return {"sigma": self.sigma}
 
 
 class SigLipLoss(nn.Module):

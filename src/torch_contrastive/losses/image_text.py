@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -11,6 +12,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope
 from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
+from ..positives import Exclusion, Positives
 from ._common import check_agreement, finish_checks, image_text_inputs, image_text_positives, positive_logits
 
 __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
@@ -43,6 +45,8 @@ def image_text_contrastive_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
+    decoupled: bool = False,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     """Symmetric image-text contrastive loss of CLIP/ALIGN (seed 002).
 
@@ -69,6 +73,14 @@ def image_text_contrastive_loss(
             only its own image rows against all gathered texts; the second direction's
             per-text log-sum-exp is completed by an O(N) all-reduce of partial column
             sums, so the N x N work is split across ranks.
+        decoupled: DCL (Yeh et al. 2021): the positives (the diagonal, or every pair seed
+            002's rule relates) leave both directions' denominators. A row left with no
+            candidate contributes 0.
+        label_smoothing: epsilon in [0, 1), per direction ``(1 - eps) * (the loss above) +
+            eps * mean_i mean_j (-log softmax_ij)``; without ids exactly
+            ``F.cross_entropy(S, arange(N), label_smoothing=eps)`` per direction. The uniform
+            part needs only ``sum_j S_ij = <a_i, sum_j b_j> / tau``: O(N * D), no extra tile
+            pass. Not combined with ``decoupled``.
 
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.
@@ -76,30 +88,72 @@ def image_text_contrastive_loss(
     pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
                              grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
     n, device, image_id, text_id, ids_given, scope, checks = pair
+    if not isinstance(decoupled, bool):
+        raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
+    smoothing = v.check_fraction(label_smoothing, "label_smoothing")
+    if smoothing and decoupled:
+        raise ValueError("label_smoothing is not combined with decoupled=True")
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
     check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
 
     fixed = fixed_scale_applies(normalize, bound, image_feat.dtype)
+    variant = _Variant(decoupled, smoothing)
     if not scope.distributed:
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions, and the
         # whole loss -- normalisation, both directions, positives -- is one engine call.
         pos = image_text_positives(image_id, text_id, n, n, scope, device)
         counts = pos.row_counts()
-        weights = (None, None) if pos.kind == "partner" else (counts.to(compute_dtype(image_feat.dtype)), None)
+        cdtype = compute_dtype(image_feat.dtype)
+        weights = variant.weights(counts, counts.sum(), n, cdtype) if smoothing else \
+            (None, None) if pos.kind == "partner" else (counts.to(cdtype), None)
         per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
                                             row_weights=weights, col_weights=weights, columns=True, fixed=fixed,
-                                            normalize=normalize, eps=eps, chunk_size=chunk_size)
+                                            normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos))
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")
+        if smoothing:
+            img, txt = prepare(image_feat, normalize, eps), prepare(text_feat.to(image_feat.dtype), normalize, eps)
+            per_image, per_text = variant.smooth(per_image, per_text, img, txt, img, txt, counts.sum(), n, scale)
     else:
         per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, image_id, text_id, scope, fixed, normalize,
-                                                         eps, chunk_size)
+                                                         eps, chunk_size, variant)
+    if decoupled:  # a row left without candidates (every text a positive) contributes 0
+        per_image = torch.where(torch.isneginf(per_image), 0.0, per_image)
+        per_text = torch.where(torch.isneginf(per_text), 0.0, per_text)
     finish_checks(per_image + per_text, checks, v.output_needs_check(normalize, bound))
     return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
 
 
+@dataclass(frozen=True)
+class _Variant:
+    """DCL and label smoothing on the image-text loss (SPEC §12)."""
+
+    decoupled: bool
+    smoothing: float
+
+    def exclusion(self, positives: Positives) -> Exclusion | None:
+        """DCL: the positives leave the denominators (gt is symmetric: both directions)."""
+        return Exclusion(relation=positives, symmetric=True) if self.decoupled else None
+
+    def weights(self, counts: Tensor, n_gt: Tensor, n_all: int, cdtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(alpha, beta)`` with ``alpha_i = (1 - eps) c_i + eps G / N`` and ``beta = 1 - eps``:
+        times ``1 / G`` per direction, the smoothed loss's log-sum-exp and positive parts."""
+        eps = self.smoothing
+        alpha = (1 - eps) * counts.to(cdtype) + eps * n_gt.to(cdtype) / n_all
+        return alpha, torch.full_like(alpha, 1 - eps)
+
+    def smooth(self, per_image: Tensor, per_text: Tensor, img: Tensor, txt: Tensor, img_all: Tensor, txt_all: Tensor,
+               n_gt: Tensor, n_all: int, scale: Scale) -> tuple[Tensor, Tensor]:
+        """Subtract the uniform part ``eps G / (N N) * sum_j S_ij`` of each row (and column)."""
+        factor = self.smoothing * n_gt.to(img.dtype) / (n_all * n_all)
+        uniform_image = (img * txt_all.sum(0)).sum(1) * scale
+        uniform_text = (txt * img_all.sum(0)).sum(1) * scale
+        return per_image - factor * uniform_image, per_text - factor * uniform_text
+
+
 def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, image_id: Tensor | None, text_id: Tensor | None,
-                       scope: Scope, fixed: bool, normalize: bool, eps: float, chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+                       scope: Scope, fixed: bool, normalize: bool, eps: float, chunk_size: int | None,
+                       variant: _Variant) -> tuple[Tensor, Tensor, Tensor]:
     """Per-image and per-text terms of this rank's rows under ``gather=True``.
 
     One pass over this rank's image rows x all texts gives the image rows' terms and the
@@ -114,12 +168,19 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     offset = scope.offset  # known once rows() has gathered the sizes
     pos = image_text_positives(image_id, text_id, n, img_all.shape[0], scope, img.device)
     counts = pos.row_counts()
-    per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos,
-                                           row_weights=(counts.to(img.dtype), None), columns=True, column_positives=False,
-                                           fixed=fixed, chunk_size=chunk_size, column_comm=scope)
+    n_all = img_all.shape[0]
+    n_gt = scope.total(counts.sum()) if variant.smoothing else counts.sum()
+    alpha, beta = variant.weights(counts, n_gt, n_all, img.dtype) if variant.smoothing else (counts.to(img.dtype), None)
+    per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos, row_weights=(alpha, beta),
+                                           columns=True, column_positives=False, fixed=fixed, chunk_size=chunk_size,
+                                           column_comm=scope, exclude=variant.exclusion(pos))
     if col_lse_all is None:
         raise RuntimeError("internal: columns=True returns the column terms")
-    per_text = counts * col_lse_all[offset : offset + n] - positive_logits(txt, img_all, pos, scale)
+    # text j's positives are its column of gt: as many as image j's row (gt is symmetric)
+    text_pos = positive_logits(txt, img_all, pos, scale)
+    per_text = alpha * col_lse_all[offset : offset + n] - (text_pos if beta is None else beta * text_pos)
+    if variant.smoothing:
+        per_image, per_text = variant.smooth(per_image, per_text, img, txt, img_all, txt_all, n_gt, n_all, scale)
     return per_image, per_text, counts
 
 

@@ -114,7 +114,7 @@ def info_nce_loss(
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
     if gather_negatives is not None and not isinstance(gather_negatives, bool):
         raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")
-    smoothing = _check_smoothing(label_smoothing)
+    smoothing = v.check_fraction(label_smoothing, "label_smoothing")
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
     checks.finite(query, "query")
@@ -159,12 +159,6 @@ class _Rules:
     @property
     def any(self) -> bool:
         return self.key_ids is not None or self.threshold is not None or self.decoupled
-
-
-def _check_smoothing(label_smoothing: object) -> float:
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing < 1:
-        raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
-    return float(label_smoothing)
 
 
 def _unit(x: Tensor, eps: float) -> Tensor:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import fixed_scale_applies, softmax_terms
-from ..positives import Positives
+from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
+from ..positives import Exclusion, Positives
 from ._common import labelled_pairwise_rows, pair_partner, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
@@ -28,6 +29,8 @@ def nt_xent_loss(
     validate: bool = True,
     memory_emb: Tensor | None = None,
     memory_labels: Tensor | None = None,
+    decoupled: bool = False,
+    positive_weight: Tensor | None = None,
 ) -> Tensor:
     """NT-Xent, the SimCLR loss (seeds 000, 001, 003, 004).
 
@@ -65,6 +68,12 @@ def nt_xent_loss(
             ``labels`` only: extra candidates of every row (positives and negatives by
             label) -- pytorch-metric-learning's ``CrossBatchMemory`` around its
             ``NTXentLoss``, with this batch's rows live as candidates. Not gathered.
+        decoupled: DCL (Yeh et al. 2021), pairing rules only: the positive leaves the
+            denominator, ``loss_i = -s_ip + log sum_{j != i, p} exp(s_ij)`` (lightly's
+            ``DCLLoss`` on ``torch.cat([out0, out1])`` with ``pairing="halves"``).
+        positive_weight: optional (2N,) weight of each row's positive term (no gradient),
+            pairing rules only: ``loss_i = -w_i s_ip + LSE_i`` (DCLW's von Mises-Fisher
+            weight, see :class:`~torch_contrastive.DCLWLoss`).
 
     Returns:
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.
@@ -87,6 +96,12 @@ def nt_xent_loss(
     memory = v.check_memory(memory_emb, memory_labels, embeddings.shape[1], embeddings.device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
+    if not isinstance(decoupled, bool):
+        raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
+    if labels is not None and (decoupled or positive_weight is not None):
+        raise ValueError("decoupled and positive_weight apply to pairing rules (one positive per row), not to labels")
+    if positive_weight is not None:
+        positive_weight = v.check_row_weight(positive_weight, "positive_weight", n, embeddings.device)
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
@@ -94,9 +109,14 @@ def nt_xent_loss(
     if labels is None:
         positives = Positives.from_partner(pair_partner(n, pairing, offset, z.device), z_all.shape[0], self_offset=offset,
                                            layout=None if scope.distributed else pairing)
+        # DCL: the positive (an involution's partner, so a symmetric relation) leaves the denominator
+        exclude = Exclusion(relation=positives, symmetric=True) if decoupled else None
+        weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
         per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
                                    fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
-                                   chunk_size=chunk_size)
+                                   chunk_size=chunk_size, exclude=exclude, row_weights=weights)
+        if decoupled:  # a pair alone in the batch has no negative: its rows contribute 0
+            per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)
         return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
