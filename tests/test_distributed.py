@@ -72,6 +72,16 @@ def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
                                                 gather=gather),
         "nt_xent_pml_memory": lambda: tc.nt_xent_loss(emb, 0.3, labels=labels, memory_emb=QUEUE, memory_labels=QUEUE_LABELS,
                                                       gather=gather),
+        # false negatives and variants: ids gathered with the rows, guide rows gathered, DCL, smoothing
+        "info_nce_ids": lambda: tc.info_nce_loss(emb, emb_y, torch.sin(emb_y) * 2, 0.2, key_ids=ids, negative_ids=labels,
+                                                 gather=gather),
+        "info_nce_guide": lambda: tc.info_nce_loss(emb, emb_y, torch.sin(emb_y) * 2, 0.2, guide=(emb.detach().cos(), emb_y.detach(),
+                                                   emb_y.detach().sin()), guide_margin=0.05, gather=gather),
+        "info_nce_dcl": lambda: tc.info_nce_loss(emb, emb_y, None, 0.2, decoupled=True, gather=gather),
+        "info_nce_smooth": lambda: tc.info_nce_loss(emb, emb_y, torch.sin(emb_y) * 2, 0.2, label_smoothing=0.1, gather=gather),
+        "clip_dcl_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, None, decoupled=True, gather=gather),
+        "clip_smooth_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, label_smoothing=0.2, gather=gather),
+        "nt_xent_dcl": lambda: tc.nt_xent_loss(emb, 0.3, decoupled=True, gather=gather),
     }
     return calls[case]()
 
@@ -82,7 +92,8 @@ QUEUE_LABELS = torch.randint(0, 4, (9,), generator=torch.Generator().manual_seed
 CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", "nt_bxent_labels",
          "clip", "clip_ids", "siglip", "siglip_ids", "supcon_labels", "supcon_views", "supcon_one",
          "info_nce", "info_nce_pool", "info_nce_pool_only", "info_nce_paired", "info_nce_queue", "info_nce_keys_queue",
-         "supcon_memory", "nt_xent_pml_memory"]
+         "supcon_memory", "nt_xent_pml_memory", "info_nce_ids", "info_nce_guide", "info_nce_dcl", "info_nce_smooth",
+         "clip_dcl_ids", "clip_smooth_ids", "nt_xent_dcl"]
 
 
 def _check_case(rank, world, case, sizes):
@@ -268,3 +279,20 @@ def _queue_push_gather(rank, world, sizes):
 @pytest.mark.parametrize("world", [2, 3])
 def test_queue_push_gather_keeps_ranks_identical(world):
     run_ranks(_queue_push_gather, world, [1 + r for r in range(world)])
+
+
+def _local_warning(rank, world):
+    import warnings
+
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tc.nt_xent_loss(x, 0.3)
+        tc.supcon_loss(x, torch.arange(6) % 2)  # once per process
+        tc.nt_xent_loss(x, 0.3, gather=True)
+    local = [w for w in caught if "gather=False" in str(w.message)]
+    assert len(local) == 1 and "only sees its local negatives" in str(local[0].message)
+
+
+def test_gather_false_under_a_process_group_warns_once():
+    run_ranks(_local_warning, 2)

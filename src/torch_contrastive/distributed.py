@@ -20,6 +20,8 @@ collective is called.
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 
 import torch
@@ -184,8 +186,23 @@ class Scope:
         return local + (value - local).detach()
 
 
+_warned_local = False
+
+
 def make_scope(gather: bool, grad_reduction: str = "mean") -> Scope:
-    """The :class:`Scope` of a loss call: distributed when ``gather`` and a group is active."""
-    if gather and _active():
-        return Scope(rank=dist.get_rank(), world_size=dist.get_world_size(), grad_reduction=grad_reduction)
+    """The :class:`Scope` of a loss call: distributed when ``gather`` and a group is active.
+
+    A loss called with ``gather=False`` while a process group of several ranks is active
+    warns once per process: each rank then contrasts its rows only with its own batch
+    (a silent default that has cost users of other libraries their negatives).
+    """
+    global _warned_local
+    if _active():
+        if gather:
+            return Scope(rank=dist.get_rank(), world_size=dist.get_world_size(), grad_reduction=grad_reduction)
+        if not _warned_local:
+            _warned_local = True
+            warnings.warn(f"a contrastive loss was called with gather=False under a process group of {dist.get_world_size()} "
+                          "ranks: each rank only sees its local negatives. Pass gather=True for the global batch "
+                          "(this warning is shown once).", UserWarning, stacklevel=3)
     return Scope(grad_reduction=grad_reduction)
