@@ -267,7 +267,7 @@ def info_nce_masked(query: Tensor, key: Tensor, negatives, tau, mode: str = "unp
         if guide is not None:
             thr = g_pos - (margin if margin_mode == "absolute" else margin * abs(float(g_pos)))
 
-        def leaves(cand_id, g_value):
+        def leaves(cand_id, g_value, i=i, thr=thr):
             by_id = key_ids is not None and cand_id is not None and int(cand_id) == int(key_ids[i])
             by_guide = thr is not None and g_value is not None and float(g_value) > float(thr)
             return by_id or by_guide
@@ -302,10 +302,10 @@ def image_text_variant(img: Tensor, txt: Tensor, tau, image_id=None, text_id=Non
     n_gt = sum(sum(r) for r in gt)
     directions = []
     for transpose in (False, True):
-        def logit(i, j):
+        def logit(i, j, transpose=transpose):
             return (s[j][i] if transpose else s[i][j]) / tau
 
-        def rel(i, j):
+        def rel(i, j, transpose=transpose):
             return gt[j][i] if transpose else gt[i][j]
 
         main, uniform = 0.0, 0.0

@@ -76,7 +76,7 @@ def test_every_candidate_excluded_gives_zero_and_a_zero_gradient():
 
 
 def test_guide_margin_zero_keeps_candidates_less_similar_than_the_positive():
-    q, key, neg, _, _, guide = _case(8, 6, 0, seed=2, paired=False)
+    q, key, neg, _, _, _guide = _case(8, 6, 0, seed=2, paired=False)
     # a guide equal to the student: with margin 0 the candidates above the positive leave
     gq, gk, gn = q.clone(), key.clone(), neg.clone()
     out = tc.info_nce_loss(q, key, neg, 0.1, guide=(gq, gk, gn), reduction="none")
@@ -154,7 +154,7 @@ def test_nt_xent_positive_weight_reference():
     x = torch.randn(10, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     w = torch.linspace(0.5, 1.5, 10, dtype=torch.float64)
     for chunk in (None, 3):
-        _compare(lambda a, t: tc.nt_xent_loss(a, t, pairing="halves", decoupled=True, positive_weight=w, chunk_size=chunk),
+        _compare(lambda a, t, chunk=chunk: tc.nt_xent_loss(a, t, pairing="halves", decoupled=True, positive_weight=w, chunk_size=chunk),
                  lambda a, t: nt_xent_decoupled(a, t, "halves", w), [x], 0.2, torch.float64, (1e-9, 1e-9))
 
 

@@ -21,7 +21,6 @@ collective is called.
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass
 
 import torch
