@@ -39,7 +39,8 @@ no host synchronisation and can be compiled with ``torch.compile(fullgraph=True)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -392,14 +393,18 @@ class Exclusion:
     """Candidates left out of an anchor's denominator, besides the self pair.
 
     The engine asks for one (row-block, column-block) tile at a time, so no R x C mask
-    is ever held. The excluded block is ``relation | guide_verdict`` minus ``keep``:
+    is ever held. The excluded block is ``relation | guide_verdict`` minus ``keep``, plus
+    the strided ``diagonal``:
 
     * ``relation``: pairs to leave out, as a :class:`Positives` (ids equal to the
       positive's id; DCL's positives themselves);
     * ``guide``: ``(g_rows, g_cols, threshold)`` with L2-normalised guide embeddings:
       candidate j leaves row i when ``<g_rows_i, g_cols_j> > threshold_i`` (GISTEmbed's
       guide-model filter; one small matrix product per tile, no gradient);
-    * ``keep``: pairs never left out (the positive itself), as a :class:`Positives`.
+    * ``keep``: pairs never left out (the positive itself), as a :class:`Positives`, or
+      ``keep_diagonal = k``: the pairs ``(i, i + k)`` (a strided view, no mask);
+    * ``diagonal = k``: the pairs ``(i, i + k)`` are left out (DCL's positive when it is
+      candidate ``offset + i``), handled by the engine as a strided view like the self pair.
 
     Attributes:
         symmetric: the relation is symmetric (``excluded(i, j) == excluded(j, i)``), so the
@@ -409,19 +414,59 @@ class Exclusion:
     relation: Positives | None = None
     guide: tuple[Tensor, Tensor, Tensor] | None = None
     keep: Positives | None = None
+    keep_diagonal: int | None = None
+    diagonal: int | None = None
     symmetric: bool = False
+    scratch: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
-    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
-        """The (r1 - r0, c1 - c0) bool block of excluded candidates."""
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
+        """The (r1 - r0, c1 - c0) bool block of excluded candidates (without ``diagonal``),
+        or None when only ``diagonal`` is excluded."""
         block: Tensor | None = None
         if self.relation is not None:
             block = self.relation.tile(r0, r1, c0, c1)
         if self.guide is not None:
             rows, cols, threshold = self.guide
-            verdict = torch.mm(rows[r0:r1], cols[c0:c1].t()) > threshold[r0:r1, None]
+            # reused buffers: the verdict is consumed before the next tile is asked for
+            scores = torch.mm(rows[r0:r1], cols[c0:c1].t(), out=self._buffer("scores", (r1 - r0, c1 - c0), rows.dtype, rows.device))
+            verdict = torch.gt(scores, threshold[r0:r1, None], out=self._buffer("verdict", scores.shape, torch.bool, rows.device))
             block = verdict if block is None else block | verdict
         if block is None:
-            raise ValueError("an Exclusion needs a relation or a guide")
+            if self.diagonal is None:
+                raise ValueError("an Exclusion needs a relation, a guide or a diagonal")
+            return None
         if self.keep is not None:
             block = block & ~self.keep.tile(r0, r1, c0, c1)
+        if self.keep_diagonal is not None:
+            k = r0 + self.keep_diagonal - c0
+            if k < block.shape[1] and -k < block.shape[0]:
+                if self.guide is None:  # never write into the relation's own tensor
+                    block = block.clone()
+                block.diagonal(k).fill_(False)
         return block
+
+    def factor(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor | None:
+        """The tile as a float factor: 1 for a kept candidate, 0 for an excluded one
+        (without ``diagonal``), or None. Multiplying by it is several times cheaper than a
+        masked fill; for a guide alone it is one comparison written straight into floats."""
+        if self.guide is not None and self.relation is None and self.keep is None:
+            rows, cols, threshold = self.guide
+            scores = torch.mm(rows[r0:r1], cols[c0:c1].t(), out=self._buffer("scores", (r1 - r0, c1 - c0), rows.dtype, rows.device))
+            keep = torch.le(scores, threshold[r0:r1, None], out=self._buffer("keep", scores.shape, dtype, rows.device))
+            if self.keep_diagonal is not None:
+                k = r0 + self.keep_diagonal - c0
+                if k < keep.shape[1] and -k < keep.shape[0]:
+                    keep.diagonal(k).fill_(1.0)
+            return keep
+        block = self.tile(r0, r1, c0, c1)
+        if block is None:
+            return None
+        return torch.logical_not(block, out=self._buffer("keep", block.shape, dtype, block.device))
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A per-shape scratch tensor (tiles repeat a few shapes; no allocation per tile)."""
+        key = (name, tuple(shape), dtype, device)
+        buffer = self.scratch.get(key)
+        if buffer is None:
+            buffer = self.scratch[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer

@@ -49,7 +49,12 @@ IMPLEMENTATIONS = {
     # N queries against their keys plus a queue of Q negatives (only with --loss info_nce_queue):
     # in-batch keys + queue (N x (N + Q) logits), and MoCo's form (key + queue) against info-nce-pytorch
     "info_nce_queue": ["ours", "dense-baseline", "ours-moco", "info_nce"],
+    # in-batch InfoNCE whose false negatives a guide model removes (GISTEmbed), guide size D / 2
+    "info_nce_guide": ["ours", "dense-baseline"],
 }
+
+#: Cases run only with --loss NAME --sizes N.
+ON_REQUEST = ("nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide")
 
 #: Queue rows of the info_nce_queue case unless --queue.
 DEFAULT_QUEUE = 65536
@@ -164,6 +169,29 @@ def _build_queue(impl: str, x: torch.Tensor, gen: torch.Generator, queue_rows: i
     return (lambda: dense_info_nce(x, k, queue, tau)), [x, k]
 
 
+def dense_guided_info_nce(q: torch.Tensor, k: torch.Tensor, g_q: torch.Tensor, g_k: torch.Tensor, tau: float) -> torch.Tensor:
+    """GISTEmbed's filter densely: N x N guide cosines, candidates above the positive's masked with -inf."""
+    normalize = torch.nn.functional.normalize
+    logits = normalize(q, dim=1) @ normalize(k, dim=1).T / tau
+    guide = normalize(g_q, dim=1) @ normalize(g_k, dim=1).T
+    eye = torch.eye(q.shape[0], dtype=torch.bool, device=q.device)
+    logits = logits.masked_fill((guide > guide.diagonal()[:, None]) & ~eye, float("-inf"))
+    return torch.nn.functional.cross_entropy(logits, torch.arange(q.shape[0], device=q.device))
+
+
+def _build_guide(impl: str, x: torch.Tensor, gen: torch.Generator, tau: float) -> tuple[Any, list[torch.Tensor]]:
+    """The info_nce_guide case: queries x, keys, and a guide model's (detached) embeddings of both."""
+    import torch_contrastive as tc
+
+    n, d = x.shape
+    k = torch.randn(n, d, generator=gen).to(x.device).requires_grad_()
+    g_q = torch.randn(n, d // 2, generator=gen).to(x.device)
+    g_k = (g_q + torch.randn(n, d // 2, generator=gen).to(x.device))
+    if impl == "ours":
+        return (lambda: tc.info_nce_loss(x, k, None, tau, guide=(g_q, g_k))), [x, k]
+    return (lambda: dense_guided_info_nce(x, k, g_q, g_k, tau)), [x, k]
+
+
 def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device,
            spec_classes: int = 100, queue_rows: int = DEFAULT_QUEUE) -> tuple[Any, list[torch.Tensor]]:
     """A closure computing the loss, and the leaf tensors it differentiates."""
@@ -174,6 +202,8 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
     dense_chunk = n  # one tile: the "dense" path of the same engine
     if loss == "info_nce_queue":
         return _build_queue(impl, x, gen, queue_rows, tau)
+    if loss == "info_nce_guide":
+        return _build_guide(impl, x, gen, tau)
     if loss in ("clip", "siglip"):
         y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
         return _build_image_text(loss, impl, x, y, tau, dense_chunk), [x, y]
@@ -305,8 +335,8 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
     reps = 1 if quick else 3
     dims = [dim] if isinstance(dim, int) else list(dim)
     grid = [(n, d) for n in (sizes or []) for d in dims]
-    for loss in ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue"):
-        if loss in ("nt_xent_pml", "nt_bxent", "info_nce_queue") and not sizes:
+    for loss in ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide"):
+        if loss in ON_REQUEST and not sizes:
             continue  # on request only: --loss nt_xent_pml|nt_bxent|info_nce_queue --sizes N [--classes C] [--queue Q]
         default = [2048, 8192] if loss in ("clip", "siglip") else [4096, 16384]
         loss_grid = grid or [(n, d) for n in (default if quick else [1024, 4096, 8192, 16384]) for d in dims]
@@ -367,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
     else:
-        cases = [c for c in cases if c["loss"] not in ("nt_xent_pml", "nt_bxent", "info_nce_queue")]
+        cases = [c for c in cases if c["loss"] not in ON_REQUEST]
     for case in cases:
         case["classes"] = args.classes
         if case["loss"] == "info_nce_queue":
@@ -407,9 +437,10 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--small", action="store_true",
                    help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
                         "time ratio and host syncs per call (tau 0.1 unless --temperature)")
-    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue"],
-                   default="all", help="nt_xent_pml (labels, pytorch-metric-learning convention), nt_bxent (labels) and "
-                                       "info_nce_queue (N queries, their keys and a queue of --queue negatives) need --sizes")
+    p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", *ON_REQUEST],
+                   default="all", help="nt_xent_pml (labels, pytorch-metric-learning convention), nt_bxent (labels), "
+                                       "info_nce_queue (N queries, their keys and a queue of --queue negatives) and "
+                                       "info_nce_guide (guide-model masking, guide size D/2) need --sizes")
     p.add_argument("--queue", type=positive_int, default=DEFAULT_QUEUE,
                    help=f"queue rows of info_nce_queue (default {DEFAULT_QUEUE})")
     p.add_argument("--classes", type=positive_int, default=100, help="random classes for nt_xent_pml / nt_bxent (default 100)")

@@ -100,8 +100,33 @@ def _inverse_exp(lse: Tensor, plan: _Plan) -> Tensor:
 
 
 def _excluded(plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
-    """The tile's bool block of excluded candidates, or None."""
+    """The tile's bool block of excluded candidates, or None (none, or only a diagonal)."""
     return None if plan.exclude is None else plan.exclude.tile(r0, r1, c0, c1)
+
+
+def _drop(t: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> None:
+    """Zero the excluded entries of a tile of finite values (the fixed path's ``exp(S)``
+    and gradient tiles): a strided diagonal and a multiplication by the 0/1 factor."""
+    if plan.exclude is None:
+        return
+    diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)
+    if diag is not None:
+        diag.zero_()
+    keep = plan.exclude.factor(r0, r1, c0, c1, t.dtype)
+    if keep is not None:
+        t.mul_(keep)
+
+
+def _blank(t: Tensor, plan: _Plan, r0: int, c0: int, out: Tensor | None, value: float) -> None:
+    """Set the excluded entries of a tile to ``value`` in place: an excluded strided
+    diagonal (a view, as for the self pairs) and the masked block ``out``."""
+    if plan.exclude is None:
+        return
+    diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)
+    if diag is not None:
+        diag.fill_(value)
+    if out is not None:
+        t.masked_fill_(out, value)
 
 
 _Direction = tuple[Tensor, Tensor]  # (gradient weight per index, its log-sum-exp)
@@ -177,13 +202,11 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     s = a_s @ b.t()
     row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
     diag = self_diagonal(s, 0, 0, plan.self_offset)
-    out = _excluded(plan, 0, s.shape[0], 0, C)
     if plan.fixed:
         e = s.exp_()
         if diag is not None:
             diag.zero_()
-        if out is not None:
-            e.masked_fill_(out, 0.0)
+        _drop(e, plan, 0, e.shape[0], 0, C)
         row_lse = _log(e.sum(1), None, plan, C)
         col_lse = None
         if plan.columns:
@@ -194,20 +217,20 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         return row_lse, col_lse, row_pos, col_pos, e
     if diag is not None:
         diag.fill_(torch.finfo(s.dtype).min)
-    if out is not None:
-        s.masked_fill_(out, torch.finfo(s.dtype).min)
+    out = _excluded(plan, 0, s.shape[0], 0, C)
+    _blank(s, plan, 0, 0, out, torch.finfo(s.dtype).min)
     row_max = s.amax(1)
     e = torch.exp(s - row_max[:, None])
     if diag is not None:
         e.diagonal(plan.self_offset or 0).zero_()
-    if out is not None:
-        e.masked_fill_(out, 0.0)
+    _blank(e, plan, 0, 0, out, 0.0)
     row_lse = _log(e.sum(1), row_max, plan, C)
     if not plan.columns:
         return row_lse, None, row_pos, col_pos, s
     col_max = s.amax(0)
     col_e = torch.exp(s - col_max[None, :])
-    col_sum = (col_e if out is None else col_e.masked_fill_(out, 0.0)).sum(0)
+    _blank(col_e, plan, 0, 0, out, 0.0)
+    col_sum = col_e.sum(0)
     return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s
 
 
@@ -236,9 +259,7 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
         diag = self_diagonal(g, 0, 0, plan.self_offset)
         if diag is not None:
             diag.zero_()
-        out = _excluded(plan, 0, g.shape[0], 0, g.shape[1])
-        if out is not None:
-            g.masked_fill_(out, 0.0)
+        _blank(g, plan, 0, 0, _excluded(plan, 0, g.shape[0], 0, g.shape[1]), 0.0)
     if plan.positives is not None and c_row is not None:
         _fold_positives(g, plan.positives, plan, c_row, c_col)
     if plan.symmetric or plan.grad_columns == 0:
@@ -307,9 +328,7 @@ def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor 
         diag = self_diagonal(e, r0, c0, plan.self_offset)
         if diag is not None:
             diag.zero_()
-        out = _excluded(plan, r0, r1, c0, c1)
-        if out is not None:
-            e.masked_fill_(out, 0.0)
+        _drop(e, plan, r0, r1, c0, c1)
         row_sum[r0:r1] += e.sum(1)
         if plan.symmetric and c0 != r0:
             row_sum[c0:c1] += e.sum(0)
@@ -340,14 +359,14 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         if diag is not None:
             diag.fill_(low)
         out = _excluded(plan, r0, r1, c0, c1)
-        if out is not None:
-            s.masked_fill_(out, low)
+        _blank(s, plan, r0, c0, out, low)
         work = bufs.get(r1 - r0, c1 - c0, 1)
-        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work, out=out)
+        blank = (plan, r0, c0, out)
+        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work, blank=blank)
         if plan.symmetric and c0 != r0:
-            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work, out=out)
+            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work, blank=blank)
         if plan.columns:
-            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work, out=out)
+            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work, blank=blank)
     row_lse = _log(row_sum, row_max, plan, C)
     if not plan.columns:
         return row_lse, None
@@ -356,7 +375,7 @@ def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
 
 def _online_update(
     s: Tensor, run_max: Tensor, run_sum: Tensor, i0: int, i1: int, other0: int,
-    self_offset: int | None, dim: int, work: Tensor, out: Tensor | None = None,
+    self_offset: int | None, dim: int, work: Tensor, blank: tuple[Any, int, int, Tensor | None] | None = None,
 ) -> None:
     """Fold one tile into running (max, sum-exp) statistics along ``dim``.
 
@@ -371,8 +390,8 @@ def _online_update(
     diag = self_diagonal(shifted, i0, other0, self_offset)
     if diag is not None:
         diag.zero_()
-    if out is not None:  # excluded entries sit at the lowest value: exp(0) = 1 while nothing else is seen
-        shifted.masked_fill_(out, 0.0)
+    if blank is not None:  # excluded entries sit at the lowest value: exp(0) = 1 while nothing else is seen
+        _blank(shifted, *blank, 0.0)
     run_sum[i0:i1] += shifted.sum(dim)
     run_max[i0:i1] = new_max
 
@@ -429,9 +448,10 @@ def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor 
     diag = self_diagonal(g, r0, c0, plan.self_offset)
     if diag is not None:
         diag.zero_()
-    out = _excluded(plan, r0, r1, c0, c1)
-    if out is not None:
-        g.masked_fill_(out, 0.0)
+    if plan.fixed:  # finite tiles: multiply by the 0/1 factor
+        _drop(g, plan, r0, r1, c0, c1)
+    else:  # an empty row's recomputed exp can be inf there: overwrite
+        _blank(g, plan, r0, c0, _excluded(plan, r0, r1, c0, c1), 0.0)
     gb_acc[r0:r1].addmm_(g, b[c0:c1])
     if plan.symmetric:
         if c0 != r0:

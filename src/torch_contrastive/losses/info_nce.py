@@ -323,24 +323,21 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
 
 def _key_exclusion(rules: _Rules, positives: Positives, scope: Scope) -> Exclusion | None:
     """Keys that leave query i's denominator: duplicates of its key (ids), a guide's verdict,
-    its own key under DCL; the positive stays otherwise."""
+    its own key under DCL; the positive (global column offset + i) stays otherwise."""
     if not rules.any:
         return None
     relation = None
     if rules.key_ids is not None:
-        all_ids = scope.ints(rules.key_ids)
-        relation = Positives.from_keys(rules.key_ids, all_ids, self_offset=None)
-    elif rules.decoupled:
-        relation = positives
+        relation = Positives.from_keys(rules.key_ids, scope.ints(rules.key_ids), self_offset=None)
     guide = None
     if rules.threshold is not None and rules.guide_query is not None and rules.guide_key is not None:
         guide = (rules.guide_query, scope.ints(rules.guide_key), rules.threshold)
-        if relation is None and rules.decoupled:
-            relation = positives
-    keep = None if rules.decoupled else positives
+    offset = scope.offset
+    if rules.decoupled:  # the positive leaves too: a strided diagonal (ids already include it)
+        return Exclusion(relation=relation, guide=guide, diagonal=None if relation is not None else offset)
     if relation is None and guide is None:
         return None
-    return Exclusion(relation=relation, guide=guide, keep=keep)
+    return Exclusion(relation=relation, guide=guide, keep_diagonal=offset)
 
 
 def _pool_exclusion(rules: _Rules, spread: bool, scope: Scope) -> Exclusion | None:
