@@ -157,6 +157,25 @@ MUTATIONS = [
              "memory rows never positives (their labels ignored)", tests=("tests/test_queue.py",)),
     Mutation(f"{PKG}/queue.py", "        targets = [(self._ptr, 0, first), (0, first, b - first)]", "        targets = [(self._ptr, 0, first)]",
              "FeatureQueue: rows past the end of the ring dropped instead of wrapping", tests=("tests/test_queue.py",)),
+    # own data, gradient caching, false negatives (issues 14-16)
+    Mutation(f"{PKG}/grad_cache.py", "            with sync, state.restored():", "            with sync:",
+             "grad_cache: second pass without the recorded RNG state (different dropout masks)", tests=("tests/test_grad_cache.py",)),
+    Mutation(f"{PKG}/grad_cache.py", "                out.backward(cached[k][start:stop].to(out.dtype))",
+             "                out.backward(cached[k][: stop - start].to(out.dtype))",
+             "grad_cache: every micro-batch gets the first micro-batch's cached gradient", tests=("tests/test_grad_cache.py",)),
+    Mutation(f"{PKG}/cli/checkpoint.py", "    gen.set_state(rng[\"augment\"])", "    pass",
+             "resume: augmentation generator not restored", tests=("tests/test_train.py",)),
+    Mutation(f"{PKG}/positives.py", "                    keep.diagonal(k).fill_(1.0)", "                    pass",
+             "guide masking: the positive itself can be masked", tests=("tests/test_false_negatives.py",)),
+    Mutation(f"{E}/softmax.py", "    diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)\n    if diag is not None:\n        diag.zero_()",
+             "    diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)\n    if diag is not None:\n        pass",
+             "DCL (fixed path): the positive stays in the denominator", tests=("tests/test_false_negatives.py",)),
+    Mutation(f"{PKG}/losses/image_text.py", "        factor = self.smoothing * n_gt.to(img.dtype) / (n_all * n_all)",
+             "        factor = self.smoothing * n_gt.to(img.dtype) / n_all",
+             "label smoothing: uniform part not averaged over candidates", tests=("tests/test_false_negatives.py",)),
+    Mutation(f"{PKG}/cli/data.py", "    return Data(\"folder\", torch.stack(images), train, test, labels=label_tensor,",
+             "    return Data(\"folder\", torch.stack(images), train, train, labels=label_tensor,",
+             "image folders: the test split is the training split", tests=("tests/test_data.py",)),
 ]
 
 
