@@ -42,6 +42,13 @@ def _cases(n: int, device: str = "cpu"):
                                                                memory_labels=queue_labels, validate=v, chunk_size=c)),
         ("nt_xent_pml_memory", lambda x, y, t, v, c: tc.nt_xent_loss(x, t, labels=labels, memory_emb=queue,
                                                                      memory_labels=queue_labels, validate=v, chunk_size=c)),
+        ("info_nce_ids", lambda x, y, t, v, c: tc.info_nce_loss(x, y, queue, t, key_ids=ids, negative_ids=queue_labels,
+                                                                validate=v, chunk_size=c)),
+        ("info_nce_guide", lambda x, y, t, v, c: tc.info_nce_loss(x, y, queue, t, guide=(x.detach().cos(), y.detach(), queue.sin()),
+                                                                  guide_margin=0.1, validate=v, chunk_size=c)),
+        ("nt_xent_dcl", lambda x, y, t, v, c: tc.nt_xent_loss(x, t, pairing="halves", decoupled=True, validate=v, chunk_size=c)),
+        ("clip_smooth_ids", lambda x, y, t, v, c: tc.image_text_contrastive_loss(x, y, t, ids, labels, label_smoothing=0.1,
+                                                                                 validate=v, chunk_size=c)),
     ]
 
 

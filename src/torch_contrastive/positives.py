@@ -465,6 +465,8 @@ class Exclusion:
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A per-shape scratch tensor (tiles repeat a few shapes; no allocation per tile)."""
+        if torch.compiler.is_compiling():  # a traced graph allocates its own (no side effect to capture)
+            return torch.empty(shape, dtype=dtype, device=device)
         key = (name, tuple(shape), dtype, device)
         buffer = self.scratch.get(key)
         if buffer is None:

@@ -107,7 +107,7 @@ def image_text_contrastive_loss(
         weights = variant.weights(counts, counts.sum(), n, cdtype) if smoothing else \
             (None, None) if pos.kind == "partner" else (counts.to(cdtype), None)
         per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
-                                            row_weights=weights, col_weights=weights, columns=True, fixed=fixed,
+                                            row_weights=weights, col_weights=_column_weights(weights), columns=True, fixed=fixed,
                                             normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos))
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")
@@ -122,6 +122,13 @@ def image_text_contrastive_loss(
         per_text = torch.where(torch.isneginf(per_text), 0.0, per_text)
     finish_checks(per_image + per_text, checks, v.output_needs_check(normalize, bound))
     return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
+
+
+def _column_weights(weights: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
+    """The column weights: alpha shared with the rows (the engine knows), beta as its own
+    tensor -- ``torch.compile`` cannot trace one tensor passed as two inputs."""
+    alpha, beta = weights
+    return alpha, None if beta is None else beta.clone()
 
 
 @dataclass(frozen=True)
