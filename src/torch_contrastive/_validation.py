@@ -142,6 +142,18 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     return x
 
 
+BACKENDS = ("torch", "triton")
+
+
+def check_backend(backend: object, covered: bool, what: str) -> str:
+    """``"torch"`` or ``"triton"``; the Triton kernels cover the log-sum-exp losses only."""
+    check_choice(backend, "backend", BACKENDS)
+    if backend == "triton" and not covered:
+        raise ValueError(f"backend='triton' covers the log-sum-exp losses (NT-Xent with a pairing rule, SupCon, the image-text "
+                         f"loss, InfoNCE); {what} runs on backend='torch'")
+    return str(backend)
+
+
 def check_fraction(value: object, name: str) -> float:
     """A float in [0, 1) (label smoothing)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

@@ -9,7 +9,7 @@ CLIP does). ``forward`` accepts the call forms of the peer libraries:
 text_features)`` (open_clip).
 
 Options shared by every module (keyword-only): ``normalize``, ``reduction``,
-``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate`` and
+``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate``, ``backend`` and
 ``learnable_temperature``; see :func:`~torch_contrastive.nt_xent_loss`.
 """
 
@@ -40,11 +40,12 @@ def _check_temperature(temperature: object, name: str = "temperature") -> float:
 
 
 def _shared_options(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
-                    grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True) -> dict[str, Any]:
+                    grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "torch") -> dict[str, Any]:
     """The options every loss takes, checked once (at construction), as keyword arguments."""
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    v.check_choice(backend, "backend", v.BACKENDS)
     return dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size, gather=bool(gather),
-                grad_reduction=grad_reduction, eps=float(eps), validate=bool(validate))
+                grad_reduction=grad_reduction, eps=float(eps), validate=bool(validate), backend=backend)
 
 
 class _Loss(nn.Module):

@@ -38,6 +38,10 @@ Two log-sum-exp algorithms, chosen by the caller from a host-side bound on ``sca
 * **online maximum** -- exact for any logit range (raw dot products, tau < 0.025, or a
   scale whose value is not known on the host).
 
+``backend="triton"`` runs the log-sum-exp passes of :func:`softmax_terms` as Triton kernels
+(:mod:`.triton_backend`: one program per row block, a GEMM loop over D, the gradient tile
+formed once in registers; CUDA, or ``TRITON_INTERPRET=1`` on CPU for the tests).
+
 Single-set losses (``symmetric=True``) visit only the upper-triangle tiles: ``S`` is
 symmetric, so one tile feeds the statistics of both its row block and its column
 block, and ``H = G + G.T`` feeds both ``dZ_I`` and ``dZ_J``. A problem that fits in one

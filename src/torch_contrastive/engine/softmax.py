@@ -71,6 +71,8 @@ class _Plan:
     # equal ids, a guide model's verdict, DCL's positives): an object whose
     # ``tile(r0, r1, c0, c1)`` is the bool block to leave out (see positives.Exclusion).
     exclude: Any = None
+    # "torch" (this module's tile loops) or "triton" (engine/triton_backend.py kernels)
+    backend: str = "torch"
 
     @property
     def single_tile(self) -> bool:
@@ -461,6 +463,36 @@ def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor 
         ga_acc[c0:end].addmm_(g[:, : end - c0].t(), a[r0:r1])
 
 
+def _forward_triton(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """Row (and column) log-sum-exp by the Triton kernels; an empty row (a batch of one) gets 0."""
+    from . import triton_backend
+
+    row_lse = triton_backend.row_lse(a_s, b, plan.self_offset)
+    row_lse = torch.where(torch.isneginf(row_lse), 0.0, row_lse)
+    col_lse = triton_backend.row_lse(b, a_s, None) if plan.columns else None
+    return row_lse, col_lse
+
+
+def _backward_triton(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+                     plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` by the Triton gradient kernel, ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
+    from . import triton_backend
+
+    offset = plan.self_offset
+    gb_acc = triton_backend.grad_rows(a_s, b, b, row, col, offset)
+    if plan.grad_columns == 0:
+        return gb_acc, None
+    cols = b[: plan.grad_columns]
+    zero = torch.zeros(cols.shape[0], dtype=a.dtype, device=a.device)
+    swapped_row = (zero, zero) if col is None else (col[0][: plan.grad_columns], col[1][: plan.grad_columns])
+    part = triton_backend.grad_rows(cols, a_s, a, swapped_row, row, None if offset is None else -offset)
+    if plan.grad_columns >= b.shape[0]:
+        return gb_acc, part
+    ga_acc = torch.zeros_like(b)
+    ga_acc[: plan.grad_columns] = part
+    return gb_acc, ga_acc
+
+
 def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
     return g if weight is None else g * weight
 
@@ -483,7 +515,9 @@ class _SoftmaxTerms(torch.autograd.Function):
         a_s = a_c * scale_c
         kept = None
         row_pos = col_pos = None
-        if plan.single_tile:
+        if plan.backend == "triton":
+            row_lse, col_lse = _forward_triton(a_s, b_c, plan)
+        elif plan.single_tile:
             row_lse, col_lse, row_pos, col_pos, kept = _single_forward(a_s, b_c, plan)
         else:
             row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
@@ -546,7 +580,8 @@ class _SoftmaxTerms(torch.autograd.Function):
             if plan.symmetric:
                 col = (u, row_lse)  # a single set's columns are its rows
             a_s = a * scale
-            gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(a_s, a, b, (u, row_lse), col, plan)
+            backward = _backward_triton if plan.backend == "triton" else _backward_fixed if plan.fixed else _backward_online
+            gb_acc, ga_acc = backward(a_s, a, b, (u, row_lse), col, plan)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row, c_col, plan.symmetric)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
@@ -588,6 +623,7 @@ def softmax_terms(
     column_comm: Any = None,
     grad_columns: int | None = None,
     exclude: Any = None,
+    backend: str = "torch",
 ) -> tuple[Tensor, Tensor | None]:
     """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
 
@@ -628,7 +664,11 @@ def softmax_terms(
         exclude: candidates left out of the log-sum-exp besides the self pair (and out of
             the column log-sum-exp): a :class:`~torch_contrastive.positives.Exclusion`.
             With ``symmetric=True`` it must be a symmetric relation. A row whose every
-            candidate is left out gets ``LSE = 0``.
+            candidate is left out gets ``LSE = -inf``.
+        backend: ``"torch"`` (default) or ``"triton"``: the log-sum-exp passes as Triton kernels
+            (CUDA tensors, or ``TRITON_INTERPRET=1`` on CPU; see :mod:`.triton_backend`). It
+            covers the two-set and single-set log-sum-exp (no symmetric triangle, no exclusions,
+            no distributed column statistics); positives go through ``Positives.aggregate``.
 
     Returns:
         ``(row_out, col_out)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
@@ -643,12 +683,22 @@ def softmax_terms(
         raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
     R, C = anchors.shape[0], candidates.shape[0]
     tile = resolve_tile(chunk_size, R, C)
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    if backend == "triton":
+        if exclude is not None or (columns and column_comm is not None):
+            raise ValueError("backend='triton' does not cover exclusions (false negatives) or distributed column statistics yet; "
+                             "use backend='torch'")
+        from . import triton_backend
+
+        triton_backend.check_device(anchors)
+        symmetric = False  # the kernels visit every tile (the torch backend's triangle is not ported yet)
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
-    single = tile >= max(R, C)
+    single = tile >= max(R, C) and backend == "torch"
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     plan = _Plan(self_offset, columns, symmetric, 0 if single else tile, fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
-                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude)
+                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, backend)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan)
     return row_out, (col_out if columns else None)

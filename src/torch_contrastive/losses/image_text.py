@@ -47,6 +47,7 @@ def image_text_contrastive_loss(
     validate: bool = True,
     decoupled: bool = False,
     label_smoothing: float = 0.0,
+    backend: str = "torch",
 ) -> Tensor:
     """Symmetric image-text contrastive loss of CLIP/ALIGN (seed 002).
 
@@ -81,6 +82,9 @@ def image_text_contrastive_loss(
             ``F.cross_entropy(S, arange(N), label_smoothing=eps)`` per direction. The uniform
             part needs only ``sum_j S_ij = <a_i, sum_j b_j> / tau``: O(N * D), no extra tile
             pass. Not combined with ``decoupled``.
+        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
+            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
+            Under ``gather=True`` the distributed column statistics run on the torch backend.
 
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.
@@ -91,6 +95,7 @@ def image_text_contrastive_loss(
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     smoothing = v.check_fraction(label_smoothing, "label_smoothing")
+    v.check_backend(backend, True, "the image-text loss")
     if smoothing and decoupled:
         raise ValueError("label_smoothing is not combined with decoupled=True")
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
@@ -108,7 +113,8 @@ def image_text_contrastive_loss(
             (None, None) if pos.kind == "partner" else (counts.to(cdtype), None)
         per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
                                             row_weights=weights, col_weights=_column_weights(weights), columns=True, fixed=fixed,
-                                            normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos))
+                                            normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos),
+                                            backend=backend)
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")
         if smoothing:

@@ -48,6 +48,7 @@ def info_nce_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
+    backend: str = "torch",
 ) -> Tensor:
     """InfoNCE of queries against their keys plus extra negatives (SPEC §10, §12).
 
@@ -101,6 +102,8 @@ def info_nce_loss(
             ``False`` for rows that are already global, such as a queue filled with
             ``FeatureQueue.push(..., gather=True)``: gathering them again would repeat them.
         grad_reduction, eps, validate: see :func:`~torch_contrastive.nt_xent_loss`.
+        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
+            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
 
     Returns:
         0-dim loss (fp32 for half inputs), or (N,) per-query values. A query whose every
@@ -115,6 +118,7 @@ def info_nce_loss(
     if gather_negatives is not None and not isinstance(gather_negatives, bool):
         raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")
     smoothing = v.check_fraction(label_smoothing, "label_smoothing")
+    v.check_backend(backend, True, "InfoNCE")
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
     checks.finite(query, "query")
@@ -136,11 +140,11 @@ def info_nce_loss(
     if plain and not scope.distributed and in_batch_negatives and not paired and not constant_pool:
         # The common case (info-nce-pytorch's default, MNRL with live hard negatives): one
         # engine call on the raw rows, normalised inside; the positive is candidate i.
-        per_query = _in_batch(query, key, negatives, scale, fixed, normalize, eps, chunk_size)
+        per_query = _in_batch(query, key, negatives, scale, fixed, normalize, eps, chunk_size, backend)
     else:
         spread = gather if gather_negatives is None else gather_negatives
         per_query = _general(query, key, negatives, paired, in_batch_negatives, scale, scope, spread, fixed, normalize, eps,
-                             chunk_size, rules, smoothing)
+                             chunk_size, rules, smoothing, backend)
     return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
 
@@ -252,19 +256,19 @@ def _check_inputs(query: Tensor, key: Tensor, negatives: Tensor | None, negative
 
 
 def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale, fixed: bool, normalize: bool,
-              eps: float, chunk_size: int | None) -> Tensor:
+              eps: float, chunk_size: int | None, backend: str = "torch") -> Tensor:
     n = query.shape[0]
     cols = key if negatives is None else torch.cat([key, negatives])
     positives = Positives.from_partner(pair_partner(n, "identity", 0, query.device), cols.shape[0], self_offset=None,
                                        layout="identity" if negatives is None else None)
     per_query, _ = softmax_terms(query, cols, scale, self_offset=None, positives=positives, fixed=fixed, normalize=normalize,
-                                 eps=eps, chunk_size=chunk_size)
+                                 eps=eps, chunk_size=chunk_size, backend=backend)
     return per_query
 
 
 def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool, in_batch: bool, scale: Scale, scope: Scope,
              spread: bool, fixed: bool, normalize: bool, eps: float, chunk_size: int | None, rules: _Rules,
-             smoothing: float) -> Tensor:
+             smoothing: float, backend: str = "torch") -> Tensor:
     """Per-query loss as ``log sum exp`` of terms relative to the positive logit ``s_ii``.
 
     Each candidate group is its own engine call: the (gathered) keys, with query i's
@@ -286,7 +290,7 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
         positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None)
         exclude = _key_exclusion(rules, positives, scope)
         terms.append(softmax_terms(q, keys, scale, self_offset=None, positives=positives, fixed=fixed, chunk_size=chunk_size,
-                                   exclude=exclude)[0])
+                                   exclude=exclude, backend=backend)[0])
         if uniform is not None:
             uniform, count = uniform + (q * keys.sum(0)).sum(1) * scale, count + keys.shape[0]
     elif not rules.decoupled:
@@ -298,7 +302,8 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
         pool = all_gather_with_grad(pool) if spread and scope.distributed else pool
         if pool.shape[0]:  # an empty queue adds nothing
             exclude = _pool_exclusion(rules, spread, scope)
-            terms.append(softmax_terms(q, pool, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size, exclude=exclude)[0] - s_pos)
+            terms.append(softmax_terms(q, pool, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size, exclude=exclude,
+                                       backend=backend)[0] - s_pos)
             if uniform is not None:
                 uniform, count = uniform + (q * pool.sum(0)).sum(1) * scale, count + pool.shape[0]
     if paired and negatives is not None:

@@ -27,6 +27,7 @@ def nt_bxent_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
+    backend: str = "torch",
 ) -> Tensor:
     """NT-BXent, the multi-positive binary cross-entropy loss of seed 000.
 
@@ -56,6 +57,7 @@ def nt_bxent_loss(
     """
     v.check_embeddings(embeddings, "embeddings")
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    v.check_backend(backend, False, "NT-BXent (binary cross-entropy per pair)")
     n = embeddings.shape[0]
     if (pos_indices is None) == (labels is None):
         raise ValueError("nt_bxent_loss needs exactly one of pos_indices or labels")

@@ -31,6 +31,7 @@ def nt_xent_loss(
     memory_labels: Tensor | None = None,
     decoupled: bool = False,
     positive_weight: Tensor | None = None,
+    backend: str = "torch",
 ) -> Tensor:
     """NT-Xent, the SimCLR loss (seeds 000, 001, 003, 004).
 
@@ -74,6 +75,8 @@ def nt_xent_loss(
         positive_weight: optional (2N,) weight of each row's positive term (no gradient),
             pairing rules only: ``loss_i = -w_i s_ip + LSE_i`` (DCLW's von Mises-Fisher
             weight, see :class:`~torch_contrastive.DCLWLoss`).
+        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
+            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
 
     Returns:
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.
@@ -96,6 +99,7 @@ def nt_xent_loss(
     memory = v.check_memory(memory_emb, memory_labels, embeddings.shape[1], embeddings.device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
+    v.check_backend(backend, labels is None, "NT-Xent with labels (the mask-in-tile kernel)")
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     if labels is not None and (decoupled or positive_weight is not None):
@@ -114,7 +118,7 @@ def nt_xent_loss(
         weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
         per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
                                    fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
-                                   chunk_size=chunk_size, exclude=exclude, row_weights=weights)
+                                   chunk_size=chunk_size, exclude=exclude, row_weights=weights, backend=backend)
         if decoupled:  # a pair alone in the batch has no negative: its rows contribute 0
             per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)
         return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

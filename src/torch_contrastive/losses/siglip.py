@@ -41,6 +41,7 @@ def siglip_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
+    backend: str = "torch",
 ) -> Tensor:
     """SigLIP, the sigmoid loss for language-image pre-training (Zhai et al. 2023).
 
@@ -69,11 +70,13 @@ def siglip_loss(
             :func:`~torch_contrastive.nt_xent_loss`. With ``gather`` the texts (and ids) of
             every rank are gathered and each rank computes its own image rows against all
             of them; the value is the global loss on every rank.
+        backend: ``"torch"`` only for now (the Triton kernels cover the log-sum-exp losses).
 
     Memory: O(N * D + tile^2); forward+backward about three N x N x D matrix multiplies
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid
     per pair.
     """
+    v.check_backend(backend, False, "SigLIP (a softplus per pair)")
     pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
                              grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
     n, device, image_id, text_id, ids_given, scope, checks = pair

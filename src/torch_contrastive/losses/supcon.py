@@ -31,6 +31,7 @@ def supcon_loss(
     validate: bool = True,
     memory_emb: Tensor | None = None,
     memory_labels: Tensor | None = None,
+    backend: str = "torch",
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020; seed 004).
 
@@ -69,6 +70,8 @@ def supcon_loss(
             ``CrossBatchMemory`` around its ``SupConLoss``, with this batch's rows live
             (they get gradients as candidates too). Needs ``labels``. Memory rows are not
             gathered (a queue pushed with ``gather=True`` is global already).
+        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
+            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
 
     Memory: O((N + M) * D + tile^2); forward+backward about two N x N x D matrix
     multiplies in ``"all"`` mode, whatever the labels (plus N x M x D products per
@@ -77,6 +80,7 @@ def supcon_loss(
     v.check_embeddings(features, "features", min_ndim=2, max_ndim=None)
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
     v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
+    v.check_backend(backend, True, "SupCon")
     if labels is not None and mask is not None:
         raise ValueError("supcon_loss takes labels or mask, not both")
     if features.ndim == 2:
@@ -124,7 +128,7 @@ def supcon_loss(
     weights = (has_pos.to(cdtype), has_pos.to(cdtype) / counts.clamp_min(1).to(cdtype))
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
-                                  eps=eps, chunk_size=chunk_size, grad_columns=grad_columns)
+                                  eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend)
     if factor is not None:
         per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
     return reduce(per_anchor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
