@@ -56,3 +56,10 @@ def test_queue_case_values_agree_and_reference_has_the_queue_shape():
     assert rows["ours-moco"]["value"] == pytest.approx(rows["info_nce"]["value"], rel=1e-5)
     assert rows["ours"]["value"] != pytest.approx(rows["ours-moco"]["value"], rel=1e-3)  # two different forms
     assert all(math.isfinite(r["R"]) for r in rows.values())
+
+
+def test_backend_and_device_options_are_checked(capsys):
+    assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "triton"]) == 2
+    assert "needs --device cuda" in capsys.readouterr().err
+    assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "jax"]) == 2
+    assert "--backend takes torch and/or triton" in capsys.readouterr().err

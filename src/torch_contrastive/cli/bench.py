@@ -53,6 +53,11 @@ IMPLEMENTATIONS = {
     "info_nce_guide": ["ours", "dense-baseline"],
 }
 
+#: The engine backend of "ours" in this worker process (one case per process).
+_BACKEND = ["torch"]
+#: Losses whose "ours" runs on backend="triton" too (the log-sum-exp engine).
+TRITON_LOSSES = ("clip", "nt_xent", "supcon", "info_nce_queue")
+
 #: Cases run only with --loss NAME --sizes N.
 ON_REQUEST = ("nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide")
 
@@ -131,7 +136,7 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
     chunk = dense_chunk if impl == "ours-dense" else None
     if loss == "clip":
         if impl in ("ours", "ours-dense"):
-            return lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk)
+            return lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk, backend=_BACKEND[0])
         if impl == "open_clip":
             peer = load_open_clip_loss().ClipLoss()
             return lambda: peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau)
@@ -159,7 +164,7 @@ def _build_queue(impl: str, x: torch.Tensor, gen: torch.Generator, queue_rows: i
     k = torch.randn(x.shape, generator=gen).to(x.device).requires_grad_()
     queue = torch.randn(queue_rows, x.shape[1], generator=gen).to(x.device)
     if impl == "ours":
-        return (lambda: tc.info_nce_loss(x, k, queue, tau)), [x, k]
+        return (lambda: tc.info_nce_loss(x, k, queue, tau, backend=_BACKEND[0])), [x, k]
     if impl == "ours-moco":
         return (lambda: tc.info_nce_loss(x, k, queue, tau, in_batch_negatives=False)), [x, k]
     if impl == "info_nce":
@@ -216,7 +221,7 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
     if loss == "nt_xent":
         if impl in ("ours", "ours-dense"):
             chunk = dense_chunk if impl == "ours-dense" else None
-            return (lambda: tc.nt_xent_loss(x, tau, pairing="halves", chunk_size=chunk)), [x]
+            return (lambda: tc.nt_xent_loss(x, tau, pairing="halves", chunk_size=chunk, backend=_BACKEND[0])), [x]
         if impl == "lightly":
             from lightly.loss import NTXentLoss  # type: ignore[import-not-found]
 
@@ -231,7 +236,7 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
         return (lambda: dense_nt_xent(x, tau)), [x]
     if impl in ("ours", "ours-dense"):
         chunk = dense_chunk if impl == "ours-dense" else None
-        return (lambda: tc.supcon_loss(x, labels, temperature=tau, chunk_size=chunk)), [x]
+        return (lambda: tc.supcon_loss(x, labels, temperature=tau, chunk_size=chunk, backend=_BACKEND[0])), [x]
     if impl == "pml":
         from pytorch_metric_learning.losses import SupConLoss as PMLSupCon
 
@@ -255,6 +260,7 @@ def _time(fn: Any, reps: int, warm: bool = True) -> float:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one case (called in a fresh process). Returns the measured row."""
     device = torch.device(spec.get("device", "cpu"))
+    _BACKEND[0] = spec.get("backend", "torch")
     n, d, tau, reps = spec["n"], spec["d"], spec["tau"], spec["reps"]
     # Warm up on a small batch first: thread pools and BLAS workspaces are allocated
     # once per process and are not the loss's memory.
@@ -385,6 +391,18 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _backends(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The requested engine backends, and what is wrong with the request ("" if nothing)."""
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if any(b not in ("torch", "triton") for b in backends) or not backends:
+        return backends, f"--backend takes torch and/or triton, got {args.backend!r}"
+    if "triton" in backends and args.device != "cuda":
+        return backends, "--backend triton needs --device cuda (on CPU the kernels only run in Triton's slow interpreter)"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return backends, "--device cuda: no CUDA device here"
+    return backends, ""
+
+
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -394,6 +412,18 @@ def run(args: argparse.Namespace) -> int:
         machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
         return run_small(args.sizes, args.dim, 0.1 if args.temperature == 0.07 else args.temperature, out_dir, machine)
     cases = plan(args.quick, args.sizes, args.dims or [args.dim], args.temperature, args.large)
+    backends, problem = _backends(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    extra = [{**c, "impl": "ours", "backend": "triton"} for c in cases
+             if "triton" in backends and c["impl"] == "ours" and c["loss"] in TRITON_LOSSES]
+    if "torch" not in backends:
+        cases = [c for c in cases if c["impl"] != "ours"]
+    cases = cases + extra
+    for case in cases:
+        case["device"] = args.device
+        case.setdefault("backend", "torch")
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
     else:
@@ -409,12 +439,15 @@ def run(args: argparse.Namespace) -> int:
     for spec in cases:
         row = _run_case(spec, args.timeout)
         rows.append(row)
+        row["impl"] = row["impl"] if row.get("backend", "torch") == "torch" else f"{row['impl']}[{row['backend']}]"
         if row["status"] == "ok":
             print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {row['seconds']:>8.3f} {row['R']:>6.2f} "
                   f"{row['extra_mib']:>10.1f}  ok", flush=True)
         else:
-            print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}", flush=True)
-    fields = ["loss", "impl", "n", "d", "tau", "classes", "queue", "reps", "value", "seconds", "matmul_seconds", "R", "extra_mib", "status"]
+            print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}",
+                  flush=True)
+    fields = ["loss", "impl", "backend", "device", "n", "d", "tau", "classes", "queue", "reps", "value", "seconds", "matmul_seconds",
+              "R", "extra_mib", "status"]
     with open(out_dir / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -451,6 +484,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--large", action="store_true", help="add the image-text loss at N = 65,536 (ours only)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per case")
     p.add_argument("--out", default="bench-results", help="output folder (CSV, PNG)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every case runs (default cpu)")
+    p.add_argument("--backend", default="torch",
+                   help="engine backend(s) of 'ours', comma-separated: torch, triton (triton needs --device cuda)")
     p.set_defaults(func=run)
 
 
