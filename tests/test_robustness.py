@@ -302,3 +302,39 @@ def test_nt_bxent_keeps_tiny_terms_at_large_logits():
     xd = x.detach().double().requires_grad_()
     tc.nt_bxent_loss(xd, pos, 0.05).backward()
     torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-12)
+
+
+@SETTINGS
+@given(batches(), st.sampled_from(["plain", "ids", "guide", "decoupled", "smoothing"]), st.booleans())
+def test_drawn_candidates_beyond_the_batch_match_the_float64_reference(batch, rule, in_batch):
+    """info_nce with a drawn pool and a drawn false-negative rule vs the -inf-masking float64 loop
+    (label smoothing vs F.cross_entropy on the dense logits)."""
+    x, labels, tau, chunk, perm = batch
+    key = x.roll(1, 0).flip(1) + 0.3 * x
+    pool = x[perm] * 0.7 - key
+    kw: dict = {}
+    ref_kw: dict = {}
+    if rule == "ids":
+        kw = ref_kw = dict(key_ids=labels, negative_ids=labels[perm])
+    elif rule == "guide":
+        guide = (x.cos(), key.sin(), pool.cos())
+        kw = dict(guide=guide, guide_margin=0.05)
+        ref_kw = dict(guide=guide, margin=0.05)
+    elif rule == "decoupled":
+        kw = ref_kw = dict(decoupled=True)
+    if rule == "smoothing":
+        def reference(q, k, p):
+            qn, kn, pn = (torch.nn.functional.normalize(t, dim=1) for t in (q, k, p))
+            logits = torch.cat([qn @ kn.T if in_batch else (qn * kn).sum(1, keepdim=True), qn @ pn.T], 1) / tau
+            target = torch.arange(q.shape[0]) if in_batch else torch.zeros(q.shape[0], dtype=torch.long)
+            return torch.nn.functional.cross_entropy(logits, target, label_smoothing=0.2)
+        kw = dict(label_smoothing=0.2)
+    else:
+        def reference(q, k, p):
+            return ref.info_nce_masked(q, k, p, tau, "unpaired", in_batch, **ref_kw)
+    ours, grads = _value_and_grad(lambda q, k, p: tc.info_nce_loss(q, k, p, tau, in_batch_negatives=in_batch, chunk_size=chunk,
+                                                                   **kw), x, key, pool)
+    want, want_grads = _value_and_grad(reference, x, key, pool)
+    assert ours.item() == pytest.approx(want.item(), rel=1e-9, abs=1e-9)
+    for g_ours, g_want in zip(grads, want_grads):
+        torch.testing.assert_close(g_ours, g_want, rtol=1e-7, atol=1e-9 * max(1.0, g_want.abs().max().item()))
