@@ -58,7 +58,10 @@ class _PairKernel:
 
     def visit(self, p: int, s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int) -> None:
         if p == 0 and self.fixed:
-            self.neg_sum[r0:r1] += torch.where(neg, s.exp(), 0.0).sum(1)
+            if neg.dtype == torch.bool:
+                self.neg_sum[r0:r1] += torch.where(neg, s.exp(), 0.0).sum(1)
+            else:  # 0/1 float masks (fixed mode: finite values)
+                self.neg_sum[r0:r1] += s.exp().mul_(neg).sum(1)
             return
         if p == 0:
             masked = s.masked_fill(~neg, self.low)
@@ -70,8 +73,12 @@ class _PairKernel:
         has_neg = self.neg_sum[r0:r1] > 0
         lse = self.neg_lse_rows(r0, r1)
         diff = lse[:, None] - s
-        term = torch.where(pos, torch.nn.functional.softplus(diff), 0.0).sum(1)
-        weight = torch.where(pos, torch.sigmoid(diff), 0.0).sum(1)
+        if pos.dtype == torch.bool:
+            term = torch.where(pos, torch.nn.functional.softplus(diff), 0.0).sum(1)
+            weight = torch.where(pos, torch.sigmoid(diff), 0.0).sum(1)
+        else:
+            term = torch.nn.functional.softplus(diff).mul_(pos).sum(1)
+            weight = torch.sigmoid(diff).mul_(pos).sum(1)
         self.out[r0:r1] += torch.where(has_neg, term, 0.0)
         self.weight[r0:r1] += torch.where(has_neg, weight, 0.0)
 
@@ -147,6 +154,11 @@ class _PairKernel:
     def grad_tile(s: Tensor, pos: Tensor, neg: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
         neg_lse, weight, has_neg = (t[r0:r1] for t in saved)
         g = grads[0][r0:r1] * has_neg
+        if neg.dtype != torch.bool:
+            # float masks come only in fixed mode, where |S| <= 40 and L_i >= -40: every exp is
+            # finite, so the masks multiply (no inf * 0)
+            d_neg = torch.sub(s, neg_lse[:, None]).exp_().mul_((weight * g)[:, None]).mul_(neg)
+            return d_neg.sub_(torch.sigmoid(neg_lse[:, None] - s).mul_(g[:, None]).mul_(pos))
         # where(), not products with masks: exp() of a positive entry may overflow (inf * 0 is NaN),
         # and bool-to-float mask products cost a copy each.
         d_neg = torch.where(neg, torch.exp(s - neg_lse[:, None]) * weight[:, None], 0.0)
@@ -242,14 +254,34 @@ class _Plan:
         return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
 
 
-def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor]:
-    """(positive, negative) bool masks of a tile; the self pair is in neither."""
+def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int, plan: _Plan | None = None,
+           bufs: Buffers | None = None) -> tuple[Tensor, Tensor]:
+    """(positive, negative) masks of a tile; the self pair is in neither.
+
+    Bool masks for ``torch.where``; 0/1 float masks (written straight from the label
+    comparison into reused buffers) when :func:`_float_masks` allows: multiplying by them is
+    several times cheaper than ``where`` and, in fixed mode, every masked value is finite.
+    """
+    if plan is not None and bufs is not None and _float_masks(plan, positives):
+        rk, ck = positives.row_keys[0][r0:r1, None], positives.col_keys[0][None, c0:c1]
+        pos_f = torch.eq(rk, ck, out=bufs.get(r1 - r0, c1 - c0, 2))
+        neg_f = torch.ne(rk, ck, out=bufs.get(r1 - r0, c1 - c0, 3))  # the self pair has its own label: never a negative
+        diag = self_diagonal(pos_f, r0, c0, positives.self_offset)
+        if diag is not None:
+            diag.zero_()
+        return pos_f, neg_f
     pos = positives.tile(r0, r1, c0, c1)
     neg = ~pos
     diag = self_diagonal(neg, r0, c0, positives.self_offset)
     if diag is not None:
         diag.fill_(False)
     return pos, neg
+
+
+def _float_masks(plan: _Plan, positives: Positives) -> bool:
+    """PML NT-Xent in fixed mode on a one-key label relation: every exp, softplus and sigmoid
+    of a tile is finite (``|S| <= 40``), so masks can multiply instead of select."""
+    return plan.fixed and plan.kernel == "pair_softplus" and positives.kind == "keys" and len(positives.row_keys) == 1
 
 
 class _Pairwise(torch.autograd.Function):
@@ -284,7 +316,7 @@ class _Pairwise(torch.autograd.Function):
                             kernel.visit_negatives(p, logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1]), r0, r1)
                         continue
                     s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
-                    pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+                    pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
                     kernel.visit(p, s, pos, neg, r0, r1)
             outputs, kernel_saved = kernel.outputs(), kernel.saved()
         ctx.plan = plan
@@ -316,7 +348,7 @@ class _Pairwise(torch.autograd.Function):
             for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
                 s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
                 if plan.is_mixed(r0, c0):
-                    pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+                    pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
                     g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads)
                 else:
                     g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads, plan.fixed)
@@ -338,12 +370,14 @@ def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: B
     n = z.shape[0]
     for p in range(kernel.passes):
         for r0, r1, c0, c1 in tiles(n, n, plan.tile, True):
+            mixed = plan.is_mixed(r0, c0)
+            if not mixed and p > 0:
+                continue  # an all-negative tile has no per-positive terms: not even its logits are needed
             s = logits_tile(bufs.get(r1 - r0, c1 - c0), z_s[r0:r1], z[c0:c1])
-            if not plan.is_mixed(r0, c0):
-                if p == 0:
-                    kernel.visit_negatives_both(s, r0, r1, c0, c1)
+            if not mixed:
+                kernel.visit_negatives_both(s, r0, r1, c0, c1)
                 continue
-            pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+            pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
             kernel.visit(p, s, pos, neg, r0, r1)
             if c0 != r0:
                 kernel.visit(p, s.t(), pos.t(), neg.t(), c0, c1)
@@ -358,7 +392,7 @@ def _symmetric_backward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, saved:
     for r0, r1, c0, c1 in tiles(n, n, plan.tile, True):
         s = logits_tile(bufs.get(r1 - r0, c1 - c0), z_s[r0:r1], z[c0:c1])
         if plan.is_mixed(r0, c0):
-            pos, neg = _masks(plan.positives, r0, r1, c0, c1)
+            pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
             h = kernel.grad_tile(s, pos, neg, r0, r1, saved, grads)
             if c0 == r0:
                 h = h + h.t()
