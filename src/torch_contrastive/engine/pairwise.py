@@ -103,12 +103,12 @@ class _PairKernel:
 
     @staticmethod
     def grad_negatives_both(s: Tensor, r0: int, r1: int, c0: int, c1: int, saved: tuple[Tensor, ...],
-                            grads: tuple[Tensor, ...]) -> Tensor:
+                            grads: tuple[Tensor, ...], work: Tensor | None = None) -> Tensor:
         """``H = G + G'^T`` of an all-negative tile of a symmetric S (fixed mode):
-        ``e^{S_ij} (c_i + c_j)`` with ``c_i = e^{-L_i} w_i g_i``."""
+        ``e^{S_ij} (c_i + c_j)`` with ``c_i = e^{-L_i} w_i g_i`` (the outer sum into ``work``)."""
         neg_lse, weight, has_neg = saved
         c = weight * grads[0] * has_neg * torch.exp(-neg_lse)
-        return s.exp_().mul_(c[r0:r1, None] + c[None, c0:c1])
+        return s.exp_().mul_(torch.add(c[r0:r1, None], c[None, c0:c1], out=work))
 
     @staticmethod
     def grad_negatives(s: Tensor, r0: int, r1: int, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], fixed: bool) -> Tensor:
@@ -210,9 +210,9 @@ class _BinaryKernel:
 
     @staticmethod
     def grad_negatives_both(s: Tensor, r0: int, r1: int, c0: int, c1: int, saved: tuple[Tensor, ...],
-                            grads: tuple[Tensor, ...]) -> Tensor:
+                            grads: tuple[Tensor, ...], work: Tensor | None = None) -> Tensor:
         """``H = sigmoid(S) (g_i + g_j)`` of an all-negative tile of a symmetric S."""
-        return torch.sigmoid_(s).mul_(grads[1][r0:r1, None] + grads[1][None, c0:c1])
+        return torch.sigmoid_(s).mul_(torch.add(grads[1][r0:r1, None], grads[1][None, c0:c1], out=work))
 
     @staticmethod
     def single(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
@@ -405,11 +405,11 @@ def _symmetric_backward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, saved:
             pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
             h = kernel.grad_tile(s, pos, neg, r0, r1, saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))
             if c0 == r0:
-                h = h + h.t()
+                h = torch.add(h, h.t(), out=bufs.get(r1 - r0, c1 - c0, 8))
             else:
                 h = h.add_(kernel.grad_tile(s.t(), pos.t(), neg.t(), c0, c1, saved, grads, _scratch(bufs, c1 - c0, r1 - r0, 6)).t())
         else:
-            h = kernel.grad_negatives_both(s, r0, r1, c0, c1, saved, grads)
+            h = kernel.grad_negatives_both(s, r0, r1, c0, c1, saved, grads, bufs.get(r1 - r0, c1 - c0, 1))
         acc[r0:r1].addmm_(h, z[c0:c1])
         if c0 != r0:
             acc[c0:c1].addmm_(h.t(), z[r0:r1])
