@@ -231,3 +231,15 @@ def test_row_norms_of_large_inputs_go_through_blocks_with_the_same_result():
     ref = torch.linalg.vector_norm(x.double(), dim=1, keepdim=True)
     torch.testing.assert_close(norm.double(), ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(y.double(), x.double() / ref.clamp_min(1e-12), rtol=1e-6, atol=1e-7)
+
+
+def test_symmetric_tiles_need_a_symmetric_exclusion():
+    """One mask serves a tile and its transpose on the symmetric path: a one-sided exclusion is refused."""
+    from torch_contrastive.engine import softmax_terms
+    from torch_contrastive.positives import Exclusion, Positives
+
+    z = torch.randn(6, 3)
+    one_sided = Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 3]]), 6, 6))
+    with pytest.raises(ValueError, match="symmetric exclusion"):
+        softmax_terms(z, z, 2.0, self_offset=0, symmetric=True, exclude=one_sided)
+    softmax_terms(z, z, 2.0, self_offset=0, symmetric=False, exclude=one_sided)  # the full tile walk is fine

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .engine._common import self_diagonal
+
 __all__ = ["DENSE_KEYS_LIMIT", "Positives"]
 
 #: Key relations with at most this many (row, column) entries are held as a dense bool
@@ -225,10 +227,9 @@ class Positives:
             mask = self._need(self.sample_mask, kind)
             cols = torch.arange(c0, c1, device=device) % mask.shape[0]
             block = mask[self._need(self.row_sample, kind)[r0:r1]][:, cols]
-        if self.self_offset is not None:
-            k = r0 + self.self_offset - c0
-            if k < block.shape[1] and -k < block.shape[0]:
-                block.diagonal(k).fill_(False)
+        diag = self_diagonal(block, r0, c0, self.self_offset)
+        if diag is not None:
+            diag.fill_(False)
         return block
 
     def _pair_tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
@@ -437,12 +438,11 @@ class Exclusion:
             return None
         if self.keep is not None:
             block = block & ~self.keep.tile(r0, r1, c0, c1)
-        if self.keep_diagonal is not None:
-            k = r0 + self.keep_diagonal - c0
-            if k < block.shape[1] and -k < block.shape[0]:
-                if self.guide is None:  # never write into the relation's own tensor
-                    block = block.clone()
-                block.diagonal(k).fill_(False)
+        if self.guide is None and self_diagonal(block, r0, c0, self.keep_diagonal) is not None:
+            block = block.clone()  # the block may be the relation's own tensor: write into a copy
+        kept = self_diagonal(block, r0, c0, self.keep_diagonal)  # the positive itself never leaves
+        if kept is not None:
+            kept.fill_(False)
         return block
 
     def factor(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor | None:
@@ -453,10 +453,9 @@ class Exclusion:
             rows, cols, threshold = self.guide
             scores = torch.mm(rows[r0:r1], cols[c0:c1].t(), out=self._buffer("scores", (r1 - r0, c1 - c0), rows.dtype, rows.device))
             keep = torch.le(scores, threshold[r0:r1, None], out=self._buffer("keep", scores.shape, dtype, rows.device))
-            if self.keep_diagonal is not None:
-                k = r0 + self.keep_diagonal - c0
-                if k < keep.shape[1] and -k < keep.shape[0]:
-                    keep.diagonal(k).fill_(1.0)
+            kept = self_diagonal(keep, r0, c0, self.keep_diagonal)  # the positive itself never leaves
+            if kept is not None:
+                kept.fill_(1.0)
             return keep
         block = self.tile(r0, r1, c0, c1)
         if block is None:

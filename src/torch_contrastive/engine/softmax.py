@@ -681,6 +681,9 @@ def softmax_terms(
         raise ValueError("columns=True needs self_offset=None (two-set losses only)")
     if symmetric and (self_offset != 0 or columns or anchors.shape != candidates.shape):
         raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
+    if symmetric and exclude is not None and not exclude.symmetric:
+        # one mask serves a tile's row block and, transposed, its column block
+        raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
     R, C = anchors.shape[0], candidates.shape[0]
     tile = resolve_tile(chunk_size, R, C)
     if backend not in ("torch", "triton"):
