@@ -79,7 +79,8 @@ class Checks:
             return (f"{name} contains non-finite values (NaN or inf) in {int((~rows).sum())} of {x.shape[0]} rows "
                     f"(first bad row: {int((~rows).nonzero()[0])})")
 
-        self.add(x.abs().amax(), message, lambda value: not math.isfinite(value))
+        # detached: a reduction of a tensor that requires grad would record an autograd node
+        self.add(x.detach().abs().amax(), message, lambda value: not math.isfinite(value))
 
     def flush_values(self, values: Tensor) -> list[float]:
         """Like :meth:`flush`, with a 1-D tensor of values the caller needs on the host
@@ -108,8 +109,7 @@ class Checks:
         if n == 1 and extra is None and not distributed:
             host = [self._values[0].item()]  # one value: no packing
         else:
-            parts = [t.reshape(1).to(torch.float64) for t in self._values]
-            checked = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+            checked = _pack(self._values)
             if distributed:
                 checked = checked.nan_to_num(nan=math.inf)  # MAX would drop a NaN on some backends
                 self.scope.all_max(checked)
@@ -122,6 +122,17 @@ class Checks:
             if is_bad(got):
                 raise ValueError(message())
         return host[n:]
+
+
+def _pack(values: list[Tensor]) -> Tensor:
+    """The 0-dim check values as one fp64 vector: one ``stack`` (and at most one cast)
+    when they share a dtype, which is the common case (float flags of one call)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float64)
+    dtype = values[0].dtype
+    if all(t.dtype == dtype for t in values):
+        return torch.stack(values).to(torch.float64)
+    return torch.cat([t.reshape(1).to(torch.float64) for t in values])
 
 
 def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int | None = 2, empty_rows: bool = False) -> Tensor:

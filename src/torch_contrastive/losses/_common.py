@@ -118,15 +118,19 @@ def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope
     return scope.finish(local_sum, max(normaliser, 1.0) if isinstance(normaliser, float) else normaliser)
 
 
-def finish_checks(values: Tensor, checks: v.Checks, check_output: bool) -> None:
+def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_output: bool) -> None:
     """Read the call's value checks at once; with ``check_output`` also the result's finiteness.
 
     Finite inputs give finite losses unless raw dot products (``normalize=False``)
-    overflow the compute dtype: then say so instead of returning inf or NaN.
+    overflow the compute dtype: then say so instead of returning inf or NaN. ``values``
+    may be several tensors (e.g. both directions); they are only touched when checked.
     """
-    if check_output:
-        checks.add(values.abs().amax(), lambda: (
-            f"the loss overflowed {values.dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
+    if check_output and checks.enabled:
+        parts = values if isinstance(values, tuple) else (values,)
+        peaks = [t.detach().abs().amax() for t in parts]
+        peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
+        checks.add(peak, lambda: (
+            f"the loss overflowed {parts[0].dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
             "use normalize=True, smaller embeddings or a larger temperature"), lambda value: not math.isfinite(value))
     checks.flush()
 

@@ -126,7 +126,7 @@ def image_text_contrastive_loss(
     if decoupled:  # a row left without candidates (every text a positive) contributes 0
         per_image = torch.where(torch.isneginf(per_image), 0.0, per_image)
         per_text = torch.where(torch.isneginf(per_text), 0.0, per_text)
-    finish_checks(per_image + per_text, checks, v.output_needs_check(normalize, bound))
+    finish_checks((per_image, per_text), checks, v.output_needs_check(normalize, bound))
     return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
 
 
