@@ -138,11 +138,18 @@ def l2_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     return x / denom, denom, norm
 
 
-def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps: float) -> Tensor:
-    """Gradient of :func:`l2_normalize`: ``(g - y (g . y)) / ||x||`` for rows with
-    ``||x|| > eps``, ``g / eps`` for smaller non-zero rows, 0 for all-zero rows."""
-    radial = torch.where(norm > eps, (g * y).sum(dim=1, keepdim=True), 0.0)
-    return torch.where(norm > 0, (g - y * radial) / denom, 0.0)
+def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps: float, scale: Scale = 1.0) -> Tensor:
+    """Gradient of :func:`l2_normalize` for the upstream gradient ``scale * g``:
+    ``scale (g - y (g . y)) / ||x||`` for rows with ``||x|| > eps``, ``scale g / eps`` for
+    smaller non-zero rows, 0 for all-zero rows.
+
+    Three passes over the (N, D) rows (a row dot product, one fused multiply-add, one
+    row scaling); the per-row cases are decided on (N, 1) vectors. Folding ``scale`` in
+    saves the caller a pass.
+    """
+    radial = torch.linalg.vecdot(g, y).unsqueeze(1).mul_(norm > eps)
+    factor = torch.where(norm > 0, scale / denom, 0.0)
+    return torch.addcmul(g, y, radial, value=-1).mul_(factor)
 
 
 # ---------------------------------------------------------------------------------
@@ -221,13 +228,14 @@ def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: 
     if ctx.single and ga_acc is not None:
         gb_acc = gb_acc + ga_acc
         ga_acc = None
-    ga = gb_acc * scale
-    if norm_a is not None:
-        ga = l2_normalize_backward(ga, a, *norm_a, eps)
+    ga = gb_acc * scale if norm_a is None else l2_normalize_backward(gb_acc, a, *norm_a, eps, scale)
     gb = None
     if ga_acc is not None:
-        gb = ga_acc * scale
-        if norm_b is not None:
-            gb = l2_normalize_backward(gb, b, *norm_b, eps)
-        gb = gb.to(ctx.in_dtypes[1])
-    return ga.to(ctx.in_dtypes[0]), gb, gscale
+        gb = ga_acc * scale if norm_b is None else l2_normalize_backward(ga_acc, b, *norm_b, eps, scale)
+        gb = as_dtype(gb, ctx.in_dtypes[1])
+    return as_dtype(ga, ctx.in_dtypes[0]), gb, gscale
+
+
+def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype`` (itself when it already is: ``.to`` costs a dispatch even then)."""
+    return x if x.dtype == dtype else x.to(dtype)

@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 from ._common import (
     Buffers,
     Scale,
+    as_dtype,
     autocast_enabled,
     finish_gradients,
     logits_tile,
@@ -500,17 +501,18 @@ def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
 class _SoftmaxTerms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,  # type: ignore[override]
-                col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan):
+                col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan, total: tuple[Scale, Scale] | None):
         # The engine chooses its own precision (fp32 or fp64): an ambient autocast region
         # must not turn its matrix products into half precision.
         if not autocast_enabled(a.device.type):
-            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan)
+            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan, total)
         with torch.autocast(a.device.type, enabled=False):
-            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan)
+            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan, total)
 
     @staticmethod
     def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,
-                 col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor]:
+                 col_alpha: Tensor | None, col_beta: Tensor | None, plan: _Plan,
+                 total: tuple[Scale, Scale] | None) -> tuple[Tensor, Tensor]:
         a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
         a_s = a_c * scale_c
         kept = None
@@ -533,6 +535,12 @@ class _SoftmaxTerms(torch.autograd.Function):
             row_out = row_out - _weighted(row_pos, row_beta)
         if col_pos is not None:
             col_out = col_out - _weighted(col_pos, col_beta)
+        ctx.total = total
+        if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
+            row_out = row_out.sum() * total[0]
+            if col_lse is not None:
+                row_out = row_out + col_out.sum() * total[1]
+            col_out = row_out.new_zeros(0)
         ctx.plan = plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         own_col_alpha = None if plan.shared_alpha else col_alpha
@@ -557,11 +565,14 @@ class _SoftmaxTerms(torch.autograd.Function):
         norm_tensors = list(given)
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
-        g_row = g_row.to(a.dtype)
+        if ctx.total is not None:  # d total / d row_out_i = total[0] (and total[1] per column)
+            g_col = (g_row * ctx.total[1]).expand(b.shape[0]) if plan.columns else g_col
+            g_row = (g_row * ctx.total[0]).expand(a.shape[0])
+        g_row = as_dtype(g_row, a.dtype)
         col: _Direction | None = None
         g_col_c = None
         if plan.columns:
-            g_col_c = g_col.to(a.dtype)
+            g_col_c = as_dtype(g_col, a.dtype)
             if plan.column_comm is not None:
                 # Every rank's tiles touch every column: they all need the full column gradient.
                 g_col_c = g_col_c.clone()
@@ -585,7 +596,7 @@ class _SoftmaxTerms(torch.autograd.Function):
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row, c_col, plan.symmetric)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
-        return ga, gb, gscale, None, None, None, None, None
+        return ga, gb, gscale, None, None, None, None, None, None
 
 
 def _positive_gradients(pos: Positives, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
@@ -624,6 +635,7 @@ def softmax_terms(
     grad_columns: int | None = None,
     exclude: Any = None,
     backend: str = "torch",
+    total: tuple[Scale, Scale] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
 
@@ -669,10 +681,15 @@ def softmax_terms(
             (CUDA tensors, or ``TRITON_INTERPRET=1`` on CPU; see :mod:`.triton_backend`). It
             covers the two-set and single-set log-sum-exp (no symmetric triangle, no exclusions,
             no distributed column statistics); positives go through ``Positives.aggregate``.
+        total: ``(c, c')``: return the scalar ``c * sum_i row_out_i + c' * sum_j col_out_j``
+            instead (floats or 0-dim tensors without gradient; ``c'`` only with
+            ``columns=True``) -- a loss's ``mean``/``sum`` reduction inside the autograd
+            function, which saves the small batch a few autograd nodes.
 
     Returns:
         ``(row_out, col_out)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
-        (fp64 for fp64). A row with no candidate at all gets ``LSE = 0``.
+        (fp64 for fp64). A row with no candidate at all gets ``LSE = 0``. With ``total``:
+        ``(scalar, None)``.
 
     Memory: O((R + C) * D) for the compute-dtype copies plus two tile buffers; never
     R x C (unless one tile covers everything).
@@ -703,8 +720,8 @@ def softmax_terms(
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
                  C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, backend)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
-                                           None if shared_alpha else col_weights[0], col_weights[1], plan)
-    return row_out, (col_out if columns else None)
+                                           None if shared_alpha else col_weights[0], col_weights[1], plan, total)
+    return row_out, (col_out if columns and total is None else None)
 
 
 def logsumexp_rows(anchors: Tensor, candidates: Tensor, scale: Scale, *, self_offset: int | None, symmetric: bool = False,

@@ -118,6 +118,24 @@ def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope
     return scope.finish(local_sum, max(normaliser, 1.0) if isinstance(normaliser, float) else normaliser)
 
 
+def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype: torch.dtype,
+                 factor: float = 1.0) -> tuple[Tensor | float, Tensor | float] | None:
+    """The coefficient pair of ``softmax_terms(..., total=...)`` that applies ``reduction``
+    inside the engine (one process, ``mean``/``sum``), times ``factor``; ``None`` when the
+    per-row values must come back (``none``, or a distributed loss, whose value needs
+    the ranks' sums). A tensor ``normaliser`` (a count) gives a coefficient in ``dtype``.
+    """
+    if reduction == "none" or scope.distributed:
+        return None
+    if reduction == "mean":
+        if isinstance(normaliser, Tensor):
+            coef: Tensor | float = normaliser.to(dtype).clamp_min(1).reciprocal() * factor
+        else:
+            coef = factor / max(float(normaliser), 1.0)
+        return coef, coef
+    return factor, factor
+
+
 def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_output: bool) -> None:
     """Read the call's value checks at once; with ``check_output`` also the result's finiteness.
 

@@ -12,8 +12,9 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope
 from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
+from ..engine._common import as_dtype
 from ..positives import Exclusion, Positives
-from ._common import check_agreement, finish_checks, image_text_inputs, image_text_positives, positive_logits
+from ._common import check_agreement, engine_total, finish_checks, image_text_inputs, image_text_positives, positive_logits
 
 __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
 
@@ -111,10 +112,18 @@ def image_text_contrastive_loss(
         cdtype = compute_dtype(image_feat.dtype)
         weights = variant.weights(counts, counts.sum(), n, cdtype) if smoothing else \
             (None, None) if pos.kind == "partner" else (counts.to(cdtype), None)
-        per_image, per_text = softmax_terms(image_feat, text_feat.to(image_feat.dtype), scale, self_offset=None, positives=pos,
+        # mean: sum / (2 sum gt); sum: N times that -- inside the engine when nothing follows
+        n_gt = float(n) if pos.kind == "partner" else counts.sum()
+        total = None if smoothing or decoupled or reduction == "none" else \
+            engine_total("mean", scope, 2 * n_gt, cdtype, float(n) if reduction == "sum" else 1.0)
+        text = as_dtype(text_feat, image_feat.dtype)
+        per_image, per_text = softmax_terms(image_feat, text, scale, self_offset=None, positives=pos,
                                             row_weights=weights, col_weights=_column_weights(weights), columns=True, fixed=fixed,
                                             normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos),
-                                            backend=backend)
+                                            backend=backend, total=total)
+        if total is not None:
+            finish_checks(per_image, checks, v.output_needs_check(normalize, bound))
+            return per_image
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")
         if smoothing:

@@ -9,7 +9,7 @@ from .. import _validation as v
 from ..distributed import make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Exclusion, Positives
-from ._common import labelled_pairwise_rows, pair_partner, reduce, single_set
+from ._common import engine_total, finish_checks, labelled_pairwise_rows, pair_partner, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 
@@ -116,9 +116,13 @@ def nt_xent_loss(
         # DCL: the positive (an involution's partner, so a symmetric relation) leaves the denominator
         exclude = Exclusion(relation=positives, symmetric=True) if decoupled else None
         weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
+        total = None if decoupled else engine_total(reduction, scope, float(n), compute_dtype(z.dtype))
         per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
                                    fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
-                                   chunk_size=chunk_size, exclude=exclude, row_weights=weights, backend=backend)
+                                   chunk_size=chunk_size, exclude=exclude, row_weights=weights, backend=backend, total=total)
+        if total is not None:
+            finish_checks(per_row, checks, v.output_needs_check(normalize, bound))
+            return per_row
         if decoupled:  # a pair alone in the batch has no negative: its rows contribute 0
             per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)
         return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

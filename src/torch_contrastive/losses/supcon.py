@@ -6,10 +6,10 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from ..distributed import make_scope
+from ..distributed import Scope, make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import reduce, single_set, with_memory
+from ._common import engine_total, finish_checks, reduce, single_set, with_memory
 
 __all__ = ["supcon_loss"]
 
@@ -126,9 +126,21 @@ def supcon_loss(
     cdtype = compute_dtype(z.dtype)
     # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0)
     weights = (has_pos.to(cdtype), has_pos.to(cdtype) / counts.clamp_min(1).to(cdtype))
+    # a tensor factor (learnable temperature) carries a gradient: then reduce outside
+    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, has_pos.sum(), cdtype,
+                                                                  1.0 if factor is None else factor)
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
-                                  eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend)
+                                  eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend, total=total)
+    return _finish(per_anchor, total, factor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
+
+
+def _finish(per_anchor: Tensor, total: object, factor: Tensor | float | None, n_anchors: Tensor, reduction: str,
+            scope: Scope, checks: v.Checks, check_output: bool) -> Tensor:
+    """The loss from the engine's output: already reduced (``total``), or reduced here."""
+    if total is not None:
+        finish_checks(per_anchor, checks, check_output)
+        return per_anchor
     if factor is not None:
         per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
-    return reduce(per_anchor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
+    return reduce(per_anchor, n_anchors, reduction, scope, checks, check_output)
