@@ -66,8 +66,8 @@ class Checks:
     def finite(self, x: Tensor, name: str) -> None:
         """Every entry of ``x`` is finite.
 
-        ``max |x|`` is NaN or inf exactly when some entry is, and costs two cheap
-        reductions (``isfinite(x).all()`` is several times slower).
+        ``min(x)`` and ``max(x)`` are NaN or inf exactly when some entry is, and cost one
+        fused reduction (``isfinite(x).all()`` is several times slower).
         """
         if not self.enabled or x.numel() == 0:
             return
@@ -79,8 +79,14 @@ class Checks:
             return (f"{name} contains non-finite values (NaN or inf) in {int((~rows).sum())} of {x.shape[0]} rows "
                     f"(first bad row: {int((~rows).nonzero()[0])})")
 
-        # detached: a reduction of a tensor that requires grad would record an autograd node
-        self.add(x.detach().abs().amax(), message, lambda value: not math.isfinite(value))
+        # detached: a reduction of a tensor that requires grad would record an autograd node.
+        # min and max (one fused reduction) are both finite exactly when every entry is.
+        # (Across ranks the flags are max-reduced, which would lose a -inf minimum: max |x| there.)
+        if self.scope is not None and self.scope.distributed:
+            self.add(x.detach().abs().amax(), message, _not_finite)
+            return
+        for extreme in torch.aminmax(x.detach()):
+            self.add(extreme, message, _not_finite)
 
     def flush_values(self, values: Tensor) -> list[float]:
         """Like :meth:`flush`, with a 1-D tensor of values the caller needs on the host
@@ -114,7 +120,7 @@ class Checks:
                 checked = checked.nan_to_num(nan=math.inf)  # MAX would drop a NaN on some backends
                 self.scope.all_max(checked)
             if extra is not None:
-                checked = torch.cat([checked.to(extra.device), extra.to(torch.float64)])
+                checked = torch.cat([checked.to(device=extra.device, dtype=torch.float64), extra.to(torch.float64)])
             host = checked.tolist()
         bad, messages = self._bad, self._messages
         self._values, self._bad, self._messages = [], [], []
@@ -124,14 +130,19 @@ class Checks:
         return host[n:]
 
 
+def _not_finite(value: float) -> bool:
+    return not math.isfinite(value)
+
+
 def _pack(values: list[Tensor]) -> Tensor:
     """The 0-dim check values as one fp64 vector: one ``stack`` (and at most one cast)
     when they share a dtype, which is the common case (float flags of one call)."""
     if not values:
         return torch.zeros(0, dtype=torch.float64)
     dtype = values[0].dtype
-    if all(t.dtype == dtype for t in values):
-        return torch.stack(values).to(torch.float64)
+    if all(t.dtype == dtype for t in values):  # fp32 flags read exactly as Python floats: no cast
+        packed = torch.stack(values)
+        return packed if dtype in (torch.float32, torch.float64) else packed.to(torch.float64)
     return torch.cat([t.reshape(1).to(torch.float64) for t in values])
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .engine._common import self_diagonal
+from .engine._common import mask_as, self_diagonal
 
 __all__ = ["DENSE_KEYS_LIMIT", "Positives"]
 
@@ -278,7 +278,7 @@ class Positives:
             return candidates[self._need(self.partner, kind)]
         if self.dense is not None:
             with torch.autocast(candidates.device.type, enabled=False):
-                return self.dense.to(candidates.dtype) @ candidates
+                return mask_as(self.dense, candidates.dtype) @ candidates
         if kind == "keys":
             total = candidates.new_zeros(self.num_rows, candidates.shape[1])
             for rg, cg, n_bound, sign in self.key_terms:
@@ -293,7 +293,7 @@ class Positives:
         bsz = mask.shape[0]
         per_sample = candidates.reshape(-1, bsz, candidates.shape[1]).sum(0)  # view-major: j -> sample j % bsz
         with torch.autocast(candidates.device.type, enabled=False):  # keep the compute dtype under autocast
-            total = mask.to(candidates.dtype)[self._need(self.row_sample, kind)] @ per_sample
+            total = mask_as(mask, candidates.dtype)[self._need(self.row_sample, kind)] @ per_sample
         return self._minus_self(total, candidates)
 
     def aggregate_transposed(self, rows: Tensor) -> Tensor:
@@ -307,7 +307,7 @@ class Positives:
             return rows.new_zeros(self.num_cols, width).index_add(0, self._need(self.partner, kind), rows)
         if self.dense is not None:
             with torch.autocast(rows.device.type, enabled=False):
-                return self.dense.t().to(rows.dtype) @ rows
+                return mask_as(self.dense, rows.dtype).t() @ rows
         if kind == "keys":
             total = rows.new_zeros(self.num_cols, width)
             for rg, cg, n_bound, sign in self.key_terms:

@@ -29,6 +29,7 @@ from ._common import (
     autocast_enabled,
     finish_gradients,
     logits_tile,
+    mask_as,
     prepare_inputs,
     resolve_tile,
     save,
@@ -188,10 +189,10 @@ def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
         row_pos = s.gather(1, rel[:, None])[:, 0]
         if plan.column_positives:
             col_pos = s.new_zeros(C).index_add_(0, rel, row_pos)
-    else:
-        masked = torch.where(rel, s, 0.0)
-        row_pos = masked.sum(1)
-        col_pos = masked.sum(0) if plan.column_positives else None
+    else:  # a 0/1 float mask: a multiply is several times cheaper than torch.where (s is finite here)
+        weight = mask_as(rel, s.dtype)
+        row_pos = torch.linalg.vecdot(s, weight)
+        col_pos = torch.linalg.vecdot(s.t(), weight.t()) if plan.column_positives else None
     return row_pos, col_pos
 
 
@@ -285,10 +286,10 @@ def _fold_positives(g: Tensor, positives: Positives, plan: _Plan, c_row: Tensor,
         if plan.symmetric:
             g.index_put_((rel, rows), c_row, accumulate=True)
     else:
-        weight = c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :]
-        g.add_(torch.where(rel, weight, 0.0))
+        mask = mask_as(rel, g.dtype)
+        g.addcmul_(mask, c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :])
         if plan.symmetric:
-            g.add_(torch.where(rel.t(), c_row[None, :], 0.0))
+            g.addcmul_(mask.t(), c_row[None, :])
 
 
 def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor | None, symmetric: bool) -> None:
