@@ -8,6 +8,7 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import Scope, make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
+from ..engine._common import mask_as
 from ..positives import Positives
 from ._common import engine_total, finish_checks, reduce, single_set, with_memory
 
@@ -86,8 +87,7 @@ def supcon_loss(
     if features.ndim == 2:
         if labels is None and mask is None:
             raise ValueError("features of shape (N, D) need labels (or a mask); pass (bsz, n_views, D) for SimCLR-style views")
-        features = features[:, None]
-    bsz, n_views = features.shape[0], features.shape[1]
+    bsz, n_views = features.shape[0], (1 if features.ndim == 2 else features.shape[1])
     device = features.device
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
@@ -98,7 +98,8 @@ def supcon_loss(
             raise ValueError("mask cannot be combined with gather=True (it only relates this rank's samples); pass labels")
         mask = v.check_mask(mask, bsz, device, checks)
     checks.finite(features, "features")
-    flat = features.transpose(0, 1).reshape(bsz * n_views, -1)  # view-major, as the authors' code
+    # view-major, as the authors' code ((N, D) features are one view already)
+    flat = features if features.ndim == 2 else features.transpose(0, 1).reshape(bsz * n_views, -1)
     memory = v.check_memory(memory_emb, memory_labels, flat.shape[1], device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels for the batch (positives with memory rows are found by label)")
@@ -113,7 +114,7 @@ def supcon_loss(
         positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
     else:
         sample_keys = labels if labels is not None else torch.arange(bsz, device=device) + offset
-        keys = scope.ints(sample_keys.repeat(n_views))
+        keys = scope.ints(sample_keys if n_views == 1 else sample_keys.repeat(n_views))
         # This rank's anchors are its first n_anchor flattened rows.
         positives = Positives.from_keys(keys[offset : offset + n_anchor], keys, self_offset=offset)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
@@ -125,14 +126,15 @@ def supcon_loss(
     has_pos = counts > 0
     cdtype = compute_dtype(z.dtype)
     # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0)
-    weights = (has_pos.to(cdtype), has_pos.to(cdtype) / counts.clamp_min(1).to(cdtype))
+    has_pos_f = mask_as(has_pos, cdtype)
+    weights = (has_pos_f, has_pos_f / counts.clamp_min(1))
     # a tensor factor (learnable temperature) carries a gradient: then reduce outside
-    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, has_pos.sum(), cdtype,
+    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, has_pos_f.sum(), cdtype,
                                                                   1.0 if factor is None else factor)
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
                                   eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend, total=total)
-    return _finish(per_anchor, total, factor, has_pos.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
+    return _finish(per_anchor, total, factor, has_pos_f.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
 
 def _finish(per_anchor: Tensor, total: object, factor: Tensor | float | None, n_anchors: Tensor, reduction: str,
