@@ -22,6 +22,7 @@ from ._common import (
     autocast_enabled,
     finish_gradients,
     logits_tile,
+    mask_as,
     prepare_inputs,
     resolve_tile,
     save,
@@ -145,6 +146,27 @@ class _PairKernel:
         return (out,), (diff, sig, weight, pos, neg)
 
     @staticmethod
+    def single_fixed(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """:meth:`single` in fixed mode with 0/1 float masks: ``|S| <= 40``, so ``exp(S)`` needs
+        no shift and masks multiply (every value is finite). ``N_i = sum_n e^{S_in}``."""
+        e = torch.exp(s)
+        neg_sum = torch.linalg.vecdot(e, neg)
+        diff = neg_sum.log()[:, None] - s
+        out = torch.linalg.vecdot(torch.nn.functional.softplus(diff), pos)
+        sig = torch.sigmoid(diff)
+        weight = torch.linalg.vecdot(sig, pos)
+        return (out,), (e, sig, pos, neg, weight, neg_sum)
+
+    @staticmethod
+    def single_grad_fixed(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        """``G = e^{S_in} w_i g_i / N_i`` on negatives, ``-sigmoid(L_i - S_ip) g_i`` on positives.
+        A row without negatives has ``w_i = 0`` (every sigmoid is of -inf): its factor is 0."""
+        e, sig, pos, neg, weight, neg_sum = kept
+        g = grads[0]
+        row = weight * g / neg_sum.clamp_min(torch.finfo(neg_sum.dtype).tiny)
+        return torch.mul(e, row[:, None]).mul_(neg).sub_(torch.mul(sig, g[:, None]).mul_(pos))
+
+    @staticmethod
     def single_grad(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
         diff, sig, weight, pos, neg = kept
         # negatives: exp(S_in - L_i) * w_i; positives: -sigmoid(L_i - S_ip)
@@ -221,6 +243,20 @@ class _BinaryKernel:
         signed = torch.where(pos, -s, s)
         loss = torch.nn.functional.softplus(signed)
         return (torch.where(pos, loss, 0.0).sum(1), torch.where(neg, loss, 0.0).sum(1)), (signed, pos, neg)
+
+    @staticmethod
+    def single_fixed(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """:meth:`single` with 0/1 float masks (fixed mode: every S finite): ``z = neg - pos``
+        (0 for the self pair, which both masks leave out)."""
+        signed = s.mul_(neg - pos)
+        loss = torch.nn.functional.softplus(signed)
+        return (torch.linalg.vecdot(loss, pos), torch.linalg.vecdot(loss, neg)), (signed, pos, neg)
+
+    @staticmethod
+    def single_grad_fixed(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        signed, pos, neg = kept
+        coef = torch.mul(neg, grads[1][:, None]).sub_(torch.mul(pos, grads[0][:, None]))
+        return torch.sigmoid(signed).mul_(coef)
 
     @staticmethod
     def single_grad(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
@@ -313,7 +349,10 @@ class _Pairwise(torch.autograd.Function):
         if plan.tile == 0:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
-            outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
+            if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
+                outputs, kept = kernel_cls.single_fixed(a_s @ b_c.t(), mask_as(pos, a_c.dtype), mask_as(neg, a_c.dtype))
+            else:
+                outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
         else:
             kernel = kernel_cls(a.shape[0], a_c.dtype, a.device, plan.fixed)
             bufs = Buffers(a_c.dtype, a.device)
@@ -345,8 +384,11 @@ class _Pairwise(torch.autograd.Function):
         grads = tuple(g.to(a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
         if kept:
-            g = kernel.single_grad(tuple(kept), grads)
-            gb, ga = g @ b, g.t() @ a
+            g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
+            if ctx.single:  # one set: both roles of every row in one product
+                gb, ga = (g + g.t()) @ a, None
+            else:
+                gb, ga = g @ b, g.t() @ a
         elif plan.symmetric:
             gb = _symmetric_backward(kernel, a * scale, a, plan, kernel_saved, grads)
             ga = None
@@ -366,7 +408,9 @@ class _Pairwise(torch.autograd.Function):
                 ga[c0:c1].addmm_(g.t(), a[r0:r1])
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
-        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, plan.symmetric, norm_a, norm_b, b, plan.eps)
+        # (G + G.T) @ A counts every pair twice, like the symmetric path's H @ Z
+        both_roles = plan.symmetric or (bool(kept) and ctx.single)
+        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, both_roles, norm_a, norm_b, b, plan.eps)
         return grad_a, grad_b, gscale, None
 
 
