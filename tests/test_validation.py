@@ -68,3 +68,48 @@ def test_non_finite_rows_are_counted():
     x[5, 1] = float("inf")
     with pytest.raises(ValueError, match=r"2 of 8 rows"):
         tc.nt_xent_loss(x)
+
+
+# Losses whose mean is reduced inside the engine read that one value as the finite check of
+# their embeddings (Checks.finish with covers=True); everything else reduces the inputs.
+ANSWERED_BY_THE_LOSS = {
+    "clip image": lambda bad, ok, t: tc.image_text_contrastive_loss(bad, ok, t),
+    "clip text": lambda bad, ok, t: tc.image_text_contrastive_loss(ok, bad, t),
+    "clip sum": lambda bad, ok, t: tc.image_text_contrastive_loss(bad, ok, t, reduction="sum"),
+    "clip ids": lambda bad, ok, t: tc.image_text_contrastive_loss(bad, ok, t, image_id=torch.arange(bad.shape[0]) // 2),
+    "nt_xent halves": lambda bad, ok, t: tc.nt_xent_loss(bad, t, pairing="halves"),
+    "nt_xent adjacent": lambda bad, ok, t: tc.nt_xent_loss(bad, t, pairing="adjacent"),
+    "supcon labels": lambda bad, ok, t: tc.supcon_loss(bad, torch.arange(bad.shape[0]) % 3, temperature=t),
+    "supcon no positives": lambda bad, ok, t: tc.supcon_loss(bad, torch.arange(bad.shape[0]), temperature=t),
+    "supcon views, one": lambda bad, ok, t: tc.supcon_loss(torch.stack([ok, bad], 1), temperature=t, contrast_mode="one"),
+    "pml (inputs reduced)": lambda bad, ok, t: tc.nt_xent_loss(bad, t, labels=torch.arange(bad.shape[0])),
+}
+
+
+@pytest.mark.parametrize("name", list(ANSWERED_BY_THE_LOSS))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tensor_temperature", [False, True])
+def test_a_non_finite_row_is_named_when_the_loss_value_answers_the_check(name, value, dtype, tensor_temperature):
+    """A single bad entry anywhere: the call raises and names the argument (no silent NaN)."""
+    ok = torch.randn(6, 5).to(dtype)
+    for row in (0, 5):
+        bad = torch.randn(6, 5).to(dtype)
+        bad[row, 3] = value
+        t = torch.tensor(0.1) if tensor_temperature else 0.1
+        which = "features" if name.startswith("supcon") else "text_feat" if name == "clip text" else \
+            "image_feat" if name.startswith("clip") else "embeddings"
+        with pytest.raises(ValueError, match=f"{which} contains non-finite values"):
+            ANSWERED_BY_THE_LOSS[name](bad, ok, t)
+
+
+@pytest.mark.parametrize("name", list(ANSWERED_BY_THE_LOSS))
+def test_huge_finite_rows_pass_the_check_answered_by_the_loss(name):
+    """Rows near the fp32 limit are finite input: no error, a finite loss and finite gradients."""
+    bad = torch.randn(6, 5)
+    bad[1] = 3e38
+    bad[4, 0] = -3.4e38
+    bad.requires_grad_()
+    loss = ANSWERED_BY_THE_LOSS[name](bad, torch.randn(6, 5), 0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(bad.grad).all()

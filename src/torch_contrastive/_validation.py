@@ -55,6 +55,8 @@ class Checks:
         self._values: list[Tensor] = []
         self._bad: list[Callable[[float], bool]] = []
         self._messages: list[Callable[[], str]] = []
+        # finite checks left to the loss value (see finite(..., deferred=True) and finish)
+        self._pending: list[tuple[Tensor, str]] = []
 
     def add(self, value: Tensor, message: Callable[[], str], bad: Callable[[float], bool] = bool) -> None:
         """Record ``value`` (0-dim); the call fails with ``message()`` when ``bad(value)``."""
@@ -63,22 +65,22 @@ class Checks:
             self._bad.append(bad)
             self._messages.append(message)
 
-    def finite(self, x: Tensor, name: str) -> None:
+    def finite(self, x: Tensor, name: str, *, deferred: bool = False) -> None:
         """Every entry of ``x`` is finite.
 
         ``min(x)`` and ``max(x)`` are NaN or inf exactly when some entry is, and cost one
         fused reduction (``isfinite(x).all()`` is several times slower).
+
+        ``deferred``: the check may be answered by the loss value instead (:meth:`finish`
+        with ``covers=True``), which costs no reduction at all; any earlier read, or a
+        ``finish`` that cannot vouch for ``x``, runs the reduction as usual.
         """
         if not self.enabled or x.numel() == 0:
             return
-
-        def message() -> str:
-            rows = torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
-            if bool(rows.all()):  # the flag came from another rank (gather=True)
-                return f"{name} contains non-finite values (NaN or inf) on another rank"
-            return (f"{name} contains non-finite values (NaN or inf) in {int((~rows).sum())} of {x.shape[0]} rows "
-                    f"(first bad row: {int((~rows).nonzero()[0])})")
-
+        if deferred:
+            self._pending.append((x, name))
+            return
+        message = _finite_message(x, name)
         # detached: a reduction of a tensor that requires grad would record an autograd node.
         # min and max (one fused reduction) are both finite exactly when every entry is.
         # (Across ranks the flags are max-reduced, which would lose a -inf minimum: max |x| there.)
@@ -87,6 +89,41 @@ class Checks:
             return
         for extreme in torch.aminmax(x.detach()):
             self.add(extreme, message, _not_finite)
+
+    def _run_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for x, name in pending:
+            self.finite(x, name)
+
+    def finish(self, value: Tensor, *, covers: bool, overflow: Callable[[], str] | None) -> None:
+        """The call's last read: every check recorded, and the loss ``value``.
+
+        ``covers``: ``value`` is a scalar that is NaN or inf whenever an input given to
+        ``finite(..., deferred=True)`` is (every such row meets every loss term through the
+        engine's normalisation, see the callers); then that one value answers those checks
+        and the offending argument is named afterwards. Otherwise they run as reductions.
+        ``overflow``: the message for a non-finite loss from finite inputs (raw dot products
+        can overflow); ``None`` when that cannot happen (then the value is not read for it).
+        """
+        if not self.enabled:
+            return
+        pending = self._pending
+        if covers and pending and value.ndim == 0:
+            self._pending = []
+
+            def message() -> str:
+                for x, name in pending:
+                    if not bool(torch.isfinite(x).all()):
+                        return _finite_message(x, name)()
+                return overflow() if overflow is not None else (
+                    "the loss is not finite although every input is (please report this with the inputs)")
+
+            self.add(value, message, _not_finite)
+        else:
+            self._run_pending()
+            if overflow is not None:
+                self.add(value.detach().abs().amax(), overflow, _not_finite)
+        self.flush()
 
     def flush_values(self, values: Tensor) -> list[float]:
         """Like :meth:`flush`, with a 1-D tensor of values the caller needs on the host
@@ -100,6 +137,7 @@ class Checks:
         the largest), so every rank raises when any rank has bad input and none is left
         waiting in a collective.
         """
+        self._run_pending()
         if not self._values and value is None:
             return None
         host = self._read(None if value is None else value.detach().reshape(1))
@@ -110,6 +148,7 @@ class Checks:
 
         Returns the host values of ``extra`` (empty list without it).
         """
+        self._run_pending()
         n = len(self._values)
         distributed = self.scope is not None and self.scope.distributed and n > 0
         if n == 1 and extra is None and not distributed:
@@ -128,6 +167,19 @@ class Checks:
             if is_bad(got):
                 raise ValueError(message())
         return host[n:]
+
+
+def _finite_message(x: Tensor, name: str) -> Callable[[], str]:
+    """The error message of a failed finite check of ``x`` (reads ``x`` again: failure path only)."""
+
+    def message() -> str:
+        rows = torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
+        if bool(rows.all()):  # the flag came from another rank (gather=True)
+            return f"{name} contains non-finite values (NaN or inf) on another rank"
+        return (f"{name} contains non-finite values (NaN or inf) in {int((~rows).sum())} of {x.shape[0]} rows "
+                f"(first bad row: {int((~rows).nonzero()[0])})")
+
+    return message
 
 
 def _not_finite(value: float) -> bool:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -56,8 +55,8 @@ def image_text_inputs(image_feat: Tensor, text_feat: Tensor, image_id: Tensor | 
     text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
-    checks.finite(image_feat, "image_feat")
-    checks.finite(text_feat, "text_feat")
+    checks.finite(image_feat, "image_feat", deferred=True)
+    checks.finite(text_feat, "text_feat", deferred=True)
     return ImageTextInputs(n, device, image_id, text_id, ids_given, scope, checks)
 
 
@@ -136,21 +135,24 @@ def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype
     return factor, factor
 
 
-def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_output: bool) -> None:
+def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_output: bool, covers: bool = False) -> None:
     """Read the call's value checks at once; with ``check_output`` also the result's finiteness.
 
     Finite inputs give finite losses unless raw dot products (``normalize=False``)
     overflow the compute dtype: then say so instead of returning inf or NaN. ``values``
     may be several tensors (e.g. both directions); they are only touched when checked.
+    ``covers``: ``values`` is the scalar loss and answers the deferred finite checks
+    (:meth:`~torch_contrastive._validation.Checks.finish`).
     """
-    if check_output and checks.enabled:
-        parts = values if isinstance(values, tuple) else (values,)
-        peaks = [t.detach().abs().amax() for t in parts]
-        peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
-        checks.add(peak, lambda: (
-            f"the loss overflowed {parts[0].dtype}: with normalize=False the logits <a_i, c_j> / temperature exceed its range; "
-            "use normalize=True, smaller embeddings or a larger temperature"), lambda value: not math.isfinite(value))
-    checks.flush()
+    if not checks.enabled:
+        return
+    parts = values if isinstance(values, tuple) else (values,)
+    value = parts[0]
+    if len(parts) > 1 and check_output:
+        value = torch.stack([t.detach().abs().amax() for t in parts]).amax()
+    overflow = (lambda: f"the loss overflowed {parts[0].dtype}: with normalize=False the logits <a_i, c_j> / temperature "
+                "exceed its range; use normalize=True, smaller embeddings or a larger temperature") if check_output else None
+    checks.finish(value, covers=covers, overflow=overflow)
 
 
 def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positives, inside: bool, normalize: bool,

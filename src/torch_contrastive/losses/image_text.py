@@ -122,7 +122,8 @@ def image_text_contrastive_loss(
                                             normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos),
                                             backend=backend, total=total)
         if total is not None:
-            finish_checks(per_image, checks, v.output_needs_check(normalize, bound))
+            # image i and text i meet in S_ii: a non-finite row (normalised inside) makes the loss NaN
+            finish_checks(per_image, checks, v.output_needs_check(normalize, bound), covers=normalize)
             return per_image
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")

@@ -95,7 +95,7 @@ def nt_xent_loss(
         labels = v.check_labels(labels, "labels", n, embeddings.device)
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
-    checks.finite(embeddings, "embeddings")
+    checks.finite(embeddings, "embeddings", deferred=True)
     memory = v.check_memory(memory_emb, memory_labels, embeddings.shape[1], embeddings.device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
@@ -121,7 +121,8 @@ def nt_xent_loss(
                                    fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
                                    chunk_size=chunk_size, exclude=exclude, row_weights=weights, backend=backend, total=total)
         if total is not None:
-            finish_checks(per_row, checks, v.output_needs_check(normalize, bound))
+            # every row has its partner: a non-finite row (normalised inside) makes the loss NaN
+            finish_checks(per_row, checks, v.output_needs_check(normalize, bound), covers=inside)
             return per_row
         if decoupled:  # a pair alone in the batch has no negative: its rows contribute 0
             per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)

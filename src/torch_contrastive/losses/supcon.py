@@ -97,7 +97,7 @@ def supcon_loss(
         if gather:
             raise ValueError("mask cannot be combined with gather=True (it only relates this rank's samples); pass labels")
         mask = v.check_mask(mask, bsz, device, checks)
-    checks.finite(features, "features")
+    checks.finite(features, "features", deferred=True)
     # view-major, as the authors' code ((N, D) features are one view already)
     flat = features if features.ndim == 2 else features.transpose(0, 1).reshape(bsz * n_views, -1)
     memory = v.check_memory(memory_emb, memory_labels, flat.shape[1], device, checks)
@@ -134,14 +134,18 @@ def supcon_loss(
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
                                   eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend, total=total)
-    return _finish(per_anchor, total, factor, has_pos_f.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound))
+    # With two rows or more every row meets every anchor's denominator (a row's only
+    # exclusion is its self pair), so a non-finite row normalised inside makes the loss NaN.
+    covers = inside and z_all.shape[0] >= 2
+    return _finish(per_anchor, total, factor, has_pos_f.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound),
+                   covers)
 
 
 def _finish(per_anchor: Tensor, total: object, factor: Tensor | float | None, n_anchors: Tensor, reduction: str,
-            scope: Scope, checks: v.Checks, check_output: bool) -> Tensor:
+            scope: Scope, checks: v.Checks, check_output: bool, covers: bool) -> Tensor:
     """The loss from the engine's output: already reduced (``total``), or reduced here."""
     if total is not None:
-        finish_checks(per_anchor, checks, check_output)
+        finish_checks(per_anchor, checks, check_output, covers)
         return per_anchor
     if factor is not None:
         per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
