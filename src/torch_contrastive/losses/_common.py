@@ -74,8 +74,7 @@ def image_text_positives(image_id: Tensor | None, text_id: Tensor | None, n: int
         global_keys = tuple(scope.ints(k) for k in keys)
         local_keys = tuple(k[offset : offset + n] for k in global_keys) if scope.distributed else global_keys
         return Positives.from_keys(local_keys, global_keys, self_offset=None)
-    return Positives.from_partner(pair_partner(n, "identity", offset, device), num_cols, self_offset=None,
-                                  layout=None if scope.distributed else "identity")
+    return partner_positives(n, "identity", offset, device, num_cols, None, None if scope.distributed else "identity")
 
 
 class SingleSet(NamedTuple):
@@ -273,6 +272,24 @@ def pair_partner(n_rows: int, pairing: str, offset: int = 0, device: torch.devic
         if len(_PARTNERS) > 256:  # many distinct shapes: keep the cache small
             _PARTNERS.clear()
         _PARTNERS[key] = cached
+    return cached
+
+
+_PARTNER_POSITIVES: dict[tuple[int, str, int, torch.device, int, int | None, str | None], Positives] = {}
+
+
+def partner_positives(n_rows: int, pairing: str, offset: int, device: torch.device, num_cols: int,
+                      self_offset: int | None, layout: str | None) -> Positives:
+    """``Positives.from_partner(pair_partner(...), ...)``, built once per shape and reused
+    (like the partner indices themselves: a training loop asks for the same one every step)."""
+    key = (n_rows, pairing, offset, torch.device(device), num_cols, self_offset, layout)
+    cached = _PARTNER_POSITIVES.get(key)
+    if cached is None:
+        cached = Positives.from_partner(pair_partner(n_rows, pairing, offset, device), num_cols, self_offset=self_offset,
+                                        layout=layout)
+        if len(_PARTNER_POSITIVES) > 256:
+            _PARTNER_POSITIVES.clear()
+        _PARTNER_POSITIVES[key] = cached
     return cached
 
 

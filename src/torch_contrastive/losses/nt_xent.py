@@ -8,8 +8,8 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
-from ..positives import Exclusion, Positives
-from ._common import engine_total, finish_checks, labelled_pairwise_rows, pair_partner, reduce, single_set
+from ..positives import Exclusion
+from ._common import engine_total, finish_checks, labelled_pairwise_rows, partner_positives, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 
@@ -111,8 +111,7 @@ def nt_xent_loss(
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
 
     if labels is None:
-        positives = Positives.from_partner(pair_partner(n, pairing, offset, z.device), z_all.shape[0], self_offset=offset,
-                                           layout=None if scope.distributed else pairing)
+        positives = partner_positives(n, pairing, offset, z.device, z_all.shape[0], offset, None if scope.distributed else pairing)
         # DCL: the positive (an involution's partner, so a symmetric relation) leaves the denominator
         exclude = Exclusion(relation=positives, symmetric=True) if decoupled else None
         weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
