@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from ._common import (
     Buffers,
     Scale,
+    as_dtype,
     autocast_enabled,
     finish_gradients,
     logits_tile,
@@ -273,6 +274,9 @@ class _BinaryKernel:
         return torch.where(pos, -torch.sigmoid(-s) * g_pos, torch.where(neg, torch.sigmoid(s) * g_neg, 0.0))
 
 
+#: (per-output row weights, reduction factor) of pairwise_rows(combine=...)
+_Combine = tuple[tuple[Tensor | float, ...], Tensor | float]
+
 _KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKernel}
 
 
@@ -332,15 +336,15 @@ def _float_masks(plan: _Plan, positives: Positives) -> bool:
 
 class _Pairwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan):  # type: ignore[override]
+    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan, combine: _Combine | None):  # type: ignore[override]
         # The engine chooses its own precision: an ambient autocast must not change it.
         if not autocast_enabled(a.device.type):
-            return _Pairwise._forward(ctx, a, b, scale, plan)
+            return _Pairwise._forward(ctx, a, b, scale, plan, combine)
         with torch.autocast(a.device.type, enabled=False):
-            return _Pairwise._forward(ctx, a, b, scale, plan)
+            return _Pairwise._forward(ctx, a, b, scale, plan, combine)
 
     @staticmethod
-    def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan) -> tuple[Tensor, ...]:
+    def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan, combine: _Combine | None) -> tuple[Tensor, ...]:
         a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
         a_s = a_c * scale_c
         kernel_cls = _KERNELS[plan.kernel]
@@ -369,6 +373,11 @@ class _Pairwise(torch.autograd.Function):
                     kernel.visit(p, s, pos, neg, r0, r1)
             outputs, kernel_saved = kernel.outputs(), kernel.saved()
         ctx.plan = plan
+        ctx.combine = combine
+        if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
+            weights, total = combine
+            loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
+            outputs = (loss,)
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         ctx.counts = (len(kernel_saved), len(kept))
         save(ctx, scale_c, a_c, b_c, *kernel_saved, *kept, *norms)
@@ -381,7 +390,10 @@ class _Pairwise(torch.autograd.Function):
         a, b, rest, scale = saved(ctx)
         n_kernel, n_kept = ctx.counts
         kernel_saved, kept, norm_tensors = tuple(rest[:n_kernel]), rest[n_kernel : n_kernel + n_kept], rest[n_kernel + n_kept :]
-        grads = tuple(g.to(a.dtype) for g in grads)
+        if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
+            weights, total = ctx.combine
+            grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)
+        grads = tuple(as_dtype(g, a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
         if kept:
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
@@ -411,7 +423,7 @@ class _Pairwise(torch.autograd.Function):
         # (G + G.T) @ A counts every pair twice, like the symmetric path's H @ Z
         both_roles = plan.symmetric or (bool(kept) and ctx.single)
         grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, both_roles, norm_a, norm_b, b, plan.eps)
-        return grad_a, grad_b, gscale, None
+        return grad_a, grad_b, gscale, None, None
 
 
 def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: Buffers) -> None:
@@ -472,6 +484,7 @@ def pairwise_rows(
     chunk_size: int | None = None,
     label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None,
     fixed: bool = False,
+    combine: _Combine | None = None,
 ) -> tuple[Tensor, ...]:
     """Per-row statistics that need the positive mask in every tile.
 
@@ -492,6 +505,11 @@ def pairwise_rows(
             :func:`~torch_contrastive.engine.fixed_scale_applies`): PML NT-Xent then needs no
             running maximum.
 
+        combine: ``(weights, total)``: return ``(total * sum_i sum_k weights[k]_i out_k,i,)``
+            instead -- a loss's per-row combination and reduction inside the autograd function.
+            ``weights`` holds one (R,) tensor (or float) per output, ``total`` a float or 0-dim
+            tensor; none of them gets a gradient.
+
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
     tile = resolve_tile(chunk_size, anchors.shape[0], candidates.shape[0])
@@ -503,7 +521,7 @@ def pairwise_rows(
     symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
                  and (kernel == "binary" or fixed))  # PML's one exp for both blocks needs the fixed mode
     plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, fixed, symmetric)
-    return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan))
+    return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan, combine))
 
 
 def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -214,26 +215,36 @@ class LabelledRows(NamedTuple):
 
 def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, scale: Scale, bound: float | None, *,
                            kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
-                           chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None) -> LabelledRows:
+                           chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None,
+                           combine: Callable[[Tensor], Any] | None = None) -> LabelledRows:
     """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
     :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
-    ``memory`` (rows, labels) adds candidates (then the given order is kept)."""
+    ``memory`` (rows, labels) adds candidates (then the given order is kept).
+
+    ``combine``: from the positive counts (in the engine's row order) to the
+    ``pairwise_rows(combine=...)`` weights and reduction; ``outputs`` is then the scalar
+    loss alone (order does not matter for a sum).
+    """
     by_label = None if memory is not None else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
     if by_label is None:
         positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
         if memory is not None:
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
+        counts = positives.row_counts()
         outputs = pairwise_rows(z, z_all, scale, positives, kernel=kernel, normalize=inside, eps=eps, chunk_size=chunk_size,
-                                fixed=fixed_scale_applies(normalize, bound, z.dtype))
-        return LabelledRows(outputs, positives.row_counts(), bound)
+                                fixed=fixed_scale_applies(normalize, bound, z.dtype), combine=combine and combine(counts))
+        return LabelledRows(outputs, counts, bound)
     # Sorted: most tiles hold only negatives.
     known = bound if by_label.scale_bound is None else by_label.scale_bound
     positives = Positives.from_keys(by_label.labels, self_offset=0)
+    counts = positives.row_counts()
     outputs = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel=kernel, normalize=inside, eps=eps,
                             chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
-                            fixed=fixed_scale_applies(normalize, known, z.dtype))
+                            fixed=fixed_scale_applies(normalize, known, z.dtype), combine=combine and combine(counts))
     order = by_label.order
-    return LabelledRows(tuple(t[order] for t in outputs), positives.row_counts()[order], known)
+    if combine is not None:
+        return LabelledRows(outputs, counts, known)
+    return LabelledRows(tuple(t[order] for t in outputs), counts[order], known)
 
 
 def safe_logsumexp(terms: Tensor) -> Tensor:

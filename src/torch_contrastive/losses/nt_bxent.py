@@ -7,9 +7,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import pairwise_rows
+from ..engine import compute_dtype, pairwise_rows
 from ..positives import Positives
-from ._common import labelled_pairwise_rows, reduce, single_set
+from ._common import engine_total, finish_checks, labelled_pairwise_rows, reduce, single_set
 
 __all__ = ["nt_bxent_loss"]
 
@@ -71,17 +71,36 @@ def nt_bxent_loss(
     scale, bound = v.inverse_temperature(temperature, checks)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
     total = z_all.shape[0]
+    cdtype = compute_dtype(z.dtype)
+    reduced = engine_total(reduction, scope, float(n), cdtype)
+
+    def row_weights(counts: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor | float] | None:
+        """Seed 000's per-row means: the positive sum over |P_i| + 1 (the diagonal counts,
+        unscored), the negative sum over the negatives (none: 0); then the mean over rows."""
+        if reduced is None:
+            return None
+        n_pos = (counts + 1).to(cdtype)
+        n_neg = total - n_pos
+        return (n_pos.reciprocal(), (n_neg > 0) / n_neg.clamp_min(1)), reduced[0]
+
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.
         pairs = pos_indices if not offset else pos_indices + torch.tensor([0, offset], device=pos_indices.device)
         positives = Positives.from_pairs(pairs, n, total, self_offset=offset)
-        pos_sum, neg_sum = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps, chunk_size=chunk_size)
         counts = positives.row_counts()
+        outputs = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps, chunk_size=chunk_size,
+                                combine=row_weights(counts))
     else:
         rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="binary",  # type: ignore[arg-type]
-                                      checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size)
-        (pos_sum, neg_sum), counts, bound = rows
+                                      checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size,
+                                      combine=None if reduced is None else row_weights)
+        outputs, counts, bound = rows
+    check_output = v.output_needs_check(normalize, bound)
+    if reduced is not None:  # combined and reduced inside the engine
+        finish_checks(outputs[0], checks, check_output)
+        return outputs[0]
+    pos_sum, neg_sum = outputs
     n_pos = (counts + 1).to(pos_sum.dtype)  # + the diagonal, as in the seed
     n_neg = total - n_pos
     per_row = pos_sum / n_pos + torch.where(n_neg > 0, neg_sum / n_neg.clamp_min(1), 0.0)
-    return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
+    return reduce(per_row, float(n), reduction, scope, checks, check_output)

@@ -127,6 +127,17 @@ def nt_xent_loss(
             per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)
         return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
+    cdtype = compute_dtype(z.dtype)
+
+    def per_pair_mean(counts: Tensor) -> tuple[tuple[float], Tensor | float] | None:
+        total = engine_total(reduction, scope, counts.sum(), cdtype)  # the mean over positive pairs
+        return None if total is None else ((1.0,), total[0])
+
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
-                                  scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size, memory=memory)
-    return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, v.output_needs_check(normalize, rows.scale_bound))
+                                  scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size, memory=memory,
+                                  combine=None if reduction == "none" or scope.distributed else per_pair_mean)
+    check_output = v.output_needs_check(normalize, rows.scale_bound)
+    if rows.outputs[0].ndim == 0:  # reduced inside the engine
+        finish_checks(rows.outputs[0], checks, check_output)
+        return rows.outputs[0]
+    return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, check_output)
