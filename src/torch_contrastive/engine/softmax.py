@@ -196,11 +196,14 @@ def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
     return row_pos, col_pos
 
 
-def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor]:
-    """``(row_lse, col_lse, row_pos, col_pos, kept)`` of a single tile.
+def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor,
+                                                                  tuple[Tensor, Tensor | None] | None]:
+    """``(row_lse, col_lse, row_pos, col_pos, kept, sums)`` of a single tile.
 
     ``kept`` is ``exp(S)`` (fixed; self pairs zeroed) or ``S`` (online; self pairs at
-    the lowest finite value), which backward reuses.
+    the lowest finite value), which backward reuses. ``sums``: in fixed mode, when no row
+    can be empty, the row (and column) sums of ``exp(S)``, so that backward divides by
+    them instead of computing ``exp(-LSE)``.
     """
     C = b.shape[0]
     s = a_s @ b.t()
@@ -211,14 +214,17 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
         if diag is not None:
             diag.zero_()
         _drop(e, plan, 0, e.shape[0], 0, C)
-        row_lse = _log(e.sum(1), None, plan, C)
-        col_lse = None
+        row_sum = e.sum(1)
+        row_lse = _log(row_sum, None, plan, C)
+        col_lse = col_sum = None
         if plan.columns:
             col_sum = e.sum(0)
             if plan.column_comm is not None:
                 plan.column_comm.all_sum(col_sum)
             col_lse = col_sum.log()
-        return row_lse, col_lse, row_pos, col_pos, e
+        # every sum > 0 (exp > 0 in fixed mode) unless exclusions or a lone row can empty one
+        nonempty = plan.exclude is None and C - (plan.self_offset is not None) >= 1
+        return row_lse, col_lse, row_pos, col_pos, e, ((row_sum, col_sum) if nonempty else None)
     if diag is not None:
         diag.fill_(torch.finfo(s.dtype).min)
     out = _excluded(plan, 0, s.shape[0], 0, C)
@@ -230,16 +236,16 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     _blank(e, plan, 0, 0, out, 0.0)
     row_lse = _log(e.sum(1), row_max, plan, C)
     if not plan.columns:
-        return row_lse, None, row_pos, col_pos, s
+        return row_lse, None, row_pos, col_pos, s, None
     col_max = s.amax(0)
     col_e = torch.exp(s - col_max[None, :])
     _blank(col_e, plan, 0, 0, out, 0.0)
     col_sum = col_e.sum(0)
-    return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s
+    return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
 
 
 def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
-                     c_row: Tensor | None, c_col: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+                     c_row: Tensor | None, c_col: Tensor | None, plan: _Plan, by_sums: bool = False) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` of a single tile, positive part folded into G.
 
     Soft-max part ``G_ij = u_i p_ij + v_j q_ij`` (row and column soft-max), positive part
@@ -247,11 +253,13 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
     (``H = G + G.T``), so the positive part enters as ``P_ij c_i + P_ji c_j``.
     """
     if plan.fixed:  # exp(S_ij - LSE_i) = exp(S_ij) exp(-LSE_i): one exp per element for both directions
-        u = row[0] * _inverse_exp(row[1], plan)
+        # by_sums: row[1] / col[1] hold the sums of exp(S) themselves (exp(-LSE) = 1 / sum)
+        u = row[0] / row[1] if by_sums else row[0] * _inverse_exp(row[1], plan)
         if plan.symmetric:
             g = kept * (u[:, None] + u[None, :])
         elif col is not None:
-            g = kept * (u[:, None] + (col[0] * _inverse_exp(col[1], plan))[None, :])
+            v = col[0] / col[1] if by_sums else col[0] * _inverse_exp(col[1], plan)
+            g = kept * (u[:, None] + v[None, :])
         else:
             g = kept * u[:, None]
     else:
@@ -276,11 +284,17 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
 
 
 def _fold_positives(g: Tensor, positives: Positives, plan: _Plan, c_row: Tensor, c_col: Tensor | None) -> None:
-    """``G_ij += P_ij (c_i + c'_j)`` in place (symmetric: ``P_ij c_i + P_ji c_j``)."""
+    """``G_ij += P_ij (c_i + c'_j)`` in place (symmetric: ``P_ij c_i + P_ji c_j``).
+
+    ``c_row`` / ``c_col`` may be 0-dim (the same coefficient for every row / column).
+    """
     how, rel = _positive_layout(positives, plan, g.shape[0], g.shape[1])
     if rel is None:
         _add_strided(g, how, c_row, c_col, plan.symmetric)
-    elif how == "partner":
+        return
+    c_row = c_row.expand(g.shape[0])
+    c_col = None if c_col is None else c_col.expand(g.shape[1])
+    if how == "partner":
         rows = torch.arange(g.shape[0], device=g.device)
         g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
         if plan.symmetric:
@@ -296,6 +310,11 @@ def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor | None, sy
     """``G[i, p(i)] += c_i (+ c'_p(i))`` on a strided layout; symmetric: also ``G[p(i), i] += c_i``."""
     if layout == "identity":
         g.diagonal().add_(c_row if c_col is None else c_row + c_col)
+        return
+    if c_row.ndim == 0:  # one coefficient for every row (a reduced loss)
+        both = c_row * 2 if symmetric else c_row if c_col is None else c_row + c_col
+        for view in _strided_positives(g, layout):
+            view.add_(both)
         return
     # adjacent and halves are involutions: p(p(i)) = i, so the symmetric term adds c_p(i) at (i, p(i)).
     views = _strided_positives(g, layout)
@@ -516,12 +535,12 @@ class _SoftmaxTerms(torch.autograd.Function):
                  total: tuple[Scale, Scale] | None) -> tuple[Tensor, Tensor]:
         a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
         a_s = a_c * scale_c
-        kept = None
+        kept = sums = None
         row_pos = col_pos = None
         if plan.backend == "triton":
             row_lse, col_lse = _forward_triton(a_s, b_c, plan)
         elif plan.single_tile:
-            row_lse, col_lse, row_pos, col_pos, kept = _single_forward(a_s, b_c, plan)
+            row_lse, col_lse, row_pos, col_pos, kept, sums = _single_forward(a_s, b_c, plan)
         else:
             row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
         if plan.positives is not None and not plan.tile_positives:
@@ -548,7 +567,9 @@ class _SoftmaxTerms(torch.autograd.Function):
         ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
         weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
         ctx.kept = kept is not None
-        save(ctx, scale_c, a_c, b_c, row_lse, row_lse if col_lse is None else col_lse, *weights, *norms,
+        ctx.by_sums = sums is not None
+        row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
+        save(ctx, scale_c, a_c, b_c, row_stat, row_stat if col_stat is None else col_stat, *weights, *norms,
              *(() if kept is None else (kept,)))
         return row_out, col_out
 
@@ -566,9 +587,12 @@ class _SoftmaxTerms(torch.autograd.Function):
         norm_tensors = list(given)
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
+        uniform_row = uniform_col = None
         if ctx.total is not None:  # d total / d row_out_i = total[0] (and total[1] per column)
-            g_col = (g_row * ctx.total[1]).expand(b.shape[0]) if plan.columns else g_col
-            g_row = (g_row * ctx.total[0]).expand(a.shape[0])
+            uniform_col = as_dtype(g_row * ctx.total[1], a.dtype) if plan.columns else None
+            uniform_row = as_dtype(g_row * ctx.total[0], a.dtype)
+            g_col = uniform_col.expand(b.shape[0]) if uniform_col is not None else g_col
+            g_row = uniform_row.expand(a.shape[0])
         g_row = as_dtype(g_row, a.dtype)
         col: _Direction | None = None
         g_col_c = None
@@ -581,13 +605,16 @@ class _SoftmaxTerms(torch.autograd.Function):
             col = (_weighted(g_col_c, col_alpha), col_lse)
         u = _weighted(g_row, row_alpha)
         has_pos = plan.positives is not None
-        c_row = -_weighted(g_row, row_beta) if has_pos else None
-        c_col = -_weighted(g_col_c, col_beta) if has_pos and g_col_c is not None and plan.column_positives else None
+        # without beta weights a reduced loss gives every row the same positive coefficient: a 0-dim one
+        c_row = (-uniform_row if uniform_row is not None and row_beta is None else -_weighted(g_row, row_beta)) if has_pos else None
+        c_col = None
+        if has_pos and g_col_c is not None and plan.column_positives:
+            c_col = -uniform_col if uniform_col is not None and col_beta is None else -_weighted(g_col_c, col_beta)
         if not plan.symmetric and not ctx.needs_input_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         if kept is not None:
             folded = (c_row, c_col) if plan.tile_positives else (None, None)
-            gb_acc, ga_acc = _single_backward(kept, a, b, (u, row_lse), col, *folded, plan)
+            gb_acc, ga_acc = _single_backward(kept, a, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
         else:
             if plan.symmetric:
                 col = (u, row_lse)  # a single set's columns are its rows
@@ -595,7 +622,8 @@ class _SoftmaxTerms(torch.autograd.Function):
             backward = _backward_triton if plan.backend == "triton" else _backward_fixed if plan.fixed else _backward_online
             gb_acc, ga_acc = backward(a_s, a, b, (u, row_lse), col, plan)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
-            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row, c_col, plan.symmetric)
+            gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row.expand(a.shape[0]),
+                                                 None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return ga, gb, gscale, None, None, None, None, None, None
 
