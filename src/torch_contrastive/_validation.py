@@ -273,6 +273,8 @@ def check_labels(labels: object, name: str, length: int, device: torch.device) -
         raise TypeError(f"{name} must have an integer dtype (class or id per row), got {labels.dtype}")
     if labels.ndim != 1 or labels.shape[0] != length:
         raise ValueError(f"{name} must have shape ({length},), got {tuple(labels.shape)}")
+    if labels.dtype == torch.int64 and labels.device == device:
+        return labels
     return labels.to(device=device, dtype=torch.int64)
 
 

@@ -134,8 +134,8 @@ class Positives:
         ck = rk if col_keys is None else ((col_keys,) if isinstance(col_keys, Tensor) else tuple(col_keys))
         if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
-        rows = tuple(k.reshape(-1).long() for k in rk)
-        cols = tuple(k.reshape(-1).long() for k in ck)
+        rows = tuple(_index_vector(k) for k in rk)
+        cols = rows if col_keys is None else tuple(_index_vector(k) for k in ck)
         num_rows, num_cols = int(rows[0].numel()), int(cols[0].numel())
         if num_rows * num_cols <= DENSE_KEYS_LIMIT:
             # Small batches: the R x C relation itself is cheaper than grouping by a sort
@@ -354,6 +354,11 @@ class Positives:
             if t is not None:
                 return t.device
         return torch.device("cpu")
+
+
+def _index_vector(k: Tensor) -> Tensor:
+    """``k`` as a 1-D int64 tensor (itself when it already is one: no dispatch)."""
+    return k if k.ndim == 1 and k.dtype == torch.int64 else k.reshape(-1).long()
 
 
 def _key_terms(row_keys: tuple[Tensor, ...], col_keys: tuple[Tensor, ...]) -> tuple[tuple[Tensor, Tensor, int, int], ...]:

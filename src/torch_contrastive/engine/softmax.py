@@ -556,6 +556,7 @@ class _SoftmaxTerms(torch.autograd.Function):
         if col_pos is not None:
             col_out = col_out - _weighted(col_pos, col_beta)
         ctx.total = total
+        ctx.set_materialize_grads(False)  # an output the caller drops (the empty column slot) costs no zeros
         if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
             row_out = row_out.sum() * total[0]
             if col_lse is not None:
@@ -575,7 +576,7 @@ class _SoftmaxTerms(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_row: Tensor, g_col: Tensor):  # type: ignore[override]
+    def backward(ctx, g_row: Tensor | None, g_col: Tensor | None):  # type: ignore[override]
         plan: _Plan = ctx.plan
         a, b, rest, scale = saved(ctx)
         kept = rest.pop() if ctx.kept else None
@@ -587,6 +588,10 @@ class _SoftmaxTerms(torch.autograd.Function):
         norm_tensors = list(given)
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
+        if g_row is None:  # only the column terms were used
+            g_row = a.new_zeros(() if ctx.total is not None else a.shape[0])
+        if g_col is None and plan.columns and ctx.total is None:
+            g_col = b.new_zeros(b.shape[0])
         uniform_row = uniform_col = None
         if ctx.total is not None:  # d total / d row_out_i = total[0] (and total[1] per column)
             uniform_col = as_dtype(g_row * ctx.total[1], a.dtype) if plan.columns else None
@@ -596,7 +601,7 @@ class _SoftmaxTerms(torch.autograd.Function):
         g_row = as_dtype(g_row, a.dtype)
         col: _Direction | None = None
         g_col_c = None
-        if plan.columns:
+        if plan.columns and g_col is not None:
             g_col_c = as_dtype(g_col, a.dtype)
             if plan.column_comm is not None:
                 # Every rank's tiles touch every column: they all need the full column gradient.

@@ -19,6 +19,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope, make_scope
 from ..engine import Scale, fixed_scale_applies, pairwise_rows, resolve_tile, tile_label_bounds
+from ..engine._common import as_dtype
 from ..positives import Positives
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -128,7 +129,9 @@ def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype
         return None
     if reduction == "mean":
         if isinstance(normaliser, Tensor):
-            coef: Tensor | float = normaliser.to(dtype).clamp_min(1).reciprocal() * factor
+            coef: Tensor | float = as_dtype(normaliser, dtype).clamp_min(1).reciprocal()
+            if factor != 1.0:
+                coef = coef * factor
         else:
             coef = factor / max(float(normaliser), 1.0)
         return coef, coef

@@ -116,7 +116,8 @@ def supcon_loss(
         sample_keys = labels if labels is not None else torch.arange(bsz, device=device) + offset
         keys = scope.ints(sample_keys if n_views == 1 else sample_keys.repeat(n_views))
         # This rank's anchors are its first n_anchor flattened rows.
-        positives = Positives.from_keys(keys[offset : offset + n_anchor], keys, self_offset=offset)
+        anchor_keys = keys if offset == 0 and n_anchor == keys.shape[0] else keys[offset : offset + n_anchor]
+        positives = Positives.from_keys(anchor_keys, None if anchor_keys is keys else keys, self_offset=offset)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
     symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None
     grad_columns = None
@@ -129,7 +130,8 @@ def supcon_loss(
     has_pos_f = mask_as(has_pos, cdtype)
     weights = (has_pos_f, has_pos_f / counts.clamp_min(1))
     # a tensor factor (learnable temperature) carries a gradient: then reduce outside
-    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, has_pos_f.sum(), cdtype,
+    n_with_positives = has_pos_f.sum()
+    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, n_with_positives, cdtype,
                                                                   1.0 if factor is None else factor)
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
@@ -137,7 +139,7 @@ def supcon_loss(
     # With two rows or more every row meets every anchor's denominator (a row's only
     # exclusion is its self pair), so a non-finite row normalised inside makes the loss NaN.
     covers = inside and z_all.shape[0] >= 2
-    return _finish(per_anchor, total, factor, has_pos_f.sum(), reduction, scope, checks, v.output_needs_check(normalize, bound),
+    return _finish(per_anchor, total, factor, n_with_positives, reduction, scope, checks, v.output_needs_check(normalize, bound),
                    covers)
 
 
