@@ -113,3 +113,17 @@ def test_huge_finite_rows_pass_the_check_answered_by_the_loss(name):
     loss = ANSWERED_BY_THE_LOSS[name](bad, torch.randn(6, 5), 0.1)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(bad.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_finite_check_whose_cheap_sum_overflows_is_cleared_by_the_exact_check(dtype):
+    """The eager finite check sums the tensor: finite entries whose sum overflows must pass."""
+    big = torch.finfo(dtype).max / 2
+    x = torch.full((6, 4), big, dtype=dtype)
+    x[::2] = -big / 3  # rows of both signs, every entry finite, the plain sum beyond the range
+    query, key = x.clone(), x.flip(0).clone()
+    loss = tc.info_nce_loss(query, key, temperature=0.1)
+    assert torch.isfinite(loss)
+    query[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="query contains non-finite values"):
+        tc.info_nce_loss(query, key, temperature=0.1)

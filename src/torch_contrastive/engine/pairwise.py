@@ -352,10 +352,15 @@ class _Pairwise(torch.autograd.Function):
         kernel_saved: tuple[Tensor, ...] = ()
         if plan.tile == 0:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
-            pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
-                outputs, kept = kernel_cls.single_fixed(a_s @ b_c.t(), mask_as(pos, a_c.dtype), mask_as(neg, a_c.dtype))
+                pos_f = mask_as(plan.positives.tile(0, a.shape[0], 0, b_c.shape[0]), a_c.dtype)
+                neg_f = torch.rsub(pos_f, 1.0)  # neither positive nor the self pair
+                diag = self_diagonal(neg_f, 0, 0, plan.positives.self_offset)
+                if diag is not None:
+                    diag.zero_()
+                outputs, kept = kernel_cls.single_fixed(a_s @ b_c.t(), pos_f, neg_f)
             else:
+                pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
                 outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
         else:
             kernel = kernel_cls(a.shape[0], a_c.dtype, a.device, plan.fixed)
