@@ -550,7 +550,7 @@ class _SoftmaxTerms(torch.autograd.Function):
         if plan.shared_alpha:
             col_alpha = row_alpha
         row_out = _weighted(row_lse, row_alpha)
-        col_out = row_lse.new_zeros(0) if col_lse is None else _weighted(col_lse, col_alpha)
+        col_out = (row_lse.new_zeros(0) if total is None else row_lse) if col_lse is None else _weighted(col_lse, col_alpha)
         if row_pos is not None:
             row_out = row_out - _weighted(row_pos, row_beta)
         if col_pos is not None:
@@ -588,17 +588,7 @@ class _SoftmaxTerms(torch.autograd.Function):
         norm_tensors = list(given)
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
-        if g_row is None:  # only the column terms were used
-            g_row = a.new_zeros(() if ctx.total is not None else a.shape[0])
-        if g_col is None and plan.columns and ctx.total is None:
-            g_col = b.new_zeros(b.shape[0])
-        uniform_row = uniform_col = None
-        if ctx.total is not None:  # d total / d row_out_i = total[0] (and total[1] per column)
-            uniform_col = as_dtype(g_row * ctx.total[1], a.dtype) if plan.columns else None
-            uniform_row = as_dtype(g_row * ctx.total[0], a.dtype)
-            g_col = uniform_col.expand(b.shape[0]) if uniform_col is not None else g_col
-            g_row = uniform_row.expand(a.shape[0])
-        g_row = as_dtype(g_row, a.dtype)
+        g_row, g_col, uniform_row, uniform_col = _incoming(ctx, g_row, g_col, a, b, plan)
         col: _Direction | None = None
         g_col_c = None
         if plan.columns and g_col is not None:
@@ -631,6 +621,25 @@ class _SoftmaxTerms(torch.autograd.Function):
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return ga, gb, gscale, None, None, None, None, None, None
+
+
+def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b: Tensor,
+              plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The upstream gradients per row and column in the compute dtype, and -- for a loss
+    reduced inside (``total``) -- the 0-dim coefficients every row / column shares."""
+    if g_row is None:  # only the column terms were used
+        g_row = a.new_zeros(() if ctx.total is not None else a.shape[0])
+    if g_col is None and plan.columns and ctx.total is None:
+        g_col = b.new_zeros(b.shape[0])
+    uniform_row = uniform_col = None
+    if ctx.total is not None:  # d total / d row_out_i = total[0] (and total[1] per column)
+        uniform_col = as_dtype(g_row * ctx.total[1], a.dtype) if plan.columns else None
+        uniform_row = as_dtype(g_row * ctx.total[0], a.dtype)
+        # 0-dim: the fixed single tile divides by its sums, which broadcasts; the rest index rows
+        g_row = uniform_row if ctx.by_sums else uniform_row.expand(a.shape[0])
+        if uniform_col is not None:
+            g_col = uniform_col if ctx.by_sums else uniform_col.expand(b.shape[0])
+    return as_dtype(g_row, a.dtype), g_col, uniform_row, uniform_col
 
 
 def _positive_gradients(pos: Positives, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
