@@ -243,3 +243,55 @@ def test_symmetric_tiles_need_a_symmetric_exclusion():
     with pytest.raises(ValueError, match="symmetric exclusion"):
         softmax_terms(z, z, 2.0, self_offset=0, symmetric=True, exclude=one_sided)
     softmax_terms(z, z, 2.0, self_offset=0, symmetric=False, exclude=one_sided)  # the full tile walk is fine
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("kind", ["nt_xent", "clip", "supcon", "pml"])
+def test_rows_below_the_normalisation_floor_get_the_floor_gradient(kind, chunk):
+    """``x / max(||x||, eps)``: a row with 0 < ||x|| <= eps is divided by eps, so its gradient is
+    ``g / eps`` without the radial projection; an all-zero row gets 0. Against float64 autograd."""
+    eps = 0.5
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    x[1] *= 0.3 / x[1].norm()  # below the floor
+    x[6] = 0.0  # all zero
+    y = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
+
+    def run(a: torch.Tensor, b: torch.Tensor, ours: bool) -> torch.Tensor:
+        if not ours:  # plain float64 formula, normalised by hand
+            a = a / a.norm(dim=1, keepdim=True).clamp_min(eps)
+            b = b / b.norm(dim=1, keepdim=True).clamp_min(eps)
+            s = a @ (a if kind != "clip" else b).T / 0.2
+            if kind == "clip":
+                t = torch.arange(8)
+                return (torch.nn.functional.cross_entropy(s, t) + torch.nn.functional.cross_entropy(s.T, t)) / 2
+            eye = torch.eye(8, dtype=torch.bool)
+            same = (labels[:, None] == labels[None, :]) if kind != "nt_xent" else torch.roll(eye, 4, 1)
+            if kind == "pml":
+                neg = torch.logsumexp(s.masked_fill(same | eye, float("-inf")), 1, keepdim=True)
+                pos = same & ~eye
+                return torch.where(pos, torch.nn.functional.softplus(neg - s), 0.0).sum() / pos.sum()
+            log_prob = torch.log_softmax(s.masked_fill(eye, float("-inf")), 1)
+            pos = same & ~eye
+            return (-torch.where(pos, log_prob, 0.0).sum(1) / pos.sum(1)).mean()
+        if kind == "clip":
+            return tc.image_text_contrastive_loss(a, b, 0.2, eps=eps, chunk_size=chunk)
+        if kind == "nt_xent":
+            return tc.nt_xent_loss(a, 0.2, pairing="halves", eps=eps, chunk_size=chunk)
+        if kind == "supcon":
+            return tc.supcon_loss(a, labels, temperature=0.2, eps=eps, chunk_size=chunk)
+        return tc.nt_xent_loss(a, 0.2, labels=labels, eps=eps, chunk_size=chunk)
+
+    grads = []
+    for ours in (True, False):
+        a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+        loss = run(a, b, ours)
+        loss.backward()
+        grads.append((loss.detach(), a.grad, b.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-10, atol=1e-12)
+    live = torch.arange(8) != 6  # the zero row: 0 by the library's rule (autograd's subgradient gives g / eps)
+    torch.testing.assert_close(grads[0][1][live], grads[1][1][live], rtol=1e-9, atol=1e-11)
+    assert torch.equal(grads[0][1][6], torch.zeros(5, dtype=torch.float64))
+    if kind == "clip":
+        torch.testing.assert_close(grads[0][2], grads[1][2], rtol=1e-9, atol=1e-11)
