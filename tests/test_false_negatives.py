@@ -238,3 +238,31 @@ def test_dcl_and_dclw_equal_lightly(lightly_dcl, weighted, seed):
     assert value.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
     for a, b in zip(torch.autograd.grad(value, mine), ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("mode", ["none", "unpaired"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_guide_tiles_that_exclude_nothing_are_skipped_in_backward_exactly(validate, mode, dtype):
+    """With validate=True and a float temperature the guide's tiles learn in forward which of them
+    exclude anything (read with the call's one transfer); backward skips the others. Values and
+    gradients still equal the float64 reference, and tiles of both kinds occur here."""
+    n, m = 24, 16
+    q, key, neg, _, _, (gq, gk, gn) = _case(n, m, 0, seed=11, paired=False)
+    gk = gq.clone()
+    gk[5] = -gq[5]  # a few rows whose positive scores low in the guide: their tiles exclude candidates
+    gk[17] = -gq[17]
+    negs = None if mode == "none" else neg
+    guide = (gq, gk) if negs is None else (gq, gk, gn)
+    inputs = [x.to(dtype).requires_grad_() for x in ([q, key] if negs is None else [q, key, negs])]
+    loss = tc.info_nce_loss(*inputs[:2], inputs[2] if negs is not None else None, 0.2, guide=guide, guide_margin=0.05,
+                            chunk_size=4, validate=validate)
+    loss.backward()
+    ref_in = [x.detach().double().requires_grad_() for x in inputs]
+    ref = info_nce_masked(ref_in[0], ref_in[1], ref_in[2] if negs is not None else None, torch.tensor(0.2, dtype=torch.float64),
+                          "unpaired", True, guide=(gq, gk, gn), margin=0.05, margin_mode="absolute")
+    ref.backward()
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    assert loss.item() == pytest.approx(ref.item(), rel=tol)
+    for a, b in zip(inputs, ref_in):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=tol, atol=tol * b.grad.abs().max().item())

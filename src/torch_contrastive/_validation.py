@@ -57,6 +57,7 @@ class Checks:
         self._messages: list[Callable[[], str | None]] = []
         # finite checks left to the loss value (see finite(..., deferred=True) and finish)
         self._pending: list[tuple[Tensor, str]] = []
+        self.reads = 0  # transfers so far (a caller adding values to the last one checks it is still to come)
 
     def add(self, value: Tensor, message: Callable[[], str | None], bad: Callable[[float], bool] = bool) -> None:
         """Record ``value`` (0-dim); the call fails with ``message()`` when ``bad(value)``
@@ -99,7 +100,8 @@ class Checks:
         for x, name in pending:
             self.finite(x, name)
 
-    def finish(self, value: Tensor, *, covers: bool, overflow: Callable[[], str] | None) -> None:
+    def finish(self, value: Tensor, *, covers: bool, overflow: Callable[[], str] | None,
+               extra: tuple[Tensor, Callable[[list[float]], None]] | None = None) -> None:
         """The call's last read: every check recorded, and the loss ``value``.
 
         ``covers``: ``value`` is a scalar that is NaN or inf whenever an input given to
@@ -108,6 +110,8 @@ class Checks:
         and the offending argument is named afterwards. Otherwise they run as reductions.
         ``overflow``: the message for a non-finite loss from finite inputs (raw dot products
         can overflow); ``None`` when that cannot happen (then the value is not read for it).
+        ``extra``: ``(values, receive)``: a 1-D tensor read in the same transfer, whose host
+        values go to ``receive`` (e.g. an exclusion's per-tile flags, for the backward pass).
         """
         if not self.enabled:
             return
@@ -127,7 +131,10 @@ class Checks:
             self._run_pending()
             if overflow is not None:
                 self.add(value.detach().abs().amax(), overflow, _not_finite)
-        self.flush()
+        if extra is None:
+            self.flush()
+        else:
+            extra[1](self.flush_values(extra[0]))
 
     def flush_values(self, values: Tensor) -> list[float]:
         """Like :meth:`flush`, with a 1-D tensor of values the caller needs on the host
@@ -153,6 +160,7 @@ class Checks:
         Returns the host values of ``extra`` (empty list without it).
         """
         self._run_pending()
+        self.reads += 1
         n = len(self._values)
         distributed = self.scope is not None and self.scope.distributed and n > 0
         if n == 1 and extra is None and not distributed:

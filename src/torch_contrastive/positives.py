@@ -394,6 +394,9 @@ def _groups(keys: Tensor, num_rows: int) -> tuple[Tensor, Tensor, int]:
     return group[:num_rows], group[num_rows:], int(keys.shape[0])
 
 
+_LEARNED = (-1, -1)  # marks an Exclusion whose tile flags have been read
+
+
 @dataclass(frozen=True)
 class Exclusion:
     """Candidates left out of an anchor's denominator, besides the self pair.
@@ -415,6 +418,12 @@ class Exclusion:
     Attributes:
         symmetric: the relation is symmetric (``excluded(i, j) == excluded(j, i)``), so the
             single-set engine may serve a tile's row and column blocks from one mask.
+        learn: record, while the forward pass asks for tiles, whether each tile excludes
+            anything (a 0-dim flag per tile, no read). The caller may read the flags in its one
+            validation transfer and hand them back through :meth:`learn_from`; the backward
+            pass then skips the tiles that exclude nothing (no guide product, no mask) --
+            false negatives are rare, so most tiles have none. Without that read every tile
+            is masked again (exact either way).
     """
 
     relation: Positives | None = None
@@ -423,11 +432,36 @@ class Exclusion:
     keep_diagonal: int | None = None
     diagonal: int | None = None
     symmetric: bool = False
+    learn: bool = False
     scratch: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    # per-tile flags recorded in forward ((r0, c0) -> 0-dim, 0 when the tile excludes nothing),
+    # and the tiles known on the host to exclude nothing (filled by learn_from)
+    flags: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False, compare=False)
+    clear: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
+
+    def recorded(self) -> Tensor | None:
+        """The forward pass's per-tile flags as one float vector (None when none were recorded)."""
+        if not self.flags:
+            return None
+        return torch.stack([f.to(torch.float32) for f in self.flags.values()])
+
+    def learn_from(self, values: list[float]) -> None:
+        """The host values of :meth:`recorded`: tiles whose flag is 0 exclude nothing."""
+        for tile_key, value in zip(list(self.flags), values):
+            if value == 0:
+                self.clear.add(tile_key)
+        self.flags.clear()
+        self.clear.add(_LEARNED)  # later passes (backward) record nothing
+
+    def _note(self, r0: int, c0: int, excluded_any: Tensor) -> None:
+        if self.learn and _LEARNED not in self.clear and not torch.compiler.is_compiling():
+            self.flags[(r0, c0)] = excluded_any
 
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
         """The (r1 - r0, c1 - c0) bool block of excluded candidates (without ``diagonal``),
-        or None when only ``diagonal`` is excluded."""
+        or None when only ``diagonal`` is excluded (or the tile is known to exclude nothing)."""
+        if (r0, c0) in self.clear:
+            return None
         block: Tensor | None = None
         if self.relation is not None:
             block = self.relation.tile(r0, r1, c0, c1)
@@ -448,12 +482,16 @@ class Exclusion:
         kept = self_diagonal(block, r0, c0, self.keep_diagonal)  # the positive itself never leaves
         if kept is not None:
             kept.fill_(False)
+        if self.learn:
+            self._note(r0, c0, block.any())
         return block
 
     def factor(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor | None:
         """The tile as a float factor: 1 for a kept candidate, 0 for an excluded one
         (without ``diagonal``), or None. Multiplying by it is several times cheaper than a
         masked fill; for a guide alone it is one comparison written straight into floats."""
+        if (r0, c0) in self.clear:
+            return None
         if self.guide is not None and self.relation is None and self.keep is None:
             rows, cols, threshold = self.guide
             scores = torch.mm(rows[r0:r1], cols[c0:c1].t(), out=self._buffer("scores", (r1 - r0, c1 - c0), rows.dtype, rows.device))
@@ -461,6 +499,8 @@ class Exclusion:
             kept = self_diagonal(keep, r0, c0, self.keep_diagonal)  # the positive itself never leaves
             if kept is not None:
                 kept.fill_(1.0)
+            if self.learn:
+                self._note(r0, c0, 1.0 - keep.amin())
             return keep
         block = self.tile(r0, r1, c0, c1)
         if block is None:

@@ -101,13 +101,14 @@ def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, 
 
 
 def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope: Scope, checks: v.Checks,
-           check_output: bool) -> Tensor:
+           check_output: bool, extra: tuple[Tensor, Callable[[list[float]], None]] | None = None) -> Tensor:
     """Apply ``reduction`` to this rank's per-anchor values and run the call's checks.
 
     ``mean`` divides the global sum by the global ``normaliser`` (at least 1); ``sum``
-    is the global sum; ``none`` returns this rank's per-anchor values.
+    is the global sum; ``none`` returns this rank's per-anchor values. ``extra``: see
+    :meth:`~torch_contrastive._validation.Checks.finish`.
     """
-    finish_checks(per_anchor, checks, check_output)
+    finish_checks(per_anchor, checks, check_output, extra=extra)
     if reduction == "none":
         return per_anchor
     local_sum = per_anchor.sum()
@@ -138,7 +139,8 @@ def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype
     return factor, factor
 
 
-def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_output: bool, covers: bool = False) -> None:
+def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_output: bool, covers: bool = False,
+                  extra: tuple[Tensor, Callable[[list[float]], None]] | None = None) -> None:
     """Read the call's value checks at once; with ``check_output`` also the result's finiteness.
 
     Finite inputs give finite losses unless raw dot products (``normalize=False``)
@@ -155,7 +157,7 @@ def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_o
         value = torch.stack([t.detach().abs().amax() for t in parts]).amax()
     overflow = (lambda: f"the loss overflowed {parts[0].dtype}: with normalize=False the logits <a_i, c_j> / temperature "
                 "exceed its range; use normalize=True, smaller embeddings or a larger temperature") if check_output else None
-    checks.finish(value, covers=covers, overflow=overflow)
+    checks.finish(value, covers=covers, overflow=overflow, extra=extra)
 
 
 def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positives, inside: bool, normalize: bool,

@@ -143,9 +143,27 @@ def info_nce_loss(
         per_query = _in_batch(query, key, negatives, scale, fixed, normalize, eps, chunk_size, backend)
     else:
         spread = gather if gather_negatives is None else gather_negatives
+        # With validate=True (one read anyway, one process) the guide's tiles learn in forward
+        # which of them exclude anything; backward then skips the others' guide products.
+        # (Not when a read happened already -- a tensor temperature's value -- which would make it two.)
+        learners: list[Exclusion] | None = [] if checks.enabled and checks.reads == 0 and not scope.distributed \
+            and rules.guide_query is not None else None
         per_query = _general(query, key, negatives, paired, in_batch_negatives, scale, scope, spread, fixed, normalize, eps,
-                             chunk_size, rules, smoothing, backend)
+                             chunk_size, rules, smoothing, backend, learners)
+        flags = [f for f in (e.recorded() for e in learners or ()) if f is not None]
+        if flags:
+            return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound),
+                          extra=(torch.cat(flags), lambda values: _learn(learners or [], values)))
     return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
+
+
+def _learn(learners: list[Exclusion], values: list[float]) -> None:
+    """Hand each exclusion its part of the host-read tile flags (in recording order)."""
+    start = 0
+    for exclusion in learners:
+        count = len(exclusion.flags)
+        exclusion.learn_from(values[start : start + count])
+        start += count
 
 
 @dataclass
@@ -268,7 +286,7 @@ def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale
 
 def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool, in_batch: bool, scale: Scale, scope: Scope,
              spread: bool, fixed: bool, normalize: bool, eps: float, chunk_size: int | None, rules: _Rules,
-             smoothing: float, backend: str = "torch") -> Tensor:
+             smoothing: float, backend: str = "torch", learners: list[Exclusion] | None = None) -> Tensor:
     """Per-query loss as ``log sum exp`` of terms relative to the positive logit ``s_ii``.
 
     Each candidate group is its own engine call: the (gathered) keys, with query i's
@@ -288,7 +306,7 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
         keys = scope.rows(k)
         # the engine's row term is LSE_i - s_ii: query i's key is global column offset + i
         positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None)
-        exclude = _key_exclusion(rules, positives, scope)
+        exclude = _learning(_key_exclusion(rules, positives, scope, learners is not None), learners)
         terms.append(softmax_terms(q, keys, scale, self_offset=None, positives=positives, fixed=fixed, chunk_size=chunk_size,
                                    exclude=exclude, backend=backend)[0])
         if uniform is not None:
@@ -301,7 +319,7 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
         pool = prepare(negatives, normalize, eps)
         pool = all_gather_with_grad(pool) if spread and scope.distributed else pool
         if pool.shape[0]:  # an empty queue adds nothing
-            exclude = _pool_exclusion(rules, spread, scope)
+            exclude = _learning(_pool_exclusion(rules, spread, scope, learners is not None), learners)
             terms.append(softmax_terms(q, pool, scale, self_offset=None, fixed=fixed, chunk_size=chunk_size, exclude=exclude,
                                        backend=backend)[0] - s_pos)
             if uniform is not None:
@@ -326,7 +344,14 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
     return loss
 
 
-def _key_exclusion(rules: _Rules, positives: Positives, scope: Scope) -> Exclusion | None:
+def _learning(exclusion: Exclusion | None, learners: list[Exclusion] | None) -> Exclusion | None:
+    """``exclusion``, registered among ``learners`` when it records tile flags."""
+    if exclusion is not None and exclusion.learn and learners is not None:
+        learners.append(exclusion)
+    return exclusion
+
+
+def _key_exclusion(rules: _Rules, positives: Positives, scope: Scope, learn: bool = False) -> Exclusion | None:
     """Keys that leave query i's denominator: duplicates of its key (ids), a guide's verdict,
     its own key under DCL; the positive (global column offset + i) stays otherwise."""
     if not rules.any:
@@ -339,13 +364,14 @@ def _key_exclusion(rules: _Rules, positives: Positives, scope: Scope) -> Exclusi
         guide = (rules.guide_query, scope.ints(rules.guide_key), rules.threshold)
     offset = scope.offset
     if rules.decoupled:  # the positive leaves too: a strided diagonal (ids already include it)
-        return Exclusion(relation=relation, guide=guide, diagonal=None if relation is not None else offset)
+        return Exclusion(relation=relation, guide=guide, diagonal=None if relation is not None else offset,
+                         learn=learn and guide is not None)
     if relation is None and guide is None:
         return None
-    return Exclusion(relation=relation, guide=guide, keep_diagonal=offset)
+    return Exclusion(relation=relation, guide=guide, keep_diagonal=offset, learn=learn and guide is not None)
 
 
-def _pool_exclusion(rules: _Rules, spread: bool, scope: Scope) -> Exclusion | None:
+def _pool_exclusion(rules: _Rules, spread: bool, scope: Scope, learn: bool = False) -> Exclusion | None:
     relation, guide = None, None
     gathering = spread and scope.distributed
     sizes = None
@@ -362,7 +388,7 @@ def _pool_exclusion(rules: _Rules, spread: bool, scope: Scope) -> Exclusion | No
         guide = (rules.guide_query, g_neg, rules.threshold)
     if relation is None and guide is None:
         return None
-    return Exclusion(relation=relation, guide=guide)
+    return Exclusion(relation=relation, guide=guide, learn=learn and guide is not None)
 
 
 def _paired_exclusion(rules: _Rules) -> Tensor | None:
