@@ -208,6 +208,9 @@ MUTATIONS = [
     Mutation(f"{PKG}/_validation.py", "        self.add(total, lambda: None if bool(torch.isfinite(x).all()) else message(), _not_finite)",
              "        self.add(total, message, _not_finite)", "finite check: an overflowing sum of finite entries raises",
              tests=("tests/test_validation.py",)),
+    Mutation(f"{PKG}/positives.py", "            if value == 0:\n                self.clear.add(tile_key)",
+             "            if value >= 0:\n                self.clear.add(tile_key)",
+             "guide masking: backward skips tiles that do exclude candidates", tests=("tests/test_false_negatives.py",)),
 ]
 
 
