@@ -243,15 +243,25 @@ def test_dcl_and_dclw_equal_lightly(lightly_dcl, weighted, seed):
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("mode", ["none", "unpaired"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_guide_tiles_that_exclude_nothing_are_skipped_in_backward_exactly(validate, mode, dtype):
+def test_guide_tiles_that_exclude_nothing_are_skipped_in_backward_exactly(validate, mode, dtype, monkeypatch):
     """With validate=True and a float temperature the guide's tiles learn in forward which of them
-    exclude anything (read with the call's one transfer); backward skips the others. Values and
-    gradients still equal the float64 reference, and tiles of both kinds occur here."""
+    exclude anything (read with the call's one transfer); backward skips the others and zeroes
+    those whose rows exclude one candidate at most by a scatter. Values and gradients still equal
+    the float64 reference, and tiles of all three kinds occur here."""
     n, m = 24, 16
     q, key, neg, _, _, (gq, gk, gn) = _case(n, m, 0, seed=11, paired=False)
+    gq[3], gq[10], gq[22] = gq[9], gq[2], gq[14]  # near-duplicates: one exclusion in their rows
     gk = gq.clone()
-    gk[5] = -gq[5]  # a few rows whose positive scores low in the guide: their tiles exclude candidates
+    gk[5] = -gq[5]  # a few rows whose positive scores low in the guide: their tiles exclude many candidates
     gk[17] = -gq[17]
+    learned = []
+    real_learn_from = tc.positives.Exclusion.learn_from
+
+    def spy(self, values):
+        real_learn_from(self, values)
+        learned.append(self)
+
+    monkeypatch.setattr(tc.positives.Exclusion, "learn_from", spy)
     negs = None if mode == "none" else neg
     guide = (gq, gk) if negs is None else (gq, gk, gn)
     inputs = [x.to(dtype).requires_grad_() for x in ([q, key] if negs is None else [q, key, negs])]
@@ -266,3 +276,9 @@ def test_guide_tiles_that_exclude_nothing_are_skipped_in_backward_exactly(valida
     assert loss.item() == pytest.approx(ref.item(), rel=tol)
     for a, b in zip(inputs, ref_in):
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=tol, atol=tol * b.grad.abs().max().item())
+    if validate:  # skipped, scattered and masked-again tiles all occurred
+        clear = set().union(*(e.clear for e in learned))
+        single = set().union(*(e.single for e in learned))
+        assert len(clear) > 1 and single and len(clear | single) - 1 < 36 + 24 * (negs is not None)
+    else:
+        assert not learned

@@ -419,11 +419,14 @@ class Exclusion:
         symmetric: the relation is symmetric (``excluded(i, j) == excluded(j, i)``), so the
             single-set engine may serve a tile's row and column blocks from one mask.
         learn: record, while the forward pass asks for tiles, whether each tile excludes
-            anything (a 0-dim flag per tile, no read). The caller may read the flags in its one
+            anything (two 0-dim counts per tile, no read). The caller may read them in its one
             validation transfer and hand them back through :meth:`learn_from`; the backward
             pass then skips the tiles that exclude nothing (no guide product, no mask) --
-            false negatives are rare, so most tiles have none. Without that read every tile
-            is masked again (exact either way).
+            false negatives are rare, so most tiles have none. For a guide alone the forward
+            pass also keeps, per tile row, the first excluded column (an int32 and a 0/1 per
+            row: ``R * ceil(C / tile) * 8`` bytes); a tile where no row excludes more than one
+            candidate is then zeroed in backward by one scatter, without its guide product.
+            Without the read every tile is masked again (exact either way).
     """
 
     relation: Positives | None = None
@@ -434,28 +437,42 @@ class Exclusion:
     symmetric: bool = False
     learn: bool = False
     scratch: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
-    # per-tile flags recorded in forward ((r0, c0) -> 0-dim, 0 when the tile excludes nothing),
-    # and the tiles known on the host to exclude nothing (filled by learn_from)
+    # per-tile counts recorded in forward ((r0, c0) -> (excluded entries, rows excluding more
+    # than one)), each tile row's first excluded column and whether it has one (guide alone),
+    # the tiles known on the host to exclude nothing, and those whose rows exclude one at most
     flags: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False, compare=False)
+    firsts: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False, compare=False)
     clear: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
+    single: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
 
     def recorded(self) -> Tensor | None:
-        """The forward pass's per-tile flags as one float vector (None when none were recorded)."""
+        """The forward pass's per-tile counts as one float vector, two entries per tile
+        (None when none were recorded)."""
         if not self.flags:
             return None
-        return torch.stack([f.to(torch.float32) for f in self.flags.values()])
+        return torch.cat([f.to(torch.float32) for f in self.flags.values()])
 
     def learn_from(self, values: list[float]) -> None:
-        """The host values of :meth:`recorded`: tiles whose flag is 0 exclude nothing."""
-        for tile_key, value in zip(list(self.flags), values):
-            if value == 0:
+        """The host values of :meth:`recorded`: tiles that exclude nothing are skipped from
+        now on; those whose rows exclude one candidate at most are zeroed from the kept
+        first columns."""
+        for k, tile_key in enumerate(list(self.flags)):
+            excluded, multiple = values[2 * k], values[2 * k + 1]
+            if excluded == 0:
                 self.clear.add(tile_key)
+            elif multiple == 0 and tile_key in self.firsts:
+                self.single.add(tile_key)
+        for tile_key in list(self.firsts):
+            if tile_key not in self.single:
+                del self.firsts[tile_key]
         self.flags.clear()
         self.clear.add(_LEARNED)  # later passes (backward) record nothing
 
-    def _note(self, r0: int, c0: int, excluded_any: Tensor) -> None:
-        if self.learn and _LEARNED not in self.clear and not torch.compiler.is_compiling():
-            self.flags[(r0, c0)] = excluded_any
+    def _recording(self) -> bool:
+        return self.learn and _LEARNED not in self.clear and not torch.compiler.is_compiling()
+
+    def _note(self, r0: int, c0: int, excluded: Tensor, multiple: Tensor) -> None:
+        self.flags[(r0, c0)] = torch.stack((excluded.to(torch.float32), multiple.to(torch.float32)))
 
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
         """The (r1 - r0, c1 - c0) bool block of excluded candidates (without ``diagonal``),
@@ -482,30 +499,41 @@ class Exclusion:
         kept = self_diagonal(block, r0, c0, self.keep_diagonal)  # the positive itself never leaves
         if kept is not None:
             kept.fill_(False)
-        if self.learn:
-            self._note(r0, c0, block.any())
+        if self._recording():  # the backward pass masks such a tile again (multiple = 1)
+            self._note(r0, c0, block.any(), torch.ones((), device=block.device))
         return block
 
-    def factor(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor | None:
-        """The tile as a float factor: 1 for a kept candidate, 0 for an excluded one
-        (without ``diagonal``), or None. Multiplying by it is several times cheaper than a
-        masked fill; for a guide alone it is one comparison written straight into floats."""
+    def drop(self, t: Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
+        """Zero the excluded entries (without ``diagonal``) of a tile ``t`` of finite values
+        in place: a multiplication by the 0/1 factor, several times cheaper than a masked
+        fill; for a guide alone one comparison written straight into floats, or -- in a
+        backward pass after :meth:`learn_from` -- one scatter at the kept first columns."""
         if (r0, c0) in self.clear:
-            return None
+            return
+        firsts = self.firsts.get((r0, c0)) if (r0, c0) in self.single else None
+        if firsts is not None:
+            column, kept = firsts
+            column = column.to(torch.int64)[:, None]
+            t.scatter_(1, column, t.gather(1, column) * kept.to(t.dtype)[:, None])
+            return
         if self.guide is not None and self.relation is None and self.keep is None:
             rows, cols, threshold = self.guide
             scores = torch.mm(rows[r0:r1], cols[c0:c1].t(), out=self._buffer("scores", (r1 - r0, c1 - c0), rows.dtype, rows.device))
-            keep = torch.le(scores, threshold[r0:r1, None], out=self._buffer("keep", scores.shape, dtype, rows.device))
-            kept = self_diagonal(keep, r0, c0, self.keep_diagonal)  # the positive itself never leaves
-            if kept is not None:
-                kept.fill_(1.0)
-            if self.learn:
-                self._note(r0, c0, 1.0 - keep.amin())
-            return keep
+            keep = torch.le(scores, threshold[r0:r1, None], out=self._buffer("keep", scores.shape, t.dtype, rows.device))
+            kept_diagonal = self_diagonal(keep, r0, c0, self.keep_diagonal)  # the positive itself never leaves
+            if kept_diagonal is not None:
+                kept_diagonal.fill_(1.0)
+            if self._recording():
+                # one pass for the per-row count, one for the first excluded column (argmin
+                # returns the first of equal minima); a row without exclusion keeps a 1
+                excluded = (c1 - c0) - keep.sum(1, dtype=torch.float32)  # exact counts for half tiles too
+                self._note(r0, c0, excluded.sum(), (excluded > 1).sum())
+                self.firsts[(r0, c0)] = (keep.argmin(1).to(torch.int32), excluded == 0)
+            t.mul_(keep)
+            return
         block = self.tile(r0, r1, c0, c1)
-        if block is None:
-            return None
-        return torch.logical_not(block, out=self._buffer("keep", block.shape, dtype, block.device))
+        if block is not None:
+            t.mul_(torch.logical_not(block, out=self._buffer("keep", block.shape, t.dtype, block.device)))
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A per-shape scratch tensor (tiles repeat a few shapes; no allocation per tile)."""

@@ -116,9 +116,7 @@ def _drop(t: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> None:
     diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)
     if diag is not None:
         diag.zero_()
-    keep = plan.exclude.factor(r0, r1, c0, c1, t.dtype)
-    if keep is not None:
-        t.mul_(keep)
+    plan.exclude.drop(t, r0, r1, c0, c1)
 
 
 def _blank(t: Tensor, plan: _Plan, r0: int, c0: int, out: Tensor | None, value: float) -> None:
