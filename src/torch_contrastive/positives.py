@@ -519,7 +519,8 @@ class Exclusion:
         if self.guide is not None and self.relation is None and self.keep is None:
             rows, cols, threshold = self.guide
             scores = torch.mm(rows[r0:r1], cols[c0:c1].t(), out=self._buffer("scores", (r1 - r0, c1 - c0), rows.dtype, rows.device))
-            keep = torch.le(scores, threshold[r0:r1, None], out=self._buffer("keep", scores.shape, t.dtype, rows.device))
+            keep = scores if scores.dtype == t.dtype else self._buffer("keep", scores.shape, t.dtype, rows.device)
+            keep = torch.le(scores, threshold[r0:r1, None], out=keep)  # in place: one 0/1 tile in cache, not two
             kept_diagonal = self_diagonal(keep, r0, c0, self.keep_diagonal)  # the positive itself never leaves
             if kept_diagonal is not None:
                 kept_diagonal.fill_(1.0)
