@@ -97,3 +97,23 @@ def test_large_keys_group_correctly(dense_limit, monkeypatch):
     keys = torch.tensor([2**62, -(2**62), 2**62, 7, -1, 7])
     pos = Positives.from_keys(keys)
     assert pos.row_counts().tolist() == [1, 0, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 10), (torch.float32, 4100), (torch.float64, 4100)])
+def test_guide_tile_counts_and_excluded_columns_are_exact(dtype, width):
+    """A guide tile's record: the excluded count, rows excluding more than one, and each row's
+    excluded column (index arithmetic below 2**24 in fp32, argmin above)."""
+    from torch_contrastive.positives import Exclusion
+
+    exclusion = Exclusion(guide=(torch.zeros(4, 1), torch.zeros(width, 1), torch.zeros(4)), learn=True)
+    keep = torch.ones(4, width, dtype=dtype)
+    keep[0, width - 1] = 0  # row 0: the last column; row 1: none; row 2: column 3; row 3: two
+    keep[2, 3] = 0
+    keep[3, 1] = keep[3, 5] = 0
+    exclusion._remember(keep, 0, 0)
+    torch.testing.assert_close(exclusion.flags[(0, 0)], torch.tensor([4.0, 1.0]))
+    column, kept = exclusion.firsts[(0, 0)]
+    assert column[[0, 2]].tolist() == [width - 1, 3]
+    assert kept.tolist() == [False, True, False, False]
+    exclusion.learn_from([4.0, 1.0])  # a row excludes two: this tile is masked again, not scattered
+    assert not exclusion.single and not exclusion.firsts

@@ -525,16 +525,33 @@ class Exclusion:
             if kept_diagonal is not None:
                 kept_diagonal.fill_(1.0)
             if self._recording():
-                # one pass for the per-row count, one for the first excluded column (argmin
-                # returns the first of equal minima); a row without exclusion keeps a 1
-                excluded = (c1 - c0) - keep.sum(1, dtype=torch.float32)  # exact counts for half tiles too
-                self._note(r0, c0, excluded.sum(), (excluded > 1).sum())
-                self.firsts[(r0, c0)] = (keep.argmin(1).to(torch.int32), excluded == 0)
+                self._remember(keep, r0, c0)
             t.mul_(keep)
             return
         block = self.tile(r0, r1, c0, c1)
         if block is not None:
             t.mul_(torch.logical_not(block, out=self._buffer("keep", block.shape, t.dtype, block.device)))
+
+    def _remember(self, keep: Tensor, r0: int, c0: int) -> None:
+        """Record a guide tile's counts and, per row, its excluded column if it has one.
+
+        A row sum gives each row's kept count and one matrix-vector product ``keep @ j``
+        the sum of its kept column indices; for a row that excludes exactly one column, that
+        column is ``sum_j j - sum_{kept} j`` (integers, exact in fp32 below 2**24: tiles up to
+        4,096 columns; wider ones use an argmin, several times slower on CPU)."""
+        width = keep.shape[1]
+        excluded = width - keep.sum(1)
+        if keep.dtype == torch.float64 or width <= 4096:
+            index = self.scratch.get(("index", width, keep.dtype, keep.device))
+            if index is None or torch.compiler.is_compiling():
+                index = torch.arange(width, dtype=keep.dtype, device=keep.device)
+                if not torch.compiler.is_compiling():
+                    self.scratch[("index", width, keep.dtype, keep.device)] = index
+            column = (width * (width - 1) // 2) - torch.mv(keep, index)  # a row without exclusion gets 0
+        else:
+            column = keep.argmin(1)  # the first of equal minima
+        self._note(r0, c0, excluded.sum(), (excluded > 1).sum())
+        self.firsts[(r0, c0)] = (column.to(torch.int32), excluded == 0)
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A per-shape scratch tensor (tiles repeat a few shapes; no allocation per tile)."""
