@@ -19,8 +19,11 @@ triton = pytest.importorskip("triton")
 import torch_contrastive as tc  # noqa: E402
 from reference import image_text, info_nce, nt_xent, supcon  # noqa: E402
 from test_losses import _compare  # noqa: E402
-from torch_contrastive.engine import softmax_terms  # noqa: E402
-from torch_contrastive.positives import Positives  # noqa: E402
+from torch_contrastive.engine import (
+    softmax_terms,
+    triton_backend,
+)
+from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLS = {torch.float64: (1e-9, 1e-9), torch.float32: (1e-5, 1e-5)}
@@ -136,7 +139,11 @@ def test_half_inputs_match_the_torch_backend(dtype):
     (lambda x: tc.nt_bxent_loss(x, labels=torch.arange(6) % 2, backend="triton"), "NT-BXent"),
     (lambda x: tc.siglip_loss(x, x, 10.0, -10.0, backend="triton"), "SigLIP"),
     (lambda x: tc.nt_xent_loss(x, labels=torch.arange(6) % 2, backend="triton"), "NT-Xent with labels"),
-    (lambda x: tc.info_nce_loss(x, x, key_ids=torch.arange(6) % 2, backend="triton"), "exclusions"),
+    (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
+                             exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
+    (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
+                             exclude=Exclusion(relation=Positives.from_partner(torch.arange(6), 6),
+                                               keep=Positives.from_partner(torch.arange(6), 6))), "kept relation"),
     (lambda x: tc.nt_xent_loss(x, backend="cuda"), "backend must be one of"),
     (lambda x: tc.NTXentLoss(backend="tpu"), "backend must be one of"),
 ])
@@ -150,3 +157,166 @@ def test_cpu_without_the_interpreter_says_how_to_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         tc.nt_xent_loss(torch.randn(6, 4), backend="triton")
+
+
+@pytest.fixture(params=["fused", "deterministic"])
+def scheme(request):
+    """Both kernel schemes: atomics (each tile once) and row-owned (torch.use_deterministic_algorithms)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(request.param == "deterministic")
+    yield request.param
+    torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.parametrize("n_blocks,triangle", [(1, False), (3, True), (5, False), (11, True)])
+def test_schedule_visits_every_tile_once_in_grouped_order(n_blocks, triangle):
+    sched = triton_backend.schedule(n_blocks, n_blocks + 2, triangle, torch.device("cpu"), group=2).tolist()
+    expected = {(i, j) for i in range(n_blocks) for j in range(n_blocks + 2) if not triangle or j >= i}
+    assert len(sched) == len(expected) and {tuple(t) for t in sched} == expected
+    groups = [i // 2 for i, _ in sched]
+    assert groups == sorted(groups)  # a group of row blocks finishes before the next starts
+    first_group = [(j, i) for i, j in sched if i < 2]
+    assert first_group == sorted(first_group)  # inside it, column block by column block
+
+
+FALSE_NEGATIVES = {
+    "ids": dict(key_ids=torch.arange(45) % 7, negative_ids=torch.arange(40) % 5),
+    "guide_absolute": "guide",
+    "guide_relative": "guide",
+    "decoupled": dict(decoupled=True),
+    "ids_decoupled": dict(key_ids=torch.arange(45) % 7, decoupled=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("rule", list(FALSE_NEGATIVES))
+def test_false_negatives_in_the_kernels_equal_the_minus_inf_reference(rule, normalize, dtype, scheme):
+    """Ids, guide verdicts (both margin modes) and DCL applied inside the tiles: 45 queries,
+    45 keys and a pool of 40 (several blocks), both regimes (bounded: normalised inputs;
+    online maximum: raw dot products) and both schemes, against the float64 loop."""
+    from reference import info_nce_masked
+
+    g = torch.Generator().manual_seed(len(rule))
+    q, k, neg = (torch.randn(n, 6, generator=g, dtype=torch.float64) for n in (45, 45, 40))
+    if not normalize:
+        q, k, neg = q / 3, k / 3, neg / 3
+    kwargs: dict = {}
+    ref_kwargs: dict = {}
+    if FALSE_NEGATIVES[rule] == "guide":
+        gq, gk, gn = (torch.randn(n, 20, generator=g, dtype=torch.float64) for n in (45, 45, 40))
+        gk = gq + 0.3 * gk
+        gk[3] = -gq[3]  # a query whose positive scores low in the guide: many candidates leave
+        gq[10], gq[30] = gq[40], gq[2]  # near-duplicates: one candidate leaves
+        mode = rule.split("_")[1]
+        kwargs = dict(guide=(gq, gk, gn), guide_margin=0.1, guide_margin_mode=mode)
+        ref_kwargs = dict(guide=(gq, gk, gn), margin=0.1, margin_mode=mode)
+    else:
+        kwargs = dict(FALSE_NEGATIVES[rule])
+        ref_kwargs = dict(kwargs)
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, neg)]
+    value = tc.info_nce_loss(*leaves, 0.2, normalize=normalize, backend="triton", **kwargs)
+    grads = torch.autograd.grad(value, leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    if normalize:
+        ref = info_nce_masked(*ref_leaves, torch.tensor(0.2, dtype=torch.float64), **ref_kwargs)
+    else:  # raw dot products: the same loop on unnormalised rows
+        ref = tc.info_nce_loss(*ref_leaves, 0.2, normalize=False, backend="torch", **kwargs)
+    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    rtol, atol = TOLS[dtype]
+    torch.testing.assert_close(value.double(), ref, rtol=rtol, atol=atol)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol * max(1.0, b.abs().max().item()))
+
+
+SYMMETRIC_AND_TWO_SIDED = {
+    "nt_xent_dcl_halves": (lambda x, t, b: tc.nt_xent_loss(x, t, pairing="halves", decoupled=True, backend=b), 1),
+    "nt_xent_dcl_adjacent": (lambda x, t, b: tc.nt_xent_loss(x, t, decoupled=True, backend=b), 1),
+    "nt_xent_adjacent": (lambda x, t, b: tc.nt_xent_loss(x, t, backend=b), 1),
+    "supcon_labels": (lambda x, t, b: tc.supcon_loss(x, torch.arange(x.shape[0]) % 5, temperature=t, backend=b), 1),
+    "clip_ids_dcl": (lambda x, y, t, b: tc.image_text_contrastive_loss(x, y, t, torch.arange(x.shape[0]) % 9, decoupled=True,
+                                                                       backend=b), 2),
+    "clip_two_ids_dcl": (lambda x, y, t, b: tc.image_text_contrastive_loss(x, y, t, torch.arange(x.shape[0]) % 9,
+                                                                           torch.arange(x.shape[0]) % 11, decoupled=True,
+                                                                           backend=b), 2),
+    "clip_dcl": (lambda x, y, t, b: tc.image_text_contrastive_loss(x, y, t, decoupled=True, backend=b), 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(SYMMETRIC_AND_TWO_SIDED))
+def test_triangle_tiles_and_two_sided_exclusions_equal_the_torch_backend(name, dtype, scheme):
+    """70 rows (three blocks: the upper triangle has off-diagonal tiles whose column sums are
+    their mirror rows'), DCL's partner / id exclusions in both directions; fp64 results of the
+    torch backend are the reference (themselves tested against the float64 loops)."""
+    fn, n_inputs = SYMMETRIC_AND_TWO_SIDED[name]
+    g = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(70, 6, generator=g, dtype=torch.float64) for _ in range(n_inputs)]
+    leaves = [x.to(dtype).requires_grad_() for x in inputs]
+    value = fn(*leaves, 0.3, "triton")
+    grads = torch.autograd.grad(value, leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = fn(*ref_leaves, 0.3, "torch")
+    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    rtol, atol = TOLS[dtype]
+    torch.testing.assert_close(value.double(), ref, rtol=rtol, atol=atol)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol * max(1.0, b.abs().max().item()))
+
+
+def _ranks_clip(rank, world, fixed, deterministic):
+    os.environ["TRITON_INTERPRET"] = "1"
+    torch.use_deterministic_algorithms(deterministic)
+    g = torch.Generator().manual_seed(rank)
+    x, y = (torch.randn(20 + 5 * rank, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    ids = torch.arange(x.shape[0]) % 4
+    out = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_() for t in (x, y)]
+        value = tc.image_text_contrastive_loss(*leaves, 0.2, ids, normalize=fixed, gather=True, decoupled=True,
+                                               backend=backend)
+        out[backend] = (value.detach(), *torch.autograd.grad(value, leaves))
+    for a, b in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors")
+@pytest.mark.parametrize("fixed", [True, False])
+def test_distributed_column_statistics_on_triton_equal_the_torch_backend(fixed, scheme):
+    """CLIP with ids, DCL and uneven sizes at 2 ranks (gloo): the column log-sum-exp is
+    completed across ranks from the kernels' partial sums / log-sum-exps."""
+    from dist_helpers import run_ranks
+
+    run_ranks(_ranks_clip, 2, fixed, scheme == "deterministic", timeout=300)
+
+
+@pytest.mark.parametrize("rows,cols", [(45, 70), (70, 45)])
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("what", ["keys", "guide_diagonal"])
+def test_asymmetric_exclusions_read_right_in_the_column_pass(what, fixed, rows, cols, scheme):
+    """An exclusion that is not symmetric (different row and column keys; a guide threshold
+    per row plus a strided diagonal) on a two-set problem with column log-sum-exps: the
+    column pass reads it transposed. Values and gradients equal the torch backend."""
+    g = torch.Generator().manual_seed(rows)
+    a = torch.randn(rows, 6, generator=g, dtype=torch.float64).requires_grad_()
+    b = torch.randn(cols, 6, generator=g, dtype=torch.float64).requires_grad_()
+    if what == "keys":
+        exclude = Exclusion(relation=Positives.from_keys(torch.arange(rows) % 4, torch.arange(cols) % 6, self_offset=None),
+                            keep_diagonal=0)
+    else:
+        ga = torch.nn.functional.normalize(torch.randn(rows, 17, generator=g, dtype=torch.float64), dim=1)
+        gb = torch.nn.functional.normalize(torch.randn(cols, 17, generator=g, dtype=torch.float64), dim=1)
+        exclude = Exclusion(guide=(ga, gb, torch.linspace(-0.2, 0.4, rows, dtype=torch.float64)), diagonal=1)
+    weights = (torch.linspace(0.5, 2, rows, dtype=torch.float64), None)
+
+    def fn(x, y, backend):
+        r, c = softmax_terms(x, y, 2.0, self_offset=None, columns=True, fixed=fixed, normalize=fixed, exclude=exclude,
+                             row_weights=weights, col_weights=(torch.linspace(1, 2, cols, dtype=torch.float64), None),
+                             backend=backend)
+        r, c = torch.where(torch.isinf(r), 0.0, r), torch.where(torch.isinf(c), 0.0, c)
+        return r.sum() + 0.7 * c.sum()
+
+    (v0, g0), (v1, g1) = _both(fn, [a, b])
+    torch.testing.assert_close(v1, v0, rtol=1e-10, atol=1e-10)
+    for x, y in zip(g1, g0):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)

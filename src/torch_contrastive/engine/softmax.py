@@ -75,6 +75,8 @@ class _Plan:
     exclude: Any = None
     # "torch" (this module's tile loops) or "triton" (engine/triton_backend.py kernels)
     backend: str = "torch"
+    # triton on a GPU: half-precision inputs reach tl.dot in this dtype (None: the compute dtype)
+    operand_dtype: torch.dtype | None = None
 
     @property
     def single_tile(self) -> bool:
@@ -482,33 +484,66 @@ def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor 
         ga_acc[c0:end].addmm_(g[:, : end - c0].t(), a[r0:r1])
 
 
-def _forward_triton(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
-    """Row (and column) log-sum-exp by the Triton kernels; an empty row (a batch of one) gets 0."""
+def _triton_operands(plan: _Plan, *tensors: Tensor) -> list[Tensor]:
+    """On a GPU, half-precision inputs reach ``tl.dot`` in their own dtype (the engine
+    normalised them in fp32); under the interpreter they stay fp32 (its bf16 dot is inexact)."""
     from . import triton_backend
 
-    row_lse = triton_backend.row_lse(a_s, b, plan.self_offset)
-    row_lse = torch.where(torch.isneginf(row_lse), 0.0, row_lse)
-    col_lse = triton_backend.row_lse(b, a_s, None) if plan.columns else None
+    half = plan.operand_dtype
+    if half is None or triton_backend.interpreting():
+        return list(tensors)
+    return [t.to(half) for t in tensors]
+
+
+def _forward_triton(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """Row (and column) log-sum-exp by the Triton kernels: the bounded regime sums rows and
+    columns in one pass over the tiles (the upper triangle for a single set); the online
+    regime, or deterministic mode, runs the row-owned kernel once per direction."""
+    from . import triton_backend
+
+    x, y = _triton_operands(plan, a_s, b)
+    if plan.fixed and triton_backend.fused():
+        row_sum, col_sum = triton_backend.tile_sums(x, y, plan.self_offset, plan.exclude, plan.columns, plan.symmetric)
+        row_lse = _log(row_sum, None, plan, b.shape[0])
+        if col_sum is None:
+            return row_lse, None
+        if plan.column_comm is not None:
+            plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
+        return row_lse, col_sum.log()
+    row_lse = triton_backend.row_lse(x, y, plan.self_offset, plan.exclude)
+    if plan.exclude is None:  # a row without candidates (a batch of one) gets 0, as the torch backend's
+        row_lse = torch.where(torch.isneginf(row_lse), 0.0, row_lse)
+    if not plan.columns:
+        return row_lse, None
+    col_offset = None if plan.self_offset is None else -plan.self_offset
+    col_lse = triton_backend.row_lse(y, x, col_offset, plan.exclude, transposed=True)
+    if plan.column_comm is not None:  # every rank's partial log-sum-exp, brought to the global maximum
+        col_lse = _complete_columns(torch.ones_like(col_lse), col_lse, plan)
     return row_lse, col_lse
 
 
 def _backward_triton(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
                      plan: _Plan) -> tuple[Tensor, Tensor | None]:
-    """``G @ B`` and ``G.T @ A`` by the Triton gradient kernel, ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
+    """``G @ B`` and ``G.T @ A`` by the Triton kernels: each gradient tile formed once
+    (atomics), or -- in deterministic mode -- ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
     from . import triton_backend
 
+    x, y, z = _triton_operands(plan, a_s, b, a)
     offset = plan.self_offset
-    gb_acc = triton_backend.grad_rows(a_s, b, b, row, col, offset)
-    if plan.grad_columns == 0:
+    if triton_backend.fused():
+        return triton_backend.tile_grad(x, y, z, row, col, offset, plan.exclude, plan.grad_columns, plan.symmetric)
+    gb_acc = triton_backend.grad_rows(x, y, y, row, col, offset, plan.exclude)
+    if plan.grad_columns == 0 or plan.symmetric:  # a single set: G is symmetric, G @ Z holds both roles
         return gb_acc, None
-    cols = b[: plan.grad_columns]
-    zero = torch.zeros(cols.shape[0], dtype=a.dtype, device=a.device)
-    swapped_row = (zero, zero) if col is None else (col[0][: plan.grad_columns], col[1][: plan.grad_columns])
-    part = triton_backend.grad_rows(cols, a_s, a, swapped_row, row, None if offset is None else -offset)
-    if plan.grad_columns >= b.shape[0]:
+    k = plan.grad_columns
+    zero = torch.zeros(k, dtype=a.dtype, device=a.device)
+    swapped_row = (zero, zero) if col is None else (col[0].expand(b.shape[0])[:k], col[1][:k])
+    part = triton_backend.grad_rows(y[:k], x, z, swapped_row, row, None if offset is None else -offset, plan.exclude,
+                                    transposed=True)
+    if k >= b.shape[0]:
         return gb_acc, part
-    ga_acc = torch.zeros_like(b)
-    ga_acc[: plan.grad_columns] = part
+    ga_acc = torch.zeros_like(b, dtype=part.dtype)
+    ga_acc[:k] = part
     return gb_acc, ga_acc
 
 
@@ -746,20 +781,21 @@ def softmax_terms(
     tile = resolve_tile(chunk_size, R, C)
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    operand_dtype = None
     if backend == "triton":
-        if exclude is not None or (columns and column_comm is not None):
-            raise ValueError("backend='triton' does not cover exclusions (false negatives) or distributed column statistics yet; "
-                             "use backend='torch'")
         from . import triton_backend
 
         triton_backend.check_device(anchors)
-        symmetric = False  # the kernels visit every tile (the torch backend's triangle is not ported yet)
+        triton_backend.check_exclusion(exclude)
+        half = (torch.float16, torch.bfloat16)
+        if anchors.dtype in half and candidates.dtype == anchors.dtype:
+            operand_dtype = anchors.dtype
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
     single = tile >= max(R, C) and backend == "torch"
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     plan = _Plan(self_offset, columns, symmetric, 0 if single else tile, fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
-                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, backend)
+                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, backend, operand_dtype)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan, total)
     return row_out, (col_out if columns and total is None else None)

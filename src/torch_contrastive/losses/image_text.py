@@ -84,8 +84,8 @@ def image_text_contrastive_loss(
             part needs only ``sum_j S_ij = <a_i, sum_j b_j> / tau``: O(N * D), no extra tile
             pass. Not combined with ``decoupled``.
         backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
-            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
-            Under ``gather=True`` the distributed column statistics run on the torch backend.
+            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels"), the
+            distributed column statistics of ``gather=True`` included.
 
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.
@@ -132,7 +132,7 @@ def image_text_contrastive_loss(
             per_image, per_text = variant.smooth(per_image, per_text, img, txt, img, txt, counts.sum(), n, scale)
     else:
         per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, image_id, text_id, scope, fixed, normalize,
-                                                         eps, chunk_size, variant)
+                                                         eps, chunk_size, variant, backend)
     if decoupled:  # a row left without candidates (every text a positive) contributes 0
         per_image = torch.where(torch.isneginf(per_image), 0.0, per_image)
         per_text = torch.where(torch.isneginf(per_text), 0.0, per_text)
@@ -176,7 +176,7 @@ class _Variant:
 
 def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, image_id: Tensor | None, text_id: Tensor | None,
                        scope: Scope, fixed: bool, normalize: bool, eps: float, chunk_size: int | None,
-                       variant: _Variant) -> tuple[Tensor, Tensor, Tensor]:
+                       variant: _Variant, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """Per-image and per-text terms of this rank's rows under ``gather=True``.
 
     One pass over this rank's image rows x all texts gives the image rows' terms and the
@@ -196,7 +196,7 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     alpha, beta = variant.weights(counts, n_gt, n_all, img.dtype) if variant.smoothing else (counts.to(img.dtype), None)
     per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos, row_weights=(alpha, beta),
                                            columns=True, column_positives=False, fixed=fixed, chunk_size=chunk_size,
-                                           column_comm=scope, exclude=variant.exclusion(pos))
+                                           column_comm=scope, exclude=variant.exclusion(pos), backend=backend)
     if col_lse_all is None:
         raise RuntimeError("internal: columns=True returns the column terms")
     # text j's positives are its column of gt: as many as image j's row (gt is symmetric)
