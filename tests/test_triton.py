@@ -19,10 +19,7 @@ triton = pytest.importorskip("triton")
 import torch_contrastive as tc  # noqa: E402
 from reference import image_text, info_nce, nt_xent, supcon  # noqa: E402
 from test_losses import _compare  # noqa: E402
-from torch_contrastive.engine import (
-    softmax_terms,
-    triton_backend,
-)
+from torch_contrastive.engine import softmax_terms, triton_backend  # noqa: E402
 from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
