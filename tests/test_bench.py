@@ -23,7 +23,7 @@ def test_worker_measures_one_case():
 def test_plan_limits_peers_to_sizes_they_can_hold():
     cases = plan(quick=False, sizes=[2048, 65536], dim=64, tau=0.07, include_large=False)
     big = [c for c in cases if c["n"] == 65536]
-    assert big and all(c["impl"] in ("ours", "ours-moco") for c in big)
+    assert big and all(c["impl"] in ("ours", "ours-moco", "infcl-formula") for c in big)  # O(N) memory only
     assert not any(c["impl"] == "pml" and c["n"] > 4096 for c in cases)
     small = {(c["loss"], c["impl"]) for c in cases if c["n"] == 2048}
     assert ("clip", "dense-baseline") in small and ("supcon", "pml") in small
@@ -63,3 +63,30 @@ def test_backend_and_device_options_are_checked(capsys):
     assert "needs --device cuda" in capsys.readouterr().err
     assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "jax"]) == 2
     assert "--backend takes torch and/or triton" in capsys.readouterr().err
+
+
+def test_infcl_formula_peer_is_the_clip_loss():
+    """The Inf-CL schedule peer (several tiles, its own backward) equals the dense CLIP loss in float64."""
+    import torch
+
+    from torch_contrastive.cli.bench import dense_clip
+    from torch_contrastive.cli.infcl_formula import infcl_clip_loss
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(13, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    value = infcl_clip_loss(x, y, 0.3, tile=4)
+    ref = dense_clip(x, y, 0.3)
+    assert value.item() == pytest.approx(ref.item(), rel=1e-12)
+    for a, b in zip(torch.autograd.grad(value, (x, y)), torch.autograd.grad(ref, (x, y))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_bench_dtype_option_reaches_the_cases(tmp_path):
+    row = worker({"loss": "clip", "impl": "infcl-formula", "n": 64, "d": 16, "tau": 0.1, "reps": 1, "dtype": "bfloat16"})
+    dense = worker({"loss": "clip", "impl": "dense-baseline", "n": 64, "d": 16, "tau": 0.1, "reps": 1, "dtype": "bfloat16"})
+    fp32 = worker({"loss": "clip", "impl": "dense-baseline", "n": 64, "d": 16, "tau": 0.1, "reps": 1})
+    assert row["value"] == pytest.approx(dense["value"], rel=3e-2) and dense["value"] != fp32["value"]
+    assert main(["bench", "--loss", "clip", "--sizes", "64", "--dim", "8", "--dtype", "float16", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "bench.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["dtype"] for r in rows} == {"float16"} and "infcl-formula" in {r["impl"] for r in rows}

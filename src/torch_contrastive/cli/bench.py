@@ -39,7 +39,8 @@ MAX_REFERENCE_ROWS = 16384
 
 # (loss, implementation) pairs understood by the worker.
 IMPLEMENTATIONS = {
-    "clip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
+    # infcl-formula: Inf-CL's schedule (two one-direction losses, logits recomputed twice in backward)
+    "clip": ["ours", "ours-dense", "open_clip", "dense-baseline", "infcl-formula"],
     "siglip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
     "nt_xent": ["ours", "ours-dense", "lightly", "pml", "dense-baseline"],
     "supcon": ["ours", "ours-dense", "pml", "supcon-authors-formula"],
@@ -137,6 +138,10 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
     if loss == "clip":
         if impl in ("ours", "ours-dense"):
             return lambda: tc.image_text_contrastive_loss(x, y, tau, chunk_size=chunk, backend=_BACKEND[0])
+        if impl == "infcl-formula":
+            from .infcl_formula import infcl_clip_loss
+
+            return lambda: infcl_clip_loss(x, y, tau)
         if impl == "open_clip":
             peer = load_open_clip_loss().ClipLoss()
             return lambda: peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau)
@@ -161,8 +166,8 @@ def _build_queue(impl: str, x: torch.Tensor, gen: torch.Generator, queue_rows: i
     """The info_nce_queue case: queries x, keys and a constant queue (no gradient)."""
     import torch_contrastive as tc
 
-    k = torch.randn(x.shape, generator=gen).to(x.device).requires_grad_()
-    queue = torch.randn(queue_rows, x.shape[1], generator=gen).to(x.device)
+    k = torch.randn(x.shape, generator=gen).to(x).requires_grad_()
+    queue = torch.randn(queue_rows, x.shape[1], generator=gen).to(x)
     if impl == "ours":
         return (lambda: tc.info_nce_loss(x, k, queue, tau, backend=_BACKEND[0])), [x, k]
     if impl == "ours-moco":
@@ -189,28 +194,29 @@ def _build_guide(impl: str, x: torch.Tensor, gen: torch.Generator, tau: float) -
     import torch_contrastive as tc
 
     n, d = x.shape
-    k = torch.randn(n, d, generator=gen).to(x.device).requires_grad_()
-    g_q = torch.randn(n, d // 2, generator=gen).to(x.device)
-    g_k = (g_q + torch.randn(n, d // 2, generator=gen).to(x.device))
+    k = torch.randn(n, d, generator=gen).to(x).requires_grad_()
+    g_q = torch.randn(n, d // 2, generator=gen).to(x)
+    g_k = (g_q + torch.randn(n, d // 2, generator=gen).to(x))
     if impl == "ours":
         return (lambda: tc.info_nce_loss(x, k, None, tau, guide=(g_q, g_k))), [x, k]
     return (lambda: dense_guided_info_nce(x, k, g_q, g_k, tau)), [x, k]
 
 
 def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device,
-           spec_classes: int = 100, queue_rows: int = DEFAULT_QUEUE) -> tuple[Any, list[torch.Tensor]]:
+           spec_classes: int = 100, queue_rows: int = DEFAULT_QUEUE,
+           dtype: torch.dtype = torch.float32) -> tuple[Any, list[torch.Tensor]]:
     """A closure computing the loss, and the leaf tensors it differentiates."""
     import torch_contrastive as tc
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+    x = torch.randn(n, d, generator=gen).to(device, dtype).requires_grad_()
     dense_chunk = n  # one tile: the "dense" path of the same engine
     if loss == "info_nce_queue":
         return _build_queue(impl, x, gen, queue_rows, tau)
     if loss == "info_nce_guide":
         return _build_guide(impl, x, gen, tau)
     if loss in ("clip", "siglip"):
-        y = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+        y = torch.randn(n, d, generator=gen).to(device, dtype).requires_grad_()
         return _build_image_text(loss, impl, x, y, tau, dense_chunk), [x, y]
     labels = torch.randint(0, max(2, n // 64), (n,), generator=gen).to(device)
     if loss in ("nt_xent_pml", "nt_bxent"):
@@ -265,10 +271,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     # Warm up on a small batch first: thread pools and BLAS workspaces are allocated
     # once per process and are not the loss's memory.
     queue_rows = int(spec.get("queue", DEFAULT_QUEUE))
-    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device, spec.get("classes", 100), min(queue_rows, 256))
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    small_fn, small_leaves = _build(spec["loss"], spec["impl"], 256, d, tau, device, spec.get("classes", 100), min(queue_rows, 256),
+                                    dtype)
     small_fn().backward()
     del small_fn, small_leaves
-    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device, spec.get("classes", 100), queue_rows)
+    fn, leaves = _build(spec["loss"], spec["impl"], n, d, tau, device, spec.get("classes", 100), queue_rows, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = _peak_bytes(device)
@@ -297,9 +305,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     # ratios, so a slow spell of the shared machine hits both sides of a ratio alike.
     # With a queue the shape is N x (N + Q) (the in-batch keys plus the queue).
     cols = n + queue_rows if spec["loss"] == "info_nce_queue" else n
-    a = torch.randn(n, d, device=device)
-    b = torch.randn(cols, d, device=device)
-    g = torch.randn(n, cols, device=device)
+    a = torch.randn(n, d, device=device, dtype=dtype)
+    b = torch.randn(cols, d, device=device, dtype=dtype)
+    g = torch.randn(n, cols, device=device, dtype=dtype)
 
     def reference() -> None:
         a @ b.T, g @ b, g.T @ a
@@ -356,11 +364,12 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
                     continue
                 if loss == "info_nce_queue" and not impl.startswith("ours") and n > 4096:
                     continue  # dense N x (N + Q) logits
-                if not impl.startswith("ours") and n > 16384:
+                if not impl.startswith("ours") and impl != "infcl-formula" and n > 16384:
                     continue  # the dense peers need several N x N matrices (16 GiB each at 65,536)
                 cases.append({"loss": loss, "impl": impl, "n": n, "d": d, "tau": tau, "reps": reps})
     if include_large:
-        cases.append({"loss": "clip", "impl": "ours", "n": 65536, "d": dims[0], "tau": tau, "reps": 1})
+        for impl in ("ours", "infcl-formula"):
+            cases.append({"loss": "clip", "impl": impl, "n": 65536, "d": dims[0], "tau": tau, "reps": 1})
     return cases
 
 
@@ -423,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
     cases = cases + extra
     for case in cases:
         case["device"] = args.device
+        case["dtype"] = args.dtype
         case.setdefault("backend", "torch")
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
@@ -446,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}",
                   flush=True)
-    fields = ["loss", "impl", "backend", "device", "n", "d", "tau", "classes", "queue", "reps", "value", "seconds", "matmul_seconds",
+    fields = ["loss", "impl", "backend", "device", "dtype", "n", "d", "tau", "classes", "queue", "reps", "value", "seconds", "matmul_seconds",
               "R", "extra_mib", "status"]
     with open(out_dir / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
@@ -478,6 +488,8 @@ def add_bench_parser(sub: Any) -> None:
                    help=f"queue rows of info_nce_queue (default {DEFAULT_QUEUE})")
     p.add_argument("--classes", type=positive_int, default=100, help="random classes for nt_xent_pml / nt_bxent (default 100)")
     p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="input dtype of every case (default float32; the reference matmuls use it too)")
     p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")
     p.add_argument("--dims", type=int_list, default=None, help="comma-separated D values (a D sweep; overrides --dim)")
     p.add_argument("--temperature", type=positive_float, default=0.07, help="tau (default 0.07; 0.01 exercises the online maximum)")

@@ -754,9 +754,11 @@ def softmax_terms(
             With ``symmetric=True`` it must be a symmetric relation. A row whose every
             candidate is left out gets ``LSE = -inf``.
         backend: ``"torch"`` (default) or ``"triton"``: the log-sum-exp passes as Triton kernels
-            (CUDA tensors, or ``TRITON_INTERPRET=1`` on CPU; see :mod:`.triton_backend`). It
-            covers the two-set and single-set log-sum-exp (no symmetric triangle, no exclusions,
-            no distributed column statistics); positives go through ``Positives.aggregate``.
+            (CUDA tensors, or ``TRITON_INTERPRET=1`` on CPU; see :mod:`.triton_backend`): the
+            same semantics -- both regimes, the single-set triangle, exclusions by ids, a
+            partner relation, a guide or diagonals, distributed column statistics; positives
+            go through ``Positives.aggregate``. Atomic (fused) kernels unless
+            ``torch.use_deterministic_algorithms(True)`` asks for the row-owned ones.
         total: ``(c, c')``: return the scalar ``c * sum_i row_out_i + c' * sum_j col_out_j``
             instead (floats or 0-dim tensors without gradient; ``c'`` only with
             ``columns=True``) -- a loss's ``mean``/``sum`` reduction inside the autograd
