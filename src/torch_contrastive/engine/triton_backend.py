@@ -204,6 +204,14 @@ if triton is not None:
         tl.store(out_ptr + rows, lse, mask=rows < n_rows)
 
     @triton.jit
+    def _scheduled(sched_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's tile, read from the schedule: its row block, rows and columns."""
+        pid = tl.program_id(0)
+        bi = tl.load(sched_ptr + 2 * pid)
+        bj = tl.load(sched_ptr + 2 * pid + 1)
+        return bi, bi * BLOCK_M + tl.arange(0, BLOCK_M), bj * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
     def _tile_sums_kernel(sched_ptr, x_ptr, y_ptr, row_sum_ptr, col_sum_ptr, n_rows, n_cols, d, stride_x, stride_y,
                           self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc,
                           diagonal, keep_diagonal, HAS_SELF: tl.constexpr, EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr,
@@ -211,11 +219,7 @@ if triton is not None:
                           GACC: tl.constexpr, COLUMNS: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
         """One tile: ``exp(S)`` once, its row sums and column sums added with atomics."""
-        pid = tl.program_id(0)
-        bi = tl.load(sched_ptr + 2 * pid)
-        bj = tl.load(sched_ptr + 2 * pid + 1)
-        rows = bi * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = bj * BLOCK_N + tl.arange(0, BLOCK_N)
+        bi, rows, cols = _scheduled(sched_ptr, BLOCK_M, BLOCK_N)
         s = _logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
         valid = _valid(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
                        stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, False, N_KEYS, PARTNER, GUIDE,
@@ -283,11 +287,7 @@ if triton is not None:
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
         """One tile: ``G`` formed once, then ``G @ Y`` into its rows and ``G.T @ Z`` into its
         columns (the mirror rows for a single set), D block by D block, with atomics."""
-        pid = tl.program_id(0)
-        bi = tl.load(sched_ptr + 2 * pid)
-        bj = tl.load(sched_ptr + 2 * pid + 1)
-        rows = bi * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = bj * BLOCK_N + tl.arange(0, BLOCK_N)
+        bi, rows, cols = _scheduled(sched_ptr, BLOCK_M, BLOCK_N)
         s = _logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
         g = _gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL)
         valid = _valid(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
