@@ -39,6 +39,7 @@ no host synchronisation and can be compiled with ``torch.compile(fullgraph=True)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,7 +425,7 @@ class Exclusion:
             pass then skips the tiles that exclude nothing (no guide product, no mask) --
             false negatives are rare, so most tiles have none. For a guide alone the forward
             pass also keeps, per tile row, the first excluded column (an int32 and a 0/1 per
-            row: ``R * ceil(C / tile) * 8`` bytes); a tile where no row excludes more than one
+            row: ``R * ceil(C / tile) * 5`` bytes); a tile where no row excludes more than one
             candidate is then zeroed in backward by one scatter, without its guide product.
             Without the read every tile is masked again (exact either way).
     """
@@ -438,12 +439,22 @@ class Exclusion:
     learn: bool = False
     scratch: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
     # per-tile counts recorded in forward ((r0, c0) -> (excluded entries, rows excluding more
-    # than one)), each tile row's first excluded column and whether it has one (guide alone),
-    # the tiles known on the host to exclude nothing, and those whose rows exclude one at most
+    # than one)), each tile row's first excluded column and whether it has one (guide alone;
+    # after learn_from only for the tiles whose rows exclude one at most), and the tiles
+    # known on the host to exclude nothing
     flags: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False, compare=False)
     firsts: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False, compare=False)
     clear: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
-    single: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
+
+    @property
+    def learned(self) -> bool:
+        """Whether :meth:`learn_from` has run (the backward pass may use what it kept)."""
+        return _LEARNED in self.clear
+
+    @property
+    def single(self) -> set[tuple[int, int]]:
+        """The tiles zeroed in backward by a scatter: rows excluding one candidate at most."""
+        return set(self.firsts) if self.learned else set()
 
     def recorded(self) -> Tensor | None:
         """The forward pass's per-tile counts as one float vector, two entries per tile
@@ -460,16 +471,13 @@ class Exclusion:
             excluded, multiple = values[2 * k], values[2 * k + 1]
             if excluded == 0:
                 self.clear.add(tile_key)
-            elif multiple == 0 and tile_key in self.firsts:
-                self.single.add(tile_key)
-        for tile_key in list(self.firsts):
-            if tile_key not in self.single:
-                del self.firsts[tile_key]
+            if excluded == 0 or multiple != 0:  # skipped, or masked again: its columns are not needed
+                self.firsts.pop(tile_key, None)
         self.flags.clear()
         self.clear.add(_LEARNED)  # later passes (backward) record nothing
 
     def _recording(self) -> bool:
-        return self.learn and _LEARNED not in self.clear and not torch.compiler.is_compiling()
+        return self.learn and not self.learned and not torch.compiler.is_compiling()
 
     def _note(self, r0: int, c0: int, excluded: Tensor, multiple: Tensor) -> None:
         self.flags[(r0, c0)] = torch.stack((excluded.to(torch.float32), multiple.to(torch.float32)))
@@ -510,7 +518,7 @@ class Exclusion:
         backward pass after :meth:`learn_from` -- one scatter at the kept first columns."""
         if (r0, c0) in self.clear:
             return
-        firsts = self.firsts.get((r0, c0)) if (r0, c0) in self.single else None
+        firsts = self.firsts.get((r0, c0)) if self.learned else None
         if firsts is not None:
             column, kept = firsts
             column = column.to(torch.int64)[:, None]
@@ -542,11 +550,8 @@ class Exclusion:
         width = keep.shape[1]
         excluded = width - keep.sum(1)
         if keep.dtype == torch.float64 or width <= 4096:
-            index = self.scratch.get(("index", width, keep.dtype, keep.device))
-            if index is None or torch.compiler.is_compiling():
-                index = torch.arange(width, dtype=keep.dtype, device=keep.device)
-                if not torch.compiler.is_compiling():
-                    self.scratch[("index", width, keep.dtype, keep.device)] = index
+            index = self._cached(("index", width, keep.dtype, keep.device),
+                                 lambda: torch.arange(width, dtype=keep.dtype, device=keep.device))
             column = (width * (width - 1) // 2) - torch.mv(keep, index)  # a row without exclusion gets 0
         else:
             column = keep.argmin(1)  # the first of equal minima
@@ -555,10 +560,14 @@ class Exclusion:
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A per-shape scratch tensor (tiles repeat a few shapes; no allocation per tile)."""
-        if torch.compiler.is_compiling():  # a traced graph allocates its own (no side effect to capture)
-            return torch.empty(shape, dtype=dtype, device=device)
-        key = (name, tuple(shape), dtype, device)
-        buffer = self.scratch.get(key)
-        if buffer is None:
-            buffer = self.scratch[key] = torch.empty(shape, dtype=dtype, device=device)
-        return buffer
+        return self._cached((name, tuple(shape), dtype, device), lambda: torch.empty(shape, dtype=dtype, device=device))
+
+    def _cached(self, key: tuple[Any, ...], make: Callable[[], Tensor]) -> Tensor:
+        """``make()`` once per key, kept in ``scratch``; a traced graph makes its own (no
+        side effect to capture)."""
+        if torch.compiler.is_compiling():
+            return make()
+        value = self.scratch.get(key)
+        if value is None:
+            value = self.scratch[key] = make()
+        return value

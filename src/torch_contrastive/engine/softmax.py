@@ -357,7 +357,13 @@ def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor 
             row_sum[c0:c1] += e.sum(0)
         if col_sum is not None:
             col_sum[c0:c1] += e.sum(0)
-    row_lse = _log(row_sum, None, plan, C)
+    return _fixed_lse(row_sum, col_sum, plan, C)
+
+
+def _fixed_lse(row_sum: Tensor, col_sum: Tensor | None, plan: _Plan, n_cols: int) -> tuple[Tensor, Tensor | None]:
+    """Row (and column) log-sum-exp from plain sums of ``exp(S)``; across ranks the column
+    sums are added first."""
+    row_lse = _log(row_sum, None, plan, n_cols)
     if col_sum is None:
         return row_lse, None
     if plan.column_comm is not None:
@@ -504,12 +510,7 @@ def _forward_triton(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     x, y = _triton_operands(plan, a_s, b)
     if plan.fixed and triton_backend.fused():
         row_sum, col_sum = triton_backend.tile_sums(x, y, plan.self_offset, plan.exclude, plan.columns, plan.symmetric)
-        row_lse = _log(row_sum, None, plan, b.shape[0])
-        if col_sum is None:
-            return row_lse, None
-        if plan.column_comm is not None:
-            plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
-        return row_lse, col_sum.log()
+        return _fixed_lse(row_sum, col_sum, plan, b.shape[0])
     row_lse = triton_backend.row_lse(x, y, plan.self_offset, plan.exclude)
     if plan.exclude is None:  # a row without candidates (a batch of one) gets 0, as the torch backend's
         row_lse = torch.where(torch.isneginf(row_lse), 0.0, row_lse)
