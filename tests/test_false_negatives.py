@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_contrastive as tc
+from device import DEVICE
 from reference import info_nce_masked
 from test_losses import DTYPES, _compare
 
@@ -41,12 +42,12 @@ def test_masked_info_nce_equals_the_minus_inf_reference(rule, chunk, n, mode, in
     kw = {}
     ref_kw = {}
     if rule.startswith("ids"):
-        kw = dict(key_ids=key_ids, negative_ids=None if negs is None else neg_ids)
+        kw = dict(key_ids=key_ids.to(DEVICE), negative_ids=None if negs is None else neg_ids.to(DEVICE))
         ref_kw = dict(key_ids=key_ids, negative_ids=None if negs is None else neg_ids)
     if rule.startswith("guide"):
         margin_mode = rule.split("_")[1]
         g = guide if negs is not None else guide[:2]
-        kw = dict(guide=g, guide_margin=0.1, guide_margin_mode=margin_mode)
+        kw = dict(guide=tuple(x.to(DEVICE) for x in g), guide_margin=0.1, guide_margin_mode=margin_mode)
         ref_kw = dict(guide=guide, margin=0.1, margin_mode=margin_mode)
     if rule.endswith("decoupled"):
         kw["decoupled"] = True

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
+from device import DEVICE
 from reference import (
     LOG_FLOAT32_TINY,
     SEED000_POS,
@@ -64,11 +65,15 @@ def _rand(n, d=5, seed=0, dtype=torch.float64):
     return torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
 
 
+TAU_TOLS = {torch.bfloat16: 2e-3, torch.float16: 5e-4}
+
+
 def _compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
     """Value and gradients (inputs and temperature) of ours vs the float64 reference.
 
     Inputs are rounded to ``dtype`` first and the reference runs on those rounded values,
-    so the difference is the library's own arithmetic: ``tols = (value, gradient)``
+    so the difference is the library's own arithmetic (ours on the suite's device, the
+    reference on the CPU): ``tols = (value, gradient)``
     relative tolerances (gradients relative to the largest reference gradient; half
     precision gradients are rounded to the input dtype).
     """
@@ -78,15 +83,19 @@ def _compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
     ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
     ref = fn_ref(*ref_in, ref_tau)
     ref.backward()
-    our_in = [x.clone().detach().requires_grad_() for x in rounded]
-    our_tau = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
+    our_in = [x.clone().detach().to(DEVICE).requires_grad_() for x in rounded]
+    our_tau = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=DEVICE, requires_grad=True)
     ours = fn_ours(*our_in, our_tau)
     ours.backward()
+    assert ours.device.type == DEVICE.type
     assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
     for a, b in zip(our_in, ref_in):
         assert a.grad.dtype == dtype
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=grad_tol, atol=grad_tol * max(1.0, b.grad.abs().max().item()))
-    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=10 * rtol, abs=10 * rtol * max(1.0, abs(ref_tau.grad.item())))
+        torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=grad_tol, atol=grad_tol * max(1.0, b.grad.abs().max().item()))
+    # d tau sums the gradient tile against the logits: on a GPU the tile is rounded to the input's
+    # half dtype for the tensor-core products (2^-9 relative for bf16, 2^-12 for fp16)
+    tau_tol = TAU_TOLS.get(dtype, 10 * rtol)
+    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=tau_tol, abs=tau_tol * max(1.0, abs(ref_tau.grad.item())))
 
 
 DTYPES = [

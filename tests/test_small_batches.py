@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
+from device import DEVICE
 from torch_contrastive.cli import bench_small
 from torch_contrastive.cli.synccount import count_host_syncs, host_sync_events
 
@@ -116,7 +117,7 @@ def test_cuda_no_sync_under_sync_debug_mode(name):
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_compile_fullgraph_matches_eager(name, backend):
     torch._dynamo.reset()
-    fn = dict(_cases(12))[name]
+    fn = dict(_cases(12, DEVICE))[name]
 
     def loss(x, y, t):
         return fn(x, y, t, False, None)
@@ -124,8 +125,8 @@ def test_compile_fullgraph_matches_eager(name, backend):
     compiled = torch.compile(loss, fullgraph=True, backend=backend)
     results = []
     for f in (loss, compiled):
-        x, y = _inputs()
-        t = torch.tensor(0.2, requires_grad=True)  # a learnable temperature: no host read even then
+        x, y = _inputs(device=DEVICE)
+        t = torch.tensor(0.2, device=DEVICE, requires_grad=True)  # a learnable temperature: no host read even then
         value = f(x, y, t)
         value.backward()
         results.append((value.detach(), x.grad, y.grad if y.grad is not None else torch.zeros_like(y), t.grad))

@@ -7,10 +7,12 @@ Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
 :class:`SigLipLoss`, :class:`InfoNCELoss`, :class:`DCLLoss`, :class:`DCLWLoss`. Candidates beyond the batch:
 :class:`FeatureQueue` (MoCo queue / memory bank). Batches beyond activation memory:
-:func:`grad_cache`.
+:func:`grad_cache`. What the engine will do with a call (backend, tiles, tensor-core products):
+:func:`explain`.
 """
 
 from .distributed import all_gather_with_grad
+from .engine.planner import Decision, explain
 from .grad_cache import grad_cache
 from .losses import (
     clip_loss,
@@ -43,6 +45,7 @@ __all__ = [
     "ClipLoss",
     "DCLLoss",
     "DCLWLoss",
+    "Decision",
     "FeatureQueue",
     "ImageTextContrastiveLoss",
     "InfoNCELoss",
@@ -53,6 +56,7 @@ __all__ = [
     "SupConLoss",
     "all_gather_with_grad",
     "clip_loss",
+    "explain",
     "grad_cache",
     "image_text_contrastive_loss",
     "info_nce_loss",

@@ -205,7 +205,9 @@ def _pack(values: list[Tensor]) -> Tensor:
     when they share a dtype, which is the common case (float flags of one call)."""
     if not values:
         return torch.zeros(0, dtype=torch.float64)
-    dtype = values[0].dtype
+    dtype, device = values[0].dtype, values[0].device
+    if any(t.device != device for t in values):  # a flag of a CPU-side argument (labels, a mask) beside CUDA ones
+        values = [t.to(device) for t in values]
     if all(t.dtype == dtype for t in values):  # fp32 flags read exactly as Python floats: no cast
         packed = torch.stack(values)
         return packed if dtype in (torch.float32, torch.float64) else packed.to(torch.float64)
@@ -230,11 +232,12 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     return x
 
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def check_backend(backend: object, covered: bool, what: str) -> str:
-    """``"torch"`` or ``"triton"``; the Triton kernels cover the log-sum-exp losses only."""
+    """``"auto"``, ``"torch"`` or ``"triton"``; the Triton kernels cover the log-sum-exp losses only
+    (``"auto"`` then means ``"torch"``)."""
     check_choice(backend, "backend", BACKENDS)
     if backend == "triton" and not covered:
         raise ValueError(f"backend='triton' covers the log-sum-exp losses (NT-Xent with a pairing rule, SupCon, the image-text "

@@ -40,7 +40,7 @@ def _check_temperature(temperature: object, name: str = "temperature") -> float:
 
 
 def _shared_options(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
-                    grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "torch") -> dict[str, Any]:
+                    grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> dict[str, Any]:
     """The options every loss takes, checked once (at construction), as keyword arguments."""
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
     v.check_choice(backend, "backend", v.BACKENDS)

@@ -241,7 +241,9 @@ class Positives:
         inside = w & (p[:, 0] >= r0) & (p[:, 0] < r1) & (p[:, 1] >= c0) & (p[:, 1] < c1)
         flat = torch.where(inside, (p[:, 0] - r0) * wdt + (p[:, 1] - c0), h * wdt)
         block = torch.zeros(h * wdt + 1, dtype=torch.bool, device=p.device)
-        block[flat] = True
+        # index_fill_ takes the value as a scalar: `block[flat] = True` builds a value tensor
+        # and synchronised with the host on CUDA
+        block.index_fill_(0, flat, True)
         return block[:-1].view(h, wdt)
 
     def row_counts(self) -> Tensor:

@@ -12,7 +12,10 @@ than seconds do.
 Peers: pytorch-metric-learning (always installed with the ``dev`` extra), open_clip's
 ``ClipLoss`` and ``SigLipLoss`` (its ``loss.py`` loaded alone, when installed) and
 lightly's ``NTXentLoss`` when importable; and a dense PyTorch baseline of the same
-formula, labelled ``dense-baseline``.
+formula, labelled ``dense-baseline``, and the same formula under ``torch.compile`` (``dense-compiled``:
+what a careful user writes in one line, the anchor on a GPU). ``--gpu`` runs the GPU table of the docs
+(CLIP at 8,192 x 512 and 65,536 x 768, NT-Xent at 65,536 x 768, bf16) with the GEMM-equivalent
+TFLOP/s of every row and the device's measured bf16 matmul peak.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ MAX_REFERENCE_ROWS = 16384
 # (loss, implementation) pairs understood by the worker.
 IMPLEMENTATIONS = {
     # infcl-formula: Inf-CL's schedule (two one-direction losses, logits recomputed twice in backward)
-    "clip": ["ours", "ours-dense", "open_clip", "dense-baseline", "infcl-formula"],
+    "clip": ["ours", "ours-dense", "open_clip", "dense-baseline", "dense-compiled", "infcl-formula"],
     "siglip": ["ours", "ours-dense", "open_clip", "dense-baseline"],
-    "nt_xent": ["ours", "ours-dense", "lightly", "pml", "dense-baseline"],
-    "supcon": ["ours", "ours-dense", "pml", "supcon-authors-formula"],
+    "nt_xent": ["ours", "ours-dense", "lightly", "pml", "dense-baseline", "dense-compiled"],
+    "supcon": ["ours", "ours-dense", "pml", "supcon-authors-formula", "dense-compiled"],
     # labelled mask-in-tile losses (only with --loss and --classes; their dense forms need several N x N matrices)
     "nt_xent_pml": ["ours"],
     "nt_bxent": ["ours"],
@@ -55,7 +58,7 @@ IMPLEMENTATIONS = {
 }
 
 #: The engine backend of "ours" in this worker process (one case per process).
-_BACKEND = ["torch"]
+_BACKEND = ["auto"]
 #: Losses whose "ours" runs on backend="triton" too (the log-sum-exp engine).
 TRITON_LOSSES = ("clip", "nt_xent", "supcon", "info_nce_queue")
 
@@ -145,6 +148,9 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
         if impl == "open_clip":
             peer = load_open_clip_loss().ClipLoss()
             return lambda: peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau)
+        if impl == "dense-compiled":
+            compiled = torch.compile(dense_clip, dynamic=False)
+            return lambda: compiled(x, y, tau)
         return lambda: dense_clip(x, y, tau)
     if impl in ("ours", "ours-dense"):
         return lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk)
@@ -202,6 +208,31 @@ def _build_guide(impl: str, x: torch.Tensor, gen: torch.Generator, tau: float) -
     return (lambda: dense_guided_info_nce(x, k, g_q, g_k, tau)), [x, k]
 
 
+def _build_nt_xent(impl: str, x: torch.Tensor, tau: float, dense_chunk: int) -> tuple[Any, list[torch.Tensor]]:
+    """The closure of an NT-Xent (halves pairing) case."""
+    import torch_contrastive as tc
+
+    n, device = x.shape[0], x.device
+    if impl in ("ours", "ours-dense"):
+        chunk = dense_chunk if impl == "ours-dense" else None
+        return (lambda: tc.nt_xent_loss(x, tau, pairing="halves", chunk_size=chunk, backend=_BACKEND[0])), [x]
+    if impl == "lightly":
+        from lightly.loss import NTXentLoss  # type: ignore[import-not-found]
+
+        peer = NTXentLoss(temperature=tau)
+        return (lambda: peer(x[: n // 2], x[n // 2 :])), [x]
+    if impl == "pml":
+        from pytorch_metric_learning.losses import NTXentLoss as PMLNTXent
+
+        pml = PMLNTXent(temperature=tau)
+        pair_labels = torch.arange(n, device=device) % (n // 2)
+        return (lambda: pml(x, pair_labels)), [x]
+    if impl == "dense-compiled":
+        compiled_nt = torch.compile(dense_nt_xent, dynamic=False)
+        return (lambda: compiled_nt(x, tau)), [x]
+    return (lambda: dense_nt_xent(x, tau)), [x]
+
+
 def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.device,
            spec_classes: int = 100, queue_rows: int = DEFAULT_QUEUE,
            dtype: torch.dtype = torch.float32) -> tuple[Any, list[torch.Tensor]]:
@@ -225,21 +256,7 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
             return (lambda: tc.nt_xent_loss(x, tau, labels=classes)), [x]
         return (lambda: tc.nt_bxent_loss(x, labels=classes, temperature=tau)), [x]
     if loss == "nt_xent":
-        if impl in ("ours", "ours-dense"):
-            chunk = dense_chunk if impl == "ours-dense" else None
-            return (lambda: tc.nt_xent_loss(x, tau, pairing="halves", chunk_size=chunk, backend=_BACKEND[0])), [x]
-        if impl == "lightly":
-            from lightly.loss import NTXentLoss  # type: ignore[import-not-found]
-
-            peer = NTXentLoss(temperature=tau)
-            return (lambda: peer(x[: n // 2], x[n // 2 :])), [x]
-        if impl == "pml":
-            from pytorch_metric_learning.losses import NTXentLoss as PMLNTXent
-
-            pml = PMLNTXent(temperature=tau)
-            pair_labels = torch.arange(n, device=device) % (n // 2)
-            return (lambda: pml(x, pair_labels)), [x]
-        return (lambda: dense_nt_xent(x, tau)), [x]
+        return _build_nt_xent(impl, x, tau, dense_chunk)
     if impl in ("ours", "ours-dense"):
         chunk = dense_chunk if impl == "ours-dense" else None
         return (lambda: tc.supcon_loss(x, labels, temperature=tau, chunk_size=chunk, backend=_BACKEND[0])), [x]
@@ -248,6 +265,9 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
 
         pml_supcon = PMLSupCon(temperature=tau)
         return (lambda: pml_supcon(x, labels)), [x]
+    if impl == "dense-compiled":
+        compiled_sc = torch.compile(_dense_supcon, dynamic=False)
+        return (lambda: compiled_sc(x, labels, tau)), [x]
     return (lambda: _dense_supcon(x, labels, tau)), [x]
 
 
@@ -263,10 +283,48 @@ def _time(fn: Any, reps: int, warm: bool = True) -> float:
     return best
 
 
+def _gemm_equivalent(loss: str, n: int, d: int) -> float:
+    """FLOP of the GEMM-equivalent work of a forward+backward: 2 N^2 D per product, 4 products for
+    two sets (logits, their recomputation, G @ B, G.T @ A), 2 for one set (a symmetric matrix)."""
+    return (8.0 if loss in ("clip", "siglip") else 4.0) * n * n * d
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
+    """The device's measured matmul rate (TFLOP/s) on random ``n x n`` operands: median of ten."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2.0 * n**3 / statistics.median(times) / 1e12
+
+
+#: The GPU table (SPEC 14 anchors): (loss, N, D).
+GPU_GRID = [("clip", 8192, 512), ("clip", 65536, 768), ("nt_xent", 65536, 768)]
+
+
+def gpu_plan(backends: list[str]) -> list[dict[str, Any]]:
+    """The ``--gpu`` cases: ours per backend beside dense and dense-compiled, bf16."""
+    cases = []
+    for loss, n, d in GPU_GRID:
+        for impl in ("dense-compiled", "dense-baseline"):
+            cases.append({"loss": loss, "impl": impl, "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": "torch"})
+        for backend in backends:
+            cases.append({"loss": loss, "impl": "ours", "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": backend})
+    return cases
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one case (called in a fresh process). Returns the measured row."""
     device = torch.device(spec.get("device", "cpu"))
-    _BACKEND[0] = spec.get("backend", "torch")
+    _BACKEND[0] = spec.get("backend", "auto")
     n, d, tau, reps = spec["n"], spec["d"], spec["tau"], spec["reps"]
     # Warm up on a small batch first: thread pools and BLAS workspaces are allocated
     # once per process and are not the loss's memory.
@@ -297,9 +355,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     # The loss value, so that a reader (and the tests) can see every implementation computed the same thing.
     row = {**spec, "value": float(values[0]), "seconds": float("nan"), "matmul_seconds": float("nan"), "R": float("nan"),
            "extra_mib": peak / 2**20}
-    if n > MAX_REFERENCE_ROWS:
-        # The reference's own N x N matrices would not fit (2 x 16 GiB at 65,536).
-        return {**row, "seconds": _time(step, reps)}
+    if n > MAX_REFERENCE_ROWS or device.type == "cuda":
+        # The reference's own N x N matrices would not fit (2 x 16 GiB at 65,536); on a GPU
+        # absolute times are reported (beside the anchors of the same run) instead of R.
+        seconds = _time(step, reps)
+        return {**row, "seconds": seconds, "tflops_geq": _gemm_equivalent(spec["loss"], n, d) / seconds / 1e12}
     # The reference: three matmuls of the same shape, allocated after the loss's peak was
     # taken. Loss and reference runs alternate, and R is the median of the per-pair
     # ratios, so a slow spell of the shared machine hits both sides of a ratio alike.
@@ -403,13 +463,32 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 def _backends(args: argparse.Namespace) -> tuple[list[str], str]:
     """The requested engine backends, and what is wrong with the request ("" if nothing)."""
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    if any(b not in ("torch", "triton") for b in backends) or not backends:
-        return backends, f"--backend takes torch and/or triton, got {args.backend!r}"
+    if any(b not in ("auto", "torch", "triton") for b in backends) or not backends:
+        return backends, f"--backend takes auto, torch and/or triton, got {args.backend!r}"
     if "triton" in backends and args.device != "cuda":
         return backends, "--backend triton needs --device cuda (on CPU the kernels only run in Triton's slow interpreter)"
     if args.device == "cuda" and not torch.cuda.is_available():
         return backends, "--device cuda: no CUDA device here"
     return backends, ""
+
+
+def _per_backend(cases: list[dict[str, Any]], backends: list[str]) -> list[dict[str, Any]]:
+    """Every "ours" case once per requested backend (Triton only for the losses it covers)."""
+    extra = [{**c, "impl": "ours", "backend": b} for b in backends[1:] for c in cases
+             if c["impl"] == "ours" and (b != "triton" or c["loss"] in TRITON_LOSSES)]
+    for c in cases:
+        if c["impl"] == "ours":
+            c["backend"] = backends[0]
+    return [c for c in cases if c["impl"] != "ours" or backends[0] != "triton" or c["loss"] in TRITON_LOSSES] + extra
+
+
+def _machine(device: str) -> str:
+    """The machine in words; on a GPU with its name and measured bf16 matmul peak."""
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+    if device == "cuda":
+        peak = matmul_peak(torch.device("cuda"))
+        machine += f", {torch.cuda.get_device_name()} (bf16 matmul peak measured {peak:.0f} TFLOP/s)"
+    return machine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -420,20 +499,18 @@ def run(args: argparse.Namespace) -> int:
 
         machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
         return run_small(args.sizes, args.dim, 0.1 if args.temperature == 0.07 else args.temperature, out_dir, machine)
+    if args.gpu:
+        args.device, args.dtype = "cuda", "bfloat16"
     cases = plan(args.quick, args.sizes, args.dims or [args.dim], args.temperature, args.large)
     backends, problem = _backends(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    extra = [{**c, "impl": "ours", "backend": "triton"} for c in cases
-             if "triton" in backends and c["impl"] == "ours" and c["loss"] in TRITON_LOSSES]
-    if "torch" not in backends:
-        cases = [c for c in cases if c["impl"] != "ours"]
-    cases = cases + extra
+    cases = gpu_plan(backends) if args.gpu else _per_backend(cases, backends)
     for case in cases:
         case["device"] = args.device
         case["dtype"] = args.dtype
-        case.setdefault("backend", "torch")
+        case.setdefault("backend", "auto")
     if args.loss != "all":
         cases = [c for c in cases if c["loss"] == args.loss]
     else:
@@ -442,22 +519,23 @@ def run(args: argparse.Namespace) -> int:
         case["classes"] = args.classes
         if case["loss"] == "info_nce_queue":
             case["queue"] = args.queue
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
-    print(f"torch-contrastive bench ({'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
+    machine = _machine(args.device)
+    print(f"torch-contrastive bench ({'gpu' if args.gpu else 'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
     print(f"{'loss':<8} {'impl':<24} {'N':>6} {'D':>4} {'time s':>8} {'R':>6} {'extra MiB':>10}  status")
     rows = []
     for spec in cases:
         row = _run_case(spec, args.timeout)
         rows.append(row)
-        row["impl"] = row["impl"] if row.get("backend", "torch") == "torch" else f"{row['impl']}[{row['backend']}]"
+        row["impl"] = row["impl"] if row.get("backend", "auto") == "auto" else f"{row['impl']}[{row['backend']}]"
         if row["status"] == "ok":
-            print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {row['seconds']:>8.3f} {row['R']:>6.2f} "
-                  f"{row['extra_mib']:>10.1f}  ok", flush=True)
+            rate = f"  {row['tflops_geq']:.0f} TFLOP/s (GEMM-eq)" if "tflops_geq" in row else ""
+            print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {row['seconds']:>8.4f} {row['R']:>6.2f} "
+                  f"{row['extra_mib']:>10.1f}  ok{rate}", flush=True)
         else:
             print(f"{row['loss']:<8} {row['impl']:<24} {row['n']:>6} {row['d']:>4} {'':>8} {'':>6} {'':>10}  {row['status']}",
                   flush=True)
     fields = ["loss", "impl", "backend", "device", "dtype", "n", "d", "tau", "classes", "queue", "reps", "value", "seconds", "matmul_seconds",
-              "R", "extra_mib", "status"]
+              "R", "extra_mib", "tflops_geq", "status"]
     with open(out_dir / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -497,8 +575,11 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per case")
     p.add_argument("--out", default="bench-results", help="output folder (CSV, PNG)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every case runs (default cpu)")
-    p.add_argument("--backend", default="torch",
-                   help="engine backend(s) of 'ours', comma-separated: torch, triton (triton needs --device cuda)")
+    p.add_argument("--backend", default="auto",
+                   help="engine backend(s) of 'ours', comma-separated: auto (default), torch, triton (triton needs --device cuda)")
+    p.add_argument("--gpu", action="store_true",
+                   help="the GPU table: CLIP 8,192 x 512 and 65,536 x 768, NT-Xent 65,536 x 768, bf16, ours per --backend "
+                        "beside dense and dense-compiled (implies --device cuda --dtype bfloat16)")
     p.set_defaults(func=run)
 
 

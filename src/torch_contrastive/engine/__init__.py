@@ -48,16 +48,20 @@ block, and ``H = G + G.T`` feeds both ``dZ_I`` and ``dZ_J``. A problem that fits
 tile (the common small batch) skips the tile bookkeeping altogether.
 """
 
-from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies, resolve_tile
+from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies
 from .pairwise import pairwise_rows, tile_label_bounds
+from .planner import Decision, decide, explain, resolve_tile
 from .sigmoid import sigmoid_rows
 from .softmax import logsumexp_rows, softmax_terms
 
 __all__ = [
     "DEFAULT_TILE",
     "DENSE_BUDGET_BYTES",
+    "Decision",
     "Scale",
     "compute_dtype",
+    "decide",
+    "explain",
     "fixed_scale_applies",
     "logsumexp_rows",
     "pairwise_rows",

@@ -43,19 +43,6 @@ def fixed_scale_applies(bounded: bool, scale_bound: float | None, dtype: torch.d
     return bounded and scale_bound is not None and scale_bound <= _MAX_FIXED_SCALE[compute_dtype(dtype)]
 
 
-def resolve_tile(chunk_size: int | None, rows: int, cols: int) -> int:
-    """Tile edge for a problem of ``rows`` x ``cols`` logits.
-
-    ``chunk_size=None``: one tile when two fp32 ``rows x cols`` buffers fit in
-    :data:`DENSE_BUDGET_BYTES`, else :data:`DEFAULT_TILE`. An int forces that tile.
-    """
-    if chunk_size is not None:
-        return max(1, int(chunk_size))
-    if 2 * 4 * rows * cols <= DENSE_BUDGET_BYTES:
-        return max(rows, cols, 1)
-    return DEFAULT_TILE
-
-
 def tiles(rows: int, cols: int, tile: int, symmetric: bool) -> Iterator[tuple[int, int, int, int]]:
     """(r0, r1, c0, c1) of every tile to visit; only the upper triangle when symmetric."""
     for r0 in range(0, rows, tile):
@@ -240,8 +227,12 @@ def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: 
 
 def mask_as(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool mask as 0/1 values of ``dtype``, through a uint8 view: converting bool
-    directly takes a slow path on CPU (about 4x the time)."""
-    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(dtype)
+    directly takes a slow path on CPU (about 4x the time). Not under ``torch.compile``:
+    inductor cannot lower a bool ``view(dtype)`` (torch 2.11: "torch.bool is not supported by
+    torch.iinfo") and fuses the plain conversion anyway."""
+    if mask.dtype != torch.bool or torch.compiler.is_compiling():
+        return mask.to(dtype)
+    return mask.view(torch.uint8).to(dtype)
 
 
 def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:

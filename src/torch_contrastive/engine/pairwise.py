@@ -25,12 +25,12 @@ from ._common import (
     logits_tile,
     mask_as,
     prepare_inputs,
-    resolve_tile,
     save,
     saved,
     self_diagonal,
     tiles,
 )
+from .planner import decide
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -400,7 +400,7 @@ class _Pairwise(torch.autograd.Function):
             grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)
         grads = tuple(as_dtype(g, a.dtype) for g in grads)
         kernel = _KERNELS[plan.kernel]
-        if kept:
+        if n_kept > 0:
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
             if ctx.single:  # one set: both roles of every row in one product
                 gb, ga = (g + g.t()) @ a, None
@@ -426,7 +426,7 @@ class _Pairwise(torch.autograd.Function):
         norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
         # (G + G.T) @ A counts every pair twice, like the symmetric path's H @ Z
-        both_roles = plan.symmetric or (bool(kept) and ctx.single)
+        both_roles = plan.symmetric or (n_kept > 0 and ctx.single)
         grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, both_roles, norm_a, norm_b, b, plan.eps)
         return grad_a, grad_b, gscale, None, None
 
@@ -517,8 +517,11 @@ def pairwise_rows(
 
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
-    tile = resolve_tile(chunk_size, anchors.shape[0], candidates.shape[0])
-    single = tile >= max(anchors.shape[0], candidates.shape[0])
+    decision = decide(kernel="pairwise", rows=anchors.shape[0], cols=candidates.shape[0], device=anchors.device,
+                      dtype=anchors.dtype, other_dtype=candidates.dtype, chunk_size=chunk_size, backend="torch", fixed=fixed,
+                      half_ok=False)
+    tile = decision.tile or max(anchors.shape[0], candidates.shape[0])
+    single = decision.tile == 0
     mixed = None
     if label_ranges is not None and not single:
         rows, cols = label_ranges

@@ -29,12 +29,12 @@ from ._common import (
     finish_gradients,
     logits_tile,
     prepare_inputs,
-    resolve_tile,
     save,
     saved,
     self_diagonal,
     tiles,
 )
+from .planner import decide
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -173,6 +173,7 @@ def sigmoid_rows(
     Memory: O((R + C) * D) plus two tile buffers; a single tile is kept for backward.
     """
     R, C = anchors.shape[0], candidates.shape[0]
-    tile = resolve_tile(chunk_size, R, C)
-    plan = _Plan(positives, diagonal_offset, 0 if tile >= max(R, C) else tile, normalize, float(eps))
+    decision = decide(kernel="sigmoid", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype, other_dtype=candidates.dtype,
+                      chunk_size=chunk_size, backend="torch", fixed=False, half_ok=False)
+    plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps))
     return _SigmoidRows.apply(anchors, candidates, scale, bias, plan)

@@ -28,15 +28,15 @@ from ._common import (
     as_dtype,
     autocast_enabled,
     finish_gradients,
-    logits_tile,
     mask_as,
     prepare_inputs,
-    resolve_tile,
     save,
     saved,
     self_diagonal,
     tiles,
 )
+from .planner import decide
+from .products import AnyProducts, make_products
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -74,9 +74,11 @@ class _Plan:
     # ``tile(r0, r1, c0, c1)`` is the bool block to leave out (see positives.Exclusion).
     exclude: Any = None
     # "torch" (this module's tile loops) or "triton" (engine/triton_backend.py kernels)
-    backend: str = "torch"
+    backend: str = "auto"
     # triton on a GPU: half-precision inputs reach tl.dot in this dtype (None: the compute dtype)
     operand_dtype: torch.dtype | None = None
+    # torch backend: fp16/bf16 inputs multiplied as given on tensor cores (products.HalfProducts)
+    half: bool = False
 
     @property
     def single_tile(self) -> bool:
@@ -196,8 +198,8 @@ def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
     return row_pos, col_pos
 
 
-def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor,
-                                                                  tuple[Tensor, Tensor | None] | None]:
+def _single_forward(prod: AnyProducts, R: int, C: int, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
+                                                                             Tensor, tuple[Tensor, Tensor | None] | None]:
     """``(row_lse, col_lse, row_pos, col_pos, kept, sums)`` of a single tile.
 
     ``kept`` is ``exp(S)`` (fixed; self pairs zeroed) or ``S`` (online; self pairs at
@@ -205,8 +207,7 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     can be empty, the row (and column) sums of ``exp(S)``, so that backward divides by
     them instead of computing ``exp(-LSE)``.
     """
-    C = b.shape[0]
-    s = a_s @ b.t()
+    s = prod.logits(0, R, 0, C)
     row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
     diag = self_diagonal(s, 0, 0, plan.self_offset)
     if plan.fixed:
@@ -244,7 +245,7 @@ def _single_forward(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor
     return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
 
 
-def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+def _single_backward(kept: Tensor, prod: AnyProducts, b: Tensor, row: _Direction, col: _Direction | None,
                      c_row: Tensor | None, c_col: Tensor | None, plan: _Plan, by_sums: bool = False) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` of a single tile, positive part folded into G.
 
@@ -275,12 +276,12 @@ def _single_backward(kept: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _
     if plan.positives is not None and c_row is not None:
         _fold_positives(g, plan.positives, plan, c_row, c_col)
     if plan.symmetric or plan.grad_columns == 0:
-        return g @ b, None
+        return prod.row_product(g), None
     if plan.grad_columns >= b.shape[0]:
-        return g @ b, g.t() @ a
+        return prod.row_product(g), prod.column_product(g)
     ga_acc = torch.zeros_like(b)
-    torch.mm(g[:, : plan.grad_columns].t(), a, out=ga_acc[: plan.grad_columns])
-    return g @ b, ga_acc
+    ga_acc[: plan.grad_columns] = prod.column_product(g[:, : plan.grad_columns])
+    return prod.row_product(g), ga_acc
 
 
 def _fold_positives(g: Tensor, positives: Positives, plan: _Plan, c_row: Tensor, c_col: Tensor | None) -> None:
@@ -340,14 +341,14 @@ def _complete_columns(col_sum: Tensor, col_max: Tensor, plan: _Plan) -> Tensor:
 
 
 # ----------------------------------------------------------------------- many tiles
-def _forward_fixed(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+def _forward_fixed(prod: AnyProducts, a: Tensor, C: int, plan: _Plan) -> tuple[Tensor, Tensor | None]:
     """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
-    R, C = a_s.shape[0], b.shape[0]
-    bufs = Buffers(a_s.dtype, a_s.device)
-    row_sum = a_s.new_zeros(R)
-    col_sum = a_s.new_zeros(C) if plan.columns else None
+    R = a.shape[0]
+    bufs = Buffers(a.dtype, a.device)
+    row_sum = a.new_zeros(R)
+    col_sum = a.new_zeros(C) if plan.columns else None
     for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        e = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+        e = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()
         diag = self_diagonal(e, r0, c0, plan.self_offset)
         if diag is not None:
             diag.zero_()
@@ -371,19 +372,19 @@ def _fixed_lse(row_sum: Tensor, col_sum: Tensor | None, plan: _Plan, n_cols: int
     return row_lse, col_sum.log()
 
 
-def _forward_online(a_s: Tensor, b: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+def _forward_online(prod: AnyProducts, a: Tensor, C: int, plan: _Plan) -> tuple[Tensor, Tensor | None]:
     """Running (maximum, shifted sum) per row and column: exact for any logit range.
 
     A self entry is set to the lowest finite value before the maximum is taken and
     zeroed after the exp, so no ``inf - inf`` can arise.
     """
-    R, C = a_s.shape[0], b.shape[0]
-    low = torch.finfo(a_s.dtype).min
-    bufs = Buffers(a_s.dtype, a_s.device)
-    row_max, row_sum = a_s.new_full((R,), low), a_s.new_zeros(R)
-    col_max, col_sum = a_s.new_full((C,), low), a_s.new_zeros(C)
+    R = a.shape[0]
+    low = torch.finfo(a.dtype).min
+    bufs = Buffers(a.dtype, a.device)
+    row_max, row_sum = a.new_full((R,), low), a.new_zeros(R)
+    col_max, col_sum = a.new_full((C,), low), a.new_zeros(C)
     for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0))
         diag = self_diagonal(s, r0, c0, plan.self_offset)
         if diag is not None:
             diag.fill_(low)
@@ -425,7 +426,7 @@ def _online_update(
     run_max[i0:i1] = new_max
 
 
-def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+def _backward_fixed(prod: AnyProducts, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
                     plan: _Plan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
 
@@ -439,16 +440,16 @@ def _backward_fixed(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Di
     gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
     ga_acc = _column_accumulator(b, plan)  # G.T @ A
     for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        g = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1]).exp_()
+        g = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()
         if v is not None:
             g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1], out=bufs.get(r1 - r0, c1 - c0, 1)))
         else:
             g.mul_(u[r0:r1, None])
-        _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+        _accumulate(g, prod, gb_acc, ga_acc, r0, r1, c0, c1, plan)
     return gb_acc, ga_acc
 
 
-def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
+def _backward_online(prod: AnyProducts, a: Tensor, b: Tensor, row: _Direction, col: _Direction | None,
                      plan: _Plan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
     g_row, row_lse = row
@@ -457,11 +458,11 @@ def _backward_online(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _D
     gb_acc = torch.zeros_like(a)
     ga_acc = _column_accumulator(b, plan)
     for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        s = logits_tile(bufs.get(r1 - r0, c1 - c0, 1), a_s[r0:r1], b[c0:c1])
+        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0, 1))
         g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0)).exp_().mul_(g_row[r0:r1, None])
         if col is not None:
             g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
-        _accumulate(g, a, b, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+        _accumulate(g, prod, gb_acc, ga_acc, r0, r1, c0, c1, plan)
     return gb_acc, ga_acc
 
 
@@ -471,7 +472,7 @@ def _column_accumulator(b: Tensor, plan: _Plan) -> Tensor | None:
     return None if plan.symmetric or plan.grad_columns == 0 else torch.zeros_like(b)
 
 
-def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor | None,
+def _accumulate(g: Tensor, prod: AnyProducts, gb_acc: Tensor, ga_acc: Tensor | None,
                 r0: int, r1: int, c0: int, c1: int, plan: _Plan) -> None:
     """Zero the self pairs (and excluded entries) of a gradient tile and add it into both accumulators."""
     diag = self_diagonal(g, r0, c0, plan.self_offset)
@@ -481,13 +482,13 @@ def _accumulate(g: Tensor, a: Tensor, b: Tensor, gb_acc: Tensor, ga_acc: Tensor 
         _drop(g, plan, r0, r1, c0, c1)
     else:  # an empty row's recomputed exp can be inf there: overwrite
         _blank(g, plan, r0, c0, _excluded(plan, r0, r1, c0, c1), 0.0)
-    gb_acc[r0:r1].addmm_(g, b[c0:c1])
+    prod.add_rows(gb_acc[r0:r1], g, c0, c1)
     if plan.symmetric:
         if c0 != r0:
-            gb_acc[c0:c1].addmm_(g.t(), a[r0:r1])
+            prod.add_columns(gb_acc[c0:c1], g, r0, r1)
     elif ga_acc is not None and c0 < plan.grad_columns:
         end = min(c1, plan.grad_columns)
-        ga_acc[c0:end].addmm_(g[:, : end - c0].t(), a[r0:r1])
+        prod.add_columns(ga_acc[c0:end], g[:, : end - c0], r0, r1)
 
 
 def _triton_operands(plan: _Plan, *tensors: Tensor) -> list[Tensor]:
@@ -548,6 +549,18 @@ def _backward_triton(a_s: Tensor, a: Tensor, b: Tensor, row: _Direction, col: _D
     return gb_acc, ga_acc
 
 
+def _triton_refusal(anchors: Tensor, exclude: Any) -> str | None:
+    """None when the Triton kernels can run this call, else why not (for the planner)."""
+    from . import triton_backend
+
+    try:
+        triton_backend.check_device(anchors)
+        triton_backend.check_exclusion(exclude)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
     return g if weight is None else g * weight
 
@@ -571,12 +584,15 @@ class _SoftmaxTerms(torch.autograd.Function):
         a_s = a_c * scale_c
         kept = sums = None
         row_pos = col_pos = None
+        raw = (a, b) if plan.half else ()
         if plan.backend == "triton":
             row_lse, col_lse = _forward_triton(a_s, b_c, plan)
-        elif plan.single_tile:
-            row_lse, col_lse, row_pos, col_pos, kept, sums = _single_forward(a_s, b_c, plan)
         else:
-            row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(a_s, b_c, plan)
+            prod = make_products(plan.half, raw, a_s, a_c, b_c, scale_c, norms, plan.normalize)
+            if plan.single_tile:
+                row_lse, col_lse, row_pos, col_pos, kept, sums = _single_forward(prod, a_c.shape[0], b_c.shape[0], plan)
+            else:
+                row_lse, col_lse = (_forward_fixed if plan.fixed else _forward_online)(prod, a_c, b_c.shape[0], plan)
         if plan.positives is not None and not plan.tile_positives:
             row_pos = (a_s * plan.positives.aggregate(b_c)).sum(1)
             if plan.column_positives:
@@ -605,7 +621,8 @@ class _SoftmaxTerms(torch.autograd.Function):
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
         save(ctx, scale_c, a_c, b_c, row_stat, row_stat if col_stat is None else col_stat, *weights, *norms,
-             *(() if kept is None else (kept,)))
+             *(() if kept is None else (kept,)), *(t for t in raw if t is not None))
+        ctx.raw = len([t for t in raw if t is not None])
         return row_out, col_out
 
     @staticmethod
@@ -613,6 +630,9 @@ class _SoftmaxTerms(torch.autograd.Function):
     def backward(ctx, g_row: Tensor | None, g_col: Tensor | None):  # type: ignore[override]
         plan: _Plan = ctx.plan
         a, b, rest, scale = saved(ctx)
+        raw: list[Tensor | None] = list(rest[len(rest) - ctx.raw:])
+        del rest[len(rest) - ctx.raw:]
+        raw += [None] * (2 - len(raw))  # a single set's candidates are its anchors
         kept = rest.pop() if ctx.kept else None
         row_lse, col_lse = rest[0], rest[1]
         given = iter(rest[2:])
@@ -641,15 +661,18 @@ class _SoftmaxTerms(torch.autograd.Function):
             c_col = -uniform_col if uniform_col is not None and col_beta is None else -_weighted(g_col_c, col_beta)
         if not plan.symmetric and not ctx.needs_input_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
+        # (the Triton kernels take the operands themselves; the products serve the torch loops)
+        prod = make_products(plan.half, tuple(raw) if plan.half else (), None, a, b, scale, norm_tensors, plan.normalize)
         if kept is not None:
             folded = (c_row, c_col) if plan.tile_positives else (None, None)
-            gb_acc, ga_acc = _single_backward(kept, a, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
+            gb_acc, ga_acc = _single_backward(kept, prod, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
         else:
             if plan.symmetric:
                 col = (u, row_lse)  # a single set's columns are its rows
-            a_s = a * scale
-            backward = _backward_triton if plan.backend == "triton" else _backward_fixed if plan.fixed else _backward_online
-            gb_acc, ga_acc = backward(a_s, a, b, (u, row_lse), col, plan)
+            if plan.backend == "triton":
+                gb_acc, ga_acc = _backward_triton(a * scale, a, b, (u, row_lse), col, plan)
+            else:
+                gb_acc, ga_acc = (_backward_fixed if plan.fixed else _backward_online)(prod, a, b, (u, row_lse), col, plan)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row.expand(a.shape[0]),
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
@@ -711,7 +734,7 @@ def softmax_terms(
     column_comm: Any = None,
     grad_columns: int | None = None,
     exclude: Any = None,
-    backend: str = "torch",
+    backend: str = "auto",
     total: tuple[Scale, Scale] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
@@ -754,7 +777,7 @@ def softmax_terms(
             the column log-sum-exp): a :class:`~torch_contrastive.positives.Exclusion`.
             With ``symmetric=True`` it must be a symmetric relation. A row whose every
             candidate is left out gets ``LSE = -inf``.
-        backend: ``"torch"`` (default) or ``"triton"``: the log-sum-exp passes as Triton kernels
+        backend: ``"auto"`` (default; :func:`.planner.decide`), ``"torch"`` or ``"triton"``: the log-sum-exp passes as Triton kernels
             (CUDA tensors, or ``TRITON_INTERPRET=1`` on CPU; see :mod:`.triton_backend`): the
             same semantics -- both regimes, the single-set triangle, exclusions by ids, a
             partner relation, a guide or diagonals, distributed column statistics; positives
@@ -781,24 +804,19 @@ def softmax_terms(
         # one mask serves a tile's row block and, transposed, its column block
         raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
     R, C = anchors.shape[0], candidates.shape[0]
-    tile = resolve_tile(chunk_size, R, C)
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    decision = decide(kernel="softmax", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype,
+                      other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed,
+                      triton_serves=lambda: _triton_refusal(anchors, exclude))
     operand_dtype = None
-    if backend == "triton":
-        from . import triton_backend
-
-        triton_backend.check_device(anchors)
-        triton_backend.check_exclusion(exclude)
-        half = (torch.float16, torch.bfloat16)
-        if anchors.dtype in half and candidates.dtype == anchors.dtype:
-            operand_dtype = anchors.dtype
+    if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
+        operand_dtype = anchors.dtype
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
-    single = tile >= max(R, C) and backend == "torch"
+    single = decision.tile == 0
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
-    plan = _Plan(self_offset, columns, symmetric, 0 if single else tile, fixed, normalize, float(eps), positives,
+    plan = _Plan(self_offset, columns, symmetric, decision.tile, fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
-                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, backend, operand_dtype)
+                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, operand_dtype,
+                 decision.half)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan, total)
     return row_out, (col_out if columns and total is None else None)

@@ -199,7 +199,7 @@ def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.C
     read in the same transfer, so no output check (a second read) is needed afterwards.
     """
     n = z.shape[0]
-    tile = resolve_tile(chunk_size, n, n)
+    tile = resolve_tile(chunk_size, n, n, z.device, 16 if z.dtype == torch.float64 else 8)
     if scope.distributed or not checks.enabled or not normalize or tile >= n:
         return None
     sorted_labels, perm = torch.sort(labels, stable=True)

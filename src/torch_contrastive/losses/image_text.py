@@ -48,7 +48,7 @@ def image_text_contrastive_loss(
     validate: bool = True,
     decoupled: bool = False,
     label_smoothing: float = 0.0,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> Tensor:
     """Symmetric image-text contrastive loss of CLIP/ALIGN (seed 002).
 
@@ -83,8 +83,9 @@ def image_text_contrastive_loss(
             ``F.cross_entropy(S, arange(N), label_smoothing=eps)`` per direction. The uniform
             part needs only ``sum_j S_ij = <a_i, sum_j b_j> / tau``: O(N * D), no extra tile
             pass. Not combined with ``decoupled``.
-        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
-            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels"), the
+        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
+            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
+            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU"), the
             distributed column statistics of ``gather=True`` included.
 
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
@@ -176,7 +177,7 @@ class _Variant:
 
 def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, image_id: Tensor | None, text_id: Tensor | None,
                        scope: Scope, fixed: bool, normalize: bool, eps: float, chunk_size: int | None,
-                       variant: _Variant, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
+                       variant: _Variant, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Per-image and per-text terms of this rank's rows under ``gather=True``.
 
     One pass over this rank's image rows x all texts gives the image rows' terms and the

@@ -48,7 +48,7 @@ def info_nce_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> Tensor:
     """InfoNCE of queries against their keys plus extra negatives (SPEC §10, §12).
 
@@ -102,8 +102,9 @@ def info_nce_loss(
             ``False`` for rows that are already global, such as a queue filled with
             ``FeatureQueue.push(..., gather=True)``: gathering them again would repeat them.
         grad_reduction, eps, validate: see :func:`~torch_contrastive.nt_xent_loss`.
-        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
-            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
+        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
+            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
+            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU").
 
     Returns:
         0-dim loss (fp32 for half inputs), or (N,) per-query values. A query whose every
@@ -274,7 +275,7 @@ def _check_inputs(query: Tensor, key: Tensor, negatives: Tensor | None, negative
 
 
 def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale, fixed: bool, normalize: bool,
-              eps: float, chunk_size: int | None, backend: str = "torch") -> Tensor:
+              eps: float, chunk_size: int | None, backend: str = "auto") -> Tensor:
     n = query.shape[0]
     cols = key if negatives is None else torch.cat([key, negatives])
     positives = Positives.from_partner(pair_partner(n, "identity", 0, query.device), cols.shape[0], self_offset=None,
@@ -286,7 +287,7 @@ def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale
 
 def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool, in_batch: bool, scale: Scale, scope: Scope,
              spread: bool, fixed: bool, normalize: bool, eps: float, chunk_size: int | None, rules: _Rules,
-             smoothing: float, backend: str = "torch", learners: list[Exclusion] | None = None) -> Tensor:
+             smoothing: float, backend: str = "auto", learners: list[Exclusion] | None = None) -> Tensor:
     """Per-query loss as ``log sum exp`` of terms relative to the positive logit ``s_ii``.
 
     Each candidate group is its own engine call: the (gathered) keys, with query i's

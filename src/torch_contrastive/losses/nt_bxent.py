@@ -27,7 +27,7 @@ def nt_bxent_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> Tensor:
     """NT-BXent, the multi-positive binary cross-entropy loss of seed 000.
 

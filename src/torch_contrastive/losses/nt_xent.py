@@ -31,7 +31,7 @@ def nt_xent_loss(
     memory_labels: Tensor | None = None,
     decoupled: bool = False,
     positive_weight: Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> Tensor:
     """NT-Xent, the SimCLR loss (seeds 000, 001, 003, 004).
 
@@ -75,8 +75,9 @@ def nt_xent_loss(
         positive_weight: optional (2N,) weight of each row's positive term (no gradient),
             pairing rules only: ``loss_i = -w_i s_ip + LSE_i`` (DCLW's von Mises-Fisher
             weight, see :class:`~torch_contrastive.DCLWLoss`).
-        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
-            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
+        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
+            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
+            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU").
 
     Returns:
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.

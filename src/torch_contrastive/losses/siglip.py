@@ -41,7 +41,7 @@ def siglip_loss(
     grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> Tensor:
     """SigLIP, the sigmoid loss for language-image pre-training (Zhai et al. 2023).
 
@@ -70,7 +70,7 @@ def siglip_loss(
             :func:`~torch_contrastive.nt_xent_loss`. With ``gather`` the texts (and ids) of
             every rank are gathered and each rank computes its own image rows against all
             of them; the value is the global loss on every rank.
-        backend: ``"torch"`` only for now (the Triton kernels cover the log-sum-exp losses).
+        backend: ``"auto"`` (default) or ``"torch"``; the Triton kernels cover the log-sum-exp losses.
 
     Memory: O(N * D + tile^2); forward+backward about three N x N x D matrix multiplies
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid

@@ -32,7 +32,7 @@ def supcon_loss(
     validate: bool = True,
     memory_emb: Tensor | None = None,
     memory_labels: Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020; seed 004).
 
@@ -71,8 +71,9 @@ def supcon_loss(
             ``CrossBatchMemory`` around its ``SupConLoss``, with this batch's rows live
             (they get gradients as candidates too). Needs ``labels``. Memory rows are not
             gathered (a queue pushed with ``gather=True`` is global already).
-        backend: ``"torch"`` (default) or ``"triton"`` (the log-sum-exp passes as Triton kernels on
-            CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; README, "GPU kernels").
+        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
+            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
+            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU").
 
     Memory: O((N + M) * D + tile^2); forward+backward about two N x N x D matrix
     multiplies in ``"all"`` mode, whatever the labels (plus N x M x D products per

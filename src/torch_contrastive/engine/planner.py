@@ -1,0 +1,221 @@
+"""Every device-dependent decision of the engine, made by one function: :func:`decide`.
+
+A loss describes its problem (rows, columns, dtype, the exactness regime it may use) and the
+engine asks :func:`decide` how to run it on the inputs' device:
+
+* **backend** -- ``"auto"`` picks the fastest exact path; an explicit ``"torch"`` /
+  ``"triton"`` is honoured or refused with a ``ValueError`` (never a silent switch).
+* **products** -- fp16/bf16 inputs on a GPU are multiplied as given on tensor cores with fp32
+  accumulation and fp32 logits (:class:`~.products.HalfProducts`); everything else in the
+  compute dtype (fp32 on a GPU follows ``torch.backends.cuda.matmul.allow_tf32``).
+* **tile** -- on a CPU cache-sized (:data:`~._common.DEFAULT_TILE`, one tile up to
+  :data:`~._common.DENSE_BUDGET_BYTES`); on a GPU sized from a scratch budget
+  (:data:`GPU_BUDGET`: 1 GiB unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` gives bytes), so
+  a GPU runs a few large GEMMs instead of thousands of small ones. Memory stays
+  ``O((R + C) * D + budget)``, never ``R x C`` beyond the budget.
+
+The decision is a frozen :class:`Decision`; :func:`explain` returns the decisions a call
+made, and the tests check :func:`decide` per device without running a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES
+
+#: GPU scratch budget (bytes) unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` says otherwise.
+GPU_BUDGET_DEFAULT = 1 << 30
+#: GPU tile edges are multiples of this (GEMM-friendly shapes).
+_GPU_TILE_QUANTUM = 256
+
+BACKENDS = ("auto", "torch", "triton")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one engine call runs.
+
+    Attributes:
+        kernel: which engine function (``"softmax"``, ``"pairwise"``, ``"sigmoid"``).
+        device: the inputs' device type.
+        backend: ``"torch"`` or ``"triton"``.
+        tile: rows (and columns) per tile; ``0`` means the whole ``R x C`` problem is one tile.
+        half: fp16/bf16 inputs multiplied as given on tensor cores, fp32 logits.
+        fixed: the one-``exp`` bounded algorithm (no running maximum).
+        budget: the scratch bytes the tile was sized for.
+        rows, cols: the problem's shape.
+    """
+
+    kernel: str
+    device: str
+    backend: str
+    tile: int
+    half: bool
+    fixed: bool
+    budget: int
+    rows: int
+    cols: int
+
+    def __str__(self) -> str:
+        tiles = "one tile" if self.tile == 0 else f"{math.ceil(self.rows / self.tile)}x{math.ceil(self.cols / self.tile)} tiles of {self.tile}"
+        products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "compute-dtype products"
+        regime = "bounded (one exp)" if self.fixed else "online maximum"
+        return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
+                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}")
+
+
+def _budget_from_environment() -> int:
+    given = os.environ.get("TORCH_CONTRASTIVE_GPU_BUDGET")
+    if not given:
+        return GPU_BUDGET_DEFAULT
+    try:
+        value = int(float(given))
+    except ValueError:
+        raise ValueError(f"TORCH_CONTRASTIVE_GPU_BUDGET must be a number of bytes, got {given!r}") from None
+    if value <= 0:
+        raise ValueError(f"TORCH_CONTRASTIVE_GPU_BUDGET must be positive, got {given!r}")
+    return value
+
+
+def _products_from_environment() -> str:
+    mode = os.environ.get("TORCH_CONTRASTIVE_PRODUCTS", "auto")
+    if mode not in ("auto", "half", "compute"):
+        raise ValueError(f"TORCH_CONTRASTIVE_PRODUCTS must be 'auto', 'half' or 'compute', got {mode!r}")
+    return mode
+
+
+# Read once at import: a call must not consult the environment (or the driver) on its hot
+# path, and torch.compile traces module constants, not os.environ.
+#: Scratch bytes for tiles on a GPU (``TORCH_CONTRASTIVE_GPU_BUDGET`` at import, else 1 GiB).
+GPU_BUDGET = _budget_from_environment()
+#: ``"auto"`` (tensor-core products for half inputs on a GPU), ``"half"`` (also on a CPU, with
+#: widened operands -- the same numbers; for tests) or ``"compute"`` (never); from
+#: ``TORCH_CONTRASTIVE_PRODUCTS`` at import.
+PRODUCTS = _products_from_environment()
+
+
+def resolve_tile(chunk_size: int | None, rows: int, cols: int, device: torch.device | str | None = None,
+                 bytes_per_logit: int = 8, budget: int | None = None) -> int:
+    """Tile edge for a problem of ``rows`` x ``cols`` logits (``max(rows, cols)`` = one tile).
+
+    ``chunk_size`` (an int) forces the tile. Otherwise on a CPU: one tile while two fp32
+    ``rows x cols`` buffers fit in :data:`DENSE_BUDGET_BYTES`, else :data:`DEFAULT_TILE`. On a
+    GPU: one tile while ``rows * cols * bytes_per_logit`` fits the scratch budget, else the
+    largest square tile that does, rounded down to a multiple of 256.
+    """
+    if chunk_size is not None:
+        return max(1, int(chunk_size))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda" and budget is None:
+        if 2 * 4 * rows * cols <= DENSE_BUDGET_BYTES:
+            return max(rows, cols, 1)
+        return DEFAULT_TILE
+    budget = GPU_BUDGET if budget is None else budget
+    if rows * cols * bytes_per_logit <= budget:
+        return max(rows, cols, 1)
+    edge = math.isqrt(budget // bytes_per_logit)
+    return max(_GPU_TILE_QUANTUM, edge // _GPU_TILE_QUANTUM * _GPU_TILE_QUANTUM)
+
+
+def half_products(device: torch.device, dtype: torch.dtype, other: torch.dtype) -> bool:
+    """Whether the torch backend multiplies the inputs as given on tensor cores.
+
+    fp16/bf16 inputs of one dtype on a GPU. ``TORCH_CONTRASTIVE_PRODUCTS=half`` asks for the
+    same arithmetic on a CPU (widened operands: the same numbers; for tests), ``=compute``
+    turns it off.
+    """
+    if dtype not in _HALF or other != dtype:
+        return False
+    if PRODUCTS == "auto":
+        return device.type == "cuda"
+    return PRODUCTS == "half"
+
+
+#: ``"auto"`` runs fp16/bf16 problems of more logits than this on the Triton kernels (CUDA).
+#: Measured on one H100 (docs, "GPU"), CLIP bf16: 8,192 x 512 torch 4.0 ms, Triton 4.1 ms (a tie);
+#: 65,536 x 768 torch 226 ms, Triton 186 ms; NT-Xent 65,536 x 768 torch 123 ms, Triton 95 ms.
+TRITON_FROM_LOGITS = 8192 * 8192
+
+
+def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[], str | None], prefer_triton: bool = False) -> str:
+    """The backend for a call: ``"auto"`` resolved, an explicit one checked.
+
+    ``triton_serves()`` returns None when the Triton kernels can run this call, else why
+    not. ``"auto"`` picks ``"triton"`` where it was measured faster (``prefer_triton``: half
+    inputs on CUDA past :data:`TRITON_FROM_LOGITS`) and the kernels serve the call, else
+    ``"torch"`` (always on a CPU).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        why = triton_serves()
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run this call: {why}")
+    if backend == "auto":
+        return "triton" if prefer_triton and device.type == "cuda" and triton_serves() is None else "torch"
+    return backend
+
+
+def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
+           chunk_size: int | None, backend: str, fixed: bool, triton_serves: Callable[[], str | None] = lambda: None,
+           one_tile_torch_only: bool = True, half_ok: bool = True) -> Decision:
+    """Every decision for one engine call (see the module docstring).
+
+    Args:
+        kernel: the engine function asking (recorded in the decision).
+        rows, cols: ``R`` anchors, ``C`` candidates.
+        device: the inputs' device.
+        dtype, other_dtype: the anchors' and candidates' dtypes.
+        chunk_size: the caller's tile (None: chosen here).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        fixed: the caller may use the bounded one-``exp`` algorithm (a host-side bound).
+        triton_serves: None when the Triton kernels can serve the call, else the reason.
+        one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
+        half_ok: the kernel can take tensor-core products (:mod:`.products`).
+    """
+    prefer_triton = dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
+    chosen = choose_backend(backend, device, triton_serves, prefer_triton)
+    half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
+    wide = 16 if torch.float64 in (dtype, other_dtype) else 8
+    per_logit = wide + (4 if half else 0)  # two fp32 tile buffers (+ two half copies of the gradient tile)
+    budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
+    tile = resolve_tile(chunk_size, rows, cols, device, per_logit if device.type == "cuda" else 8)
+    single = tile >= max(rows, cols) and (chosen == "torch" or not one_tile_torch_only)
+    decision = Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols)
+    _record(decision)
+    return decision
+
+
+# ------------------------------------------------------------------------------ explain
+# Set only while explain() runs (a module global: torch.compile guards on it being None).
+_LOG: list[Decision] | None = None
+
+
+def _record(decision: Decision) -> None:
+    if _LOG is not None:
+        _LOG.append(decision)
+
+
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Decision]:
+    """The engine decisions a call makes: ``explain(tc.clip_loss, img, txt, 0.07)``.
+
+    Runs ``fn(*args, **kwargs)`` once without autograd and returns one :class:`Decision`
+    per engine call (``str(decision)`` says it in words). For a decision without running
+    anything, call :func:`decide` itself.
+    """
+    global _LOG
+    previous, _LOG = _LOG, []
+    try:
+        with torch.no_grad():
+            fn(*args, **kwargs)
+        return list(_LOG)
+    finally:
+        _LOG = previous

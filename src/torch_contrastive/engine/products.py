@@ -1,0 +1,186 @@
+"""The engine's three matrix products over a (row block, column block) tile.
+
+Every pass of the tiled engine multiplies the same three ways::
+
+    logits   S[r, c]  = scale * Â[r] @ B̂[c].T
+    rows     acc[r]  += G @ B̂[c]          (the anchors' gradient, before normalisation)
+    columns  acc[c]  += G.T @ Â[r]        (the candidates' gradient)
+
+where ``Â``, ``B̂`` are the (optionally L2-normalised) inputs. How the products are
+multiplied is a planning decision (:mod:`.planner`), made here in one place:
+
+* :class:`Products` -- in the compute dtype (fp32, fp64): the inputs are normalised in
+  fp32 and multiplied in fp32 (on a GPU PyTorch's own ``allow_tf32`` flag decides whether
+  that is TF32). The CPU path.
+* :class:`HalfProducts` -- fp16/bf16 inputs on a GPU: the tensor cores multiply the
+  caller's *own* half-precision rows, unrounded, with fp32 accumulation and fp32 logits
+  (``torch.mm(..., out_dtype=torch.float32)``). Normalisation and the scale are not
+  folded into the operands (that would round ``x / ||x||`` to half precision, an error
+  the temperature multiplies: at tau = 0.01 about 1 % in the gradients); they are applied
+  to the fp32 logit tile as a row factor ``scale / ||a_i||`` and a column factor
+  ``1 / ||b_j||``. In backward the gradient tile, with the other side's factor folded in,
+  is rounded once to the input dtype for the two products -- what the dense formula's own
+  backward does -- and fp16 tiles are first divided by their largest magnitude so that
+  small entries do not underflow.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._common import Scale, logits_tile
+
+
+class Products:
+    """Products in the compute dtype from the compute-dtype rows.
+
+    Args:
+        a_s: ``scale * Â`` (R, D).
+        a: ``Â`` (R, D).
+        b: ``B̂`` (C, D); ``a`` itself for a single set.
+    """
+
+    half = False
+
+    def __init__(self, a_s: Tensor, a: Tensor, b: Tensor) -> None:
+        self.a_s, self.a, self.b = a_s, a, b
+
+    def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
+        """``S[r0:r1, c0:c1]`` in the compute dtype, into ``out`` when given."""
+        return logits_tile(out, self.a_s[r0:r1], self.b[c0:c1])
+
+    def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
+        """``acc += g @ B̂[c0:c1]`` (``acc`` the rows' slice of the accumulator)."""
+        acc.addmm_(g, self.b[c0:c1])
+
+    def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
+        """``acc += g.T @ Â[r0:r1]`` (``acc`` the columns' slice of the accumulator)."""
+        acc.addmm_(g.t(), self.a[r0:r1])
+
+    def row_product(self, g: Tensor) -> Tensor:
+        """``g @ B̂`` for a tile spanning every column."""
+        return g @ self.b
+
+    def column_product(self, g: Tensor) -> Tensor:
+        """``g.T @ Â`` for a tile spanning every row (``g`` may cover the first columns only)."""
+        return g.t() @ self.a
+
+
+def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
+    """``x @ y`` of two half-precision matrices with fp32 accumulation and an fp32 result.
+
+    On CUDA one tensor-core GEMM (``out_dtype``). CPU kernels lack that overload; there the
+    operands are widened (exact: every half value is an fp32 value), which gives the same
+    numbers -- so the tests exercise this path on a machine without a GPU.
+    """
+    if x.is_cuda:
+        if out is None:
+            return torch.mm(x, y, out_dtype=torch.float32)
+        return torch.mm(x, y, out_dtype=torch.float32, out=out)
+    if out is None:
+        return torch.mm(x.float(), y.float())
+    return torch.mm(x.float(), y.float(), out=out)
+
+
+class HalfProducts:
+    """Products on tensor cores from the caller's fp16/bf16 rows (see the module docstring).
+
+    Args:
+        a_raw: the anchors as given (R, D), fp16 or bf16.
+        b_raw: the candidates as given (C, D), same dtype; ``a_raw`` for a single set.
+        a: ``Â`` in fp32 (the column products' other operand never uses it; kept for
+            the shapes and the accumulators' dtype).
+        inv_a: ``1 / max(||a_i||, eps)`` (R,) fp32, or None when not normalised.
+        inv_b: the same for the candidates (C,), or None.
+        scale: the logit scale (a float or a 0-dim fp32 tensor).
+    """
+
+    half = True
+
+    def __init__(self, a_raw: Tensor, b_raw: Tensor, a: Tensor, inv_a: Tensor | None, inv_b: Tensor | None,
+                 scale: Scale) -> None:
+        self.a_raw, self.b_raw, self.a = a_raw, b_raw, a
+        self.inv_a, self.inv_b = inv_a, inv_b
+        self.row_factor: Tensor | Scale = scale if inv_a is None else inv_a * scale
+        self.dtype = a_raw.dtype
+        # fp16 has 5 exponent bits: a gradient entry of 1e-9 would flush to zero, so each
+        # tile is normalised by its largest magnitude before rounding (bf16 has fp32's range).
+        self.rescale = a_raw.dtype == torch.float16
+        # A learnable scale's gradient sums G @ B̂ against Â: with G rounded once to bf16 it would
+        # carry ~2^-9 relative error. Then the row product also multiplies the rounding remainder
+        # (G = G_hi + G_lo, one more GEMM), which makes it accurate to ~2^-17.
+        self.split_rows = isinstance(scale, Tensor)
+
+    def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
+        s = _mm32(self.a_raw[r0:r1], self.b_raw[c0:c1].t(), out)
+        factor = self.row_factor
+        if isinstance(factor, Tensor) and factor.dim() == 1:
+            s.mul_(factor[r0:r1, None])
+        else:
+            s.mul_(factor)
+        if self.inv_b is not None:
+            s.mul_(self.inv_b[None, c0:c1])
+        return s
+
+    def _rounded(self, g: Tensor, factor: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
+        """``g`` times the other side's factor (along ``dim``), rounded to the input dtype;
+        with fp16 also divided by its largest magnitude, returned as the second item."""
+        if factor is not None:
+            g = g * (factor[None, :] if dim == 1 else factor[:, None])
+        if not self.rescale:
+            return g.to(self.dtype), None
+        peak = g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+        return (g / peak).to(self.dtype), peak
+
+    def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor:
+        c1 = self.b_raw.shape[0] if c1 is None else c1
+        inv_b = None if self.inv_b is None else self.inv_b[c0:c1]
+        gh, peak = self._rounded(g, inv_b, 1)
+        out = _mm32(gh, self.b_raw[c0:c1])
+        if self.split_rows:
+            wide = g if inv_b is None else g * inv_b[None, :]
+            if peak is not None:
+                wide = wide / peak
+            out.add_(_mm32((wide - gh.float()).to(self.dtype), self.b_raw[c0:c1]))
+        return out if peak is None else out.mul_(peak)
+
+    def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
+        r1 = self.a_raw.shape[0] if r1 is None else r1
+        inv_a = None if self.inv_a is None else self.inv_a[r0:r1]
+        gh, peak = self._rounded(g, inv_a, 0)
+        out = _mm32(gh.t(), self.a_raw[r0:r1])
+        return out if peak is None else out.mul_(peak)
+
+    def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
+        acc.add_(self.row_product(g, c0, c1))
+
+    def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
+        acc.add_(self.column_product(g, r0, r1))
+
+
+AnyProducts = Products | HalfProducts
+
+
+def make_products(half: bool, raw: tuple[Tensor | None, ...], a_s: Tensor | None, a: Tensor, b: Tensor, scale: Scale,
+                  norms: list[Tensor], normalize: bool) -> AnyProducts:
+    """The products a plan asked for.
+
+    Args:
+        half: multiply the raw fp16/bf16 inputs on tensor cores (:class:`HalfProducts`).
+        raw: ``(anchors, candidates)`` as the caller gave them (candidates None for a single set).
+        a_s: ``scale * Â`` when already formed (forward), else None.
+        a, b: ``Â``, ``B̂`` in the compute dtype.
+        norms: ``(denominator, norm)`` of the anchors, then of the candidates unless they
+            are the anchors, as the engine's normalisation returned them.
+    """
+    if not half:
+        return Products(a * scale if a_s is None else a_s, a, b)
+    a_raw, b_raw = raw[0], raw[1]
+    if a_raw is None:
+        raise ValueError("half-precision products need the raw inputs")
+    inv_a = inv_b = None
+    if normalize:
+        inv_a = norms[0].reciprocal().squeeze(1)
+        inv_b = inv_a if b_raw is None else norms[2].reciprocal().squeeze(1)
+    return HalfProducts(a_raw, a_raw if b_raw is None else b_raw, a, inv_a, inv_b, scale)

@@ -1,0 +1,106 @@
+"""The planner (engine/planner.py): its decisions per device without running a kernel, and the
+tensor-core products (engine/products.py) against float64 references on any device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_contrastive as tc
+from device import DEVICE
+from reference import image_text, info_nce, nt_xent, supcon
+from test_losses import DTYPES, _compare
+from torch_contrastive.engine import planner
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+def _decide(device, dtype, n, m=None, **kw):
+    args = {"kernel": "softmax", "rows": n, "cols": n if m is None else m, "device": device, "dtype": dtype,
+            "other_dtype": dtype, "chunk_size": None, "backend": "auto", "fixed": True}
+    return planner.decide(**{**args, **kw})
+
+
+def test_cpu_keeps_cache_sized_tiles_and_compute_dtype_products():
+    small, large = _decide(CPU, torch.float32, 512), _decide(CPU, torch.bfloat16, 16384)
+    assert (small.backend, small.tile, small.half) == ("torch", 0, False)
+    assert (large.backend, large.tile, large.half) == ("torch", 1024, False)  # half inputs are widened on a CPU
+
+
+def test_cuda_half_inputs_go_to_tensor_cores_with_budget_sized_tiles():
+    one = _decide(CUDA, torch.bfloat16, 8192)
+    assert one.backend == "torch" and one.half and one.tile == 0  # 8192^2 * 12 B = 768 MiB fits the 1 GiB budget
+    big = _decide(CUDA, torch.float16, 65536, backend="torch")
+    assert big.half and big.tile == 9216  # sqrt(2^30 / 12) = 9459, down to a multiple of 256
+    assert big.tile * big.tile * 12 <= planner.GPU_BUDGET
+    fp32 = _decide(CUDA, torch.float32, 65536)
+    assert not fp32.half and fp32.tile == 11520  # two fp32 buffers: sqrt(2^27) = 11585
+    mixed = _decide(CUDA, torch.bfloat16, 100, other_dtype=torch.float16)
+    assert not mixed.half  # one dtype for both operands, or none on tensor cores
+
+
+def test_budget_and_chunk_size_override_the_plan(monkeypatch):
+    monkeypatch.setattr(planner, "GPU_BUDGET", 64 * 2**20)
+    assert _decide(CUDA, torch.bfloat16, 8192).tile == 2304  # sqrt(64 MiB / 12) = 2364
+    assert _decide(CUDA, torch.bfloat16, 8192, chunk_size=500).tile == 500
+
+
+def test_explicit_backends_are_honoured_or_refused():
+    assert _decide(CPU, torch.float32, 10, backend="torch").backend == "torch"
+    with pytest.raises(ValueError, match="backend='triton' cannot run this call: no kernels here"):
+        _decide(CUDA, torch.float32, 10, backend="triton", triton_serves=lambda: "no kernels here")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _decide(CPU, torch.float32, 10, backend="gpu")
+
+
+def test_explain_reports_what_a_call_does():
+    x = torch.randn(64, 16, device=DEVICE, dtype=torch.bfloat16)
+    decisions = tc.explain(tc.clip_loss, x, x.flip(0), 0.07)
+    assert len(decisions) == 1
+    d = decisions[0]
+    assert (d.kernel, d.rows, d.cols, d.backend, d.tile) == ("softmax", 64, 64, "torch", 0)
+    assert d.half == (DEVICE.type == "cuda")
+    assert "backend=torch" in str(d) and "one tile" in str(d)
+    assert tc.explain(tc.siglip_loss, x, x, 10.0, -10.0)[0].kernel == "sigmoid"
+
+
+LOSSES = {
+    "clip": (lambda a, b, t, c: tc.image_text_contrastive_loss(a, b, t, chunk_size=c), lambda a, b, t: image_text(a, b, t), 2),
+    "clip_ids": (lambda a, b, t, c: tc.image_text_contrastive_loss(a, b, t, torch.arange(a.shape[0], device=a.device) % 4,
+                                                                   chunk_size=c),
+                 lambda a, b, t: image_text(a, b, t, torch.arange(a.shape[0]) % 4), 2),
+    "nt_xent": (lambda a, b, t, c: tc.nt_xent_loss(a, t, pairing="halves", chunk_size=c), lambda a, b, t: nt_xent(a, t, "halves"), 1),
+    "supcon": (lambda a, b, t, c: tc.supcon_loss(a, torch.arange(a.shape[0], device=a.device) % 3, temperature=t, chunk_size=c),
+               lambda a, b, t: supcon(a, t, labels=torch.arange(a.shape[0]) % 3), 1),
+    "info_nce": (lambda a, b, t, c: tc.info_nce_loss(a, b, None, t, chunk_size=c), lambda a, b, t: info_nce(a, b, None, t), 2),
+}
+
+
+@pytest.mark.parametrize("tau", [0.2, 0.01])  # the bounded one-exp regime and the online maximum
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("dtype,tols", [t for t in DTYPES if t[0] in (torch.float16, torch.bfloat16)])
+def test_tensor_core_products_equal_the_float64_references(name, chunk, tau, dtype, tols, monkeypatch):
+    """fp16/bf16 inputs multiplied as given (HalfProducts; on a CPU with widened operands, the same
+    numbers): values to fp32 round-off -- the operands are never rounded -- and gradients to the
+    input dtype's rounding."""
+    monkeypatch.setattr(planner, "PRODUCTS", "half")
+    ours, ref, n_inputs = LOSSES[name]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(14, 6, generator=g, dtype=torch.float64) * 3, torch.randn(14, 6, generator=g, dtype=torch.float64)
+    assert tc.explain(ours, x.to(DEVICE, dtype), y.to(DEVICE, dtype), tau, chunk)[0].half
+    inputs = [x, y][:n_inputs]
+    if n_inputs == 1:
+        _compare(lambda a, t: ours(a, None, t, chunk), lambda a, t: ref(a, None, t), inputs, tau, dtype, tols)
+    else:
+        _compare(lambda a, b, t: ours(a, b, t, chunk), lambda a, b, t: ref(a, b, t), inputs, tau, dtype, tols)
+
+
+def test_auto_takes_the_kernels_where_they_were_measured_faster():
+    big = dict(n=65536)
+    assert _decide(CUDA, torch.bfloat16, **big).backend == "triton"
+    assert _decide(CUDA, torch.bfloat16, 8192).backend == "torch"  # a tie at 8,192: the torch loops
+    assert _decide(CUDA, torch.float32, **big).backend == "torch"  # fp32 kernels lack tensor cores
+    assert _decide(CUDA, torch.bfloat16, **big, triton_serves=lambda: "not covered").backend == "torch"
+    assert _decide(CPU, torch.bfloat16, **big).backend == "torch"
