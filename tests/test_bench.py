@@ -36,10 +36,10 @@ def test_bench_command_writes_csv_and_plot(tmp_path, capsys):
         assert reader.fieldnames is not None and {"loss", "impl", "n", "d", "value", "seconds", "R", "extra_mib", "status"} <= set(reader.fieldnames)
         rows = list(reader)
     by_impl = {r["impl"]: r for r in rows}
-    assert set(by_impl) == {"ours", "ours-dense", "pml", "supcon-authors-formula"}
+    assert set(by_impl) == {"ours", "ours-dense", "pml", "supcon-authors-formula", "dense-compiled"}
     assert all(r["loss"] == "supcon" and r["n"] == "96" and r["d"] == "8" and r["status"] == "ok" for r in rows)
     reference = float(by_impl["supcon-authors-formula"]["value"])
-    for impl in ("ours", "ours-dense", "pml"):
+    for impl in ("ours", "ours-dense", "pml", "dense-compiled"):
         assert float(by_impl[impl]["value"]) == pytest.approx(reference, rel=1e-5), impl
         assert float(by_impl[impl]["R"]) > 0 and float(by_impl[impl]["extra_mib"]) >= 0
     assert (tmp_path / "bench.png").stat().st_size > 0
@@ -62,7 +62,7 @@ def test_backend_and_device_options_are_checked(capsys):
     assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "triton"]) == 2
     assert "needs --device cuda" in capsys.readouterr().err
     assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "jax"]) == 2
-    assert "--backend takes torch and/or triton" in capsys.readouterr().err
+    assert "--backend takes auto, torch and/or triton" in capsys.readouterr().err
 
 
 def test_infcl_formula_peer_is_the_clip_loss():

@@ -312,7 +312,7 @@ def test_asymmetric_exclusions_read_right_in_the_column_pass(what, fixed, rows, 
 
     def fn(x, y, backend):
         r, c = softmax_terms(x, y, 2.0, self_offset=None, columns=True, fixed=fixed, normalize=fixed, exclude=exclude,
-                             row_weights=weights, col_weights=(torch.linspace(1, 2, cols, dtype=torch.float64), None),
+                             row_weights=weights, col_weights=(torch.linspace(1, 2, cols, dtype=torch.float64, device=DEVICE), None),
                              backend=backend)
         r, c = torch.where(torch.isinf(r), 0.0, r), torch.where(torch.isinf(c), 0.0, c)
         return r.sum() + 0.7 * c.sum()

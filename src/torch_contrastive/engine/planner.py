@@ -65,8 +65,14 @@ class Decision:
     cols: int
 
     def __str__(self) -> str:
-        tiles = "one tile" if self.tile == 0 else f"{math.ceil(self.rows / self.tile)}x{math.ceil(self.cols / self.tile)} tiles of {self.tile}"
-        products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "compute-dtype products"
+        if self.backend == "triton":
+            tiles = "autotiled kernels"
+        elif self.tile == 0:
+            tiles = "one tile"
+        else:
+            tiles = f"{math.ceil(self.rows / self.tile)}x{math.ceil(self.cols / self.tile)} tiles of {self.tile}"
+        products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "kernel operands" if self.backend == "triton" \
+            else "compute-dtype products"
         regime = "bounded (one exp)" if self.fixed else "online maximum"
         return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
                 f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}")
