@@ -123,33 +123,29 @@ class HalfProducts:
             s.mul_(self.inv_b[None, c0:c1])
         return s
 
-    def _rounded(self, g: Tensor, factor: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
-        """``g`` times the other side's factor (along ``dim``), rounded to the input dtype;
-        with fp16 also divided by its largest magnitude, returned as the second item."""
+    def _scaled(self, g: Tensor, factor: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
+        """``g`` times the other side's factor (along ``dim``), in fp32; with fp16 also divided by
+        its largest magnitude, returned as the second item (None otherwise)."""
         if factor is not None:
             g = g * (factor[None, :] if dim == 1 else factor[:, None])
         if not self.rescale:
-            return g.to(self.dtype), None
+            return g, None
         peak = g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-        return (g / peak).to(self.dtype), peak
+        return g / peak, peak
 
     def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor:
         c1 = self.b_raw.shape[0] if c1 is None else c1
-        inv_b = None if self.inv_b is None else self.inv_b[c0:c1]
-        gh, peak = self._rounded(g, inv_b, 1)
+        wide, peak = self._scaled(g, None if self.inv_b is None else self.inv_b[c0:c1], 1)
+        gh = wide.to(self.dtype)
         out = _mm32(gh, self.b_raw[c0:c1])
-        if self.split_rows:
-            wide = g if inv_b is None else g * inv_b[None, :]
-            if peak is not None:
-                wide = wide / peak
+        if self.split_rows:  # the rounding remainder, from the same scaled tile
             out.add_(_mm32((wide - gh.float()).to(self.dtype), self.b_raw[c0:c1]))
         return out if peak is None else out.mul_(peak)
 
     def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
         r1 = self.a_raw.shape[0] if r1 is None else r1
-        inv_a = None if self.inv_a is None else self.inv_a[r0:r1]
-        gh, peak = self._rounded(g, inv_a, 0)
-        out = _mm32(gh.t(), self.a_raw[r0:r1])
+        wide, peak = self._scaled(g, None if self.inv_a is None else self.inv_a[r0:r1], 0)
+        out = _mm32(wide.to(self.dtype).t(), self.a_raw[r0:r1])
         return out if peak is None else out.mul_(peak)
 
     def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
