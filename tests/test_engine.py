@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
-from torch_contrastive.engine import logsumexp_rows, resolve_tile
+from torch_contrastive.engine import resolve_tile, softmax_terms
 
 
 def _losses(n: int):
@@ -79,15 +79,15 @@ def test_gradcheck_engine_directly(chunk):
     s = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
 
     def rows_and_cols(a, b, s):
-        r, c = logsumexp_rows(a, b, s, self_offset=None, columns=True, chunk_size=chunk)
+        r, c = softmax_terms(a, b, s, self_offset=None, columns=True, chunk_size=chunk)
         return r.sum() + (c * torch.linspace(0.5, 1.5, 7, dtype=torch.float64)).sum()
 
     def single_set(a, s):
-        r, _ = logsumexp_rows(a, a, s, self_offset=0, chunk_size=chunk)
+        r, _ = softmax_terms(a, a, s, self_offset=0, chunk_size=chunk)
         return (r * torch.linspace(-1, 2, 9, dtype=torch.float64)).sum()
 
     def offset_rows(a, b, s):
-        r, _ = logsumexp_rows(a[2:5], a, s, self_offset=2, chunk_size=chunk)
+        r, _ = softmax_terms(a[2:5], a, s, self_offset=2, chunk_size=chunk)
         return (r * torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)).sum()
 
     assert torch.autograd.gradcheck(rows_and_cols, (a, b, s))
@@ -95,16 +95,49 @@ def test_gradcheck_engine_directly(chunk):
     assert torch.autograd.gradcheck(offset_rows, (a, b, s))
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_gradcheck_positives_kept_apart(chunk):
+    """The confident-regime path (engine/confident.py): positives left out of the tile sums
+    and added back, with unequal row weights (alpha != beta) and column terms."""
+    from torch_contrastive.positives import Positives
+
+    torch.manual_seed(2)
+    a = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    alpha, beta = torch.linspace(0.5, 1.5, 6, dtype=torch.float64), torch.linspace(1.2, 0.7, 6, dtype=torch.float64)
+    pos = Positives.from_partner(torch.arange(6), 6, self_offset=None, layout="identity")
+    halves = Positives.from_partner((torch.arange(6) + 3) % 6, 6, self_offset=0, layout="halves")
+
+    def two_sets(a, b, s):
+        r, c = softmax_terms(a, b, s, self_offset=None, positives=pos, row_weights=(alpha, beta), col_weights=(beta, None),
+                             columns=True, chunk_size=chunk)
+        assert r.shape == (6,)
+        return r.sum() + (c * torch.linspace(0.5, 1.5, 6, dtype=torch.float64)).sum()
+
+    def one_set(a, s):
+        r, _ = softmax_terms(a, a, s, self_offset=0, positives=halves, symmetric=True, chunk_size=chunk)
+        return (r * torch.linspace(-1, 2, 6, dtype=torch.float64)).sum()
+
+    assert torch.autograd.gradcheck(two_sets, (a, b, s))
+    assert torch.autograd.gradcheck(one_set, (a, s))
+    # and the value: alpha * LSE - beta * S_ii per row
+    r, c = softmax_terms(a, b, s, self_offset=None, positives=pos, row_weights=(alpha, beta), columns=True, chunk_size=chunk)
+    dense = (a @ b.T * s).detach()
+    torch.testing.assert_close(r, alpha * dense.logsumexp(1) - beta * dense.diagonal())
+    torch.testing.assert_close(c, dense.logsumexp(0) - dense.diagonal())
+
+
 def test_engine_matches_dense_logsumexp():
     torch.manual_seed(1)
     a = torch.randn(11, 4, dtype=torch.float64)
     b = torch.randn(5, 4, dtype=torch.float64)
     scale = torch.tensor(3.0, dtype=torch.float64)
-    r, c = logsumexp_rows(a, b, scale, self_offset=None, columns=True, chunk_size=3)
+    r, c = softmax_terms(a, b, scale, self_offset=None, columns=True, chunk_size=3)
     dense = a @ b.T * 3.0
     torch.testing.assert_close(r, dense.logsumexp(1))
     torch.testing.assert_close(c, dense.logsumexp(0))
-    r, _ = logsumexp_rows(a, a, scale, self_offset=0, chunk_size=4)
+    r, _ = softmax_terms(a, a, scale, self_offset=0, chunk_size=4)
     full = (a @ a.T * 3.0).masked_fill(torch.eye(11, dtype=torch.bool), float("-inf"))
     torch.testing.assert_close(r, full.logsumexp(1))
 

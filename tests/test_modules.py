@@ -60,3 +60,37 @@ def test_temperature_gradient_reaches_logit_scale():
 def test_module_bad_input(call, exc, word):
     with pytest.raises(exc, match=word):
         call()
+
+
+@pytest.mark.parametrize("fn,module", [("nt_xent_loss", "NTXentLoss"), ("nt_bxent_loss", "NTBXentLoss"),
+                                       ("image_text_contrastive_loss", "ImageTextContrastiveLoss"),
+                                       ("supcon_loss", "SupConLoss"), ("info_nce_loss", "InfoNCELoss"),
+                                       ("siglip_loss", "SigLipLoss")])
+def test_modules_have_explicit_signatures_covering_their_function(fn, module):
+    """Every option of the function is a named parameter of the module's constructor or
+    forward (no ``**options``), so ``ClipLoss(decoupled=True)`` and IDE completion work."""
+    import inspect
+
+    cls = getattr(tc, module)
+    params = {**inspect.signature(cls.__init__).parameters, **inspect.signature(cls.forward).parameters}
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    inputs = {"image_feat", "text_feat", "logit_scale", "logit_bias"}  # forward's own names, or the module's parameters
+    missing = [p for p in inspect.signature(getattr(tc, fn)).parameters if p not in params and p not in inputs]
+    assert not missing
+
+
+def test_module_options_reach_the_function():
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    assert tc.ClipLoss(decoupled=True)(x, y).item() == pytest.approx(tc.clip_loss(x, y, decoupled=True).item(), rel=1e-12)
+    assert tc.ClipLoss(label_smoothing=0.1)(x, y).item() == pytest.approx(
+        tc.clip_loss(x, y, label_smoothing=0.1).item(), rel=1e-12)
+    assert tc.InfoNCELoss(0.1, decoupled=True)(x, y).item() == pytest.approx(
+        tc.info_nce_loss(x, y, temperature=0.1, decoupled=True).item(), rel=1e-12)
+    ids = torch.tensor([0, 0, 1, 2, 3, 4])
+    assert tc.InfoNCELoss(0.1)(x, y, key_ids=ids).item() == pytest.approx(
+        tc.info_nce_loss(x, y, temperature=0.1, key_ids=ids).item(), rel=1e-12)
+    z = torch.randn(8, 4, dtype=torch.float64)
+    assert tc.NTXentLoss(0.2, pairing="halves", decoupled=True)(z).item() == pytest.approx(
+        tc.nt_xent_loss(z, 0.2, pairing="halves", decoupled=True).item(), rel=1e-12)
+    with pytest.raises(TypeError, match="decoupled must be a bool"):
+        tc.ClipLoss(decoupled=1)

@@ -116,4 +116,4 @@ def test_guide_tile_counts_and_excluded_columns_are_exact(dtype, width):
     assert column[[0, 2]].tolist() == [width - 1, 3]
     assert kept.tolist() == [False, True, False, False]
     exclusion.learn_from([4.0, 1.0])  # a row excludes two: this tile is masked again, not scattered
-    assert not exclusion.single and not exclusion.firsts
+    assert not exclusion.firsts

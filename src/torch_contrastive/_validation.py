@@ -245,6 +245,13 @@ def check_backend(backend: object, covered: bool, what: str) -> str:
     return str(backend)
 
 
+def check_flag(value: object, name: str) -> bool:
+    """A true ``bool`` (not 0/1, not a tensor)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_fraction(value: object, name: str) -> float:
     """A float in [0, 1) (label smoothing)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

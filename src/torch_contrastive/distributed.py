@@ -1,6 +1,6 @@
 """Distributed helpers: gather across ranks with exact gradients (README, "Distributed training").
 
-Seed 002 explains the problem: a contrastive loss needs every rank's embeddings, a
+The problem (Wang's image-text write-up): a contrastive loss needs every rank's embeddings, a
 plain ``all_gather`` drops their gradient, and DDP averages gradients over ranks. Here
 
 * :func:`all_gather_with_grad` gathers rows from every rank (uneven batch sizes

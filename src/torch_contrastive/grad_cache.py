@@ -1,4 +1,4 @@
-"""Gradient caching: contrastive batches beyond activation memory, exact gradients (SPEC §11).
+"""Gradient caching: contrastive batches beyond activation memory, exact gradients (Gao et al. 2021, GradCache).
 
 Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited
 Setup". The contrastive loss couples every row with every other, so a batch cannot

@@ -51,10 +51,14 @@ def _shared_options(*, normalize: bool = True, reduction: str = "mean", chunk_si
 class _Loss(nn.Module):
     """Common state: a fixed temperature or a learnable ``logit_scale``, and the shared options."""
 
-    def __init__(self, temperature: float, *, learnable_temperature: bool = False, **options: Any) -> None:
+    def __init__(self, temperature: float, *,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
         super().__init__()
         temperature = _check_temperature(temperature)
-        self.options = _shared_options(**options)
+        self.options = _shared_options(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,
+                                       grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend)
         self.learnable = bool(learnable_temperature)
         if self.learnable:
             self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
@@ -85,25 +89,37 @@ class NTXentLoss(_Loss):
         >>> loss = loss_fn(embeddings, labels)                 # pytorch-metric-learning form
     """
 
-    def __init__(self, temperature: float = 0.5, *, pairing: str = "adjacent", **options: Any) -> None:
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.5, *, pairing: str = "adjacent", decoupled: bool = False,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
         self.pairing = v.check_choice(pairing, "pairing", v.PAIRINGS)
+        self.decoupled = v.check_flag(decoupled, "decoupled")
 
     def forward(self, embeddings: Tensor, labels: Tensor | None = None, memory_emb: Tensor | None = None,
-                memory_labels: Tensor | None = None) -> Tensor:
+                memory_labels: Tensor | None = None, positive_weight: Tensor | None = None) -> Tensor:
         return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing, memory_emb=memory_emb,
-                            memory_labels=memory_labels, **self.options)
+                            memory_labels=memory_labels, decoupled=self.decoupled, positive_weight=positive_weight,
+                            **self.options)
 
     def _own_options(self) -> dict[str, Any]:
-        return {"pairing": self.pairing}
+        return {"pairing": self.pairing, "decoupled": self.decoupled}
 
 
 class NTBXentLoss(_Loss):
     """Module form of :func:`~torch_contrastive.nt_bxent_loss`: ``loss(embeddings, pos_indices)``
     or ``loss(embeddings, labels=labels)``."""
 
-    def __init__(self, temperature: float = 0.5, **options: Any) -> None:
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.5, *,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
 
     def forward(self, embeddings: Tensor, pos_indices: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
         return nt_bxent_loss(embeddings, pos_indices, self.temperature, labels=labels, **self.options)
@@ -120,12 +136,23 @@ class ImageTextContrastiveLoss(_Loss):
         >>> loss = loss_fn(image_features, text_features, text_id=text_ids(captions))
     """
 
-    def __init__(self, temperature: float = 0.07, **options: Any) -> None:
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.07, *, decoupled: bool = False, label_smoothing: float = 0.0,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
+        self.decoupled = v.check_flag(decoupled, "decoupled")
+        self.label_smoothing = v.check_fraction(label_smoothing, "label_smoothing")
 
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
                 text_id: Tensor | None = None) -> Tensor:
-        return image_text_contrastive_loss(image_features, text_features, self.temperature, image_id, text_id, **self.options)
+        return image_text_contrastive_loss(image_features, text_features, self.temperature, image_id, text_id,
+                                           decoupled=self.decoupled, label_smoothing=self.label_smoothing, **self.options)
+
+    def _own_options(self) -> dict[str, Any]:
+        return {"decoupled": self.decoupled, "label_smoothing": self.label_smoothing}
 
 
 ClipLoss = ImageTextContrastiveLoss
@@ -139,8 +166,13 @@ class SupConLoss(_Loss):
     """
 
     def __init__(self, temperature: float = 0.07, *, base_temperature: float | None = None,
-                 contrast_mode: str = "all", **options: Any) -> None:
-        super().__init__(temperature, **options)
+                 contrast_mode: str = "all",
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
         self.base_temperature = None if base_temperature is None else _check_temperature(base_temperature, "base_temperature")
         self.contrast_mode = v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
 
@@ -155,7 +187,8 @@ class SupConLoss(_Loss):
 
 class InfoNCELoss(_Loss):
     """Module form of :func:`~torch_contrastive.info_nce_loss`: ``loss(query, key)`` or
-    ``loss(query, key, negatives)`` (info-nce-pytorch's call form).
+    ``loss(query, key, negatives)`` (info-nce-pytorch's call form); per-batch ids and guide
+    embeddings go to ``forward``.
 
     Example:
         >>> loss_fn = InfoNCELoss(0.07, in_batch_negatives=False)      # MoCo
@@ -164,22 +197,35 @@ class InfoNCELoss(_Loss):
     """
 
     def __init__(self, temperature: float = 0.07, *, negative_mode: str = "unpaired", in_batch_negatives: bool = True,
-                 gather_negatives: bool | None = None, **options: Any) -> None:
-        super().__init__(temperature, **options)
+                 gather_negatives: bool | None = None, guide_margin: float = 0.0, guide_margin_mode: str = "absolute",
+                 decoupled: bool = False, label_smoothing: float = 0.0,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
         self.negative_mode = v.check_choice(negative_mode, "negative_mode", v.NEGATIVE_MODES)
-        if not isinstance(in_batch_negatives, bool):
-            raise TypeError(f"in_batch_negatives must be a bool, got {type(in_batch_negatives).__name__}")
+        self.in_batch_negatives = v.check_flag(in_batch_negatives, "in_batch_negatives")
         if gather_negatives is not None and not isinstance(gather_negatives, bool):
             raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")
-        self.in_batch_negatives = in_batch_negatives
         self.gather_negatives = gather_negatives
+        self.guide_margin = guide_margin
+        self.guide_margin_mode = guide_margin_mode
+        self.decoupled = v.check_flag(decoupled, "decoupled")
+        self.label_smoothing = v.check_fraction(label_smoothing, "label_smoothing")
 
-    def forward(self, query: Tensor, key: Tensor, negatives: Tensor | None = None) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, negatives: Tensor | None = None, key_ids: Tensor | None = None,
+                negative_ids: Tensor | None = None, guide: tuple[Tensor, ...] | None = None) -> Tensor:
         return info_nce_loss(query, key, negatives, self.temperature, negative_mode=self.negative_mode,
-                             in_batch_negatives=self.in_batch_negatives, gather_negatives=self.gather_negatives, **self.options)
+                             in_batch_negatives=self.in_batch_negatives, gather_negatives=self.gather_negatives,
+                             key_ids=key_ids, negative_ids=negative_ids, guide=guide, guide_margin=self.guide_margin,
+                             guide_margin_mode=self.guide_margin_mode, decoupled=self.decoupled,
+                             label_smoothing=self.label_smoothing, **self.options)
 
     def _own_options(self) -> dict[str, Any]:
-        return {"negative_mode": self.negative_mode, "in_batch_negatives": self.in_batch_negatives}
+        return {"negative_mode": self.negative_mode, "in_batch_negatives": self.in_batch_negatives,
+                **({"decoupled": True} if self.decoupled else {})}
 
 
 class DCLLoss(_Loss):
@@ -190,8 +236,13 @@ class DCLLoss(_Loss):
     lightly's ``gather_distributed``.
     """
 
-    def __init__(self, temperature: float = 0.1, **options: Any) -> None:
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.1, *,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
 
     def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
         return None
@@ -210,8 +261,13 @@ class DCLWLoss(DCLLoss):
     ``w_i = 2 - N * softmax_i(<o0_i, o1_i> / sigma)`` on L2-normalised outputs, detached (as
     lightly's ``DCLWLoss``; the softmax runs over this rank's N pairs)."""
 
-    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, **options: Any) -> None:
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, *,
+                 learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
+                 chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
+        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+                         chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                         backend=backend)
         self.sigma = _check_temperature(sigma, "sigma")
 
     def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
@@ -237,12 +293,15 @@ class SigLipLoss(nn.Module):
     """
 
     def __init__(self, init_logit_scale: float = 10.0, init_logit_bias: float = -10.0, *, learnable: bool = True,
-                 **options: Any) -> None:
+                 normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
+                 grad_reduction: str = "mean", eps: float = 1e-12,
+                 validate: bool = True, backend: str = "auto") -> None:
         super().__init__()
         scale = _check_temperature(init_logit_scale, "init_logit_scale")
         if isinstance(init_logit_bias, bool) or not isinstance(init_logit_bias, (int, float)) or not math.isfinite(init_logit_bias):
             raise ValueError(f"init_logit_bias must be a finite float, got {init_logit_bias!r}")
-        self.options = _shared_options(**options)
+        self.options = _shared_options(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,
+                                       grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend)
         self.learnable = bool(learnable)
         log_scale = torch.tensor(math.log(scale))
         bias = torch.tensor(float(init_logit_bias))

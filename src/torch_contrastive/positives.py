@@ -14,13 +14,13 @@ Four kinds of relation cover every convention in the seeds:
 
 ``partner``
     Exactly one positive per anchor, ``partner[i]`` (pairing rules ``adjacent`` and
-    ``halves`` of seeds 000/001/003, CLIP without ids): aggregates are a gather.
+    ``halves`` pairing rules, CLIP without ids): aggregates are a gather.
 ``keys``
     ``i ~ j`` iff ``row_key[i] == col_key[j]`` for at least one of up to two key
     pairs: class labels, SupCon views (key = sample index) and the image/text ids of
-    seed 002 (image ids OR text ids).
+    Wang's image-text write-up (image ids OR text ids; README, "Conventions").
 ``pairs``
-    An explicit, directional list of (row, column) index pairs (seed 000's
+    An explicit, directional list of (row, column) index pairs (the NT-BXent write-up's
     ``pos_indices``).
 ``mask``
     A small dense (bsz, bsz) mask over *samples*, repeated over views (the SupCon
@@ -72,6 +72,9 @@ class Positives:
         layout: for ``partner`` relations whose positives lie on strided diagonals of the
             R x C matrix (``"identity"``: column i; ``"adjacent"``: i ^ 1; ``"halves"``:
             (i + R/2) mod R), so a single tile reads and writes them as views.
+        shift: for ``partner`` relations, ``k`` when ``partner[i] == i + k`` for every row
+            (the caller's promise; 0 for the ``identity`` layout), so the engine can keep
+            the positive apart from the soft-max sums (``engine/confident.py``).
         row_keys: for ``keys`` relations, a tuple of (R,) int64 tensors.
         col_keys: for ``keys`` relations, a tuple of (C,) int64 tensors, same length.
         pairs: for ``pairs`` relations, a (P, 2) int64 tensor of (row, column) pairs.
@@ -91,6 +94,7 @@ class Positives:
     self_offset: int | None
     partner: Tensor | None = None
     layout: str | None = None
+    shift: int | None = None
     row_keys: tuple[Tensor, ...] = ()
     col_keys: tuple[Tensor, ...] = ()
     pairs: Tensor | None = None
@@ -102,17 +106,21 @@ class Positives:
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_partner(cls, partner: Tensor, num_cols: int, *, self_offset: int | None = 0, layout: str | None = None) -> Positives:
+    def from_partner(cls, partner: Tensor, num_cols: int, *, self_offset: int | None = 0, layout: str | None = None,
+                     shift: int | None = None) -> Positives:
         """One positive per anchor: column ``partner[i]`` (which must not be the self column).
 
         Pairing rules (``adjacent``: ``i ^ 1``; ``halves``: ``(i + N) mod 2N``) and
         CLIP without ids (``partner[i] = i``, ``self_offset=None``). ``layout`` names the
-        rule when ``partner`` follows it exactly on a square problem (see the attribute).
+        rule when ``partner`` follows it exactly on a square problem; ``shift=k`` says
+        ``partner[i] == i + k`` (see the attributes).
         """
         p = partner.reshape(-1).long()
         if layout is not None and (layout not in ("identity", "adjacent", "halves") or int(p.numel()) != num_cols):
             raise ValueError(f"layout must be 'identity', 'adjacent' or 'halves' on a square problem, got {layout!r}")
-        return cls(num_rows=int(p.numel()), num_cols=num_cols, self_offset=self_offset, partner=p, layout=layout)
+        if shift is None and layout == "identity":
+            shift = 0
+        return cls(num_rows=int(p.numel()), num_cols=num_cols, self_offset=self_offset, partner=p, layout=layout, shift=shift)
 
     @classmethod
     def from_keys(
@@ -126,7 +134,7 @@ class Positives:
 
         Args:
             row_keys: (R,) integer tensor, or a tuple of up to two (one per relation,
-                OR-combined as in seed 002's ``gt_image | gt_text``).
+                OR-combined as ``gt_image | gt_text`` in Wang's image-text write-up).
             col_keys: the same for the C candidates; defaults to ``row_keys``
                 (single-set losses).
             self_offset: anchor ``i`` is candidate ``i + self_offset`` (``None``: none).
@@ -452,11 +460,6 @@ class Exclusion:
     def learned(self) -> bool:
         """Whether :meth:`learn_from` has run (the backward pass may use what it kept)."""
         return _LEARNED in self.clear
-
-    @property
-    def single(self) -> set[tuple[int, int]]:
-        """The tiles zeroed in backward by a scatter: rows excluding one candidate at most."""
-        return set(self.firsts) if self.learned else set()
 
     def recorded(self) -> Tensor | None:
         """The forward pass's per-tile counts as one float vector, two entries per tile

@@ -1,4 +1,4 @@
-"""A FIFO queue of past embeddings: MoCo's negatives, a memory bank, a cross-batch memory (SPEC §10)."""
+"""A FIFO queue of past embeddings: MoCo's negatives, a memory bank, a cross-batch memory."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def _mask(keys: torch.Tensor) -> torch.Tensor:
 def explain(args: argparse.Namespace) -> int:
     """Print the similarity matrix, positive masks and the loss under each convention."""
     torch.manual_seed(args.seed)
-    x = torch.randn(args.rows, args.dim).double()  # float32 draw, as seed 000 printed it
+    x = torch.randn(args.rows, args.dim).double()  # float32 draw, as the NT-BXent write-up printed it
     n = x.shape[0]
     labels = torch.tensor(args.labels) if args.labels is not None else torch.arange(n) // 2 % max(1, n // 4)
     if labels.numel() != n:
@@ -50,12 +50,12 @@ def explain(args: argparse.Namespace) -> int:
     want = set(LOSS_CHOICES[1:]) if args.loss == "all" else {args.loss}
     rows: list[tuple[str, float, str]] = []
     if "nt_xent" in want:
-        print(_matrix("\nNT-Xent, pairing='adjacent' (seeds 000/001): positive of row i is i^1", _mask(losses.pair_keys(n, "adjacent"))))
-        rows.append(("nt_xent_loss(pairing='adjacent')", losses.nt_xent_loss(x, tau).item(), "seeds 000/001"))
+        print(_matrix("\nNT-Xent, pairing='adjacent' (rows stored view by view): positive of row i is i^1", _mask(losses.pair_keys(n, "adjacent"))))
+        rows.append(("nt_xent_loss(pairing='adjacent')", losses.nt_xent_loss(x, tau).item(), "two views stored row by row"))
     if "nt_xent_halves" in want:
-        print(_matrix("\nNT-Xent, pairing='halves' (seed 003, SimCLR/SupCon papers): positive of i is i+N", _mask(losses.pair_keys(n, "halves"))))
+        print(_matrix("\nNT-Xent, pairing='halves' (SimCLR/SupCon papers): positive of i is i+N", _mask(losses.pair_keys(n, "halves"))))
         halves = losses.nt_xent_loss(x, tau, pairing="halves").item()
-        rows.append(("nt_xent_loss(pairing='halves')", halves, "seed 003, SimCLR paper, SupCon authors' code without labels, lightly"))
+        rows.append(("nt_xent_loss(pairing='halves')", halves, "SimCLR paper, SupCon authors' code without labels, lightly"))
     if "nt_xent_pml" in want or "supcon" in want:
         print(_matrix(f"\nSame-label positives for labels {labels.tolist()} (SupCon and PML NT-Xent):", _mask(labels)))
     if "nt_xent_pml" in want:
@@ -67,7 +67,7 @@ def explain(args: argparse.Namespace) -> int:
     if "nt_bxent" in want:
         pos = torch.tensor([p for p in SEED000_POS if p[0] < n and p[1] < n] or [(0, 0)])
         rows.append(("nt_bxent_loss(pos_indices)", losses.nt_bxent_loss(x, pos, tau).item(),
-                     "seed 000: binary cross-entropy, diagonal counted as a positive"))
+                     "binary cross-entropy, diagonal counted as a positive"))
         rows.append(("nt_bxent_loss(labels=...)", losses.nt_bxent_loss(x, labels=labels, temperature=tau).item(), "same-label positives"))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'loss':<{width}}  {'value':>10}  convention")
@@ -75,7 +75,7 @@ def explain(args: argparse.Namespace) -> int:
         print(f"{name:<{width}}  {value:>10.6f}  {note}")
     print("\nWhy they differ: with one positive per row NT-Xent and SupCon agree; with several positives SupCon keeps\n"
           "all of them in every denominator while PML's NT-Xent builds one soft-max per positive pair over that\n"
-          "positive plus the negatives only (seed 004). NT-BXent scores each pair independently with a sigmoid.")
+          "positive plus the negatives only (pytorch-metric-learning). NT-BXent scores each pair independently with a sigmoid.")
     return 0
 
 
@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("explain", help="show the similarity matrix, positive masks and each convention's loss")
-    p.add_argument("--rows", type=int, default=8, help="batch rows (default 8: seed 000's tensor)")
+    p.add_argument("--rows", type=int, default=8, help="batch rows (default 8: the NT-BXent write-up's batch)")
     p.add_argument("--dim", type=int, default=2, help="embedding size (default 2)")
-    p.add_argument("--seed", type=int, default=21, help="torch.manual_seed (default 21 reproduces seed 000)")
+    p.add_argument("--seed", type=int, default=21, help="torch.manual_seed (default 21 reproduces the NT-BXent write-up's batch)")
     p.add_argument("--labels", type=int_list, default=None, help="comma-separated labels, one per row")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="tau (default 1.0)")
     p.add_argument("--loss", choices=LOSS_CHOICES, default="all", help="which convention(s) to show")

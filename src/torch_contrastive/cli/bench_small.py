@@ -54,7 +54,7 @@ def plain_nt_xent_pml(z: Tensor, labels: Tensor, tau: float) -> Tensor:
 
 
 def plain_nt_bxent(z: Tensor, labels: Tensor, tau: float) -> Tensor:
-    """Dense NT-BXent of seed 000 with same-label positives (diagonal counted, not scored)."""
+    """Dense NT-BXent with same-label positives (diagonal counted, not scored)."""
     z = F.normalize(z, dim=1)
     s = z @ z.T / tau
     eye = torch.eye(z.shape[0], dtype=torch.bool, device=z.device)

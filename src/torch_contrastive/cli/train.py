@@ -8,12 +8,12 @@ Five recipes (``--loss``):
 * ``clip`` (default): images <-> captions, a learned bag-of-words text encoder, a
   learnable temperature. On digits the captions are class templates such as "a
   handwritten seven", so many images in a batch share a caption; ``--dedupe-ids``
-  (default) passes image and caption ids so duplicates are positives (seed 002),
+  (default) passes image and caption ids so duplicates are positives (CLIP's duplicate-id rule),
   ``--no-dedupe-ids`` treats them as negatives.
 * ``siglip``: the same with the sigmoid loss (learnable logit scale and bias; scale
   initialised at 10 as in the SigLIP paper, bias at ``--logit-bias``, default -3).
 * ``nt_xent``: SimCLR, two augmented views per image (``pairing="halves"``).
-* ``nt_bxent``: four views per image, positives as seed 000's ``pos_indices``.
+* ``nt_bxent``: four views per image, positives given as ``pos_indices``.
 * ``supcon``: two views per image, class labels as positives.
 
 After training, the held-out split is scored, each metric also for the untrained
@@ -203,7 +203,7 @@ def _image_text_parts(cfg: Config, data: Data, batch: Tensor, models: Models, te
         image_index, caption_index = data.row_image[batch], text_keys[batch]
         captions = [data.captions[int(r)] for r in batch]
     else:
-        # digits: as in COCO (seed 002) an image comes with several captions: every image appears
+        # digits: as in COCO an image comes with several captions: every image appears
         # CAPTIONS_PER_IMAGE times per batch, each time with its own augmentation and phrasing.
         # Without ids, those copies of one image (and the images sharing a caption) are negatives.
         if data.labels is None:

@@ -10,7 +10,8 @@ by block without ever holding S (README, "Tiled engine"):
     NT-Xent (pairing rules), SupCon and the image-text loss: their positive part is
     linear and costs O(N * D) through
     :meth:`~torch_contrastive.positives.Positives.aggregate`, not a tile pass.
-    :func:`logsumexp_rows` is its plain log-sum-exp form.
+    A row's single positive is kept apart from the sums where its place is known
+    (:mod:`.confident`), so a loss near 0 keeps its digits.
 :func:`sigmoid_rows` (:mod:`.sigmoid`)
     SigLIP's per-pair binary cross-entropy ``softplus(-z_ij S_ij)`` with a logit bias;
     positives fixed in place (a strided diagonal, or a mask with ids).
@@ -52,7 +53,7 @@ from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fix
 from .pairwise import pairwise_rows, tile_label_bounds
 from .planner import Decision, decide, explain, resolve_tile
 from .sigmoid import sigmoid_rows
-from .softmax import logsumexp_rows, softmax_terms
+from .softmax import softmax_terms
 
 __all__ = [
     "DEFAULT_TILE",
@@ -63,7 +64,6 @@ __all__ = [
     "decide",
     "explain",
     "fixed_scale_applies",
-    "logsumexp_rows",
     "pairwise_rows",
     "resolve_tile",
     "sigmoid_rows",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 class _PairKernel:
-    """Per-positive-pair NT-Xent (pytorch-metric-learning convention, seed 004).
+    """Per-positive-pair NT-Xent (pytorch-metric-learning's convention).
 
     Pass 1: ``L_i = log sum_{n in N(i)} exp(S_in)`` over the negatives of row i.
     Pass 2: ``out_i = sum_{p in P(i)} softplus(L_i - S_ip)`` (= ``-log(e^S_ip /
@@ -193,7 +193,7 @@ class _PairKernel:
 
 
 class _BinaryKernel:
-    """NT-BXent (seed 000): ``out = (sum_pos softplus(-S), sum_neg softplus(S))`` per row.
+    """NT-BXent: ``out = (sum_pos softplus(-S), sum_neg softplus(S))`` per row.
 
     Computed with softplus (= -log-sigmoid), never ``log(sigmoid(.))``, so it stays
     exact at tau = 0.01 where the seed's float32 code saturates.

@@ -35,6 +35,7 @@ from ._common import (
     self_diagonal,
     tiles,
 )
+from .confident import Apart, apart_rule, coefficient, margin
 from .planner import decide
 from .products import AnyProducts, make_products
 
@@ -79,6 +80,8 @@ class _Plan:
     operand_dtype: torch.dtype | None = None
     # torch backend: fp16/bf16 inputs multiplied as given on tensor cores (products.HalfProducts)
     half: bool = False
+    # a row's single positive kept out of the soft-max sums and added back exactly (confident.py)
+    apart: Apart | None = None
 
     @property
     def single_tile(self) -> bool:
@@ -93,6 +96,8 @@ def _log(total: Tensor, shift: Tensor | None, plan: _Plan, n_other: int) -> Tens
     passes give such rows a zero gradient (:func:`_inverse_exp`).
     """
     out = total.log() if shift is None else total.log() + shift
+    if plan.apart is not None:  # log of the excess over the positive: -inf when there is none
+        return out
     if plan.exclude is not None:
         return torch.where(total > 0, out, float("-inf"))
     if plan.self_offset is not None and n_other <= 1:
@@ -114,7 +119,10 @@ def _excluded(plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
 
 def _drop(t: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> None:
     """Zero the excluded entries of a tile of finite values (the fixed path's ``exp(S)``
-    and gradient tiles): a strided diagonal and a multiplication by the 0/1 factor."""
+    and gradient tiles): a strided diagonal and a multiplication by the 0/1 factor; the
+    positives kept apart are zeroed too."""
+    if plan.apart is not None:
+        plan.apart.clear(t, r0, c0, 0.0)
     if plan.exclude is None:
         return
     diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)
@@ -125,7 +133,10 @@ def _drop(t: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> None:
 
 def _blank(t: Tensor, plan: _Plan, r0: int, c0: int, out: Tensor | None, value: float) -> None:
     """Set the excluded entries of a tile to ``value`` in place: an excluded strided
-    diagonal (a view, as for the self pairs) and the masked block ``out``."""
+    diagonal (a view, as for the self pairs) and the masked block ``out``; the positives
+    kept apart too."""
+    if plan.apart is not None:
+        plan.apart.clear(t, r0, c0, value)
     if plan.exclude is None:
         return
     diag = self_diagonal(t, r0, c0, plan.exclude.diagonal)
@@ -224,7 +235,7 @@ def _single_forward(prod: AnyProducts, R: int, C: int, plan: _Plan) -> tuple[Ten
                 plan.column_comm.all_sum(col_sum)
             col_lse = col_sum.log()
         # every sum > 0 (exp > 0 in fixed mode) unless exclusions or a lone row can empty one
-        nonempty = plan.exclude is None and C - (plan.self_offset is not None) >= 1
+        nonempty = plan.exclude is None and plan.apart is None and C - (plan.self_offset is not None) >= 1
         return row_lse, col_lse, row_pos, col_pos, e, ((row_sum, col_sum) if nonempty else None)
     if diag is not None:
         diag.fill_(torch.finfo(s.dtype).min)
@@ -599,12 +610,8 @@ class _SoftmaxTerms(torch.autograd.Function):
                 col_pos = (b_c * plan.positives.aggregate_transposed(a_s)).sum(1)
         if plan.shared_alpha:
             col_alpha = row_alpha
-        row_out = _weighted(row_lse, row_alpha)
-        col_out = (row_lse.new_zeros(0) if total is None else row_lse) if col_lse is None else _weighted(col_lse, col_alpha)
-        if row_pos is not None:
-            row_out = row_out - _weighted(row_pos, row_beta)
-        if col_pos is not None:
-            col_out = col_out - _weighted(col_pos, col_beta)
+        row_out, col_out, row_lse, col_lse, margins = _outputs(plan, row_lse, col_lse, row_pos, col_pos, row_alpha, row_beta,
+                                                               col_alpha, col_beta, total)
         ctx.total = total
         ctx.set_materialize_grads(False)  # an output the caller drops (the empty column slot) costs no zeros
         if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
@@ -620,7 +627,8 @@ class _SoftmaxTerms(torch.autograd.Function):
         ctx.kept = kept is not None
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
-        save(ctx, scale_c, a_c, b_c, row_stat, row_stat if col_stat is None else col_stat, *weights, *norms,
+        ctx.margins = len(margins)
+        save(ctx, scale_c, a_c, b_c, row_stat, row_stat if col_stat is None else col_stat, *margins, *weights, *norms,
              *(() if kept is None else (kept,)), *(t for t in raw if t is not None))
         ctx.raw = len([t for t in raw if t is not None])
         return row_out, col_out
@@ -635,7 +643,8 @@ class _SoftmaxTerms(torch.autograd.Function):
         raw += [None] * (2 - len(raw))  # a single set's candidates are its anchors
         kept = rest.pop() if ctx.kept else None
         row_lse, col_lse = rest[0], rest[1]
-        given = iter(rest[2:])
+        margins = rest[2 : 2 + ctx.margins]
+        given = iter(rest[2 + ctx.margins :])
         row_alpha, row_beta, col_alpha, col_beta = (next(given) if present else None for present in ctx.weights)
         if plan.shared_alpha:
             col_alpha = row_alpha
@@ -659,6 +668,10 @@ class _SoftmaxTerms(torch.autograd.Function):
         c_col = None
         if has_pos and g_col_c is not None and plan.column_positives:
             c_col = -uniform_col if uniform_col is not None and col_beta is None else -_weighted(g_col_c, col_beta)
+        if margins and c_row is not None:  # the positive entries were left out of the tiles: their exact coefficient
+            c_row = coefficient(u, c_row, margins[0])
+            if len(margins) == 2 and c_col is not None and col is not None:
+                c_col = coefficient(col[0], c_col, margins[1])
         if not plan.symmetric and not ctx.needs_input_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         # (the Triton kernels take the operands themselves; the products serve the torch loops)
@@ -678,6 +691,41 @@ class _SoftmaxTerms(torch.autograd.Function):
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
         ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
         return ga, gb, gscale, None, None, None, None, None, None
+
+
+def _outputs(plan: _Plan, row_lse: Tensor, col_lse: Tensor | None, row_pos: Tensor | None, col_pos: Tensor | None,
+             row_alpha: Tensor | None, row_beta: Tensor | None, col_alpha: Tensor | None, col_beta: Tensor | None,
+             total: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """``alpha * LSE - beta * pos`` per row (and column), the full log-sum-exps and, when the
+    positives were kept apart, the margins ``LSE - pos`` that backward needs."""
+    margins: tuple[Tensor, ...] = ()
+    if plan.apart is not None and row_pos is not None and (col_lse is None or col_pos is not None):
+        # the tile passes summed the excess over the positive
+        row_out, row_lse, d_row = _apart_terms(row_lse, row_pos, row_alpha, row_beta)
+        margins = (d_row,)
+        if col_lse is not None and col_pos is not None:
+            col_out, col_lse, d_col = _apart_terms(col_lse, col_pos, col_alpha, col_beta)
+            margins = (d_row, d_col)
+    else:
+        row_out = _weighted(row_lse, row_alpha)
+        if row_pos is not None:
+            row_out = row_out - _weighted(row_pos, row_beta)
+        if col_lse is not None:
+            col_out = _weighted(col_lse, col_alpha)
+            if col_pos is not None:
+                col_out = col_out - _weighted(col_pos, col_beta)
+    if col_lse is None:
+        col_out = row_lse.new_zeros(0) if total is None else row_lse
+    return row_out, col_out, row_lse, col_lse, margins
+
+
+def _apart_terms(log_excess: Tensor, pos: Tensor, alpha: Tensor | None, beta: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, LSE, d)`` with ``d = LSE - pos`` computed from the excess (confident.py):
+    ``out = alpha * d`` when both weights are alike, so a near-zero loss keeps its digits."""
+    d = margin(log_excess, pos)
+    lse = pos + d
+    out = _weighted(d, alpha) if alpha is beta else _weighted(lse, alpha) - _weighted(pos, beta)
+    return out, lse, d
 
 
 def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b: Tensor,
@@ -813,21 +861,11 @@ def softmax_terms(
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
     single = decision.tile == 0
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
+    apart = apart_rule(positives, exclude, columns, column_positives, column_comm, symmetric, decision.backend)
     plan = _Plan(self_offset, columns, symmetric, decision.tile, fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
                  C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, operand_dtype,
-                 decision.half)
+                 decision.half, apart)
     row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
                                            None if shared_alpha else col_weights[0], col_weights[1], plan, total)
     return row_out, (col_out if columns and total is None else None)
-
-
-def logsumexp_rows(anchors: Tensor, candidates: Tensor, scale: Scale, *, self_offset: int | None, symmetric: bool = False,
-                   columns: bool = False, fixed: bool = False, chunk_size: int | None = None,
-                   column_comm: Any = None) -> tuple[Tensor, Tensor | None]:
-    """Row (and column) log-sum-exp of ``S = scale * anchors @ candidates.T``.
-
-    :func:`softmax_terms` without a positive part or weights; see its arguments.
-    """
-    return softmax_terms(anchors, candidates, scale, self_offset=self_offset, symmetric=symmetric, columns=columns,
-                         fixed=fixed, chunk_size=chunk_size, column_comm=column_comm)

@@ -52,14 +52,10 @@ except ImportError:  # pragma: no cover - exercised when triton is missing
     triton = None
     tl = None
 
-__all__ = ["available", "fused", "grad_rows", "row_lse", "schedule", "tile_grad", "tile_sums"]
+__all__ = ["fused", "grad_rows", "row_lse", "schedule", "tile_grad", "tile_sums"]
 
 BLOCK_D = 32  # the GEMM loop's step over the feature dimension
 GROUP = 8  # row blocks that sweep the column blocks together (grouped order)
-
-
-def available() -> bool:
-    return triton is not None
 
 
 def interpreting() -> bool:

@@ -1,9 +1,9 @@
 """The contrastive losses, functional form: one module per loss family.
 
-* :mod:`.nt_xent` -- NT-Xent (SimCLR; seeds 000, 001, 003, 004)
-* :mod:`.nt_bxent` -- NT-BXent (seed 000)
-* :mod:`.image_text` -- the CLIP/ALIGN image-text loss with duplicate ids (seed 002)
-* :mod:`.supcon` -- SupCon (seed 004)
+* :mod:`.nt_xent` -- NT-Xent (SimCLR, Chen et al. 2020; pytorch-metric-learning's labelled form)
+* :mod:`.nt_bxent` -- NT-BXent (multi-positive binary cross-entropy)
+* :mod:`.image_text` -- the CLIP/ALIGN image-text loss with duplicate ids (Radford et al. 2021, Jia et al. 2021)
+* :mod:`.supcon` -- SupCon (Khosla et al. 2020)
 * :mod:`.siglip` -- SigLIP, the sigmoid image-text loss (Zhai et al. 2023)
 * :mod:`.info_nce` -- InfoNCE with hard negatives and queues (MNRL, info-nce-pytorch, MoCo)
 

@@ -64,7 +64,7 @@ def image_text_inputs(image_feat: Tensor, text_feat: Tensor, image_id: Tensor | 
 
 def image_text_positives(image_id: Tensor | None, text_id: Tensor | None, n: int, num_cols: int, scope: Scope,
                          device: torch.device) -> Positives:
-    """Positives of this rank's n image rows against all ``num_cols`` texts (seed 002's rule).
+    """Positives of this rank's n image rows against all ``num_cols`` texts (CLIP's duplicate-id rule).
 
     With ids: ``image_id_i == image_id_j or text_id_i == text_id_j`` (ids gathered under
     ``gather=True``); without: image i's positive is text ``offset + i``. The relation is
@@ -302,7 +302,7 @@ def partner_positives(n_rows: int, pairing: str, offset: int, device: torch.devi
     cached = _PARTNER_POSITIVES.get(key)
     if cached is None:
         cached = Positives.from_partner(pair_partner(n_rows, pairing, offset, device), num_cols, self_offset=self_offset,
-                                        layout=layout)
+                                        layout=layout, shift=offset if pairing == "identity" else None)
         if len(_PARTNER_POSITIVES) > 256:
             _PARTNER_POSITIVES.clear()
         _PARTNER_POSITIVES[key] = cached
@@ -314,9 +314,9 @@ def pair_keys(n_rows: int, pairing: str, device: torch.device | None = None) -> 
 
     Args:
         n_rows: 2N, the number of rows (even).
-        pairing: ``"adjacent"`` pairs rows (0, 1), (2, 3), ... (seeds 000/001);
+        pairing: ``"adjacent"`` pairs rows (0, 1), (2, 3), ... (two views stored row by row);
             ``"halves"`` pairs row i with i + N, as in ``torch.cat([view1, view2])``
-            (seed 003, the SimCLR and SupCon papers).
+            (the SimCLR and SupCon papers).
     """
     rows = torch.arange(n_rows, device=device)
     return rows // 2 if pairing == "adjacent" else rows % (n_rows // 2)

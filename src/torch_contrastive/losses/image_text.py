@@ -1,4 +1,4 @@
-"""The symmetric image-text contrastive loss of CLIP/ALIGN, with duplicate ids (seed 002)."""
+"""The symmetric image-text contrastive loss of CLIP/ALIGN, with duplicate ids (Radford et al. 2021, Jia et al. 2021)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
 
 
 def text_ids(texts: list[str]) -> Tensor:
-    """Ids for caption strings: equal strings get equal ids (seed 002's text hash).
+    """Ids for caption strings: equal strings get equal ids (a caption hash).
 
     Deterministic across processes and ranks (unlike Python's salted ``hash``): ids
     are the first 8 bytes of each string's BLAKE2b digest. Call it in the data loader,
@@ -50,7 +50,7 @@ def image_text_contrastive_loss(
     label_smoothing: float = 0.0,
     backend: str = "auto",
 ) -> Tensor:
-    """Symmetric image-text contrastive loss of CLIP/ALIGN (seed 002).
+    """Symmetric image-text contrastive loss of CLIP/ALIGN (Radford et al. 2021; Jia et al. 2021).
 
     ``S = image @ text.T / tau`` on L2-normalised features. Without ids it is
     ``(CE(S, arange) + CE(S.T, arange)) / 2``. With ids, duplicates are positives:
@@ -67,7 +67,7 @@ def image_text_contrastive_loss(
         temperature: tau > 0 (default 0.07), float or 0-dim tensor (e.g.
             ``1 / logit_scale.exp()``).
         image_id, text_id: optional (N,) integer ids (see :func:`text_ids`).
-        normalize: L2-normalise (seed 002 insists; default True).
+        normalize: L2-normalise (CLIP's convention; default True).
         reduction: ``"mean"``; ``"sum"``; ``"none"``: (N,) values ``e_i`` whose mean is
             the loss -- without ids ``e_i = (CE_image_i + CE_text_i) / 2``.
         chunk_size, gather, grad_reduction, eps, validate: see
@@ -150,7 +150,7 @@ def _column_weights(weights: tuple[Tensor | None, Tensor | None]) -> tuple[Tenso
 
 @dataclass(frozen=True)
 class _Variant:
-    """DCL and label smoothing on the image-text loss (SPEC §12)."""
+    """DCL and label smoothing on the image-text loss (README, "False negatives")."""
 
     decoupled: bool
     smoothing: float

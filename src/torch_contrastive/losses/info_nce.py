@@ -1,9 +1,9 @@
-"""InfoNCE with candidates beyond the batch: hard negatives and queues (SPEC §10).
+"""InfoNCE with candidates beyond the batch: hard negatives and queues (README, "Candidates beyond the batch").
 
 One query/key form covers the retrieval and self-supervision losses that add candidates
 to the batch: sentence-transformers' MultipleNegativesRankingLoss (in-batch keys plus a
 pool of hard negatives), info-nce-pytorch (paired or unpaired negatives), MoCo (a queue
-of past keys) and lightly's memory bank. False negatives (SPEC §12) leave a query's
+of past keys) and lightly's memory bank. False negatives (README, "False negatives") leave a query's
 denominator by id (duplicates of its positive) or by a guide model's verdict (GISTEmbed);
 ``decoupled=True`` is DCL; ``label_smoothing`` as in ``F.cross_entropy``.
 """
@@ -50,7 +50,7 @@ def info_nce_loss(
     validate: bool = True,
     backend: str = "auto",
 ) -> Tensor:
-    """InfoNCE of queries against their keys plus extra negatives (SPEC §10, §12).
+    """InfoNCE of queries against their keys plus extra negatives (README, "Candidates beyond the batch", "False negatives").
 
     Key ``i`` is query ``i``'s positive. The candidates of query ``i`` are its key, the
     other keys (``in_batch_negatives=True``), and the negatives: the whole pool
@@ -169,7 +169,7 @@ def _learn(learners: list[Exclusion], values: list[float]) -> None:
 
 @dataclass
 class _Rules:
-    """What leaves a query's denominator (SPEC §12): ids, a guide's verdict, the positive (DCL)."""
+    """What leaves a query's denominator (README, "False negatives"): ids, a guide's verdict, the positive (DCL)."""
 
     key_ids: Tensor | None = None  # (N,) int64
     negative_ids: Tensor | None = None  # (M,) or (N, K) int64
@@ -279,7 +279,7 @@ def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale
     n = query.shape[0]
     cols = key if negatives is None else torch.cat([key, negatives])
     positives = Positives.from_partner(pair_partner(n, "identity", 0, query.device), cols.shape[0], self_offset=None,
-                                       layout="identity" if negatives is None else None)
+                                       layout="identity" if negatives is None else None, shift=0)
     per_query, _ = softmax_terms(query, cols, scale, self_offset=None, positives=positives, fixed=fixed, normalize=normalize,
                                  eps=eps, chunk_size=chunk_size, backend=backend)
     return per_query
@@ -306,7 +306,8 @@ def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool,
     if in_batch:
         keys = scope.rows(k)
         # the engine's row term is LSE_i - s_ii: query i's key is global column offset + i
-        positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None)
+        positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None,
+                                           shift=scope.offset)
         exclude = _learning(_key_exclusion(rules, positives, scope, learners is not None), learners)
         terms.append(softmax_terms(q, keys, scale, self_offset=None, positives=positives, fixed=fixed, chunk_size=chunk_size,
                                    exclude=exclude, backend=backend)[0])

@@ -1,4 +1,4 @@
-"""NT-BXent, the multi-positive binary cross-entropy loss of seed 000."""
+"""NT-BXent, the multi-positive binary cross-entropy loss (README, "Conventions")."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def nt_bxent_loss(
     validate: bool = True,
     backend: str = "auto",
 ) -> Tensor:
-    """NT-BXent, the multi-positive binary cross-entropy loss of seed 000.
+    """NT-BXent, the multi-positive binary cross-entropy loss (README, "Conventions").
 
     Positives are the directional (row, column) pairs of ``pos_indices`` or the pairs
     with equal ``labels``. The diagonal is always a positive with zero loss and is
@@ -40,7 +40,7 @@ def nt_bxent_loss(
 
     with ``n_neg_i = 2N - n_pos_i`` (no negative term when it is 0), then the mean over
     rows. Computed with log-sigmoid (softplus), so tau = 0.01 gives the exact 48.286442
-    on seed 000's batch where the seed's float32 ``sigmoid`` + ``binary_cross_entropy``
+    on the write-up's example batch where its float32 ``sigmoid`` + ``binary_cross_entropy``
     prints 62.8988.
 
     Args:
@@ -75,7 +75,7 @@ def nt_bxent_loss(
     reduced = engine_total(reduction, scope, float(n), cdtype)
 
     def row_weights(counts: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor | float] | None:
-        """Seed 000's per-row means: the positive sum over |P_i| + 1 (the diagonal counts,
+        """The write-up's per-row means: the positive sum over |P_i| + 1 (the diagonal counts,
         unscored), the negative sum over the negatives (none: 0); then the mean over rows."""
         if reduced is None:
             return None

@@ -1,4 +1,4 @@
-"""NT-Xent, the SimCLR loss (seeds 000, 001, 003, 004)."""
+"""NT-Xent, the SimCLR loss (Chen et al. 2020)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def nt_xent_loss(
     positive_weight: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor:
-    """NT-Xent, the SimCLR loss (seeds 000, 001, 003, 004).
+    """NT-Xent, the SimCLR loss (Chen et al. 2020).
 
     Without labels every row has exactly one positive, chosen by ``pairing``, and
 
         ``loss_i = -s_{i,p(i)} + log sum_{j != i} exp(s_ij)``  (cross-entropy per row).
 
-    With ``labels`` it follows pytorch-metric-learning's ``NTXentLoss`` (seed 004): one
+    With ``labels`` it follows pytorch-metric-learning's ``NTXentLoss``: one
     term per positive pair (i, p) -- same label, i != p --
 
         ``loss_ip = -s_ip + log(exp(s_ip) + sum_{n: y_n != y_i} exp(s_in))``

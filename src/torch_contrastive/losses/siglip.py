@@ -1,4 +1,4 @@
-"""SigLIP: the sigmoid image-text loss (Zhai et al. 2023), with seed 002's duplicate ids."""
+"""SigLIP: the sigmoid image-text loss (Zhai et al. 2023), with CLIP's duplicate-id rule."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def siglip_loss(
 
     with ``z_ij = +1`` for positives and -1 otherwise, N the number of images -- the
     value of open_clip's ``SigLipLoss`` (world size 1). Positives are the diagonal or,
-    with ids, ``image_id_i == image_id_j or text_id_i == text_id_j`` (seed 002's rule,
+    with ids, ``image_id_i == image_id_j or text_id_i == text_id_j`` (the image-text loss's rule,
     which the paper's implementation cannot express). Computed as ``softplus(-z s)``,
     never ``log(sigmoid(.))``.
 

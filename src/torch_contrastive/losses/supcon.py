@@ -1,4 +1,4 @@
-"""Supervised contrastive loss (Khosla et al. 2020; seed 004)."""
+"""Supervised contrastive loss (Khosla et al. 2020)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def supcon_loss(
     memory_labels: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor:
-    """Supervised contrastive loss (Khosla et al. 2020; seed 004).
+    """Supervised contrastive loss (Khosla et al. 2020).
 
     ``loss_i = -(tau / tau_base) * mean_{p in P(i)} [ s_ip - log sum_{a != i} exp(s_ia) ]``
 
