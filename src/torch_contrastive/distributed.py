@@ -27,21 +27,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Scope", "all_gather_with_grad", "make_scope"]
+__all__ = ["Scope", "all_gather_with_grad", "gather_padded", "gather_sizes", "is_active", "make_scope"]
 
 
-def _active() -> bool:
+def is_active() -> bool:
+    """Whether a process group of more than one rank is running."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _gather_sizes(n: int, device: torch.device) -> list[int]:
+def gather_sizes(n: int, device: torch.device) -> list[int]:
+    """Every rank's row count (one all-gather of one integer)."""
     size = torch.tensor([n], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
     return [int(s) for s in sizes]
 
 
-def _gather_padded(x: Tensor, sizes: list[int]) -> Tensor:
+def gather_padded(x: Tensor, sizes: list[int]) -> Tensor:
     """Concatenate ``x`` from every rank; ranks may hold different numbers of rows."""
     longest = max(sizes)
     padded = x.new_zeros((longest, *x.shape[1:]))
@@ -55,7 +57,7 @@ class _AllGatherGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, sizes: list[int], rank: int):  # type: ignore[override]
         ctx.sizes, ctx.rank = sizes, rank
-        return _gather_padded(x.detach(), sizes)
+        return gather_padded(x.detach(), sizes)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -87,9 +89,9 @@ def all_gather_with_grad(x: Tensor) -> Tensor:
     forward (sizes, data) and one ``all_reduce`` of the gathered gradient backward.
     Without an active process group it returns ``x`` unchanged.
     """
-    if not _active():
+    if not is_active():
         return x
-    sizes = _gather_sizes(x.shape[0], x.device)
+    sizes = gather_sizes(x.shape[0], x.device)
     return _AllGatherGrad.apply(x, sizes, dist.get_rank())
 
 
@@ -115,14 +117,18 @@ class Scope:
 
     @property
     def offset(self) -> int:
-        """Global index of this rank's first row (0 when local)."""
-        return sum(self.sizes[: self.rank]) if self.distributed else 0
+        """Global index of this rank's first row (0 when local); known once :meth:`rows` ran."""
+        if not self.distributed:
+            return 0
+        if not self.sizes:
+            raise RuntimeError("internal: Scope.offset read before Scope.rows() gathered the batch sizes")
+        return sum(self.sizes[: self.rank])
 
     def rows(self, x: Tensor) -> Tensor:
         """The global batch of ``x`` (autograd-aware gather); ``x`` itself when local."""
         if not self.distributed:
             return x
-        sizes = _gather_sizes(x.shape[0], x.device)
+        sizes = gather_sizes(x.shape[0], x.device)
         if not self.sizes:
             self.sizes = tuple(sizes)
         elif tuple(sizes) != self.sizes:
@@ -133,7 +139,7 @@ class Scope:
         """The global batch of an integer tensor (labels, ids); no gradient."""
         if not self.distributed:
             return x
-        return _gather_padded(x, list(self.sizes) or _gather_sizes(x.shape[0], x.device))
+        return gather_padded(x, list(self.sizes) or gather_sizes(x.shape[0], x.device))
 
     def total(self, x: Tensor) -> Tensor:
         """Sum of a (detached) tensor over ranks."""
@@ -196,7 +202,7 @@ def make_scope(gather: bool, grad_reduction: str = "mean") -> Scope:
     (a silent default that has cost users of other libraries their negatives).
     """
     global _warned_local
-    if _active():
+    if is_active():
         if gather:
             return Scope(rank=dist.get_rank(), world_size=dist.get_world_size(), grad_reduction=grad_reduction)
         if not _warned_local:

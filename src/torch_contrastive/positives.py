@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .engine._common import mask_as, self_diagonal
+from ._tensors import mask_as, self_diagonal
 
 __all__ = ["DENSE_KEYS_LIMIT", "Positives"]
 
@@ -196,7 +196,8 @@ class Positives:
 
     # ------------------------------------------------------------------ typed access
     @staticmethod
-    def _need(t: Tensor | None, kind: str) -> Tensor:
+    def require(t: Tensor | None, kind: str) -> Tensor:
+        """``t``, which the relation's kind guarantees; an internal error otherwise."""
         if t is None:
             raise RuntimeError(f"internal: not a {kind!r} relation")
         return t
@@ -225,7 +226,7 @@ class Positives:
             return self.dense[r0:r1, c0:c1]
         if kind == "partner":
             cols = torch.arange(c0, c1, device=device)
-            return self._need(self.partner, kind)[r0:r1, None] == cols[None, :]  # never the self column
+            return self.require(self.partner, kind)[r0:r1, None] == cols[None, :]  # never the self column
         if kind == "pairs":
             return self._pair_tile(r0, r1, c0, c1)
         if kind == "keys":
@@ -233,9 +234,9 @@ class Positives:
             for rk, ck in zip(self.row_keys[1:], self.col_keys[1:]):
                 block |= rk[r0:r1, None] == ck[None, c0:c1]
         else:
-            mask = self._need(self.sample_mask, kind)
+            mask = self.require(self.sample_mask, kind)
             cols = torch.arange(c0, c1, device=device) % mask.shape[0]
-            block = mask[self._need(self.row_sample, kind)[r0:r1]][:, cols]
+            block = mask[self.require(self.row_sample, kind)[r0:r1]][:, cols]
         diag = self_diagonal(block, r0, c0, self.self_offset)
         if diag is not None:
             diag.fill_(False)
@@ -244,7 +245,7 @@ class Positives:
     def _pair_tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         # Pairs outside the tile (or with zero weight) write into one spare slot past
         # its end, so the scatter has the same shape whatever the data.
-        p, w = self._need(self.pairs, "pairs"), self._need(self.pair_weight, "pairs")
+        p, w = self.require(self.pairs, "pairs"), self.require(self.pair_weight, "pairs")
         h, wdt = r1 - r0, c1 - c0
         inside = w & (p[:, 0] >= r0) & (p[:, 0] < r1) & (p[:, 1] >= c0) & (p[:, 1] < c1)
         flat = torch.where(inside, (p[:, 0] - r0) * wdt + (p[:, 1] - c0), h * wdt)
@@ -269,12 +270,12 @@ class Positives:
                 counts += sign * per_group[rg]
             return counts - self._self_in_relation().long()
         if kind == "pairs":
-            p, w = self._need(self.pairs, kind), self._need(self.pair_weight, kind)
+            p, w = self.require(self.pairs, kind), self.require(self.pair_weight, kind)
             return torch.zeros(self.num_rows, dtype=torch.int64, device=device).index_add_(0, p[:, 0], w.long())
-        mask = self._need(self.sample_mask, kind)
+        mask = self.require(self.sample_mask, kind)
         views = self.num_cols // mask.shape[0]  # candidates are bsz * n_views, view-major
         per_sample = mask.long().sum(1) * views
-        return per_sample[self._need(self.row_sample, kind)] - self._self_in_relation().long()
+        return per_sample[self.require(self.row_sample, kind)] - self._self_in_relation().long()
 
     def aggregate(self, candidates: Tensor) -> Tensor:
         """(R, D) sum of the positive candidates of every anchor, ``sum_j P_ij c_j``.
@@ -286,7 +287,7 @@ class Positives:
         if kind == "partner":
             if self.layout == "identity":  # CLIP without ids: row i's positive is column i. No copy at all.
                 return candidates
-            return candidates[self._need(self.partner, kind)]
+            return candidates[self.require(self.partner, kind)]
         if self.dense is not None:
             with torch.autocast(candidates.device.type, enabled=False):
                 return mask_as(self.dense, candidates.dtype) @ candidates
@@ -297,14 +298,14 @@ class Positives:
                 total = total + sign * per_group[rg]
             return self._minus_self(total, candidates)
         if kind == "pairs":
-            p, w = self._need(self.pairs, kind), self._need(self.pair_weight, kind)
+            p, w = self.require(self.pairs, kind), self.require(self.pair_weight, kind)
             out = candidates.new_zeros(self.num_rows, candidates.shape[1])
             return out.index_add(0, p[:, 0], candidates[p[:, 1]] * w[:, None].to(candidates.dtype))
-        mask = self._need(self.sample_mask, kind)
+        mask = self.require(self.sample_mask, kind)
         bsz = mask.shape[0]
         per_sample = candidates.reshape(-1, bsz, candidates.shape[1]).sum(0)  # view-major: j -> sample j % bsz
         with torch.autocast(candidates.device.type, enabled=False):  # keep the compute dtype under autocast
-            total = mask_as(mask, candidates.dtype)[self._need(self.row_sample, kind)] @ per_sample
+            total = mask_as(mask, candidates.dtype)[self.require(self.row_sample, kind)] @ per_sample
         return self._minus_self(total, candidates)
 
     def aggregate_transposed(self, rows: Tensor) -> Tensor:
@@ -315,7 +316,7 @@ class Positives:
         if kind == "partner":
             if self.layout == "identity":
                 return rows  # CLIP without ids: column j's positive is row j
-            return rows.new_zeros(self.num_cols, width).index_add(0, self._need(self.partner, kind), rows)
+            return rows.new_zeros(self.num_cols, width).index_add(0, self.require(self.partner, kind), rows)
         if self.dense is not None:
             with torch.autocast(rows.device.type, enabled=False):
                 return mask_as(self.dense, rows.dtype).t() @ rows
@@ -328,11 +329,11 @@ class Positives:
                 total = total.index_add(0, torch.arange(self.num_rows, device=rows.device) + self.self_offset, rows, alpha=-1)
             return total
         if kind == "pairs":
-            p, w = self._need(self.pairs, kind), self._need(self.pair_weight, kind)
+            p, w = self.require(self.pairs, kind), self.require(self.pair_weight, kind)
             return rows.new_zeros(self.num_cols, width).index_add(0, p[:, 1], rows[p[:, 0]] * w[:, None].to(rows.dtype))
-        mask = self._need(self.sample_mask, kind)
+        mask = self.require(self.sample_mask, kind)
         bsz = mask.shape[0]
-        row_sample = self._need(self.row_sample, kind)
+        row_sample = self.require(self.row_sample, kind)
         per_sample = rows.new_zeros(bsz, width).index_add_(0, row_sample, rows)
         with torch.autocast(rows.device.type, enabled=False):
             per_col_sample = mask.to(rows.dtype).t() @ per_sample
@@ -357,8 +358,8 @@ class Positives:
             return torch.zeros(self.num_rows, dtype=torch.bool, device=device)
         if self.kind == "keys":
             return torch.ones(self.num_rows, dtype=torch.bool, device=device)
-        rows = self._need(self.row_sample, "mask")
-        return self._need(self.sample_mask, "mask")[rows, rows]
+        rows = self.require(self.row_sample, "mask")
+        return self.require(self.sample_mask, "mask")[rows, rows]
 
     def _device(self) -> torch.device:
         for t in (self.partner, *self.row_keys, self.pairs, self.sample_mask):
@@ -408,7 +409,7 @@ def _groups(keys: Tensor, num_rows: int) -> tuple[Tensor, Tensor, int]:
 _LEARNED = (-1, -1)  # marks an Exclusion whose tile flags have been read
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Exclusion:
     """Candidates left out of an anchor's denominator, besides the self pair.
 
@@ -447,6 +448,8 @@ class Exclusion:
     diagonal: int | None = None
     symmetric: bool = False
     learn: bool = False
+    # Per-call state below (an Exclusion is built for one loss call and lives through its
+    # backward): not frozen, compared by identity.
     scratch: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
     # per-tile counts recorded in forward ((r0, c0) -> (excluded entries, rows excluding more
     # than one)), each tile row's first excluded column and whether it has one (guide alone;

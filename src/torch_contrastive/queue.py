@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validation as v
-from .distributed import _active, _gather_padded, _gather_sizes
+from .distributed import gather_padded, gather_sizes, is_active
 
 __all__ = ["FeatureQueue"]
 
@@ -107,10 +107,10 @@ class FeatureQueue(nn.Module):
         if labels is not None:
             labels = v.check_labels(labels, "labels", features.shape[0], features.device)
         rows = features.detach()
-        if gather and _active():
-            sizes = _gather_sizes(rows.shape[0], rows.device)
-            rows = _gather_padded(rows, sizes)
-            labels = None if labels is None else _gather_padded(labels, sizes)
+        if gather and is_active():
+            sizes = gather_sizes(rows.shape[0], rows.device)
+            rows = gather_padded(rows, sizes)
+            labels = None if labels is None else gather_padded(labels, sizes)
         self._allocate(rows, given)
         self._write(rows, labels)
 

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._tensors import as_dtype
+
 #: Rows (and columns) per tile when ``chunk_size=None`` and the batch is too big for
 #: one tile. 1024 x 1024 fp32 logit tiles (4 MiB) stay in a CPU's L3 cache and were
 #: fastest on the 2-core benchmark machine (512 and 256 were 5-30 % slower).
@@ -63,20 +65,6 @@ class Buffers:
         if key not in self._store:
             self._store[key] = torch.empty(rows, cols, dtype=self.dtype, device=self.device)
         return self._store[key]
-
-
-def self_diagonal(tile: Tensor, r0: int, c0: int, self_offset: int | None) -> Tensor | None:
-    """Strided view of the self pairs inside a tile (anchor i is candidate i + self_offset).
-
-    A view, not index tensors: filling it is one strided write, and no index tensor is
-    built per tile. ``None`` when the tile holds no self pair.
-    """
-    if self_offset is None:
-        return None
-    k = r0 + self_offset - c0
-    if k >= tile.shape[1] or -k >= tile.shape[0]:
-        return None
-    return tile.diagonal(k)
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -223,18 +211,3 @@ def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: 
         gb = ga_acc * scale if norm_b is None else l2_normalize_backward(ga_acc, b, *norm_b, eps, scale)
         gb = as_dtype(gb, ctx.in_dtypes[1])
     return as_dtype(ga, ctx.in_dtypes[0]), gb, gscale
-
-
-def mask_as(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A bool mask as 0/1 values of ``dtype``, through a uint8 view: converting bool
-    directly takes a slow path on CPU (about 4x the time). Not under ``torch.compile``:
-    inductor cannot lower a bool ``view(dtype)`` (torch 2.11: "torch.bool is not supported by
-    torch.iinfo") and fuses the plain conversion anyway."""
-    if mask.dtype != torch.bool or torch.compiler.is_compiling():
-        return mask.to(dtype)
-    return mask.view(torch.uint8).to(dtype)
-
-
-def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` in ``dtype`` (itself when it already is: ``.to`` costs a dispatch even then)."""
-    return x if x.dtype == dtype else x.to(dtype)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._common import self_diagonal
+from .._tensors import self_diagonal
 
 if TYPE_CHECKING:
     from ..positives import Positives

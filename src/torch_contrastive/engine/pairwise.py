@@ -16,18 +16,16 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._tensors import as_dtype, mask_as, self_diagonal
 from ._common import (
     Buffers,
     Scale,
-    as_dtype,
     autocast_enabled,
     finish_gradients,
     logits_tile,
-    mask_as,
     prepare_inputs,
     save,
     saved,
-    self_diagonal,
     tiles,
 )
 from .planner import decide

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._tensors import self_diagonal
 from ._common import (
     Buffers,
     Scale,
@@ -31,7 +32,6 @@ from ._common import (
     prepare_inputs,
     save,
     saved,
-    self_diagonal,
     tiles,
 )
 from .planner import decide

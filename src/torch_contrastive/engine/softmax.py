@@ -22,17 +22,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._tensors import as_dtype, mask_as, self_diagonal
 from ._common import (
     Buffers,
     Scale,
-    as_dtype,
     autocast_enabled,
     finish_gradients,
-    mask_as,
     prepare_inputs,
     save,
     saved,
-    self_diagonal,
     tiles,
 )
 from .confident import Apart, apart_rule, coefficient, margin
@@ -197,7 +195,7 @@ def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
     if rel is None:  # strided layout: a view, no index tensor
         row_pos = _read_strided(s, how)
         if plan.column_positives:  # identity: column j's positive is row j
-            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives._need(positives.partner, "partner"), row_pos)
+            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives.require(positives.partner, "partner"), row_pos)
     elif how == "partner":
         row_pos = s.gather(1, rel[:, None])[:, 0]
         if plan.column_positives:

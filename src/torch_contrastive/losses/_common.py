@@ -17,9 +17,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
+from .._tensors import as_dtype
 from ..distributed import Scope, make_scope
 from ..engine import Scale, fixed_scale_applies, pairwise_rows, resolve_tile, tile_label_bounds
-from ..engine._common import as_dtype
 from ..positives import Positives
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
+from .._tensors import as_dtype
 from ..distributed import Scope
 from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
-from ..engine._common import as_dtype
 from ..positives import Exclusion, Positives
 from ._common import check_agreement, engine_total, finish_checks, image_text_inputs, image_text_positives, positive_logits
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
-from ..distributed import Scope, _gather_padded, _gather_sizes, all_gather_with_grad, make_scope
+from ..distributed import Scope, all_gather_with_grad, gather_padded, gather_sizes, make_scope
 from ..engine import Scale, fixed_scale_applies, softmax_terms
 from ..positives import Exclusion, Positives
 from ._common import check_agreement, pair_partner, reduce, safe_logsumexp
@@ -380,13 +380,13 @@ def _pool_exclusion(rules: _Rules, spread: bool, scope: Scope, learn: bool = Fal
     if rules.key_ids is not None and rules.negative_ids is not None:
         ids = rules.negative_ids
         if gathering:
-            sizes = _gather_sizes(ids.shape[0], ids.device)
-            ids = _gather_padded(ids, sizes)
+            sizes = gather_sizes(ids.shape[0], ids.device)
+            ids = gather_padded(ids, sizes)
         relation = Positives.from_keys(rules.key_ids, ids, self_offset=None)
     if rules.threshold is not None and rules.guide_query is not None and rules.guide_negatives is not None:
         g_neg = rules.guide_negatives
         if gathering:
-            g_neg = _gather_padded(g_neg, sizes or _gather_sizes(g_neg.shape[0], g_neg.device))
+            g_neg = gather_padded(g_neg, sizes or gather_sizes(g_neg.shape[0], g_neg.device))
         guide = (rules.guide_query, g_neg, rules.threshold)
     if relation is None and guide is None:
         return None

@@ -6,9 +6,9 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
+from .._tensors import mask_as
 from ..distributed import Scope, make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
-from ..engine._common import mask_as
 from ..positives import Positives
 from ._common import engine_total, finish_checks, reduce, single_set, with_memory
 
