@@ -50,12 +50,65 @@ def test_augment_is_seeded_and_in_range():
     (["train", "--batch-size", "x"], "positive integer"),
     (["train", "--temperature", "-0.1"], "positive"),
     (["train", "--chunk-size", "0"], "positive integer"),
+    (["train", "--batch-size", "1"], "at least 2"),
+    (["train", "--seed", "-5"], "--seed: expected an integer >= 0"),
+    (["train", "--logit-bias", "nan"], "--logit-bias: expected a finite number"),
+    (["train", "--device", "tpu"], "invalid choice"),
+    (["train", "--precision", "fp8"], "invalid choice"),
 ])
 def test_train_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_out_refuses_an_existing_run_or_a_file(tmp_path, capsys):
+    (tmp_path / "metrics.json").write_text("{}")
+    assert main(["train", "--epochs", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a run (metrics.json)" in err and "--overwrite" in err and "\n" not in err
+    assert (tmp_path / "metrics.json").read_text() == "{}"  # untouched
+    target = tmp_path / "file.txt"
+    target.write_text("x")
+    assert main(["train", "--epochs", "1", "--out", str(target)]) == 2
+    assert "is a file; expected a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path, capsys):
+    assert main(["train", "--epochs", "1", "--device", "cuda", "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.strip() == "error: --device cuda: no CUDA device is visible to PyTorch (try --device cpu)"
+    assert not (tmp_path / "r").exists()
+
+
+def test_fp16_with_micro_batches_is_refused(tmp_path, capsys):
+    assert main(["train", "--epochs", "1", "--device", "cpu", "--precision", "fp16", "--micro-batch", "8",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "--precision fp16 does not combine with --micro-batch" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_a_run_and_the_report_says_what_runs(tmp_path, capsys):
+    args = ["train", "--loss", "supcon", "--epochs", "1", "--device", "cpu", "--out", str(tmp_path)]
+    (tmp_path / "metrics.json").write_text("{}")
+    assert main([*args, "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert "data: digits (scikit-learn): 1797 images, 10 classes; split 1257 train / 540 test images" in out
+    assert "1 epochs x 10 batches of 128 = 10 optimizer steps on cpu (fp32)" in out
+    assert "warning: only 10 optimizer steps" in out
+    assert json.loads((tmp_path / "metrics.json").read_text())["config"]["epochs"] == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_the_device_found(precision, tmp_path):
+    from device import DEVICE
+
+    cfg = Config(loss="nt_xent", epochs=2, batch_size=128, dim=16, temperature=0.1, out=str(tmp_path), device=DEVICE.type,
+                 precision=precision)
+    result = train(cfg, progress=False)
+    history = result["loss_history"]
+    assert all(torch.isfinite(torch.tensor(history))) and history[-1] < history[0]
+    assert result["trained"]["linear_probe_accuracy"] > result["untrained"]["linear_probe_accuracy"] + 0.05
 
 
 def test_distributed_flag_outside_torchrun(capsys, monkeypatch):

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import checkpoint as ckpt
 from .data import DataError, load
+from .device import DEVICES, DeviceError, resolve_device
 from .models import ImageEncoder, TextEncoder, Vocabulary, embed, embed_text
 
 
@@ -30,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     cfg = Config.from_dict(values["config"])
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     source = args.data if args.data is not None else cfg.data
     try:
         data = load(source, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
@@ -38,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     enc = ImageEncoder(cfg.dim, data.channels, data.size)
     enc.load_state_dict(values["modules"][0])
+    enc.to(device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, embed(enc, data.images).numpy())
@@ -54,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
             vocab = Vocabulary.from_words(values["vocabulary"])
             text = TextEncoder(len(vocab.words), cfg.dim)
             text.load_state_dict(values["modules"][1])
+            text.to(device)
             np.save(out.parent / "text_emb.npy", embed_text(text, vocab, data.captions).numpy())
             written.append("text_emb.npy")
-    print(f"embedded {len(data.images)} images with {args.run}'s encoder ({cfg.dim}-d); wrote {', '.join(written)}")
+    print(f"embedded {len(data.images)} images with {args.run}'s encoder ({cfg.dim}-d, on {device}); wrote {', '.join(written)}")
     return 0
 
 
@@ -65,4 +73,5 @@ def add_embed_parser(sub: Any) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory (its checkpoint.pt)")
     p.add_argument("--data", default=None, help="image folder or caption CSV (default: the data the run was trained on)")
     p.add_argument("--out", default="emb.npy", help="output .npy (default emb.npy); labels/captions are written beside it")
+    p.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when a GPU is visible (default auto)")
     p.set_defaults(func=run)

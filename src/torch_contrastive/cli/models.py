@@ -107,7 +107,8 @@ class TextEncoder(nn.Module):
 def embed(enc: nn.Module, x: Tensor, batch: int = 1024) -> Tensor:
     """L2-normalised embeddings of images ``x`` in eval mode (in batches)."""
     enc.eval()
-    out = torch.cat([F.normalize(enc(part), dim=1) for part in x.split(batch)]) if len(x) else torch.zeros(0)
+    device = next(enc.parameters()).device  # on the encoder's device; the result on the CPU
+    out = torch.cat([F.normalize(enc(part.to(device)).float(), dim=1).cpu() for part in x.split(batch)]) if len(x) else torch.zeros(0)
     enc.train()
     return out
 
@@ -116,6 +117,7 @@ def embed(enc: nn.Module, x: Tensor, batch: int = 1024) -> Tensor:
 def embed_text(text: nn.Module, vocab: Vocabulary, captions: list[str]) -> Tensor:
     text.eval()
     tokens, offsets = vocab.encode(captions)
-    out = F.normalize(text(tokens, offsets), dim=1)
+    device = next(text.parameters()).device
+    out = F.normalize(text(tokens.to(device), offsets.to(device)).float(), dim=1).cpu()
     text.train()
     return out

@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,9 @@ from .. import losses
 from ..grad_cache import grad_cache
 from ..modules import ClipLoss, SigLipLoss
 from . import checkpoint as ckpt
-from ._argtypes import positive_float, positive_int
+from ._argtypes import batch_size, finite_float, non_negative_int, positive_float, positive_int
 from .data import Data, DataError, load
+from .device import DEVICES, PRECISIONS, DeviceError, autocast, resolve_device, resolve_precision
 from .evaluate import caption_metrics, labelled_metrics
 from .models import TEMPLATES, ImageEncoder, TextEncoder, Vocabulary, augment, embed
 
@@ -84,6 +85,8 @@ class Config:
     channels: int = 3  # 1 (grayscale) or 3 (RGB) for --data; digits are grayscale
     image_size: int = 32  # --data images are resized to this square; digits are 8x8
     micro_batch: int | None = None  # gradient caching: encode this many rows at a time (None: whole batch)
+    device: str = "auto"  # auto (CUDA when present), cpu or cuda
+    precision: str = "auto"  # autocast for the encoders: auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16, fp16
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
@@ -114,24 +117,43 @@ class Models:
     text: nn.Module | None
     loss: ClipLoss | SigLipLoss | None
     vocab: Vocabulary | None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    precision: str = "fp32"
 
 
 def recipe_loss(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator) -> Tensor:
     """The loss of one (local) batch under the chosen recipe. ``batch`` indexes images
     (labelled data) or caption rows (a caption CSV)."""
     towers, inputs, loss_fn, kwargs = recipe_parts(cfg, data, batch, models, text_keys, gen)
-    return loss_fn(*(_encode(t, x) for t, x in zip(towers, inputs)), **kwargs)
+    with autocast(models.device, models.precision):
+        return loss_fn(*(_encode(t, x) for t, x in zip(towers, inputs)), **kwargs)
 
 
-def recipe_step(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator) -> Tensor:
+def recipe_step(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator,
+                scaler: Any = None) -> Tensor:
     """Forward and backward of one batch; with ``cfg.micro_batch`` through :func:`grad_cache`
-    (the same gradients, one micro-batch of activations at a time). Returns the loss."""
+    (the same gradients, one micro-batch of activations at a time). Returns the loss.
+    ``scaler``: fp16's gradient scaler (the loss is scaled before backward)."""
     if cfg.micro_batch is None:
         loss = recipe_loss(cfg, data, batch, models, text_keys, gen)
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
         return loss.detach()
     towers, inputs, loss_fn, kwargs = recipe_parts(cfg, data, batch, models, text_keys, gen)
-    return grad_cache(towers, inputs, loss_fn, cfg.micro_batch, **kwargs)
+    with autocast(models.device, models.precision):
+        return grad_cache(towers, inputs, loss_fn, cfg.micro_batch, **kwargs)
+
+
+def _on(device: torch.device, parts: tuple[list[nn.Module], list[Tensor], Any, dict[str, Any]]
+        ) -> tuple[list[nn.Module], list[Tensor], Any, dict[str, Any]]:
+    """The batch's inputs and tensor arguments on the training device (pinned, asynchronous copies)."""
+    if device.type == "cpu":
+        return parts
+    towers, inputs, loss_fn, kwargs = parts
+
+    def move(t: Any) -> Any:
+        return t.pin_memory().to(device, non_blocking=True) if isinstance(t, Tensor) else t
+
+    return towers, [move(x) for x in inputs], loss_fn, {k: move(val) for k, val in kwargs.items()}
 
 
 def _encode(tower: nn.Module, x: Tensor) -> Tensor:
@@ -168,11 +190,17 @@ def recipe_parts(cfg: Config, data: Data, batch: Tensor, models: Models, text_ke
     Augmentations are drawn here, outside the encoders, so a gradient-cached step sees the
     same views as a plain one.
     """
+    if cfg.loss in IMAGE_TEXT:
+        return _on(models.device, _image_text_parts(cfg, data, batch, models, text_keys, gen))
+    return _on(models.device, _view_parts(cfg, data, batch, models, gen))
+
+
+def _view_parts(cfg: Config, data: Data, batch: Tensor, models: Models,
+                gen: torch.Generator) -> tuple[list[nn.Module], list[Tensor], Any, dict[str, Any]]:
     gather = cfg.distributed
     enc = models.enc
-    if cfg.loss in IMAGE_TEXT:
-        return _image_text_parts(cfg, data, batch, models, text_keys, gen)
-    images, labels = data.images[batch], data.labels[batch] if data.labels is not None else None
+    images = data.images[batch]
+    labels = None if data.labels is None else data.labels[batch].to(models.device)
     if cfg.loss == "nt_xent":
         views = torch.cat([augment(images, gen), augment(images, gen)])
         return [enc], [views], losses.nt_xent_loss, dict(temperature=cfg.temperature, pairing="halves", chunk_size=cfg.chunk_size,
@@ -245,8 +273,15 @@ def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: s
     xy = (centred @ v[:, :2]).numpy()
     fig, ax = plt.subplots(figsize=(5, 4.4))
     if data.labels is not None:
-        points = ax.scatter(xy[:, 0], xy[:, 1], c=data.labels[data.test_idx].numpy(), cmap="tab10", s=8)
-        fig.colorbar(points, ax=ax, label="class")
+        # categorical colours with the class names in a legend (a colour bar suggests an order)
+        labels = data.labels[data.test_idx].numpy()
+        cmap = plt.get_cmap("tab10" if len(data.class_names) <= 10 else "tab20")
+        for k, name in enumerate(data.class_names or [str(c) for c in sorted(set(labels.tolist()))]):
+            keep = labels == k
+            if keep.any():
+                ax.scatter(xy[keep, 0], xy[keep, 1], s=8, color=cmap(k % cmap.N), label=name)
+        if len(data.class_names) <= 20:
+            ax.legend(fontsize=7, markerscale=2, loc="best", ncol=2 if len(data.class_names) > 10 else 1, title="class")
     else:
         ax.scatter(xy[:, 0], xy[:, 1], s=8)
     ax.set(title=f"{title}: test embeddings (PCA)", xticks=[], yticks=[])
@@ -290,14 +325,36 @@ def _learned_loss_parameters(loss: nn.Module | None) -> dict[str, float]:
     return {}
 
 
-def build_models(cfg: Config, data: Data) -> Models:
-    """Encoders (and the image-text loss module) for a recipe on ``data``, freshly initialised."""
+def build_models(cfg: Config, data: Data, device: torch.device | None = None, precision: str = "fp32") -> Models:
+    """Encoders (and the image-text loss module) for a recipe on ``data``, freshly initialised
+    (on the CPU, so every device starts from the same weights) and moved to ``device``."""
+    device = torch.device("cpu") if device is None else device
     vocab = None
     if cfg.loss in IMAGE_TEXT:
         vocab = Vocabulary(data.captions) if data.source == "csv" else Vocabulary.digits()
-    enc = ImageEncoder(cfg.dim, data.channels, data.size)
-    text = TextEncoder(len(vocab.words), cfg.dim) if vocab is not None else None
-    return Models(enc, text, _image_text_loss(cfg), vocab)
+    enc = ImageEncoder(cfg.dim, data.channels, data.size).to(device)
+    text = TextEncoder(len(vocab.words), cfg.dim).to(device) if vocab is not None else None
+    loss = _image_text_loss(cfg)
+    return Models(enc, text, None if loss is None else loss.to(device), vocab, device, precision)
+
+
+#: Fewer optimizer steps than this rarely move an encoder past its random initialisation.
+FEW_STEPS = 100
+
+
+def describe(data: Data, units: Tensor, cfg: Config, device: torch.device, precision: str, steps: int, world: int) -> str:
+    """What was found and what will run, before any training (with a warning for short runs)."""
+    what = {"digits": "digits (scikit-learn)", "folder": f"folder {cfg.data}", "csv": f"caption CSV {cfg.data}"}[data.source]
+    lines = [f"data: {what}: {len(data.images)} images"
+             + (f", {len(data.class_names)} classes" if data.class_names else "")
+             + (f", {len(data.captions)} captions" if data.source == "csv" else "")
+             + f"; split {len(data.train_idx)} train / {len(data.test_idx)} test images",
+             f"training: {cfg.loss}, {cfg.epochs} epochs x {math.ceil(len(units) / cfg.batch_size)} batches of "
+             f"{cfg.batch_size} = {steps} optimizer steps on {device} ({precision})" + (f", {world} ranks" if world > 1 else "")]
+    if steps < FEW_STEPS:
+        lines.append(f"warning: only {steps} optimizer steps (< {FEW_STEPS}): the trained encoder may not beat the untrained one; "
+                     "raise --epochs or lower --batch-size")
+    return "\n".join(lines)
 
 
 def _training_units(data: Data) -> tuple[Tensor, Tensor | None]:
@@ -320,21 +377,30 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
     from tqdm import tqdm
 
     rank, world = 0, 1
+    device = resolve_device(cfg.device, cfg.distributed)
+    precision = resolve_precision(cfg.precision, device)
     if cfg.distributed:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            # NCCL moves CUDA tensors only: the backend follows the training device
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
     data = data if data is not None else load(cfg.data, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
     check_recipe_data(cfg, data)
-    models = build_models(cfg, data)
+    models = build_models(cfg, data, device, precision)
     units, text_keys = _training_units(data)
     modules: list[nn.Module] = [m for m in (models.enc, models.text, models.loss) if m is not None]
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.epochs * math.ceil(len(units) / cfg.batch_size))
+    steps = cfg.epochs * math.ceil(len(units) / cfg.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    if progress and rank == 0:
+        print(describe(data, units, cfg, device, precision, steps, world), flush=True)
     gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
     order_gen = torch.Generator().manual_seed(cfg.seed + 2)  # same order on every rank
     out = Path(cfg.out)
@@ -351,14 +417,16 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
     if cfg.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        models = Models(DDP(models.enc), DDP(models.text) if models.text is not None else None, models.loss, models.vocab)
+        ids = [device.index] if device.type == "cuda" else None
+        models = Models(DDP(models.enc, device_ids=ids), DDP(models.text, device_ids=ids) if models.text is not None else None,
+                        models.loss, models.vocab, device, precision)
     start = time.perf_counter()
     for epoch in range(first_epoch, cfg.epochs):
         perm = units[torch.randperm(len(units), generator=order_gen)]
         batches = [perm[i : i + cfg.batch_size] for i in range(0, len(perm), cfg.batch_size)]
         show = None if progress and rank == 0 else True  # tqdm's None: shown only on a terminal
         bar = tqdm(batches, desc=f"{cfg.loss} epoch {epoch + 1}/{cfg.epochs}", leave=False, disable=show)
-        history.append(_epoch(cfg, data, bar, models, text_keys, gen, opt, sched, rank, world))
+        history.append(_epoch(cfg, data, bar, models, text_keys, gen, opt, sched, rank, world, scaler))
         if rank == 0:
             ckpt.save(out, cfg, epoch + 1, history, before, elapsed + time.perf_counter() - start, data, modules, opt, sched,
                       gen, order_gen, models.vocab)
@@ -371,24 +439,29 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
         ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
         _plots(out, history, plain.enc, data, cfg.loss)
         if progress:
-            print(f"\n{cfg.loss}: {cfg.epochs} epochs in {seconds:.1f}s, loss {history[0]:.4f} -> {history[-1]:.4f}")
+            print(f"\n{cfg.loss}: {cfg.epochs} epochs ({steps} steps) on {device} ({precision}) in {seconds:.1f}s, "
+                  f"loss {history[0]:.4f} -> {history[-1]:.4f}")
             print(_table(before, after))
             print(f"wrote {out}/metrics.json, checkpoint.pt, loss.png, embedding.png, config.json")
     return result
 
 
 def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor | None, gen: torch.Generator,
-           opt: torch.optim.Optimizer, sched: Any, rank: int, world: int) -> float:
+           opt: torch.optim.Optimizer, sched: Any, rank: int, world: int, scaler: Any = None) -> float:
     """One pass over the batches in ``bar``; returns the mean training loss."""
     total, count = 0.0, 0
     for idx in bar:
         if len(idx) < 2 * world:
             continue
         opt.zero_grad()
-        loss = recipe_step(cfg, data, idx.tensor_split(world)[rank], models, text_keys, gen)
+        loss = recipe_step(cfg, data, idx.tensor_split(world)[rank], models, text_keys, gen, scaler)
         if cfg.distributed and models.loss is not None:
             _average_gradient(models.loss.parameters(), world)  # logit_scale lives outside DDP
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         sched.step()
         total, count = total + loss.item(), count + 1
         bar.set_postfix(loss=f"{total / count:.4f}")
@@ -401,7 +474,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
                   lr=args.lr, temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
                   seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
                   distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
-                  micro_batch=args.micro_batch,
+                  micro_batch=args.micro_batch, device=args.device, precision=args.precision,
                   out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
@@ -418,6 +491,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         cfg = _config_from_args(args)
+    problem = _check_run(cfg, args, resume is not None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if cfg.distributed and "RANK" not in os.environ:
         print("error: --distributed must run under torchrun, e.g. "
               "torchrun --nproc_per_node=2 -m torch_contrastive train --distributed", file=sys.stderr)
@@ -443,29 +520,56 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_FILES = ("metrics.json", "checkpoint.pt", "config.json")
+
+
+def _check_run(cfg: Config, args: argparse.Namespace, resuming: bool) -> str | None:
+    """Why this run cannot start (one line), or None: the output folder, device and precision."""
+    out = Path(cfg.out)
+    if not resuming:
+        if out.exists() and not out.is_dir():
+            return f"--out {out} is a file; expected a folder for the run's outputs"
+        found = [f for f in RUN_FILES if (out / f).exists()]
+        if found and not getattr(args, "overwrite", False):
+            return f"--out {out} already holds a run ({', '.join(found)}); pass --overwrite to replace it, or choose another --out"
+    try:
+        device = resolve_device(cfg.device, cfg.distributed)
+        precision = resolve_precision(cfg.precision, device)
+    except DeviceError as err:
+        return str(err)
+    if precision == "fp16" and cfg.micro_batch is not None:
+        return "--precision fp16 does not combine with --micro-batch (the cached gradients are not loss-scaled); use bf16 or fp32"
+    return None
+
+
 def add_train_parser(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a contrastive model (bundled digits, or --data: your images) and evaluate it")
+    p = sub.add_parser("train", help="train a contrastive model (bundled digits, or --data: your images) and evaluate it",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--loss", choices=RECIPES, default="clip", help="recipe (default clip)")
     p.add_argument("--data", default=None,
                    help="a folder of class subfolders (nt_xent, nt_bxent, supcon) or a CSV with columns image, caption "
                         "[, image_id] (clip, siglip); default: scikit-learn's digits")
     p.add_argument("--channels", type=int, choices=(1, 3), default=None, help="--data: 1 grayscale or 3 RGB (default 3)")
     p.add_argument("--image-size", type=positive_int, default=32, help="--data: images are resized to this square (default 32)")
-    p.add_argument("--epochs", type=positive_int, default=30)
-    p.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: clip 256, others 128)")
+    p.add_argument("--epochs", type=positive_int, default=30, help="passes over the training split")
+    p.add_argument("--batch-size", type=batch_size, default=None, help="images per step (default: clip 256, others 128)")
     p.add_argument("--dim", type=positive_int, default=16, help="embedding size (default 16)")
-    p.add_argument("--lr", type=positive_float, default=2e-3)
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (AdamW, one-cycle schedule)")
     p.add_argument("--temperature", type=positive_float, default=None,
                    help="tau (default: clip 0.07, its learnable initial value; nt_xent 0.1; nt_bxent 0.3; supcon 0.1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the split, initialisation and augmentations")
     p.add_argument("--dedupe-ids", action=argparse.BooleanOptionalAction, default=True,
                    help="clip, siglip: pass image/caption ids so duplicate captions are positives (default on)")
-    p.add_argument("--logit-bias", type=float, default=-3.0, help="siglip: initial logit bias (default -3; the paper's -10 is for 32k batches)")
+    p.add_argument("--logit-bias", type=finite_float, default=-3.0, help="siglip: initial logit bias (the paper's -10 is for 32k batches)")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
     p.add_argument("--micro-batch", type=positive_int, default=None,
                    help="gradient caching: encode this many rows at a time (same gradients, less activation memory)")
-    p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>)")
+    p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>); an existing run is refused")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when a GPU is visible (each torchrun rank its own)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="autocast of the encoders: auto = bf16 on a GPU, fp32 on a CPU; the loss accumulates in fp32")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue an interrupted run from RUN_DIR/checkpoint.pt (its config.json; other options are ignored)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
