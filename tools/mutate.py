@@ -48,6 +48,7 @@ class Mutation:
 
 
 E = f"{PKG}/engine"
+CONFIDENT_TESTS = ("tests/test_confident.py", "tests/test_engine.py")
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
     Mutation(f"{E}/_common.py", "            gscale = gscale / 2", "            gscale = gscale",
@@ -246,15 +247,20 @@ MUTATIONS = [
              "bench peer (Inf-CL schedule): the key gradient loses its positive term", tests=("tests/test_bench.py",)),
     # the confident regime: positives kept apart from the sums (engine/confident.py)
     Mutation(f"{E}/confident.py", "    return u * torch.expm1(-d) + (u + c)", "    return u * torch.expm1(-d) + c",
-             "kept-apart positive: the alpha - beta part of its gradient coefficient dropped", ("tests/test_confident.py", "tests/test_engine.py")),
+             "kept-apart positive: the alpha - beta part of its gradient coefficient dropped",
+             CONFIDENT_TESTS),
     Mutation(f"{E}/confident.py", "    return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))",
-             "    return torch.nn.functional.softplus(x)", "kept-apart positive: softplus with its x > 20 cut-off", ("tests/test_confident.py", "tests/test_engine.py")),
+             "    return torch.nn.functional.softplus(x)", "kept-apart positive: softplus with its x > 20 cut-off",
+             CONFIDENT_TESTS),
     Mutation(f"{E}/confident.py", "        for step, parity in ((1, 0), (-1, 1)):", "        for step, parity in ((1, 1), (-1, 0)):",
-             "adjacent pairing: the positives' parity inside a tile swapped", ("tests/test_confident.py", "tests/test_engine.py")),
+             "adjacent pairing: the positives' parity inside a tile swapped",
+             CONFIDENT_TESTS),
     Mutation(f"{E}/softmax.py", "    out = _weighted(d, alpha) if alpha is beta else", "    out = _weighted(pos + d, alpha) - _weighted(pos, beta) if True else",
-             "kept-apart positive: the value recomputed as LSE - S_p (cancels)", ("tests/test_confident.py", "tests/test_engine.py")),
+             "kept-apart positive: the value recomputed as LSE - S_p (cancels)",
+             CONFIDENT_TESTS),
     Mutation(f"{E}/softmax.py", "    if plan.apart is not None:\n        plan.apart.clear(t, r0, c0, 0.0)",
-             "    if plan.apart is not None:\n        pass", "fixed path: the positive left in the sums and added back again", ("tests/test_confident.py", "tests/test_engine.py")),
+             "    if plan.apart is not None:\n        pass", "fixed path: the positive left in the sums and added back again",
+             CONFIDENT_TESTS),
 ]
 
 
