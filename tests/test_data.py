@@ -102,7 +102,7 @@ def test_recall_at_k_follows_the_coco_convention():
     (lambda root: _one_image_class(root), "has 1 image(s)"),
     (lambda root: _bad_image(root), "cannot read image"),
     (lambda root: _csv(root, "picture,caption\na.png,x\n"), "missing column(s) 'image'"),
-    (lambda root: _csv(root, "image,caption\nmissing.png,x\nother.png,y\n"), "image file not found"),
+    (lambda root: _csv(root, "image,caption\nmissing.png,x\nother.png,y\n"), "t.csv, line 2: image file not found"),
     (lambda root: _csv(root, "image,caption\n"), "no rows below the header"),
     (lambda root: root / "nothing.txt", "neither a directory"),
 ])

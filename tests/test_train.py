@@ -193,3 +193,42 @@ def test_padded_text_equals_the_bag_of_words_form():
     captions = ["a handwritten seven", "the digit one", "an unknown caption", "a scan of the number two"]
     tokens, offsets = vocab.encode(captions)
     torch.testing.assert_close(PaddedText(text)(PaddedText.pad(tokens, offsets)), text(tokens, offsets))
+
+
+def test_the_tracked_metric_leaves_training_unchanged(tmp_path, monkeypatch):
+    """loss.png follows a held-out kNN accuracy during training; scoring it (eval mode, no
+    random draw) must not change the training that follows, bit for bit."""
+    import torch_contrastive.cli.train as train_module
+
+    tracked = train(Config(loss="supcon", epochs=3, out=str(tmp_path / "a")), progress=False)
+    monkeypatch.setattr(train_module, "_track", lambda *args, **kw: None)
+    plain = train(Config(loss="supcon", epochs=3, out=str(tmp_path / "b")), progress=False)
+    assert tracked["loss_history"] == plain["loss_history"] and tracked["trained"] == plain["trained"]
+    points = tracked["tracked"]["points"]
+    assert [e for e, _ in points] == [1, 2, 3] and points[-1][1] == pytest.approx(tracked["trained"]["knn_accuracy"])
+
+
+def test_resume_extends_a_constant_schedule_run_bit_for_bit(tmp_path, capsys):
+    """``--resume RUN --epochs M`` on a finished 2-epoch run equals an uninterrupted
+    M-epoch run (same seed): losses, metrics and weights, bit for bit on CPU."""
+    common = ["train", "--loss", "nt_xent", "--schedule", "constant", "--device", "cpu", "--quiet"]
+    assert main([*common, "--epochs", "2", "--out", str(tmp_path / "short")]) == 0
+    assert main(["train", "--resume", str(tmp_path / "short"), "--epochs", "4", "--quiet"]) == 0
+    assert main([*common, "--epochs", "4", "--out", str(tmp_path / "whole")]) == 0
+    extended = json.loads((tmp_path / "short" / "metrics.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert extended["loss_history"] == whole["loss_history"] and len(whole["loss_history"]) == 4
+    assert extended["trained"] == whole["trained"] and extended["config"]["epochs"] == 4
+    a = torch.load(tmp_path / "short" / "checkpoint.pt", weights_only=False)["modules"]
+    b = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["modules"]
+    assert all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa.values(), sb.values()))
+    assert json.loads((tmp_path / "short" / "config.json").read_text())["epochs"] == 4
+
+
+def test_resume_cannot_extend_a_one_cycle_run_or_shrink_one(tmp_path, capsys):
+    assert main(["train", "--loss", "supcon", "--epochs", "1", "--device", "cpu", "--quiet", "--out", str(tmp_path)]) == 0
+    assert main(["train", "--resume", str(tmp_path), "--epochs", "3"]) == 2
+    assert "only runs trained with --schedule constant can be extended" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path)]) == 0  # finished: nothing to resume, said so
+    assert "nothing to resume" in capsys.readouterr().out

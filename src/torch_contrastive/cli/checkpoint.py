@@ -61,7 +61,7 @@ def write_atomically(path: Path, payload: bytes) -> None:
 
 def save(out: Path, cfg: Config, epochs_done: int, history: list[float], untrained: dict[str, float], seconds: float,
          data: Data, modules: list[nn.Module], opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
-         order_gen: torch.Generator, vocab: Vocabulary | None) -> None:
+         order_gen: torch.Generator, vocab: Vocabulary | None, tracked: list[tuple[int, float]] | None = None) -> None:
     """Write ``out/checkpoint.pt`` (atomically) after ``epochs_done`` epochs."""
     import io
 
@@ -80,6 +80,7 @@ def save(out: Path, cfg: Config, epochs_done: int, history: list[float], untrain
         "split": {"train": data.train_idx.clone(), "test": data.test_idx.clone(), "images": len(data.images)},
         "vocabulary": None if vocab is None else vocab.words,
         "queue": None,  # no recipe keeps a feature queue
+        "tracked": list(tracked or []),  # (epoch, held-out metric) points for loss.png
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -99,8 +100,13 @@ def load_state(run_dir: str | Path) -> dict[str, Any]:
     return values
 
 
-def open_run(run_dir: str) -> tuple[Config, State | None]:
-    """The configuration of ``run_dir`` and its checkpoint, or None when the run finished."""
+def open_run(run_dir: str, epochs: int | None = None) -> tuple[Config, State | None]:
+    """The configuration of ``run_dir`` and its checkpoint, or None when the run finished.
+
+    ``epochs``: extend the run to this many epochs (a finished or stopped run). Only a
+    schedule that does not depend on the run's length (``--schedule constant``) gives the
+    results of an uninterrupted run of that length; a one-cycle run is refused.
+    """
     from .train import Config
 
     values = load_state(run_dir)
@@ -108,6 +114,15 @@ def open_run(run_dir: str) -> tuple[Config, State | None]:
     cfg.out = str(run_dir)
     if cfg.distributed:
         raise ResumeError(f"{run_dir} was trained with --distributed; resuming is supported for single-process runs")
+    if epochs is not None and epochs != cfg.epochs:
+        if epochs < values["epochs_done"]:
+            raise ResumeError(f"--epochs {epochs}: {run_dir} has already trained {values['epochs_done']} epochs")
+        if cfg.schedule != "constant":
+            raise ResumeError(f"--epochs {epochs}: {run_dir} used the one-cycle schedule, whose shape depends on its "
+                              f"{cfg.epochs} epochs; only runs trained with --schedule constant can be extended exactly")
+        cfg.epochs = epochs
+        values["config"]["epochs"] = epochs
+        return cfg, State(values)
     if values["epochs_done"] >= cfg.epochs and (Path(run_dir) / "metrics.json").is_file():
         return cfg, None
     return cfg, State(values)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -105,14 +106,16 @@ def load_folder(root: Path, *, channels: int, size: int, seed: int) -> Data:
     if not classes:
         raise DataError(f"--data: {root} has no class subfolders (expected {root}/<class>/<image>)")
     images, labels, paths = [], [], []
+    listed: list[tuple[Path, int]] = []
     for label, folder in enumerate(classes):
         files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
         if len(files) < 2:
             raise DataError(f"class folder {folder} has {len(files)} image(s): a stratified 70/30 split needs at least 2 per class")
-        for f in files:
-            images.append(_decode(f, channels, size))
-            labels.append(label)
-            paths.append(str(f))
+        listed += [(f, label) for f in files]
+    for f, label in _progress(listed, f"decoding {root.name}"):
+        images.append(_decode(f, channels, size))
+        labels.append(label)
+        paths.append(str(f))
     if len(classes) < 2:
         raise DataError(f"--data: {root} has one class folder ({classes[0].name}); contrastive training with labels needs two")
     label_tensor = torch.tensor(labels, dtype=torch.int64)
@@ -137,6 +140,7 @@ def load_caption_csv(path: Path, *, channels: int, size: int, seed: int) -> Data
     keyed = "image_id" in columns
     index: dict[str, int] = {}
     files: list[Path] = []
+    first_line: list[int] = []  # the CSV line that names each image first (for error messages)
     row_image, captions = [], []
     for line, row in enumerate(rows, start=2):
         if not row.get("image") or not row.get("caption"):
@@ -145,16 +149,30 @@ def load_caption_csv(path: Path, *, channels: int, size: int, seed: int) -> Data
         if key not in index:
             index[key] = len(files)
             files.append(path.parent / row["image"])
+            first_line.append(line)
         row_image.append(index[key])
         captions.append(row["caption"])
     if len(files) < 2:
         raise DataError(f"{path}: the captions describe {len(files)} image(s); a 70/30 split by image needs at least 2")
-    images = torch.stack([_decode(f, channels, size) for f in files])
+    decoded = []
+    for f, line in _progress(list(zip(files, first_line)), f"decoding {path.name}"):
+        try:
+            decoded.append(_decode(f, channels, size))
+        except DataError as err:
+            raise DataError(f"{path}, line {line}: {err}") from None
+    images = torch.stack(decoded)
     from sklearn.model_selection import train_test_split
 
     train, test = train_test_split(torch.arange(len(files)).numpy(), test_size=TEST_FRACTION, random_state=seed)
     return Data("csv", images, torch.as_tensor(train).sort().values, torch.as_tensor(test).sort().values,
                 paths=[str(f) for f in files], captions=captions, row_image=torch.tensor(row_image, dtype=torch.int64))
+
+
+def _progress(items: list[Any], desc: str) -> Any:
+    """A progress bar over ``items`` (shown on a terminal only, and only for a few hundred or more)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, leave=False, disable=None if len(items) >= 200 else True)
 
 
 def _stratified_split(labels: Tensor, seed: int) -> tuple[Tensor, Tensor]:

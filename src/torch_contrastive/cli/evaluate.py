@@ -65,3 +65,18 @@ def caption_metrics(enc: nn.Module, text: nn.Module, vocab: Vocabulary, data: Da
     image_emb = embed(enc, data.images[data.test_idx])
     text_emb = embed_text(text, vocab, [data.captions[int(r)] for r in rows])
     return recall_at_k(image_emb, text_emb, position[data.row_image[rows]])
+
+
+def tracked_metric(enc: nn.Module, text: nn.Module | None, vocab: Vocabulary | None, data: Data) -> tuple[str, float]:
+    """The one cheap metric followed during training (``loss.png``): kNN accuracy (k = 5,
+    cosine) on the test split for labelled data, image-to-text recall@1 for a caption CSV."""
+    from sklearn.neighbors import KNeighborsClassifier
+
+    if data.labels is None:
+        if text is None or vocab is None:
+            raise RuntimeError("internal: caption data needs the text encoder")
+        return "image_to_text_recall@1", caption_metrics(enc, text, vocab, data)["image_to_text_recall@1"]
+    y_tr, y_te = data.labels[data.train_idx].numpy(), data.labels[data.test_idx].numpy()
+    e_tr, e_te = embed(enc, data.images[data.train_idx]).numpy(), embed(enc, data.images[data.test_idx]).numpy()
+    knn = KNeighborsClassifier(n_neighbors=min(5, len(y_tr)), metric="cosine").fit(e_tr, y_tr)
+    return "knn_accuracy", float(knn.score(e_te, y_te))

@@ -49,7 +49,7 @@ from . import checkpoint as ckpt
 from ._argtypes import batch_size, finite_float, non_negative_int, positive_float, positive_int
 from .data import Data, DataError, load
 from .device import DEVICES, PRECISIONS, DeviceError, autocast, resolve_device, resolve_precision
-from .evaluate import caption_metrics, labelled_metrics
+from .evaluate import caption_metrics, labelled_metrics, tracked_metric
 from .models import TEMPLATES, ImageEncoder, TextEncoder, Vocabulary, augment, embed
 
 RECIPES = ("clip", "siglip", "nt_xent", "nt_bxent", "supcon")
@@ -64,6 +64,7 @@ DEFAULT_TEMPERATURE = {"clip": 0.07, "siglip": 0.1, "nt_xent": 0.1, "nt_bxent": 
 #: SigLIP scores every pair on its own, so the ~25 same-class images per class in a
 #: 256-image batch (negatives unless their caption is identical) weigh on it more than on
 #: CLIP's soft-max: 128 images (256 rows with two captions each) train it reliably.
+DEFAULT_EPOCHS = 30
 DEFAULT_BATCH_SIZE = {"clip": 256, "siglip": 128, "nt_xent": 128, "nt_bxent": 128, "supcon": 128}
 
 
@@ -87,6 +88,7 @@ class Config:
     micro_batch: int | None = None  # gradient caching: encode this many rows at a time (None: whole batch)
     device: str = "auto"  # auto (CUDA when present), cpu or cuda
     precision: str = "auto"  # autocast for the encoders: auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16, fp16
+    schedule: str = "onecycle"  # onecycle (length-dependent) or constant (warm-up epoch, then flat: extendable)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
@@ -255,15 +257,23 @@ def evaluate(cfg: Config, data: Data, models: Models) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------ reporting
-def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: str) -> None:
+def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: str,
+           tracked: tuple[str, list[tuple[int, float]]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(range(1, len(history) + 1), history, "-o", ms=3)
+    fig, ax = plt.subplots(figsize=(5.6, 3.4))
+    ax.plot(range(1, len(history) + 1), history, "-o", ms=3, color="tab:blue", label="training loss")
     ax.set(xlabel="epoch", ylabel="mean training loss", title=title)
+    if tracked is not None and tracked[1]:
+        name, points = tracked
+        right = ax.twinx()  # the held-out metric beside the loss: is the loss buying anything?
+        right.plot([e for e, _ in points], [100 * m for _, m in points], "-s", ms=3, color="tab:orange", label=f"test {name}")
+        right.set_ylabel(f"test {name} (%)", color="tab:orange")
+        right.tick_params(axis="y", colors="tab:orange")
+        ax.legend(handles=ax.get_lines() + right.get_lines(), fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
     plt.close(fig)
@@ -338,6 +348,23 @@ def build_models(cfg: Config, data: Data, device: torch.device | None = None, pr
     return Models(enc, text, None if loss is None else loss.to(device), vocab, device, precision)
 
 
+SCHEDULES = ("onecycle", "constant")
+
+
+def make_schedule(cfg: Config, opt: torch.optim.Optimizer, steps: int, per_epoch: int) -> Any:
+    """``onecycle``: warm-up and cosine annealing over the whole run (its shape depends on
+    the number of epochs). ``constant``: a linear warm-up over the first epoch, then the
+    peak rate: the learning rate of a step never depends on the run's length, so a run
+    extended with ``--resume RUN --epochs M`` equals an uninterrupted M-epoch run."""
+    if cfg.schedule == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / per_epoch))
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
+
+
+#: loss.png follows a held-out metric at about this many epochs (every epoch up to 10); its
+#: cost (an embedding pass and a kNN) is kept off the training clock.
+TRACKED_POINTS = 10
+
 #: Fewer optimizer steps than this rarely move an encoder past its random initialisation.
 FEW_STEPS = 100
 
@@ -397,22 +424,25 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=1e-4)
     steps = cfg.epochs * math.ceil(len(units) / cfg.batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
+    sched = make_schedule(cfg, opt, steps, math.ceil(len(units) / cfg.batch_size))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     if progress and rank == 0:
         print(describe(data, units, cfg, device, precision, steps, world), flush=True)
     gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
     order_gen = torch.Generator().manual_seed(cfg.seed + 2)  # same order on every rank
     out = Path(cfg.out)
+    tracked: list[tuple[int, float]] = []
+    every = max(1, math.ceil(cfg.epochs / TRACKED_POINTS))
     if resume is None:
         before = evaluate(cfg, data, models) if rank == 0 else {}
         history: list[float] = []
         first_epoch, elapsed = 0, 0.0
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     else:
         first_epoch, history, before, elapsed = ckpt.restore(resume, data, modules, opt, sched, gen, order_gen)
+        tracked = [(int(e), float(m)) for e, m in resume.values.get("tracked", [])]
+    if rank == 0:  # (again when a resumed run is extended: its epochs changed)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     plain = models  # the unwrapped modules: evaluated, plotted, checkpointed
     if cfg.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -428,22 +458,34 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
         bar = tqdm(batches, desc=f"{cfg.loss} epoch {epoch + 1}/{cfg.epochs}", leave=False, disable=show)
         history.append(_epoch(cfg, data, bar, models, text_keys, gen, opt, sched, rank, world, scaler))
         if rank == 0:
+            paused = time.perf_counter()
+            _track(tracked, epoch + 1, every, cfg.epochs, plain, data)
+            start += time.perf_counter() - paused  # off the training clock
             ckpt.save(out, cfg, epoch + 1, history, before, elapsed + time.perf_counter() - start, data, modules, opt, sched,
-                      gen, order_gen, models.vocab)
+                      gen, order_gen, models.vocab, tracked)
     seconds = elapsed + time.perf_counter() - start
     result: dict[str, Any] = {"config": asdict(cfg), "train_seconds": seconds, "loss_history": history}
     if rank == 0:
         after = evaluate(cfg, data, plain)
-        result.update(untrained=before, trained=after)
+        name = "image_to_text_recall@1" if data.labels is None else "knn_accuracy"
+        result.update(untrained=before, trained=after, tracked={"metric": name, "points": tracked})
         result.update(_learned_loss_parameters(models.loss))
         ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
-        _plots(out, history, plain.enc, data, cfg.loss)
+        start_point = [(0, before[name])] if name in before else []  # the untrained encoder, scored before training
+        _plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked))
         if progress:
             print(f"\n{cfg.loss}: {cfg.epochs} epochs ({steps} steps) on {device} ({precision}) in {seconds:.1f}s, "
                   f"loss {history[0]:.4f} -> {history[-1]:.4f}")
             print(_table(before, after))
             print(f"wrote {out}/metrics.json, checkpoint.pt, loss.png, embedding.png, config.json")
     return result
+
+
+def _track(tracked: list[tuple[int, float]], done: int, every: int, epochs: int, models: Models, data: Data) -> None:
+    """Append the held-out metric after epoch ``done`` when it is due (eval mode, no random
+    draw: the training that follows is unchanged)."""
+    if done % every == 0 or done == epochs:
+        tracked.append((done, tracked_metric(models.enc, models.text, models.vocab, data)[1]))
 
 
 def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor | None, gen: torch.Generator,
@@ -470,11 +512,11 @@ def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
     channels = args.channels if args.channels is not None else (3 if args.data else 1)
-    return Config(loss=args.loss, epochs=args.epochs, batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.loss], dim=args.dim,
+    return Config(loss=args.loss, epochs=args.epochs or DEFAULT_EPOCHS, batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.loss], dim=args.dim,
                   lr=args.lr, temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
                   seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
                   distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
-                  micro_batch=args.micro_batch, device=args.device, precision=args.precision,
+                  micro_batch=args.micro_batch, device=args.device, precision=args.precision, schedule=args.schedule,
                   out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
@@ -482,12 +524,13 @@ def run(args: argparse.Namespace) -> int:
     resume = None
     if args.resume is not None:
         try:
-            cfg, resume = ckpt.open_run(args.resume)
+            cfg, resume = ckpt.open_run(args.resume, args.epochs)
         except ckpt.ResumeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         if resume is None:
-            print(f"{args.resume}: this run already finished ({cfg.epochs} epochs; metrics.json is there); nothing to resume")
+            print(f"{args.resume}: this run already finished ({cfg.epochs} epochs; metrics.json is there); nothing to resume "
+                  "(--epochs M extends a --schedule constant run)")
             return 0
     else:
         cfg = _config_from_args(args)
@@ -551,7 +594,10 @@ def add_train_parser(sub: Any) -> None:
                         "[, image_id] (clip, siglip); default: scikit-learn's digits")
     p.add_argument("--channels", type=int, choices=(1, 3), default=None, help="--data: 1 grayscale or 3 RGB (default 3)")
     p.add_argument("--image-size", type=positive_int, default=32, help="--data: images are resized to this square (default 32)")
-    p.add_argument("--epochs", type=positive_int, default=30, help="passes over the training split")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help=f"passes over the training split (default {DEFAULT_EPOCHS}); with --resume: extend the run to this many")
+    p.add_argument("--schedule", choices=SCHEDULES, default="onecycle",
+                   help="learning rate: onecycle, or constant after a warm-up epoch (a constant run can be extended exactly)")
     p.add_argument("--batch-size", type=batch_size, default=None, help="images per step (default: clip 256, others 128)")
     p.add_argument("--dim", type=positive_int, default=16, help="embedding size (default 16)")
     p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (AdamW, one-cycle schedule)")
@@ -571,6 +617,7 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="autocast of the encoders: auto = bf16 on a GPU, fp32 on a CPU; the loss accumulates in fp32")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue an interrupted run from RUN_DIR/checkpoint.pt (its config.json; other options are ignored)")
+                   help="continue an interrupted run from RUN_DIR/checkpoint.pt (its config.json; other options but --epochs are "
+                        "ignored)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
     p.set_defaults(func=run)
