@@ -262,6 +262,18 @@ def test_train_command_under_torchrun(tmp_path):
     assert metrics["config"]["distributed"] and metrics["loss_history"][-1] < metrics["loss_history"][0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_train_command_under_torchrun_on_the_gpu(tmp_path):
+    """Each rank on its local GPU with NCCL (the crash of 'No backend type associated with
+    device type cpu' when NCCL met CPU tensors)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                          "-m", "torch_contrastive", "train", "--distributed", "--device", "cuda", "--loss", "supcon",
+                          "--epochs", "2", "--quiet", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["config"]["device"] == "cuda" and metrics["loss_history"][-1] < metrics["loss_history"][0]
+
+
 def _queue_push_gather(rank, world, sizes):
     """push(gather=True): every rank holds the same rows (rank order), sizes may differ."""
     queue = tc.FeatureQueue(sum(sizes) + 3)

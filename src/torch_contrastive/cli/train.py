@@ -258,7 +258,7 @@ def evaluate(cfg: Config, data: Data, models: Models) -> dict[str, float]:
 
 # ------------------------------------------------------------------------ reporting
 def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: str,
-           tracked: tuple[str, list[tuple[int, float]]] | None = None) -> None:
+           tracked: tuple[str, list[tuple[int, float]]] | None = None, pairs: tuple[nn.Module, Vocabulary] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,11 +293,37 @@ def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: s
         if len(data.class_names) <= 20:
             ax.legend(fontsize=7, markerscale=2, loc="best", ncol=2 if len(data.class_names) > 10 else 1, title="class")
     else:
-        ax.scatter(xy[:, 0], xy[:, 1], s=8)
+        ax.scatter(xy[:, 0], xy[:, 1], s=8, label="test images")
+        if pairs is not None:
+            _join_pairs(ax, data, e.mean(0), v[:, :2], xy, *pairs)
     ax.set(title=f"{title}: test embeddings (PCA)", xticks=[], yticks=[])
     fig.tight_layout()
     fig.savefig(out / "embedding.png", dpi=110)
     plt.close(fig)
+
+
+def _join_pairs(ax: Any, data: Data, mean: Tensor, basis: Tensor, xy: Any, text: nn.Module, vocab: Vocabulary,
+                shown: int = 5) -> None:
+    """A caption CSV's map: a few test images drawn as thumbnails, each joined to its caption's
+    embedding (same projection) and labelled with the caption."""
+    from matplotlib.offsetbox import AnnotationBbox, OffsetImage
+
+    from .models import embed_text
+
+    if data.row_image is None:
+        return
+    spread = torch.linspace(0, len(data.test_idx) - 1, min(shown, len(data.test_idx))).long().tolist()  # across the split
+    for k in spread:
+        image = int(data.test_idx[k])
+        row = int((data.row_image == image).nonzero()[0, 0])
+        caption = data.captions[row]
+        t = ((embed_text(text, vocab, [caption]) - mean) @ basis).numpy()[0]
+        ax.plot([xy[k, 0], t[0]], [xy[k, 1], t[1]], color="0.5", lw=0.8)
+        ax.scatter([t[0]], [t[1]], marker="x", color="tab:red", s=20, label="caption" if k == spread[0] else None)
+        ax.annotate(caption[:28], (t[0], t[1]), fontsize=6, color="tab:red", xytext=(3, 3), textcoords="offset points")
+        thumb = data.images[image].permute(1, 2, 0).squeeze(-1).numpy()
+        ax.add_artist(AnnotationBbox(OffsetImage(thumb, zoom=0.8, cmap="gray"), (xy[k, 0], xy[k, 1]), frameon=False))
+    ax.legend(fontsize=7, loc="best")
 
 
 def _table(before: dict[str, float], after: dict[str, float]) -> str:
@@ -403,18 +429,7 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
     """
     from tqdm import tqdm
 
-    rank, world = 0, 1
-    device = resolve_device(cfg.device, cfg.distributed)
-    precision = resolve_precision(cfg.precision, device)
-    if cfg.distributed:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            # NCCL moves CUDA tensors only: the backend follows the training device
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device, precision, rank, world = _place(cfg)
     torch.manual_seed(cfg.seed)
     data = data if data is not None else load(cfg.data, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
     check_recipe_data(cfg, data)
@@ -434,6 +449,8 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
     tracked: list[tuple[int, float]] = []
     every = max(1, math.ceil(cfg.epochs / TRACKED_POINTS))
     if resume is None:
+        if progress and rank == 0:
+            print("scoring the untrained encoder on the test split ...", flush=True)
         before = evaluate(cfg, data, models) if rank == 0 else {}
         history: list[float] = []
         first_epoch, elapsed = 0, 0.0
@@ -466,19 +483,46 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
     seconds = elapsed + time.perf_counter() - start
     result: dict[str, Any] = {"config": asdict(cfg), "train_seconds": seconds, "loss_history": history}
     if rank == 0:
-        after = evaluate(cfg, data, plain)
-        name = "image_to_text_recall@1" if data.labels is None else "knn_accuracy"
-        result.update(untrained=before, trained=after, tracked={"metric": name, "points": tracked})
-        result.update(_learned_loss_parameters(models.loss))
-        ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
-        start_point = [(0, before[name])] if name in before else []  # the untrained encoder, scored before training
-        _plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked))
-        if progress:
-            print(f"\n{cfg.loss}: {cfg.epochs} epochs ({steps} steps) on {device} ({precision}) in {seconds:.1f}s, "
-                  f"loss {history[0]:.4f} -> {history[-1]:.4f}")
-            print(_table(before, after))
-            print(f"wrote {out}/metrics.json, checkpoint.pt, loss.png, embedding.png, config.json")
+        _finish(result, cfg, data, plain, models.loss, before, history, tracked, f"{steps} steps on {device}, {precision}", progress)
     return result
+
+
+def _place(cfg: Config) -> tuple[torch.device, str, int, int]:
+    """(device, precision, rank, world size): the process group joined when distributed."""
+    rank, world = 0, 1
+    device = resolve_device(cfg.device, cfg.distributed)
+    precision = resolve_precision(cfg.precision, device)
+    if cfg.distributed:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            # NCCL moves CUDA tensors only: the backend follows the training device
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, precision, rank, world
+
+
+def _finish(result: dict[str, Any], cfg: Config, data: Data, plain: Models, loss: nn.Module | None, before: dict[str, float],
+            history: list[float], tracked: list[tuple[int, float]], where: str, progress: bool) -> None:
+    """Score the trained encoder, write metrics.json and the plots, print the table (rank 0)."""
+    out = Path(cfg.out)
+    seconds = result["train_seconds"]
+    if progress:
+        print("scoring the trained encoder on the test split ...", flush=True)
+    after = evaluate(cfg, data, plain)
+    name = "image_to_text_recall@1" if data.labels is None else "knn_accuracy"
+    result.update(untrained=before, trained=after, tracked={"metric": name, "points": tracked})
+    result.update(_learned_loss_parameters(loss))
+    ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
+    start_point = [(0, before[name])] if name in before else []  # the untrained encoder, scored before training
+    pairs = (plain.text, plain.vocab) if data.source == "csv" and plain.text is not None and plain.vocab is not None else None
+    _plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked), pairs)
+    if progress:
+        print(f"\n{cfg.loss}: {cfg.epochs} epochs ({where}) in {seconds:.1f}s, loss {history[0]:.4f} -> {history[-1]:.4f}")
+        print(_table(before, after))
+        print(f"wrote {out}/metrics.json, checkpoint.pt, loss.png, embedding.png, config.json")
 
 
 def _track(tracked: list[tuple[int, float]], done: int, every: int, epochs: int, models: Models, data: Data) -> None:

@@ -100,13 +100,21 @@ def apart_rule(positives: Positives | None, exclude: Any, columns: bool, column_
 def margin(log_excess: Tensor, positive: Tensor) -> Tensor:
     """``d = LSE - S_p = log1p(excess * exp(-S_p))`` from ``log(excess)`` (``-inf``: none).
 
-    Written as ``max(x, 0) + log1p(exp(-|x|))`` rather than ``F.softplus``, whose
-    threshold (x > 20 returns x) drops a float64 term of up to 2e-9.
+    ``logaddexp(x, 0)`` (``max(x, 0) + log1p(exp(-|x|))`` in one kernel) rather than
+    ``F.softplus``, whose threshold (x > 20 returns x) drops a float64 term of up to 2e-9.
     """
     x = log_excess - positive
-    return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))
+    return torch.logaddexp(x, x.new_zeros(()))
 
 
-def coefficient(u: Tensor, c: Tensor, d: Tensor) -> Tensor:
-    """The positive entry's gradient coefficient ``u exp(-d) + c`` without cancellation."""
-    return u * torch.expm1(-d) + (u + c)
+def coefficient(u: Tensor, c: Tensor, d: Tensor, alike: bool, lse: Tensor | None = None) -> Tensor:
+    """The positive entry's gradient coefficient ``u exp(-d) + c`` without cancellation;
+    ``alike``: ``c == -u`` exactly (the loss weighs the soft-max and the positive alike)."""
+    out = torch.expm1(d.neg()).mul_(u)
+    return out if alike else out.add_(u + c)
+
+
+def coefficient_from_sums(u: Tensor, c: Tensor, excess: Tensor, alike: bool, total: Tensor) -> Tensor:
+    """The same from the one tile's sums: ``exp(-d) - 1 = -excess / total``."""
+    out = torch.mul(u, excess).div_(total).neg_()
+    return out if alike else out.add_(u + c)

@@ -33,7 +33,7 @@ from ._common import (
     saved,
     tiles,
 )
-from .confident import Apart, apart_rule, coefficient, margin
+from .confident import Apart, apart_rule, coefficient, coefficient_from_sums, margin
 from .planner import decide
 from .products import AnyProducts, make_products
 
@@ -208,7 +208,7 @@ def _tile_positive_sums(s: Tensor, plan: _Plan) -> tuple[Tensor, Tensor | None]:
 
 
 def _single_forward(prod: AnyProducts, R: int, C: int, plan: _Plan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
-                                                                             Tensor, tuple[Tensor, Tensor | None] | None]:
+                                                                             Tensor, tuple[Any, ...] | None]:
     """``(row_lse, col_lse, row_pos, col_pos, kept, sums)`` of a single tile.
 
     ``kept`` is ``exp(S)`` (fixed; self pairs zeroed) or ``S`` (online; self pairs at
@@ -225,6 +225,8 @@ def _single_forward(prod: AnyProducts, R: int, C: int, plan: _Plan) -> tuple[Ten
             diag.zero_()
         _drop(e, plan, 0, e.shape[0], 0, C)
         row_sum = e.sum(1)
+        if plan.apart is not None and row_pos is not None and plan.exclude is None and (not plan.columns or col_pos is not None):
+            return _single_apart(e, row_sum, row_pos, col_pos, plan)
         row_lse = _log(row_sum, None, plan, C)
         col_lse = col_sum = None
         if plan.columns:
@@ -252,6 +254,20 @@ def _single_forward(prod: AnyProducts, R: int, C: int, plan: _Plan) -> tuple[Ten
     _blank(col_e, plan, 0, 0, out, 0.0)
     col_sum = col_e.sum(0)
     return row_lse, _complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
+
+
+def _single_apart(e: Tensor, excess: Tensor, row_pos: Tensor, col_pos: Tensor | None, plan: _Plan) -> tuple[Any, ...]:
+    """The one bounded tile with each row's positive kept apart (confident.py), cheaply:
+    ``d = log1p(excess / exp(S_p))`` and the totals ``excess + exp(S_p)`` that backward
+    divides by (``exp(S_p)`` is finite in the bounded regime). ``sums`` then also carries
+    the margins and the excesses: ``(total, total', d, d', excess, excess')``."""
+    exp_pos = row_pos.exp()
+    sums: list[Tensor | None] = [excess + exp_pos, None, torch.log1p(excess / exp_pos), None, excess, None]
+    if plan.columns and col_pos is not None:
+        col_excess = e.sum(0)
+        col_exp = exp_pos if col_pos is row_pos else col_pos.exp()
+        sums[1], sums[3], sums[5] = col_excess + col_exp, torch.log1p(col_excess / col_exp), col_excess
+    return sums[2], sums[3], row_pos, col_pos, e, tuple(sums)
 
 
 def _single_backward(kept: Tensor, prod: AnyProducts, b: Tensor, row: _Direction, col: _Direction | None,
@@ -591,7 +607,8 @@ class _SoftmaxTerms(torch.autograd.Function):
                  total: tuple[Scale, Scale] | None) -> tuple[Tensor, Tensor]:
         a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
         a_s = a_c * scale_c
-        kept = sums = None
+        kept = None
+        sums: Any = None  # (total, total') to divide by; six entries from _single_apart
         row_pos = col_pos = None
         raw = (a, b) if plan.half else ()
         if plan.backend == "triton":
@@ -608,8 +625,13 @@ class _SoftmaxTerms(torch.autograd.Function):
                 col_pos = (b_c * plan.positives.aggregate_transposed(a_s)).sum(1)
         if plan.shared_alpha:
             col_alpha = row_alpha
+        given = sums is not None and len(sums) == 6  # (total, total', d, d', excess, excess') of _single_apart
         row_out, col_out, row_lse, col_lse, margins = _outputs(plan, row_lse, col_lse, row_pos, col_pos, row_alpha, row_beta,
-                                                               col_alpha, col_beta, total)
+                                                               col_alpha, col_beta, total, given)
+        if given and sums is not None:
+            margins = tuple(t for t in sums[4:] if t is not None)  # backward's coefficient reads the excesses
+            sums = (sums[0], sums[1])
+        ctx.apart_sums = given
         ctx.total = total
         ctx.set_materialize_grads(False)  # an output the caller drops (the empty column slot) costs no zeros
         if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
@@ -667,9 +689,10 @@ class _SoftmaxTerms(torch.autograd.Function):
         if has_pos and g_col_c is not None and plan.column_positives:
             c_col = -uniform_col if uniform_col is not None and col_beta is None else -_weighted(g_col_c, col_beta)
         if margins and c_row is not None:  # the positive entries were left out of the tiles: their exact coefficient
-            c_row = coefficient(u, c_row, margins[0])
+            how = coefficient_from_sums if ctx.apart_sums else coefficient
+            c_row = how(u, c_row, margins[0], row_alpha is row_beta, row_lse)
             if len(margins) == 2 and c_col is not None and col is not None:
-                c_col = coefficient(col[0], c_col, margins[1])
+                c_col = how(col[0], c_col, margins[1], col_alpha is col_beta, col_lse)
         if not plan.symmetric and not ctx.needs_input_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         # (the Triton kernels take the operands themselves; the products serve the torch loops)
@@ -693,10 +716,18 @@ class _SoftmaxTerms(torch.autograd.Function):
 
 def _outputs(plan: _Plan, row_lse: Tensor, col_lse: Tensor | None, row_pos: Tensor | None, col_pos: Tensor | None,
              row_alpha: Tensor | None, row_beta: Tensor | None, col_alpha: Tensor | None, col_beta: Tensor | None,
-             total: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+             total: Any, given: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """``alpha * LSE - beta * pos`` per row (and column), the full log-sum-exps and, when the
     positives were kept apart, the margins ``LSE - pos`` that backward needs."""
     margins: tuple[Tensor, ...] = ()
+    if given and row_pos is not None:  # the one bounded tile computed the margins itself (_single_apart): lse hold them
+        row_out = _weighted(row_lse, row_alpha) if row_alpha is row_beta else \
+            _weighted(row_pos + row_lse, row_alpha) - _weighted(row_pos, row_beta)
+        col_out = row_lse.new_zeros(0) if total is None else row_lse
+        if col_lse is not None and col_pos is not None:
+            col_out = _weighted(col_lse, col_alpha) if col_alpha is col_beta else \
+                _weighted(col_pos + col_lse, col_alpha) - _weighted(col_pos, col_beta)
+        return row_out, col_out, row_lse, col_lse, ()
     if plan.apart is not None and row_pos is not None and (col_lse is None or col_pos is not None):
         # the tile passes summed the excess over the positive
         row_out, row_lse, d_row = _apart_terms(row_lse, row_pos, row_alpha, row_beta)
