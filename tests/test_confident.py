@@ -142,8 +142,9 @@ def test_large_losses_keep_float64_digits():
     """The other end: a positive far below its negatives (loss > 20 per row) still matches
     float64 cross-entropy to rounding (a softplus that returns x past 20 would lose e^-x)."""
     q, k = _confident(16)
-    per_row = tc.info_nce_loss(q.to(DEVICE), (-k).to(DEVICE), temperature=0.03, reduction="none").cpu()
     logits = F.normalize(q, dim=1) @ F.normalize(-k, dim=1).T / 0.03
     expected = F.cross_entropy(logits, torch.arange(16), reduction="none")
     assert expected.min() > 20
-    torch.testing.assert_close(per_row, expected, rtol=1e-14, atol=0)
+    for chunk in CHUNKS:  # the one tile's sums and the tiled margins
+        per_row = tc.info_nce_loss(q.to(DEVICE), (-k).to(DEVICE), temperature=0.03, reduction="none", chunk_size=chunk).cpu()
+        torch.testing.assert_close(per_row, expected, rtol=1e-14, atol=0)

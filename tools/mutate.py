@@ -246,7 +246,8 @@ MUTATIONS = [
              "        return (dq - k) * coef, dk * coef, None",
              "bench peer (Inf-CL schedule): the key gradient loses its positive term", tests=("tests/test_bench.py",)),
     # the confident regime: positives kept apart from the sums (engine/confident.py)
-    Mutation(f"{E}/confident.py", "    return out if alike else out.add_(u + c)", "    return out if alike else out.add_(c)",
+    Mutation(f"{E}/confident.py", "    out = torch.expm1(d.neg()).mul_(u)\n    return out if alike else out.add_(u + c)",
+             "    out = torch.expm1(d.neg()).mul_(u)\n    return out if alike else out.add_(c)",
              "kept-apart positive: the alpha - beta part of its gradient coefficient dropped",
              CONFIDENT_TESTS),
     Mutation(f"{E}/confident.py", "    out = torch.mul(u, excess).div_(total).neg_()", "    out = torch.mul(u, excess).div_(total)",
