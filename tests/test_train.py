@@ -60,7 +60,9 @@ def test_train_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert words in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("torch-contrastive train: error: argument ")
 
 
 def test_out_refuses_an_existing_run_or_a_file(tmp_path, capsys):

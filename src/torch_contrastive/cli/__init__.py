@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -88,9 +89,17 @@ def missing_cli_extra() -> list[str]:
     return [dist for module, dist in CLI_EXTRA if importlib.util.find_spec(module) is None]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line (``prog: error: argument --x: expected ...``) and exit
+    status 2, without argparse's usage block above it (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torch-contrastive", description="Exact, tiled, distributed contrastive losses.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="torch-contrastive", description="Exact, tiled, distributed contrastive losses.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("explain", help="show the similarity matrix, positive masks and each convention's loss")
     p.add_argument("--rows", type=int, default=8, help="batch rows (default 8: the NT-BXent write-up's batch)")
