@@ -1,0 +1,382 @@
+"""The soft-max engine's tile passes: one tile kept from forward to backward (small
+batches), and the tile loops of the bounded (``fixed``) and online-maximum regimes.
+
+Forward keeps O(N) statistics per row and column; backward recomputes each tile and
+accumulates ``G @ B`` and ``G.T @ A`` through :mod:`.products`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .._tensors import mask_as, self_diagonal
+from ._common import Buffers, tiles
+from .products import AnyProducts
+from .softmax_plan import Direction, SoftmaxPlan, blank, complete_columns, drop, excluded, inverse_exp, log_total
+
+if TYPE_CHECKING:
+    from ..positives import Positives
+
+__all__ = ["backward_fixed", "backward_online", "fixed_lse", "forward_fixed", "forward_online", "single_backward",
+           "single_forward"]
+
+
+# ----------------------------------------------------------------------- one tile
+# A problem that fits in one tile (the common small batch) keeps that tile from forward
+# to backward, and reads its positive part off the tile itself: no aggregate, no
+# recomputed matrix product, a few large ops.
+def _positive_layout(positives: Positives, plan: SoftmaxPlan, rows: int, cols: int) -> tuple[str, Tensor | None]:
+    """How the positives lie on the tile: a named strided layout ("identity", "adjacent",
+    "halves"; no tensor), ("partner", column per row) or ("mask", R x C bool)."""
+    if positives.layout is not None:
+        return positives.layout, None
+    if positives.kind == "partner" and positives.partner is not None:
+        return "partner", positives.partner
+    return "mask", positives.tile(0, rows, 0, cols)
+
+
+def _strided_positives(t: Tensor, layout: str) -> list[Tensor]:
+    """Views of the positive entries of a square tile under a strided layout.
+
+    Returns views whose concatenation, in order, is row i's positive entry for every i:
+    identity ``t[i, i]``; adjacent ``t[2k, 2k+1]`` and ``t[2k+1, 2k]`` (interleaved);
+    halves ``t[i, i+N]`` then ``t[i+N, i]``.
+    """
+    if layout == "identity":
+        return [t.diagonal()]
+    if layout == "adjacent":
+        return [t.diagonal(1)[::2], t.diagonal(-1)[::2]]
+    half = t.shape[0] // 2
+    return [t.diagonal(half), t.diagonal(-half)]
+
+
+def _read_strided(t: Tensor, layout: str) -> Tensor:
+    parts = _strided_positives(t, layout)
+    if layout == "adjacent":
+        return torch.stack(parts, 1).reshape(-1)
+    # a copy, not a view: the tile is exponentiated in place afterwards
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+
+
+def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+    """``sum_j P_ij S_ij`` per row and (for two-set losses) ``sum_i P_ij S_ij`` per column, off the tile."""
+    positives = plan.positives
+    if positives is None:
+        raise RuntimeError("internal: no positive relation")
+    R, C = s.shape
+    how, rel = _positive_layout(positives, plan, R, C)
+    col_pos = None
+    if rel is None:  # strided layout: a view, no index tensor
+        row_pos = _read_strided(s, how)
+        if plan.column_positives:  # identity: column j's positive is row j
+            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives.require(positives.partner, "partner"), row_pos)
+    elif how == "partner":
+        row_pos = s.gather(1, rel[:, None])[:, 0]
+        if plan.column_positives:
+            col_pos = s.new_zeros(C).index_add_(0, rel, row_pos)
+    else:  # a 0/1 float mask: a multiply is several times cheaper than torch.where (s is finite here)
+        weight = mask_as(rel, s.dtype)
+        row_pos = torch.linalg.vecdot(s, weight)
+        col_pos = torch.linalg.vecdot(s.t(), weight.t()) if plan.column_positives else None
+    return row_pos, col_pos
+
+
+def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
+                                                                             Tensor, tuple[Any, ...] | None]:
+    """``(row_lse, col_lse, row_pos, col_pos, kept, sums)`` of a single tile.
+
+    ``kept`` is ``exp(S)`` (fixed; self pairs zeroed) or ``S`` (online; self pairs at
+    the lowest finite value), which backward reuses. ``sums``: in fixed mode, when no row
+    can be empty, the row (and column) sums of ``exp(S)``, so that backward divides by
+    them instead of computing ``exp(-LSE)``.
+    """
+    s = prod.logits(0, R, 0, C)
+    row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
+    diag = self_diagonal(s, 0, 0, plan.self_offset)
+    if plan.fixed:
+        e = s.exp_()
+        if diag is not None:
+            diag.zero_()
+        drop(e, plan, 0, e.shape[0], 0, C)
+        row_sum = e.sum(1)
+        if plan.apart is not None and row_pos is not None and plan.exclude is None and (not plan.columns or col_pos is not None):
+            return single_apart(e, row_sum, row_pos, col_pos, plan)
+        row_lse = log_total(row_sum, None, plan, C)
+        col_lse = col_sum = None
+        if plan.columns:
+            col_sum = e.sum(0)
+            if plan.column_comm is not None:
+                plan.column_comm.all_sum(col_sum)
+            col_lse = col_sum.log()
+        # every sum > 0 (exp > 0 in fixed mode) unless exclusions or a lone row can empty one
+        nonempty = plan.exclude is None and plan.apart is None and C - (plan.self_offset is not None) >= 1
+        return row_lse, col_lse, row_pos, col_pos, e, ((row_sum, col_sum) if nonempty else None)
+    if diag is not None:
+        diag.fill_(torch.finfo(s.dtype).min)
+    out = excluded(plan, 0, s.shape[0], 0, C)
+    blank(s, plan, 0, 0, out, torch.finfo(s.dtype).min)
+    row_max = s.amax(1)
+    e = torch.exp(s - row_max[:, None])
+    if diag is not None:
+        e.diagonal(plan.self_offset or 0).zero_()
+    blank(e, plan, 0, 0, out, 0.0)
+    row_lse = log_total(e.sum(1), row_max, plan, C)
+    if not plan.columns:
+        return row_lse, None, row_pos, col_pos, s, None
+    col_max = s.amax(0)
+    col_e = torch.exp(s - col_max[None, :])
+    blank(col_e, plan, 0, 0, out, 0.0)
+    col_sum = col_e.sum(0)
+    return row_lse, complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
+
+
+def single_apart(e: Tensor, excess: Tensor, row_pos: Tensor, col_pos: Tensor | None, plan: SoftmaxPlan) -> tuple[Any, ...]:
+    """The one bounded tile with each row's positive kept apart (confident.py), cheaply:
+    ``d = log1p(excess / exp(S_p))`` and the totals ``excess + exp(S_p)`` that backward
+    divides by (``exp(S_p)`` is finite in the bounded regime). ``sums`` then also carries
+    the margins and the excesses: ``(total, total', d, d', excess, excess')``."""
+    exp_pos = row_pos.exp()
+    sums: list[Tensor | None] = [excess + exp_pos, None, torch.log1p(excess / exp_pos), None, excess, None]
+    if plan.columns and col_pos is not None:
+        col_excess = e.sum(0)
+        col_exp = exp_pos if col_pos is row_pos else col_pos.exp()
+        sums[1], sums[3], sums[5] = col_excess + col_exp, torch.log1p(col_excess / col_exp), col_excess
+    return sums[2], sums[3], row_pos, col_pos, e, tuple(sums)
+
+
+def single_backward(kept: Tensor, prod: AnyProducts, b: Tensor, row: Direction, col: Direction | None,
+                     c_row: Tensor | None, c_col: Tensor | None, plan: SoftmaxPlan, by_sums: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` of a single tile, positive part folded into G.
+
+    Soft-max part ``G_ij = u_i p_ij + v_j q_ij`` (row and column soft-max), positive part
+    ``G_ij += P_ij (c_i + c'_j)``. Symmetric: G already holds both roles of every row
+    (``H = G + G.T``), so the positive part enters as ``P_ij c_i + P_ji c_j``.
+    """
+    if plan.fixed:  # exp(S_ij - LSE_i) = exp(S_ij) exp(-LSE_i): one exp per element for both directions
+        # by_sums: row[1] / col[1] hold the sums of exp(S) themselves (exp(-LSE) = 1 / sum)
+        u = row[0] / row[1] if by_sums else row[0] * inverse_exp(row[1], plan)
+        if plan.symmetric:
+            g = kept * (u[:, None] + u[None, :])
+        elif col is not None:
+            v = col[0] / col[1] if by_sums else col[0] * inverse_exp(col[1], plan)
+            g = kept * (u[:, None] + v[None, :])
+        else:
+            g = kept * u[:, None]
+    else:
+        g = torch.exp(kept - row[1][:, None]).mul_(row[0][:, None])
+        if plan.symmetric:
+            g.add_(g.t().clone())
+        elif col is not None:
+            g.add_(torch.exp(kept - col[1][None, :]).mul_(col[0][None, :]))
+        diag = self_diagonal(g, 0, 0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        blank(g, plan, 0, 0, excluded(plan, 0, g.shape[0], 0, g.shape[1]), 0.0)
+    if plan.positives is not None and c_row is not None:
+        _fold_positives(g, plan.positives, plan, c_row, c_col)
+    if plan.symmetric or plan.grad_columns == 0:
+        return prod.row_product(g), None
+    if plan.grad_columns >= b.shape[0]:
+        return prod.row_product(g), prod.column_product(g)
+    ga_acc = torch.zeros_like(b)
+    ga_acc[: plan.grad_columns] = prod.column_product(g[:, : plan.grad_columns])
+    return prod.row_product(g), ga_acc
+
+
+def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: Tensor, c_col: Tensor | None) -> None:
+    """``G_ij += P_ij (c_i + c'_j)`` in place (symmetric: ``P_ij c_i + P_ji c_j``).
+
+    ``c_row`` / ``c_col`` may be 0-dim (the same coefficient for every row / column).
+    """
+    how, rel = _positive_layout(positives, plan, g.shape[0], g.shape[1])
+    if rel is None:
+        _add_strided(g, how, c_row, c_col, plan.symmetric)
+        return
+    c_row = c_row.expand(g.shape[0])
+    c_col = None if c_col is None else c_col.expand(g.shape[1])
+    if how == "partner":
+        rows = torch.arange(g.shape[0], device=g.device)
+        g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
+        if plan.symmetric:
+            g.index_put_((rel, rows), c_row, accumulate=True)
+    else:
+        mask = mask_as(rel, g.dtype)
+        g.addcmul_(mask, c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :])
+        if plan.symmetric:
+            g.addcmul_(mask.t(), c_row[None, :])
+
+
+def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor | None, symmetric: bool) -> None:
+    """``G[i, p(i)] += c_i (+ c'_p(i))`` on a strided layout; symmetric: also ``G[p(i), i] += c_i``."""
+    if layout == "identity":
+        g.diagonal().add_(c_row if c_col is None else c_row + c_col)
+        return
+    if c_row.ndim == 0:  # one coefficient for every row (a reduced loss)
+        both = c_row * 2 if symmetric else c_row if c_col is None else c_row + c_col
+        for view in _strided_positives(g, layout):
+            view.add_(both)
+        return
+    # adjacent and halves are involutions: p(p(i)) = i, so the symmetric term adds c_p(i) at (i, p(i)).
+    views = _strided_positives(g, layout)
+    first, second = (c_row[0::2], c_row[1::2]) if layout == "adjacent" else (c_row[: g.shape[0] // 2], c_row[g.shape[0] // 2 :])
+    if symmetric:
+        both = first + second
+        views[0].add_(both)
+        views[1].add_(both)
+    else:
+        views[0].add_(first if c_col is None else first + (c_col[1::2] if layout == "adjacent" else c_col[g.shape[0] // 2 :]))
+        views[1].add_(second if c_col is None else second + (c_col[0::2] if layout == "adjacent" else c_col[: g.shape[0] // 2]))
+
+
+# ----------------------------------------------------------------------- many tiles
+def forward_fixed(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+    """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
+    R = a.shape[0]
+    bufs = Buffers(a.dtype, a.device)
+    row_sum = a.new_zeros(R)
+    col_sum = a.new_zeros(C) if plan.columns else None
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        e = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()
+        diag = self_diagonal(e, r0, c0, plan.self_offset)
+        if diag is not None:
+            diag.zero_()
+        drop(e, plan, r0, r1, c0, c1)
+        row_sum[r0:r1] += e.sum(1)
+        if plan.symmetric and c0 != r0:
+            row_sum[c0:c1] += e.sum(0)
+        if col_sum is not None:
+            col_sum[c0:c1] += e.sum(0)
+    return fixed_lse(row_sum, col_sum, plan, C)
+
+
+def fixed_lse(row_sum: Tensor, col_sum: Tensor | None, plan: SoftmaxPlan, n_cols: int) -> tuple[Tensor, Tensor | None]:
+    """Row (and column) log-sum-exp from plain sums of ``exp(S)``; across ranks the column
+    sums are added first."""
+    row_lse = log_total(row_sum, None, plan, n_cols)
+    if col_sum is None:
+        return row_lse, None
+    if plan.column_comm is not None:
+        plan.column_comm.all_sum(col_sum)  # no per-rank shift: the sums just add
+    return row_lse, col_sum.log()
+
+
+def forward_online(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+    """Running (maximum, shifted sum) per row and column: exact for any logit range.
+
+    A self entry is set to the lowest finite value before the maximum is taken and
+    zeroed after the exp, so no ``inf - inf`` can arise.
+    """
+    R = a.shape[0]
+    low = torch.finfo(a.dtype).min
+    bufs = Buffers(a.dtype, a.device)
+    row_max, row_sum = a.new_full((R,), low), a.new_zeros(R)
+    col_max, col_sum = a.new_full((C,), low), a.new_zeros(C)
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0))
+        diag = self_diagonal(s, r0, c0, plan.self_offset)
+        if diag is not None:
+            diag.fill_(low)
+        out = excluded(plan, r0, r1, c0, c1)
+        blank(s, plan, r0, c0, out, low)
+        work = bufs.get(r1 - r0, c1 - c0, 1)
+        cleared = (plan, r0, c0, out)
+        _online_update(s, row_max, row_sum, r0, r1, c0, plan.self_offset, dim=1, work=work, cleared=cleared)
+        if plan.symmetric and c0 != r0:
+            _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work, cleared=cleared)
+        if plan.columns:
+            _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work, cleared=cleared)
+    row_lse = log_total(row_sum, row_max, plan, C)
+    if not plan.columns:
+        return row_lse, None
+    return row_lse, complete_columns(col_sum, col_max, plan)
+
+
+def _online_update(
+    s: Tensor, run_max: Tensor, run_sum: Tensor, i0: int, i1: int, other0: int,
+    self_offset: int | None, dim: int, work: Tensor, cleared: tuple[Any, int, int, Tensor | None] | None = None,
+) -> None:
+    """Fold one tile into running (max, sum-exp) statistics along ``dim``.
+
+    ``i0:i1`` are the statistics' indices (rows for ``dim=1``, columns for ``dim=0``);
+    ``other0`` is the first index of the other axis; ``self_offset`` (rows only) marks
+    self entries whose exp must be zeroed.
+    """
+    tile_max = s.amax(dim)
+    new_max = torch.maximum(run_max[i0:i1], tile_max)
+    run_sum[i0:i1] *= torch.exp(run_max[i0:i1] - new_max)
+    shifted = torch.sub(s, new_max[:, None] if dim == 1 else new_max[None, :], out=work).exp_()
+    diag = self_diagonal(shifted, i0, other0, self_offset)
+    if diag is not None:
+        diag.zero_()
+    if cleared is not None:  # excluded entries sit at the lowest value: exp(0) = 1 while nothing else is seen
+        blank(shifted, *cleared, 0.0)
+    run_sum[i0:i1] += shifted.sum(dim)
+    run_max[i0:i1] = new_max
+
+
+def backward_fixed(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
+                    plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
+
+    ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
+    directions.
+    """
+    u = row[0] * inverse_exp(row[1], plan)
+    v = None if col is None else col[0] * inverse_exp(col[1], plan)
+    R, C = a.shape[0], b.shape[0]
+    bufs = Buffers(a.dtype, a.device)
+    gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
+    ga_acc = _column_accumulator(b, plan)  # G.T @ A
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        g = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()
+        if v is not None:
+            g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1], out=bufs.get(r1 - r0, c1 - c0, 1)))
+        else:
+            g.mul_(u[r0:r1, None])
+        _accumulate(g, prod, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+    return gb_acc, ga_acc
+
+
+def backward_online(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
+                     plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
+    g_row, row_lse = row
+    R, C = a.shape[0], b.shape[0]
+    bufs = Buffers(a.dtype, a.device)
+    gb_acc = torch.zeros_like(a)
+    ga_acc = _column_accumulator(b, plan)
+    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
+        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0, 1))
+        g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0)).exp_().mul_(g_row[r0:r1, None])
+        if col is not None:
+            g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
+        _accumulate(g, prod, gb_acc, ga_acc, r0, r1, c0, c1, plan)
+    return gb_acc, ga_acc
+
+
+def _column_accumulator(b: Tensor, plan: SoftmaxPlan) -> Tensor | None:
+    """``G.T @ A``'s accumulator: none for a symmetric set (its columns are its rows) or
+    when no candidate needs a gradient; rows past ``grad_columns`` stay zero."""
+    return None if plan.symmetric or plan.grad_columns == 0 else torch.zeros_like(b)
+
+
+def _accumulate(g: Tensor, prod: AnyProducts, gb_acc: Tensor, ga_acc: Tensor | None,
+                r0: int, r1: int, c0: int, c1: int, plan: SoftmaxPlan) -> None:
+    """Zero the self pairs (and excluded entries) of a gradient tile and add it into both accumulators."""
+    diag = self_diagonal(g, r0, c0, plan.self_offset)
+    if diag is not None:
+        diag.zero_()
+    if plan.fixed:  # finite tiles: multiply by the 0/1 factor
+        drop(g, plan, r0, r1, c0, c1)
+    else:  # an empty row's recomputed exp can be inf there: overwrite
+        blank(g, plan, r0, c0, excluded(plan, r0, r1, c0, c1), 0.0)
+    prod.add_rows(gb_acc[r0:r1], g, c0, c1)
+    if plan.symmetric:
+        if c0 != r0:
+            prod.add_columns(gb_acc[c0:c1], g, r0, r1)
+    elif ga_acc is not None and c0 < plan.grad_columns:
+        end = min(c1, plan.grad_columns)
+        prod.add_columns(ga_acc[c0:end], g[:, : end - c0], r0, r1)
