@@ -234,3 +234,12 @@ def test_resume_cannot_extend_a_one_cycle_run_or_shrink_one(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--resume", str(tmp_path)]) == 0  # finished: nothing to resume, said so
     assert "nothing to resume" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("loss", ["clip", "nt_xent"])
+def test_prefetching_the_next_batch_changes_nothing(loss, tmp_path):
+    """--prefetch on (the GPU default) prepares batch k+1 on a thread during step k: the
+    augmentation draws keep their order, so the run is the same bit for bit."""
+    runs = [train(Config(loss=loss, epochs=2, out=str(tmp_path / mode), device="cpu", prefetch=mode), progress=False)
+            for mode in ("off", "on")]
+    assert runs[0]["loss_history"] == runs[1]["loss_history"] and runs[0]["trained"] == runs[1]["trained"]

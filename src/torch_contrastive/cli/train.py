@@ -89,6 +89,7 @@ class Config:
     device: str = "auto"  # auto (CUDA when present), cpu or cuda
     precision: str = "auto"  # autocast for the encoders: auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16, fp16
     schedule: str = "onecycle"  # onecycle (length-dependent) or constant (warm-up epoch, then flat: extendable)
+    prefetch: str = "auto"  # prepare the next batch on a background thread: auto (on a GPU), on, off
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
@@ -123,24 +124,18 @@ class Models:
     precision: str = "fp32"
 
 
-def recipe_loss(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator) -> Tensor:
-    """The loss of one (local) batch under the chosen recipe. ``batch`` indexes images
-    (labelled data) or caption rows (a caption CSV)."""
-    towers, inputs, loss_fn, kwargs = recipe_parts(cfg, data, batch, models, text_keys, gen)
-    with autocast(models.device, models.precision):
-        return loss_fn(*(_encode(t, x) for t, x in zip(towers, inputs)), **kwargs)
-
-
 def recipe_step(cfg: Config, data: Data, batch: Tensor, models: Models, text_keys: Tensor | None, gen: torch.Generator,
-                scaler: Any = None) -> Tensor:
+                scaler: Any = None, parts: Any = None) -> Tensor:
     """Forward and backward of one batch; with ``cfg.micro_batch`` through :func:`grad_cache`
     (the same gradients, one micro-batch of activations at a time). Returns the loss.
-    ``scaler``: fp16's gradient scaler (the loss is scaled before backward)."""
+    ``scaler``: fp16's gradient scaler (the loss is scaled before backward); ``parts``: the
+    batch's :func:`recipe_parts`, when prepared ahead."""
+    towers, inputs, loss_fn, kwargs = parts if parts is not None else recipe_parts(cfg, data, batch, models, text_keys, gen)
     if cfg.micro_batch is None:
-        loss = recipe_loss(cfg, data, batch, models, text_keys, gen)
+        with autocast(models.device, models.precision):
+            loss = loss_fn(*(_encode(t, x) for t, x in zip(towers, inputs)), **kwargs)
         (loss if scaler is None else scaler.scale(loss)).backward()
         return loss.detach()
-    towers, inputs, loss_fn, kwargs = recipe_parts(cfg, data, batch, models, text_keys, gen)
     with autocast(models.device, models.precision):
         return grad_cache(towers, inputs, loss_fn, cfg.micro_batch, **kwargs)
 
@@ -532,15 +527,37 @@ def _track(tracked: list[tuple[int, float]], done: int, every: int, epochs: int,
         tracked.append((done, tracked_metric(models.enc, models.text, models.vocab, data)[1]))
 
 
+def _ahead(items: Any, make: Any, enabled: bool) -> Any:
+    """``(item, make(item))`` in order. ``enabled``: ``make`` of the next item runs on a
+    background thread while the caller uses the current one (augmentation, pinning and the
+    host-to-GPU copy overlap the GPU step). One worker keeps the draws from the augmentation
+    generator in the same order, so the training is the same bit for bit."""
+    if not enabled:
+        for item in items:
+            yield item, make(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        for item in items:
+            upcoming = (item, pool.submit(make, item))
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = upcoming
+        if pending is not None:
+            yield pending[0], pending[1].result()
+
+
 def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor | None, gen: torch.Generator,
            opt: torch.optim.Optimizer, sched: Any, rank: int, world: int, scaler: Any = None) -> float:
     """One pass over the batches in ``bar``; returns the mean training loss."""
     total, count = 0.0, 0
-    for idx in bar:
-        if len(idx) < 2 * world:
-            continue
+    local = (idx.tensor_split(world)[rank] for idx in bar if len(idx) >= 2 * world)
+    ahead = cfg.prefetch == "on" or (cfg.prefetch == "auto" and models.device.type == "cuda")
+    for batch, parts in _ahead(local, lambda b: recipe_parts(cfg, data, b, models, text_keys, gen), ahead):
         opt.zero_grad()
-        loss = recipe_step(cfg, data, idx.tensor_split(world)[rank], models, text_keys, gen, scaler)
+        loss = recipe_step(cfg, data, batch, models, text_keys, gen, scaler, parts)
         if cfg.distributed and models.loss is not None:
             _average_gradient(models.loss.parameters(), world)  # logit_scale lives outside DDP
         if scaler is None:
@@ -561,6 +578,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
                   seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
                   distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
                   micro_batch=args.micro_batch, device=args.device, precision=args.precision, schedule=args.schedule,
+                  prefetch=args.prefetch,
                   out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
@@ -657,6 +675,8 @@ def add_train_parser(sub: Any) -> None:
                    help="gradient caching: encode this many rows at a time (same gradients, less activation memory)")
     p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>); an existing run is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
+                   help="augment, pin and copy the next batch on a background thread while the GPU trains (auto: on a GPU)")
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when a GPU is visible (each torchrun rank its own)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="autocast of the encoders: auto = bf16 on a GPU, fp32 on a CPU; the loss accumulates in fp32")
