@@ -94,3 +94,30 @@ def test_module_options_reach_the_function():
         tc.nt_xent_loss(z, 0.2, pairing="halves", decoupled=True).item(), rel=1e-12)
     with pytest.raises(TypeError, match="decoupled must be a bool"):
         tc.ClipLoss(decoupled=1)
+
+
+@pytest.mark.parametrize("fn", ["nt_xent_loss", "nt_bxent_loss", "image_text_contrastive_loss", "supcon_loss", "info_nce_loss",
+                                "siglip_loss"])
+def test_every_loss_takes_the_shared_options_with_one_set_of_defaults(fn):
+    """The shared options (torch_contrastive.options) are keyword arguments of every loss, with
+    the defaults :func:`options.check` gives the modules, and each is documented there once."""
+    import inspect
+
+    from torch_contrastive import options
+
+    params = inspect.signature(getattr(tc, fn)).parameters
+    defaults = inspect.signature(options.check).parameters
+    for name in options.SHARED:
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default == defaults[name].default, name
+        assert f"\n{name} (" in options.__doc__, name
+
+
+def test_shared_options_are_checked_once_at_construction():
+    from torch_contrastive import options
+
+    assert options.check(chunk_size=64)["chunk_size"] == 64
+    with pytest.raises(ValueError, match="reduction"):
+        tc.NTXentLoss(reduction="avg")
+    with pytest.raises(ValueError, match="backend"):
+        options.check(backend="gpu")

@@ -10,7 +10,7 @@ text_features)`` (open_clip).
 
 Options shared by every module (keyword-only): ``normalize``, ``reduction``,
 ``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate``, ``backend`` and
-``learnable_temperature``; see :func:`~torch_contrastive.nt_xent_loss`.
+``learnable_temperature``; see :mod:`torch_contrastive.options` (checked there once).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validation as v
+from . import options
 from .losses import image_text_contrastive_loss, info_nce_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
 __all__ = ["ClipLoss", "DCLLoss", "DCLWLoss", "ImageTextContrastiveLoss", "InfoNCELoss", "NTBXentLoss", "NTXentLoss", "SigLipLoss",
@@ -39,13 +40,7 @@ def _check_temperature(temperature: object, name: str = "temperature") -> float:
     return float(temperature)
 
 
-def _shared_options(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
-                    grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> dict[str, Any]:
-    """The options every loss takes, checked once (at construction), as keyword arguments."""
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    v.check_choice(backend, "backend", v.BACKENDS)
-    return dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size, gather=bool(gather),
-                grad_reduction=grad_reduction, eps=float(eps), validate=bool(validate), backend=backend)
+_shared_options = options.check  # the options every loss takes, checked once (at construction)
 
 
 class _Loss(nn.Module):

@@ -70,8 +70,8 @@ def image_text_contrastive_loss(
         normalize: L2-normalise (CLIP's convention; default True).
         reduction: ``"mean"``; ``"sum"``; ``"none"``: (N,) values ``e_i`` whose mean is
             the loss -- without ids ``e_i = (CE_image_i + CE_text_i) / 2``.
-        chunk_size, gather, grad_reduction, eps, validate: see
-            :func:`~torch_contrastive.nt_xent_loss`. With ``gather`` each rank computes
+        chunk_size, gather, grad_reduction, eps, validate, backend: the shared options
+            (:mod:`torch_contrastive.options`); the Triton kernels include the distributed column statistics. With ``gather`` each rank computes
             only its own image rows against all gathered texts; the second direction's
             per-text log-sum-exp is completed by an O(N) all-reduce of partial column
             sums, so the N x N work is split across ranks.
@@ -83,10 +83,6 @@ def image_text_contrastive_loss(
             ``F.cross_entropy(S, arange(N), label_smoothing=eps)`` per direction. The uniform
             part needs only ``sum_j S_ij = <a_i, sum_j b_j> / tau``: O(N * D), no extra tile
             pass. Not combined with ``decoupled``.
-        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
-            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
-            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU"), the
-            distributed column statistics of ``gather=True`` included.
 
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.

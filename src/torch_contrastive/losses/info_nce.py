@@ -101,10 +101,7 @@ def info_nce_loss(
         gather_negatives: gather the unpaired negatives too (default: ``gather``). Pass
             ``False`` for rows that are already global, such as a queue filled with
             ``FeatureQueue.push(..., gather=True)``: gathering them again would repeat them.
-        grad_reduction, eps, validate: see :func:`~torch_contrastive.nt_xent_loss`.
-        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
-            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
-            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU").
+        grad_reduction, eps, validate, backend: the shared options (:mod:`torch_contrastive.options`).
 
     Returns:
         0-dim loss (fp32 for half inputs), or (N,) per-query values. A query whose every

@@ -52,18 +52,11 @@ def nt_xent_loss(
         temperature: tau > 0, float or 0-dim tensor (default 0.5).
         labels: optional (2N,) integer tensor; overrides ``pairing``.
         pairing: ``"adjacent"`` (pairs (0,1), (2,3), ...) or ``"halves"`` (i, i+N).
-        normalize: cosine similarity (True) or raw dot product.
+        normalize, chunk_size, gather, grad_reduction, eps, validate, backend: the shared
+            options (:mod:`torch_contrastive.options`).
         reduction: ``"mean"`` (over rows; with labels over positive pairs), ``"sum"``,
             or ``"none"``: (2N,) per-row losses; with labels, each row's *sum* over
             its positive pairs (0 for rows without a positive).
-        chunk_size: tile rows, None for automatic.
-        gather: compute over the batch of all ranks (``torch.distributed``).
-        grad_reduction: ``"mean"`` if the framework averages gradients over ranks
-            (DDP), ``"sum"`` if it sums them.
-        eps: normalisation floor.
-        validate: check device values (finite inputs, a positive tensor temperature,
-            rank agreement) with one host synchronisation; ``False`` makes none
-            (for ``torch.compile`` and GPU pipelines).
         memory_emb, memory_labels: (M, D) rows kept from earlier batches (a
             :class:`~torch_contrastive.FeatureQueue`) and their (M,) labels, with
             ``labels`` only: extra candidates of every row (positives and negatives by
@@ -75,9 +68,6 @@ def nt_xent_loss(
         positive_weight: optional (2N,) weight of each row's positive term (no gradient),
             pairing rules only: ``loss_i = -w_i s_ip + LSE_i`` (DCLW's von Mises-Fisher
             weight, see :class:`~torch_contrastive.DCLWLoss`).
-        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
-            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
-            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU").
 
     Returns:
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.

@@ -66,11 +66,11 @@ def siglip_loss(
         normalize: L2-normalise both inputs (default; open_clip expects normalised features).
         reduction: ``"mean"`` (sum over all pairs / N, as open_clip), ``"sum"`` (no ``/N``),
             ``"none"``: (N,) per-image row sums ``sum_j softplus(-z_ij s_ij)``.
-        chunk_size, gather, grad_reduction, eps, validate: see
-            :func:`~torch_contrastive.nt_xent_loss`. With ``gather`` the texts (and ids) of
+        chunk_size, gather, grad_reduction, eps, validate: the shared options
+            (:mod:`torch_contrastive.options`). With ``gather`` the texts (and ids) of
             every rank are gathered and each rank computes its own image rows against all
             of them; the value is the global loss on every rank.
-        backend: ``"auto"`` (default) or ``"torch"``; the Triton kernels cover the log-sum-exp losses.
+        backend: ``"auto"`` (default) or ``"torch"``: the Triton kernels cover the soft-max losses only.
 
     Memory: O(N * D + tile^2); forward+backward about three N x N x D matrix multiplies
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid

@@ -63,17 +63,14 @@ def supcon_loss(
             products of features it expects to be normalised already.
         reduction: ``"mean"`` over anchors with positives, ``"sum"``, or ``"none"``:
             per-anchor losses in view-major order (0 for anchors without positives).
-        chunk_size, gather, grad_reduction, eps, validate: see
-            :func:`~torch_contrastive.nt_xent_loss`.
+        chunk_size, gather, grad_reduction, eps, validate, backend: the shared options
+            (:mod:`torch_contrastive.options`).
         memory_emb, memory_labels: (M, D) rows kept from earlier batches (a
             :class:`~torch_contrastive.FeatureQueue`) and their (M,) labels: extra
             candidates of every anchor, positives by label -- pytorch-metric-learning's
             ``CrossBatchMemory`` around its ``SupConLoss``, with this batch's rows live
             (they get gradients as candidates too). Needs ``labels``. Memory rows are not
             gathered (a queue pushed with ``gather=True`` is global already).
-        backend: ``"auto"`` (default: the planner's choice for the device, dtype and shape --
-            :func:`torch_contrastive.explain` shows it), ``"torch"`` or ``"triton"`` (the log-sum-exp
-            passes as Triton kernels on CUDA; ``TRITON_INTERPRET=1`` on CPU for tests; docs, "GPU").
 
     Memory: O((N + M) * D + tile^2); forward+backward about two N x N x D matrix
     multiplies in ``"all"`` mode, whatever the labels (plus N x M x D products per
