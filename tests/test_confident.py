@@ -30,27 +30,28 @@ def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     ``1 + x`` would round a loss below 1e-16 away."""
     if logits.dtype != torch.float64:
         return F.cross_entropy(logits, target)
-    rows = torch.arange(logits.shape[0])
-    relative = (logits - logits[rows, target][:, None]).index_put((rows, target), torch.tensor(float("-inf"), dtype=logits.dtype))
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    relative = (logits - logits[rows, target][:, None]).index_put((rows, target), minus_inf)
     return torch.log1p(relative.exp().sum(1)).mean()
 
 
 def _ce_info_nce(q, k, tau, negatives=None):
     cands = k if negatives is None else torch.cat([k, negatives])
-    return _ce(F.normalize(q, dim=1) @ F.normalize(cands, dim=1).T / tau, torch.arange(q.shape[0]))
+    return _ce(F.normalize(q, dim=1) @ F.normalize(cands, dim=1).T / tau, torch.arange(q.shape[0], device=q.device))
 
 
 def _ce_clip(img, txt, tau):
     logits = F.normalize(img, dim=1) @ F.normalize(txt, dim=1).T / tau
-    target = torch.arange(img.shape[0])
+    target = torch.arange(img.shape[0], device=img.device)
     return (_ce(logits, target) + _ce(logits.T, target)) / 2
 
 
 def _ce_nt_xent(z, tau, pairing):
     n = z.shape[0]
     zn = F.normalize(z, dim=1)
-    logits = (zn @ zn.T / tau).masked_fill(torch.eye(n, dtype=torch.bool), float("-inf"))
-    rows = torch.arange(n)
+    logits = (zn @ zn.T / tau).masked_fill(torch.eye(n, dtype=torch.bool, device=z.device), float("-inf"))
+    rows = torch.arange(n, device=z.device)
     partner = rows ^ 1 if pairing == "adjacent" else (rows + n // 2) % n
     return _ce(logits, partner)
 
@@ -109,7 +110,7 @@ def test_info_nce_with_a_queue_and_a_guide(chunk):
         return tc.info_nce_loss(a, b, queue.to(a.device, a.dtype), temperature=0.01, chunk_size=chunk,
                                 guide=(a.detach(), b.detach(), queue.to(a.device, a.dtype)))
 
-    _check(ours, lambda a, b: _ce_info_nce(a, b, 0.01, queue.to(a.dtype)), [q, k])
+    _check(ours, lambda a, b: _ce_info_nce(a, b, 0.01, queue.to(a.device, a.dtype)), [q, k])
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)

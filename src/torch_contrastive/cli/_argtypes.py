@@ -18,15 +18,20 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,0,1; got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
+def _int_from(text: str, low: int, expected: str) -> int:
+    """An integer >= ``low``; else argparse's error saying what was ``expected``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_from(text, 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
@@ -42,13 +47,7 @@ def positive_float(text: str) -> float:
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (a random seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_from(text, 0, "an integer >= 0")
 
 
 def finite_float(text: str) -> float:

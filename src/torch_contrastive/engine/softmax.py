@@ -248,12 +248,10 @@ def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos
     positives were kept apart, the margins ``LSE - pos`` that backward needs."""
     margins: tuple[Tensor, ...] = ()
     if given and row_pos is not None:  # the one bounded tile computed the margins itself (single_apart): lse hold them
-        row_out = _weighted(row_lse, row_alpha) if row_alpha is row_beta else \
-            _weighted(row_pos + row_lse, row_alpha) - _weighted(row_pos, row_beta)
+        row_out = _apart_out(row_lse, row_pos, row_alpha, row_beta)
         col_out = row_lse.new_zeros(0) if total is None else row_lse
         if col_lse is not None and col_pos is not None:
-            col_out = _weighted(col_lse, col_alpha) if col_alpha is col_beta else \
-                _weighted(col_pos + col_lse, col_alpha) - _weighted(col_pos, col_beta)
+            col_out = _apart_out(col_lse, col_pos, col_alpha, col_beta)
         return row_out, col_out, row_lse, col_lse, ()
     if plan.apart is not None and row_pos is not None and (col_lse is None or col_pos is not None):
         # the tile passes summed the excess over the positive
@@ -279,9 +277,12 @@ def _apart_terms(log_excess: Tensor, pos: Tensor, alpha: Tensor | None, beta: Te
     """``(out, LSE, d)`` with ``d = LSE - pos`` computed from the excess (confident.py):
     ``out = alpha * d`` when both weights are alike, so a near-zero loss keeps its digits."""
     d = margin(log_excess, pos)
-    lse = pos + d
-    out = _weighted(d, alpha) if alpha is beta else _weighted(lse, alpha) - _weighted(pos, beta)
-    return out, lse, d
+    return _apart_out(d, pos, alpha, beta), pos + d, d
+
+
+def _apart_out(d: Tensor, pos: Tensor, alpha: Tensor | None, beta: Tensor | None) -> Tensor:
+    """``alpha * (pos + d) - beta * pos``, as ``alpha * d`` when both weights are the same."""
+    return _weighted(d, alpha) if alpha is beta else _weighted(pos + d, alpha) - _weighted(pos, beta)
 
 
 def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b: Tensor,
