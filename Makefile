@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel first: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,cli,gpu]'
+	$(BIN)/pip install -q -e '.[dev,cli,gpu,docs]'
 	# Test-only peers whose packages import torchvision: no deps; tests load open_clip's loss.py and lightly's dcl_loss.py alone.
 	$(BIN)/pip install -q --no-deps open_clip_torch==3.3.0 lightly==1.6.0
 	touch $(STAMP)

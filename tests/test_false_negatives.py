@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import torch_contrastive as tc
 from device import DEVICE
+from peers import lightly_files
 from reference import info_nce_masked
 from test_losses import DTYPES, _compare
 
@@ -190,36 +191,8 @@ def test_image_text_smoothing_without_ids_is_pytorch_cross_entropy():
 @pytest.fixture
 def lightly_dcl():
     """lightly 1.6's dcl_loss.py loaded on its own (the package imports torchvision at import time)."""
-    import importlib.util
-    import sys
-    import types
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("lightly")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("lightly is not installed (pip install --no-deps lightly==1.6.0)")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    saved = {k: sys.modules.get(k) for k in ("lightly", "lightly.utils", "lightly.utils.dist")}
-
-    def load(name, path):
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        module_spec.loader.exec_module(module)
-        return module
-
-    try:
-        package, utils = types.ModuleType("lightly"), types.ModuleType("lightly.utils")
-        package.__path__, utils.__path__ = [], []
-        sys.modules["lightly"], sys.modules["lightly.utils"] = package, utils
-        utils.dist = load("lightly.utils.dist", root / "utils" / "dist.py")
-        yield load("lightly_dcl_loss_only", root / "loss" / "dcl_loss.py")
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    with lightly_files() as files:
+        yield files["dcl_loss"]
 
 
 @pytest.mark.filterwarnings("ignore:To copy construct from a tensor")

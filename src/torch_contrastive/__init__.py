@@ -7,13 +7,13 @@ Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
 :class:`SigLipLoss`, :class:`InfoNCELoss`, :class:`DCLLoss`, :class:`DCLWLoss`. Candidates beyond the batch:
 :class:`FeatureQueue` (MoCo queue / memory bank). Batches beyond activation memory:
-:func:`grad_cache`. What the engine will do with a call (backend, tiles, tensor-core products):
+:func:`grad_cache` (replay context: :class:`RngSnapshot`). What the engine will do with a call (backend, tiles, tensor-core products):
 :func:`explain`.
 """
 
 from .distributed import all_gather_with_grad
 from .engine.planner import Decision, explain
-from .grad_cache import grad_cache
+from .grad_cache import RngSnapshot, grad_cache
 from .losses import (
     clip_loss,
     image_text_contrastive_loss,
@@ -52,6 +52,7 @@ __all__ = [
     "NTBXentLoss",
     "NTXentLoss",
     "Positives",
+    "RngSnapshot",
     "SigLipLoss",
     "SupConLoss",
     "all_gather_with_grad",

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["grad_cache"]
+__all__ = ["RngSnapshot", "grad_cache"]
 
 Batch = Tensor | Mapping[str, Tensor]
 
@@ -60,22 +60,42 @@ def _call(encoder: nn.Module, part: Batch) -> Tensor:
     return out
 
 
-class _RngState:
-    """The CPU (and, when initialised, CUDA) generator states at one point."""
+class RngSnapshot:
+    """The CPU (and every initialised CUDA device's) random state at one moment: the replay
+    context that gradient caching needs, public for callers who write their own cache.
 
-    def __init__(self, devices: list[int]) -> None:
+    Take a snapshot before a forward pass without a graph; run the second pass inside
+    :meth:`restored` and it draws the same random numbers (dropout masks), while the
+    generators outside the block continue from where they were.
+
+    Example:
+        >>> snap = RngSnapshot()
+        >>> with torch.no_grad():
+        ...     first = encoder(x)
+        >>> with snap.restored():
+        ...     again = encoder(x)          # same dropout masks as ``first``
+
+    Args:
+        devices: CUDA device indices to record (default: every initialised device).
+    """
+
+    def __init__(self, devices: list[int] | None = None) -> None:
+        self.devices = _cuda_devices() if devices is None else list(devices)
         self.cpu = torch.get_rng_state()
-        self.devices = devices
-        self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """Run with these states, then put back the states from before."""
         with torch.random.fork_rng(devices=self.devices):
-            torch.set_rng_state(self.cpu)
-            for d, state in zip(self.devices, self.cuda):
-                torch.cuda.set_rng_state(state, d)
+            self.restore()
             yield
+
+    def restore(self) -> None:
+        """Set the generators to these states (no way back: see :meth:`restored`)."""
+        torch.set_rng_state(self.cpu)
+        for d, state in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(state, d)
 
 
 def _cuda_devices() -> list[int]:
@@ -148,18 +168,18 @@ def grad_cache(
     devices = _cuda_devices()
 
     # pass 1: embeddings without a graph, one RNG state per micro-batch
-    plans: list[list[tuple[int, int, _RngState]]] = []
+    plans: list[list[tuple[int, int, RngSnapshot]]] = []
     embeddings: list[Tensor] = []
     with torch.no_grad():
         for tower, batch, n in zip(towers, batches, sizes):
             plan, outs = [], []
             for start in range(0, n, micro_batch):
                 stop = min(start + micro_batch, n)
-                plan.append((start, stop, _RngState(devices)))
+                plan.append((start, stop, RngSnapshot(devices)))
                 outs.append(_call(tower, _slice(batch, start, stop)))
             plans.append(plan)
             embeddings.append(torch.cat(outs).requires_grad_())
-    after_pass_one = _RngState(devices)
+    after_pass_one = RngSnapshot(devices)
 
     # the loss on detached leaves: embedding gradients (and the loss's own parameters)
     loss = loss_fn(*embeddings, **loss_kwargs)
@@ -179,7 +199,5 @@ def grad_cache(
                 out = _call(tower, _slice(batch, start, stop))
                 out.backward(cached[k][start:stop].to(out.dtype))
     # leave the generators where a single full-batch forward would have left them
-    torch.set_rng_state(after_pass_one.cpu)
-    for d, s in zip(after_pass_one.devices, after_pass_one.cuda):
-        torch.cuda.set_rng_state(s, d)
+    after_pass_one.restore()
     return loss.detach()

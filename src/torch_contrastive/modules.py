@@ -16,6 +16,7 @@ Options shared by every module (keyword-only): ``normalize``, ``reduction``,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,10 +96,11 @@ class NTXentLoss(_Loss):
         self.decoupled = v.check_flag(decoupled, "decoupled")
 
     def forward(self, embeddings: Tensor, labels: Tensor | None = None, memory_emb: Tensor | None = None,
-                memory_labels: Tensor | None = None, positive_weight: Tensor | None = None) -> Tensor:
+                memory_labels: Tensor | None = None, positive_weight: Tensor | None = None, ref_emb: Tensor | None = None,
+                ref_labels: Tensor | None = None) -> Tensor:
         return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing, memory_emb=memory_emb,
                             memory_labels=memory_labels, decoupled=self.decoupled, positive_weight=positive_weight,
-                            **self.options)
+                            ref_emb=ref_emb, ref_labels=ref_labels, **self.options)
 
     def _own_options(self) -> dict[str, Any]:
         return {"pairing": self.pairing, "decoupled": self.decoupled}
@@ -161,7 +163,7 @@ class SupConLoss(_Loss):
     """
 
     def __init__(self, temperature: float = 0.07, *, base_temperature: float | None = None,
-                 contrast_mode: str = "all",
+                 contrast_mode: str = "all", single_class: str = "keep",
                  learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
                  chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
                  validate: bool = True, backend: str = "auto") -> None:
@@ -170,14 +172,17 @@ class SupConLoss(_Loss):
                          backend=backend)
         self.base_temperature = None if base_temperature is None else _check_temperature(base_temperature, "base_temperature")
         self.contrast_mode = v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
+        self.single_class = v.check_choice(single_class, "single_class", ("keep", "zero"))
 
     def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
-                memory_emb: Tensor | None = None, memory_labels: Tensor | None = None) -> Tensor:
+                memory_emb: Tensor | None = None, memory_labels: Tensor | None = None, ref_emb: Tensor | None = None,
+                ref_labels: Tensor | None = None) -> Tensor:
         return supcon_loss(features, labels, mask, self.temperature, base_temperature=self.base_temperature,
-                           contrast_mode=self.contrast_mode, memory_emb=memory_emb, memory_labels=memory_labels, **self.options)
+                           contrast_mode=self.contrast_mode, memory_emb=memory_emb, memory_labels=memory_labels,
+                           ref_emb=ref_emb, ref_labels=ref_labels, single_class=self.single_class, **self.options)
 
     def _own_options(self) -> dict[str, Any]:
-        return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode}
+        return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode, "single_class": self.single_class}
 
 
 class InfoNCELoss(_Loss):
@@ -229,26 +234,61 @@ class DCLLoss(_Loss):
     NT-Xent over ``torch.cat([out0, out1])`` (``pairing="halves"``) with each row's positive
     left out of its denominator: ``nt_xent_loss(..., decoupled=True)``. ``gather=True`` is
     lightly's ``gather_distributed``.
+
+    Args:
+        weight_fn: lightly's optional ``weight_fn(out0, out1) -> (N,)``: the positive term
+            of the rows of ``out0`` is multiplied by ``weight_fn(out0, out1)`` and that of
+            the rows of ``out1`` by ``weight_fn(out1, out0)``, both called on the
+            L2-normalised outputs (``normalize=True``). Gradients flow through the weights
+            as in lightly (not combined with ``gather``).
     """
 
-    def __init__(self, temperature: float = 0.1, *,
+    def __init__(self, temperature: float = 0.1, weight_fn: Callable[[Tensor, Tensor], Tensor] | None = None, *,
                  learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
                  chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
                  validate: bool = True, backend: str = "auto") -> None:
         super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
                          chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
                          backend=backend)
+        if weight_fn is not None and not callable(weight_fn):
+            raise TypeError(f"weight_fn must be callable or None, got {type(weight_fn).__name__}")
+        if weight_fn is not None and gather:
+            raise ValueError("weight_fn is not combined with gather=True")
+        self.weight_fn = weight_fn
 
     def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
-        return None
+        """(2N,) weights of the positive terms (rows of out0, then of out1), or None."""
+        if self.weight_fn is None:
+            return None
+        a, b = self._unit(out0), self._unit(out1)
+        weights = [self.weight_fn(a, b), self.weight_fn(b, a)]
+        for w in weights:
+            if not isinstance(w, Tensor) or w.shape != (out0.shape[0],):
+                raise ValueError(f"weight_fn must return a ({out0.shape[0]},) tensor, got {getattr(w, 'shape', type(w).__name__)}")
+        return torch.cat(weights)
+
+    def _unit(self, x: Tensor) -> Tensor:
+        x = x if x.dtype == torch.float64 else x.float()
+        return torch.nn.functional.normalize(x, dim=1, eps=self.options["eps"]) if self.options["normalize"] else x
 
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
         v.check_embeddings(out0, "out0")
         v.check_embeddings(out1, "out1")
         v.check_same_rows(out0, "out0", out1, "out1")
         weight = self.positive_weight(out0, out1)
-        return nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
-                            positive_weight=None if weight is None else torch.cat([weight, weight]), **self.options)
+        loss = nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
+                            positive_weight=None if weight is None else weight.detach(), **self.options)
+        if weight is None or not weight.requires_grad:
+            return loss
+        # The engine takes the weights as constants; their own gradient is that of
+        # sum_r w_r * (-s_r / tau) / rows, added as a term whose value is zero.
+        a, b = self._unit(out0.detach()), self._unit(out1.detach())
+        tau = self.temperature.detach() if isinstance(self.temperature, Tensor) else self.temperature
+        positive = -(a * b).sum(1).repeat(2) / tau
+        term = (weight - weight.detach()) * positive.to(weight.dtype)
+        reduction = self.options["reduction"]
+        extra = term if reduction == "none" else term.sum() / (term.shape[0] if reduction == "mean" else 1)
+        return loss + extra.to(loss.dtype)
 
 
 class DCLWLoss(DCLLoss):
@@ -260,7 +300,7 @@ class DCLWLoss(DCLLoss):
                  learnable_temperature: bool = False, normalize: bool = True, reduction: str = "mean",
                  chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
                  validate: bool = True, backend: str = "auto") -> None:
-        super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
+        super().__init__(temperature, None, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
                          chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
                          backend=backend)
         self.sigma = _check_temperature(sigma, "sigma")
@@ -269,7 +309,8 @@ class DCLWLoss(DCLLoss):
         with torch.no_grad():
             a = torch.nn.functional.normalize(out0.detach().float() if out0.dtype != torch.float64 else out0.detach(), dim=1)
             b = torch.nn.functional.normalize(out1.detach().to(a.dtype), dim=1)
-            return 2 - out0.shape[0] * torch.softmax((a * b).sum(1) / self.sigma, dim=0)
+            w = 2 - out0.shape[0] * torch.softmax((a * b).sum(1) / self.sigma, dim=0)
+            return torch.cat([w, w])
 
     def _own_options(self) -> dict[str, Any]:
         return {"sigma": self.sigma}
@@ -308,8 +349,9 @@ class SigLipLoss(nn.Module):
             self.register_buffer("logit_bias", bias)
 
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
-                text_id: Tensor | None = None) -> Tensor:
-        return siglip_loss(image_features, text_features, self.logit_scale.exp(), self.logit_bias, image_id, text_id, **self.options)
+                text_id: Tensor | None = None, negative_only: bool = False) -> Tensor:
+        return siglip_loss(image_features, text_features, self.logit_scale.exp(), self.logit_bias, image_id, text_id,
+                           negative_only=negative_only, **self.options)
 
     def extra_repr(self) -> str:
         return (f"logit_scale=exp({float(self.logit_scale.detach()):.4f}), logit_bias={float(self.logit_bias.detach()):.4f}, "

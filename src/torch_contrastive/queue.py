@@ -37,6 +37,18 @@ class FeatureQueue(nn.Module):
         dtype: storage dtype; ``None`` takes the first push's dtype (fp32 when ``dim``
             is given).
         device: storage device when ``dim`` is given (else the first push's device).
+        fill: ``"empty"`` (default: the queue grows from 0 rows) or ``"random"``: it starts
+            full of ``size`` random unit vectors (standard normal rows, L2-normalised), as
+            lightly's ``MemoryBankModule``; needs ``dim``.
+        overflow: what a push that passes the end of the buffer does: ``"wrap"``
+            (default: the rest continues at the start, the newest rows always kept) or
+            ``"drop"`` (lightly: the rows that do not fit before the end are dropped and
+            the next push starts at row 0).
+        generator: the ``torch.Generator`` for ``fill="random"`` (default: the global one).
+
+    lightly's memory bank is ``FeatureQueue(M, dim, fill="random", overflow="drop")`` used
+    as above; pytorch-metric-learning's ``CrossBatchMemory(memory_size=M)`` counts the
+    current batch among its M rows, so it equals ``FeatureQueue(M - B)`` with batches of B.
 
     Memory: ``size * dim`` elements (plus ``size`` int64 labels when given).
     """
@@ -45,8 +57,15 @@ class FeatureQueue(nn.Module):
     queue_labels: Tensor | None
 
     def __init__(self, size: int, dim: int | None = None, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, fill: str = "empty", overflow: str = "wrap",
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
+        if fill not in ("empty", "random"):
+            raise ValueError(f"fill must be 'empty' or 'random', got {fill!r}")
+        if overflow not in ("wrap", "drop"):
+            raise ValueError(f"overflow must be 'wrap' or 'drop', got {overflow!r}")
+        if fill == "random" and dim is None:
+            raise ValueError("fill='random' needs dim (the feature size of the random rows)")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
@@ -57,7 +76,12 @@ class FeatureQueue(nn.Module):
         self._ptr = 0  # next row to write
         self._count = 0  # valid rows (host-side: no device read to know the length)
         self._has_labels: bool | None = None  # fixed by the first push
+        self.overflow = overflow
         features = None if dim is None else torch.zeros(size, dim, dtype=dtype or torch.float32, device=device)
+        if fill == "random" and features is not None and dim is not None:
+            noise = torch.randn(size, dim, generator=generator, dtype=torch.float32, device=generator.device if generator else None)
+            features.copy_(torch.nn.functional.normalize(noise, dim=-1))
+            self._count = size
         self.register_buffer("queue_features", features)
         self.register_buffer("queue_labels", None)
 
@@ -127,6 +151,9 @@ class FeatureQueue(nn.Module):
         self._has_labels = given
 
     def _write(self, rows: Tensor, labels: Tensor | None) -> None:
+        if self.overflow == "drop" and self._ptr + rows.shape[0] > self.size:  # lightly: keep what fits, restart at 0
+            rows = rows[: self.size - self._ptr]
+            labels = None if labels is None else labels[: self.size - self._ptr]
         if rows.shape[0] > self.size:  # only the newest rows fit
             rows = rows[-self.size :]
             labels = None if labels is None else labels[-self.size :]
@@ -147,12 +174,14 @@ class FeatureQueue(nn.Module):
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict[str, Any]:
-        return {"ptr": self._ptr, "count": self._count, "has_labels": self._has_labels, "size": self.size}
+        return {"ptr": self._ptr, "count": self._count, "has_labels": self._has_labels, "size": self.size,
+                "overflow": self.overflow}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("size") != self.size:
             raise ValueError(f"state_dict holds a queue of size {state.get('size')}, this queue has size {self.size}")
         self._ptr, self._count, self._has_labels = int(state["ptr"]), int(state["count"]), state["has_labels"]
+        self.overflow = state.get("overflow", self.overflow)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # A queue created without dim has no buffers until its first push: make room for
@@ -165,4 +194,4 @@ class FeatureQueue(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"size={self.size}, dim={self.dim}, len={self._count}, labels={bool(self._has_labels)}"
+        return f"size={self.size}, dim={self.dim}, len={self._count}, labels={bool(self._has_labels)}, overflow={self.overflow}"

@@ -177,6 +177,38 @@ def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positiv
     return candidates, extended, (None if emb.requires_grad else z_all.shape[0])
 
 
+def with_reference(reference: tuple[Tensor, Tensor], anchor_keys: Tensor, dtype: torch.dtype, inside: bool, normalize: bool,
+                   eps: float) -> tuple[Tensor, Positives, int | None]:
+    """Candidates and positives when a separate reference set replaces the batch as candidates
+    (pytorch-metric-learning's ``ref_emb``/``ref_labels``): anchors i and reference rows j
+    are positives when their labels match; no pair is a self pair. Returns
+    ``(candidates, positives, grad_columns)`` as :func:`with_memory`."""
+    emb, labels = reference
+    rows = emb.to(dtype) if inside else prepare(emb.to(dtype), normalize, eps)
+    positives = Positives.from_keys(anchor_keys, labels, self_offset=None)
+    return rows, positives, (None if emb.requires_grad else 0)
+
+
+def check_reference(ref_emb: object, ref_labels: object, labels: object, width: int, device: torch.device, checks: v.Checks,
+                    gather: bool, memory: object) -> tuple[Tensor, Tensor] | None:
+    """``(ref_emb, ref_labels)`` checked, or None; a reference set needs labels, and is not
+    combined with ``gather`` or a memory."""
+    if ref_emb is None and ref_labels is None:
+        return None
+    if ref_emb is None or ref_labels is None:
+        raise ValueError("ref_emb and ref_labels go together: pass both or neither")
+    if labels is None:
+        raise ValueError("ref_emb needs labels for the batch (positives with reference rows are found by label)")
+    if gather or memory is not None:
+        raise ValueError("ref_emb is not combined with gather=True or memory_emb (the reference set is the only candidate set)")
+    emb = v.check_embeddings(ref_emb, "ref_emb")
+    if emb.shape[1] != width:
+        raise ValueError(f"ref_emb must have feature size {width} (as the batch), got {emb.shape[1]}")
+    ref = v.check_labels(ref_labels, "ref_labels", emb.shape[0], device)
+    checks.finite(emb, "ref_emb")
+    return emb, ref
+
+
 class SortedByLabel(NamedTuple):
     rows: Tensor  # the rows, sorted by label
     labels: Tensor  # their labels, sorted
@@ -221,18 +253,23 @@ class LabelledRows(NamedTuple):
 def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, scale: Scale, bound: float | None, *,
                            kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
                            chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None,
-                           combine: Callable[[Tensor], Any] | None = None) -> LabelledRows:
+                           combine: Callable[[Tensor], Any] | None = None,
+                           reference: tuple[Tensor, Tensor] | None = None) -> LabelledRows:
     """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
     :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
-    ``memory`` (rows, labels) adds candidates (then the given order is kept).
+    ``memory`` (rows, labels) adds candidates, ``reference`` (rows, labels) replaces them
+    (then the given order is kept).
 
     ``combine``: from the positive counts (in the engine's row order) to the
     ``pairwise_rows(combine=...)`` weights and reduction; ``outputs`` is then the scalar
     loss alone (order does not matter for a sum).
     """
-    by_label = None if memory is not None else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
+    given_order = memory is not None or reference is not None
+    by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
     if by_label is None:
         positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
+        if reference is not None:
+            z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
         if memory is not None:
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
         counts = positives.row_counts()

@@ -9,7 +9,7 @@ from .. import _validation as v
 from ..distributed import make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Exclusion
-from ._common import engine_total, finish_checks, labelled_pairwise_rows, partner_positives, reduce, single_set
+from ._common import check_reference, engine_total, finish_checks, labelled_pairwise_rows, partner_positives, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 
@@ -31,6 +31,8 @@ def nt_xent_loss(
     memory_labels: Tensor | None = None,
     decoupled: bool = False,
     positive_weight: Tensor | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """NT-Xent, the SimCLR loss (Chen et al. 2020).
@@ -62,6 +64,9 @@ def nt_xent_loss(
             ``labels`` only: extra candidates of every row (positives and negatives by
             label) -- pytorch-metric-learning's ``CrossBatchMemory`` around its
             ``NTXentLoss``, with this batch's rows live as candidates. Not gathered.
+        ref_emb, ref_labels: (M, D) reference rows and (M,) labels, with ``labels`` only:
+            the candidates of every row instead of the batch (pytorch-metric-learning's
+            ``loss(embeddings, labels, ref_emb=..., ref_labels=...)``); no self pair.
         decoupled: DCL (Yeh et al. 2021), pairing rules only: the positive leaves the
             denominator, ``loss_i = -s_ip + log sum_{j != i, p} exp(s_ij)`` (lightly's
             ``DCLLoss`` on ``torch.cat([out0, out1])`` with ``pairing="halves"``).
@@ -90,6 +95,7 @@ def nt_xent_loss(
     memory = v.check_memory(memory_emb, memory_labels, embeddings.shape[1], embeddings.device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
+    reference = check_reference(ref_emb, ref_labels, labels, embeddings.shape[1], embeddings.device, checks, gather, memory)
     v.check_backend(backend, labels is None, "NT-Xent with labels (the mask-in-tile kernel)")
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
@@ -126,7 +132,7 @@ def nt_xent_loss(
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
                                   scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size, memory=memory,
-                                  combine=None if reduction == "none" or scope.distributed else per_pair_mean)
+                                  combine=None if reduction == "none" or scope.distributed else per_pair_mean, reference=reference)
     check_output = v.output_needs_check(normalize, rows.scale_bound)
     if rows.outputs[0].ndim == 0:  # reduced inside the engine
         finish_checks(rows.outputs[0], checks, check_output)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Scale, sigmoid_rows
+from ..positives import Positives
 from ._common import check_agreement, image_text_inputs, image_text_positives, reduce
 
 __all__ = ["siglip_loss"]
@@ -34,6 +36,7 @@ def siglip_loss(
     image_id: Tensor | None = None,
     text_id: Tensor | None = None,
     *,
+    negative_only: bool = False,
     normalize: bool = True,
     reduction: str = "mean",
     chunk_size: int | None = None,
@@ -63,6 +66,9 @@ def siglip_loss(
             initialises ``t' = log 10``), float or 0-dim tensor (gets its gradient).
         logit_bias: ``b`` (paper init -10), float or 0-dim tensor (gets its gradient).
         image_id, text_id: optional (N,) integer ids; duplicates are positives.
+        negative_only: every pair is a negative (``z_ij = -1``): the term open_clip's
+            distributed SigLIP adds for the texts of other ranks (its neighbour exchange).
+            Not combined with ids.
         normalize: L2-normalise both inputs (default; open_clip expects normalised features).
         reduction: ``"mean"`` (sum over all pairs / N, as open_clip), ``"sum"`` (no ``/N``),
             ``"none"``: (N,) per-image row sums ``sum_j softplus(-z_ij s_ij)``.
@@ -77,6 +83,11 @@ def siglip_loss(
     per pair.
     """
     v.check_backend(backend, False, "SigLIP (a softplus per pair)")
+    if not isinstance(negative_only, bool):
+        raise TypeError(f"negative_only must be a bool, got {type(negative_only).__name__}")
+    if negative_only:
+        if image_id is not None or text_id is not None:
+            raise ValueError("negative_only=True has no positives: do not pass image_id/text_id")
     pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
                              grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
     n, device, image_id, text_id, ids_given, scope, checks = pair
@@ -93,9 +104,12 @@ def siglip_loss(
         inside = False
     else:
         img, txt_all, inside = image_feat, text_feat, normalize
-    positives = image_text_positives(image_id, text_id, n, txt_all.shape[0], scope, device)
+    if negative_only:
+        positives = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.long, device=device), n, txt_all.shape[0], self_offset=None)
+    else:
+        positives = image_text_positives(image_id, text_id, n, txt_all.shape[0], scope, device)
     # Without ids image i's positive is text offset + i: a strided diagonal of each tile.
-    diagonal = scope.offset if positives.kind == "partner" else None
+    diagonal = scope.offset if positives.kind == "partner" and not negative_only else None
     per_image = sigmoid_rows(img, txt_all, scale, bias, positives, diagonal_offset=diagonal, normalize=inside, eps=eps,
                              chunk_size=chunk_size)
     # "mean": the global sum over all pairs / the global number of images (open_clip's / N).

@@ -10,7 +10,7 @@ from .._tensors import mask_as
 from ..distributed import Scope, make_scope
 from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
 from ..positives import Positives
-from ._common import engine_total, finish_checks, reduce, single_set, with_memory
+from ._common import check_reference, engine_total, finish_checks, reduce, single_set, with_memory, with_reference
 
 __all__ = ["supcon_loss"]
 
@@ -32,6 +32,9 @@ def supcon_loss(
     validate: bool = True,
     memory_emb: Tensor | None = None,
     memory_labels: Tensor | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    single_class: str = "keep",
     backend: str = "auto",
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020).
@@ -71,6 +74,13 @@ def supcon_loss(
             ``CrossBatchMemory`` around its ``SupConLoss``, with this batch's rows live
             (they get gradients as candidates too). Needs ``labels``. Memory rows are not
             gathered (a queue pushed with ``gather=True`` is global already).
+        ref_emb, ref_labels: (M, D) reference rows and (M,) labels: the candidates of every
+            anchor instead of the batch (pytorch-metric-learning's ``ref_emb``/``ref_labels``);
+            no self pair. Needs ``labels``.
+        single_class: a batch without a negative pair (every label equal): ``"keep"``
+            (default: the formula's value, at least ``log |P(i)|`` per anchor, as the
+            SupCon authors' code) or ``"zero"`` (pytorch-metric-learning: 0 with a zero
+            gradient). Needs ``labels``.
 
     Memory: O((N + M) * D + tile^2); forward+backward about two N x N x D matrix
     multiplies in ``"all"`` mode, whatever the labels (plus N x M x D products per
@@ -82,6 +92,9 @@ def supcon_loss(
     v.check_backend(backend, True, "SupCon")
     if labels is not None and mask is not None:
         raise ValueError("supcon_loss takes labels or mask, not both")
+    v.check_choice(single_class, "single_class", ("keep", "zero"))
+    if single_class == "zero" and labels is None:
+        raise ValueError("single_class='zero' needs labels (it looks for a pair of different labels)")
     if features.ndim == 2:
         if labels is None and mask is None:
             raise ValueError("features of shape (N, D) need labels (or a mask); pass (bsz, n_views, D) for SimCLR-style views")
@@ -101,6 +114,7 @@ def supcon_loss(
     memory = v.check_memory(memory_emb, memory_labels, flat.shape[1], device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels for the batch (positives with memory rows are found by label)")
+    reference = check_reference(ref_emb, ref_labels, labels, flat.shape[1], device, checks, gather, memory)
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
     factor = None
     if base_temperature is not None:
@@ -117,10 +131,8 @@ def supcon_loss(
         anchor_keys = keys if offset == 0 and n_anchor == keys.shape[0] else keys[offset : offset + n_anchor]
         positives = Positives.from_keys(anchor_keys, None if anchor_keys is keys else keys, self_offset=offset)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
-    symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None
-    grad_columns = None
-    if memory is not None:
-        z_all, positives, grad_columns = with_memory(z_all, memory, positives, inside, normalize, eps)
+    symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None and reference is None
+    z_all, positives, grad_columns, self_offset = _candidates(z_all, positives, offset, memory, reference, inside, normalize, eps)
     counts = positives.row_counts()
     has_pos = counts > 0
     cdtype = compute_dtype(z.dtype)
@@ -131,14 +143,40 @@ def supcon_loss(
     n_with_positives = has_pos_f.sum()
     total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, n_with_positives, cdtype,
                                                                   1.0 if factor is None else factor)
-    per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=offset, positives=positives, row_weights=weights,
+    per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=self_offset, positives=positives, row_weights=weights,
                                   symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
                                   eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend, total=total)
     # With two rows or more every row meets every anchor's denominator (a row's only
     # exclusion is its self pair), so a non-finite row normalised inside makes the loss NaN.
     covers = inside and z_all.shape[0] >= 2
-    return _finish(per_anchor, total, factor, n_with_positives, reduction, scope, checks, v.output_needs_check(normalize, bound),
+    loss = _finish(per_anchor, total, factor, n_with_positives, reduction, scope, checks, v.output_needs_check(normalize, bound),
                    covers)
+    if single_class == "zero" and labels is not None:
+        loss = loss * mask_as(_has_negative_pair(scope.ints(labels), memory, reference), loss.dtype)
+    return loss
+
+
+def _candidates(z_all: Tensor, positives: Positives, offset: int, memory: tuple[Tensor, Tensor] | None,
+                reference: tuple[Tensor, Tensor] | None, inside: bool, normalize: bool,
+                eps: float) -> tuple[Tensor, Positives, int | None, int | None]:
+    """The candidate rows, positives, first constant column and self offset: the batch, the
+    batch and a memory, or a reference set (no self pairs)."""
+    if reference is not None:
+        rows, extended, constant = with_reference(reference, positives.row_keys[0], z_all.dtype, inside, normalize, eps)
+        return rows, extended, constant, None
+    if memory is not None:
+        rows, extended, constant = with_memory(z_all, memory, positives, inside, normalize, eps)
+        return rows, extended, constant, offset
+    return z_all, positives, None, offset
+
+
+def _has_negative_pair(labels: Tensor, memory: tuple[Tensor, Tensor] | None, reference: tuple[Tensor, Tensor] | None) -> Tensor:
+    """0-dim bool: some anchor and some candidate carry different labels (no host read).
+
+    With a reference set the candidates are its rows; otherwise the batch (and memory)."""
+    candidates = reference[1] if reference is not None else (labels if memory is None else torch.cat([labels, memory[1]]))
+    first = labels[:1]
+    return (labels != first).any() | (candidates != first).any()
 
 
 def _finish(per_anchor: Tensor, total: object, factor: Tensor | float | None, n_anchors: Tensor, reduction: str,

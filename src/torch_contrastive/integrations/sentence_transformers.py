@@ -1,0 +1,494 @@
+"""sentence-transformers' in-batch-negative losses, computed by torch-contrastive.
+
+Drop-in classes with sentence-transformers' names, arguments and call form
+``loss(sentence_features, labels)``, usable as ``loss=`` of a
+``SentenceTransformerTrainer``:
+
+* :class:`MultipleNegativesRankingLoss` (Henderson et al. 2017; van den Oord et al. 2018):
+  ``directions`` (query->doc, query->query, doc->query, doc->doc), ``partition_mode``
+  ``"joint"`` / ``"per_direction"``, hardness weighting (``hardness_mode``,
+  ``hardness_strength``: ``alpha * stop_grad(sim)`` added to negative logits);
+* :class:`CachedMultipleNegativesRankingLoss`: the same loss with gradient caching (Gao et
+  al. 2021), mini-batches by rows or by a token budget (``mini_batch_num_tokens``);
+* :class:`GISTEmbedLoss` (Solatorio 2024): a guide model's similarities remove false
+  negatives (absolute or relative margin) from the anchor-positive, anchor-anchor,
+  positive-positive and anchor-negative blocks.
+
+Values and gradients equal sentence-transformers' own (tested against the installed
+package). Memory is O(N * D): the plain MNRL (``query_to_doc`` only, no hardness, one
+process) runs in the engine (:func:`~torch_contrastive.info_nce_loss`); the other forms
+are computed in row strips under activation checkpointing, so no N x N matrix is held.
+sentence-transformers itself is not imported: ``model`` is any module that maps a
+features dict to ``{"sentence_embedding": (B, D)}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..distributed import all_gather_with_grad, is_active
+from ..grad_cache import RngSnapshot
+from ..losses import info_nce_loss
+from ._strips import per_row_losses
+
+__all__ = ["CachedMultipleNegativesRankingLoss", "GISTEmbedLoss", "MultipleNegativesRankingLoss", "mnrl_loss"]
+
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def _similarity_name(similarity_fct: Callable[..., Tensor] | str) -> str:
+    """'cosine' or 'dot' for sentence-transformers' ``cos_sim`` / ``dot_score`` (or those strings)."""
+    name = similarity_fct if isinstance(similarity_fct, str) else getattr(similarity_fct, "__name__", "")
+    if name in ("cos_sim", "cosine", "pairwise_cos_sim"):
+        return "cosine"
+    if name in ("dot_score", "dot", "pairwise_dot_score"):
+        return "dot"
+    raise ValueError(f"similarity_fct must be sentence_transformers.util.cos_sim or dot_score (or 'cosine'/'dot'), got {similarity_fct!r}")
+
+
+def _check_mnrl(scale: float, directions: tuple[str, ...], partition_mode: str, hardness_mode: str | None,
+                hardness_strength: float) -> tuple[str, ...]:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    directions = tuple(directions)
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise ValueError(f"directions must be a non-empty tuple drawn from {DIRECTIONS}, got {directions!r}")
+    if "query_to_doc" not in directions:
+        raise ValueError("directions must include 'query_to_doc' (it holds the positive pair)")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+        raise ValueError("partition_mode='per_direction' needs every direction to contain the positive pair; "
+                         "'query_to_query' and 'doc_to_doc' do not (use partition_mode='joint')")
+    if hardness_mode not in HARDNESS_MODES:
+        raise ValueError(f"hardness_mode must be one of {HARDNESS_MODES}, got {hardness_mode!r}")
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)) or not hardness_strength >= 0:
+        raise ValueError(f"hardness_strength must be a float >= 0, got {hardness_strength!r}")
+    return directions
+
+
+def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, similarity: str = "cosine",
+              directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
+              hardness_mode: str | None = None, hardness_strength: float = 0.0, gather: bool = False,
+              chunk_size: int | None = None) -> Tensor:
+    """MultipleNegativesRankingLoss on embeddings: the mean over this rank's queries of
+    ``log Z_i - scale * sim(q_i, d_i)``.
+
+    ``Z_i`` sums ``exp`` of the logits of row i over the chosen directions: ``query_to_doc``
+    (q_i against every doc: the positives ``docs[0]`` and the hard-negative columns
+    ``docs[1:]``), ``query_to_query`` (q_i against the other queries), ``doc_to_query``
+    (d_i against every query), ``doc_to_doc`` (d_i against every doc but row i's own).
+    ``"joint"`` takes one log-sum over all of them; ``"per_direction"`` averages one
+    log-sum per direction. Hardness weighting adds ``hardness_strength * sim(q_i, d)``
+    (no gradient) to the ``query_to_doc`` logits of the in-batch negatives (other rows'
+    docs), of the row's own hard negatives, or of every doc but the positive.
+
+    Args:
+        queries: (B, D) anchors.
+        docs: list of (B, D) columns; ``docs[0]`` holds the positives.
+        scale: inverse temperature (sentence-transformers' default 20).
+        similarity: ``"cosine"`` or ``"dot"``.
+        directions, partition_mode, hardness_mode, hardness_strength: as in
+            :class:`MultipleNegativesRankingLoss`.
+        gather: every rank's queries and docs are candidates (``gather_across_devices``);
+            gradients flow back to their ranks; the value is this rank's mean.
+        chunk_size: rows per strip (None: automatic).
+
+    Returns:
+        0-dim fp32 loss.
+    """
+    directions = _check_mnrl(scale, directions, partition_mode, hardness_mode, hardness_strength)
+    if not docs:
+        raise ValueError("docs must hold at least the positive column")
+    cols = [d.to(queries.dtype) for d in docs]
+    weighted = hardness_mode is not None and hardness_strength > 0
+    if directions == ("query_to_doc",) and not weighted and not (gather and is_active()):
+        return info_nce_loss(queries, cols[0], torch.cat(cols[1:]) if len(cols) > 1 else None, 1.0 / scale,
+                             normalize=similarity == "cosine", chunk_size=chunk_size)
+    if similarity == "cosine":
+        queries, cols = F.normalize(queries, dim=-1), [F.normalize(c, dim=-1) for c in cols]
+    batch = queries.shape[0]
+    offset = 0
+    if gather and is_active():
+        offset = torch.distributed.get_rank() * batch
+        all_queries, cols = all_gather_with_grad(queries), [all_gather_with_grad(c) for c in cols]
+    else:
+        all_queries = queries
+    world = all_queries.shape[0]
+    all_docs = torch.cat(cols)
+    positives = cols[0]
+
+    def row_loss(start: int, stop: int, q_local: Tensor, q_all: Tensor, d_pos: Tensor, d_all: Tensor) -> Tensor:
+        rows = torch.arange(stop - start, device=q_local.device)
+        own = rows + offset + start  # global index of each row's query and positive
+        q = _wide(q_local[start:stop])
+        d = _wide(d_pos[offset + start:offset + stop])
+        q2d = q @ _wide(d_all).T
+        blocks = {"query_to_doc": q2d * scale}
+        if weighted:
+            blocks["query_to_doc"] = blocks["query_to_doc"] + hardness_strength * q2d.detach() * _hardness_mask(
+                hardness_mode, own, world, len(cols))
+        if "query_to_query" in directions:
+            blocks["query_to_query"] = (q @ _wide(q_all).T * scale).index_put((rows, own), q.new_tensor(-torch.inf))
+        if "doc_to_query" in directions:
+            blocks["doc_to_query"] = d @ _wide(q_all).T * scale
+        if "doc_to_doc" in directions:
+            d2d = d @ _wide(d_all).T * scale
+            mine = torch.zeros_like(d2d, dtype=torch.bool)
+            for k in range(len(cols)):
+                mine[rows, own + k * world] = True
+            blocks["doc_to_doc"] = d2d.masked_fill(mine, -torch.inf)
+        positive = blocks["query_to_doc"][rows, own]
+        if partition_mode == "joint":
+            log_z = torch.logsumexp(torch.cat(list(blocks.values()), dim=1), dim=1)
+        else:
+            log_z = torch.stack([torch.logsumexp(b, dim=1) for b in blocks.values()]).mean(0)
+        return log_z - positive
+
+    width = all_docs.shape[0] * (1 + ("doc_to_doc" in directions)) + world * (
+        ("query_to_query" in directions) + ("doc_to_query" in directions))
+    return per_row_losses(row_loss, batch, width, (queries, all_queries, positives, all_docs), chunk_size).mean()
+
+
+def _hardness_mask(mode: str | None, own: Tensor, world: int, n_cols: int) -> Tensor:
+    """(rows, n_cols * world) 1.0 where row i's ``query_to_doc`` logit gets the hardness term."""
+    rows = torch.arange(own.shape[0], device=own.device)
+    mine = torch.zeros(own.shape[0], n_cols * world, dtype=torch.bool, device=own.device)
+    for k in range(n_cols):
+        mine[rows, own + k * world] = True  # the row's positive (k = 0) and its own hard negatives
+    if mode == "hard_negatives":  # only the row's own hard negatives
+        keep = mine.clone()
+        keep[:, :world] = False
+    elif mode == "in_batch_negatives":  # every doc of another row
+        keep = ~mine
+    else:  # "all_negatives": every doc but the positive
+        keep = torch.ones_like(mine)
+        keep[rows, own] = False
+    return keep.float()
+
+
+def _wide(x: Tensor) -> Tensor:
+    """Half inputs compute in fp32, fp32/fp64 in their own precision."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _embed(model: nn.Module, features: dict[str, Any]) -> Tensor:
+    out = model(features)
+    try:
+        return out["sentence_embedding"]
+    except (TypeError, KeyError, IndexError):
+        raise TypeError("model must map a features dict to a dict with 'sentence_embedding' (a SentenceTransformer)") from None
+
+
+class MultipleNegativesRankingLoss(nn.Module):
+    """sentence-transformers' ``MultipleNegativesRankingLoss``, same arguments and values.
+
+    Example:
+        >>> from torch_contrastive.integrations.sentence_transformers import MultipleNegativesRankingLoss
+        >>> loss = MultipleNegativesRankingLoss(model, directions=("query_to_doc", "doc_to_query"))
+        >>> trainer = SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss)
+
+    Args:
+        model: the SentenceTransformer being trained.
+        scale: inverse temperature (default 20).
+        similarity_fct: ``sentence_transformers.util.cos_sim`` (default) or ``dot_score``.
+        gather_across_devices: every rank's queries and docs are candidates of every query.
+        directions: any of ``"query_to_doc"`` (required), ``"query_to_query"``,
+            ``"doc_to_query"``, ``"doc_to_doc"``.
+        partition_mode: ``"joint"`` (one softmax over every direction's logits) or
+            ``"per_direction"`` (the mean of one log-partition per direction).
+        hardness_mode: None, ``"in_batch_negatives"``, ``"hard_negatives"`` or
+            ``"all_negatives"``: which negatives get ``hardness_strength * sim`` (detached)
+            added to their logits.
+        hardness_strength: alpha >= 0.
+        chunk_size: rows per strip or engine tile (None: automatic).
+
+    Memory: O(B * D) beyond the model's activations (see the module docstring).
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
+                 gather_across_devices: bool = False, directions: tuple[str, ...] = ("query_to_doc",),
+                 partition_mode: str = "joint", hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
+                 chunk_size: int | None = None) -> None:
+        super().__init__()
+        self.directions = _check_mnrl(scale, directions, partition_mode, hardness_mode, hardness_strength)
+        self.model = model
+        self.scale = float(scale)
+        self.similarity = _similarity_name(similarity_fct)
+        self.gather_across_devices = bool(gather_across_devices)
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = float(hardness_strength)
+        self.chunk_size = chunk_size
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        return self.compute_loss_from_embeddings([_embed(self.model, f) for f in sentence_features], labels)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        """The loss of ``embeddings = [queries, positives, *hard_negative_columns]``."""
+        if len(embeddings) < 2:
+            raise ValueError(f"expected at least 2 embedding columns (queries, positives), got {len(embeddings)}")
+        return mnrl_loss(embeddings[0], list(embeddings[1:]), self.scale, similarity=self.similarity,
+                         directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
+                         hardness_strength=self.hardness_strength, gather=self.gather_across_devices,
+                         chunk_size=self.chunk_size)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "similarity_fct": self.similarity, "gather_across_devices": self.gather_across_devices,
+                "directions": self.directions, "partition_mode": self.partition_mode, "hardness_mode": self.hardness_mode,
+                "hardness_strength": self.hardness_strength}
+
+
+def _batch_rows(features: dict[str, Any]) -> int:
+    for key in ("input_ids", "attention_mask"):
+        value = features.get(key)
+        if isinstance(value, Tensor):
+            return int(value.shape[0])
+    for value in features.values():
+        if isinstance(value, Tensor) and value.ndim > 0:
+            return int(value.shape[0])
+    raise ValueError("sentence_features: no batch-first tensor in a features dict")
+
+
+def mini_batch_ranges(features: dict[str, Any], mini_batch_size: int, mini_batch_num_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive row ranges of one column: ``mini_batch_size`` rows each, or, with a token
+    budget, as many rows as fit ``mini_batch_num_tokens`` real (attention-mask) tokens (at
+    least one row per range)."""
+    n = _batch_rows(features)
+    if mini_batch_num_tokens is None:
+        return [(s, min(s + mini_batch_size, n)) for s in range(0, n, mini_batch_size)]
+    mask = features.get("attention_mask")
+    if not isinstance(mask, Tensor):
+        raise ValueError("mini_batch_num_tokens needs an 'attention_mask' in the features (use mini_batch_size)")
+    tokens = mask.sum(dim=1).tolist()  # host copy once per batch, before any graph exists
+    ranges, start = [], 0
+    while start < n:
+        stop, used = start, 0
+        while stop < n and (stop == start or used + tokens[stop] <= mini_batch_num_tokens):
+            used += tokens[stop]
+            stop += 1
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def _rows_of(features: dict[str, Any], start: int, stop: int, n: int) -> dict[str, Any]:
+    return {k: (v[start:stop] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v) for k, v in features.items()}
+
+
+class _ReplayBackward(torch.autograd.Function):
+    """Identity on the loss value whose backward runs the second, gradient-carrying pass."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, anchor: Tensor, replay: Callable[[Tensor], None]) -> Tensor:  # type: ignore[override]
+        ctx.replay = replay
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        with torch.enable_grad():
+            ctx.replay(grad)
+        return None, None, None
+
+
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache): batches
+    far beyond activation memory, parameter gradients of the full batch.
+
+    The forward embeds every column in mini-batches without a graph (recording each
+    mini-batch's random state, :class:`~torch_contrastive.grad_cache.RngSnapshot`), computes
+    the loss and its gradient with respect to the embeddings, and returns the loss; its
+    ``backward()`` re-embeds each mini-batch with the same random draws (dropout) and pushes
+    the cached gradient through. Peak activation memory is one mini-batch's.
+
+    Args:
+        mini_batch_size: rows per mini-batch (default 32).
+        mini_batch_num_tokens: instead, a budget of real tokens per mini-batch (rows are
+            taken in order while their attention-mask lengths fit; at least one row).
+        show_progress_bar: accepted for compatibility; no bar is drawn.
+        Other arguments: as :class:`MultipleNegativesRankingLoss`.
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
+                 mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
+                 directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
+                 show_progress_bar: bool = False, hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
+                 chunk_size: int | None = None) -> None:
+        super().__init__(model, scale, similarity_fct, gather_across_devices, directions, partition_mode, hardness_mode,
+                         hardness_strength, chunk_size=chunk_size)
+        for name, value in (("mini_batch_size", mini_batch_size), ("mini_batch_num_tokens", mini_batch_num_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+
+    def _mini_batches(self, columns: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any]]]:
+        for k, features in enumerate(columns):
+            n = _batch_rows(features)
+            for start, stop in mini_batch_ranges(features, self.mini_batch_size, self.mini_batch_num_tokens):
+                yield k, _rows_of(features, start, stop, n)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        columns = list(sentence_features)
+        if len(columns) < 2:
+            raise ValueError(f"expected at least 2 feature columns (queries, positives), got {len(columns)}")
+        snapshots: list[RngSnapshot] = []
+        parts: list[list[Tensor]] = [[] for _ in columns]
+        with torch.no_grad():
+            for k, features in self._mini_batches(columns):
+                snapshots.append(RngSnapshot())
+                parts[k].append(_embed(self.model, features))
+        leaves = [torch.cat(p).detach().requires_grad_() for p in parts]
+        with torch.enable_grad():
+            loss = self.compute_loss_from_embeddings(leaves, labels)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        cached = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+
+        def replay(grad_output: Tensor) -> None:
+            offsets = [0] * len(columns)
+            for (k, features), snapshot in zip(self._mini_batches(columns), snapshots):
+                with snapshot.restored():
+                    out = _embed(self.model, features)
+                rows = out.shape[0]
+                if out.requires_grad:
+                    out.backward(cached[k][offsets[k]:offsets[k] + rows].to(out.dtype) * grad_output.to(out.dtype))
+                offsets[k] += rows
+
+        # A fresh leaf makes the output require grad; the loss's own graph is spent already.
+        anchor = torch.zeros((), device=loss.device, requires_grad=True)
+        return _ReplayBackward.apply(loss.detach(), anchor, replay)
+
+
+class GISTEmbedLoss(nn.Module):
+    """sentence-transformers' ``GISTEmbedLoss`` (Solatorio 2024), same arguments and values.
+
+    Row i's softmax (temperature ``temperature``, cosine similarities) runs over the
+    anchor-positive block, and with ``contrast_anchors`` the anchor-anchor block, with
+    ``contrast_positives`` the positive-positive block (positive i against every positive),
+    and the anchor-negative block when a third column is given. A candidate leaves row i
+    when the guide model rates it above the row's positive: guide similarity
+    ``> g_ip - margin`` (``"absolute"``) or ``> g_ip - margin * |g_ip|`` (``"relative"``);
+    the positive itself stays.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        guide: a SentenceTransformer run without gradients; when its vocabulary differs
+            from the model's (or its ``max_seq_length`` is shorter), texts are decoded
+            with the model's tokenizer and re-tokenised for the guide.
+        temperature: tau (default 0.01).
+        margin_strategy: ``"absolute"`` or ``"relative"``.
+        margin: m >= 0 (default 0).
+        contrast_anchors, contrast_positives: add those blocks (default True, as the peer).
+        gather_across_devices: positives and negatives of every rank are candidates.
+        chunk_size: rows per strip (None: automatic).
+    """
+
+    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01, margin_strategy: str = "absolute",
+                 margin: float = 0.0, contrast_anchors: bool = True, contrast_positives: bool = True,
+                 gather_across_devices: bool = False, *, chunk_size: int | None = None) -> None:
+        super().__init__()
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+        if margin_strategy not in ("absolute", "relative"):
+            raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+            raise ValueError(f"margin must be a float >= 0, got {margin!r}")
+        self.model, self.guide = model, guide
+        self.temperature, self.margin_strategy, self.margin = float(temperature), margin_strategy, float(margin)
+        self.contrast_anchors, self.contrast_positives = bool(contrast_anchors), bool(contrast_positives)
+        self.gather_across_devices = bool(gather_across_devices)
+        self.chunk_size = chunk_size
+        self.must_retokenize = self._must_retokenize()
+
+    def _must_retokenize(self) -> bool:
+        mine, theirs = getattr(self.model, "tokenizer", None), getattr(self.guide, "tokenizer", None)
+        if mine is None or theirs is None:
+            return False
+        shorter = getattr(self.guide, "max_seq_length", 0) < getattr(self.model, "max_seq_length", 0)
+        return bool(mine.get_vocab() != theirs.get_vocab() or shorter)
+
+    def _guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
+        if not self.must_retokenize:
+            return features
+        tokenizer: Any = getattr(self.model, "tokenizer")  # noqa: B009 (a SentenceTransformer attribute)
+        texts = tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+        prepare: Any = getattr(self.guide, "preprocess", None) or getattr(self.guide, "tokenize")  # noqa: B009
+        device = next(self.guide.parameters()).device
+        return {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in prepare(texts).items()}
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        columns = list(sentence_features)
+        embeddings = [_embed(self.model, f) for f in columns]
+        with torch.no_grad():
+            guides = [_embed(self.guide, self._guide_features(f)) for f in columns]
+        return self.compute_loss_from_embeddings(embeddings, guides)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
+        """The loss of ``[anchor, positive(, negative)]`` and the guide's embeddings of the same rows."""
+        if len(embeddings) not in (2, 3) or len(guide_embeddings) != len(embeddings):
+            raise ValueError(f"expected 2 or 3 embedding columns and as many guide columns, got {len(embeddings)} and {len(guide_embeddings)}")
+        third = len(embeddings) == 3
+        return gist_loss(embeddings[0], embeddings[1], guide_embeddings[0], guide_embeddings[1],
+                         embeddings[2] if third else None, guide_embeddings[2] if third else None, temperature=self.temperature,
+                         margin=self.margin, margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
+                         contrast_positives=self.contrast_positives, gather=self.gather_across_devices,
+                         chunk_size=self.chunk_size)
+
+
+def gist_loss(anchor: Tensor, positive: Tensor, guide_anchor: Tensor, guide_positive: Tensor,
+              negative: Tensor | None = None, guide_negative: Tensor | None = None, *, temperature: float = 0.01,
+              margin: float = 0.0, margin_strategy: str = "absolute", contrast_anchors: bool = True,
+              contrast_positives: bool = True, gather: bool = False, chunk_size: int | None = None) -> Tensor:
+    """GISTEmbed's loss on embeddings (see :class:`GISTEmbedLoss`); the mean over this rank's anchors."""
+    unit = [F.normalize(_wide(x), dim=-1) for x in (anchor, positive)]
+    g_unit = [F.normalize(_wide(x.detach()), dim=-1) for x in (guide_anchor, guide_positive)]
+    neg = None if negative is None else F.normalize(_wide(negative), dim=-1)
+    g_neg = None if guide_negative is None else F.normalize(_wide(guide_negative.detach()), dim=-1)
+    batch, offset = anchor.shape[0], 0
+    a, p_local = unit
+    ga, gp_local = g_unit
+    p_all, gp_all = p_local, gp_local
+    if gather and is_active():
+        offset = torch.distributed.get_rank() * batch
+        p_all, gp_all = all_gather_with_grad(p_local), all_gather_with_grad(gp_local)
+        if neg is not None and g_neg is not None:
+            neg, g_neg = all_gather_with_grad(neg), all_gather_with_grad(g_neg)
+    empty = a.new_zeros(0, a.shape[1])
+    n_all, gn_all = (empty, empty) if neg is None or g_neg is None else (neg, g_neg)
+
+    def row_loss(start: int, stop: int, a: Tensor, ga: Tensor, p_all: Tensor, gp_all: Tensor, n_all: Tensor,
+                 gn_all: Tensor) -> Tensor:
+        rows = torch.arange(stop - start, device=a.device)
+        own = rows + offset + start
+        g_pos = (ga[start:stop] * gp_all[offset + start:offset + stop]).sum(1, keepdim=True)
+        limit = g_pos - (margin * g_pos.abs() if margin_strategy == "relative" else margin)
+
+        def block(x: Tensor, y: Tensor, gx: Tensor, gy: Tensor, keep_positive: bool = False) -> Tensor:
+            drop = gx @ gy.T > limit
+            if keep_positive:
+                drop[rows, own] = False
+            return (x @ y.T).masked_fill(drop, -torch.inf)
+
+        blocks = [block(a[start:stop], p_all, ga[start:stop], gp_all, keep_positive=True)]
+        if contrast_anchors:
+            blocks.append(block(a[start:stop], a, ga[start:stop], ga))
+        if contrast_positives:
+            blocks.append(block(p_all[offset + start:offset + stop], p_all, gp_all[offset + start:offset + stop], gp_all))
+        if n_all.shape[0]:
+            blocks.append(block(a[start:stop], n_all, ga[start:stop], gn_all))
+        logits = torch.cat(blocks, dim=1) / temperature
+        return torch.logsumexp(logits, dim=1) - logits[rows, own]
+
+    width = p_all.shape[0] * (1 + contrast_positives) + batch * contrast_anchors + n_all.shape[0]
+    return per_row_losses(row_loss, batch, width, (a, ga, p_all, gp_all, n_all, gn_all), chunk_size).mean()

@@ -1,0 +1,85 @@
+"""Peer libraries loaded for comparison: lightly and open_clip import torchvision at package
+import, so their loss files are loaded on their own; a tiny random BERT stands in for a
+sentence-transformers model (no hub download)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _root(package: str, hint: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"{package} is not installed ({hint})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _load(name: str, path: Path) -> types.ModuleType:
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def lightly_files() -> Iterator[dict[str, types.ModuleType]]:
+    """lightly 1.6's ``dcl_loss``, ``ntx_ent_loss`` and ``memory_bank`` modules, with stub
+    packages around them (``lightly.models.utils`` needs torchvision; the memory bank only
+    uses it when gathering)."""
+    root = _root("lightly", "pip install --no-deps lightly==1.6.0")
+    names = ("lightly", "lightly.utils", "lightly.utils.dist", "lightly.models", "lightly.models.utils",
+             "lightly.models.modules", "lightly.models.modules.memory_bank")
+    saved = {k: sys.modules.get(k) for k in names}
+    try:
+        for name in names[:2] + names[3:4] + names[5:6]:
+            package = types.ModuleType(name)
+            package.__path__ = []
+            sys.modules[name] = package
+        sys.modules["lightly.models.utils"] = types.ModuleType("lightly.models.utils")
+        sys.modules["lightly.models"].utils = sys.modules["lightly.models.utils"]  # type: ignore[attr-defined]
+        sys.modules["lightly.utils"].dist = _load("lightly.utils.dist", root / "utils" / "dist.py")  # type: ignore[attr-defined]
+        bank = _load("lightly.models.modules.memory_bank", root / "models" / "modules" / "memory_bank.py")
+        yield {"memory_bank": bank, "dcl_loss": _load("lightly_dcl_loss_only", root / "loss" / "dcl_loss.py"),
+               "ntx_ent_loss": _load("lightly_ntx_ent_loss_only", root / "loss" / "ntx_ent_loss.py")}
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def open_clip_loss() -> types.ModuleType:
+    """open_clip 3.3's ``loss.py`` alone."""
+    root = _root("open_clip", "pip install --no-deps open_clip_torch==3.3.0")
+    return _load("open_clip_loss_only", root / "loss.py")
+
+
+def tiny_sentence_transformer(folder: Path, seed: int = 0, hidden: int = 16):
+    """A SentenceTransformer over a random one-layer BERT written to ``folder`` (mean pooling,
+    no dropout), and its tokenizer's vocabulary words."""
+    pytest.importorskip("sentence_transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    words = [f"w{i}" for i in range(40)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizer(str(folder / "vocab.txt")).save_pretrained(str(folder))
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=45, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    BertModel(config).save_pretrained(str(folder))
+    return SentenceTransformer(str(folder), device="cpu"), words
