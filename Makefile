@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(BIN)/torch-contrastive train
 
 test: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet -d $(VENV)/site
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
