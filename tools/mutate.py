@@ -35,6 +35,7 @@ PKG = "src/torch_contrastive"
 CORE_TESTS = ["tests/test_losses.py", "tests/test_engine.py", "tests/test_robustness.py", "tests/test_positives.py",
               "tests/test_validation.py", "tests/test_modules.py", "tests/test_siglip.py"]
 DIST_TESTS = ["tests/test_distributed.py"]
+INTEGRATION_TESTS = ("tests/test_integrations.py",)
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,22 @@ MUTATIONS = [
     Mutation(f"{E}/softmax_plan.py", "    if plan.apart is not None:\n        plan.apart.clear(t, r0, c0, 0.0)",
              "    if plan.apart is not None:\n        pass", "fixed path: the positive left in the sums and added back again",
              CONFIDENT_TESTS),
+    # integrations (drop-ins against the installed peers)
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "        keep[:, :world] = False", "        keep[:, :0] = False",
+             "hard_negatives hardness also weights the in-batch positives' column block", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "mine[rows, own + k * world] = True\n            blocks",
+             "mine[rows, own] = True\n            blocks", "doc_to_doc keeps the row's own hard negatives", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "            if keep_positive:\n                drop[rows, own] = False",
+             "            if keep_positive:\n                pass", "GIST drops the positive itself when the guide ties", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "out.backward(cached[k][offsets[k]:offsets[k] + rows]",
+             "out.backward(cached[k][0:rows]", "cached MNRL pushes the first mini-batch's gradient slice every time", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/integrations/open_clip.py", 'grad_reduction="mean" if self.gather_with_grad else "sum"',
+             'grad_reduction="mean"', "open_clip's gather_with_grad=False gets full-batch gradients", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/queue.py", "            rows = rows[: self.size - self._ptr]\n", "", "overflow='drop' wraps instead", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/losses/supcon.py", "    return (labels != first).any() | (candidates != first).any()",
+             "    return (labels != first).any()", "single_class='zero' ignores the reference labels", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/modules.py", "        term = (weight - weight.detach()) * positive.to(weight.dtype)",
+             "        term = (weight - weight.detach()) * 0", "DCL weight_fn takes no gradient", INTEGRATION_TESTS),
 ]
 
 
