@@ -304,6 +304,11 @@ def test_single_class_convention_matches_pml(device):
     assert tc.supcon_loss(x, same, temperature=0.3).item() > 0.69  # the formula: at least log 7 / ... per anchor
     mixed = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1], device=device)
     _assert_same(pml.SupConLoss(temperature=0.3)(x, mixed), tc.supcon_loss(x, mixed, temperature=0.3, single_class="zero"), [x], [x])
+    ref_emb = torch.randn(5, 4, dtype=F64, device=device, requires_grad=True)
+    ref_labels = torch.tensor([0, 0, 1, 0, 1], device=device)  # one class in the batch, negatives among the references
+    _assert_same(pml.SupConLoss(temperature=0.3)(x, same, ref_emb=ref_emb, ref_labels=ref_labels),
+                 tc.supcon_loss(x, same, temperature=0.3, single_class="zero", ref_emb=ref_emb, ref_labels=ref_labels),
+                 [x, ref_emb], [x, ref_emb])
     with pytest.raises(ValueError, match="single_class"):
         tc.supcon_loss(x, same, single_class="pml")
     with pytest.raises(ValueError, match="ref_labels"):
