@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from device import DEVICE
+# Without CUDA the Triton kernels run in Triton's interpreter. The switch must be set before
+# anything imports triton.language (sentence-transformers' import chain does, at collection):
+# triton decides at decoration time whether its own and our @triton.jit functions are interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from device import DEVICE  # noqa: E402
 
 
 @pytest.fixture
