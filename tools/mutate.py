@@ -271,8 +271,9 @@ MUTATIONS = [
     # integrations (drop-ins against the installed peers)
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "        keep[:, :world] = False", "        keep[:, :0] = False",
              "hard_negatives hardness also weights the in-batch positives' column block", INTEGRATION_TESTS),
-    Mutation(f"{PKG}/integrations/sentence_transformers.py", "mine[rows, own + k * world] = True\n            blocks",
-             "mine[rows, own] = True\n            blocks", "doc_to_doc keeps the row's own hard negatives", INTEGRATION_TESTS),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "        mine[rows, own + k * world] = True\n    return mine",
+             "        mine[rows, own] = True\n    return mine", "own docs: a row's own hard negatives are not its own (doc_to_doc keeps them, hardness mis-weights them)",
+             INTEGRATION_TESTS),
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "            if keep_positive:\n                drop[rows, own] = False",
              "            if keep_positive:\n                pass", "GIST drops the positive itself when the guide ties", INTEGRATION_TESTS),
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "out.backward(cached[k][offsets[k]:offsets[k] + rows]",

@@ -14,20 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._tensors import as_dtype, mask_as, self_diagonal
-from ._common import (
-    Buffers,
-    Scale,
-    autocast_enabled,
-    finish_gradients,
-    logits_tile,
-    prepare_inputs,
-    save,
-    saved,
-    tiles,
-)
+from ._common import Buffers, Scale, logits_tile, tiles
+from .driver import Gradients, Operands, Saved, run
 from .planner import decide
 
 if TYPE_CHECKING:
@@ -332,41 +322,37 @@ def _float_masks(plan: _Plan, positives: Positives) -> bool:
     return plan.fixed and plan.kernel == "pair_softplus" and positives.kind == "keys" and len(positives.row_keys) == 1
 
 
-class _Pairwise(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan, combine: _Combine | None):  # type: ignore[override]
-        # The engine chooses its own precision: an ambient autocast must not change it.
-        if not autocast_enabled(a.device.type):
-            return _Pairwise._forward(ctx, a, b, scale, plan, combine)
-        with torch.autocast(a.device.type, enabled=False):
-            return _Pairwise._forward(ctx, a, b, scale, plan, combine)
+class _PairwiseKernel:
+    """The pairwise terms as a kernel of the engine's driver (:mod:`.driver`); its one extra
+    input is ``combine`` (the caller's per-row weights and reduction, or None)."""
 
-    @staticmethod
-    def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, plan: _Plan, combine: _Combine | None) -> tuple[Tensor, ...]:
-        a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
+    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
+        (combine,) = extras
+        a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         a_s = a_c * scale_c
+        R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
         kept: tuple[Tensor, ...] = ()
         kernel_saved: tuple[Tensor, ...] = ()
         if plan.tile == 0:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
-                pos_f = mask_as(plan.positives.tile(0, a.shape[0], 0, b_c.shape[0]), a_c.dtype)
+                pos_f = mask_as(plan.positives.tile(0, R, 0, C), a_c.dtype)
                 neg_f = torch.rsub(pos_f, 1.0)  # neither positive nor the self pair
                 diag = self_diagonal(neg_f, 0, 0, plan.positives.self_offset)
                 if diag is not None:
                     diag.zero_()
                 outputs, kept = kernel_cls.single_fixed(a_s @ b_c.t(), pos_f, neg_f)
             else:
-                pos, neg = _masks(plan.positives, 0, a.shape[0], 0, b_c.shape[0])
+                pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
         else:
-            kernel = kernel_cls(a.shape[0], a_c.dtype, a.device, plan.fixed)
-            bufs = Buffers(a_c.dtype, a.device)
+            kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
+            bufs = Buffers(a_c.dtype, a_c.device)
             if plan.symmetric:
                 _symmetric_forward(kernel, a_s, b_c, plan, bufs)
             for p in range(0 if plan.symmetric else kernel.passes):
-                for r0, r1, c0, c1 in tiles(a.shape[0], b_c.shape[0], plan.tile, False):
+                for r0, r1, c0, c1 in tiles(R, C, plan.tile, False):
                     if not plan.is_mixed(r0, c0):
                         if p == 0 or plan.kernel == "binary":  # all negatives: no mask, and no positive terms
                             kernel.visit_negatives(p, logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1]), r0, r1)
@@ -375,58 +361,47 @@ class _Pairwise(torch.autograd.Function):
                     pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
                     kernel.visit(p, s, pos, neg, r0, r1)
             outputs, kernel_saved = kernel.outputs(), kernel.saved()
-        ctx.plan = plan
         ctx.combine = combine
         if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
             weights, total = combine
             loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
             outputs = (loss,)
-        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
-        ctx.counts = (len(kernel_saved), len(kept))
-        save(ctx, scale_c, a_c, b_c, *kernel_saved, *kept, *norms)
-        return outputs
+        ctx.pair_counts = (len(kernel_saved), len(kept))
+        return tuple(outputs), (*kernel_saved, *kept)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads: Tensor):  # type: ignore[override]
-        plan: _Plan = ctx.plan
-        a, b, rest, scale = saved(ctx)
-        n_kernel, n_kept = ctx.counts
-        kernel_saved, kept, norm_tensors = tuple(rest[:n_kernel]), rest[n_kernel : n_kernel + n_kept], rest[n_kernel + n_kept :]
+    def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
+        a, b, scale = saved.a, saved.b, saved.scale
+        n_kernel, n_kept = ctx.pair_counts
+        kernel_saved, kept = tuple(saved.keep[:n_kernel]), saved.keep[n_kernel:]
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
             weights, total = ctx.combine
-            grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)
-        grads = tuple(as_dtype(g, a.dtype) for g in grads)
+            grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
+        grads = tuple(as_dtype(g, a.dtype) for g in grads)  # type: ignore[arg-type]
         kernel = _KERNELS[plan.kernel]
         if n_kept > 0:
-            g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
-            if ctx.single:  # one set: both roles of every row in one product
-                gb, ga = (g + g.t()) @ a, None
+            g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)  # type: ignore[arg-type]
+            if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
+                return Gradients((g + g.t()) @ a, None, True)
+            return Gradients(g @ b, g.t() @ a)
+        if plan.symmetric:
+            return Gradients(_symmetric_backward(kernel, a * scale, a, plan, kernel_saved, grads), None, True)  # type: ignore[arg-type]
+        a_s = a * scale
+        gb = torch.zeros_like(a)
+        ga = torch.zeros_like(b)
+        bufs = Buffers(a.dtype, a.device)
+        for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
+            s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
+            if plan.is_mixed(r0, c0):
+                pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
+                g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))  # type: ignore[arg-type]
             else:
-                gb, ga = g @ b, g.t() @ a
-        elif plan.symmetric:
-            gb = _symmetric_backward(kernel, a * scale, a, plan, kernel_saved, grads)
-            ga = None
-        else:
-            a_s = a * scale
-            gb = torch.zeros_like(a)
-            ga = torch.zeros_like(b)
-            bufs = Buffers(a.dtype, a.device)
-            for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
-                s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
-                if plan.is_mixed(r0, c0):
-                    pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
-                    g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))
-                else:
-                    g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads, plan.fixed)
-                gb[r0:r1].addmm_(g, b[c0:c1])
-                ga[c0:c1].addmm_(g.t(), a[r0:r1])
-        norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
-        norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
-        # (G + G.T) @ A counts every pair twice, like the symmetric path's H @ Z
-        both_roles = plan.symmetric or (n_kept > 0 and ctx.single)
-        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, both_roles, norm_a, norm_b, b, plan.eps)
-        return grad_a, grad_b, gscale, None, None
+                g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads, plan.fixed)  # type: ignore[arg-type]
+            gb[r0:r1].addmm_(g, b[c0:c1])
+            ga[c0:c1].addmm_(g.t(), a[r0:r1])
+        return Gradients(gb, ga)
+
+
+_PAIRWISE = _PairwiseKernel()
 
 
 def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: Buffers) -> None:
@@ -527,7 +502,7 @@ def pairwise_rows(
     symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
                  and (kernel == "binary" or fixed))  # PML's one exp for both blocks needs the fixed mode
     plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, fixed, symmetric)
-    return tuple(_Pairwise.apply(anchors, None if candidates is anchors else candidates, scale, plan, combine))
+    return tuple(run(_PAIRWISE, plan, anchors, None if candidates is anchors else candidates, scale, combine))
 
 
 def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:

@@ -20,20 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._tensors import self_diagonal
-from ._common import (
-    Buffers,
-    Scale,
-    autocast_enabled,
-    finish_gradients,
-    logits_tile,
-    prepare_inputs,
-    save,
-    saved,
-    tiles,
-)
+from ._common import Buffers, Scale, logits_tile, tiles
+from .driver import Gradients, Operands, Saved, run
 from .planner import decide
 
 if TYPE_CHECKING:
@@ -78,19 +68,15 @@ def _bias_tensor(bias: Scale, like: Tensor) -> Tensor | float:
     return bias.detach().to(device=like.device, dtype=like.dtype) if isinstance(bias, Tensor) else float(bias)
 
 
-class _SigmoidRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, scale: Scale, bias: Scale, plan: _Plan):  # type: ignore[override]
-        if not autocast_enabled(a.device.type):
-            return _SigmoidRows._forward(ctx, a, b, scale, bias, plan)
-        with torch.autocast(a.device.type, enabled=False):  # the engine chooses its own precision
-            return _SigmoidRows._forward(ctx, a, b, scale, bias, plan)
+class _SigmoidKernel:
+    """The sigmoid pairs as a kernel of the engine's driver (:mod:`.driver`); its one extra
+    input is the bias (a float, or a 0-dim tensor that gets its gradient)."""
 
-    @staticmethod
-    def _forward(ctx: Any, a: Tensor, b: Tensor, scale: Scale, bias: Scale, plan: _Plan) -> Tensor:
-        a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
+    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
+        (bias,) = extras
+        a_c, b_c = ops.a_c, ops.b_c
         bias_c = _bias_tensor(bias, a_c)
-        a_s = a_c * scale_c
+        a_s = a_c * ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kept: tuple[Tensor, ...] = ()
         if plan.tile == 0:
@@ -104,24 +90,16 @@ class _SigmoidRows(torch.autograd.Function):
                 signed, _ = _signed_tile(logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1]).add_(bias_c),
                                          plan, r0, r1, c0, c1)
                 out[r0:r1] += F.softplus(signed).sum(1)
-        ctx.plan = plan
-        ctx.in_dtypes = (a.dtype, b.dtype)
         ctx.bias_is_tensor = isinstance(bias, Tensor)
         ctx.float_bias = None if isinstance(bias_c, Tensor) else bias_c
-        ctx.counts = len(kept)
-        save(ctx, scale_c, a_c, b_c, *((bias_c,) if isinstance(bias_c, Tensor) else ()), *kept, *norms)
-        return out
+        return out, (*((bias_c,) if isinstance(bias_c, Tensor) else ()), *kept)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_row: Tensor):  # type: ignore[override]
-        plan: _Plan = ctx.plan
-        a, b, rest, scale = saved(ctx)
+    def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
+        a, b, scale, rest = saved.a, saved.b, saved.scale, list(saved.keep)
         bias: Tensor | float = rest.pop(0) if ctx.float_bias is None else ctx.float_bias
-        kept, norm_tensors = rest[: ctx.counts], rest[ctx.counts :]
-        g_row = g_row.to(a.dtype)
-        if kept:
-            signed, pos = kept[0], (kept[1] if len(kept) > 1 else None)
+        g_row = grads[0].to(a.dtype)  # type: ignore[union-attr]
+        if rest:
+            signed, pos = rest[0], (rest[1] if len(rest) > 1 else None)
             grad = _grad_tile(signed, pos, g_row, plan, 0, 0)
             gb, ga, gbias = grad @ b, grad.t() @ a, grad.sum()
         else:
@@ -136,10 +114,10 @@ class _SigmoidRows(torch.autograd.Function):
                 gb[r0:r1].addmm_(grad, b[c0:c1])
                 ga[c0:c1].addmm_(grad.t(), a[r0:r1])
                 gbias += grad.sum()
-        norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
-        norm_b = (norm_tensors[2], norm_tensors[3]) if plan.normalize else None
-        grad_a, grad_b, gscale = finish_gradients(ctx, a, scale, gb, ga, False, norm_a, norm_b, b, plan.eps)
-        return grad_a, grad_b, gscale, (gbias if ctx.bias_is_tensor else None), None
+        return Gradients(gb, ga, False, (gbias if ctx.bias_is_tensor else None,))
+
+
+_SIGMOID = _SigmoidKernel()
 
 
 def sigmoid_rows(
@@ -176,4 +154,4 @@ def sigmoid_rows(
     decision = decide(kernel="sigmoid", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype, other_dtype=candidates.dtype,
                       chunk_size=chunk_size, backend="torch", fixed=False, half_ok=False)
     plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps))
-    return _SigmoidRows.apply(anchors, candidates, scale, bias, plan)
+    return run(_SIGMOID, plan, anchors, candidates, scale, bias)

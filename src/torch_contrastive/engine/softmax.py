@@ -9,8 +9,9 @@ and, for two-set losses, the same per column (``log sum_i exp(S_ij)`` and
 of this form; the positive part is linear in S, so it costs O(N * D) through
 :meth:`~torch_contrastive.positives.Positives.aggregate`, not a tile pass.
 
-Everything happens inside one ``torch.autograd.Function``: normalisation, logits, the
-positive part and their backward, so a loss call adds only a handful of autograd nodes.
+Everything happens inside one node of the engine's autograd driver (:mod:`.driver`):
+normalisation, logits, the positive part and their backward, so a loss call adds only a
+handful of autograd nodes.
 """
 
 from __future__ import annotations
@@ -20,18 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._tensors import as_dtype
-from ._common import (
-    Scale,
-    autocast_enabled,
-    finish_gradients,
-    prepare_inputs,
-    save,
-    saved,
-)
+from ._common import Scale
 from .confident import apart_rule, coefficient, coefficient_from_sums, margin
+from .driver import Gradients, Operands, Saved, run
 from .planner import decide
 from .products import make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns
@@ -117,27 +111,18 @@ def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
     return g if weight is None else g * weight
 
 
-class _SoftmaxTerms(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,  # type: ignore[override]
-                col_alpha: Tensor | None, col_beta: Tensor | None, plan: SoftmaxPlan, total: tuple[Scale, Scale] | None):
-        # The engine chooses its own precision (fp32 or fp64): an ambient autocast region
-        # must not turn its matrix products into half precision.
-        if not autocast_enabled(a.device.type):
-            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan, total)
-        with torch.autocast(a.device.type, enabled=False):
-            return _SoftmaxTerms._forward(ctx, a, b, scale, row_alpha, row_beta, col_alpha, col_beta, plan, total)
+class _Softmax:
+    """The soft-max terms as a kernel of the engine's driver (:mod:`.driver`): its extra
+    inputs are ``(row_alpha, row_beta, col_alpha, col_beta, total)``, all without gradient."""
 
-    @staticmethod
-    def _forward(ctx: Any, a: Tensor, b: Tensor | None, scale: Scale, row_alpha: Tensor | None, row_beta: Tensor | None,
-                 col_alpha: Tensor | None, col_beta: Tensor | None, plan: SoftmaxPlan,
-                 total: tuple[Scale, Scale] | None) -> tuple[Tensor, Tensor]:
-        a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
+    def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
+        row_alpha, row_beta, col_alpha, col_beta, total = extras
+        a_c, b_c, scale_c, norms = ops.a_c, ops.b_c, ops.scale, ops.norms
         a_s = a_c * scale_c
         kept = None
         sums: Any = None  # (total, total') to divide by; six entries from single_apart
         row_pos = col_pos = None
-        raw = (a, b) if plan.half else ()
+        raw = (ops.a, ops.b) if plan.half else ()
         if plan.backend == "triton":
             row_lse, col_lse = _forward_triton(a_s, b_c, plan)
         else:
@@ -166,8 +151,6 @@ class _SoftmaxTerms(torch.autograd.Function):
             if col_lse is not None:
                 row_out = row_out + col_out.sum() * total[1]
             col_out = row_out.new_zeros(0)
-        ctx.plan = plan
-        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         own_col_alpha = None if plan.shared_alpha else col_alpha
         ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
         weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
@@ -175,16 +158,15 @@ class _SoftmaxTerms(torch.autograd.Function):
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
         ctx.margins = len(margins)
-        save(ctx, scale_c, a_c, b_c, row_stat, row_stat if col_stat is None else col_stat, *margins, *weights, *norms,
-             *(() if kept is None else (kept,)), *(t for t in raw if t is not None))
-        ctx.raw = len([t for t in raw if t is not None])
-        return row_out, col_out
+        raw_kept = tuple(t for t in raw if t is not None)
+        ctx.raw = len(raw_kept)
+        keep = (row_stat, row_stat if col_stat is None else col_stat, *margins, *weights, *(() if kept is None else (kept,)),
+                *raw_kept)
+        return (row_out, col_out), keep
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_row: Tensor | None, g_col: Tensor | None):  # type: ignore[override]
-        plan: SoftmaxPlan = ctx.plan
-        a, b, rest, scale = saved(ctx)
+    def backward(self, ctx: Any, plan: SoftmaxPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
+        a, b, scale, rest = saved.a, saved.b, saved.scale, list(saved.keep)
+        g_row, g_col = grads
         raw: list[Tensor | None] = list(rest[len(rest) - ctx.raw:])
         del rest[len(rest) - ctx.raw:]
         raw += [None] * (2 - len(raw))  # a single set's candidates are its anchors
@@ -195,9 +177,6 @@ class _SoftmaxTerms(torch.autograd.Function):
         row_alpha, row_beta, col_alpha, col_beta = (next(given) if present else None for present in ctx.weights)
         if plan.shared_alpha:
             col_alpha = row_alpha
-        norm_tensors = list(given)
-        norm_a = (norm_tensors[0], norm_tensors[1]) if plan.normalize else None
-        norm_b = None if not plan.normalize or ctx.single else (norm_tensors[2], norm_tensors[3])
         g_row, g_col, uniform_row, uniform_col = _incoming(ctx, g_row, g_col, a, b, plan)
         col: Direction | None = None
         g_col_c = None
@@ -220,10 +199,10 @@ class _SoftmaxTerms(torch.autograd.Function):
             c_row = how(u, c_row, margins[0], row_alpha is row_beta, row_lse)
             if len(margins) == 2 and c_col is not None and col is not None:
                 c_col = how(col[0], c_col, margins[1], col_alpha is col_beta, col_lse)
-        if not plan.symmetric and not ctx.needs_input_grad[1 if not ctx.single else 0]:
+        if not plan.symmetric and not ctx.operands_need_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         # (the Triton kernels take the operands themselves; the products serve the torch loops)
-        prod = make_products(plan.half, tuple(raw) if plan.half else (), None, a, b, scale, norm_tensors, plan.normalize)
+        prod = make_products(plan.half, tuple(raw) if plan.half else (), None, a, b, scale, saved.norms, plan.normalize)
         if kept is not None:
             folded = (c_row, c_col) if plan.tile_positives else (None, None)
             gb_acc, ga_acc = single_backward(kept, prod, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
@@ -237,8 +216,10 @@ class _SoftmaxTerms(torch.autograd.Function):
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row.expand(a.shape[0]),
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
-        ga, gb, gscale = finish_gradients(ctx, a, scale, gb_acc, ga_acc, plan.symmetric, norm_a, norm_b, b, plan.eps)
-        return ga, gb, gscale, None, None, None, None, None, None
+        return Gradients(gb_acc, ga_acc, plan.symmetric)
+
+
+_SOFTMAX = _Softmax()
 
 
 def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos: Tensor | None, col_pos: Tensor | None,
@@ -423,6 +404,6 @@ def softmax_terms(
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
                  C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, operand_dtype,
                  decision.half, apart)
-    row_out, col_out = _SoftmaxTerms.apply(anchors, None if candidates is anchors else candidates, scale, *row_weights,
-                                           None if shared_alpha else col_weights[0], col_weights[1], plan, total)
+    row_out, col_out = run(_SOFTMAX, plan, anchors, None if candidates is anchors else candidates, scale, *row_weights,
+                           None if shared_alpha else col_weights[0], col_weights[1], total)
     return row_out, (col_out if columns and total is None else None)

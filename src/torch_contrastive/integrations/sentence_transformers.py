@@ -139,11 +139,7 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
         if "doc_to_query" in directions:
             blocks["doc_to_query"] = d @ _wide(q_all).T * scale
         if "doc_to_doc" in directions:
-            d2d = d @ _wide(d_all).T * scale
-            mine = torch.zeros_like(d2d, dtype=torch.bool)
-            for k in range(len(cols)):
-                mine[rows, own + k * world] = True
-            blocks["doc_to_doc"] = d2d.masked_fill(mine, -torch.inf)
+            blocks["doc_to_doc"] = (d @ _wide(d_all).T * scale).masked_fill(_own_docs(own, world, len(cols)), -torch.inf)
         positive = blocks["query_to_doc"][rows, own]
         if partition_mode == "joint":
             log_z = torch.logsumexp(torch.cat(list(blocks.values()), dim=1), dim=1)
@@ -156,12 +152,20 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
     return per_row_losses(row_loss, batch, width, (queries, all_queries, positives, all_docs), chunk_size).mean()
 
 
-def _hardness_mask(mode: str | None, own: Tensor, world: int, n_cols: int) -> Tensor:
-    """(rows, n_cols * world) 1.0 where row i's ``query_to_doc`` logit gets the hardness term."""
+def _own_docs(own: Tensor, world: int, n_cols: int) -> Tensor:
+    """(rows, n_cols * world) bool: True at row i's own docs -- its positive (column block 0)
+    and its own hard negatives (blocks 1..n_cols-1), at global index ``own[i]`` of each block."""
     rows = torch.arange(own.shape[0], device=own.device)
     mine = torch.zeros(own.shape[0], n_cols * world, dtype=torch.bool, device=own.device)
     for k in range(n_cols):
-        mine[rows, own + k * world] = True  # the row's positive (k = 0) and its own hard negatives
+        mine[rows, own + k * world] = True
+    return mine
+
+
+def _hardness_mask(mode: str | None, own: Tensor, world: int, n_cols: int) -> Tensor:
+    """(rows, n_cols * world) 1.0 where row i's ``query_to_doc`` logit gets the hardness term."""
+    rows = torch.arange(own.shape[0], device=own.device)
+    mine = _own_docs(own, world, n_cols)
     if mode == "hard_negatives":  # only the row's own hard negatives
         keep = mine.clone()
         keep[:, :world] = False

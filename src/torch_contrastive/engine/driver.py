@@ -1,0 +1,116 @@
+"""The engine's one autograd driver: what every kernel shares around its own forward and backward.
+
+A kernel (the soft-max terms, the pairwise softplus/binary terms, the sigmoid pairs) is an
+object with two methods:
+
+* ``forward(ctx, plan, ops, extras) -> (outputs, keep)``: ``ops`` holds the caller's raw
+  inputs and their compute-dtype copies (normalised when the plan says so); ``keep`` is the
+  tuple of tensors its backward needs besides the operands.
+* ``backward(ctx, plan, saved, grads) -> Gradients``: the unscaled accumulators ``G @ B``
+  and ``G.T @ A`` and the gradients of its extra inputs.
+
+:class:`_EngineCall` does the rest once: it switches an ambient autocast off (the engine
+chooses its own precision: fp32 logits for half inputs, fp64 for fp64), prepares the
+operands, saves them (``B`` only when it is not ``A``; a float scale on ``ctx``), restores
+them, and turns the accumulators into the gradients of the raw inputs, the scale and --
+through the normalisation inside -- the caller's un-normalised tensors
+(:func:`~._common.finish_gradients`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._common import Scale, autocast_enabled, finish_gradients, prepare_inputs, save, saved
+
+
+class Operands(NamedTuple):
+    """A call's inputs: raw (``b`` None for a single set) and in the compute dtype (``b_c``
+    is ``a_c`` for a single set), the compute-dtype scale and the normalisation state."""
+
+    a: Tensor
+    b: Tensor | None
+    a_c: Tensor
+    b_c: Tensor
+    scale: Scale
+    norms: list[Tensor]
+
+
+class Saved(NamedTuple):
+    """What backward gets back: the compute-dtype operands and scale, the kernel's own
+    tensors (``keep``) and the normalisation state."""
+
+    a: Tensor
+    b: Tensor
+    scale: Scale
+    keep: list[Tensor]
+    norms: list[Tensor]
+
+
+class Gradients(NamedTuple):
+    """A kernel's backward result.
+
+    Attributes:
+        rows: ``G @ B`` (R, D), unscaled.
+        cols: ``G.T @ A`` (C, D) or None (a single set, or no candidate needs a gradient).
+        both_roles: ``rows`` holds ``(G + G.T) @ A`` -- every pair counted twice (single set).
+        extras: gradients of the kernel's extra inputs, in order (missing ones are None).
+    """
+
+    rows: Tensor
+    cols: Tensor | None
+    both_roles: bool = False
+    extras: tuple[Tensor | None, ...] = ()
+
+
+class Kernel(Protocol):
+    def forward(self, ctx: Any, plan: Any, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]: ...
+
+    def backward(self, ctx: Any, plan: Any, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients: ...
+
+
+def engine_precision(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off inside the engine: its products must not be turned into half precision."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _EngineCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale, *extras: Any):  # type: ignore[override]
+        with engine_precision(a.device.type):
+            a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
+            outputs, keep = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
+        ctx.kernel, ctx.plan = kernel, plan
+        ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
+        ctx.counts = (len(keep), len(extras))
+        save(ctx, scale_c, a_c, b_c, *keep, *norms)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
+        a, b, rest, scale = saved(ctx)
+        n_keep, n_extras = ctx.counts
+        norms = rest[n_keep:]
+        ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
+        plan = ctx.plan
+        out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, rest[:n_keep], norms), grads)
+        norm_a = (norms[0], norms[1]) if plan.normalize else None
+        norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])
+        ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps)
+        extras = tuple(out.extras) + (None,) * (n_extras - len(out.extras))
+        return (None, None, ga, gb, gscale, *extras)
+
+
+def run(kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale, *extras: Any) -> Any:
+    """One engine call as one autograd node: ``kernel`` under ``plan`` on anchors ``a``,
+    candidates ``b`` (None: ``a`` itself), ``scale`` (float or 0-dim tensor) and the
+    kernel's extra inputs (tensors get the gradients the kernel returns, others none)."""
+    return _EngineCall.apply(kernel, plan, a, b, scale, *extras)
