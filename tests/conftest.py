@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from device import DEVICE  # noqa: E402
+from device import DEVICE
 
 
 @pytest.fixture

@@ -90,3 +90,23 @@ def test_bench_dtype_option_reaches_the_cases(tmp_path):
     with open(tmp_path / "bench.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert {r["dtype"] for r in rows} == {"float16"} and "infcl-formula" in {r["impl"] for r in rows}
+
+
+def test_gpu_preset_holds_the_anchor_at_every_size_dense_can_hold(monkeypatch):
+    """``--gpu``: beside ours (per backend) the compiled dense formula -- the anchor -- and eager dense
+    at every size up to 65,536 rows, ours alone beyond, Inf-CL's kernels only when the package is installed."""
+    from torch_contrastive.cli import bench
+
+    monkeypatch.setattr(bench, "infcl_installed", lambda: False)
+    cases = bench.gpu_plan(["auto", "triton"])
+    by_size: dict = {}
+    for c in cases:
+        by_size.setdefault((c["loss"], c["n"], c["d"]), []).append(c["impl"] if c["impl"] != "ours" else f"ours[{c['backend']}]")
+    assert ("clip", 4096, 512) in by_size and ("clip", 65536, 768) in by_size and ("nt_xent", 65536, 768) in by_size
+    for (loss, n, _), impls in by_size.items():
+        expected = ["dense-compiled", "dense-baseline"] if n <= bench.GPU_DENSE_MAX else []
+        assert impls == [*expected, "ours[auto]", "ours[triton]"], (loss, n)
+    assert max(n for _, n, _ in by_size) == 262144
+    monkeypatch.setattr(bench, "infcl_installed", lambda: True)
+    with_infcl = [c for c in bench.gpu_plan(["auto"]) if c["impl"] == "inf_cl"]
+    assert {c["n"] for c in with_infcl} == {n for loss, n, _ in bench.GPU_GRID if loss == "clip"}

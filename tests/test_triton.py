@@ -20,7 +20,7 @@ import torch_contrastive as tc  # noqa: E402
 from device import DEVICE  # noqa: E402
 from reference import image_text, info_nce, nt_xent, supcon  # noqa: E402
 from test_losses import _compare  # noqa: E402
-from torch_contrastive.engine import softmax_terms, triton_backend  # noqa: E402
+from torch_contrastive.engine import softmax_terms  # noqa: E402
 from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
 
 TOLS = {torch.float64: (1e-9, 1e-9), torch.float32: (1e-5, 1e-5)}
@@ -168,15 +168,54 @@ def scheme(request):
     torch.use_deterministic_algorithms(previous)
 
 
-@pytest.mark.parametrize("n_blocks,triangle", [(1, False), (3, True), (5, False), (11, True)])
-def test_schedule_visits_every_tile_once_in_grouped_order(n_blocks, triangle):
-    sched = triton_backend.schedule(n_blocks, n_blocks + 2, triangle, torch.device("cpu"), group=2).tolist()
-    expected = {(i, j) for i in range(n_blocks) for j in range(n_blocks + 2) if not triangle or j >= i}
-    assert len(sched) == len(expected) and {tuple(t) for t in sched} == expected
-    groups = [i // 2 for i, _ in sched]
-    assert groups == sorted(groups)  # a group of row blocks finishes before the next starts
-    first_group = [(j, i) for i, j in sched if i < 2]
-    assert first_group == sorted(first_group)  # inside it, column block by column block
+if triton is not None:
+    import triton.language as tl
+
+    from torch_contrastive.engine.triton_backend._tile import tile_of
+
+    @triton.jit
+    def _record_tiles(out_ptr, n_rows, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
+        pid = tl.program_id(0)
+        tl.store(out_ptr + 2 * pid, bi)
+        tl.store(out_ptr + 2 * pid + 1, bj)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the grouped order is read back through the interpreter's grid")
+@pytest.mark.parametrize("n_row_blocks,n_col_blocks", [(1, 1), (3, 5), (5, 3), (11, 13)])
+def test_grouped_grid_visits_every_tile_once_in_grouped_order(n_row_blocks, n_col_blocks):
+    """Program ``pid`` of the fused kernels owns tile ``tile_of(pid)``: every tile exactly once, a group
+    of row blocks finishing before the next starts, and inside a group column block by column block."""
+    block, group = 4, 2
+    n = n_row_blocks * n_col_blocks
+    out = torch.full((2 * n,), -1, dtype=torch.int32)
+    _record_tiles[(n,)](out, n_row_blocks * block - 1, n_col_blocks * block - 2, BLOCK=block, GROUP=group)
+    tiles = [tuple(t) for t in out.view(n, 2).tolist()]
+    assert sorted(tiles) == [(i, j) for i in range(n_row_blocks) for j in range(n_col_blocks)]
+    groups = [i // group for i, _ in tiles]
+    assert groups == sorted(groups)
+    first_group = [(j, i) for i, j in tiles if i < group]
+    assert first_group == sorted(first_group)
+
+
+def test_autotuning_configs_are_pruned_per_device_dtype_and_size(monkeypatch):
+    """The interpreter runs one 32-wide config (nothing timed); on a GPU fp64 keeps the small
+    tiles and a small problem keeps no tile larger than itself; every list holds 128-wide tiles."""
+    from torch_contrastive.engine.triton_backend import _configs
+
+    for configs in (_configs.square_tiles(), _configs.row_blocks(), _configs.row_output_blocks()):
+        assert max(_configs._side(c) for c in configs) == 128
+        (only,) = _configs.prune(configs, {"x_ptr": torch.empty(1), "bucket": 4096})
+        assert set(only.kwargs.values()) == {_configs.INTERPRETER_BLOCK}
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        wide = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "bucket": 65536})
+        assert wide == configs
+        small = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "bucket": 64})
+        assert small and all(_configs._side(c) <= 64 for c in small)
+        fp64 = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.float64), "bucket": 65536})
+        assert fp64 and all(_configs._side(c) <= 64 and c.num_stages <= 2 for c in fp64)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _configs.bucket(1000, 70) == 1024 and _configs.bucket(1024) == 1024 and _configs.bucket(0) == 1
 
 
 FALSE_NEGATIVES = {

@@ -132,6 +132,21 @@ def _dense_siglip(img: torch.Tensor, txt: torch.Tensor, scale: float, bias: floa
     return -torch.nn.functional.logsigmoid(labels * logits).sum() / img.shape[0]
 
 
+def _infcl_kernels(x: torch.Tensor, y: torch.Tensor, tau: float) -> Any:
+    """The Inf-CL package's own kernels (``cal_flash_loss``, one call per direction, as its
+    README's CLIP example), on normalised rows: needs ``pip install inf_cl`` and a CUDA device."""
+    from inf_cl import cal_flash_loss
+
+    labels = torch.arange(x.shape[0], device=x.device)
+    normalize = torch.nn.functional.normalize
+
+    def loss() -> torch.Tensor:
+        xn, yn = normalize(x, dim=1), normalize(y, dim=1)
+        return (cal_flash_loss(xn, yn, labels, 1 / tau).mean() + cal_flash_loss(yn, xn, labels, 1 / tau).mean()) / 2
+
+    return loss
+
+
 def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, tau: float, dense_chunk: int) -> Any:
     """The closure of an image-text case. SigLIP: tau is 1 / logit_scale; the bias is the paper's init, -10."""
     import torch_contrastive as tc
@@ -145,6 +160,8 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
             from .infcl_formula import infcl_clip_loss
 
             return lambda: infcl_clip_loss(x, y, tau)
+        if impl == "inf_cl":
+            return _infcl_kernels(x, y, tau)
         if impl == "open_clip":
             peer = load_open_clip_loss().ClipLoss()
             return lambda: peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau)
@@ -306,15 +323,29 @@ def matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: in
     return 2.0 * n**3 / statistics.median(times) / 1e12
 
 
-#: The GPU table (SPEC 14 anchors): (loss, N, D).
-GPU_GRID = [("clip", 8192, 512), ("clip", 65536, 768), ("nt_xent", 65536, 768)]
+#: The GPU table (the anchors of the GPU issues): (loss, N, D). Dense forms run up to
+#: GPU_DENSE_MAX rows (65,536 x 768 needs 64 GiB eager, 16 GiB compiled); beyond, ours and Inf-CL.
+GPU_GRID = [("clip", 4096, 512), ("clip", 8192, 512), ("clip", 16384, 768), ("clip", 32768, 768), ("clip", 65536, 768),
+            ("nt_xent", 65536, 768), ("clip", 262144, 768)]
+GPU_DENSE_MAX = 65536
+
+
+def infcl_installed() -> bool:
+    """Whether the Inf-CL package (``inf_cl``, its Triton kernels) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("inf_cl") is not None
 
 
 def gpu_plan(backends: list[str]) -> list[dict[str, Any]]:
-    """The ``--gpu`` cases: ours per backend beside dense and dense-compiled, bf16."""
+    """The ``--gpu`` cases, bf16: ours per backend beside dense-compiled (the anchor) and dense,
+    and Inf-CL's kernels for CLIP when the package is installed."""
     cases = []
     for loss, n, d in GPU_GRID:
-        for impl in ("dense-compiled", "dense-baseline"):
+        peers = ["dense-compiled", "dense-baseline"] if n <= GPU_DENSE_MAX else []
+        if loss == "clip" and infcl_installed():
+            peers.append("inf_cl")
+        for impl in peers:
             cases.append({"loss": loss, "impl": impl, "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": "torch"})
         for backend in backends:
             cases.append({"loss": loss, "impl": "ours", "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": backend})

@@ -1,0 +1,54 @@
+"""Triton kernels for the log-sum-exp engine (``backend="triton"``; optional extra ``gpu``).
+
+Two schemes, chosen per call by :func:`fused`:
+
+* **Fused** (the default on a GPU): one program per (row block, column block) tile in
+  grouped order (``GROUP`` row blocks sweep the column blocks together, so their column
+  operands are reused from L2); for a single set the programs below the diagonal return
+  at once. Forward (:func:`tile_sums`, bounded regime): each program
+  computes its logit tile once (GEMM loop over D, fp32 accumulation), takes ``exp`` and
+  adds its row sums and its column sums into O(N) accumulators with atomics -- rows and
+  columns in one pass; a triangle tile's column sums are the sums of its mirror rows.
+  Backward (:func:`tile_grad`, both regimes): each program recomputes its tile, forms the
+  gradient tile ``G`` once in registers and, over D in blocks, adds ``G @ B`` into its
+  rows and ``G.T @ A`` into its columns (atomics). 4 GEMM-equivalents for a CLIP loss,
+  2 for a single set, as the torch backend.
+* **Row-owned** (``torch.use_deterministic_algorithms(True)``, and the forward of the
+  online-maximum regime): one program per block of rows loops over the column blocks
+  (online maximum, :func:`row_lse`; ``G @ Z`` in D blocks, :func:`grad_rows`); a column
+  quantity is the same kernel on ``S.T``. No atomics, so bitwise reproducible; CLIP costs
+  6 GEMM-equivalents (the logits are formed once per direction in each pass).
+
+Both schemes apply the self pair and the engine's exclusions (false negatives) inside the
+tile: equal ids (one or two key tensors), a partner relation (DCL's positives), a strided
+diagonal, and a guide model's verdict ``<g_i, g_j> > t_i`` (a second small product per
+tile, in registers). Exponentials in the gradient are shifted by the final log-sum-exps,
+so both of the torch backend's regimes are exact here; the bounded forward sums plain
+``exp(S)`` exactly as the torch backend's fixed path does.
+
+One kernel per file (:mod:`.row_lse`, :mod:`.tile_sums`, :mod:`.grad_rows`,
+:mod:`.tile_grad`; the in-tile pieces in :mod:`._tile`), each with a keyword launcher and
+``triton.autotune`` over a small config list (:mod:`._configs`): the block sizes, warps and
+pipeline stages are timed on the user's GPU the first time a (size bucket, D, dtype) is seen.
+
+Precision: fp32 operands are multiplied in IEEE fp32 (TF32 only when
+``torch.backends.cuda.matmul.allow_tf32`` is set), fp64 in fp64; half-precision operands
+are fed to ``tl.dot`` as they are on a GPU (the gradient tile is rounded to their dtype
+for its two products, as flash attention does) with fp32 accumulation. Under
+``TRITON_INTERPRET=1`` (the CPU tests) half operands are widened to fp32, because the
+interpreter's bf16 ``tl.dot`` is inexact. Not covered (the torch backend serves them):
+the label-sorted mask-in-tile losses (PML NT-Xent with labels, NT-BXent), SigLIP, and
+exclusions by index pairs or sample masks.
+"""
+
+from __future__ import annotations
+
+from ._host import check_device, check_exclusion, fused, interpreting, triton
+
+__all__ = ["check_device", "check_exclusion", "fused", "grad_rows", "interpreting", "row_lse", "tile_grad", "tile_sums"]
+
+if triton is not None:
+    from .grad_rows import grad_rows
+    from .row_lse import row_lse
+    from .tile_grad import tile_grad
+    from .tile_sums import tile_sums

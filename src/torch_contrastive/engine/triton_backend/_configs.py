@@ -1,0 +1,94 @@
+"""The kernels' autotuning: a small config list per kernel, keyed on (size bucket, D, dtypes).
+
+``triton.autotune`` times every config on the user's GPU the first time a key is seen (then
+caches the winner, on disk too), so the blocks fit whatever GPU runs them -- also when the code
+was written on a machine without one. The lists hold GEMM-shaped tiles (128 where the shape
+allows, pipelined K loops through ``num_stages``) and one small safe config that fits any GPU's
+shared memory. :func:`prune` narrows a list before timing:
+
+* under ``TRITON_INTERPRET=1`` (the CPU tests) to one 32-wide config, so small test problems
+  still span several tiles and nothing is timed;
+* for fp64 operands (no tensor cores, twice the registers) to the small configs;
+* to configs whose tile is not larger than the problem (a 64-row problem gets no 128-row tile).
+
+The key holds ``bucket`` -- the next power of two of the larger side -- rather than the sizes
+themselves, so the last, smaller batch of an epoch does not trigger another round of timing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._host import interpreting, triton
+
+#: The tile side under the interpreter (CPU tests): small problems still span tiles.
+INTERPRETER_BLOCK = 32
+
+
+def bucket(*sizes: int) -> int:
+    """The autotuning key's size bucket: the next power of two of the largest size."""
+    return int(triton.next_power_of_2(max(max(sizes), 1)))
+
+
+def _config(num_warps: int, num_stages: int, **blocks: int) -> Any:
+    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+def square_tiles() -> list[Any]:
+    """Configs of the tile-scheduled kernels (one square ``BLOCK`` tile per program)."""
+    return [
+        _config(8, 3, BLOCK=128, BLOCK_D=64),
+        _config(8, 4, BLOCK=128, BLOCK_D=32),
+        _config(4, 3, BLOCK=128, BLOCK_D=64),
+        _config(4, 4, BLOCK=64, BLOCK_D=64),
+        _config(4, 2, BLOCK=64, BLOCK_D=32),
+    ]
+
+
+def row_blocks() -> list[Any]:
+    """Configs of the row-owned log-sum-exp kernel (a block of rows sweeps the columns)."""
+    return [
+        _config(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64),
+        _config(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_D=32),
+        _config(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64),
+        _config(4, 2, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32),
+    ]
+
+
+def row_output_blocks() -> list[Any]:
+    """Configs of the row-owned gradient kernel (rows x output features per program)."""
+    return [
+        _config(8, 2, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_O=128),
+        _config(4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_O=128),
+        _config(4, 2, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32, BLOCK_O=64),
+    ]
+
+
+def _interpreter_config(configs: list[Any]) -> Any:
+    blocks = {name: INTERPRETER_BLOCK for name in configs[0].kwargs}
+    return _config(4, 1, **blocks)
+
+
+def _side(config: Any) -> int:
+    return max(v for k, v in config.kwargs.items() if k in ("BLOCK", "BLOCK_M"))
+
+
+def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """``early_config_prune`` of every kernel: see the module docstring."""
+    if interpreting():
+        return [_interpreter_config(configs)]
+    x = named_args["x_ptr"]
+    if x.dtype == torch.float64:
+        small = [c for c in configs if _side(c) <= 64 and c.num_stages <= 2]
+        return small or configs[-1:]
+    fitting = [c for c in configs if _side(c) <= max(64, named_args["bucket"])]
+    return fitting or configs[-1:]
+
+
+def autotune(configs: list[Any], reset_to_zero: list[str] | None = None) -> Any:
+    """``triton.autotune`` with the kernels' key and pruning. Kernels that accumulate with
+    atomics name their outputs in ``reset_to_zero`` (timing runs them several times)."""
+    return triton.autotune(configs=configs, key=["bucket", "d"], prune_configs_by={"early_config_prune": prune},
+                           reset_to_zero=reset_to_zero)

@@ -1,0 +1,116 @@
+"""What every kernel does inside one tile, in registers: the logits (a GEMM loop over D with
+fp32 accumulation), the exclusion rule, the validity mask, the gradient tile, and which tile a
+program of a grouped grid owns."""
+
+from __future__ import annotations
+
+from ._host import tl, triton
+
+
+@triton.jit
+def logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) tile of X @ Y.T (accumulated in ACC) for the given rows and columns."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, d, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < n_rows) & (ks[None, :] < d), other=0.0)
+        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < d), other=0.0)
+        acc += tl.dot(x, tl.trans(y), out_dtype=ACC, input_precision=PRECISION)
+    return acc
+
+@triton.jit
+def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr,
+              stride_gc, diagonal, keep_diagonal, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
+              DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, OM: tl.constexpr,
+              ON: tl.constexpr, PRECISION: tl.constexpr):
+    """(OM, ON) bool, in the problem's own orientation: candidate ``ocol_j`` leaves anchor
+    ``orow_i``'s log-sum-exp -- ``(keys | partner | guide) & ~kept diagonal | diagonal``,
+    the same rule as :class:`~torch_contrastive.positives.Exclusion`."""
+    r_ok = orow < n_orows
+    c_ok = ocol < n_ocols
+    out = (orow[:, None] < 0) & (ocol[None, :] < 0)  # all False
+    if N_KEYS >= 1:
+        a0 = tl.load(rk0 + orow, mask=r_ok, other=-1)
+        b0 = tl.load(ck0 + ocol, mask=c_ok, other=-2)
+        out = out | (a0[:, None] == b0[None, :])
+    if N_KEYS >= 2:
+        a1 = tl.load(rk1 + orow, mask=r_ok, other=-1)
+        b1 = tl.load(ck1 + ocol, mask=c_ok, other=-2)
+        out = out | (a1[:, None] == b1[None, :])
+    if PARTNER:
+        p = tl.load(partner + orow, mask=r_ok, other=-1)
+        out = out | (ocol[None, :] == p[:, None])
+    if GUIDE:
+        g = tl.zeros((OM, ON), dtype=GACC)
+        for k0 in range(0, dg, 16):
+            ks = k0 + tl.arange(0, 16)
+            u = tl.load(g_rows + orow[:, None] * stride_gr + ks[None, :], mask=r_ok[:, None] & (ks[None, :] < dg), other=0.0)
+            v = tl.load(g_cols + ocol[:, None] * stride_gc + ks[None, :], mask=c_ok[:, None] & (ks[None, :] < dg), other=0.0)
+            g += tl.dot(u, tl.trans(v), out_dtype=GACC, input_precision=PRECISION)
+        t = tl.load(threshold + orow, mask=r_ok, other=0.0)
+        out = out | (g > t[:, None])
+    if KEEP_DIAGONAL:  # the positive itself never leaves
+        out = out & (ocol[None, :] != orow[:, None] + keep_diagonal)
+    if DIAGONAL:  # DCL's positive as a strided diagonal
+        out = out | (ocol[None, :] == orow[:, None] + diagonal)
+    return out
+
+@triton.jit
+def valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
+           stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr, EXCLUDE: tl.constexpr,
+           TRANSPOSED: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
+           DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool: in bounds, not a self pair, not excluded. Kernel rows and
+    columns are the problem's columns and rows when ``TRANSPOSED`` (a pass over ``S.T``)."""
+    valid = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    if HAS_SELF:
+        valid = valid & (cols[None, :] != rows[:, None] + self_offset)
+    if EXCLUDE:
+        if TRANSPOSED:
+            out = tl.trans(excluded(cols, rows, n_cols, n_rows, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
+                                     stride_gr, stride_gc, diagonal, keep_diagonal, N_KEYS, PARTNER, GUIDE, DIAGONAL,
+                                     KEEP_DIAGONAL, GACC, BLOCK_N, BLOCK_M, PRECISION))
+        else:
+            out = excluded(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
+                            stride_gr, stride_gc, diagonal, keep_diagonal, N_KEYS, PARTNER, GUIDE, DIAGONAL, KEEP_DIAGONAL,
+                            GACC, BLOCK_M, BLOCK_N, PRECISION)
+        valid = valid & ~out
+    return valid
+
+
+@triton.jit
+def gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL: tl.constexpr):
+    """``G_ij = u_i exp(S_ij - L_i) (+ v_j exp(S_ij - M_j))``; a row (column) whose
+    log-sum-exp is ``-inf`` has no candidate and no gradient."""
+    row_ok = rows < n_rows
+    lse_r = tl.load(lse_r_ptr + rows, mask=row_ok, other=0.0)
+    u = tl.load(u_ptr + rows, mask=row_ok, other=0.0)
+    u = tl.where(lse_r == float("-inf"), 0.0, u)
+    lse_r = tl.where(lse_r == float("-inf"), 0.0, lse_r)
+    g = u[:, None] * tl.exp(s - lse_r[:, None])
+    if HAS_COL:
+        col_ok = cols < n_cols
+        lse_c = tl.load(lse_c_ptr + cols, mask=col_ok, other=0.0)
+        v = tl.load(v_ptr + cols, mask=col_ok, other=0.0)
+        v = tl.where(lse_c == float("-inf"), 0.0, v)
+        lse_c = tl.where(lse_c == float("-inf"), 0.0, lse_c)
+        g += v[None, :] * tl.exp(s - lse_c[None, :])
+    return g
+
+
+@triton.jit
+def tile_of(n_rows, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """``(row block, column block)`` of this program in grouped order: ``GROUP`` row blocks
+    sweep the column blocks together, so their column operands are reused from L2."""
+    pid = tl.program_id(0)
+    n_bi = tl.cdiv(n_rows, BLOCK)
+    n_bj = tl.cdiv(n_cols, BLOCK)
+    in_group = GROUP * n_bj
+    first = (pid // in_group) * GROUP
+    size = tl.minimum(n_bi - first, GROUP)
+    bi = first + (pid % in_group) % size
+    bj = (pid % in_group) // size
+    return bi, bj

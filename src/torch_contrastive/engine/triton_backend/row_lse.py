@@ -1,0 +1,67 @@
+"""Row-owned log-sum-exp (online maximum): one program per block of rows sweeps the columns.
+
+Serves the online-maximum regime and deterministic mode (no atomics); a column statistic is
+the same kernel on ``S.T`` (``transposed``: the exclusion rule is read with rows and columns
+swapped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._configs import autotune, bucket, row_blocks
+from ._host import acc_dtypes, check_device, exclusion_args, operand, precision, tl, triton
+from ._tile import logits, valid_mask
+
+
+@autotune(row_blocks())
+@triton.jit
+def _row_lse_kernel(x_ptr, y_ptr, out_ptr, n_rows, n_cols, d, bucket, stride_x, stride_y, self_offset,
+                    rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal,
+                    keep_diagonal, HAS_SELF: tl.constexpr, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr,
+                    N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr,
+                    KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    run_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+    run_sum = tl.zeros((BLOCK_M,), dtype=ACC)
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
+        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
+                           dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, TRANSPOSED, N_KEYS, PARTNER,
+                           GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK_M, BLOCK_N, PRECISION)
+        s = tl.where(valid, s, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(s, axis=1))
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
+        run_max = new_max
+    lse = tl.where(run_sum > 0, tl.log(run_sum) + run_max, float("-inf"))
+    tl.store(out_ptr + rows, lse, mask=rows < n_rows)
+
+
+def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any = None, transposed: bool = False) -> Tensor:
+    """(R,) ``log sum_j exp(S_ij)`` over the candidates that count (fp32; fp64 for fp64) of
+    ``S = x_scaled @ y.T``; ``-inf`` for a row without any. Row-owned, online maximum.
+
+    ``transposed``: ``x_scaled`` / ``y`` are the problem's candidates / anchors (a column
+    log-sum-exp), so the exclusion rule is read with rows and columns swapped.
+    """
+    check_device(x_scaled)
+    x, yy = operand(x_scaled), operand(y)
+    r, c, d = x.shape[0], yy.shape[0], x.shape[1]
+    dtype, acc = acc_dtypes(x)
+    out = torch.empty(r, dtype=dtype, device=x.device)
+    excl_args, flags = exclusion_args(exclude, x)
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(r, meta["BLOCK_M"]),)
+
+    _row_lse_kernel[grid](
+        x, yy, out, r, c, d, bucket(r, c), x.stride(0), yy.stride(0), 0 if self_offset is None else self_offset, *excl_args,
+        HAS_SELF=self_offset is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), **flags)
+    return out

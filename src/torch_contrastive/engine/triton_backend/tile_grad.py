@@ -1,0 +1,96 @@
+"""Fused backward: one program per tile recomputes its logits, forms the gradient tile ``G``
+once in registers and, D block by D block, adds ``G @ Y`` into its rows and ``G.T @ Z`` into
+its columns with atomics -- 4 GEMM-equivalents for a two-set loss, 2 for a single set (upper
+triangle; ``G`` is symmetric, so the mirror rows get ``G.T @ Z``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._configs import autotune, bucket, square_tiles
+from ._host import acc_dtypes, check_device, directions, exclusion_args, operand, precision, tl, triton
+from ._tile import gradient_tile, logits, tile_of, valid_mask
+from .tile_sums import GROUP
+
+
+@triton.jit
+def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols,
+               stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
+               threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr, HAS_COL: tl.constexpr,
+               EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
+               DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, GRAD_COLS: tl.constexpr,
+               SYMMETRIC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    rows = bi * BLOCK + tl.arange(0, BLOCK)
+    cols = bj * BLOCK + tl.arange(0, BLOCK)
+    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL)
+    valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
+                       stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, False, N_KEYS, PARTNER, GUIDE,
+                       DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK, BLOCK, PRECISION)
+    g = tl.where(valid, g, 0.0)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    for k0 in range(0, d, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        k_ok = ks < d
+        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(g.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
+        tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+        if GRAD_COLS or SYMMETRIC:
+            z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            part_t = tl.dot(tl.trans(g.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
+            if SYMMETRIC:  # G is symmetric: the mirror tile's rows get G.T @ Z (not from a diagonal tile)
+                tl.atomic_add(ga_ptr + cols[:, None] * stride_ga + ks[None, :], part_t,
+                              mask=col_ok[:, None] & k_ok[None, :] & (cols[:, None] // BLOCK != bi), sem="relaxed")
+            else:
+                tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t,
+                              mask=(cols[:, None] < grad_cols) & k_ok[None, :], sem="relaxed")
+
+
+@autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
+@triton.jit
+def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket,
+                      grad_cols, stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1,
+                      partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal,
+                      HAS_SELF: tl.constexpr, HAS_COL: tl.constexpr, EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr,
+                      PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr,
+                      GACC: tl.constexpr, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr, ACC: tl.constexpr,
+                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One tile of the grouped grid; for a single set the programs below the diagonal do nothing."""
+    bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
+    if not SYMMETRIC or bj >= bi:
+        _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
+                   grad_cols, stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1, partner,
+                   g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, HAS_COL, EXCLUDE,
+                   N_KEYS, PARTNER, GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, BLOCK,
+                   BLOCK_D)
+
+
+def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor], col: tuple[Tensor, Tensor] | None,
+              self_offset: int | None, exclude: Any, grad_columns: int, symmetric: bool) -> tuple[Tensor, Tensor | None]:
+    """``(G @ y, G.T @ z)`` from one pass over the tiles, each gradient tile formed once
+    (atomics). ``G.T @ z`` covers the first ``grad_columns`` candidates (None for 0);
+    ``symmetric``: ``y`` is ``x``'s own set, upper-triangle tiles, ``G @ y`` holds both
+    roles and the second result is None."""
+    check_device(x_scaled)
+    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    r, c, d = x.shape[0], yy.shape[0], x.shape[1]
+    dtype, acc = acc_dtypes(x)
+    ga = torch.zeros(r, d, dtype=dtype, device=x.device)
+    grad_cols = 0 if symmetric else max(0, min(grad_columns, c))
+    gb = torch.zeros(c, d, dtype=dtype, device=x.device) if grad_cols else ga
+    excl_args, flags = exclusion_args(exclude, x)
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(r, meta["BLOCK"]) * triton.cdiv(c, meta["BLOCK"]),)
+
+    _tile_grad_kernel[grid](
+        x, yy, zz, ga, gb, *directions(row, col, dtype), r, c, d, bucket(r, c), grad_cols, x.stride(0), yy.stride(0),
+        zz.stride(0), ga.stride(0), gb.stride(0), 0 if self_offset is None else self_offset, *excl_args,
+        HAS_SELF=self_offset is not None, HAS_COL=col is not None, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric, ACC=acc,
+        PRECISION=precision(x), GROUP=GROUP, **flags)
+    return ga, gb if grad_cols else None
