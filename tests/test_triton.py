@@ -137,7 +137,6 @@ def test_half_inputs_match_the_torch_backend(dtype):
 
 @pytest.mark.parametrize("call,words", [
     (lambda x: tc.nt_bxent_loss(x, labels=torch.arange(6) % 2, backend="triton"), "NT-BXent"),
-    (lambda x: tc.siglip_loss(x, x, 10.0, -10.0, backend="triton"), "SigLIP"),
     (lambda x: tc.nt_xent_loss(x, labels=torch.arange(6) % 2, backend="triton"), "NT-Xent with labels"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
                              exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
@@ -360,3 +359,49 @@ def test_asymmetric_exclusions_read_right_in_the_column_pass(what, fixed, rows, 
     torch.testing.assert_close(v1, v0, rtol=1e-10, atol=1e-10)
     for x, y in zip(g1, g0):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------ SigLIP's sigmoid kernels
+@pytest.mark.parametrize("n,ids", [(1, "none"), (7, "none"), (45, "none"), (45, "image"), (70, "both"), (33, "negative_only")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype):
+    """Values and gradients of inputs, scale and bias: positives on the diagonal, by ids (duplicates
+    positive), or none (open_clip's negative-only term); sizes that leave ragged tiles."""
+    from reference import cosine_matrix, siglip
+
+    g = torch.Generator().manual_seed(n)
+    iid = torch.randint(0, max(1, n // 2), (n,), generator=g) if ids in ("image", "both") else None
+    tid = torch.randint(0, max(1, n // 3), (n,), generator=g) if ids == "both" else None
+    a, b = (torch.randn(n, 20, generator=g, dtype=torch.float64) for _ in range(2))
+    ref_in = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    ref_p = [torch.tensor(7.0, dtype=torch.float64, requires_grad=True), torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)]
+    if ids == "negative_only":
+        s = torch.stack([torch.stack(row) for row in cosine_matrix(*ref_in, True)])
+        ref = -torch.nn.functional.logsigmoid(-(ref_p[0] * s + ref_p[1])).sum() / n
+    else:
+        ref = siglip(*ref_in, *ref_p, iid, tid)
+    ref.backward()
+    our_in = [t.to(DEVICE, dtype).requires_grad_() for t in (a, b)]
+    our_p = [torch.tensor(v, dtype=dtype, device=DEVICE, requires_grad=True) for v in (7.0, -3.0)]
+    ours = tc.siglip_loss(*our_in, *our_p, None if iid is None else iid.to(DEVICE), None if tid is None else tid.to(DEVICE),
+                          negative_only=ids == "negative_only", backend="triton")
+    ours.backward()
+    rtol, atol = TOLS[dtype]
+    assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=atol)
+    for got, want in zip([*our_in, *our_p], [*ref_in, *ref_p]):
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=10 * rtol, atol=10 * atol)
+
+
+def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model():
+    """Scale 100, bias -20: every per-pair term is about e^-80 relative to 1 -- kept, not rounded to 0."""
+    from reference import siglip
+
+    x = torch.eye(6, dtype=torch.float64) + 0.01 * torch.randn(6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref_in = x.clone().requires_grad_()
+    ref = siglip(ref_in, x, 100.0, -20.0)
+    ref.backward()
+    ours_in = x.float().to(DEVICE).requires_grad_()
+    ours = tc.siglip_loss(ours_in, x.float().to(DEVICE), 100.0, -20.0, backend="triton")
+    ours.backward()
+    assert 0 < ours.item() == pytest.approx(ref.item(), rel=1e-4)
+    torch.testing.assert_close(ours_in.grad.double().cpu(), ref_in.grad, rtol=1e-3, atol=1e-3 * ref_in.grad.abs().max().item())

@@ -286,6 +286,15 @@ MUTATIONS = [
              "    return (labels != first).any()", "single_class='zero' ignores the reference labels", INTEGRATION_TESTS),
     Mutation(f"{PKG}/modules.py", "        term = (weight - weight.detach()) * positive.to(weight.dtype)",
              "        term = (weight - weight.detach()) * 0", "DCL weight_fn takes no gradient", INTEGRATION_TESTS),
+    Mutation(f"{E}/triton_backend/sigmoid_pairs.py", "        pos = pos | (cols[None, :] == rows[:, None] + diagonal)", "        pos = pos",
+             "triton SigLIP: the diagonal positives are negatives", tests=("tests/test_triton.py",)),
+    Mutation(f"{E}/triton_backend/sigmoid_pairs.py", "    small = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))",
+             "    small = tl.log(w)", "triton SigLIP: softplus loses a confident pair's small term", tests=("tests/test_triton.py",)),
+    Mutation(f"{E}/triton_backend/sigmoid_pairs.py", "    tl.atomic_add(gbias_ptr, tl.sum(tl.sum(grad, axis=1), axis=0), sem=\"relaxed\")", "",
+             "triton SigLIP: the bias gets no gradient", tests=("tests/test_triton.py",)),
+    Mutation(f"{E}/driver.py", "        norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])",
+             "        norm_b = None if not plan.normalize or ctx.single else (norms[0], norms[1])",
+             "driver: the candidates' normalisation backward uses the anchors' norms"),
 ]
 
 

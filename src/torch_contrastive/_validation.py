@@ -236,12 +236,12 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def check_backend(backend: object, covered: bool, what: str) -> str:
-    """``"auto"``, ``"torch"`` or ``"triton"``; the Triton kernels cover the log-sum-exp losses only
-    (``"auto"`` then means ``"torch"``)."""
+    """``"auto"``, ``"torch"`` or ``"triton"``; the Triton kernels cover the log-sum-exp losses and
+    SigLIP (elsewhere ``"auto"`` means ``"torch"``)."""
     check_choice(backend, "backend", BACKENDS)
     if backend == "triton" and not covered:
         raise ValueError(f"backend='triton' covers the log-sum-exp losses (NT-Xent with a pairing rule, SupCon, the image-text "
-                         f"loss, InfoNCE); {what} runs on backend='torch'")
+                         f"loss, InfoNCE) and SigLIP; {what} runs on backend='torch'")
     return str(backend)
 
 

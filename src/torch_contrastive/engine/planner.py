@@ -172,7 +172,7 @@ def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[
 
 def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
            chunk_size: int | None, backend: str, fixed: bool, triton_serves: Callable[[], str | None] = lambda: None,
-           one_tile_torch_only: bool = True, half_ok: bool = True) -> Decision:
+           one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True) -> Decision:
     """Every decision for one engine call (see the module docstring).
 
     Args:
@@ -186,8 +186,10 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         triton_serves: None when the Triton kernels can serve the call, else the reason.
         one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
         half_ok: the kernel can take tensor-core products (:mod:`.products`).
+        auto_triton: ``"auto"`` may pick the Triton kernels (where they were measured faster);
+            False keeps ``"auto"`` on torch (kernels not yet measured on a GPU).
     """
-    prefer_triton = dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
+    prefer_triton = auto_triton and dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
     chosen = choose_backend(backend, device, triton_serves, prefer_triton)
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
     wide = 16 if torch.float64 in (dtype, other_dtype) else 8

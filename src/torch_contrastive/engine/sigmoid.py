@@ -39,6 +39,39 @@ class _Plan:
     tile: int  # 0: one tile covers everything
     normalize: bool
     eps: float
+    backend: str = "torch"
+    # Triton on a GPU: half inputs reach tl.dot in their own dtype (None: the compute dtype)
+    operand_dtype: torch.dtype | None = None
+
+
+def _triton_positives(positives: Positives, diagonal: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
+    """The id keys the Triton kernels compare (None: a strided diagonal or no positive at all)."""
+    if positives.kind == "keys" and diagonal is None:
+        return positives.row_keys, positives.col_keys
+    return None
+
+
+def _triton_refusal(anchors: Tensor, positives: Positives, diagonal: int | None) -> str | None:
+    """None when the Triton kernels can run this call, else why not (for the planner)."""
+    from . import triton_backend
+
+    try:
+        triton_backend.check_device(anchors)
+    except ValueError as err:
+        return str(err)
+    kind = positives.kind
+    covered = (kind == "partner" and diagonal is not None) or (kind == "keys" and positives.self_offset is None
+                                                              and len(positives.row_keys) <= 2) \
+        or (kind == "pairs" and positives.pairs is not None and positives.pairs.shape[0] == 0)
+    return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
+
+
+def _triton_operands(plan: _Plan, *tensors: Tensor) -> list[Tensor]:
+    from . import triton_backend
+
+    if plan.operand_dtype is None or triton_backend.interpreting():
+        return list(tensors)
+    return [t.to(plan.operand_dtype) for t in tensors]
 
 
 def _signed_tile(s: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor | None]:
@@ -79,7 +112,13 @@ class _SigmoidKernel:
         a_s = a_c * ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kept: tuple[Tensor, ...] = ()
-        if plan.tile == 0:
+        if plan.backend == "triton":
+            from . import triton_backend
+
+            x, y = _triton_operands(plan, a_s, b_c)
+            keys = _triton_positives(plan.positives, plan.diagonal_offset)
+            out = triton_backend.sigmoid_sums(x, y, bias_c, plan.diagonal_offset, keys)
+        elif plan.tile == 0:
             signed, pos = _signed_tile(logits_tile(None, a_s, b_c).add_(bias_c), plan, 0, R, 0, C)
             out = F.softplus(signed).sum(1)
             kept = (signed,) if pos is None else (signed, pos)  # one tile: kept for backward
@@ -98,7 +137,13 @@ class _SigmoidKernel:
         a, b, scale, rest = saved.a, saved.b, saved.scale, list(saved.keep)
         bias: Tensor | float = rest.pop(0) if ctx.float_bias is None else ctx.float_bias
         g_row = grads[0].to(a.dtype)  # type: ignore[union-attr]
-        if rest:
+        if plan.backend == "triton":
+            from . import triton_backend
+
+            x, y, z = _triton_operands(plan, a * scale, b, a)
+            keys = _triton_positives(plan.positives, plan.diagonal_offset)
+            gb, ga, gbias = triton_backend.sigmoid_grad(x, y, z, g_row, bias, plan.diagonal_offset, keys)
+        elif rest:
             signed, pos = rest[0], (rest[1] if len(rest) > 1 else None)
             grad = _grad_tile(signed, pos, g_row, plan, 0, 0)
             gb, ga, gbias = grad @ b, grad.t() @ a, grad.sum()
@@ -131,6 +176,7 @@ def sigmoid_rows(
     normalize: bool = False,
     eps: float = 1e-12,
     chunk_size: int | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Per-row ``sum_j softplus(-z_ij S_ij)`` with ``S = scale * anchors @ candidates.T + bias``.
 
@@ -144,6 +190,9 @@ def sigmoid_rows(
             (no ids), positives are handled as a strided diagonal, without a mask.
         normalize, eps: L2-normalise both inputs inside the function.
         chunk_size: tile edge (see :func:`resolve_tile`).
+        backend: ``"torch"``, ``"triton"`` (fused tile kernels, :mod:`.triton_backend.sigmoid_pairs`:
+            positives on the diagonal, by ids or none) or ``"auto"`` -- the torch backend until
+            the kernels are measured faster on a GPU.
 
     Returns:
         (R,) row sums in the compute dtype (fp32 for half inputs).
@@ -152,6 +201,10 @@ def sigmoid_rows(
     """
     R, C = anchors.shape[0], candidates.shape[0]
     decision = decide(kernel="sigmoid", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype, other_dtype=candidates.dtype,
-                      chunk_size=chunk_size, backend="torch", fixed=False, half_ok=False)
-    plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps))
+                      chunk_size=chunk_size, backend=backend, fixed=False, half_ok=False, auto_triton=False,
+                      triton_serves=lambda: _triton_refusal(anchors, positives, diagonal_offset))
+    operand_dtype = None
+    if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
+        operand_dtype = anchors.dtype
+    plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps), decision.backend, operand_dtype)
     return run(_SIGMOID, plan, anchors, candidates, scale, bias)

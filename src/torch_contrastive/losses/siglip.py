@@ -76,13 +76,14 @@ def siglip_loss(
             (:mod:`torch_contrastive.options`). With ``gather`` the texts (and ids) of
             every rank are gathered and each rank computes its own image rows against all
             of them; the value is the global loss on every rank.
-        backend: ``"auto"`` (default) or ``"torch"``: the Triton kernels cover the soft-max losses only.
+        backend: ``"auto"`` (default: the torch backend), ``"torch"`` or ``"triton"`` (fused
+            sigmoid tile kernels: positives on the diagonal or by ids, or none).
 
     Memory: O(N * D + tile^2); forward+backward about three N x N x D matrix multiplies
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid
     per pair.
     """
-    v.check_backend(backend, False, "SigLIP (a softplus per pair)")
+    v.check_backend(backend, True, "SigLIP")
     if not isinstance(negative_only, bool):
         raise TypeError(f"negative_only must be a bool, got {type(negative_only).__name__}")
     if negative_only:
@@ -111,7 +112,7 @@ def siglip_loss(
     # Without ids image i's positive is text offset + i: a strided diagonal of each tile.
     diagonal = scope.offset if positives.kind == "partner" and not negative_only else None
     per_image = sigmoid_rows(img, txt_all, scale, bias, positives, diagonal_offset=diagonal, normalize=inside, eps=eps,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, backend=backend)
     # "mean": the global sum over all pairs / the global number of images (open_clip's / N).
     bound = None if isinstance(scale, Tensor) or isinstance(bias, Tensor) else scale + abs(bias)
     return reduce(per_image, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

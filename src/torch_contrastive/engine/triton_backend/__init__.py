@@ -36,19 +36,22 @@ Precision: fp32 operands are multiplied in IEEE fp32 (TF32 only when
 are fed to ``tl.dot`` as they are on a GPU (the gradient tile is rounded to their dtype
 for its two products, as flash attention does) with fp32 accumulation. Under
 ``TRITON_INTERPRET=1`` (the CPU tests) half operands are widened to fp32, because the
-interpreter's bf16 ``tl.dot`` is inexact. Not covered (the torch backend serves them):
-the label-sorted mask-in-tile losses (PML NT-Xent with labels, NT-BXent), SigLIP, and
-exclusions by index pairs or sample masks.
+interpreter's bf16 ``tl.dot`` is inexact. SigLIP's sigmoid pairs have their own fused
+kernels (:mod:`.sigmoid_pairs`). Not covered (the torch backend serves them): the
+label-sorted mask-in-tile losses (PML NT-Xent with labels, NT-BXent) and exclusions by
+index pairs or sample masks.
 """
 
 from __future__ import annotations
 
 from ._host import check_device, check_exclusion, fused, interpreting, triton
 
-__all__ = ["check_device", "check_exclusion", "fused", "grad_rows", "interpreting", "row_lse", "tile_grad", "tile_sums"]
+__all__ = ["check_device", "check_exclusion", "fused", "grad_rows", "interpreting", "row_lse", "sigmoid_grad", "sigmoid_sums",
+           "tile_grad", "tile_sums"]
 
 if triton is not None:
     from .grad_rows import grad_rows
     from .row_lse import row_lse
+    from .sigmoid_pairs import sigmoid_grad, sigmoid_sums
     from .tile_grad import tile_grad
     from .tile_sums import tile_sums

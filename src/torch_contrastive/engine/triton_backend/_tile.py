@@ -21,6 +21,21 @@ def logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y,
     return acc
 
 @triton.jit
+def same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS: tl.constexpr):
+    """(rows, cols) bool: any of the ``N_KEYS`` (0-2) id keys equal; out-of-bounds entries never match."""
+    out = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
+    if N_KEYS >= 1:
+        a0 = tl.load(rk0 + rows, mask=r_ok, other=-1)
+        b0 = tl.load(ck0 + cols, mask=c_ok, other=-2)
+        out = out | (a0[:, None] == b0[None, :])
+    if N_KEYS >= 2:
+        a1 = tl.load(rk1 + rows, mask=r_ok, other=-1)
+        b1 = tl.load(ck1 + cols, mask=c_ok, other=-2)
+        out = out | (a1[:, None] == b1[None, :])
+    return out
+
+
+@triton.jit
 def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr,
               stride_gc, diagonal, keep_diagonal, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
               DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, OM: tl.constexpr,
@@ -30,15 +45,7 @@ def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, 
     the same rule as :class:`~torch_contrastive.positives.Exclusion`."""
     r_ok = orow < n_orows
     c_ok = ocol < n_ocols
-    out = (orow[:, None] < 0) & (ocol[None, :] < 0)  # all False
-    if N_KEYS >= 1:
-        a0 = tl.load(rk0 + orow, mask=r_ok, other=-1)
-        b0 = tl.load(ck0 + ocol, mask=c_ok, other=-2)
-        out = out | (a0[:, None] == b0[None, :])
-    if N_KEYS >= 2:
-        a1 = tl.load(rk1 + orow, mask=r_ok, other=-1)
-        b1 = tl.load(ck1 + ocol, mask=c_ok, other=-2)
-        out = out | (a1[:, None] == b1[None, :])
+    out = same_keys(orow, ocol, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS)
     if PARTNER:
         p = tl.load(partner + orow, mask=r_ok, other=-1)
         out = out | (ocol[None, :] == p[:, None])

@@ -1,0 +1,151 @@
+"""SigLIP's pairwise sigmoid terms (Zhai et al. 2023) as fused tile kernels.
+
+``S = x_scaled @ y.T + bias``, labels ``z_ij = +1`` on positives and -1 elsewhere. Forward: one
+program per tile adds ``sum_j softplus(-z_ij S_ij)`` of its rows with atomics. Backward: one
+program per tile forms ``dS_ij = -z_ij sigmoid(-z_ij S_ij) g_i`` once in registers and adds
+``dS @ y`` into its rows, ``dS.T @ z`` into its columns and ``sum dS`` into the bias gradient.
+Positives: a strided diagonal (text ``i + offset`` of image ``i``), equal ids (one or two key
+tensors), or none (open_clip's negative-only term).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._configs import autotune, bucket, square_tiles
+from ._host import acc_dtypes, check_device, operand, precision, tl, triton
+from ._tile import logits, same_keys, tile_of
+from .tile_sums import GROUP
+
+
+@triton.jit
+def _softplus(x):
+    """``max(x, 0) + log1p(exp(-|x|))`` with ``log1p`` by Kahan's trick (exact for tiny
+    arguments): a confident pair's small term is kept, never rounded to 0."""
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    small = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+    return tl.maximum(x, 0.0) + small
+
+
+@triton.jit
+def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, stride_x, stride_y, diagonal,
+                 DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``-z * S`` of the tile, the positive mask and the in-bounds mask."""
+    rows = bi * BLOCK + tl.arange(0, BLOCK)
+    cols = bj * BLOCK + tl.arange(0, BLOCK)
+    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    s = s + tl.load(bias_ptr)
+    r_ok = rows < n_rows
+    c_ok = cols < n_cols
+    pos = same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS)
+    if DIAGONAL:
+        pos = pos | (cols[None, :] == rows[:, None] + diagonal)
+    return tl.where(pos, -s, s), pos, r_ok[:, None] & c_ok[None, :], rows, cols
+
+
+@autotune(square_tiles(), reset_to_zero=["out_ptr"])
+@triton.jit
+def _sigmoid_sums_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, bucket, stride_x, stride_y,
+                         diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
+    signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
+                                                   stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, BLOCK,
+                                                   BLOCK_D)
+    terms = tl.where(inside, _softplus(signed), 0.0)
+    tl.atomic_add(out_ptr + rows, tl.sum(terms, axis=1), mask=rows < n_rows, sem="relaxed")
+
+
+@autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr", "gbias_ptr"])
+@triton.jit
+def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols,
+                         d, bucket, stride_x, stride_y, stride_z, stride_ga, stride_gb, diagonal, DIAGONAL: tl.constexpr,
+                         N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
+    signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
+                                                   stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, BLOCK,
+                                                   BLOCK_D)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    g_row = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    grad = tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None])  # dS = -z sigmoid(-z S) g_i
+    grad = tl.where(inside, grad, 0.0)
+    tl.atomic_add(gbias_ptr, tl.sum(tl.sum(grad, axis=1), axis=0), sem="relaxed")
+    for k0 in range(0, d, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        k_ok = ks < d
+        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(grad.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
+        tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+        z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        part_t = tl.dot(tl.trans(grad.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
+        tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t, mask=col_ok[:, None] & k_ok[None, :],
+                      sem="relaxed")
+
+
+def _positive_args(diagonal: int | None, keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
+                   dummy: Tensor) -> tuple[list[Any], dict[str, Any]]:
+    """The positive relation as the kernels read it: key pointers, the diagonal, the switches."""
+    ptrs: list[Any] = [dummy, dummy, dummy, dummy]
+    n_keys = 0
+    if keys is not None:
+        rk, ck = keys
+        ptrs = [rk[0].contiguous(), ck[0].contiguous()]
+        ptrs += [rk[1].contiguous(), ck[1].contiguous()] if len(rk) > 1 else [dummy, dummy]
+        n_keys = len(rk)
+    return ptrs, dict(DIAGONAL=diagonal is not None, N_KEYS=n_keys)
+
+
+def _bias(bias: Tensor | float, like: Tensor, dtype: torch.dtype) -> Tensor:
+    if isinstance(bias, Tensor):
+        return bias.detach().to(device=like.device, dtype=dtype).reshape(1).contiguous()
+    return torch.full((1,), float(bias), dtype=dtype, device=like.device)
+
+
+def _grid(r: int, c: int) -> Any:
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(r, meta["BLOCK"]) * triton.cdiv(c, meta["BLOCK"]),)
+
+    return grid
+
+
+def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: int | None,
+                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None) -> Tensor:
+    """(R,) ``sum_j softplus(-z_ij S_ij)`` with ``S = x_scaled @ y.T + bias`` (fp32; fp64 for
+    fp64); ``z_ij = +1`` where ``j == i + diagonal`` or the ids are equal (``keys`` =
+    (row keys, column keys)), -1 elsewhere. Neither given: every pair is a negative."""
+    check_device(x_scaled)
+    x, yy = operand(x_scaled), operand(y)
+    r, c, d = x.shape[0], yy.shape[0], x.shape[1]
+    dtype, acc = acc_dtypes(x)
+    out = torch.zeros(r, dtype=dtype, device=x.device)
+    ptrs, flags = _positive_args(diagonal, keys, x)
+    _sigmoid_sums_kernel[_grid(r, c)](
+        x, yy, out, _bias(bias, x, dtype), *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
+        0 if diagonal is None else diagonal, ACC=acc, PRECISION=precision(x), GROUP=GROUP, **flags)
+    return out
+
+
+def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Tensor | float, diagonal: int | None,
+                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dS @ y, dS.T @ z, sum dS)`` for the upstream per-row gradient ``g_row``, each
+    gradient tile formed once (atomics); see :func:`sigmoid_sums` for ``S`` and ``z_ij``."""
+    check_device(x_scaled)
+    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    r, c, d = x.shape[0], yy.shape[0], x.shape[1]
+    dtype, acc = acc_dtypes(x)
+    ga = torch.zeros(r, d, dtype=dtype, device=x.device)
+    gb = torch.zeros(c, d, dtype=dtype, device=x.device)
+    gbias = torch.zeros(1, dtype=dtype, device=x.device)
+    ptrs, flags = _positive_args(diagonal, keys, x)
+    _sigmoid_grad_kernel[_grid(r, c)](
+        x, yy, zz, ga, gb, gbias, g_row.to(dtype).expand(r).contiguous(), _bias(bias, x, dtype), *ptrs, r, c, d, bucket(r, c),
+        x.stride(0), yy.stride(0), zz.stride(0), ga.stride(0), gb.stride(0), 0 if diagonal is None else diagonal, ACC=acc,
+        PRECISION=precision(x), GROUP=GROUP, **flags)
+    return ga, gb, gbias.reshape(())
