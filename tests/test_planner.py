@@ -46,6 +46,23 @@ def test_budget_and_chunk_size_override_the_plan(monkeypatch):
     assert _decide(CUDA, torch.bfloat16, 8192, chunk_size=500).tile == 500
 
 
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_the_bounded_algorithm_is_the_planners_choice_from_the_losss_bound(device):
+    """A loss states |S| <= bound (unit rows, a host-known scale); the planner picks the one-exp
+    algorithm exactly where it cannot overflow for the dtype (fp32: bound 40, fp64: 340)."""
+    def fixed(dtype, bound):
+        return _decide(device, dtype, 64, fixed=False, bound=bound).fixed
+
+    assert fixed(torch.float32, 1 / 0.07) and fixed(torch.bfloat16, 40.0) and fixed(torch.float64, 340.0)
+    assert not fixed(torch.float32, 40.5) and not fixed(torch.float16, 100.0) and fixed(torch.float64, 100.0)
+    assert not fixed(torch.float64, 341.0) and not fixed(torch.float32, None)  # no promise: the online maximum
+    assert _decide(device, torch.float32, 64, fixed=True, bound=None).fixed  # forced by the caller (tests)
+    x = torch.randn(32, 8, device=DEVICE)
+    assert [d.fixed for d in tc.explain(tc.clip_loss, x, x.flip(0), 0.07)] == [True]
+    assert [d.fixed for d in tc.explain(tc.clip_loss, x, x.flip(0), 0.01)] == [False]  # 1 / 0.01 > 40
+    assert [d.fixed for d in tc.explain(tc.clip_loss, x, x.flip(0), 0.07, normalize=False)] == [False]  # rows not unit
+
+
 def test_explicit_backends_are_honoured_or_refused():
     assert _decide(CPU, torch.float32, 10, backend="torch").backend == "torch"
     with pytest.raises(ValueError, match="backend='triton' cannot run this call: no kernels here"):

@@ -295,6 +295,9 @@ MUTATIONS = [
     Mutation(f"{E}/driver.py", "        norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])",
              "        norm_b = None if not plan.normalize or ctx.single else (norms[0], norms[1])",
              "driver: the candidates' normalisation backward uses the anchors' norms"),
+    Mutation(f"{PKG}/losses/_false_negatives.py", "keep_diagonal=offset, learn=learn and guide is not None)",
+             "keep_diagonal=None, learn=learn and guide is not None)", "InfoNCE false negatives: the positive itself can leave",
+             tests=("tests/test_false_negatives.py", "tests/test_info_nce.py")),
 ]
 
 

@@ -462,6 +462,7 @@ def pairwise_rows(
     chunk_size: int | None = None,
     label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None,
     fixed: bool = False,
+    bound: float | None = None,
     combine: _Combine | None = None,
 ) -> tuple[Tensor, ...]:
     """Per-row statistics that need the positive mask in every tile.
@@ -479,10 +480,10 @@ def pairwise_rows(
             highest) label of every row tile and every column tile (see :func:`tile_label_bounds`).
             A tile whose two ranges do not overlap holds only negatives and takes the fast
             path: no mask, no per-positive work (PML NT-Xent skips it in its second pass).
-        fixed: every ``|S|`` is small enough for plain ``exp`` (see
-            :func:`~torch_contrastive.engine.fixed_scale_applies`): PML NT-Xent then needs no
-            running maximum.
-
+        fixed: force the bounded mode (every ``|S|`` small enough for plain ``exp``): PML
+            NT-Xent then needs no running maximum.
+        bound: the caller's promise that every ``|S| <= bound``; the planner picks the bounded
+            mode where it is exact (:func:`~torch_contrastive.engine.fixed_scale_applies`).
         combine: ``(weights, total)``: return ``(total * sum_i sum_k weights[k]_i out_k,i,)``
             instead -- a loss's per-row combination and reduction inside the autograd function.
             ``weights`` holds one (R,) tensor (or float) per output, ``total`` a float or 0-dim
@@ -492,7 +493,7 @@ def pairwise_rows(
     """
     decision = decide(kernel="pairwise", rows=anchors.shape[0], cols=candidates.shape[0], device=anchors.device,
                       dtype=anchors.dtype, other_dtype=candidates.dtype, chunk_size=chunk_size, backend="torch", fixed=fixed,
-                      half_ok=False)
+                      bound=bound, half_ok=False)
     tile = decision.tile or max(anchors.shape[0], candidates.shape[0])
     single = decision.tile == 0
     mixed = None
@@ -500,8 +501,8 @@ def pairwise_rows(
         rows, cols = label_ranges
         mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
     symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
-                 and (kernel == "binary" or fixed))  # PML's one exp for both blocks needs the fixed mode
-    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, fixed, symmetric)
+                 and (kernel == "binary" or decision.fixed))  # PML's one exp for both blocks needs the fixed mode
+    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, decision.fixed, symmetric)
     return tuple(run(_PAIRWISE, plan, anchors, None if candidates is anchors else candidates, scale, combine))
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES
+from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, fixed_scale_applies
 
 #: GPU scratch budget (bytes) unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` says otherwise.
 GPU_BUDGET_DEFAULT = 1 << 30
@@ -171,7 +171,8 @@ def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[
 
 
 def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
-           chunk_size: int | None, backend: str, fixed: bool, triton_serves: Callable[[], str | None] = lambda: None,
+           chunk_size: int | None, backend: str, fixed: bool = False, bound: float | None = None,
+           triton_serves: Callable[[], str | None] = lambda: None,
            one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True) -> Decision:
     """Every decision for one engine call (see the module docstring).
 
@@ -182,13 +183,17 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         dtype, other_dtype: the anchors' and candidates' dtypes.
         chunk_size: the caller's tile (None: chosen here).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        fixed: the caller may use the bounded one-``exp`` algorithm (a host-side bound).
+        fixed: force the bounded one-``exp`` algorithm (tests; the caller vouches for it).
+        bound: the loss's promise that every ``|S| <= bound`` (unit rows and a host-known scale;
+            None: no promise). The bounded algorithm is chosen when it is exact for the dtype
+            (:func:`~._common.fixed_scale_applies`).
         triton_serves: None when the Triton kernels can serve the call, else the reason.
         one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
         half_ok: the kernel can take tensor-core products (:mod:`.products`).
         auto_triton: ``"auto"`` may pick the Triton kernels (where they were measured faster);
             False keeps ``"auto"`` on torch (kernels not yet measured on a GPU).
     """
+    fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
     prefer_triton = auto_triton and dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
     chosen = choose_backend(backend, device, triton_serves, prefer_triton)
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)

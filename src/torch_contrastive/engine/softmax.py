@@ -314,6 +314,7 @@ def softmax_terms(
     columns: bool = False,
     column_positives: bool = True,
     fixed: bool = False,
+    bound: float | None = None,
     normalize: bool = False,
     eps: float = 1e-12,
     chunk_size: int | None = None,
@@ -346,8 +347,10 @@ def softmax_terms(
         column_positives: include ``sum_i P_ij S_ij`` in the column terms (the caller
             computes it itself in distributed training, where this rank holds only
             some rows).
-        fixed: use plain ``exp(S)`` without a shift; only exact when every row has
+        fixed: force plain ``exp(S)`` without a shift; only exact when every row has
             norm <= 1 and the scale is small (see :func:`fixed_scale_applies`).
+        bound: the caller's promise that every ``|S| <= bound`` (unit rows, a host-known
+            scale); the planner then picks the one-``exp`` algorithm where it is exact.
         normalize: L2-normalise anchors and candidates inside (``x / max(||x||, eps)``),
             so the whole loss is one autograd node.
         chunk_size: tile edge (see :func:`resolve_tile`).
@@ -391,7 +394,7 @@ def softmax_terms(
         raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
     R, C = anchors.shape[0], candidates.shape[0]
     decision = decide(kernel="softmax", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype,
-                      other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed,
+                      other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed, bound=bound,
                       triton_serves=lambda: _triton_refusal(anchors, exclude))
     operand_dtype = None
     if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
@@ -400,7 +403,7 @@ def softmax_terms(
     single = decision.tile == 0
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     apart = apart_rule(positives, exclude, columns, column_positives, column_comm, symmetric, decision.backend)
-    plan = SoftmaxPlan(self_offset, columns, symmetric, decision.tile, fixed, normalize, float(eps), positives,
+    plan = SoftmaxPlan(self_offset, columns, symmetric, decision.tile, decision.fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
                  C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, operand_dtype,
                  decision.half, apart)

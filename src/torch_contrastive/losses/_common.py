@@ -19,7 +19,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope, make_scope
-from ..engine import Scale, fixed_scale_applies, pairwise_rows, resolve_tile, tile_label_bounds
+from ..engine import Scale, pairwise_rows, resolve_tile, tile_label_bounds
 from ..positives import Positives
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -274,7 +274,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
         counts = positives.row_counts()
         outputs = pairwise_rows(z, z_all, scale, positives, kernel=kernel, normalize=inside, eps=eps, chunk_size=chunk_size,
-                                fixed=fixed_scale_applies(normalize, bound, z.dtype), combine=combine and combine(counts))
+                                bound=bound if normalize else None, combine=combine and combine(counts))
         return LabelledRows(outputs, counts, bound)
     # Sorted: most tiles hold only negatives.
     known = bound if by_label.scale_bound is None else by_label.scale_bound
@@ -282,7 +282,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     counts = positives.row_counts()
     outputs = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel=kernel, normalize=inside, eps=eps,
                             chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
-                            fixed=fixed_scale_applies(normalize, known, z.dtype), combine=combine and combine(counts))
+                            bound=known if normalize else None, combine=combine and combine(counts))
     order = by_label.order
     if combine is not None:
         return LabelledRows(outputs, counts, known)

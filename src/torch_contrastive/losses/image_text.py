@@ -12,7 +12,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope
-from ..engine import Scale, compute_dtype, fixed_scale_applies, softmax_terms
+from ..engine import Scale, compute_dtype, softmax_terms
 from ..positives import Exclusion, Positives
 from ._common import check_agreement, engine_total, finish_checks, image_text_inputs, image_text_positives, positive_logits
 
@@ -99,7 +99,7 @@ def image_text_contrastive_loss(
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)
     check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
 
-    fixed = fixed_scale_applies(normalize, bound, image_feat.dtype)
+    limit = bound if normalize else None  # |S| <= limit: unit rows, a host-known scale
     variant = _Variant(decoupled, smoothing)
     if not scope.distributed:
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions, and the
@@ -115,7 +115,7 @@ def image_text_contrastive_loss(
             engine_total("mean", scope, 2 * n_gt, cdtype, float(n) if reduction == "sum" else 1.0)
         text = as_dtype(text_feat, image_feat.dtype)
         per_image, per_text = softmax_terms(image_feat, text, scale, self_offset=None, positives=pos,
-                                            row_weights=weights, col_weights=_column_weights(weights), columns=True, fixed=fixed,
+                                            row_weights=weights, col_weights=_column_weights(weights), columns=True, bound=limit,
                                             normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos),
                                             backend=backend, total=total)
         if total is not None:
@@ -128,7 +128,7 @@ def image_text_contrastive_loss(
             img, txt = prepare(image_feat, normalize, eps), prepare(text_feat.to(image_feat.dtype), normalize, eps)
             per_image, per_text = variant.smooth(per_image, per_text, img, txt, img, txt, counts.sum(), n, scale)
     else:
-        per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, image_id, text_id, scope, fixed, normalize,
+        per_image, per_text, counts = _distributed_terms(image_feat, text_feat, scale, image_id, text_id, scope, limit, normalize,
                                                          eps, chunk_size, variant, backend)
     if decoupled:  # a row left without candidates (every text a positive) contributes 0
         per_image = torch.where(torch.isneginf(per_image), 0.0, per_image)
@@ -172,7 +172,7 @@ class _Variant:
 
 
 def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, image_id: Tensor | None, text_id: Tensor | None,
-                       scope: Scope, fixed: bool, normalize: bool, eps: float, chunk_size: int | None,
+                       scope: Scope, limit: float | None, normalize: bool, eps: float, chunk_size: int | None,
                        variant: _Variant, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Per-image and per-text terms of this rank's rows under ``gather=True``.
 
@@ -192,7 +192,7 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     n_gt = scope.total(counts.sum()) if variant.smoothing else counts.sum()
     alpha, beta = variant.weights(counts, n_gt, n_all, img.dtype) if variant.smoothing else (counts.to(img.dtype), None)
     per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos, row_weights=(alpha, beta),
-                                           columns=True, column_positives=False, fixed=fixed, chunk_size=chunk_size,
+                                           columns=True, column_positives=False, bound=limit, chunk_size=chunk_size,
                                            column_comm=scope, exclude=variant.exclusion(pos), backend=backend)
     if col_lse_all is None:
         raise RuntimeError("internal: columns=True returns the column terms")

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
+from ..engine import compute_dtype, softmax_terms
 from ..positives import Exclusion
 from ._common import check_reference, engine_total, finish_checks, labelled_pairwise_rows, partner_positives, reduce, single_set
 
@@ -114,7 +114,7 @@ def nt_xent_loss(
         weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
         total = None if decoupled else engine_total(reduction, scope, float(n), compute_dtype(z.dtype))
         per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
-                                   fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside, eps=eps,
+                                   bound=bound if normalize else None, normalize=inside, eps=eps,
                                    chunk_size=chunk_size, exclude=exclude, row_weights=weights, backend=backend, total=total)
         if total is not None:
             # every row has its partner: a non-finite row (normalised inside) makes the loss NaN

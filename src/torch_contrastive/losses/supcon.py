@@ -8,7 +8,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._tensors import mask_as
 from ..distributed import Scope, make_scope
-from ..engine import compute_dtype, fixed_scale_applies, softmax_terms
+from ..engine import compute_dtype, softmax_terms
 from ..positives import Positives
 from ._common import check_reference, engine_total, finish_checks, reduce, single_set, with_memory, with_reference
 
@@ -144,7 +144,7 @@ def supcon_loss(
     total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, n_with_positives, cdtype,
                                                                   1.0 if factor is None else factor)
     per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=self_offset, positives=positives, row_weights=weights,
-                                  symmetric=symmetric, fixed=fixed_scale_applies(normalize, bound, z.dtype), normalize=inside,
+                                  symmetric=symmetric, bound=bound if normalize else None, normalize=inside,
                                   eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend, total=total)
     # With two rows or more every row meets every anchor's denominator (a row's only
     # exclusion is its self pair), so a non-finite row normalised inside makes the loss NaN.
