@@ -298,6 +298,8 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_false_negatives.py", "keep_diagonal=offset, learn=learn and guide is not None)",
              "keep_diagonal=None, learn=learn and guide is not None)", "InfoNCE false negatives: the positive itself can leave",
              tests=("tests/test_false_negatives.py", "tests/test_info_nce.py")),
+    Mutation(f"{E}/triton_backend/_tile.py", "        g = g * f[None, :]", "        g = g",
+             "triton half inputs: the candidates' normalisation is not folded into G @ B", tests=("tests/test_triton.py",)),
 ]
 
 

@@ -37,57 +37,82 @@ if TYPE_CHECKING:
 
 
 
-def _triton_operands(plan: SoftmaxPlan, *tensors: Tensor) -> list[Tensor]:
-    """On a GPU, half-precision inputs reach ``tl.dot`` in their own dtype (the engine
-    normalised them in fp32); under the interpreter they stay fp32 (its bf16 dot is inexact)."""
-    from . import triton_backend
+class _KernelOperands:
+    """What the Triton kernels multiply. Half-precision inputs (a plan with ``operand_dtype``):
+    the caller's own rows, unrounded, with the scale and the normalisation as fp32 factors on the
+    logit tile (``S_ij = fx_i fy_j <a_i, b_j>``) and folded into the gradient tile before its
+    products -- as the torch backend's tensor-core products (:mod:`.products`); rounding
+    ``scale * a / ||a||`` to half instead costs ~1 % of the gradients at tau = 0.01. Otherwise
+    the compute-dtype rows, ``x = scale * Â``, no factors. Under the interpreter half operands
+    are widened to fp32 (its bf16 dot is inexact): the same numbers."""
 
-    half = plan.operand_dtype
-    if half is None or triton_backend.interpreting():
-        return list(tensors)
-    return [t.to(half) for t in tensors]
+    def __init__(self, plan: SoftmaxPlan, raw: tuple[Tensor | None, ...], a: Tensor, b: Tensor, scale: Scale,
+                 norms: list[Tensor], a_s: Tensor | None = None) -> None:
+        self.factors: tuple[Tensor, Tensor, Tensor] | None = None
+        a_raw = raw[0] if raw else None
+        if plan.operand_dtype is None or a_raw is None:
+            self.x, self.y, self.z = (a * scale if a_s is None else a_s), b, a
+            return
+        b_raw = a_raw if len(raw) < 2 or raw[1] is None else raw[1]
+        ones_a = a.new_ones(a.shape[0])
+        inv_a = norms[0].reciprocal().squeeze(1) if plan.normalize else ones_a
+        inv_b = (inv_a if raw[1] is None else norms[2].reciprocal().squeeze(1)) if plan.normalize else b.new_ones(b.shape[0])
+        self.x, self.y, self.z = a_raw, b_raw, a_raw
+        self.factors = ((inv_a * scale).contiguous(), inv_b.contiguous(), inv_a.contiguous())
+
+    def pair(self, swapped: bool = False, rows: int | None = None) -> tuple[Tensor, Tensor] | None:
+        """``(fx, fy)`` of ``S`` -- of ``S.T`` when ``swapped`` (its first ``rows`` rows)."""
+        if self.factors is None:
+            return None
+        fx, fy, _ = self.factors
+        return (fy[:rows], fx) if swapped else (fx, fy)
 
 
-def _forward_triton(a_s: Tensor, b: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+def _forward_triton(ops: _KernelOperands, plan: SoftmaxPlan, n_cols: int) -> tuple[Tensor, Tensor | None]:
     """Row (and column) log-sum-exp by the Triton kernels: the bounded regime sums rows and
     columns in one pass over the tiles (the upper triangle for a single set); the online
     regime, or deterministic mode, runs the row-owned kernel once per direction."""
     from . import triton_backend
 
-    x, y = _triton_operands(plan, a_s, b)
+    x, y = ops.x, ops.y
     if plan.fixed and triton_backend.fused():
-        row_sum, col_sum = triton_backend.tile_sums(x, y, plan.self_offset, plan.exclude, plan.columns, plan.symmetric)
-        return fixed_lse(row_sum, col_sum, plan, b.shape[0])
-    row_lse = triton_backend.row_lse(x, y, plan.self_offset, plan.exclude)
+        row_sum, col_sum = triton_backend.tile_sums(x, y, plan.self_offset, plan.exclude, plan.columns, plan.symmetric,
+                                                    ops.pair())
+        return fixed_lse(row_sum, col_sum, plan, n_cols)
+    row_lse = triton_backend.row_lse(x, y, plan.self_offset, plan.exclude, factors=ops.pair())
     if plan.exclude is None:  # a row without candidates (a batch of one) gets 0, as the torch backend's
         row_lse = torch.where(torch.isneginf(row_lse), 0.0, row_lse)
     if not plan.columns:
         return row_lse, None
     col_offset = None if plan.self_offset is None else -plan.self_offset
-    col_lse = triton_backend.row_lse(y, x, col_offset, plan.exclude, transposed=True)
+    col_lse = triton_backend.row_lse(y, x, col_offset, plan.exclude, transposed=True, factors=ops.pair(swapped=True))
     if plan.column_comm is not None:  # every rank's partial log-sum-exp, brought to the global maximum
         col_lse = complete_columns(torch.ones_like(col_lse), col_lse, plan)
     return row_lse, col_lse
 
 
-def _backward_triton(a_s: Tensor, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
+def _backward_triton(ops: _KernelOperands, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
                      plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` by the Triton kernels: each gradient tile formed once
     (atomics), or -- in deterministic mode -- ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
     from . import triton_backend
 
-    x, y, z = _triton_operands(plan, a_s, b, a)
+    x, y, z = ops.x, ops.y, ops.z
     offset = plan.self_offset
     if triton_backend.fused():
-        return triton_backend.tile_grad(x, y, z, row, col, offset, plan.exclude, plan.grad_columns, plan.symmetric)
-    gb_acc = triton_backend.grad_rows(x, y, y, row, col, offset, plan.exclude)
+        return triton_backend.tile_grad(x, y, z, row, col, offset, plan.exclude, plan.grad_columns, plan.symmetric, ops.factors)
+    fxy = ops.pair()
+    gb_acc = triton_backend.grad_rows(x, y, y, row, col, offset, plan.exclude,
+                                      factors=None if fxy is None else (*fxy, fxy[1]))
     if plan.grad_columns == 0 or plan.symmetric:  # a single set: G is symmetric, G @ Z holds both roles
         return gb_acc, None
     k = plan.grad_columns
     zero = torch.zeros(k, dtype=a.dtype, device=a.device)
     swapped_row = (zero, zero) if col is None else (col[0].expand(b.shape[0])[:k], col[1][:k])
+    swapped = ops.pair(swapped=True, rows=k)
     part = triton_backend.grad_rows(y[:k], x, z, swapped_row, row, None if offset is None else -offset, plan.exclude,
-                                    transposed=True)
+                                    transposed=True, factors=None if swapped is None or ops.factors is None
+                                    else (*swapped, ops.factors[2]))
     if k >= b.shape[0]:
         return gb_acc, part
     ga_acc = torch.zeros_like(b, dtype=part.dtype)
@@ -122,9 +147,9 @@ class _Softmax:
         kept = None
         sums: Any = None  # (total, total') to divide by; six entries from single_apart
         row_pos = col_pos = None
-        raw = (ops.a, ops.b) if plan.half else ()
+        raw = (ops.a, ops.b) if plan.half or plan.operand_dtype is not None else ()
         if plan.backend == "triton":
-            row_lse, col_lse = _forward_triton(a_s, b_c, plan)
+            row_lse, col_lse = _forward_triton(_KernelOperands(plan, raw, a_c, b_c, scale_c, norms, a_s), plan, b_c.shape[0])
         else:
             prod = make_products(plan.half, raw, a_s, a_c, b_c, scale_c, norms, plan.normalize)
             if plan.single_tile:
@@ -210,7 +235,8 @@ class _Softmax:
             if plan.symmetric:
                 col = (u, row_lse)  # a single set's columns are its rows
             if plan.backend == "triton":
-                gb_acc, ga_acc = _backward_triton(a * scale, a, b, (u, row_lse), col, plan)
+                gb_acc, ga_acc = _backward_triton(_KernelOperands(plan, tuple(raw), a, b, scale, saved.norms), a, b, (u, row_lse),
+                                                  col, plan)
             else:
                 gb_acc, ga_acc = (backward_fixed if plan.fixed else backward_online)(prod, a, b, (u, row_lse), col, plan)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:

@@ -20,6 +20,37 @@ def logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y,
         acc += tl.dot(x, tl.trans(y), out_dtype=ACC, input_precision=PRECISION)
     return acc
 
+
+@triton.jit
+def with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS: tl.constexpr):
+    """``s * fx_i * fy_j``: the normalisation and the scale applied to the fp32 logit tile of the
+    caller's own half-precision rows (never ``x / ||x||`` rounded to half, an error the
+    temperature multiplies); ``s`` unchanged without ``FACTORS``."""
+    if FACTORS:
+        fx = tl.load(fx_ptr + rows, mask=rows < n_rows, other=0.0)
+        fy = tl.load(fy_ptr + cols, mask=cols < n_cols, other=0.0)
+        s = s * fx[:, None] * fy[None, :]
+    return s
+
+
+@triton.jit
+def fold_columns(g, cols, n_cols, f_ptr, FACTORS: tl.constexpr):
+    """``g * f_j``: a column factor folded into a gradient tile before it is rounded for a product."""
+    if FACTORS:
+        f = tl.load(f_ptr + cols, mask=cols < n_cols, other=0.0)
+        g = g * f[None, :]
+    return g
+
+
+@triton.jit
+def fold_rows(g, rows, n_rows, f_ptr, FACTORS: tl.constexpr):
+    """``f_i * g``: a row factor folded into a gradient tile before it is rounded for a product."""
+    if FACTORS:
+        f = tl.load(f_ptr + rows, mask=rows < n_rows, other=0.0)
+        g = g * f[:, None]
+    return g
+
+
 @triton.jit
 def same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS: tl.constexpr):
     """(rows, cols) bool: any of the ``N_KEYS`` (0-2) id keys equal; out-of-bounds entries never match."""

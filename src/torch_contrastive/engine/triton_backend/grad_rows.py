@@ -11,18 +11,18 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, row_output_blocks
 from ._host import acc_dtypes, check_device, directions, exclusion_args, operand, precision, tl, triton
-from ._tile import gradient_tile, logits, valid_mask
+from ._tile import fold_columns, gradient_tile, logits, valid_mask, with_factors
 
 
 @autotune(row_output_blocks())
 @triton.jit
-def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket, d_out,
+def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket, d_out,
                       stride_x, stride_y, stride_z, stride_o, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
                       threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr,
                       HAS_COL: tl.constexpr, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr, N_KEYS: tl.constexpr,
                       PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr,
-                      GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr):
+                      GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr):
     """Rows ``pid0`` and output features ``pid1`` of ``G @ Z``: the program owns its output."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -31,11 +31,12 @@ def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, lse_r_ptr, u_ptr, lse_c_ptr,
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
+        s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
         g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL)
         valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
                            dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, TRANSPOSED, N_KEYS, PARTNER,
                            GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK_M, BLOCK_N, PRECISION)
-        g = tl.where(valid, g, 0.0)
+        g = fold_columns(tl.where(valid, g, 0.0), cols, n_cols, fz_ptr, FACTORS)
         z = tl.load(z_ptr + cols[:, None] * stride_z + ds[None, :], mask=(cols[:, None] < n_cols) & (ds[None, :] < d_out),
                     other=0.0)
         acc += tl.dot(g.to(z.dtype), z, out_dtype=ACC, input_precision=PRECISION)
@@ -43,13 +44,16 @@ def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, lse_r_ptr, u_ptr, lse_c_ptr,
 
 
 def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor], col: tuple[Tensor, Tensor] | None,
-              self_offset: int | None, exclude: Any = None, transposed: bool = False) -> Tensor:
+              self_offset: int | None, exclude: Any = None, transposed: bool = False,
+              factors: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """(R, D) ``G @ z`` (fp32; fp64 for fp64), ``G_ij = u_i exp(S_ij - L_i) (+ v_j exp(S_ij - M_j))``
     on the candidates that count. Row-owned, deterministic (a grid of row blocks by output
     feature blocks: the logits are recomputed once per output block).
 
     ``row = (u, L)``, ``col = (v, M)``; ``S = x_scaled @ y.T``. For ``G.T @ A`` call it on
     ``S.T`` with ``transposed=True``: ``grad_rows(y, x_scaled, a, col, row, -self_offset, exclude, True)``.
+    ``factors``: ``(fx, fy, fz)`` for raw half rows: ``S_ij = fx_i fy_j <x_i, y_j>`` and the output
+    ``G @ diag(fz) z``.
     """
     check_device(x_scaled)
     x, yy, zz = operand(x_scaled), operand(y), operand(z)
@@ -61,8 +65,10 @@ def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(r, meta["BLOCK_M"]), triton.cdiv(d_out, meta["BLOCK_O"]))
 
+    fx, fy, fz = factors if factors is not None else (out, out, out)
     _grad_rows_kernel[grid](
-        x, yy, zz, out, *directions(row, col, dtype), r, c, d, bucket(r, c), d_out, x.stride(0), yy.stride(0), zz.stride(0),
+        x, yy, zz, out, fx, fy, fz, *directions(row, col, dtype), r, c, d, bucket(r, c), d_out, x.stride(0), yy.stride(0), zz.stride(0),
         out.stride(0), 0 if self_offset is None else self_offset, *excl_args, HAS_SELF=self_offset is not None,
-        HAS_COL=col is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), **flags)
+        HAS_COL=col is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), FACTORS=factors is not None,
+        **flags)
     return out

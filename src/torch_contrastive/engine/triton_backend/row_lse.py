@@ -14,17 +14,17 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, row_blocks
 from ._host import acc_dtypes, check_device, exclusion_args, operand, precision, tl, triton
-from ._tile import logits, valid_mask
+from ._tile import logits, valid_mask, with_factors
 
 
 @autotune(row_blocks())
 @triton.jit
-def _row_lse_kernel(x_ptr, y_ptr, out_ptr, n_rows, n_cols, d, bucket, stride_x, stride_y, self_offset,
+def _row_lse_kernel(x_ptr, y_ptr, out_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, stride_x, stride_y, self_offset,
                     rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal,
                     keep_diagonal, HAS_SELF: tl.constexpr, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr,
                     N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr,
                     KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    FACTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
@@ -32,6 +32,7 @@ def _row_lse_kernel(x_ptr, y_ptr, out_ptr, n_rows, n_cols, d, bucket, stride_x, 
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
+        s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
         valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
                            dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, TRANSPOSED, N_KEYS, PARTNER,
                            GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK_M, BLOCK_N, PRECISION)
@@ -44,12 +45,14 @@ def _row_lse_kernel(x_ptr, y_ptr, out_ptr, n_rows, n_cols, d, bucket, stride_x, 
     tl.store(out_ptr + rows, lse, mask=rows < n_rows)
 
 
-def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any = None, transposed: bool = False) -> Tensor:
+def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any = None, transposed: bool = False,
+            factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """(R,) ``log sum_j exp(S_ij)`` over the candidates that count (fp32; fp64 for fp64) of
     ``S = x_scaled @ y.T``; ``-inf`` for a row without any. Row-owned, online maximum.
 
     ``transposed``: ``x_scaled`` / ``y`` are the problem's candidates / anchors (a column
-    log-sum-exp), so the exclusion rule is read with rows and columns swapped.
+    log-sum-exp), so the exclusion rule is read with rows and columns swapped. ``factors``:
+    ``(fx, fy)`` fp32 row and column factors, ``S_ij = fx_i fy_j <x_i, y_j>`` (raw half rows).
     """
     check_device(x_scaled)
     x, yy = operand(x_scaled), operand(y)
@@ -61,7 +64,9 @@ def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any =
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (triton.cdiv(r, meta["BLOCK_M"]),)
 
+    fx, fy = factors if factors is not None else (out, out)
     _row_lse_kernel[grid](
-        x, yy, out, r, c, d, bucket(r, c), x.stride(0), yy.stride(0), 0 if self_offset is None else self_offset, *excl_args,
-        HAS_SELF=self_offset is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), **flags)
+        x, yy, out, fx, fy, r, c, d, bucket(r, c), x.stride(0), yy.stride(0), 0 if self_offset is None else self_offset, *excl_args,
+        HAS_SELF=self_offset is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x),
+        FACTORS=factors is not None, **flags)
     return out

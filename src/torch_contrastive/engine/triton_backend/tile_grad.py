@@ -12,37 +12,41 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles
 from ._host import acc_dtypes, check_device, directions, exclusion_args, operand, precision, tl, triton
-from ._tile import gradient_tile, logits, tile_of, valid_mask
+from ._tile import fold_columns, fold_rows, gradient_tile, logits, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
 
 
 @triton.jit
-def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols,
+def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols,
                stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
                threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr, HAS_COL: tl.constexpr,
                EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
                DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, GRAD_COLS: tl.constexpr,
-               SYMMETRIC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+               SYMMETRIC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
     s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
     g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL)
     valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
                        stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, False, N_KEYS, PARTNER, GUIDE,
                        DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK, BLOCK, PRECISION)
     g = tl.where(valid, g, 0.0)
+    # the other side's factor folded in before each product's rounding: G diag(fy) @ Y, (diag(fz) G).T @ Z
+    g_rows = fold_columns(g, cols, n_cols, fy_ptr, FACTORS)
+    g_cols = fold_rows(g, rows, n_rows, fz_ptr, FACTORS)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     for k0 in range(0, d, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         k_ok = ks < d
         y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot(g.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
+        part = tl.dot(g_rows.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
         tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
         if GRAD_COLS or SYMMETRIC:
             z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            part_t = tl.dot(tl.trans(g.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
+            part_t = tl.dot(tl.trans(g_cols.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
             if SYMMETRIC:  # G is symmetric: the mirror tile's rows get G.T @ Z (not from a diagonal tile)
                 tl.atomic_add(ga_ptr + cols[:, None] * stride_ga + ks[None, :], part_t,
                               mask=col_ok[:, None] & k_ok[None, :] & (cols[:, None] // BLOCK != bi), sem="relaxed")
@@ -53,29 +57,32 @@ def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, ls
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
 @triton.jit
-def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket,
+def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket,
                       grad_cols, stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1,
                       partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal,
                       HAS_SELF: tl.constexpr, HAS_COL: tl.constexpr, EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr,
                       PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr,
                       GACC: tl.constexpr, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+                      PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     """One tile of the grouped grid; for a single set the programs below the diagonal do nothing."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
     if not SYMMETRIC or bj >= bi:
-        _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
+        _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
                    grad_cols, stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1, partner,
                    g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, HAS_COL, EXCLUDE,
-                   N_KEYS, PARTNER, GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, BLOCK,
-                   BLOCK_D)
+                   N_KEYS, PARTNER, GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, FACTORS,
+                   BLOCK, BLOCK_D)
 
 
 def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor], col: tuple[Tensor, Tensor] | None,
-              self_offset: int | None, exclude: Any, grad_columns: int, symmetric: bool) -> tuple[Tensor, Tensor | None]:
+              self_offset: int | None, exclude: Any, grad_columns: int, symmetric: bool,
+              factors: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """``(G @ y, G.T @ z)`` from one pass over the tiles, each gradient tile formed once
     (atomics). ``G.T @ z`` covers the first ``grad_columns`` candidates (None for 0);
     ``symmetric``: ``y`` is ``x``'s own set, upper-triangle tiles, ``G @ y`` holds both
-    roles and the second result is None."""
+    roles and the second result is None. ``factors``: ``(fx, fy, fz)`` for raw half rows,
+    ``S_ij = fx_i fy_j <x_i, y_j>``, results ``G diag(fy) @ y`` and ``(diag(fz) G).T @ z``."""
     check_device(x_scaled)
     x, yy, zz = operand(x_scaled), operand(y), operand(z)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
@@ -88,9 +95,10 @@ def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (triton.cdiv(r, meta["BLOCK"]) * triton.cdiv(c, meta["BLOCK"]),)
 
+    fx, fy, fz = factors if factors is not None else (ga, ga, ga)
     _tile_grad_kernel[grid](
-        x, yy, zz, ga, gb, *directions(row, col, dtype), r, c, d, bucket(r, c), grad_cols, x.stride(0), yy.stride(0),
+        x, yy, zz, ga, gb, fx, fy, fz, *directions(row, col, dtype), r, c, d, bucket(r, c), grad_cols, x.stride(0), yy.stride(0),
         zz.stride(0), ga.stride(0), gb.stride(0), 0 if self_offset is None else self_offset, *excl_args,
         HAS_SELF=self_offset is not None, HAS_COL=col is not None, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric, ACC=acc,
-        PRECISION=precision(x), GROUP=GROUP, **flags)
+        PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
     return ga, gb if grad_cols else None
