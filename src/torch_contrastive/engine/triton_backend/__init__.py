@@ -32,9 +32,11 @@ One kernel per file (:mod:`.row_lse`, :mod:`.tile_sums`, :mod:`.grad_rows`,
 pipeline stages are timed on the user's GPU the first time a (size bucket, D, dtype) is seen.
 
 Precision: fp32 operands are multiplied in IEEE fp32 (TF32 only when
-``torch.backends.cuda.matmul.allow_tf32`` is set), fp64 in fp64; half-precision operands
-are fed to ``tl.dot`` as they are on a GPU (the gradient tile is rounded to their dtype
-for its two products, as flash attention does) with fp32 accumulation. Under
+``torch.backends.cuda.matmul.allow_tf32`` is set), fp64 in fp64; half-precision inputs
+reach ``tl.dot`` as the caller gave them, with the scale and the normalisation applied to
+the fp32 logit tile as row and column factors (``factors=`` of the launchers) and folded
+into the gradient tile before it is rounded to their dtype for its two products, fp32
+accumulation -- the torch backend's tensor-core scheme (:mod:`..products`). Under
 ``TRITON_INTERPRET=1`` (the CPU tests) half operands are widened to fp32, because the
 interpreter's bf16 ``tl.dot`` is inexact. SigLIP's sigmoid pairs have their own fused
 kernels (:mod:`.sigmoid_pairs`). Not covered (the torch backend serves them): the
