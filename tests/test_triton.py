@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 import torch_contrastive as tc  # noqa: E402
 from device import DEVICE  # noqa: E402
-from reference import image_text, info_nce, nt_xent, supcon  # noqa: E402
+from reference import image_text, info_nce, nt_bxent, nt_xent, nt_xent_pml, nt_xent_pml_memory, supcon  # noqa: E402
 from test_losses import _compare  # noqa: E402
 from torch_contrastive.engine import softmax_terms  # noqa: E402
 from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
@@ -155,8 +155,7 @@ def test_half_inputs_at_a_low_temperature_equal_the_float64_formula(name, dtype,
 
 
 @pytest.mark.parametrize("call,words", [
-    (lambda x: tc.nt_bxent_loss(x, labels=torch.arange(6) % 2, backend="triton"), "NT-BXent"),
-    (lambda x: tc.nt_xent_loss(x, labels=torch.arange(6) % 2, backend="triton"), "NT-Xent with labels"),
+    (lambda x: tc.nt_bxent_loss(x, pos_indices=torch.tensor([[0, 1], [1, 0]]), backend="triton"), "NT-BXent with pos_indices"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
                              exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
@@ -424,3 +423,39 @@ def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model():
     ours.backward()
     assert 0 < ours.item() == pytest.approx(ref.item(), rel=1e-4)
     torch.testing.assert_close(ours_in.grad.double().cpu(), ref_in.grad, rtol=1e-3, atol=1e-3 * ref_in.grad.abs().max().item())
+
+
+# ------------------------------------------------------------------ the mask-in-tile losses' kernels
+@pytest.mark.parametrize("n,classes", [(1, 1), (7, 3), (45, 4), (70, 70), (33, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_labelled_nt_xent_and_nt_bxent_on_triton_equal_the_float64_formula(n, classes, dtype):
+    """PML's NT-Xent (one term per positive pair) and NT-BXent with labels: values and gradients of the
+    inputs and a tensor temperature; all one class (no negatives), all distinct (no positives), ragged tiles."""
+    x = torch.randn(n, 12, generator=torch.Generator().manual_seed(n + classes), dtype=torch.float64)
+    labels = torch.arange(n) % classes
+    rtol, _ = TOLS[dtype]
+    _compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), backend="triton"),
+             lambda z, t: nt_xent_pml(z, labels, t), [x], 0.2, dtype, (rtol, 10 * rtol))
+    _compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), backend="triton"),
+             lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.2, dtype, (rtol, 10 * rtol))
+
+
+@pytest.mark.parametrize("loss", [tc.nt_xent_loss, tc.nt_bxent_loss])
+def test_labelled_per_row_values_on_triton_equal_the_torch_backend(loss):
+    """``reduction="none"``: the kernels' rows in the caller's order (no label sorting on Triton)."""
+    x = torch.randn(45, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    labels = (torch.arange(45) * 7 % 5).to(DEVICE)
+    want = loss(x, temperature=0.1, labels=labels, reduction="none", backend="torch")
+    got = loss(x, temperature=0.1, labels=labels, reduction="none", backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_pml_nt_xent_with_a_memory_on_triton_equals_the_float64_formula():
+    """Memory rows (a queue with labels) are candidates of the kernels' pair terms too."""
+    g = torch.Generator().manual_seed(5)
+    x, memory = torch.randn(20, 12, generator=g, dtype=torch.float64), torch.randn(30, 12, generator=g, dtype=torch.float64)
+    labels, memory_labels = torch.arange(20) % 4, torch.arange(30) % 5
+    _compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), memory_emb=memory.to(DEVICE),
+                                          memory_labels=memory_labels.to(DEVICE), backend="triton"),
+             lambda z, t: nt_xent_pml_memory(z, labels, memory, memory_labels, t), [x], 0.1, torch.float64,
+             TOLS[torch.float64])

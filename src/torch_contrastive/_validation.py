@@ -236,12 +236,12 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def check_backend(backend: object, covered: bool, what: str) -> str:
-    """``"auto"``, ``"torch"`` or ``"triton"``; the Triton kernels cover the log-sum-exp losses and
-    SigLIP (elsewhere ``"auto"`` means ``"torch"``)."""
+    """``"auto"``, ``"torch"`` or ``"triton"``; ``covered``: the Triton kernels serve this call's
+    form of the loss (``"auto"`` then may pick them where the planner says so)."""
     check_choice(backend, "backend", BACKENDS)
     if backend == "triton" and not covered:
-        raise ValueError(f"backend='triton' covers the log-sum-exp losses (NT-Xent with a pairing rule, SupCon, the image-text "
-                         f"loss, InfoNCE) and SigLIP; {what} runs on backend='torch'")
+        raise ValueError(f"backend='triton' covers every loss but those given index pairs; {what} runs on "
+                         f"backend='torch'")
     return str(backend)
 
 

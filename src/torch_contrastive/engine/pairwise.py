@@ -16,8 +16,10 @@ import torch
 from torch import Tensor
 
 from .._tensors import as_dtype, mask_as, self_diagonal
+from ..positives import Exclusion
 from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
+from .kernel_operands import KernelOperands
 from .planner import decide
 
 if TYPE_CHECKING:
@@ -282,6 +284,9 @@ class _Plan:
     # Single set sorted by label: S is symmetric, so only upper-triangle tiles are visited
     # and each feeds the statistics (and gradients) of its row block and its column block.
     symmetric: bool = False
+    backend: str = "torch"  # "triton": the fused pair kernels (triton_backend/pair_terms.py)
+    # Triton on half inputs: the caller's rows reach tl.dot as given (see KernelOperands)
+    operand_dtype: torch.dtype | None = None
 
     def is_mixed(self, r0: int, c0: int) -> bool:
         return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
@@ -334,7 +339,10 @@ class _PairwiseKernel:
         kernel_cls = _KERNELS[plan.kernel]
         kept: tuple[Tensor, ...] = ()
         kernel_saved: tuple[Tensor, ...] = ()
-        if plan.tile == 0:
+        raw = tuple(t for t in (ops.a, ops.b) if t is not None) if plan.operand_dtype is not None else ()
+        if plan.backend == "triton":
+            outputs, kernel_saved = _forward_triton(plan, KernelOperands(plan, (ops.a, ops.b), a_c, b_c, scale_c, ops.norms, a_s))
+        elif plan.tile == 0:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
                 pos_f = mask_as(plan.positives.tile(0, R, 0, C), a_c.dtype)
@@ -366,18 +374,22 @@ class _PairwiseKernel:
             weights, total = combine
             loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
             outputs = (loss,)
-        ctx.pair_counts = (len(kernel_saved), len(kept))
-        return tuple(outputs), (*kernel_saved, *kept)
+        ctx.pair_counts = (len(kernel_saved), len(kept), len(raw))
+        return tuple(outputs), (*kernel_saved, *kept, *raw)
 
     def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a, b, scale = saved.a, saved.b, saved.scale
-        n_kernel, n_kept = ctx.pair_counts
-        kernel_saved, kept = tuple(saved.keep[:n_kernel]), saved.keep[n_kernel:]
+        n_kernel, n_kept, n_raw = ctx.pair_counts
+        kernel_saved, kept = tuple(saved.keep[:n_kernel]), saved.keep[n_kernel : n_kernel + n_kept]
+        raw = (*saved.keep[n_kernel + n_kept :], None)
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
             weights, total = ctx.combine
             grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
         grads = tuple(as_dtype(g, a.dtype) for g in grads)  # type: ignore[arg-type]
         kernel = _KERNELS[plan.kernel]
+        if plan.backend == "triton":
+            return _backward_triton(plan, KernelOperands(plan, raw[:2] if n_raw else (), a, b, scale, saved.norms), kernel_saved,
+                                    grads)  # type: ignore[arg-type]
         if n_kept > 0:
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)  # type: ignore[arg-type]
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
@@ -402,6 +414,42 @@ class _PairwiseKernel:
 
 
 _PAIRWISE = _PairwiseKernel()
+
+
+def _forward_triton(plan: _Plan, ops: KernelOperands) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The pair kernels' forward: NT-BXent's two sums in one pass; PML NT-Xent's negatives'
+    log-sum-exp (the row-owned kernel, same-label pairs excluded), then its pair terms."""
+    from . import triton_backend
+
+    if plan.kernel == "binary":
+        return triton_backend.pair_sums(ops.x, ops.y, plan.positives, True, factors=ops.pair()), ()
+    neg_lse = triton_backend.row_lse(ops.x, ops.y, plan.positives.self_offset, Exclusion(relation=plan.positives),
+                                     factors=ops.pair())
+    out, weight = triton_backend.pair_sums(ops.x, ops.y, plan.positives, False, lse=neg_lse, factors=ops.pair())
+    return (out,), (neg_lse, weight)
+
+
+def _backward_triton(plan: _Plan, ops: KernelOperands, kernel_saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Gradients:
+    """``G @ B`` and ``G.T @ A`` of the pair terms, each gradient tile formed once (atomics)."""
+    from . import triton_backend
+
+    binary = plan.kernel == "binary"
+    lse, weight = (None, None) if binary else kernel_saved
+    rows, cols = triton_backend.pair_grad(ops.x, ops.y, ops.z, plan.positives, binary, grads, lse, weight, ops.factors)
+    return Gradients(rows, cols)
+
+
+def _triton_refusal(anchors: Tensor, positives: Positives) -> str | None:
+    """None when the pair kernels can run this call, else why not (for the planner)."""
+    from . import triton_backend
+
+    try:
+        triton_backend.check_device(anchors)
+    except ValueError as err:
+        return str(err)
+    if positives.kind == "partner" or (positives.kind == "keys" and len(positives.row_keys) <= 2):
+        return None
+    return f"the pair kernels take positives by ids or a partner, not a {positives.kind!r} relation"
 
 
 def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: Buffers) -> None:
@@ -464,6 +512,7 @@ def pairwise_rows(
     fixed: bool = False,
     bound: float | None = None,
     combine: _Combine | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, ...]:
     """Per-row statistics that need the positive mask in every tile.
 
@@ -488,12 +537,15 @@ def pairwise_rows(
             instead -- a loss's per-row combination and reduction inside the autograd function.
             ``weights`` holds one (R,) tensor (or float) per output, ``total`` a float or 0-dim
             tensor; none of them gets a gradient.
+        backend: ``"torch"``, ``"triton"`` (fused pair kernels, :mod:`.triton_backend.pair_terms`:
+            positives by ids or a partner; ``label_ranges`` are not needed there) or ``"auto"`` --
+            the torch backend until the kernels are measured faster on a GPU.
 
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
     decision = decide(kernel="pairwise", rows=anchors.shape[0], cols=candidates.shape[0], device=anchors.device,
-                      dtype=anchors.dtype, other_dtype=candidates.dtype, chunk_size=chunk_size, backend="torch", fixed=fixed,
-                      bound=bound, half_ok=False)
+                      dtype=anchors.dtype, other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed,
+                      bound=bound, half_ok=False, auto_triton=False, triton_serves=lambda: _triton_refusal(anchors, positives))
     tile = decision.tile or max(anchors.shape[0], candidates.shape[0])
     single = decision.tile == 0
     mixed = None
@@ -502,7 +554,13 @@ def pairwise_rows(
         mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
     symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
                  and (kernel == "binary" or decision.fixed))  # PML's one exp for both blocks needs the fixed mode
-    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, decision.fixed, symmetric)
+    operand_dtype = None
+    if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
+        operand_dtype = anchors.dtype
+    if decision.backend == "triton":
+        mixed, symmetric = None, False  # the kernels form every tile's mask in registers
+    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, decision.fixed, symmetric,
+                 decision.backend, operand_dtype)
     return tuple(run(_PAIRWISE, plan, anchors, None if candidates is anchors else candidates, scale, combine))
 
 

@@ -26,6 +26,7 @@ from .._tensors import as_dtype
 from ._common import Scale
 from .confident import apart_rule, coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
+from .kernel_operands import KernelOperands
 from .planner import decide
 from .products import make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns
@@ -37,38 +38,7 @@ if TYPE_CHECKING:
 
 
 
-class _KernelOperands:
-    """What the Triton kernels multiply. Half-precision inputs (a plan with ``operand_dtype``):
-    the caller's own rows, unrounded, with the scale and the normalisation as fp32 factors on the
-    logit tile (``S_ij = fx_i fy_j <a_i, b_j>``) and folded into the gradient tile before its
-    products -- as the torch backend's tensor-core products (:mod:`.products`); rounding
-    ``scale * a / ||a||`` to half instead costs ~1 % of the gradients at tau = 0.01. Otherwise
-    the compute-dtype rows, ``x = scale * Â``, no factors. Under the interpreter half operands
-    are widened to fp32 (its bf16 dot is inexact): the same numbers."""
-
-    def __init__(self, plan: SoftmaxPlan, raw: tuple[Tensor | None, ...], a: Tensor, b: Tensor, scale: Scale,
-                 norms: list[Tensor], a_s: Tensor | None = None) -> None:
-        self.factors: tuple[Tensor, Tensor, Tensor] | None = None
-        a_raw = raw[0] if raw else None
-        if plan.operand_dtype is None or a_raw is None:
-            self.x, self.y, self.z = (a * scale if a_s is None else a_s), b, a
-            return
-        b_raw = a_raw if len(raw) < 2 or raw[1] is None else raw[1]
-        ones_a = a.new_ones(a.shape[0])
-        inv_a = norms[0].reciprocal().squeeze(1) if plan.normalize else ones_a
-        inv_b = (inv_a if raw[1] is None else norms[2].reciprocal().squeeze(1)) if plan.normalize else b.new_ones(b.shape[0])
-        self.x, self.y, self.z = a_raw, b_raw, a_raw
-        self.factors = ((inv_a * scale).contiguous(), inv_b.contiguous(), inv_a.contiguous())
-
-    def pair(self, swapped: bool = False, rows: int | None = None) -> tuple[Tensor, Tensor] | None:
-        """``(fx, fy)`` of ``S`` -- of ``S.T`` when ``swapped`` (its first ``rows`` rows)."""
-        if self.factors is None:
-            return None
-        fx, fy, _ = self.factors
-        return (fy[:rows], fx) if swapped else (fx, fy)
-
-
-def _forward_triton(ops: _KernelOperands, plan: SoftmaxPlan, n_cols: int) -> tuple[Tensor, Tensor | None]:
+def _forward_triton(ops: KernelOperands, plan: SoftmaxPlan, n_cols: int) -> tuple[Tensor, Tensor | None]:
     """Row (and column) log-sum-exp by the Triton kernels: the bounded regime sums rows and
     columns in one pass over the tiles (the upper triangle for a single set); the online
     regime, or deterministic mode, runs the row-owned kernel once per direction."""
@@ -91,7 +61,7 @@ def _forward_triton(ops: _KernelOperands, plan: SoftmaxPlan, n_cols: int) -> tup
     return row_lse, col_lse
 
 
-def _backward_triton(ops: _KernelOperands, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
+def _backward_triton(ops: KernelOperands, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
                      plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` by the Triton kernels: each gradient tile formed once
     (atomics), or -- in deterministic mode -- ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
@@ -149,7 +119,7 @@ class _Softmax:
         row_pos = col_pos = None
         raw = (ops.a, ops.b) if plan.half or plan.operand_dtype is not None else ()
         if plan.backend == "triton":
-            row_lse, col_lse = _forward_triton(_KernelOperands(plan, raw, a_c, b_c, scale_c, norms, a_s), plan, b_c.shape[0])
+            row_lse, col_lse = _forward_triton(KernelOperands(plan, raw, a_c, b_c, scale_c, norms, a_s), plan, b_c.shape[0])
         else:
             prod = make_products(plan.half, raw, a_s, a_c, b_c, scale_c, norms, plan.normalize)
             if plan.single_tile:
@@ -235,7 +205,7 @@ class _Softmax:
             if plan.symmetric:
                 col = (u, row_lse)  # a single set's columns are its rows
             if plan.backend == "triton":
-                gb_acc, ga_acc = _backward_triton(_KernelOperands(plan, tuple(raw), a, b, scale, saved.norms), a, b, (u, row_lse),
+                gb_acc, ga_acc = _backward_triton(KernelOperands(plan, tuple(raw), a, b, scale, saved.norms), a, b, (u, row_lse),
                                                   col, plan)
             else:
                 gb_acc, ga_acc = (backward_fixed if plan.fixed else backward_online)(prod, a, b, (u, row_lse), col, plan)

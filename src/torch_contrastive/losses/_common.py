@@ -254,17 +254,18 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
                            kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
                            chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None,
                            combine: Callable[[Tensor], Any] | None = None,
-                           reference: tuple[Tensor, Tensor] | None = None) -> LabelledRows:
+                           reference: tuple[Tensor, Tensor] | None = None, backend: str = "auto") -> LabelledRows:
     """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
     :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
     ``memory`` (rows, labels) adds candidates, ``reference`` (rows, labels) replaces them
-    (then the given order is kept).
+    (then the given order is kept; so with ``backend="triton"``, whose kernels form each
+    tile's mask in registers and gain nothing from sorting).
 
     ``combine``: from the positive counts (in the engine's row order) to the
     ``pairwise_rows(combine=...)`` weights and reduction; ``outputs`` is then the scalar
     loss alone (order does not matter for a sum).
     """
-    given_order = memory is not None or reference is not None
+    given_order = memory is not None or reference is not None or backend == "triton"
     by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
     if by_label is None:
         positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
@@ -274,7 +275,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
         counts = positives.row_counts()
         outputs = pairwise_rows(z, z_all, scale, positives, kernel=kernel, normalize=inside, eps=eps, chunk_size=chunk_size,
-                                bound=bound if normalize else None, combine=combine and combine(counts))
+                                bound=bound if normalize else None, combine=combine and combine(counts), backend=backend)
         return LabelledRows(outputs, counts, bound)
     # Sorted: most tiles hold only negatives.
     known = bound if by_label.scale_bound is None else by_label.scale_bound
@@ -282,7 +283,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     counts = positives.row_counts()
     outputs = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel=kernel, normalize=inside, eps=eps,
                             chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
-                            bound=known if normalize else None, combine=combine and combine(counts))
+                            bound=known if normalize else None, combine=combine and combine(counts), backend=backend)
     order = by_label.order
     if combine is not None:
         return LabelledRows(outputs, counts, known)

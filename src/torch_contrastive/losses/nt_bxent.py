@@ -57,7 +57,7 @@ def nt_bxent_loss(
     """
     v.check_embeddings(embeddings, "embeddings")
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    v.check_backend(backend, False, "NT-BXent (binary cross-entropy per pair)")
+    v.check_backend(backend, labels is not None, "NT-BXent with pos_indices (index pairs)")
     n = embeddings.shape[0]
     if (pos_indices is None) == (labels is None):
         raise ValueError("nt_bxent_loss needs exactly one of pos_indices or labels")
@@ -93,7 +93,7 @@ def nt_bxent_loss(
     else:
         rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="binary",  # type: ignore[arg-type]
                                       checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size,
-                                      combine=None if reduced is None else row_weights)
+                                      combine=None if reduced is None else row_weights, backend=backend)
         outputs, counts, bound = rows
     check_output = v.output_needs_check(normalize, bound)
     if reduced is not None:  # combined and reduced inside the engine

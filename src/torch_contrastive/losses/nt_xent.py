@@ -96,7 +96,7 @@ def nt_xent_loss(
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
     reference = check_reference(ref_emb, ref_labels, labels, embeddings.shape[1], embeddings.device, checks, gather, memory)
-    v.check_backend(backend, labels is None, "NT-Xent with labels (the mask-in-tile kernel)")
+    v.check_backend(backend, True, "NT-Xent")
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     if labels is not None and (decoupled or positive_weight is not None):
@@ -132,7 +132,8 @@ def nt_xent_loss(
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
                                   scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size, memory=memory,
-                                  combine=None if reduction == "none" or scope.distributed else per_pair_mean, reference=reference)
+                                  combine=None if reduction == "none" or scope.distributed else per_pair_mean, reference=reference,
+                                  backend=backend)
     check_output = v.output_needs_check(normalize, rows.scale_bound)
     if rows.outputs[0].ndim == 0:  # reduced inside the engine
         finish_checks(rows.outputs[0], checks, check_output)

@@ -39,20 +39,21 @@ into the gradient tile before it is rounded to their dtype for its two products,
 accumulation -- the torch backend's tensor-core scheme (:mod:`..products`). Under
 ``TRITON_INTERPRET=1`` (the CPU tests) half operands are widened to fp32, because the
 interpreter's bf16 ``tl.dot`` is inexact. SigLIP's sigmoid pairs have their own fused
-kernels (:mod:`.sigmoid_pairs`). Not covered (the torch backend serves them): the
-label-sorted mask-in-tile losses (PML NT-Xent with labels, NT-BXent) and exclusions by
-index pairs or sample masks.
+kernels (:mod:`.sigmoid_pairs`), the mask-in-tile losses (PML NT-Xent with labels,
+NT-BXent with labels) theirs (:mod:`.pair_terms`). Not covered (the torch backend serves
+them): positives or exclusions by index pairs or sample masks.
 """
 
 from __future__ import annotations
 
 from ._host import check_device, check_exclusion, fused, interpreting, triton
 
-__all__ = ["check_device", "check_exclusion", "fused", "grad_rows", "interpreting", "row_lse", "sigmoid_grad", "sigmoid_sums",
-           "tile_grad", "tile_sums"]
+__all__ = ["check_device", "check_exclusion", "fused", "grad_rows", "interpreting", "pair_grad", "pair_sums", "row_lse",
+           "sigmoid_grad", "sigmoid_sums", "tile_grad", "tile_sums"]
 
 if triton is not None:
     from .grad_rows import grad_rows
+    from .pair_terms import pair_grad, pair_sums
     from .row_lse import row_lse
     from .sigmoid_pairs import sigmoid_grad, sigmoid_sums
     from .tile_grad import tile_grad

@@ -52,6 +52,39 @@ def fold_rows(g, rows, n_rows, f_ptr, FACTORS: tl.constexpr):
 
 
 @triton.jit
+def softplus(x):
+    """``max(x, 0) + log1p(exp(-|x|))`` with ``log1p`` by Kahan's trick (exact for tiny
+    arguments): a confident pair's small term is kept, never rounded to 0; ``softplus(-inf) = 0``."""
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    small = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+    return tl.maximum(x, 0.0) + small
+
+
+@triton.jit
+def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, row_ok, col_ok,
+                     out_ok, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A gradient tile's two products, D block by D block, added with atomics: ``G diag(fy) @ Y``
+    into its rows of ``ga`` and -- with ``COLUMNS`` -- ``(diag(fz) G).T @ Z`` into the rows of
+    ``gb`` named by its columns where ``out_ok`` (the first ``grad_columns``; a single set's
+    mirror rows, ``gb`` being ``ga``). ``row_ok`` / ``col_ok``: the tile's rows / columns in bounds."""
+    g_rows = fold_columns(g, cols, n_cols, fy_ptr, FACTORS)
+    g_cols = fold_rows(g, rows, n_rows, fz_ptr, FACTORS)
+    for k0 in range(0, d, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        k_ok = ks < d
+        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(g_rows.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
+        tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+        if COLUMNS:
+            z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            part_t = tl.dot(tl.trans(g_cols.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
+            tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t, mask=out_ok[:, None] & k_ok[None, :],
+                          sem="relaxed")
+
+
+@triton.jit
 def same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS: tl.constexpr):
     """(rows, cols) bool: any of the ``N_KEYS`` (0-2) id keys equal; out-of-bounds entries never match."""
     out = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False

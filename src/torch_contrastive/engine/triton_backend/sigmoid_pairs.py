@@ -17,18 +17,8 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles
 from ._host import acc_dtypes, check_device, operand, precision, tl, triton
-from ._tile import logits, same_keys, tile_of
+from ._tile import logits, same_keys, scatter_products, softplus, tile_of
 from .tile_sums import GROUP
-
-
-@triton.jit
-def _softplus(x):
-    """``max(x, 0) + log1p(exp(-|x|))`` with ``log1p`` by Kahan's trick (exact for tiny
-    arguments): a confident pair's small term is kept, never rounded to 0."""
-    u = tl.exp(-tl.abs(x))
-    w = 1.0 + u
-    small = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
-    return tl.maximum(x, 0.0) + small
 
 
 @triton.jit
@@ -57,7 +47,7 @@ def _sigmoid_sums_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_
     signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
                                                    stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, BLOCK,
                                                    BLOCK_D)
-    terms = tl.where(inside, _softplus(signed), 0.0)
+    terms = tl.where(inside, softplus(signed), 0.0)
     tl.atomic_add(out_ptr + rows, tl.sum(terms, axis=1), mask=rows < n_rows, sem="relaxed")
 
 
@@ -71,22 +61,12 @@ def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, 
     signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
                                                    stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, BLOCK,
                                                    BLOCK_D)
-    row_ok = rows < n_rows
-    col_ok = cols < n_cols
-    g_row = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    g_row = tl.load(g_ptr + rows, mask=rows < n_rows, other=0.0)
     grad = tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None])  # dS = -z sigmoid(-z S) g_i
     grad = tl.where(inside, grad, 0.0)
     tl.atomic_add(gbias_ptr, tl.sum(tl.sum(grad, axis=1), axis=0), sem="relaxed")
-    for k0 in range(0, d, BLOCK_D):
-        ks = k0 + tl.arange(0, BLOCK_D)
-        k_ok = ks < d
-        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot(grad.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
-        tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
-        z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        part_t = tl.dot(tl.trans(grad.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
-        tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t, mask=col_ok[:, None] & k_ok[None, :],
-                      sem="relaxed")
+    scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, rows < n_rows,
+                     cols < n_cols, cols < n_cols, n_rows, n_cols, g_ptr, g_ptr, False, True, ACC, PRECISION, BLOCK_D)
 
 
 def _positive_args(diagonal: int | None, keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,

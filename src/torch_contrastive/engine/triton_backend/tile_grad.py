@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles
 from ._host import acc_dtypes, check_device, directions, exclusion_args, operand, precision, tl, triton
-from ._tile import fold_columns, fold_rows, gradient_tile, logits, tile_of, valid_mask, with_factors
+from ._tile import gradient_tile, logits, scatter_products, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
 
 
@@ -33,26 +33,14 @@ def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_p
                        stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, False, N_KEYS, PARTNER, GUIDE,
                        DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK, BLOCK, PRECISION)
     g = tl.where(valid, g, 0.0)
-    # the other side's factor folded in before each product's rounding: G diag(fy) @ Y, (diag(fz) G).T @ Z
-    g_rows = fold_columns(g, cols, n_cols, fy_ptr, FACTORS)
-    g_cols = fold_rows(g, rows, n_rows, fz_ptr, FACTORS)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
-    for k0 in range(0, d, BLOCK_D):
-        ks = k0 + tl.arange(0, BLOCK_D)
-        k_ok = ks < d
-        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot(g_rows.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
-        tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
-        if GRAD_COLS or SYMMETRIC:
-            z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            part_t = tl.dot(tl.trans(g_cols.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
-            if SYMMETRIC:  # G is symmetric: the mirror tile's rows get G.T @ Z (not from a diagonal tile)
-                tl.atomic_add(ga_ptr + cols[:, None] * stride_ga + ks[None, :], part_t,
-                              mask=col_ok[:, None] & k_ok[None, :] & (cols[:, None] // BLOCK != bi), sem="relaxed")
-            else:
-                tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t,
-                              mask=(cols[:, None] < grad_cols) & k_ok[None, :], sem="relaxed")
+    if SYMMETRIC:  # G is symmetric: the mirror tile's rows get G.T @ Z (not from a diagonal tile)
+        scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, ga_ptr, stride_y, stride_z, stride_ga, stride_ga, row_ok, col_ok,
+                         col_ok & (cols // BLOCK != bi), n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
+    else:
+        scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, row_ok, col_ok,
+                         cols < grad_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, GRAD_COLS, ACC, PRECISION, BLOCK_D)
 
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])

@@ -1,0 +1,175 @@
+"""The mask-in-tile losses as fused tile kernels: the positive mask is formed in registers.
+
+* pytorch-metric-learning's NT-Xent with labels (``binary=False``): one term per positive pair,
+  ``softplus(L_i - S_ip)`` with ``L_i`` the log-sum-exp of row i's negatives (the row-owned
+  log-sum-exp kernel with the same-label pairs excluded); the forward adds the terms and
+  ``w_i = sum_p sigmoid(L_i - S_ip)`` per row, the backward forms
+  ``G = e^{S_in - L_i} w_i g_i`` on negatives and ``-sigmoid(L_i - S_ip) g_i`` on positives.
+* NT-BXent (``binary=True``): ``(sum_pos softplus(-S), sum_neg softplus(S))`` per row, backward
+  ``G = -sigmoid(-S) g0_i`` on positives and ``sigmoid(S) g1_i`` on negatives.
+
+Positives by one or two id keys or a partner column per row; the self pair (``j = i + offset``)
+is neither. Each gradient tile is formed once and its two products added with atomics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._configs import autotune, bucket, square_tiles
+from ._host import acc_dtypes, check_device, operand, precision, tl, triton
+from ._tile import logits, same_keys, scatter_products, softplus, tile_of, with_factors
+from .tile_sums import GROUP
+
+
+@triton.jit
+def _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, self_offset, HAS_SELF: tl.constexpr,
+              N_KEYS: tl.constexpr, PARTNER: tl.constexpr):
+    """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither."""
+    r_ok = rows < n_rows
+    c_ok = cols < n_cols
+    pos = same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS)
+    if PARTNER:
+        p = tl.load(partner + rows, mask=r_ok, other=-1)
+        pos = pos | (cols[None, :] == p[:, None])
+    counted = r_ok[:, None] & c_ok[None, :]
+    if HAS_SELF:
+        counted = counted & (cols[None, :] != rows[:, None] + self_offset)
+    return pos & counted, counted & ~pos
+
+
+@triton.jit
+def _pair_tile(x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, n_rows, n_cols, d, stride_x, stride_y, self_offset,
+               HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+               FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile: its rows, columns, logits and positive / negative masks."""
+    bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
+    rows = bi * BLOCK + tl.arange(0, BLOCK)
+    cols = bj * BLOCK + tl.arange(0, BLOCK)
+    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
+    pos, neg = _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, self_offset, HAS_SELF, N_KEYS, PARTNER)
+    return rows, cols, s, pos, neg
+
+
+@autotune(square_tiles(), reset_to_zero=["out0_ptr", "out1_ptr"])
+@triton.jit
+def _pair_sums_kernel(x_ptr, y_ptr, out0_ptr, out1_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, n_rows, n_cols,
+                      d, bucket, stride_x, stride_y, self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr,
+                      PARTNER: tl.constexpr, BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                      FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, _cols, s, pos, neg = _pair_tile(x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, n_rows, n_cols, d, stride_x,
+                                         stride_y, self_offset, HAS_SELF, N_KEYS, PARTNER, ACC, PRECISION, FACTORS, GROUP, BLOCK,
+                                         BLOCK_D)
+    row_ok = rows < n_rows
+    if BINARY:
+        first = tl.where(pos, softplus(-s), 0.0)
+        second = tl.where(neg, softplus(s), 0.0)
+    else:  # L_i = -inf (no negative): softplus and sigmoid of -inf are 0, the row adds nothing
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        diff = lse[:, None] - s
+        first = tl.where(pos, softplus(diff), 0.0)
+        second = tl.where(pos, tl.sigmoid(diff), 0.0)
+    tl.atomic_add(out0_ptr + rows, tl.sum(first, axis=1), mask=row_ok, sem="relaxed")
+    tl.atomic_add(out1_ptr + rows, tl.sum(second, axis=1), mask=row_ok, sem="relaxed")
+
+
+@autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
+@triton.jit
+def _pair_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0,
+                      rk1, ck1, partner, n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_ga, stride_gb,
+                      self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr,
+                      BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, cols, s, pos, neg = _pair_tile(x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, n_rows, n_cols, d, stride_x,
+                                         stride_y, self_offset, HAS_SELF, N_KEYS, PARTNER, ACC, PRECISION, FACTORS, GROUP, BLOCK,
+                                         BLOCK_D)
+    row_ok = rows < n_rows
+    g0 = tl.load(g0_ptr + rows, mask=row_ok, other=0.0)
+    if BINARY:
+        g1 = tl.load(g1_ptr + rows, mask=row_ok, other=0.0)
+        grad = tl.where(pos, -tl.sigmoid(-s) * g0[:, None], tl.where(neg, tl.sigmoid(s) * g1[:, None], 0.0))
+    else:
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        has_neg = lse > float("-inf")
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        factor = tl.where(has_neg, w * g0, 0.0)  # a row without negatives gets no gradient
+        shift = tl.where(has_neg, lse, 0.0)
+        grad = tl.where(neg, tl.exp(s - shift[:, None]) * factor[:, None],
+                        tl.where(pos, -tl.sigmoid(lse[:, None] - s) * g0[:, None], 0.0))
+    scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, row_ok,
+                     cols < n_cols, cols < n_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
+
+
+def _relation_args(positives: Any, dummy: Tensor) -> tuple[list[Any], dict[str, Any]]:
+    """The positive relation (keys or partner) as the kernels read it."""
+    ptrs: list[Any] = [dummy, dummy, dummy, dummy, dummy]
+    flags: dict[str, Any] = dict(N_KEYS=0, PARTNER=False)
+    if positives.kind == "keys":
+        rk, ck = positives.row_keys, positives.col_keys
+        ptrs[:2] = [rk[0].contiguous(), ck[0].contiguous()]
+        if len(rk) > 1:
+            ptrs[2:4] = [rk[1].contiguous(), ck[1].contiguous()]
+        flags["N_KEYS"] = len(rk)
+    elif positives.kind == "partner":
+        ptrs[4] = positives.partner.contiguous()
+        flags["PARTNER"] = True
+    else:  # the planner refuses other relations before any work
+        raise ValueError(f"the pair kernels take positives by ids or a partner, not a {positives.kind!r} relation")
+    return ptrs, flags
+
+
+def _grid(r: int, c: int) -> Any:
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(r, meta["BLOCK"]) * triton.cdiv(c, meta["BLOCK"]),)
+
+    return grid
+
+
+def pair_sums(x_scaled: Tensor, y: Tensor, positives: Any, binary: bool, lse: Tensor | None = None,
+              factors: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Per row: NT-BXent's ``(sum_pos softplus(-S), sum_neg softplus(S))`` (``binary``), or
+    PML NT-Xent's ``(sum_p softplus(L_i - S_ip), sum_p sigmoid(L_i - S_ip))`` given the negatives'
+    log-sum-exps ``lse`` (``-inf`` for a row without negatives). ``S = x_scaled @ y.T`` (with
+    ``factors``: ``fx_i fy_j <x_i, y_j>``); the self pair is ``positives.self_offset``'s."""
+    check_device(x_scaled)
+    x, yy = operand(x_scaled), operand(y)
+    r, c, d = x.shape[0], yy.shape[0], x.shape[1]
+    dtype, acc = acc_dtypes(x)
+    out0 = torch.zeros(r, dtype=dtype, device=x.device)
+    out1 = torch.zeros(r, dtype=dtype, device=x.device)
+    ptrs, flags = _relation_args(positives, x)
+    fx, fy = factors if factors is not None else (out0, out0)
+    offset = positives.self_offset
+    _pair_sums_kernel[_grid(r, c)](
+        x, yy, out0, out1, out0 if lse is None else lse.contiguous(), fx, fy, *ptrs, r, c, d, bucket(r, c), x.stride(0),
+        yy.stride(0), 0 if offset is None else offset, HAS_SELF=offset is not None, BINARY=binary, ACC=acc,
+        PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
+    return out0, out1
+
+
+def pair_grad(x_scaled: Tensor, y: Tensor, z: Tensor, positives: Any, binary: bool, grads: tuple[Tensor, ...],
+              lse: Tensor | None = None, weight: Tensor | None = None,
+              factors: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """``(G diag(fy) @ y, (diag(fz) G).T @ z)`` of :func:`pair_sums`'s terms for the upstream
+    per-row gradients ``grads`` (two for ``binary``, one otherwise, with its ``lse`` and ``weight``)."""
+    check_device(x_scaled)
+    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    r, c, d = x.shape[0], yy.shape[0], x.shape[1]
+    dtype, acc = acc_dtypes(x)
+    ga = torch.zeros(r, d, dtype=dtype, device=x.device)
+    gb = torch.zeros(c, d, dtype=dtype, device=x.device)
+    g0 = grads[0].to(dtype).expand(r).contiguous()
+    g1 = grads[1].to(dtype).expand(r).contiguous() if binary else g0
+    ptrs, flags = _relation_args(positives, x)
+    fx, fy, fz = factors if factors is not None else (g0, g0, g0)
+    offset = positives.self_offset
+    _pair_grad_kernel[_grid(r, c)](
+        x, yy, zz, ga, gb, g0 if lse is None else lse.contiguous(), g0 if weight is None else weight.contiguous(), g0, g1,
+        fx, fy, fz, *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0), zz.stride(0), ga.stride(0), gb.stride(0),
+        0 if offset is None else offset, HAS_SELF=offset is not None, BINARY=binary, ACC=acc, PRECISION=precision(x),
+        FACTORS=factors is not None, GROUP=GROUP, **flags)
+    return ga, gb
