@@ -59,8 +59,8 @@ IMPLEMENTATIONS = {
 
 #: The engine backend of "ours" in this worker process (one case per process).
 _BACKEND = ["auto"]
-#: Losses whose "ours" runs on backend="triton" too (the log-sum-exp engine).
-TRITON_LOSSES = ("clip", "nt_xent", "supcon", "info_nce_queue")
+#: Losses whose "ours" runs on backend="triton" too (every loss the kernels cover).
+TRITON_LOSSES = ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue")
 
 #: Cases run only with --loss NAME --sizes N.
 ON_REQUEST = ("nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide")
@@ -170,7 +170,7 @@ def _build_image_text(loss: str, impl: str, x: torch.Tensor, y: torch.Tensor, ta
             return lambda: compiled(x, y, tau)
         return lambda: dense_clip(x, y, tau)
     if impl in ("ours", "ours-dense"):
-        return lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk)
+        return lambda: tc.siglip_loss(x, y, 1 / tau, -10.0, chunk_size=chunk, backend=_BACKEND[0])
     if impl == "open_clip":
         siglip_peer = load_open_clip_loss().SigLipLoss()
         return lambda: siglip_peer(normalize(x, dim=1), normalize(y, dim=1), 1 / tau, -10.0)
@@ -270,8 +270,8 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
     if loss in ("nt_xent_pml", "nt_bxent"):
         classes = torch.randint(0, int(spec_classes), (n,), generator=gen).to(device)
         if loss == "nt_xent_pml":
-            return (lambda: tc.nt_xent_loss(x, tau, labels=classes)), [x]
-        return (lambda: tc.nt_bxent_loss(x, labels=classes, temperature=tau)), [x]
+            return (lambda: tc.nt_xent_loss(x, tau, labels=classes, backend=_BACKEND[0])), [x]
+        return (lambda: tc.nt_bxent_loss(x, labels=classes, temperature=tau, backend=_BACKEND[0])), [x]
     if loss == "nt_xent":
         return _build_nt_xent(impl, x, tau, dense_chunk)
     if impl in ("ours", "ours-dense"):
