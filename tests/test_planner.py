@@ -63,6 +63,19 @@ def test_the_bounded_algorithm_is_the_planners_choice_from_the_losss_bound(devic
     assert [d.fixed for d in tc.explain(tc.clip_loss, x, x.flip(0), 0.07, normalize=False)] == [False]  # rows not unit
 
 
+def test_label_sorting_and_reductions_inside_are_planner_decisions():
+    """Sorting labelled rows pays only with the validation read, one process, unit rows and several
+    tiles, and never for the Triton kernels; a reduction moves inside the engine on one process only."""
+    kw = dict(reads_anyway=True, distributed=False, normalized=True, backend="torch")
+    assert planner.label_sorted(4096, 1024, **kw)
+    assert not planner.label_sorted(1024, 1024, **kw)  # one tile: nothing to skip
+    for change in (dict(reads_anyway=False), dict(distributed=True), dict(normalized=False), dict(backend="triton")):
+        assert not planner.label_sorted(4096, 1024, **{**kw, **change}), change
+    assert planner.label_sorted(4096, 1024, **{**kw, "backend": "auto"})
+    assert planner.reduce_inside("mean", False) and planner.reduce_inside("sum", False)
+    assert not planner.reduce_inside("none", False) and not planner.reduce_inside("mean", True)
+
+
 def test_explicit_backends_are_honoured_or_refused():
     assert _decide(CPU, torch.float32, 10, backend="torch").backend == "torch"
     with pytest.raises(ValueError, match="backend='triton' cannot run this call: no kernels here"):

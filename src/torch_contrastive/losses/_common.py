@@ -20,6 +20,7 @@ from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope, make_scope
 from ..engine import Scale, pairwise_rows, resolve_tile, tile_label_bounds
+from ..engine.planner import label_sorted, reduce_inside
 from ..positives import Positives
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -126,7 +127,7 @@ def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype
     per-row values must come back (``none``, or a distributed loss, whose value needs
     the ranks' sums). A tensor ``normaliser`` (a count) gives a coefficient in ``dtype``.
     """
-    if reduction == "none" or scope.distributed:
+    if not reduce_inside(reduction, scope.distributed):
         return None
     if reduction == "mean":
         if isinstance(normaliser, Tensor):
@@ -218,21 +219,20 @@ class SortedByLabel(NamedTuple):
 
 
 def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.Checks, scope: Scope,
-                  normalize: bool, scale: Scale) -> SortedByLabel | None:
+                  normalize: bool, scale: Scale, backend: str = "auto") -> SortedByLabel | None:
     """Rows sorted by label and the tile plan of the mask-in-tile kernels, or None.
 
     Sorted by label, the positives of a single-set labelled loss are contiguous diagonal
     blocks, so most tiles hold only negatives and skip the mask work. Which tiles do is
-    known from each tile's first and last label -- values on the device. They are read in
-    the call's one validation transfer, so the sorted path is taken when that read
-    happens anyway (``validate=True``), on one process, for normalised inputs (raw dot
-    products need a second read, for the overflow check) and when the batch spans
-    several tiles; otherwise every tile is masked (exact too, slower). A tensor scale is
-    read in the same transfer, so no output check (a second read) is needed afterwards.
+    known from each tile's first and last label, read in the call's one validation
+    transfer; when to sort is the planner's decision (:func:`~..engine.planner.label_sorted`).
+    A tensor scale is read in the same transfer, so no output check (a second read) is
+    needed afterwards.
     """
     n = z.shape[0]
     tile = resolve_tile(chunk_size, n, n, z.device, 16 if z.dtype == torch.float64 else 8)
-    if scope.distributed or not checks.enabled or not normalize or tile >= n:
+    if not label_sorted(n, tile, reads_anyway=checks.enabled, distributed=scope.distributed, normalized=normalize,
+                        backend=backend):
         return None
     sorted_labels, perm = torch.sort(labels, stable=True)
     bounds = tile_label_bounds(sorted_labels, tile)
@@ -258,15 +258,14 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
     :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
     ``memory`` (rows, labels) adds candidates, ``reference`` (rows, labels) replaces them
-    (then the given order is kept; so with ``backend="triton"``, whose kernels form each
-    tile's mask in registers and gain nothing from sorting).
+    (then the given order is kept).
 
     ``combine``: from the positive counts (in the engine's row order) to the
     ``pairwise_rows(combine=...)`` weights and reduction; ``outputs`` is then the scalar
     loss alone (order does not matter for a sum).
     """
-    given_order = memory is not None or reference is not None or backend == "triton"
-    by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale)
+    given_order = memory is not None or reference is not None
+    by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale, backend)
     if by_label is None:
         positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
         if reference is not None:
