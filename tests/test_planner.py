@@ -63,6 +63,14 @@ def test_the_bounded_algorithm_is_the_planners_choice_from_the_losss_bound(devic
     assert [d.fixed for d in tc.explain(tc.clip_loss, x, x.flip(0), 0.07, normalize=False)] == [False]  # rows not unit
 
 
+def test_the_kernels_take_half_rows_as_given_only_on_triton():
+    assert _decide(CUDA, torch.bfloat16, 64, backend="triton").operand_dtype == torch.bfloat16
+    assert _decide(CUDA, torch.float16, 64, backend="triton").operand_dtype == torch.float16
+    assert _decide(CUDA, torch.float32, 64, backend="triton").operand_dtype is None
+    assert _decide(CUDA, torch.bfloat16, 64, backend="triton", other_dtype=torch.float16).operand_dtype is None
+    assert _decide(CUDA, torch.bfloat16, 64, backend="torch").operand_dtype is None  # torch: HalfProducts instead
+
+
 def test_label_sorting_and_reductions_inside_are_planner_decisions():
     """Sorting labelled rows pays only with the validation read, one process, unit rows and several
     tiles, and never for the Triton kernels; a reduction moves inside the engine on one process only."""

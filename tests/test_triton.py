@@ -220,6 +220,7 @@ def test_autotuning_configs_are_pruned_per_device_dtype_and_size(monkeypatch):
     tiles and a small problem keeps no tile larger than itself; every list holds 128-wide tiles."""
     from torch_contrastive.engine.triton_backend import _configs
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # prune reads the switch per call: on a GPU too
     for configs in (_configs.square_tiles(), _configs.row_blocks(), _configs.row_output_blocks()):
         assert max(_configs._side(c) for c in configs) == 128
         (only,) = _configs.prune(configs, {"x_ptr": torch.empty(1), "bucket": 4096})
@@ -408,6 +409,28 @@ def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype):
     assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=atol)
     for got, want in zip([*our_in, *our_p], [*ref_in, *ref_p]):
         torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=10 * rtol, atol=10 * atol)
+
+
+@pytest.mark.parametrize("dtype,tols", [(torch.float16, (2e-5, 2e-3)), (torch.bfloat16, (2e-5, 1e-2))])
+def test_siglip_on_triton_with_half_inputs_equals_the_float64_formula(dtype, tols):
+    """Half rows reach the kernels as given, with the scale and the normalisation as fp32 factors."""
+    from reference import siglip
+
+    g = torch.Generator().manual_seed(9)
+    iid = torch.randint(0, 20, (45,), generator=g)
+    a, b = (torch.randn(45, 20, generator=g).to(dtype) for _ in range(2))
+    ref_in = [a.double().requires_grad_(), b.double().requires_grad_()]
+    ref = siglip(*ref_in, 10.0, -10.0, iid)
+    ref.backward()
+    our_in = [t.to(DEVICE).requires_grad_() for t in (a, b)]
+    ours = tc.siglip_loss(*our_in, 10.0, -10.0, iid.to(DEVICE), backend="triton")
+    ours.backward()
+    rtol, grad_tol = tols
+    assert ours.dtype == torch.float32 and ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
+    for got, want in zip(our_in, ref_in):
+        assert got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=grad_tol,
+                                   atol=grad_tol * max(1.0, want.grad.abs().max().item()))
 
 
 def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model():

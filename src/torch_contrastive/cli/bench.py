@@ -609,8 +609,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--backend", default="auto",
                    help="engine backend(s) of 'ours', comma-separated: auto (default), torch, triton (triton needs --device cuda)")
     p.add_argument("--gpu", action="store_true",
-                   help="the GPU table: CLIP 8,192 x 512 and 65,536 x 768, NT-Xent 65,536 x 768, bf16, ours per --backend "
-                        "beside dense and dense-compiled (implies --device cuda --dtype bfloat16)")
+                   help="the GPU table (GPU_GRID): CLIP 4,096 to 262,144 rows, NT-Xent 65,536 x 768, bf16, ours per --backend "
+                        "beside dense-compiled and dense (up to 65,536 rows) and Inf-CL's kernels when installed "
+                        "(implies --device cuda --dtype bfloat16)")
     p.set_defaults(func=run)
 
 

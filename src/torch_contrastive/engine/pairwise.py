@@ -554,13 +554,10 @@ def pairwise_rows(
         mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
     symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
                  and (kernel == "binary" or decision.fixed))  # PML's one exp for both blocks needs the fixed mode
-    operand_dtype = None
-    if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
-        operand_dtype = anchors.dtype
     if decision.backend == "triton":
         mixed, symmetric = None, False  # the kernels form every tile's mask in registers
     plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, decision.fixed, symmetric,
-                 decision.backend, operand_dtype)
+                 decision.backend, decision.operand_dtype)
     return tuple(run(_PAIRWISE, plan, anchors, None if candidates is anchors else candidates, scale, combine))
 
 

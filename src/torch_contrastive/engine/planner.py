@@ -52,6 +52,8 @@ class Decision:
         fixed: the one-``exp`` bounded algorithm (no running maximum).
         budget: the scratch bytes the tile was sized for.
         rows, cols: the problem's shape.
+        operand_dtype: the Triton kernels' operand dtype when they take the caller's fp16/bf16
+            rows as given (one half dtype on both sides); None: the compute dtype.
     """
 
     kernel: str
@@ -63,6 +65,7 @@ class Decision:
     budget: int
     rows: int
     cols: int
+    operand_dtype: torch.dtype | None = None
 
     def __str__(self) -> str:
         if self.backend == "triton":
@@ -202,7 +205,8 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
     tile = resolve_tile(chunk_size, rows, cols, device, per_logit if device.type == "cuda" else 8)
     single = tile >= max(rows, cols) and (chosen == "torch" or not one_tile_torch_only)
-    decision = Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols)
+    operand_dtype = dtype if chosen == "triton" and dtype in _HALF and other_dtype == dtype else None
+    decision = Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
     _record(decision)
     return decision
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from .._tensors import self_diagonal
 from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
+from .kernel_operands import KernelOperands
 from .planner import decide
 
 if TYPE_CHECKING:
@@ -64,14 +65,6 @@ def _triton_refusal(anchors: Tensor, positives: Positives, diagonal: int | None)
                                                               and len(positives.row_keys) <= 2) \
         or (kind == "pairs" and positives.pairs is not None and positives.pairs.shape[0] == 0)
     return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
-
-
-def _triton_operands(plan: _Plan, *tensors: Tensor) -> list[Tensor]:
-    from . import triton_backend
-
-    if plan.operand_dtype is None or triton_backend.interpreting():
-        return list(tensors)
-    return [t.to(plan.operand_dtype) for t in tensors]
 
 
 def _signed_tile(s: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor | None]:
@@ -115,9 +108,11 @@ class _SigmoidKernel:
         if plan.backend == "triton":
             from . import triton_backend
 
-            x, y = _triton_operands(plan, a_s, b_c)
+            kops = KernelOperands(plan, (ops.a, ops.b), a_c, b_c, ops.scale, ops.norms, a_s)
             keys = _triton_positives(plan.positives, plan.diagonal_offset)
-            out = triton_backend.sigmoid_sums(x, y, bias_c, plan.diagonal_offset, keys)
+            out = triton_backend.sigmoid_sums(kops.x, kops.y, bias_c, plan.diagonal_offset, keys, kops.pair())
+            if plan.operand_dtype is not None:  # backward multiplies the raw rows again
+                kept = tuple(t for t in (ops.a, ops.b) if t is not None)
         elif plan.tile == 0:
             signed, pos = _signed_tile(logits_tile(None, a_s, b_c).add_(bias_c), plan, 0, R, 0, C)
             out = F.softplus(signed).sum(1)
@@ -140,10 +135,11 @@ class _SigmoidKernel:
         if plan.backend == "triton":
             from . import triton_backend
 
-            x, y, z = _triton_operands(plan, a * scale, b, a)
+            kops = KernelOperands(plan, tuple(rest), a, b, scale, saved.norms)
             keys = _triton_positives(plan.positives, plan.diagonal_offset)
-            gb, ga, gbias = triton_backend.sigmoid_grad(x, y, z, g_row, bias, plan.diagonal_offset, keys)
-        elif rest:
+            gb, ga, gbias = triton_backend.sigmoid_grad(kops.x, kops.y, kops.z, g_row, bias, plan.diagonal_offset, keys,
+                                                        kops.factors)
+        elif rest:  # the one tile kept from forward
             signed, pos = rest[0], (rest[1] if len(rest) > 1 else None)
             grad = _grad_tile(signed, pos, g_row, plan, 0, 0)
             gb, ga, gbias = grad @ b, grad.t() @ a, grad.sum()
@@ -203,8 +199,5 @@ def sigmoid_rows(
     decision = decide(kernel="sigmoid", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype, other_dtype=candidates.dtype,
                       chunk_size=chunk_size, backend=backend, fixed=False, half_ok=False, auto_triton=False,
                       triton_serves=lambda: _triton_refusal(anchors, positives, diagonal_offset))
-    operand_dtype = None
-    if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
-        operand_dtype = anchors.dtype
-    plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps), decision.backend, operand_dtype)
+    plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps), decision.backend, decision.operand_dtype)
     return run(_SIGMOID, plan, anchors, candidates, scale, bias)

@@ -196,17 +196,16 @@ class _Softmax:
                 c_col = how(col[0], c_col, margins[1], col_alpha is col_beta, col_lse)
         if not plan.symmetric and not ctx.operands_need_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
-        # (the Triton kernels take the operands themselves; the products serve the torch loops)
-        prod = make_products(plan.half, tuple(raw) if plan.half else (), None, a, b, scale, saved.norms, plan.normalize)
-        if kept is not None:
-            folded = (c_row, c_col) if plan.tile_positives else (None, None)
-            gb_acc, ga_acc = single_backward(kept, prod, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
+        if plan.symmetric and kept is None:
+            col = (u, row_lse)  # a single set's columns are its rows
+        if plan.backend == "triton":  # the kernels take the operands themselves (never one kept tile)
+            gb_acc, ga_acc = _backward_triton(KernelOperands(plan, tuple(raw), a, b, scale, saved.norms), a, b, (u, row_lse),
+                                              col, plan)
         else:
-            if plan.symmetric:
-                col = (u, row_lse)  # a single set's columns are its rows
-            if plan.backend == "triton":
-                gb_acc, ga_acc = _backward_triton(KernelOperands(plan, tuple(raw), a, b, scale, saved.norms), a, b, (u, row_lse),
-                                                  col, plan)
+            prod = make_products(plan.half, tuple(raw) if plan.half else (), None, a, b, scale, saved.norms, plan.normalize)
+            if kept is not None:
+                folded = (c_row, c_col) if plan.tile_positives else (None, None)
+                gb_acc, ga_acc = single_backward(kept, prod, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
             else:
                 gb_acc, ga_acc = (backward_fixed if plan.fixed else backward_online)(prod, a, b, (u, row_lse), col, plan)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
@@ -392,16 +391,13 @@ def softmax_terms(
     decision = decide(kernel="softmax", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype,
                       other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed, bound=bound,
                       triton_serves=lambda: _triton_refusal(anchors, exclude))
-    operand_dtype = None
-    if decision.backend == "triton" and anchors.dtype in (torch.float16, torch.bfloat16) and candidates.dtype == anchors.dtype:
-        operand_dtype = anchors.dtype
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
     single = decision.tile == 0
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     apart = apart_rule(positives, exclude, columns, column_positives, column_comm, symmetric, decision.backend)
     plan = SoftmaxPlan(self_offset, columns, symmetric, decision.tile, decision.fixed, normalize, float(eps), positives,
                  columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
-                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, operand_dtype,
+                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, decision.operand_dtype,
                  decision.half, apart)
     row_out, col_out = run(_SOFTMAX, plan, anchors, None if candidates is anchors else candidates, scale, *row_weights,
                            None if shared_alpha else col_weights[0], col_weights[1], total)

@@ -85,8 +85,9 @@ def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, s
 
 
 @triton.jit
-def same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS: tl.constexpr):
-    """(rows, cols) bool: any of the ``N_KEYS`` (0-2) id keys equal; out-of-bounds entries never match."""
+def related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS: tl.constexpr, PARTNER: tl.constexpr):
+    """(rows, cols) bool: any of the ``N_KEYS`` (0-2) id keys equal, or -- with ``PARTNER`` -- the
+    column is the row's partner; out-of-bounds entries never match."""
     out = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
     if N_KEYS >= 1:
         a0 = tl.load(rk0 + rows, mask=r_ok, other=-1)
@@ -96,6 +97,9 @@ def same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS: tl.constexpr):
         a1 = tl.load(rk1 + rows, mask=r_ok, other=-1)
         b1 = tl.load(ck1 + cols, mask=c_ok, other=-2)
         out = out | (a1[:, None] == b1[None, :])
+    if PARTNER:
+        p = tl.load(partner + rows, mask=r_ok, other=-1)
+        out = out | (cols[None, :] == p[:, None])
     return out
 
 
@@ -109,10 +113,7 @@ def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, 
     the same rule as :class:`~torch_contrastive.positives.Exclusion`."""
     r_ok = orow < n_orows
     c_ok = ocol < n_ocols
-    out = same_keys(orow, ocol, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS)
-    if PARTNER:
-        p = tl.load(partner + orow, mask=r_ok, other=-1)
-        out = out | (ocol[None, :] == p[:, None])
+    out = related(orow, ocol, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS, PARTNER)
     if GUIDE:
         g = tl.zeros((OM, ON), dtype=GACC)
         for k0 in range(0, dg, 16):

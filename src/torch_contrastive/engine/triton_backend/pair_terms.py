@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles
 from ._host import acc_dtypes, check_device, operand, precision, tl, triton
-from ._tile import logits, same_keys, scatter_products, softplus, tile_of, with_factors
+from ._tile import logits, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
 
@@ -31,10 +31,7 @@ def _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, self_offs
     """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither."""
     r_ok = rows < n_rows
     c_ok = cols < n_cols
-    pos = same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS)
-    if PARTNER:
-        p = tl.load(partner + rows, mask=r_ok, other=-1)
-        pos = pos | (cols[None, :] == p[:, None])
+    pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS, PARTNER)
     counted = r_ok[:, None] & c_ok[None, :]
     if HAS_SELF:
         counted = counted & (cols[None, :] != rows[:, None] + self_offset)

@@ -17,22 +17,22 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles
 from ._host import acc_dtypes, check_device, operand, precision, tl, triton
-from ._tile import logits, same_keys, scatter_products, softplus, tile_of
+from ._tile import logits, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
 
 @triton.jit
-def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, stride_x, stride_y, diagonal,
-                 DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, stride_x, stride_y,
+                 diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                 FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """``-z * S`` of the tile, the positive mask and the in-bounds mask."""
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
     s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
-    s = s + tl.load(bias_ptr)
+    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS) + tl.load(bias_ptr)
     r_ok = rows < n_rows
     c_ok = cols < n_cols
-    pos = same_keys(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, N_KEYS)
+    pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, rk0, N_KEYS, False)
     if DIAGONAL:
         pos = pos | (cols[None, :] == rows[:, None] + diagonal)
     return tl.where(pos, -s, s), pos, r_ok[:, None] & c_ok[None, :], rows, cols
@@ -40,33 +40,34 @@ def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_c
 
 @autotune(square_tiles(), reset_to_zero=["out_ptr"])
 @triton.jit
-def _sigmoid_sums_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, bucket, stride_x, stride_y,
-                         diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                         GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sigmoid_sums_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, bucket, stride_x,
+                         stride_y, diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr,
+                         PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
-    signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
-                                                   stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, BLOCK,
-                                                   BLOCK_D)
+    signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows,
+                                                     n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION,
+                                                     FACTORS, BLOCK, BLOCK_D)
     terms = tl.where(inside, softplus(signed), 0.0)
     tl.atomic_add(out_ptr + rows, tl.sum(terms, axis=1), mask=rows < n_rows, sem="relaxed")
 
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr", "gbias_ptr"])
 @triton.jit
-def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols,
-                         d, bucket, stride_x, stride_y, stride_z, stride_ga, stride_gb, diagonal, DIAGONAL: tl.constexpr,
-                         N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0, rk1,
+                         ck1, n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_ga, stride_gb, diagonal,
+                         DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                         FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
-    signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
-                                                   stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, BLOCK,
-                                                   BLOCK_D)
+    signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows,
+                                                   n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION,
+                                                   FACTORS, BLOCK, BLOCK_D)
     g_row = tl.load(g_ptr + rows, mask=rows < n_rows, other=0.0)
     grad = tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None])  # dS = -z sigmoid(-z S) g_i
     grad = tl.where(inside, grad, 0.0)
     tl.atomic_add(gbias_ptr, tl.sum(tl.sum(grad, axis=1), axis=0), sem="relaxed")
     scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, rows < n_rows,
-                     cols < n_cols, cols < n_cols, n_rows, n_cols, g_ptr, g_ptr, False, True, ACC, PRECISION, BLOCK_D)
+                     cols < n_cols, cols < n_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
 
 
 def _positive_args(diagonal: int | None, keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
@@ -96,26 +97,31 @@ def _grid(r: int, c: int) -> Any:
 
 
 def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: int | None,
-                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None) -> Tensor:
+                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
+                 factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """(R,) ``sum_j softplus(-z_ij S_ij)`` with ``S = x_scaled @ y.T + bias`` (fp32; fp64 for
     fp64); ``z_ij = +1`` where ``j == i + diagonal`` or the ids are equal (``keys`` =
-    (row keys, column keys)), -1 elsewhere. Neither given: every pair is a negative."""
+    (row keys, column keys)), -1 elsewhere. Neither given: every pair is a negative.
+    ``factors``: ``(fx, fy)``, ``S_ij = fx_i fy_j <x_i, y_j> + bias`` (raw half rows)."""
     check_device(x_scaled)
     x, yy = operand(x_scaled), operand(y)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
     dtype, acc = acc_dtypes(x)
     out = torch.zeros(r, dtype=dtype, device=x.device)
     ptrs, flags = _positive_args(diagonal, keys, x)
+    fx, fy = factors if factors is not None else (out, out)
     _sigmoid_sums_kernel[_grid(r, c)](
-        x, yy, out, _bias(bias, x, dtype), *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
-        0 if diagonal is None else diagonal, ACC=acc, PRECISION=precision(x), GROUP=GROUP, **flags)
+        x, yy, out, _bias(bias, x, dtype), fx, fy, *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
+        0 if diagonal is None else diagonal, ACC=acc, PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
     return out
 
 
 def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Tensor | float, diagonal: int | None,
-                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dS @ y, dS.T @ z, sum dS)`` for the upstream per-row gradient ``g_row``, each
-    gradient tile formed once (atomics); see :func:`sigmoid_sums` for ``S`` and ``z_ij``."""
+                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
+                 factors: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dS diag(fy) @ y, (diag(fz) dS).T @ z, sum dS)`` for the upstream per-row gradient
+    ``g_row``, each gradient tile formed once (atomics); see :func:`sigmoid_sums` for ``S``,
+    ``z_ij`` and ``factors`` (here ``(fx, fy, fz)``; without them no diagonal scaling)."""
     check_device(x_scaled)
     x, yy, zz = operand(x_scaled), operand(y), operand(z)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
@@ -124,8 +130,9 @@ def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Te
     gb = torch.zeros(c, d, dtype=dtype, device=x.device)
     gbias = torch.zeros(1, dtype=dtype, device=x.device)
     ptrs, flags = _positive_args(diagonal, keys, x)
+    fx, fy, fz = factors if factors is not None else (gbias, gbias, gbias)
     _sigmoid_grad_kernel[_grid(r, c)](
-        x, yy, zz, ga, gb, gbias, g_row.to(dtype).expand(r).contiguous(), _bias(bias, x, dtype), *ptrs, r, c, d, bucket(r, c),
-        x.stride(0), yy.stride(0), zz.stride(0), ga.stride(0), gb.stride(0), 0 if diagonal is None else diagonal, ACC=acc,
-        PRECISION=precision(x), GROUP=GROUP, **flags)
+        x, yy, zz, ga, gb, gbias, g_row.to(dtype).expand(r).contiguous(), _bias(bias, x, dtype), fx, fy, fz, *ptrs, r, c, d,
+        bucket(r, c), x.stride(0), yy.stride(0), zz.stride(0), ga.stride(0), gb.stride(0), 0 if diagonal is None else diagonal,
+        ACC=acc, PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
     return ga, gb, gbias.reshape(())
