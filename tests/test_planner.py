@@ -84,6 +84,65 @@ def test_label_sorting_and_reductions_inside_are_planner_decisions():
     assert not planner.reduce_inside("none", False) and not planner.reduce_inside("mean", True)
 
 
+def _problems(device):
+    """One problem per statistic, built as a loss builds it."""
+    from torch_contrastive.engine import Options, PairTerms, Problem, SigmoidPairs, Softmax
+    from torch_contrastive.positives import Positives
+
+    x = torch.randn(24, 8, device=device)
+    y = torch.randn(24, 8, device=device)
+    labels = torch.arange(24, device=device) % 5
+    partner = Positives.from_partner(torch.arange(24, device=device), 24, self_offset=None)
+    return {
+        "softmax": Problem(x, y, 10.0, Softmax(columns=True), positives=partner, bound=10.0, options=Options(True)),
+        "pairs": Problem(x, x, 2.0, PairTerms("binary"), positives=Positives.from_keys(labels), self_offset=0,
+                         options=Options(True, chunk_size=7)),
+        "sigmoid": Problem(x, y, 10.0, SigmoidPairs(-10.0, 0), positives=partner, options=Options(True)),
+    }
+
+
+@pytest.mark.parametrize("statistic", ["softmax", "pairs", "sigmoid"])
+def test_plan_says_what_solve_runs(statistic):
+    """A problem is planned without running anything, and that plan is the one solve() runs."""
+    from torch_contrastive.engine import plan, solve
+
+    problem = _problems(DEVICE)[statistic]
+    decided = plan(problem)
+    assert tc.explain(solve, problem) == [decided]
+    assert decided.kernel == {"softmax": "softmax", "pairs": "pairwise", "sigmoid": "sigmoid"}[statistic]
+    assert not decided.half  # fp32 rows: no half-precision products on any device
+    assert (decided.tile == 7) == (statistic == "pairs")  # the problem's chunk_size reaches the plan
+    assert decided.fixed == (statistic == "softmax")  # only the soft-max problem promised a bound
+
+
+def test_a_problem_is_immutable_and_checked():
+    import dataclasses
+
+    from torch_contrastive.engine import Options, PairTerms, Problem, Softmax
+    from torch_contrastive.positives import Exclusion, Positives
+
+    problem = _problems(DEVICE)["softmax"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        problem.bound = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        problem.options.backend = "triton"  # type: ignore[misc]
+    x = torch.randn(6, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"Softmax\(columns=True\) needs self_offset=None"):
+        Problem(x, x, 1.0, Softmax(columns=True), self_offset=0)
+    with pytest.raises(ValueError, match="symmetric=True needs candidates equal to anchors"):
+        Problem(x, x[:5], 1.0, Softmax(), self_offset=0, symmetric=True)
+    relation = Positives.from_keys(torch.arange(6, device=DEVICE) % 2)
+    with pytest.raises(ValueError, match="symmetric exclusion"):
+        Problem(x, x, 1.0, Softmax(exclude=Exclusion(relation=relation)), self_offset=0, symmetric=True)
+    with pytest.raises(ValueError, match="PairTerms needs positives"):
+        Problem(x, x, 1.0, PairTerms("binary"))
+    with pytest.raises(ValueError, match="'pair_softplus' or 'binary'"):
+        PairTerms("softmax")
+    pairs = Positives.from_pairs(torch.tensor([[0, 1]], device=DEVICE), 6, 6)
+    with pytest.raises(ValueError, match="pair kernels take positives by ids or a partner, not a 'pairs' relation"):
+        tc.engine.plan(Problem(x, x, 1.0, PairTerms("binary"), positives=pairs, self_offset=0, options=Options(backend="triton")))
+
+
 def test_explicit_backends_are_honoured_or_refused():
     assert _decide(CPU, torch.float32, 10, backend="torch").backend == "torch"
     with pytest.raises(ValueError, match="backend='triton' cannot run this call: no kernels here"):

@@ -482,3 +482,38 @@ def test_pml_nt_xent_with_a_memory_on_triton_equals_the_float64_formula():
                                           memory_labels=memory_labels.to(DEVICE), backend="triton"),
              lambda z, t: nt_xent_pml_memory(z, labels, memory, memory_labels, t), [x], 0.1, torch.float64,
              TOLS[torch.float64])
+
+
+LEAN = {
+    "clip": lambda x, y, b: tc.clip_loss(x, y, 0.07, backend=b),
+    "nt_xent": lambda x, y, b: tc.nt_xent_loss(torch.cat([x, y]), 0.1, pairing="halves", backend=b),
+    "siglip": lambda x, y, b: tc.siglip_loss(x, y, 10.0, -10.0, backend=b),
+    "nt_bxent_labels": lambda x, y, b: tc.nt_bxent_loss(torch.cat([x, y]), temperature=0.1, backend=b,
+                                                        labels=torch.arange(2 * x.shape[0], device=x.device) % 5),
+}
+
+
+@pytest.mark.parametrize("name", list(LEAN))
+def test_half_inputs_on_triton_keep_only_half_rows_for_backward(name):
+    """Backward needs the operands; on the kernels' half path the caller's bf16 rows are kept, not
+    fp32 normalised copies (4 more bytes per element, the largest saved state at 65k x 768). The
+    copies rebuilt in backward give the torch backend's gradients."""
+    n, d = 40, 24
+    x = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = LEAN[name](x, y, "triton")
+    wide = [tuple(t.shape) for t in kept if t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == d]
+    assert wide == [], f"fp32 (rows, D) copies kept for backward: {wide}"
+    grads = torch.autograd.grad(loss, [x, y])
+    reference = LEAN[name](x, y, "torch")
+    expected = torch.autograd.grad(reference, [x, y])
+    torch.testing.assert_close(loss, reference, rtol=2e-3, atol=2e-3)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)

@@ -2,9 +2,15 @@
 
 Every loss of the package reduces to per-anchor statistics of the logit matrix
 ``S = scale * A @ B.T`` (R anchors, C candidates), which this package computes block
-by block without ever holding S (README, "Tiled engine"):
+by block without ever holding S (README, "Tiled engine").
 
-:func:`softmax_terms` (:mod:`.softmax`)
+A loss describes each call as an immutable :class:`~.problem.Problem` (the rows, the scale, the
+relation of positives, the statistic, the shared :class:`~.problem.Options`);
+:func:`~.planner.plan` turns it and its device into a :class:`~.planner.Decision` without
+running anything, and :func:`~.solve.solve` plans it and runs the statistic's executor. The
+statistics, with their keyword forms:
+
+:class:`~.problem.Softmax` -- :func:`softmax_terms` (:mod:`.softmax`)
     ``alpha_i * log sum_{j != self(i)} exp(S_ij) - beta_i * sum_j P_ij S_ij`` per row,
     and the same per column (the second direction of the image-text loss). This serves
     NT-Xent (pairing rules), SupCon and the image-text loss: their positive part is
@@ -12,10 +18,10 @@ by block without ever holding S (README, "Tiled engine"):
     :meth:`~torch_contrastive.positives.Positives.aggregate`, not a tile pass.
     A row's single positive is kept apart from the sums where its place is known
     (:mod:`.confident`), so a loss near 0 keeps its digits.
-:func:`sigmoid_rows` (:mod:`.sigmoid`)
+:class:`~.problem.SigmoidPairs` -- :func:`sigmoid_rows` (:mod:`.sigmoid`)
     SigLIP's per-pair binary cross-entropy ``softplus(-z_ij S_ij)`` with a logit bias;
     positives fixed in place (a strided diagonal, or a mask with ids).
-:func:`pairwise_rows` (:mod:`.pairwise`)
+:class:`~.problem.PairTerms` -- :func:`pairwise_rows` (:mod:`.pairwise`)
     Statistics that need the positive mask inside the tile: the per-positive-pair
     NT-Xent of pytorch-metric-learning and NT-BXent's element-wise binary cross-entropy.
 
@@ -51,22 +57,31 @@ tile (the common small batch) skips the tile bookkeeping altogether.
 
 from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies
 from .pairwise import pairwise_rows, tile_label_bounds
-from .planner import Decision, decide, explain, resolve_tile
+from .planner import Decision, decide, explain, plan, resolve_tile
+from .problem import Options, PairTerms, Problem, SigmoidPairs, Softmax
 from .sigmoid import sigmoid_rows
 from .softmax import softmax_terms
+from .solve import solve
 
 __all__ = [
     "DEFAULT_TILE",
     "DENSE_BUDGET_BYTES",
     "Decision",
+    "Options",
+    "PairTerms",
+    "Problem",
     "Scale",
+    "SigmoidPairs",
+    "Softmax",
     "compute_dtype",
     "decide",
     "explain",
     "fixed_scale_applies",
     "pairwise_rows",
+    "plan",
     "resolve_tile",
     "sigmoid_rows",
     "softmax_terms",
+    "solve",
     "tile_label_bounds",
 ]

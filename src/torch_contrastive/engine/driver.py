@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import Scale, autocast_enabled, finish_gradients, prepare_inputs, save, saved
+from ._common import Scale, autocast_enabled, finish_gradients, prepare_inputs, save, saved, to_compute
 
 
 class Operands(NamedTuple):
@@ -90,7 +90,14 @@ class _EngineCall(torch.autograd.Function):
         ctx.kernel, ctx.plan = kernel, plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         ctx.counts = (len(keep), len(extras))
-        save(ctx, scale_c, a_c, b_c, *keep, *norms)
+        # Kernels that multiply the caller's half rows as given (Triton, fp16/bf16) keep those for
+        # backward, not the fp32 normalised copies: 2 bytes per element instead of 2 + 4 (the copies
+        # are rebuilt in backward, bit for bit, where the normalisation backward needs them).
+        ctx.lean = getattr(plan, "operand_dtype", None) is not None
+        if ctx.lean:
+            save(ctx, scale_c, a, a if b is None else b, *keep, *norms)
+        else:
+            save(ctx, scale_c, a_c, b_c, *keep, *norms)
         return outputs
 
     @staticmethod
@@ -99,6 +106,8 @@ class _EngineCall(torch.autograd.Function):
         a, b, rest, scale = saved(ctx)
         n_keep, n_extras = ctx.counts
         norms = rest[n_keep:]
+        if ctx.lean:
+            a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
         ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
         plan = ctx.plan
         out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, rest[:n_keep], norms), grads)
@@ -107,6 +116,16 @@ class _EngineCall(torch.autograd.Function):
         ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps)
         extras = tuple(out.extras) + (None,) * (n_extras - len(out.extras))
         return (None, None, ga, gb, gscale, *extras)
+
+
+def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool) -> tuple[Tensor, Tensor]:
+    """The compute-dtype (normalised) operands from the caller's rows and the saved denominators:
+    the same operations as :func:`~._common.prepare_inputs`, so the same bits."""
+    a_c, b_c, _ = to_compute(a, None if single else b, 1.0)
+    if normalize:
+        a_c = a_c / norms[0]
+        b_c = a_c if single else b_c / norms[2]
+    return a_c, b_c
 
 
 def run(kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale, *extras: Any) -> Any:

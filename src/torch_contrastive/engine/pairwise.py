@@ -17,10 +17,12 @@ from torch import Tensor
 
 from .._tensors import as_dtype, mask_as, self_diagonal
 from ..positives import Exclusion
+from . import planner
 from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
 from .kernel_operands import KernelOperands
-from .planner import decide
+from .planner import Decision
+from .problem import Combine, Options, PairTerms, Problem
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -264,8 +266,6 @@ class _BinaryKernel:
         return torch.where(pos, -torch.sigmoid(-s) * g_pos, torch.where(neg, torch.sigmoid(s) * g_neg, 0.0))
 
 
-#: (per-output row weights, reduction factor) of pairwise_rows(combine=...)
-_Combine = tuple[tuple[Tensor | float, ...], Tensor | float]
 
 _KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKernel}
 
@@ -439,19 +439,6 @@ def _backward_triton(plan: _Plan, ops: KernelOperands, kernel_saved: tuple[Tenso
     return Gradients(rows, cols)
 
 
-def _triton_refusal(anchors: Tensor, positives: Positives) -> str | None:
-    """None when the pair kernels can run this call, else why not (for the planner)."""
-    from . import triton_backend
-
-    try:
-        triton_backend.check_device(anchors)
-    except ValueError as err:
-        return str(err)
-    if positives.kind == "partner" or (positives.kind == "keys" and len(positives.row_keys) <= 2):
-        return None
-    return f"the pair kernels take positives by ids or a partner, not a {positives.kind!r} relation"
-
-
 def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: Buffers) -> None:
     """Both passes over the upper-triangle tiles of a symmetric S (rows = columns, sorted by label).
 
@@ -511,7 +498,7 @@ def pairwise_rows(
     label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None,
     fixed: bool = False,
     bound: float | None = None,
-    combine: _Combine | None = None,
+    combine: Combine | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, ...]:
     """Per-row statistics that need the positive mask in every tile.
@@ -543,22 +530,29 @@ def pairwise_rows(
 
     Memory: O((R + C) * D) plus a few tile-sized temporaries.
     """
-    decision = decide(kernel="pairwise", rows=anchors.shape[0], cols=candidates.shape[0], device=anchors.device,
-                      dtype=anchors.dtype, other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed,
-                      bound=bound, half_ok=False, auto_triton=False, triton_serves=lambda: _triton_refusal(anchors, positives))
-    tile = decision.tile or max(anchors.shape[0], candidates.shape[0])
+    problem = Problem(anchors, candidates, scale, PairTerms(kernel, label_ranges, combine, fixed), positives=positives,
+                      self_offset=positives.self_offset, bound=bound, options=Options(normalize, float(eps), chunk_size, backend))
+    return execute(problem, planner.plan(problem))
+
+
+def execute(problem: Problem, decision: Decision) -> tuple[Tensor, ...]:
+    """Run a :class:`~.problem.PairTerms` problem as ``decision`` says (see :func:`pairwise_rows`)."""
+    stat, positives, opts = problem.statistic, problem.positives, problem.options
+    if not isinstance(stat, PairTerms) or positives is None:
+        raise TypeError("pairwise.execute runs PairTerms problems (with positives)")
     single = decision.tile == 0
     mixed = None
-    if label_ranges is not None and not single:
-        rows, cols = label_ranges
+    if stat.label_ranges is not None and not single:
+        rows, cols = stat.label_ranges
         mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
-    symmetric = (mixed is not None and candidates is anchors and positives.self_offset == 0
-                 and (kernel == "binary" or decision.fixed))  # PML's one exp for both blocks needs the fixed mode
+    symmetric = (mixed is not None and problem.single and positives.self_offset == 0
+                 and (stat.kernel == "binary" or decision.fixed))  # PML's one exp for both blocks needs the fixed mode
     if decision.backend == "triton":
         mixed, symmetric = None, False  # the kernels form every tile's mask in registers
-    plan = _Plan(kernel, positives, 0 if single else tile, normalize, float(eps), mixed, decision.fixed, symmetric,
-                 decision.backend, decision.operand_dtype)
-    return tuple(run(_PAIRWISE, plan, anchors, None if candidates is anchors else candidates, scale, combine))
+    pair_plan = _Plan(stat.kernel, positives, 0 if single else decision.tile, opts.normalize, float(opts.eps), mixed,
+                      decision.fixed, symmetric, decision.backend, decision.operand_dtype)
+    return tuple(run(_PAIRWISE, pair_plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
+                     stat.combine))
 
 
 def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, fixed_scale_applies
+from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 
 #: GPU scratch budget (bytes) unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` says otherwise.
 GPU_BUDGET_DEFAULT = 1 << 30
@@ -209,6 +210,55 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     decision = Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
     _record(decision)
     return decision
+
+
+def plan(problem: Problem) -> Decision:
+    """Every decision for one :class:`~.problem.Problem` on its inputs' device -- the one planning
+    function every engine call goes through. Nothing runs: ``plan(problem)`` says what
+    :func:`~torch_contrastive.engine.solve` would do (``str(decision)`` in words).
+
+    The statistic's traits: the soft-max terms take tensor-core products and may move to the
+    Triton kernels under ``"auto"``; the pair and sigmoid kernels stay on torch under
+    ``"auto"`` until measured faster on a GPU. :func:`triton_refusal` says whether the Triton
+    kernels serve the problem.
+    """
+    stat = problem.statistic
+    rows, cols = problem.shape
+    anchors, candidates, opts = problem.anchors, problem.candidates, problem.options
+    softmax = isinstance(stat, Softmax)
+    kernel = "softmax" if softmax else "pairwise" if isinstance(stat, PairTerms) else "sigmoid"
+    fixed = stat.fixed if isinstance(stat, (Softmax, PairTerms)) else False
+    return decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
+                  other_dtype=candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
+                  bound=None if isinstance(stat, SigmoidPairs) else problem.bound, half_ok=softmax, auto_triton=softmax,
+                  triton_serves=lambda: triton_refusal(problem))
+
+
+def triton_refusal(problem: Problem) -> str | None:
+    """None when the Triton kernels can run ``problem``, else why not (in words, for the error
+    of an explicit ``backend="triton"``)."""
+    from . import triton_backend
+
+    try:
+        triton_backend.check_device(problem.anchors)
+    except ValueError as err:
+        return str(err)
+    stat, positives = problem.statistic, problem.positives
+    if isinstance(stat, Softmax):
+        try:
+            triton_backend.check_exclusion(stat.exclude)
+        except ValueError as err:
+            return str(err)
+        return None
+    kind = positives.kind if positives is not None else "missing"  # (Problem refuses that already)
+    if isinstance(stat, PairTerms):
+        if kind == "partner" or (kind == "keys" and positives is not None and len(positives.row_keys) <= 2):
+            return None
+        return f"the pair kernels take positives by ids or a partner, not a {kind!r} relation"
+    covered = (kind == "partner" and stat.diagonal_offset is not None) \
+        or (kind == "keys" and positives is not None and positives.self_offset is None and len(positives.row_keys) <= 2) \
+        or (kind == "pairs" and positives is not None and positives.pairs is not None and positives.pairs.shape[0] == 0)
+    return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
 
 
 def reduce_inside(reduction: str, distributed: bool) -> bool:

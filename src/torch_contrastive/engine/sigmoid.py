@@ -22,10 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._tensors import self_diagonal
+from . import planner
 from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
 from .kernel_operands import KernelOperands
-from .planner import decide
+from .planner import Decision
+from .problem import Options, Problem, SigmoidPairs
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -50,21 +52,6 @@ def _triton_positives(positives: Positives, diagonal: int | None) -> tuple[tuple
     if positives.kind == "keys" and diagonal is None:
         return positives.row_keys, positives.col_keys
     return None
-
-
-def _triton_refusal(anchors: Tensor, positives: Positives, diagonal: int | None) -> str | None:
-    """None when the Triton kernels can run this call, else why not (for the planner)."""
-    from . import triton_backend
-
-    try:
-        triton_backend.check_device(anchors)
-    except ValueError as err:
-        return str(err)
-    kind = positives.kind
-    covered = (kind == "partner" and diagonal is not None) or (kind == "keys" and positives.self_offset is None
-                                                              and len(positives.row_keys) <= 2) \
-        or (kind == "pairs" and positives.pairs is not None and positives.pairs.shape[0] == 0)
-    return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
 
 
 def _signed_tile(s: Tensor, plan: _Plan, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor, Tensor | None]:
@@ -195,9 +182,16 @@ def sigmoid_rows(
 
     Memory: O((R + C) * D) plus two tile buffers; a single tile is kept for backward.
     """
-    R, C = anchors.shape[0], candidates.shape[0]
-    decision = decide(kernel="sigmoid", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype, other_dtype=candidates.dtype,
-                      chunk_size=chunk_size, backend=backend, fixed=False, half_ok=False, auto_triton=False,
-                      triton_serves=lambda: _triton_refusal(anchors, positives, diagonal_offset))
-    plan = _Plan(positives, diagonal_offset, decision.tile, normalize, float(eps), decision.backend, decision.operand_dtype)
-    return run(_SIGMOID, plan, anchors, candidates, scale, bias)
+    problem = Problem(anchors, candidates, scale, SigmoidPairs(bias, diagonal_offset), positives=positives,
+                      options=Options(normalize, float(eps), chunk_size, backend))
+    return execute(problem, planner.plan(problem))
+
+
+def execute(problem: Problem, decision: Decision) -> Tensor:
+    """Run a :class:`~.problem.SigmoidPairs` problem as ``decision`` says (see :func:`sigmoid_rows`)."""
+    stat, positives, opts = problem.statistic, problem.positives, problem.options
+    if not isinstance(stat, SigmoidPairs) or positives is None:
+        raise TypeError("sigmoid.execute runs SigmoidPairs problems (with positives)")
+    sigmoid_plan = _Plan(positives, stat.diagonal_offset, decision.tile, opts.normalize, float(opts.eps), decision.backend,
+                         decision.operand_dtype)
+    return run(_SIGMOID, sigmoid_plan, problem.anchors, problem.candidates, problem.scale, stat.bias)

@@ -23,11 +23,13 @@ import torch
 from torch import Tensor
 
 from .._tensors import as_dtype
+from . import planner
 from ._common import Scale
 from .confident import apart_rule, coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
 from .kernel_operands import KernelOperands
-from .planner import decide
+from .planner import Decision
+from .problem import Options, Problem, Softmax
 from .products import make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns
 from .softmax_tiles import backward_fixed, backward_online, fixed_lse, forward_fixed, forward_online, single_backward, single_forward
@@ -88,18 +90,6 @@ def _backward_triton(ops: KernelOperands, a: Tensor, b: Tensor, row: Direction, 
     ga_acc = torch.zeros_like(b, dtype=part.dtype)
     ga_acc[:k] = part
     return gb_acc, ga_acc
-
-
-def _triton_refusal(anchors: Tensor, exclude: Any) -> str | None:
-    """None when the Triton kernels can run this call, else why not (for the planner)."""
-    from . import triton_backend
-
-    try:
-        triton_backend.check_device(anchors)
-        triton_backend.check_exclusion(exclude)
-    except ValueError as err:
-        return str(err)
-    return None
 
 
 def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
@@ -380,25 +370,31 @@ def softmax_terms(
     Memory: O((R + C) * D) for the compute-dtype copies plus two tile buffers; never
     R x C (unless one tile covers everything).
     """
-    if columns and self_offset is not None:
-        raise ValueError("columns=True needs self_offset=None (two-set losses only)")
-    if symmetric and (self_offset != 0 or columns or anchors.shape != candidates.shape):
-        raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
-    if symmetric and exclude is not None and not exclude.symmetric:
-        # one mask serves a tile's row block and, transposed, its column block
-        raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
-    R, C = anchors.shape[0], candidates.shape[0]
-    decision = decide(kernel="softmax", rows=R, cols=C, device=anchors.device, dtype=anchors.dtype,
-                      other_dtype=candidates.dtype, chunk_size=chunk_size, backend=backend, fixed=fixed, bound=bound,
-                      triton_serves=lambda: _triton_refusal(anchors, exclude))
+    problem = Problem(anchors, candidates, scale, Softmax(row_weights, col_weights, columns, column_positives, column_comm,
+                                                          exclude, total, fixed),
+                      positives=positives, self_offset=self_offset, symmetric=symmetric, bound=bound, grad_columns=grad_columns,
+                      options=Options(normalize, float(eps), chunk_size, backend))
+    return execute(problem, planner.plan(problem))
+
+
+def execute(problem: Problem, decision: Decision) -> tuple[Tensor, Tensor | None]:
+    """Run a :class:`~.problem.Softmax` problem as ``decision`` says (see :func:`softmax_terms`)."""
+    stat = problem.statistic
+    if not isinstance(stat, Softmax):
+        raise TypeError(f"softmax.execute runs Softmax problems, got {type(stat).__name__}")
+    anchors, candidates, positives, opts = problem.anchors, problem.candidates, problem.positives, problem.options
+    row_weights, col_weights, columns = stat.row_weights, stat.col_weights, stat.columns
+    C = candidates.shape[0]
     shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
     single = decision.tile == 0
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
-    apart = apart_rule(positives, exclude, columns, column_positives, column_comm, symmetric, decision.backend)
-    plan = SoftmaxPlan(self_offset, columns, symmetric, decision.tile, decision.fixed, normalize, float(eps), positives,
-                 columns and column_positives, tile_positives, shared_alpha, column_comm if columns else None,
-                 C if grad_columns is None else max(0, min(int(grad_columns), C)), exclude, decision.backend, decision.operand_dtype,
-                 decision.half, apart)
-    row_out, col_out = run(_SOFTMAX, plan, anchors, None if candidates is anchors else candidates, scale, *row_weights,
-                           None if shared_alpha else col_weights[0], col_weights[1], total)
-    return row_out, (col_out if columns and total is None else None)
+    apart = apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,
+                       decision.backend)
+    grad_columns = C if problem.grad_columns is None else max(0, min(int(problem.grad_columns), C))
+    softmax_plan = SoftmaxPlan(problem.self_offset, columns, problem.symmetric, decision.tile, decision.fixed, opts.normalize,
+                               float(opts.eps), positives, columns and stat.column_positives, tile_positives, shared_alpha,
+                               stat.column_comm if columns else None, grad_columns, stat.exclude, decision.backend,
+                               decision.operand_dtype, decision.half, apart)
+    row_out, col_out = run(_SOFTMAX, softmax_plan, anchors, None if problem.single else candidates, problem.scale, *row_weights,
+                           None if shared_alpha else col_weights[0], col_weights[1], stat.total)
+    return row_out, (col_out if columns and stat.total is None else None)

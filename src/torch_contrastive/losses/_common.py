@@ -19,7 +19,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope, make_scope
-from ..engine import Scale, pairwise_rows, resolve_tile, tile_label_bounds
+from ..engine import Options, PairTerms, Problem, Scale, resolve_tile, solve, tile_label_bounds
 from ..engine.planner import label_sorted, reduce_inside
 from ..positives import Positives
 
@@ -122,7 +122,7 @@ def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope
 
 def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype: torch.dtype,
                  factor: float = 1.0) -> tuple[Tensor | float, Tensor | float] | None:
-    """The coefficient pair of ``softmax_terms(..., total=...)`` that applies ``reduction``
+    """The coefficient pair of ``Softmax(total=...)`` that applies ``reduction``
     inside the engine (one process, ``mean``/``sum``), times ``factor``; ``None`` when the
     per-row values must come back (``none``, or a distributed loss, whose value needs
     the ranks' sums). A tensor ``normaliser`` (a count) gives a coefficient in ``dtype``.
@@ -261,10 +261,11 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     (then the given order is kept).
 
     ``combine``: from the positive counts (in the engine's row order) to the
-    ``pairwise_rows(combine=...)`` weights and reduction; ``outputs`` is then the scalar
+    ``PairTerms(combine=...)`` weights and reduction; ``outputs`` is then the scalar
     loss alone (order does not matter for a sum).
     """
     given_order = memory is not None or reference is not None
+    options = Options(inside, eps, chunk_size, backend)
     by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale, backend)
     if by_label is None:
         positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
@@ -273,16 +274,16 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
         if memory is not None:
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
         counts = positives.row_counts()
-        outputs = pairwise_rows(z, z_all, scale, positives, kernel=kernel, normalize=inside, eps=eps, chunk_size=chunk_size,
-                                bound=bound if normalize else None, combine=combine and combine(counts), backend=backend)
+        outputs = solve(Problem(z, z_all, scale, PairTerms(kernel, combine=combine and combine(counts)), positives=positives,
+                                self_offset=positives.self_offset, bound=bound if normalize else None, options=options))
         return LabelledRows(outputs, counts, bound)
     # Sorted: most tiles hold only negatives.
     known = bound if by_label.scale_bound is None else by_label.scale_bound
     positives = Positives.from_keys(by_label.labels, self_offset=0)
     counts = positives.row_counts()
-    outputs = pairwise_rows(by_label.rows, by_label.rows, scale, positives, kernel=kernel, normalize=inside, eps=eps,
-                            chunk_size=chunk_size, label_ranges=(by_label.ranges, by_label.ranges),
-                            bound=known if normalize else None, combine=combine and combine(counts), backend=backend)
+    stat = PairTerms(kernel, label_ranges=(by_label.ranges, by_label.ranges), combine=combine and combine(counts))
+    outputs = solve(Problem(by_label.rows, by_label.rows, scale, stat, positives=positives, self_offset=0,
+                            bound=known if normalize else None, options=options))
     order = by_label.order
     if combine is not None:
         return LabelledRows(outputs, counts, known)

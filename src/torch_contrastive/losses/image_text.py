@@ -12,7 +12,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope
-from ..engine import Scale, compute_dtype, softmax_terms
+from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
 from ._common import check_agreement, engine_total, finish_checks, image_text_inputs, image_text_positives, positive_logits
 
@@ -114,10 +114,10 @@ def image_text_contrastive_loss(
         total = None if smoothing or decoupled or reduction == "none" else \
             engine_total("mean", scope, 2 * n_gt, cdtype, float(n) if reduction == "sum" else 1.0)
         text = as_dtype(text_feat, image_feat.dtype)
-        per_image, per_text = softmax_terms(image_feat, text, scale, self_offset=None, positives=pos,
-                                            row_weights=weights, col_weights=_column_weights(weights), columns=True, bound=limit,
-                                            normalize=normalize, eps=eps, chunk_size=chunk_size, exclude=variant.exclusion(pos),
-                                            backend=backend, total=total)
+        both = Softmax(row_weights=weights, col_weights=_column_weights(weights), columns=True, exclude=variant.exclusion(pos),
+                       total=total)
+        per_image, per_text = solve(Problem(image_feat, text, scale, both, positives=pos, bound=limit,
+                                            options=Options(normalize, eps, chunk_size, backend)))
         if total is not None:
             # image i and text i meet in S_ii: a non-finite row (normalised inside) makes the loss NaN
             finish_checks(per_image, checks, v.output_needs_check(normalize, bound), covers=normalize)
@@ -191,9 +191,10 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     n_all = img_all.shape[0]
     n_gt = scope.total(counts.sum()) if variant.smoothing else counts.sum()
     alpha, beta = variant.weights(counts, n_gt, n_all, img.dtype) if variant.smoothing else (counts.to(img.dtype), None)
-    per_image, col_lse_all = softmax_terms(img, txt_all, scale, self_offset=None, positives=pos, row_weights=(alpha, beta),
-                                           columns=True, column_positives=False, bound=limit, chunk_size=chunk_size,
-                                           column_comm=scope, exclude=variant.exclusion(pos), backend=backend)
+    rows_and_columns = Softmax(row_weights=(alpha, beta), columns=True, column_positives=False, column_comm=scope,
+                               exclude=variant.exclusion(pos))
+    per_image, col_lse_all = solve(Problem(img, txt_all, scale, rows_and_columns, positives=pos, bound=limit,
+                                           options=Options(False, eps, chunk_size, backend)))
     if col_lse_all is None:
         raise RuntimeError("internal: columns=True returns the column terms")
     # text j's positives are its column of gt: as many as image j's row (gt is symmetric)

@@ -10,16 +10,14 @@ denominator by id (duplicates of its positive) or by a guide model's verdict (GI
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .. import _validation as v
-from .._normalize import prepare
-from ..distributed import Scope, all_gather_with_grad, make_scope
-from ..engine import Scale, softmax_terms
-from ..positives import Exclusion, Positives
-from ._common import check_agreement, pair_partner, reduce, safe_logsumexp
-from ._false_negatives import Rules, false_negative_rules, key_exclusion, learn, learning, paired_exclusion, pool_exclusion
+from ..distributed import make_scope
+from ..engine import Options
+from ._common import check_agreement, reduce
+from ._false_negatives import false_negative_rules
+from ._info_nce_groups import candidate_groups, in_batch
 
 __all__ = ["info_nce_loss"]
 
@@ -136,22 +134,15 @@ def info_nce_loss(
     plain = not rules.any and not smoothing
     if plain and not scope.distributed and in_batch_negatives and not paired and not constant_pool:
         # The common case (info-nce-pytorch's default, MNRL with live hard negatives): one
-        # engine call on the raw rows, normalised inside; the positive is candidate i.
-        per_query = _in_batch(query, key, negatives, scale, limit, normalize, eps, chunk_size, backend)
-    else:
-        spread = gather if gather_negatives is None else gather_negatives
-        # With validate=True (one read anyway, one process) the guide's tiles learn in forward
-        # which of them exclude anything; backward then skips the others' guide products.
-        # (Not when a read happened already -- a tensor temperature's value -- which would make it two.)
-        learners: list[Exclusion] | None = [] if checks.enabled and checks.reads == 0 and not scope.distributed \
-            and rules.guide_query is not None else None
-        per_query = _general(query, key, negatives, paired, in_batch_negatives, scale, scope, spread, limit, normalize, eps,
-                             chunk_size, rules, smoothing, backend, learners)
-        flags = [f for f in (e.recorded() for e in learners or ()) if f is not None]
-        if flags:
-            return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound),
-                          extra=(torch.cat(flags), lambda values: learn(learners or [], values)))
-    return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
+        # engine problem on the raw rows, normalised inside; the positive is candidate i.
+        per_query = in_batch(query, key, negatives, scale, limit, Options(normalize, eps, chunk_size, backend))
+        return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
+    spread = gather if gather_negatives is None else gather_negatives
+    # Otherwise loss_i = log sum over candidate groups of exp(s_ic - s_ii): the keys, the pool, the
+    # paired negatives, each with its false negatives left out (see _info_nce_groups).
+    per_query, learned = candidate_groups(query, key, negatives, paired, in_batch_negatives, scale, scope, spread, limit,
+                                          normalize, Options(False, eps, chunk_size, backend), rules, smoothing, checks)
+    return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound), extra=learned)
 
 
 def _check_inputs(query: Tensor, key: Tensor, negatives: Tensor | None, negative_mode: str,
@@ -178,75 +169,3 @@ def _check_inputs(query: Tensor, key: Tensor, negatives: Tensor | None, negative
         raise ValueError("in_batch_negatives=False needs negatives: otherwise a query's only candidate is its own key "
                          "and the loss is identically 0")
     return n, paired
-
-
-def _in_batch(query: Tensor, key: Tensor, negatives: Tensor | None, scale: Scale, limit: float | None, normalize: bool,
-              eps: float, chunk_size: int | None, backend: str = "auto") -> Tensor:
-    n = query.shape[0]
-    cols = key if negatives is None else torch.cat([key, negatives])
-    positives = Positives.from_partner(pair_partner(n, "identity", 0, query.device), cols.shape[0], self_offset=None,
-                                       layout="identity" if negatives is None else None, shift=0)
-    per_query, _ = softmax_terms(query, cols, scale, self_offset=None, positives=positives, bound=limit, normalize=normalize,
-                                 eps=eps, chunk_size=chunk_size, backend=backend)
-    return per_query
-
-
-def _general(query: Tensor, key: Tensor, negatives: Tensor | None, paired: bool, in_batch: bool, scale: Scale, scope: Scope,
-             spread: bool, limit: float | None, normalize: bool, eps: float, chunk_size: int | None, rules: Rules,
-             smoothing: float, backend: str = "auto", learners: list[Exclusion] | None = None) -> Tensor:
-    """Per-query loss as ``log sum exp`` of terms relative to the positive logit ``s_ii``.
-
-    Each candidate group is its own engine call: the (gathered) keys, with query i's
-    positive read off the tile, and the unpaired pool, whose log-sum-exp needs no
-    positive -- a constant pool (a queue) then costs no gradient products and no copy
-    beside the batch. The positive logit and the paired negatives are O(N * D) and
-    O(N * K * D) products. False negatives leave each group through its exclusion.
-    """
-    n = query.shape[0]
-    q = prepare(query, normalize, eps)
-    k = prepare(key, normalize, eps)
-    s_pos = (q * k).sum(1) * scale
-    terms: list[Tensor] = []
-    uniform = s_pos.new_zeros(n) if smoothing else None  # sum over candidates of s_ic (label smoothing)
-    count = 0
-    if in_batch:
-        keys = scope.rows(k)
-        # the engine's row term is LSE_i - s_ii: query i's key is global column offset + i
-        positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None,
-                                           shift=scope.offset)
-        exclude = learning(key_exclusion(rules, positives, scope, learners is not None), learners)
-        terms.append(softmax_terms(q, keys, scale, self_offset=None, positives=positives, bound=limit, chunk_size=chunk_size,
-                                   exclude=exclude, backend=backend)[0])
-        if uniform is not None:
-            uniform, count = uniform + (q * keys.sum(0)).sum(1) * scale, count + keys.shape[0]
-    elif not rules.decoupled:
-        terms.append(torch.zeros_like(s_pos))  # the positive's own exp(s_ii - s_ii)
-        if uniform is not None:
-            uniform, count = uniform + s_pos, count + 1
-    if negatives is not None and not paired:
-        pool = prepare(negatives, normalize, eps)
-        pool = all_gather_with_grad(pool) if spread and scope.distributed else pool
-        if pool.shape[0]:  # an empty queue adds nothing
-            exclude = learning(pool_exclusion(rules, spread, scope, learners is not None), learners)
-            terms.append(softmax_terms(q, pool, scale, self_offset=None, bound=limit, chunk_size=chunk_size, exclude=exclude,
-                                       backend=backend)[0] - s_pos)
-            if uniform is not None:
-                uniform, count = uniform + (q * pool.sum(0)).sum(1) * scale, count + pool.shape[0]
-    if paired and negatives is not None:
-        own = prepare(negatives.reshape(-1, negatives.shape[-1]), normalize, eps).reshape(negatives.shape)
-        # (N, K, D) x (N, D, 1): each query against its own K negatives only, in the
-        # compute dtype even inside an autocast region (as the engine)
-        with torch.autocast(q.device.type, enabled=False):
-            paired_logits = torch.bmm(own, q[:, :, None])[:, :, 0] * scale
-        if uniform is not None:
-            uniform, count = uniform + paired_logits.sum(1), count + negatives.shape[1]
-        out = paired_exclusion(rules)
-        relative = paired_logits - s_pos[:, None]
-        terms.append(relative if out is None else relative.masked_fill(out, float("-inf")))
-    if len(terms) == (0 if rules.decoupled or in_batch else 1):
-        # in_batch_negatives=False and an empty pool: only the positive (or, decoupled, nothing)
-        return s_pos * 0.0
-    loss = safe_logsumexp(torch.cat([t if t.ndim == 2 else t[:, None] for t in terms], 1))
-    if uniform is not None:  # (1 - eps) CE + eps mean_c (LSE - s_ic) = CE + eps (s_ii - mean_c s_ic)
-        loss = loss + smoothing * (s_pos - uniform / count)
-    return loss

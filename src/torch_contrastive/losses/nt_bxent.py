@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import compute_dtype, pairwise_rows
+from ..engine import Options, PairTerms, Problem, compute_dtype, solve
 from ..positives import Positives
 from ._common import engine_total, finish_checks, labelled_pairwise_rows, reduce, single_set
 
@@ -88,8 +88,8 @@ def nt_bxent_loss(
         pairs = pos_indices if not offset else pos_indices + torch.tensor([0, offset], device=pos_indices.device)
         positives = Positives.from_pairs(pairs, n, total, self_offset=offset)
         counts = positives.row_counts()
-        outputs = pairwise_rows(z, z_all, scale, positives, kernel="binary", normalize=inside, eps=eps, chunk_size=chunk_size,
-                                combine=row_weights(counts))
+        outputs = solve(Problem(z, z_all, scale, PairTerms("binary", combine=row_weights(counts)), positives=positives,
+                                self_offset=offset, options=Options(inside, eps, chunk_size)))
     else:
         rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="binary",  # type: ignore[arg-type]
                                       checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size,

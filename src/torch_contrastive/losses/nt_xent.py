@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import make_scope
-from ..engine import compute_dtype, softmax_terms
+from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..positives import Exclusion
 from ._common import check_reference, engine_total, finish_checks, labelled_pairwise_rows, partner_positives, reduce, single_set
 
@@ -113,9 +113,9 @@ def nt_xent_loss(
         exclude = Exclusion(relation=positives, symmetric=True) if decoupled else None
         weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
         total = None if decoupled else engine_total(reduction, scope, float(n), compute_dtype(z.dtype))
-        per_row, _ = softmax_terms(z, z_all, scale, self_offset=offset, positives=positives, symmetric=not scope.distributed,
-                                   bound=bound if normalize else None, normalize=inside, eps=eps,
-                                   chunk_size=chunk_size, exclude=exclude, row_weights=weights, backend=backend, total=total)
+        per_row, _ = solve(Problem(z, z_all, scale, Softmax(row_weights=weights, exclude=exclude, total=total),
+                                   positives=positives, self_offset=offset, symmetric=not scope.distributed,
+                                   bound=bound if normalize else None, options=Options(inside, eps, chunk_size, backend)))
         if total is not None:
             # every row has its partner: a non-finite row (normalised inside) makes the loss NaN
             finish_checks(per_row, checks, v.output_needs_check(normalize, bound), covers=inside)

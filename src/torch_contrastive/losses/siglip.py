@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
-from ..engine import Scale, sigmoid_rows
+from ..engine import Options, Problem, Scale, SigmoidPairs, solve
 from ..positives import Positives
 from ._common import check_agreement, image_text_inputs, image_text_positives, reduce
 
@@ -111,8 +111,8 @@ def siglip_loss(
         positives = image_text_positives(image_id, text_id, n, txt_all.shape[0], scope, device)
     # Without ids image i's positive is text offset + i: a strided diagonal of each tile.
     diagonal = scope.offset if positives.kind == "partner" and not negative_only else None
-    per_image = sigmoid_rows(img, txt_all, scale, bias, positives, diagonal_offset=diagonal, normalize=inside, eps=eps,
-                             chunk_size=chunk_size, backend=backend)
+    per_image = solve(Problem(img, txt_all, scale, SigmoidPairs(bias, diagonal), positives=positives,
+                              options=Options(inside, eps, chunk_size, backend)))
     # "mean": the global sum over all pairs / the global number of images (open_clip's / N).
     bound = None if isinstance(scale, Tensor) or isinstance(bias, Tensor) else scale + abs(bias)
     return reduce(per_image, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))

@@ -8,7 +8,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._tensors import mask_as
 from ..distributed import Scope, make_scope
-from ..engine import compute_dtype, softmax_terms
+from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..positives import Positives
 from ._common import check_reference, engine_total, finish_checks, reduce, single_set, with_memory, with_reference
 
@@ -143,9 +143,9 @@ def supcon_loss(
     n_with_positives = has_pos_f.sum()
     total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, n_with_positives, cdtype,
                                                                   1.0 if factor is None else factor)
-    per_anchor, _ = softmax_terms(anchors, z_all, scale, self_offset=self_offset, positives=positives, row_weights=weights,
-                                  symmetric=symmetric, bound=bound if normalize else None, normalize=inside,
-                                  eps=eps, chunk_size=chunk_size, grad_columns=grad_columns, backend=backend, total=total)
+    per_anchor, _ = solve(Problem(anchors, z_all, scale, Softmax(row_weights=weights, total=total), positives=positives,
+                                  self_offset=self_offset, symmetric=symmetric, bound=bound if normalize else None,
+                                  grad_columns=grad_columns, options=Options(inside, eps, chunk_size, backend)))
     # With two rows or more every row meets every anchor's denominator (a row's only
     # exclusion is its self pair), so a non-finite row normalised inside makes the loss NaN.
     covers = inside and z_all.shape[0] >= 2

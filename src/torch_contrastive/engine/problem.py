@@ -1,0 +1,187 @@
+"""One engine call, described: what a loss hands the engine.
+
+A loss checks its arguments and builds a :class:`Problem` -- the logits ``S = scale * A @ B.T``,
+the relation of positives, and the statistic it wants of them -- then calls
+:func:`~torch_contrastive.engine.solve`. The description is immutable and says nothing about
+how to run it: :func:`~torch_contrastive.engine.plan` turns it and the inputs' device into
+every decision (backend, tiles, products, algorithm), and one executor per statistic runs it
+through the engine's one autograd driver (:mod:`.driver`).
+
+The statistics:
+
+:class:`Softmax`
+    ``alpha_i * log sum_{j != self(i)} exp(S_ij) - beta_i * sum_j P_ij S_ij`` per row (and per
+    column): NT-Xent with pairing rules, SupCon, the image-text loss, InfoNCE.
+:class:`PairTerms`
+    statistics that need the positive mask inside the tile: pytorch-metric-learning's
+    per-pair NT-Xent (``"pair_softplus"``) and NT-BXent's binary cross-entropy (``"binary"``).
+:class:`SigmoidPairs`
+    SigLIP's ``softplus(-z_ij (S_ij + bias))`` per pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from torch import Tensor
+
+from ._common import Scale
+
+if TYPE_CHECKING:
+    from ..positives import Exclusion, Positives
+
+__all__ = ["Options", "PairTerms", "Problem", "SigmoidPairs", "Softmax", "Statistic"]
+
+#: (per-output row weights, reduction factor) of :class:`PairTerms` ``combine``
+Combine = tuple[tuple[Tensor | float, ...], Tensor | float]
+
+
+@dataclass(frozen=True)
+class Options:
+    """The loss options the engine reads (the shared options of :mod:`torch_contrastive.options`).
+
+    Attributes:
+        normalize: L2-normalise anchors and candidates inside the engine (``x / max(||x||, eps)``),
+            so the whole loss is one autograd node. ``False`` when the rows come normalised
+            (gathered rows) or raw dot products are wanted.
+        eps: the normalisation floor.
+        chunk_size: the caller's tile edge; None: the planner's choice for the device.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    """
+
+    normalize: bool = False
+    eps: float = 1e-12
+    chunk_size: int | None = None
+    backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class Softmax:
+    """Soft-max terms ``row_out_i = alpha_i * LSE_i - beta_i * sum_j P_ij S_ij`` (and, with
+    ``columns``, ``col_out_j = alpha'_j * LSE'_j - beta'_j * sum_i P_ij S_ij``).
+
+    Attributes:
+        row_weights, col_weights: ``(alpha, beta)``, (R,) / (C,) tensors without gradient;
+            None means 1.
+        columns: also return the column terms (two-set losses: no self pair).
+        column_positives: include ``sum_i P_ij S_ij`` in the column terms (False when the
+            caller computes it, as a rank that holds only some rows does).
+        column_comm: with ``columns`` under ``torch.distributed``: an object with in-place
+            ``all_sum``/``all_max`` (a :class:`~torch_contrastive.distributed.Scope`) that
+            completes the column statistics across ranks.
+        exclude: candidates left out of the log-sum-exp besides the self pair
+            (an :class:`~torch_contrastive.positives.Exclusion`: false negatives, DCL).
+        total: ``(c, c')``: return ``c * sum_i row_out_i + c' * sum_j col_out_j`` instead (the
+            loss's reduction inside the autograd node).
+        fixed: force the bounded one-``exp`` algorithm (tests; :attr:`Problem.bound` is the
+            loss's way to allow it).
+    """
+
+    row_weights: tuple[Tensor | None, Tensor | None] = (None, None)
+    col_weights: tuple[Tensor | None, Tensor | None] = (None, None)
+    columns: bool = False
+    column_positives: bool = True
+    column_comm: Any = None
+    exclude: Exclusion | None = None
+    total: tuple[Scale, Scale] | None = None
+    fixed: bool = False
+
+
+@dataclass(frozen=True)
+class PairTerms:
+    """Per-row statistics with the positive mask in every tile.
+
+    Attributes:
+        kernel: ``"pair_softplus"`` (``(sum_p softplus(L_i - S_ip),)``, PML's NT-Xent numerators)
+            or ``"binary"`` (``(sum_pos softplus(-S_ij), sum_neg softplus(S_ij))``, NT-BXent).
+        label_ranges: rows and columns sorted by label: the (lowest, highest) label of every
+            row tile and column tile (tiles whose ranges do not overlap hold only negatives).
+        combine: ``(weights, total)``: return ``total * sum_i sum_k weights[k]_i out_k,i``
+            instead (the loss's row combination and reduction inside the autograd node).
+        fixed: force the bounded mode (tests).
+    """
+
+    kernel: str
+    label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None
+    combine: Combine | None = None
+    fixed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("pair_softplus", "binary"):
+            raise ValueError(f"PairTerms.kernel must be 'pair_softplus' or 'binary', got {self.kernel!r}")
+
+
+@dataclass(frozen=True)
+class SigmoidPairs:
+    """SigLIP's per-row ``sum_j softplus(-z_ij (S_ij + bias))``, ``z_ij = +1`` on positives.
+
+    Attributes:
+        bias: the logit bias, a float or a 0-dim tensor (gets its gradient).
+        diagonal_offset: row i's only positive is column ``i + diagonal_offset`` (no ids): a
+            strided diagonal of each tile, no mask. None: positives from the relation.
+    """
+
+    bias: Scale = 0.0
+    diagonal_offset: int | None = None
+
+
+Statistic = Softmax | PairTerms | SigmoidPairs
+S = TypeVar("S", Softmax, PairTerms, SigmoidPairs)
+
+
+@dataclass(frozen=True)
+class Problem(Generic[S]):
+    """One engine call: the statistic of ``S = scale * anchors @ candidates.T`` a loss wants.
+
+    Attributes:
+        anchors: (R, D) rows, any float dtype.
+        candidates: (C, D) rows; ``anchors`` itself for a single set.
+        scale: ``1 / temperature`` (SigLIP: the logit scale), a float or a 0-dim tensor whose
+            value is never read on the host; gradients flow to it.
+        statistic: what to compute (:class:`Softmax`, :class:`PairTerms`, :class:`SigmoidPairs`).
+        positives: the relation P (R x C) of :class:`~torch_contrastive.positives.Positives`;
+            None: none (a plain log-sum-exp).
+        self_offset: anchor i is candidate ``i + self_offset`` (left out of its row); None: none.
+        symmetric: the candidates are the anchors, on one process (``self_offset == 0``): the
+            soft-max visits only the upper-triangle tiles.
+        bound: the loss's promise that every ``|S| <= bound`` (unit rows, a scale known on the
+            host); None: no promise. The planner picks the bounded algorithm where it is exact.
+        grad_columns: only candidates ``[0, grad_columns)`` need a gradient (a queue or memory
+            after the live rows); None: all.
+        options: normalisation, tile, backend (:class:`Options`).
+    """
+
+    anchors: Tensor
+    candidates: Tensor
+    scale: Scale
+    statistic: S
+    positives: Positives | None = None
+    self_offset: int | None = None
+    symmetric: bool = False
+    bound: float | None = None
+    grad_columns: int | None = None
+    options: Options = Options()
+
+    def __post_init__(self) -> None:
+        stat = self.statistic
+        if isinstance(stat, Softmax):
+            if stat.columns and self.self_offset is not None:
+                raise ValueError("Softmax(columns=True) needs self_offset=None (two-set losses only)")
+            if self.symmetric and (self.self_offset != 0 or stat.columns or self.anchors.shape != self.candidates.shape):
+                raise ValueError("symmetric=True needs candidates equal to anchors, self_offset=0 and columns=False")
+            if self.symmetric and stat.exclude is not None and not stat.exclude.symmetric:
+                # one mask serves a tile's row block and, transposed, its column block
+                raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
+        elif self.positives is None:
+            raise ValueError(f"{type(stat).__name__} needs positives")
+
+    @property
+    def single(self) -> bool:
+        """The candidates are the anchors themselves (one set of rows)."""
+        return self.candidates is self.anchors
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(R, C)``: anchors and candidates."""
+        return self.anchors.shape[0], self.candidates.shape[0]
