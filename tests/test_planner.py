@@ -134,6 +134,8 @@ def test_a_problem_is_immutable_and_checked():
     relation = Positives.from_keys(torch.arange(6, device=DEVICE) % 2)
     with pytest.raises(ValueError, match="symmetric exclusion"):
         Problem(x, x, 1.0, Softmax(exclude=Exclusion(relation=relation)), self_offset=0, symmetric=True)
+    with pytest.raises(ValueError, match="PairTerms: self_offset None disagrees with the positives' 0"):
+        Problem(x, x, 1.0, PairTerms("binary"), positives=relation)
     with pytest.raises(ValueError, match="PairTerms needs positives"):
         Problem(x, x, 1.0, PairTerms("binary"))
     with pytest.raises(ValueError, match="'pair_softplus' or 'binary'"):

@@ -250,14 +250,16 @@ def triton_refusal(problem: Problem) -> str | None:
         except ValueError as err:
             return str(err)
         return None
-    kind = positives.kind if positives is not None else "missing"  # (Problem refuses that already)
+    if positives is None:  # Problem refuses pair and sigmoid terms without positives when built
+        return f"{type(stat).__name__} needs positives"
+    kind = positives.kind
+    by_ids = kind == "keys" and len(positives.row_keys) <= 2
     if isinstance(stat, PairTerms):
-        if kind == "partner" or (kind == "keys" and positives is not None and len(positives.row_keys) <= 2):
+        if kind == "partner" or by_ids:
             return None
         return f"the pair kernels take positives by ids or a partner, not a {kind!r} relation"
-    covered = (kind == "partner" and stat.diagonal_offset is not None) \
-        or (kind == "keys" and positives is not None and positives.self_offset is None and len(positives.row_keys) <= 2) \
-        or (kind == "pairs" and positives is not None and positives.pairs is not None and positives.pairs.shape[0] == 0)
+    covered = (kind == "partner" and stat.diagonal_offset is not None) or (by_ids and positives.self_offset is None) \
+        or (kind == "pairs" and positives.pairs is not None and positives.pairs.shape[0] == 0)
     return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
 
 

@@ -142,7 +142,8 @@ class Problem(Generic[S]):
         statistic: what to compute (:class:`Softmax`, :class:`PairTerms`, :class:`SigmoidPairs`).
         positives: the relation P (R x C) of :class:`~torch_contrastive.positives.Positives`;
             None: none (a plain log-sum-exp).
-        self_offset: anchor i is candidate ``i + self_offset`` (left out of its row); None: none.
+        self_offset: anchor i is candidate ``i + self_offset`` (left out of its row); None: none. For
+            pair and sigmoid terms it must be the relation's own (``positives.self_offset``).
         symmetric: the candidates are the anchors, on one process (``self_offset == 0``): the
             soft-max visits only the upper-triangle tiles.
         bound: the loss's promise that every ``|S| <= bound`` (unit rows, a scale known on the
@@ -175,6 +176,10 @@ class Problem(Generic[S]):
                 raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
         elif self.positives is None:
             raise ValueError(f"{type(stat).__name__} needs positives")
+        elif self.self_offset != self.positives.self_offset:
+            # the pair and sigmoid kernels read the self pair off the relation: one value, not two
+            raise ValueError(f"{type(stat).__name__}: self_offset {self.self_offset} disagrees with the positives' "
+                             f"{self.positives.self_offset}")
 
     @property
     def single(self) -> bool:

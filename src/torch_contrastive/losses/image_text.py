@@ -194,7 +194,7 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     rows_and_columns = Softmax(row_weights=(alpha, beta), columns=True, column_positives=False, column_comm=scope,
                                exclude=variant.exclusion(pos))
     per_image, col_lse_all = solve(Problem(img, txt_all, scale, rows_and_columns, positives=pos, bound=limit,
-                                           options=Options(False, eps, chunk_size, backend)))
+                                           options=Options(normalize=False, eps=eps, chunk_size=chunk_size, backend=backend)))
     if col_lse_all is None:
         raise RuntimeError("internal: columns=True returns the column terms")
     # text j's positives are its column of gt: as many as image j's row (gt is symmetric)

@@ -141,7 +141,8 @@ def info_nce_loss(
     # Otherwise loss_i = log sum over candidate groups of exp(s_ic - s_ii): the keys, the pool, the
     # paired negatives, each with its false negatives left out (see _info_nce_groups).
     per_query, learned = candidate_groups(query, key, negatives, paired, in_batch_negatives, scale, scope, spread, limit,
-                                          normalize, Options(False, eps, chunk_size, backend), rules, smoothing, checks)
+                                          normalize, Options(normalize=False, eps=eps, chunk_size=chunk_size, backend=backend),
+                                          rules, smoothing, checks)
     return reduce(per_query, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound), extra=learned)
 
 

@@ -89,7 +89,7 @@ def nt_bxent_loss(
         positives = Positives.from_pairs(pairs, n, total, self_offset=offset)
         counts = positives.row_counts()
         outputs = solve(Problem(z, z_all, scale, PairTerms("binary", combine=row_weights(counts)), positives=positives,
-                                self_offset=offset, options=Options(inside, eps, chunk_size)))
+                                self_offset=offset, options=Options(inside, eps, chunk_size, backend)))
     else:
         rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="binary",  # type: ignore[arg-type]
                                       checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size,
