@@ -140,9 +140,9 @@ def test_a_problem_is_immutable_and_checked():
         Problem(x, x, 1.0, PairTerms("binary"))
     with pytest.raises(ValueError, match="'pair_softplus' or 'binary'"):
         PairTerms("softmax")
-    pairs = Positives.from_pairs(torch.tensor([[0, 1]], device=DEVICE), 6, 6)
-    with pytest.raises(ValueError, match="pair kernels take positives by ids or a partner, not a 'pairs' relation"):
-        tc.engine.plan(Problem(x, x, 1.0, PairTerms("binary"), positives=pairs, self_offset=0, options=Options(backend="triton")))
+    views = Positives.from_sample_mask(torch.eye(3, dtype=torch.bool, device=DEVICE), torch.arange(6, device=DEVICE) % 3, 6)
+    with pytest.raises(ValueError, match="pair kernels take positives by ids, a partner or index pairs, not a 'mask' relation"):
+        tc.engine.plan(Problem(x, x, 1.0, PairTerms("binary"), positives=views, self_offset=0, options=Options(backend="triton")))
 
 
 def test_explicit_backends_are_honoured_or_refused():

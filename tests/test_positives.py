@@ -80,6 +80,20 @@ def test_pairs_drop_duplicates_and_self():
     assert pos.aggregate(cand).tolist() == [[0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("name", ["pairs", "pairs_two_set"])
+def test_row_lists_are_each_rows_sorted_columns(name):
+    """The per-row lists the Triton kernels search: exactly the mask's columns, in order, as int32."""
+    pos, expected = _structures()[name]
+    offsets, columns = pos.row_lists()
+    assert offsets.dtype == columns.dtype == torch.int32
+    assert offsets.tolist()[0] == 0 and columns.tolist()[-1] == -1
+    for r in range(pos.num_rows):
+        got = columns[offsets[r]:offsets[r + 1]].tolist()
+        assert got == expected[r].nonzero().flatten().tolist(), r
+    empty = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.int64), 3, 3).row_lists()
+    assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].tolist() == [-1]
+
+
 def test_identity_partner_aggregate_is_the_candidates_themselves():
     pos = Positives.from_partner(torch.arange(5), 5, self_offset=None, layout="identity")
     cand = torch.randn(5, 2)

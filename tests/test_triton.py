@@ -7,6 +7,7 @@ when triton is not installed (``pip install 'torch-contrastive[gpu]'``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -155,7 +156,6 @@ def test_half_inputs_at_a_low_temperature_equal_the_float64_formula(name, dtype,
 
 
 @pytest.mark.parametrize("call,words", [
-    (lambda x: tc.nt_bxent_loss(x, pos_indices=torch.tensor([[0, 1], [1, 0]]), backend="triton"), "NT-BXent with pos_indices"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
                              exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="triton",
@@ -176,13 +176,26 @@ def test_cpu_without_the_interpreter_says_how_to_run(monkeypatch):
         tc.nt_xent_loss(torch.randn(6, 4), backend="triton")
 
 
+#: (dtype, scheme) for the slow float64-loop comparisons: both dtypes on the fused kernels, the
+#: row-owned ones once (their arithmetic is the same per dtype; the interpreter is slow).
+DTYPE_SCHEMES = [(torch.float64, "fused"), (torch.float32, "fused"), (torch.float32, "deterministic")]
+
+
+@contextlib.contextmanager
+def _in_scheme(name: str):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(name == "deterministic")
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 @pytest.fixture(params=["fused", "deterministic"])
 def scheme(request):
     """Both kernel schemes: atomics (each tile once) and row-owned (torch.use_deterministic_algorithms)."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(request.param == "deterministic")
-    yield request.param
-    torch.use_deterministic_algorithms(previous)
+    with _in_scheme(request.param):
+        yield request.param
 
 
 if triton is not None:
@@ -382,8 +395,8 @@ def test_asymmetric_exclusions_read_right_in_the_column_pass(what, fixed, rows, 
 
 # ------------------------------------------------------------------ SigLIP's sigmoid kernels
 @pytest.mark.parametrize("n,ids", [(1, "none"), (7, "none"), (45, "none"), (45, "image"), (70, "both"), (33, "negative_only")])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype):
+@pytest.mark.parametrize("dtype,scheme_name", DTYPE_SCHEMES)
+def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype, scheme_name):
     """Values and gradients of inputs, scale and bias: positives on the diagonal, by ids (duplicates
     positive), or none (open_clip's negative-only term); sizes that leave ragged tiles."""
     from reference import cosine_matrix, siglip
@@ -402,9 +415,10 @@ def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype):
     ref.backward()
     our_in = [t.to(DEVICE, dtype).requires_grad_() for t in (a, b)]
     our_p = [torch.tensor(v, dtype=dtype, device=DEVICE, requires_grad=True) for v in (7.0, -3.0)]
-    ours = tc.siglip_loss(*our_in, *our_p, None if iid is None else iid.to(DEVICE), None if tid is None else tid.to(DEVICE),
-                          negative_only=ids == "negative_only", backend="triton")
-    ours.backward()
+    with _in_scheme(scheme_name):
+        ours = tc.siglip_loss(*our_in, *our_p, None if iid is None else iid.to(DEVICE), None if tid is None else tid.to(DEVICE),
+                              negative_only=ids == "negative_only", backend="triton")
+        ours.backward()
     rtol, atol = TOLS[dtype]
     assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=atol)
     for got, want in zip([*our_in, *our_p], [*ref_in, *ref_p]):
@@ -450,26 +464,63 @@ def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model():
 
 # ------------------------------------------------------------------ the mask-in-tile losses' kernels
 @pytest.mark.parametrize("n,classes", [(1, 1), (7, 3), (45, 4), (70, 70), (33, 1)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_labelled_nt_xent_and_nt_bxent_on_triton_equal_the_float64_formula(n, classes, dtype):
+@pytest.mark.parametrize("dtype,scheme_name", DTYPE_SCHEMES)
+def test_labelled_nt_xent_and_nt_bxent_on_triton_equal_the_float64_formula(n, classes, dtype, scheme_name):
     """PML's NT-Xent (one term per positive pair) and NT-BXent with labels: values and gradients of the
     inputs and a tensor temperature; all one class (no negatives), all distinct (no positives), ragged tiles."""
     x = torch.randn(n, 12, generator=torch.Generator().manual_seed(n + classes), dtype=torch.float64)
     labels = torch.arange(n) % classes
     rtol, _ = TOLS[dtype]
-    _compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), backend="triton"),
-             lambda z, t: nt_xent_pml(z, labels, t), [x], 0.2, dtype, (rtol, 10 * rtol))
-    _compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), backend="triton"),
-             lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.2, dtype, (rtol, 10 * rtol))
+    with _in_scheme(scheme_name):
+        _compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), backend="triton"),
+                 lambda z, t: nt_xent_pml(z, labels, t), [x], 0.2, dtype, (rtol, 10 * rtol))
+        _compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), backend="triton"),
+                 lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.2, dtype, (rtol, 10 * rtol))
 
 
-@pytest.mark.parametrize("loss", [tc.nt_xent_loss, tc.nt_bxent_loss])
+def _listed_pairs(n: int) -> torch.Tensor:
+    """Index pairs with repeats and self pairs; from 45 rows on, row 3 lists 45 columns (two tiles
+    of 32 under the interpreter, so its list is searched per tile); 1 row: only its self pair."""
+    g = torch.Generator().manual_seed(n)
+    pairs = torch.randint(0, n, (2 * n, 2), generator=g)
+    pairs = torch.cat([pairs, pairs[: n // 2], torch.arange(min(n, 5)).repeat(2, 1).T])
+    if n >= 45:
+        pairs = torch.cat([pairs, torch.stack([torch.full((45,), 3), torch.arange(n - 45, n)], 1)])
+    return pairs
+
+
+@pytest.mark.parametrize("n", [1, 7, 45, 70])
+@pytest.mark.parametrize("dtype,scheme_name", DTYPE_SCHEMES)
+def test_nt_bxent_with_pos_indices_on_triton_equals_the_float64_formula(n, dtype, scheme_name):
+    """NT-BXent's listed pairs: membership tested per tile from each row's sorted columns; repeats count
+    once, self pairs not at all, a row's long list spans tiles; values and gradients (inputs and tau)."""
+    x = torch.randn(n, 12, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    pairs = _listed_pairs(n)
+    rtol, _ = TOLS[dtype]
+    with _in_scheme(scheme_name):
+        _compare(lambda z, t: tc.nt_bxent_loss(z, pairs.to(DEVICE), t, backend="triton"),
+                 lambda z, t: nt_bxent(z, t, pos_indices=pairs), [x], 0.2, dtype, (rtol, 10 * rtol))
+
+
+def test_nt_bxent_with_no_listed_pair_on_triton_equals_the_torch_backend():
+    """An empty list: every pair but the self pair is a negative."""
+    x = torch.randn(40, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
+    none = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    want = tc.nt_bxent_loss(x, none, 0.1, reduction="none", backend="torch")
+    torch.testing.assert_close(tc.nt_bxent_loss(x, none, 0.1, reduction="none", backend="triton"), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss", [tc.nt_xent_loss, tc.nt_bxent_loss, "nt_bxent_pairs"])
 def test_labelled_per_row_values_on_triton_equal_the_torch_backend(loss):
     """``reduction="none"``: the kernels' rows in the caller's order (no label sorting on Triton)."""
     x = torch.randn(45, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
     labels = (torch.arange(45) * 7 % 5).to(DEVICE)
-    want = loss(x, temperature=0.1, labels=labels, reduction="none", backend="torch")
-    got = loss(x, temperature=0.1, labels=labels, reduction="none", backend="triton")
+    if loss == "nt_bxent_pairs":
+        pairs = _listed_pairs(45).to(DEVICE)
+        want, got = (tc.nt_bxent_loss(x, pairs, 0.1, reduction="none", backend=b) for b in ("torch", "triton"))
+    else:
+        want = loss(x, temperature=0.1, labels=labels, reduction="none", backend="torch")
+        got = loss(x, temperature=0.1, labels=labels, reduction="none", backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -493,14 +544,15 @@ LEAN = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(LEAN))
-def test_half_inputs_on_triton_keep_only_half_rows_for_backward(name):
+def test_half_inputs_on_triton_keep_only_half_rows_for_backward(name, dtype, scheme):
     """Backward needs the operands; on the kernels' half path the caller's bf16 rows are kept, not
     fp32 normalised copies (4 more bytes per element, the largest saved state at 65k x 768). The
     copies rebuilt in backward give the torch backend's gradients."""
     n, d = 40, 24
-    x = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    y = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(n, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    y = torch.randn(n, d, device=DEVICE, dtype=dtype, requires_grad=True)
     kept: list[torch.Tensor] = []
 
     def pack(t):
@@ -517,3 +569,35 @@ def test_half_inputs_on_triton_keep_only_half_rows_for_backward(name):
     torch.testing.assert_close(loss, reference, rtol=2e-3, atol=2e-3)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+FUSED_KERNELS = [("tile_sums", "_tile_sums_kernel"), ("tile_grad", "_tile_grad_kernel"), ("pair_terms", "_pair_sums_kernel"),
+                 ("pair_terms", "_pair_grad_kernel"), ("sigmoid_pairs", "_sigmoid_sums_kernel"),
+                 ("sigmoid_pairs", "_sigmoid_grad_kernel")]
+EVERY_FORM = {
+    "clip": lambda x, y: tc.clip_loss(x, y, 0.1, backend="triton"),
+    "nt_xent": lambda x, y: tc.nt_xent_loss(torch.cat([x, y]), 0.1, pairing="halves", backend="triton"),
+    "siglip": lambda x, y: tc.siglip_loss(x, y, 10.0, -10.0, backend="triton"),
+    "pml_labels": lambda x, y: tc.nt_xent_loss(x, 0.1, labels=torch.arange(x.shape[0], device=x.device) % 4, backend="triton"),
+    "nt_bxent_pairs": lambda x, y: tc.nt_bxent_loss(x, _listed_pairs(x.shape[0]).to(x.device), 0.1, backend="triton"),
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY_FORM))
+def test_deterministic_mode_runs_no_atomic_kernel(name, monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` promises bitwise-reproducible results: no kernel that
+    adds with atomics may run, for any loss (the interpreter is sequential, so a repeat cannot show it)."""
+    import importlib
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an atomic kernel ran in deterministic mode")
+
+    for module, kernel in FUSED_KERNELS:
+        monkeypatch.setattr(importlib.import_module(f"torch_contrastive.engine.triton_backend.{module}"), kernel,
+                            type("Refuse", (), {"__getitem__": lambda self, grid: refuse})())
+    g = torch.Generator().manual_seed(4)
+    x, y = (torch.randn(40, 8, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    with _in_scheme("deterministic"):
+        loss = EVERY_FORM[name](x, y)
+        grads = torch.autograd.grad(loss, [x, y], allow_unused=True)
+    assert torch.isfinite(loss) and any(g is not None and g.abs().sum() > 0 for g in grads)

@@ -235,13 +235,9 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
 BACKENDS = ("auto", "torch", "triton")
 
 
-def check_backend(backend: object, covered: bool, what: str) -> str:
-    """``"auto"``, ``"torch"`` or ``"triton"``; ``covered``: the Triton kernels serve this call's
-    form of the loss (``"auto"`` then may pick them where the planner says so)."""
+def check_backend(backend: object) -> str:
+    """``"auto"``, ``"torch"`` or ``"triton"`` (every loss in every form runs on each)."""
     check_choice(backend, "backend", BACKENDS)
-    if backend == "triton" and not covered:
-        raise ValueError(f"backend='triton' covers every loss but those given index pairs; {what} runs on "
-                         f"backend='torch'")
     return str(backend)
 
 

@@ -255,9 +255,9 @@ def triton_refusal(problem: Problem) -> str | None:
     kind = positives.kind
     by_ids = kind == "keys" and len(positives.row_keys) <= 2
     if isinstance(stat, PairTerms):
-        if kind == "partner" or by_ids:
+        if kind in ("partner", "pairs") or by_ids:
             return None
-        return f"the pair kernels take positives by ids or a partner, not a {kind!r} relation"
+        return f"the pair kernels take positives by ids, a partner or index pairs, not a {kind!r} relation"
     covered = (kind == "partner" and stat.diagonal_offset is not None) or (by_ids and positives.self_offset is None) \
         or (kind == "pairs" and positives.pairs is not None and positives.pairs.shape[0] == 0)
     return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"

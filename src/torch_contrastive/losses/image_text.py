@@ -93,7 +93,7 @@ def image_text_contrastive_loss(
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     smoothing = v.check_fraction(label_smoothing, "label_smoothing")
-    v.check_backend(backend, True, "the image-text loss")
+    v.check_backend(backend)
     if smoothing and decoupled:
         raise ValueError("label_smoothing is not combined with decoupled=True")
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)

@@ -113,7 +113,7 @@ def info_nce_loss(
     if gather_negatives is not None and not isinstance(gather_negatives, bool):
         raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")
     smoothing = v.check_fraction(label_smoothing, "label_smoothing")
-    v.check_backend(backend, True, "InfoNCE")
+    v.check_backend(backend)
     scope = make_scope(gather, grad_reduction)
     checks = v.Checks(validate, scope)
     checks.finite(query, "query")

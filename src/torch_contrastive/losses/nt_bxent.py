@@ -57,7 +57,7 @@ def nt_bxent_loss(
     """
     v.check_embeddings(embeddings, "embeddings")
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    v.check_backend(backend, labels is not None, "NT-BXent with pos_indices (index pairs)")
+    v.check_backend(backend)
     n = embeddings.shape[0]
     if (pos_indices is None) == (labels is None):
         raise ValueError("nt_bxent_loss needs exactly one of pos_indices or labels")

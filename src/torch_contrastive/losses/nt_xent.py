@@ -96,7 +96,7 @@ def nt_xent_loss(
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
     reference = check_reference(ref_emb, ref_labels, labels, embeddings.shape[1], embeddings.device, checks, gather, memory)
-    v.check_backend(backend, True, "NT-Xent")
+    v.check_backend(backend)
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     if labels is not None and (decoupled or positive_weight is not None):

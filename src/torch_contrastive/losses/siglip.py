@@ -83,7 +83,7 @@ def siglip_loss(
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid
     per pair.
     """
-    v.check_backend(backend, True, "SigLIP")
+    v.check_backend(backend)
     if not isinstance(negative_only, bool):
         raise TypeError(f"negative_only must be a bool, got {type(negative_only).__name__}")
     if negative_only:

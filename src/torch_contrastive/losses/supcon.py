@@ -89,7 +89,7 @@ def supcon_loss(
     v.check_embeddings(features, "features", min_ndim=2, max_ndim=None)
     v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
     v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
-    v.check_backend(backend, True, "SupCon")
+    v.check_backend(backend)
     if labels is not None and mask is not None:
         raise ValueError("supcon_loss takes labels or mask, not both")
     v.check_choice(single_class, "single_class", ("keep", "zero"))

@@ -17,7 +17,11 @@ Two schemes, chosen per call by :func:`fused`:
   online-maximum regime): one program per block of rows loops over the column blocks
   (online maximum, :func:`row_lse`; ``G @ Z`` in D blocks, :func:`grad_rows`); a column
   quantity is the same kernel on ``S.T``. No atomics, so bitwise reproducible; CLIP costs
-  6 GEMM-equivalents (the logits are formed once per direction in each pass).
+  6 GEMM-equivalents (the logits are formed once per direction in each pass). SigLIP's and
+  the mask-in-tile losses' kernels have the same two schemes: their row-owned forward sweeps
+  the column blocks per row block, their backward has row blocks and column blocks own
+  ``G @ Y`` and ``G.T @ Z`` (each tile formed in its own orientation, so the relation is never
+  read transposed) and SigLIP's bias gradient is summed from per-row parts.
 
 Both schemes apply the self pair and the engine's exclusions (false negatives) inside the
 tile: equal ids (one or two key tensors), a partner relation (DCL's positives), a strided
@@ -40,8 +44,8 @@ accumulation -- the torch backend's tensor-core scheme (:mod:`..products`). Unde
 ``TRITON_INTERPRET=1`` (the CPU tests) half operands are widened to fp32, because the
 interpreter's bf16 ``tl.dot`` is inexact. SigLIP's sigmoid pairs have their own fused
 kernels (:mod:`.sigmoid_pairs`), the mask-in-tile losses (PML NT-Xent with labels,
-NT-BXent with labels) theirs (:mod:`.pair_terms`). Not covered (the torch backend serves
-them): positives or exclusions by index pairs or sample masks.
+NT-BXent with labels or listed index pairs) theirs (:mod:`.pair_terms`). Not covered (no loss
+builds them): soft-max exclusions by index pairs or sample masks.
 """
 
 from __future__ import annotations

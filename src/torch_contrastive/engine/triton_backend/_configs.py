@@ -66,6 +66,32 @@ def row_output_blocks() -> list[Any]:
     ]
 
 
+def owned_outputs() -> list[Any]:
+    """Configs of the deterministic pair / sigmoid gradients (a block of outputs -- rows or
+    columns by features -- per program, square tiles swept in order)."""
+    return [
+        _config(8, 2, BLOCK=128, BLOCK_D=64, BLOCK_O=128),
+        _config(4, 2, BLOCK=64, BLOCK_D=64, BLOCK_O=128),
+        _config(4, 2, BLOCK=64, BLOCK_D=32, BLOCK_O=64),
+    ]
+
+
+def tile_grid(r: int, c: int, owned: bool = False) -> Any:
+    """Grid of a square-tile kernel: one program per tile, or (``owned``) one per row block."""
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(r, meta["BLOCK"]) * (1 if owned else triton.cdiv(c, meta["BLOCK"])),)
+
+    return grid
+
+
+def owned_grid(blocks_of: int, d: int) -> Any:
+    """Grid of a deterministic gradient kernel: output blocks (rows or columns) by feature blocks."""
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return (triton.cdiv(blocks_of, meta["BLOCK"]), triton.cdiv(d, meta["BLOCK_O"]))
+
+    return grid
+
+
 def _interpreter_config(configs: list[Any]) -> Any:
     blocks = {name: INTERPRETER_BLOCK for name in configs[0].kwargs}
     return _config(4, 1, **blocks)

@@ -34,6 +34,17 @@ def fused() -> bool:
     return not torch.are_deterministic_algorithms_enabled()
 
 
+def gradient_factors(factors: Any, x: Tensor) -> int:
+    """The gradient kernels' ``FACTORS`` switch: 0 for compute-dtype rows (no factors), 1 for the
+    caller's half rows with fp32 factors, 2 for fp16 rows -- whose gradient tiles are also divided
+    by each output row's largest magnitude before they are rounded to fp16 and multiplied back in
+    fp32 after the product (fp16's smallest normal is 6e-5: a 1/N-weighted softmax gradient at
+    N = 65,536 would lose most of its entries), as the torch backend scales its fp16 tiles."""
+    if factors is None:
+        return 0
+    return 2 if x.dtype == torch.float16 else 1
+
+
 def operand(x: Tensor) -> Tensor:
     """Operands as the kernels read them: contiguous; fp32 under the interpreter."""
     x = x.contiguous()

@@ -62,6 +62,14 @@ def softplus(x):
 
 
 @triton.jit
+def peaks(g, AXIS: tl.constexpr):
+    """The largest magnitude along ``AXIS`` (1 where every entry is 0): fp16 gradient tiles
+    (``FACTORS == 2``) are divided by it per output row before rounding, the product multiplied back."""
+    m = tl.max(tl.abs(g), axis=AXIS)
+    return tl.where(m > 0, m, 1.0)
+
+
+@triton.jit
 def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, row_ok, col_ok,
                      out_ok, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -71,17 +79,47 @@ def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, s
     mirror rows, ``gb`` being ``ga``). ``row_ok`` / ``col_ok``: the tile's rows / columns in bounds."""
     g_rows = fold_columns(g, cols, n_cols, fy_ptr, FACTORS)
     g_cols = fold_rows(g, rows, n_rows, fz_ptr, FACTORS)
+    if FACTORS == 2:  # fp16: each output row's entries scaled to <= 1 before rounding
+        peak_r = peaks(g_rows, 1)
+        g_rows = g_rows / peak_r[:, None]
+        peak_c = peaks(g_cols, 0)
+        g_cols = g_cols / peak_c[None, :]
     for k0 in range(0, d, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         k_ok = ks < d
         y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(g_rows.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
+        if FACTORS == 2:
+            part = part * peak_r[:, None]
         tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
         if COLUMNS:
             z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             part_t = tl.dot(tl.trans(g_cols.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
+            if FACTORS == 2:
+                part_t = part_t * peak_c[:, None]
             tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t, mask=out_ok[:, None] & k_ok[None, :],
                           sem="relaxed")
+
+
+@triton.jit
+def owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, stride_y, stride_z, fy_ptr, fz_ptr,
+                  FACTORS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """One step of a deterministic gradient: ``acc + G diag(fy) @ Y[cols, ds]`` for a program that owns
+    rows, or (``COLUMNS``) ``acc + (diag(fz) G).T @ Z[rows, ds]`` for one that owns columns."""
+    if COLUMNS:
+        g = tl.trans(fold_rows(grad, rows, n_rows, fz_ptr, FACTORS))
+        operand = tl.load(z_ptr + rows[:, None] * stride_z + ds[None, :], mask=(rows[:, None] < n_rows) & (ds[None, :] < d),
+                          other=0.0)
+    else:
+        g = fold_columns(grad, cols, n_cols, fy_ptr, FACTORS)
+        operand = tl.load(y_ptr + cols[:, None] * stride_y + ds[None, :], mask=(cols[:, None] < n_cols) & (ds[None, :] < d),
+                          other=0.0)
+    if FACTORS == 2:  # fp16: each output row's entries scaled to <= 1 before rounding
+        peak = peaks(g, 1)
+        acc += tl.dot((g / peak[:, None]).to(operand.dtype), operand, out_dtype=ACC, input_precision=PRECISION) * peak[:, None]
+    else:
+        acc += tl.dot(g.to(operand.dtype), operand, out_dtype=ACC, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -100,6 +138,44 @@ def related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS: tl.cons
     if PARTNER:
         p = tl.load(partner + rows, mask=r_ok, other=-1)
         out = out | (cols[None, :] == p[:, None])
+    return out
+
+
+@triton.jit
+def _first_at_least(pair_col, lo, hi, value):
+    """Per row: the first index in ``[lo, hi)`` whose listed column is ``>= value`` (``hi`` if
+    none) -- a binary search over each row's sorted columns, all rows of the tile at once."""
+    while tl.max(hi - lo, axis=0) > 0:
+        busy = lo < hi
+        mid = (lo + hi) // 2
+        c = tl.load(pair_col + mid, mask=busy, other=0)
+        right = busy & (c < value)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(busy & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def listed(rows, cols, r_ok, pair_ptr, pair_col):
+    """(rows, cols) bool: the pair ``(row, col)`` is on the caller's list, stored per row as sorted
+    columns ``pair_col[pair_ptr[r]:pair_ptr[r + 1]]`` (:meth:`Positives.row_lists`).
+
+    An arbitrary list has no in-register rule, and "every pair minus the listed ones" loses a
+    confident model's tiny negative terms, so membership is tested: each row's columns inside
+    this tile's column range are found by binary search, then compared with the tile's columns
+    one listed column per row at a time -- at most min(most listed in one row, tile width)
+    compares of the tile, and no scratch beyond the O(P) list."""
+    c_lo = tl.min(cols, axis=0)
+    c_hi = tl.max(cols, axis=0) + 1
+    start = tl.load(pair_ptr + rows, mask=r_ok, other=0)
+    stop = tl.load(pair_ptr + rows + 1, mask=r_ok, other=0)
+    first = _first_at_least(pair_col, start, stop, c_lo)
+    last = _first_at_least(pair_col, first, stop, c_hi)
+    out = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
+    for k in range(0, tl.max(last - first, axis=0)):
+        at = first + k
+        c = tl.load(pair_col + at, mask=at < last, other=-1)
+        out = out | (cols[None, :] == c[:, None])
     return out
 
 

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, row_output_blocks
-from ._host import acc_dtypes, check_device, directions, exclusion_args, operand, precision, tl, triton
-from ._tile import fold_columns, gradient_tile, logits, valid_mask, with_factors
+from ._host import acc_dtypes, check_device, directions, exclusion_args, gradient_factors, operand, precision, tl, triton
+from ._tile import gradient_tile, logits, owned_product, valid_mask, with_factors
 
 
 @autotune(row_output_blocks())
@@ -36,10 +36,9 @@ def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_
         valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
                            dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, TRANSPOSED, N_KEYS, PARTNER,
                            GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK_M, BLOCK_N, PRECISION)
-        g = fold_columns(tl.where(valid, g, 0.0), cols, n_cols, fz_ptr, FACTORS)
-        z = tl.load(z_ptr + cols[:, None] * stride_z + ds[None, :], mask=(cols[:, None] < n_cols) & (ds[None, :] < d_out),
-                    other=0.0)
-        acc += tl.dot(g.to(z.dtype), z, out_dtype=ACC, input_precision=PRECISION)
+        # the row-owned product step shared with the pair / SigLIP kernels: Z's rows are this tile's columns
+        acc = owned_product(acc, tl.where(valid, g, 0.0), rows, cols, ds, n_rows, n_cols, d_out, z_ptr, z_ptr, stride_z,
+                            stride_z, fz_ptr, fz_ptr, FACTORS, False, ACC, PRECISION)
     tl.store(out_ptr + rows[:, None] * stride_o + ds[None, :], acc, mask=(rows[:, None] < n_rows) & (ds[None, :] < d_out))
 
 
@@ -69,6 +68,6 @@ def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     _grad_rows_kernel[grid](
         x, yy, zz, out, fx, fy, fz, *directions(row, col, dtype), r, c, d, bucket(r, c), d_out, x.stride(0), yy.stride(0), zz.stride(0),
         out.stride(0), 0 if self_offset is None else self_offset, *excl_args, HAS_SELF=self_offset is not None,
-        HAS_COL=col is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), FACTORS=factors is not None,
+        HAS_COL=col is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled),
         **flags)
     return out

@@ -4,6 +4,8 @@
 program per tile adds ``sum_j softplus(-z_ij S_ij)`` of its rows with atomics. Backward: one
 program per tile forms ``dS_ij = -z_ij sigmoid(-z_ij S_ij) g_i`` once in registers and adds
 ``dS @ y`` into its rows, ``dS.T @ z`` into its columns and ``sum dS`` into the bias gradient.
+Deterministic mode (``torch.use_deterministic_algorithms(True)``): blocks of rows (columns) own
+their outputs and sweep the other side in order -- no atomics, bitwise reproducible.
 Positives: a strided diagonal (text ``i + offset`` of image ``i``), equal ids (one or two key
 tensors), or none (open_clip's negative-only term).
 """
@@ -15,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, square_tiles
-from ._host import acc_dtypes, check_device, operand, precision, tl, triton
-from ._tile import logits, related, scatter_products, softplus, tile_of, with_factors
+from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
+from ._host import acc_dtypes, check_device, fused, gradient_factors, operand, precision, tl, triton
+from ._tile import logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
 
@@ -38,18 +40,48 @@ def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, 
     return tl.where(pos, -s, s), pos, r_ok[:, None] & c_ok[None, :], rows, cols
 
 
-@autotune(square_tiles(), reset_to_zero=["out_ptr"])
 @triton.jit
-def _sigmoid_sums_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, bucket, stride_x,
-                         stride_y, diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr,
-                         PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
-    signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows,
-                                                     n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION,
-                                                     FACTORS, BLOCK, BLOCK_D)
-    terms = tl.where(inside, softplus(signed), 0.0)
-    tl.atomic_add(out_ptr + rows, tl.sum(terms, axis=1), mask=rows < n_rows, sem="relaxed")
+def _sigmoid_sums(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, bucket, stride_x,
+                  stride_y, diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, OWNED: tl.constexpr, ACC: tl.constexpr,
+                  PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Fused: one tile per program, row sums added with atomics. ``OWNED``: one row block per
+    program sweeps the column blocks in order and stores its sums (deterministic)."""
+    if OWNED:
+        bi = tl.program_id(0)
+        total = tl.zeros((BLOCK,), dtype=ACC)
+        for bj in range(0, tl.cdiv(n_cols, BLOCK)):
+            signed, _pos, inside, _rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
+                                                              n_rows, n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS,
+                                                              ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+            total += tl.sum(tl.where(inside, softplus(signed), 0.0), axis=1)
+        rows = bi * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + rows, total, mask=rows < n_rows)
+    else:
+        bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
+        signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
+                                                         n_rows, n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC,
+                                                         PRECISION, FACTORS, BLOCK, BLOCK_D)
+        terms = tl.where(inside, softplus(signed), 0.0)
+        tl.atomic_add(out_ptr + rows, tl.sum(terms, axis=1), mask=rows < n_rows, sem="relaxed")
+
+
+# One jitted body, two autotuners: each scheme times and caches its own best config.
+_sigmoid_sums_kernel = autotune(square_tiles(), reset_to_zero=["out_ptr"])(_sigmoid_sums)
+_sigmoid_sums_owned_kernel = autotune(square_tiles())(_sigmoid_sums)
+
+
+@triton.jit
+def _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, stride_x,
+               stride_y, diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+               FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tile ``(bi, bj)``'s ``dS = -z sigmoid(-z S) g_i`` (0 out of bounds), with its rows and columns."""
+    signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows,
+                                                   n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION,
+                                                   FACTORS, BLOCK, BLOCK_D)
+    g_row = tl.load(g_ptr + rows, mask=rows < n_rows, other=0.0)
+    grad = tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None])
+    return rows, cols, tl.where(inside, grad, 0.0)
 
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr", "gbias_ptr"])
@@ -58,16 +90,47 @@ def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, 
                          ck1, n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_ga, stride_gb, diagonal,
                          DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
                          FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Fused: each tile's ``dS`` formed once; both products and the bias sum added with atomics."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
-    signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows,
-                                                   n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION,
-                                                   FACTORS, BLOCK, BLOCK_D)
-    g_row = tl.load(g_ptr + rows, mask=rows < n_rows, other=0.0)
-    grad = tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None])  # dS = -z sigmoid(-z S) g_i
-    grad = tl.where(inside, grad, 0.0)
+    rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
+                                  stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
     tl.atomic_add(gbias_ptr, tl.sum(tl.sum(grad, axis=1), axis=0), sem="relaxed")
     scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, rows < n_rows,
                      cols < n_cols, cols < n_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
+
+
+@triton.jit
+def _sigmoid_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0, rk1, ck1,
+                        n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_o, diagonal, DIAGONAL: tl.constexpr,
+                        N_KEYS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                        FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Deterministic: the program owns a block of output rows and features and sweeps the other
+    side's blocks in order (``dS diag(fy) @ y``, or with ``COLUMNS`` ``(diag(fz) dS).T @ z``); a
+    row block's first feature block also stores its rows' ``sum_j dS_ij`` (the bias gradient's parts)."""
+    own = tl.program_id(0)
+    ds = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    acc = tl.zeros((BLOCK, BLOCK_O), dtype=ACC)
+    row_sum = tl.zeros((BLOCK,), dtype=ACC)
+    n_other = tl.cdiv(n_rows, BLOCK) if COLUMNS else tl.cdiv(n_cols, BLOCK)
+    for other in range(0, n_other):
+        bi = other if COLUMNS else own
+        bj = own if COLUMNS else other
+        rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols,
+                                      d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+        if not COLUMNS:
+            row_sum += tl.sum(grad, axis=1)
+        acc = owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, stride_y, stride_z, fy_ptr, fz_ptr,
+                            FACTORS, COLUMNS, ACC, PRECISION)
+    mine = own * BLOCK + tl.arange(0, BLOCK)
+    n_mine = n_cols if COLUMNS else n_rows
+    tl.store(out_ptr + mine[:, None] * stride_o + ds[None, :], acc, mask=(mine[:, None] < n_mine) & (ds[None, :] < d))
+    if not COLUMNS:
+        if tl.program_id(1) == 0:
+            tl.store(gbias_ptr + mine, row_sum, mask=mine < n_rows)
+
+
+_sigmoid_grad_rows_kernel = autotune(owned_outputs())(_sigmoid_grad_owned)
+_sigmoid_grad_cols_kernel = autotune(owned_outputs())(_sigmoid_grad_owned)
 
 
 def _positive_args(diagonal: int | None, keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
@@ -89,20 +152,14 @@ def _bias(bias: Tensor | float, like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.full((1,), float(bias), dtype=dtype, device=like.device)
 
 
-def _grid(r: int, c: int) -> Any:
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(r, meta["BLOCK"]) * triton.cdiv(c, meta["BLOCK"]),)
-
-    return grid
-
-
 def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: int | None,
                  keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
                  factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """(R,) ``sum_j softplus(-z_ij S_ij)`` with ``S = x_scaled @ y.T + bias`` (fp32; fp64 for
     fp64); ``z_ij = +1`` where ``j == i + diagonal`` or the ids are equal (``keys`` =
     (row keys, column keys)), -1 elsewhere. Neither given: every pair is a negative.
-    ``factors``: ``(fx, fy)``, ``S_ij = fx_i fy_j <x_i, y_j> + bias`` (raw half rows)."""
+    ``factors``: ``(fx, fy)``, ``S_ij = fx_i fy_j <x_i, y_j> + bias`` (raw half rows).
+    Under ``torch.use_deterministic_algorithms(True)`` row blocks own their sums (no atomics)."""
     check_device(x_scaled)
     x, yy = operand(x_scaled), operand(y)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
@@ -110,9 +167,12 @@ def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: in
     out = torch.zeros(r, dtype=dtype, device=x.device)
     ptrs, flags = _positive_args(diagonal, keys, x)
     fx, fy = factors if factors is not None else (out, out)
-    _sigmoid_sums_kernel[_grid(r, c)](
+    owned = not fused()
+    kernel = _sigmoid_sums_owned_kernel if owned else _sigmoid_sums_kernel
+    kernel[tile_grid(r, c, owned)](
         x, yy, out, _bias(bias, x, dtype), fx, fy, *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
-        0 if diagonal is None else diagonal, ACC=acc, PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
+        0 if diagonal is None else diagonal, OWNED=owned, ACC=acc, PRECISION=precision(x), FACTORS=factors is not None,
+        GROUP=GROUP, **flags)
     return out
 
 
@@ -120,19 +180,33 @@ def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Te
                  keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
                  factors: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dS diag(fy) @ y, (diag(fz) dS).T @ z, sum dS)`` for the upstream per-row gradient
-    ``g_row``, each gradient tile formed once (atomics); see :func:`sigmoid_sums` for ``S``,
-    ``z_ij`` and ``factors`` (here ``(fx, fy, fz)``; without them no diagonal scaling)."""
+    ``g_row``, each gradient tile formed once (atomics) -- or, under
+    ``torch.use_deterministic_algorithms(True)``, row and column blocks owning their outputs and
+    the bias gradient summed from per-row parts; see :func:`sigmoid_sums` for ``S``, ``z_ij`` and
+    ``factors`` (here ``(fx, fy, fz)``; without them no diagonal scaling)."""
     check_device(x_scaled)
     x, yy, zz = operand(x_scaled), operand(y), operand(z)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
     dtype, acc = acc_dtypes(x)
-    ga = torch.zeros(r, d, dtype=dtype, device=x.device)
-    gb = torch.zeros(c, d, dtype=dtype, device=x.device)
-    gbias = torch.zeros(1, dtype=dtype, device=x.device)
     ptrs, flags = _positive_args(diagonal, keys, x)
-    fx, fy, fz = factors if factors is not None else (gbias, gbias, gbias)
-    _sigmoid_grad_kernel[_grid(r, c)](
-        x, yy, zz, ga, gb, gbias, g_row.to(dtype).expand(r).contiguous(), _bias(bias, x, dtype), fx, fy, fz, *ptrs, r, c, d,
-        bucket(r, c), x.stride(0), yy.stride(0), zz.stride(0), ga.stride(0), gb.stride(0), 0 if diagonal is None else diagonal,
-        ACC=acc, PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
-    return ga, gb, gbias.reshape(())
+    g = g_row.to(dtype).expand(r).contiguous()
+    fx, fy, fz = factors if factors is not None else (g, g, g)
+    bias_t = _bias(bias, x, dtype)
+    common = dict(ACC=acc, PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled), **flags)
+    diag = 0 if diagonal is None else diagonal
+    if fused():
+        ga = torch.zeros(r, d, dtype=dtype, device=x.device)
+        gb = torch.zeros(c, d, dtype=dtype, device=x.device)
+        gbias = torch.zeros(1, dtype=dtype, device=x.device)
+        _sigmoid_grad_kernel[tile_grid(r, c)](
+            x, yy, zz, ga, gb, gbias, g, bias_t, fx, fy, fz, *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
+            zz.stride(0), ga.stride(0), gb.stride(0), diag, GROUP=GROUP, **common)
+        return ga, gb, gbias.reshape(())
+    ga = torch.empty(r, d, dtype=dtype, device=x.device)
+    gb = torch.empty(c, d, dtype=dtype, device=x.device)
+    bias_rows = torch.empty(r, dtype=dtype, device=x.device)
+    for kernel, out, blocks_of, columns in ((_sigmoid_grad_rows_kernel, ga, r, False), (_sigmoid_grad_cols_kernel, gb, c, True)):
+        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, bias_rows, g, bias_t, fx, fy, fz, *ptrs, r, c, d, bucket(r, c),
+                                          x.stride(0), yy.stride(0), zz.stride(0), out.stride(0), diag, COLUMNS=columns,
+                                          **common)
+    return ga, gb, bias_rows.sum()

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles
-from ._host import acc_dtypes, check_device, directions, exclusion_args, operand, precision, tl, triton
+from ._host import acc_dtypes, check_device, directions, exclusion_args, gradient_factors, operand, precision, tl, triton
 from ._tile import gradient_tile, logits, scatter_products, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
 
@@ -88,5 +88,5 @@ def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
         x, yy, zz, ga, gb, fx, fy, fz, *directions(row, col, dtype), r, c, d, bucket(r, c), grad_cols, x.stride(0), yy.stride(0),
         zz.stride(0), ga.stride(0), gb.stride(0), 0 if self_offset is None else self_offset, *excl_args,
         HAS_SELF=self_offset is not None, HAS_COL=col is not None, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric, ACC=acc,
-        PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
+        PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled), GROUP=GROUP, **flags)
     return ga, gb if grad_cols else None
