@@ -84,13 +84,13 @@ def test_pairs_drop_duplicates_and_self():
 def test_row_lists_are_each_rows_sorted_columns(name):
     """The per-row lists the Triton kernels search: exactly the mask's columns, in order, as int32."""
     pos, expected = _structures()[name]
-    offsets, columns = pos.row_lists()
+    offsets, columns = pos.row_lists
     assert offsets.dtype == columns.dtype == torch.int32
     assert offsets.tolist()[0] == 0 and columns.tolist()[-1] == -1
     for r in range(pos.num_rows):
         got = columns[offsets[r]:offsets[r + 1]].tolist()
         assert got == expected[r].nonzero().flatten().tolist(), r
-    empty = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.int64), 3, 3).row_lists()
+    empty = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.int64), 3, 3).row_lists
     assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].tolist() == [-1]
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -277,17 +278,18 @@ class Positives:
         per_sample = mask.long().sum(1) * views
         return per_sample[self.require(self.row_sample, kind)] - self._self_in_relation().long()
 
+    @cached_property
     def row_lists(self) -> tuple[Tensor, Tensor]:
         """A ``pairs`` relation as sorted per-row lists (CSR): ``(offsets, columns)``, int32.
 
         Row ``r``'s listed columns are ``columns[offsets[r]:offsets[r + 1]]`` in increasing
         order; repeats and the self pair (weight 0) are left out. ``columns`` has one spare
         ``-1`` at its end so that it is never empty. One sort of the P pairs, O(R + P) memory,
-        no host read (the Triton pair kernels test membership with it, ``_tile.listed``).
+        no host read (the Triton pair kernels test membership with it, ``_tile.listed``);
+        computed once per relation, so a loss's forward and backward share it.
         """
         p, w = self.require(self.pairs, "pairs"), self.require(self.pair_weight, "pairs")
-        device = p.device
-        counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device).index_add_(0, p[:, 0], w.long())
+        counts = self.row_counts()
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         # pairs that do not count sort past every real one (offsets never reach them)
         code = torch.where(w, p[:, 0] * self.num_cols + p[:, 1], self.num_rows * self.num_cols)

@@ -158,7 +158,7 @@ def _first_at_least(pair_col, lo, hi, value):
 @triton.jit
 def listed(rows, cols, r_ok, pair_ptr, pair_col):
     """(rows, cols) bool: the pair ``(row, col)`` is on the caller's list, stored per row as sorted
-    columns ``pair_col[pair_ptr[r]:pair_ptr[r + 1]]`` (:meth:`Positives.row_lists`).
+    columns ``pair_col[pair_ptr[r]:pair_ptr[r + 1]]`` (:attr:`Positives.row_lists`).
 
     An arbitrary list has no in-register rule, and "every pair minus the listed ones" loses a
     confident model's tiny negative terms, so membership is tested: each row's columns inside

@@ -199,7 +199,7 @@ def _relation_args(positives: Any, dummy: Tensor) -> tuple[list[Any], dict[str, 
         ptrs[4] = positives.partner.contiguous()
         flags["PARTNER"] = True
     elif positives.kind == "pairs":
-        ptrs[5:7] = positives.row_lists()
+        ptrs[5:7] = positives.row_lists
         flags["PAIRS"] = True
     else:  # the planner refuses other relations before any work
         raise ValueError(f"the pair kernels take positives by ids, a partner or index pairs, not a {positives.kind!r} relation")
@@ -250,13 +250,13 @@ def pair_grad(x_scaled: Tensor, y: Tensor, z: Tensor, positives: Any, binary: bo
     offset = positives.self_offset
     stats = (g0 if lse is None else lse.contiguous(), g0 if weight is None else weight.contiguous(), g0, g1, fx, fy, fz, *ptrs,
              r, c, d, bucket(r, c), x.stride(0), yy.stride(0), zz.stride(0))
-    common = dict(HAS_SELF=offset is not None, BINARY=binary, ACC=acc, PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled),
-                  **flags)
+    common = dict(HAS_SELF=offset is not None, BINARY=binary, ACC=acc, PRECISION=precision(x),
+                  FACTORS=gradient_factors(factors, x_scaled), **flags)
     if fused():
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
         gb = torch.zeros(c, d, dtype=dtype, device=x.device)
-        _pair_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, *stats, ga.stride(0), gb.stride(0), 0 if offset is None else offset,
-                                       GROUP=GROUP, **common)
+        _pair_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, *stats, ga.stride(0), gb.stride(0),
+                                           0 if offset is None else offset, GROUP=GROUP, **common)
         return ga, gb
     ga = torch.empty(r, d, dtype=dtype, device=x.device)
     gb = torch.empty(c, d, dtype=dtype, device=x.device)
