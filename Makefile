@@ -22,7 +22,8 @@ demo: $(STAMP)
 	$(BIN)/torch-contrastive train
 
 test: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet -d $(VENV)/site
+	# --strict counts warnings only when they are printed: no --quiet here
+	$(BIN)/mkdocs build --strict -d $(VENV)/site
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -329,7 +329,7 @@ def nt_xent_decoupled(x: Tensor, tau, pairing: str = "halves", weight=None) -> T
     for i in range(n):
         p = i ^ 1 if pairing == "adjacent" else (i + n // 2) % n
         others = [s[i][j] / tau for j in range(n) if j not in (i, p)]
-        w = 1.0 if weight is None else float(weight[i])
+        w = 1.0 if weight is None else weight[i]  # a tensor: the reference differentiates through it
         if others:
             total = total + (-w * s[i][p] / tau + _lse(others))
     return total / n + 0.0 * x.sum() * tau

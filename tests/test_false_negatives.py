@@ -161,6 +161,57 @@ def test_nt_xent_positive_weight_reference():
 
 
 @pytest.mark.parametrize("dtype,tols", DTYPES[:2])
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("pairing", ["adjacent", "halves"])
+def test_nt_xent_learnable_positive_weight_gets_its_gradient(pairing, chunk, dtype, tols):
+    """A positive_weight that requires grad gets d loss / d w_i = -s_ip / rows (the float64
+    reference differentiates through w), not a silent zero."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 5, generator=g, dtype=torch.float64)
+    w = torch.rand(10, generator=g, dtype=torch.float64) + 0.5
+    _compare(lambda a, wt, t: tc.nt_xent_loss(a, t, pairing=pairing, decoupled=True, positive_weight=wt, chunk_size=chunk),
+             lambda a, wt, t: nt_xent_decoupled(a, t, pairing, wt), [x, w], 0.2, dtype, tols)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_positive_weight_gradient_under_every_reduction(reduction, decoupled):
+    """Against the dense float64 formula ``-w_i s_ip + LSE_i`` (LSE without the positive for DCL),
+    weight, embeddings and temperature alike, through the reduction the engine applies inside."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(8, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    upstream = torch.randn(8, generator=g, dtype=torch.float64)
+    z = torch.nn.functional.normalize(x, dim=1)
+    s = z @ z.T / 0.3
+    partner = (torch.arange(8) + 4) % 8
+    left_out = torch.eye(8, dtype=torch.bool) | (torch.nn.functional.one_hot(partner, 8).bool() if decoupled else False)
+    per_row = -w * s[torch.arange(8), partner] + torch.logsumexp(s.masked_fill(left_out, float("-inf")), 1)
+    ref = {"mean": per_row.mean(), "sum": per_row.sum(), "none": (per_row * upstream).sum()}[reduction]
+    ref_grads = torch.autograd.grad(ref, (x, w))
+    got = tc.nt_xent_loss(x, 0.3, pairing="halves", decoupled=decoupled, positive_weight=w, reduction=reduction)
+    got = (got * upstream).sum() if reduction == "none" else got
+    assert got.item() == pytest.approx(ref.item(), rel=1e-10)
+    for ours, theirs in zip(torch.autograd.grad(got, (x, w)), ref_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-10)
+
+
+def test_engine_refuses_weights_that_require_grad():
+    """The engine's weights are constants: one that requires grad is an error, never dropped."""
+    from torch_contrastive.engine import PairTerms, Problem, Softmax
+
+    x = torch.randn(4, 3)
+    w = torch.ones(4, requires_grad=True)
+    with pytest.raises(ValueError, match="require grad"):
+        Problem(x, x, 1.0, Softmax(row_weights=(None, w)), self_offset=0)
+    with pytest.raises(ValueError, match="require grad"):
+        Problem(x, x, 1.0, Softmax(col_weights=(w, None), columns=True))
+    pos = tc.positives.Positives.from_keys(torch.arange(4) % 2, self_offset=0)
+    with pytest.raises(ValueError, match="require grad"):
+        Problem(x, x, 1.0, PairTerms("binary", combine=((w, w), 1.0)), positives=pos, self_offset=0)
+
+
+@pytest.mark.parametrize("dtype,tols", DTYPES[:2])
 @pytest.mark.parametrize("ids", ["none", "image", "both"])
 @pytest.mark.parametrize("variant", [dict(decoupled=True), dict(smoothing=0.1), dict(smoothing=0.4)])
 @pytest.mark.parametrize("chunk", [None, 3])

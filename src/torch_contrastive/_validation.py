@@ -256,12 +256,13 @@ def check_fraction(value: object, name: str) -> float:
 
 
 def check_row_weight(weight: object, name: str, length: int, device: torch.device) -> Tensor:
-    """A (length,) floating tensor of per-row weights, detached, on ``device``."""
+    """A (length,) floating tensor of per-row weights on ``device`` (a weight that requires grad
+    keeps its graph: the loss propagates into it)."""
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor")
     if weight.ndim != 1 or weight.shape[0] != length:
         raise ValueError(f"{name} must have shape ({length},), got {tuple(weight.shape)}")
-    return weight.detach().to(device)
+    return weight.to(device)
 
 
 def check_memory(memory_emb: object, memory_labels: object, width: int, device: torch.device,

@@ -275,20 +275,9 @@ class DCLLoss(_Loss):
         v.check_embeddings(out0, "out0")
         v.check_embeddings(out1, "out1")
         v.check_same_rows(out0, "out0", out1, "out1")
-        weight = self.positive_weight(out0, out1)
-        loss = nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
-                            positive_weight=None if weight is None else weight.detach(), **self.options)
-        if weight is None or not weight.requires_grad:
-            return loss
-        # The engine takes the weights as constants; their own gradient is that of
-        # sum_r w_r * (-s_r / tau) / rows, added as a term whose value is zero.
-        a, b = self._unit(out0.detach()), self._unit(out1.detach())
-        tau = self.temperature.detach() if isinstance(self.temperature, Tensor) else self.temperature
-        positive = -(a * b).sum(1).repeat(2) / tau
-        term = (weight - weight.detach()) * positive.to(weight.dtype)
-        reduction = self.options["reduction"]
-        extra = term if reduction == "none" else term.sum() / (term.shape[0] if reduction == "mean" else 1)
-        return loss + extra.to(loss.dtype)
+        # a weight that requires grad (lightly's weight_fn) gets its gradient from the loss itself
+        return nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
+                            positive_weight=self.positive_weight(out0, out1), **self.options)
 
 
 class DCLWLoss(DCLLoss):

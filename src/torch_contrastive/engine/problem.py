@@ -166,6 +166,7 @@ class Problem(Generic[S]):
 
     def __post_init__(self) -> None:
         stat = self.statistic
+        _constant_weights(stat)
         if isinstance(stat, Softmax):
             if stat.columns and self.self_offset is not None:
                 raise ValueError("Softmax(columns=True) needs self_offset=None (two-set losses only)")
@@ -190,3 +191,18 @@ class Problem(Generic[S]):
     def shape(self) -> tuple[int, int]:
         """``(R, C)``: anchors and candidates."""
         return self.anchors.shape[0], self.candidates.shape[0]
+
+
+def _constant_weights(stat: Statistic) -> None:
+    """The engine's weights are constants (its backward returns no gradient for them): a weight
+    that requires grad is refused here, so it can never be dropped silently -- a loss that takes
+    a learnable weight adds that gradient itself (``nt_xent_loss``'s ``positive_weight``)."""
+    if isinstance(stat, Softmax):
+        weights: tuple[object, ...] = (*stat.row_weights, *stat.col_weights)
+    elif isinstance(stat, PairTerms) and stat.combine is not None:
+        weights = (*stat.combine[0], stat.combine[1])
+    else:
+        return
+    if any(isinstance(w, Tensor) and w.requires_grad for w in weights):
+        raise ValueError(f"{type(stat).__name__}: weights must not require grad (the engine treats them as constants; "
+                         "the loss adds a learnable weight's gradient itself)")

@@ -64,9 +64,12 @@ class ClipLoss(nn.Module):
     """open_clip's ``ClipLoss``: symmetric cross-entropy over ``logit_scale * I @ T.T``.
 
     Args:
-        local_loss, gather_with_grad: open_clip's distributed options (module docstring).
+        local_loss: open_clip's distributed option: each rank's rows against the gathered
+            columns only (module docstring).
+        gather_with_grad: open_clip's distributed option: the gathered rows carry gradients.
         cache_labels: accepted for compatibility (no labels are built here).
-        rank, world_size: this process's rank and the world size.
+        rank: this process's rank.
+        world_size: the number of processes.
         use_horovod: must be False (Horovod is not supported).
         chunk_size: tile edge / rows per strip (None: automatic).
         backend: the engine backend (:mod:`torch_contrastive.options`).
@@ -129,7 +132,8 @@ class SigLipLoss(nn.Module):
 
     Args:
         cache_labels: accepted for compatibility.
-        rank, world_size: this process's rank and the world size.
+        rank: this process's rank.
+        world_size: the number of processes.
         dist_impl: open_clip's text exchange (``"bidir"``, ``"shift"``, ``"reduce"``,
             ``"gather"``): accepted; every choice gives the same value and gradients, and
             here the texts are gathered once.

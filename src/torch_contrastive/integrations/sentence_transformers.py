@@ -94,8 +94,13 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
         docs: list of (B, D) columns; ``docs[0]`` holds the positives.
         scale: inverse temperature (sentence-transformers' default 20).
         similarity: ``"cosine"`` or ``"dot"``.
-        directions, partition_mode, hardness_mode, hardness_strength: as in
-            :class:`MultipleNegativesRankingLoss`.
+        directions: the terms summed (``"query_to_doc"``, ``"query_to_query"``,
+            ``"doc_to_query"``, ``"doc_to_doc"``), as :class:`MultipleNegativesRankingLoss`.
+        partition_mode: ``"joint"`` (one soft-max over every direction's candidates) or
+            ``"per_direction"``, as :class:`MultipleNegativesRankingLoss`.
+        hardness_mode: which negatives get ``hardness_strength * stop_grad(sim)`` added
+            (None, ``"in_batch_negatives"``, ``"hard_negatives"``, ``"all_negatives"``).
+        hardness_strength: alpha >= 0 of that term.
         gather: every rank's queries and docs are candidates (``gather_across_devices``);
             gradients flow back to their ranks; the value is this rank's mean.
         chunk_size: rows per strip (None: automatic).
@@ -320,7 +325,8 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         mini_batch_num_tokens: instead, a budget of real tokens per mini-batch (rows are
             taken in order while their attention-mask lengths fit; at least one row).
         show_progress_bar: accepted for compatibility; no bar is drawn.
-        Other arguments: as :class:`MultipleNegativesRankingLoss`.
+
+    The other arguments are those of :class:`MultipleNegativesRankingLoss`.
     """
 
     def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
@@ -393,7 +399,8 @@ class GISTEmbedLoss(nn.Module):
         temperature: tau (default 0.01).
         margin_strategy: ``"absolute"`` or ``"relative"``.
         margin: m >= 0 (default 0).
-        contrast_anchors, contrast_positives: add those blocks (default True, as the peer).
+        contrast_anchors: add the anchor-anchor block (default True, as the peer).
+        contrast_positives: add the positive-positive block (default True, as the peer).
         gather_across_devices: positives and negatives of every rank are candidates.
         chunk_size: rows per strip (None: automatic).
     """

@@ -66,15 +66,15 @@ def image_text_contrastive_loss(
         text_feat: (N, D) text embeddings, row i paired with image i.
         temperature: tau > 0 (default 0.07), float or 0-dim tensor (e.g.
             ``1 / logit_scale.exp()``).
-        image_id, text_id: optional (N,) integer ids (see :func:`text_ids`).
+        image_id: optional (N,) integer ids of the images (duplicates are positives).
+        text_id: optional (N,) integer ids of the captions (see :func:`text_ids`).
         normalize: L2-normalise (CLIP's convention; default True).
         reduction: ``"mean"``; ``"sum"``; ``"none"``: (N,) values ``e_i`` whose mean is
             the loss -- without ids ``e_i = (CE_image_i + CE_text_i) / 2``.
-        chunk_size, gather, grad_reduction, eps, validate, backend: the shared options
-            (:mod:`torch_contrastive.options`); the Triton kernels include the distributed column statistics. With ``gather`` each rank computes
-            only its own image rows against all gathered texts; the second direction's
-            per-text log-sum-exp is completed by an O(N) all-reduce of partial column
-            sums, so the N x N work is split across ranks.
+        gather: the shared option; each rank computes only its own image rows against all
+            gathered texts, and the second direction's per-text log-sum-exp is completed by
+            an O(N) all-reduce of partial column sums (on either backend), so the N x N
+            work is split across ranks.
         decoupled: DCL (Yeh et al. 2021): the positives (the diagonal, or every pair seed
             002's rule relates) leave both directions' denominators. A row left with no
             candidate contributes 0.
@@ -83,6 +83,9 @@ def image_text_contrastive_loss(
             ``F.cross_entropy(S, arange(N), label_smoothing=eps)`` per direction. The uniform
             part needs only ``sum_j S_ij = <a_i, sum_j b_j> / tau``: O(N * D), no extra tile
             pass. Not combined with ``decoupled``.
+
+    The shared options ``chunk_size``, ``grad_reduction``, ``eps``, ``validate``, ``backend`` are documented
+    once in :mod:`torch_contrastive.options`.
 
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.

@@ -84,7 +84,8 @@ def info_nce_loss(
             ``g_ic > g_ip - guide_margin`` (``"absolute"``) or ``g_ic > g_ip -
             guide_margin * |g_ip|`` (``"relative"``), ``g_ip`` the positive's. Computed
             tile by tile (one small product per tile), O(N) memory.
-        guide_margin, guide_margin_mode: see ``guide`` (margin >= 0).
+        guide_margin: the margin of ``guide`` (>= 0).
+        guide_margin_mode: ``"absolute"`` or ``"relative"`` (see ``guide``).
         decoupled: DCL (Yeh et al. 2021): the positive leaves the denominator.
         label_smoothing: epsilon in [0, 1): ``(1 - eps) * CE + eps * mean over query i's
             candidates of -log softmax``, as ``F.cross_entropy(label_smoothing=eps)``. Not
@@ -98,11 +99,13 @@ def info_nce_loss(
         gather_negatives: gather the unpaired negatives too (default: ``gather``). Pass
             ``False`` for rows that are already global, such as a queue filled with
             ``FeatureQueue.push(..., gather=True)``: gathering them again would repeat them.
-        grad_reduction, eps, validate, backend: the shared options (:mod:`torch_contrastive.options`).
 
     Returns:
         0-dim loss (fp32 for half inputs), or (N,) per-query values. A query whose every
         candidate was left out contributes 0.
+
+    The shared options ``grad_reduction``, ``eps``, ``validate``, ``backend`` are documented once in
+    :mod:`torch_contrastive.options`.
 
     Memory: O((N + M) * D + tile^2) for the shared candidates; paired negatives add
     O(N * K) logits (one batched product), never N x N x K. Candidates that do not require

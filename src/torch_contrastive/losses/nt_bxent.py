@@ -49,9 +49,10 @@ def nt_bxent_loss(
             ``[0, M)``; pairs are directional, as in the seed.
         temperature: tau > 0 (default 0.5).
         labels: (M,) integer tensor instead of ``pos_indices``.
-        normalize, chunk_size, gather, grad_reduction, eps, validate, backend: the shared
-            options (:mod:`torch_contrastive.options`).
         reduction: ``"mean"`` over rows, ``"sum"``, or ``"none"`` (M,) per-row losses.
+
+    The shared options ``normalize``, ``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate``,
+    ``backend`` are documented once in :mod:`torch_contrastive.options`.
 
     Memory: O(M * D + tile^2).
     """

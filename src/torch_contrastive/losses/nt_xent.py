@@ -6,10 +6,20 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
+from .._normalize import prepare
 from ..distributed import make_scope
-from ..engine import Options, Problem, Softmax, compute_dtype, solve
-from ..positives import Exclusion
-from ._common import check_reference, engine_total, finish_checks, labelled_pairwise_rows, partner_positives, reduce, single_set
+from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
+from ..positives import Exclusion, Positives
+from ._common import (
+    check_reference,
+    engine_total,
+    finish_checks,
+    labelled_pairwise_rows,
+    partner_positives,
+    positive_logits,
+    reduce,
+    single_set,
+)
 
 __all__ = ["nt_xent_loss"]
 
@@ -54,28 +64,33 @@ def nt_xent_loss(
         temperature: tau > 0, float or 0-dim tensor (default 0.5).
         labels: optional (2N,) integer tensor; overrides ``pairing``.
         pairing: ``"adjacent"`` (pairs (0,1), (2,3), ...) or ``"halves"`` (i, i+N).
-        normalize, chunk_size, gather, grad_reduction, eps, validate, backend: the shared
-            options (:mod:`torch_contrastive.options`).
         reduction: ``"mean"`` (over rows; with labels over positive pairs), ``"sum"``,
             or ``"none"``: (2N,) per-row losses; with labels, each row's *sum* over
             its positive pairs (0 for rows without a positive).
-        memory_emb, memory_labels: (M, D) rows kept from earlier batches (a
-            :class:`~torch_contrastive.FeatureQueue`) and their (M,) labels, with
-            ``labels`` only: extra candidates of every row (positives and negatives by
-            label) -- pytorch-metric-learning's ``CrossBatchMemory`` around its
-            ``NTXentLoss``, with this batch's rows live as candidates. Not gathered.
-        ref_emb, ref_labels: (M, D) reference rows and (M,) labels, with ``labels`` only:
-            the candidates of every row instead of the batch (pytorch-metric-learning's
-            ``loss(embeddings, labels, ref_emb=..., ref_labels=...)``); no self pair.
+        memory_emb: (M, D) rows kept from earlier batches (a
+            :class:`~torch_contrastive.FeatureQueue`), with ``labels`` only: extra
+            candidates of every row (positives and negatives by label) --
+            pytorch-metric-learning's ``CrossBatchMemory`` around its ``NTXentLoss``, with
+            this batch's rows live as candidates. Not gathered.
+        memory_labels: (M,) integer labels of ``memory_emb``.
+        ref_emb: (M, D) reference rows, with ``labels`` only: the candidates of every row
+            instead of the batch (pytorch-metric-learning's ``loss(embeddings, labels,
+            ref_emb=..., ref_labels=...)``); no self pair.
+        ref_labels: (M,) integer labels of ``ref_emb``.
         decoupled: DCL (Yeh et al. 2021), pairing rules only: the positive leaves the
             denominator, ``loss_i = -s_ip + log sum_{j != i, p} exp(s_ij)`` (lightly's
             ``DCLLoss`` on ``torch.cat([out0, out1])`` with ``pairing="halves"``).
-        positive_weight: optional (2N,) weight of each row's positive term (no gradient),
-            pairing rules only: ``loss_i = -w_i s_ip + LSE_i`` (DCLW's von Mises-Fisher
-            weight, see :class:`~torch_contrastive.DCLWLoss`).
+        positive_weight: optional (2N,) weight of each row's positive term, pairing rules
+            only: ``loss_i = -w_i s_ip + LSE_i`` (DCLW's von Mises-Fisher weight, see
+            :class:`~torch_contrastive.DCLWLoss`). A weight that requires grad gets its
+            gradient ``d loss / d w_i = -s_ip`` (times the reduction's factor), as lightly's
+            ``DCLLoss(weight_fn=...)``.
 
     Returns:
         0-dim loss (fp32 for half inputs), or per-row values for ``reduction="none"``.
+
+    The shared options ``normalize``, ``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate``,
+    ``backend`` are documented once in :mod:`torch_contrastive.options`.
 
     Memory: O(N * D + tile^2). Without labels the forward+backward costs about two
     N x N x D matrix multiplies (symmetric tiles); with labels about five (two forward passes).
@@ -97,12 +112,7 @@ def nt_xent_loss(
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
     reference = check_reference(ref_emb, ref_labels, labels, embeddings.shape[1], embeddings.device, checks, gather, memory)
     v.check_backend(backend)
-    if not isinstance(decoupled, bool):
-        raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
-    if labels is not None and (decoupled or positive_weight is not None):
-        raise ValueError("decoupled and positive_weight apply to pairing rules (one positive per row), not to labels")
-    if positive_weight is not None:
-        positive_weight = v.check_row_weight(positive_weight, "positive_weight", n, embeddings.device)
+    positive_weight = _check_dcl(decoupled, positive_weight, labels, n, embeddings.device)
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None)
@@ -111,8 +121,11 @@ def nt_xent_loss(
         positives = partner_positives(n, pairing, offset, z.device, z_all.shape[0], offset, None if scope.distributed else pairing)
         # DCL: the positive (an involution's partner, so a symmetric relation) leaves the denominator
         exclude = Exclusion(relation=positives, symmetric=True) if decoupled else None
-        weights = (None, None) if positive_weight is None else (None, positive_weight.to(compute_dtype(z.dtype)))
-        total = None if decoupled else engine_total(reduction, scope, float(n), compute_dtype(z.dtype))
+        # the engine takes row weights as constants; a weight's own gradient is added below
+        weights = (None, None) if positive_weight is None else (None, positive_weight.detach().to(compute_dtype(z.dtype)))
+        weight_term = None if positive_weight is None or not positive_weight.requires_grad else \
+            _weight_term(positive_weight, z, z_all, positives, scale, inside, eps)
+        total = None if decoupled or weight_term is not None else engine_total(reduction, scope, float(n), compute_dtype(z.dtype))
         per_row, _ = solve(Problem(z, z_all, scale, Softmax(row_weights=weights, exclude=exclude, total=total),
                                    positives=positives, self_offset=offset, symmetric=not scope.distributed,
                                    bound=bound if normalize else None, options=Options(inside, eps, chunk_size, backend)))
@@ -122,6 +135,8 @@ def nt_xent_loss(
             return per_row
         if decoupled:  # a pair alone in the batch has no negative: its rows contribute 0
             per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)
+        if weight_term is not None:
+            per_row = per_row + weight_term.to(per_row.dtype)
         return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
 
     cdtype = compute_dtype(z.dtype)
@@ -139,3 +154,25 @@ def nt_xent_loss(
         finish_checks(rows.outputs[0], checks, check_output)
         return rows.outputs[0]
     return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, check_output)
+
+
+def _check_dcl(decoupled: object, positive_weight: object, labels: Tensor | None, n: int,
+               device: torch.device) -> Tensor | None:
+    """DCL's options checked: pairing rules only; the weight a (2N,) floating tensor (or None)."""
+    if not isinstance(decoupled, bool):
+        raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
+    if labels is not None and (decoupled or positive_weight is not None):
+        raise ValueError("decoupled and positive_weight apply to pairing rules (one positive per row), not to labels")
+    return None if positive_weight is None else v.check_row_weight(positive_weight, "positive_weight", n, device)
+
+
+def _weight_term(weight: Tensor, z: Tensor, z_all: Tensor, positives: Positives, scale: Scale, inside: bool,
+                 eps: float) -> Tensor:
+    """``-(w_i - stop_grad(w_i)) * s_ip`` per row: zero in value, ``d loss_i / d w_i = -s_ip`` in
+    gradient -- the part of ``loss_i = -w_i s_ip + LSE_i`` the engine (constant weights) leaves out.
+    The positive logits are constants here: the engine's node already carries their gradient."""
+    with torch.no_grad():
+        rows = prepare(z.detach(), inside, eps)
+        candidates = rows if z_all is z else prepare(z_all.detach(), inside, eps)
+        s_p = positive_logits(rows, candidates, positives, scale.detach() if isinstance(scale, Tensor) else scale)
+    return -(weight - weight.detach()) * s_p.to(weight.dtype)

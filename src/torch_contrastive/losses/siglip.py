@@ -65,19 +65,22 @@ def siglip_loss(
         logit_scale: the multiplier ``t > 0`` (open_clip passes ``exp(t')``; the paper
             initialises ``t' = log 10``), float or 0-dim tensor (gets its gradient).
         logit_bias: ``b`` (paper init -10), float or 0-dim tensor (gets its gradient).
-        image_id, text_id: optional (N,) integer ids; duplicates are positives.
+        image_id: optional (N,) integer ids of the images; duplicates are positives.
+        text_id: optional (N,) integer ids of the texts; duplicates are positives.
         negative_only: every pair is a negative (``z_ij = -1``): the term open_clip's
             distributed SigLIP adds for the texts of other ranks (its neighbour exchange).
             Not combined with ids.
         normalize: L2-normalise both inputs (default; open_clip expects normalised features).
         reduction: ``"mean"`` (sum over all pairs / N, as open_clip), ``"sum"`` (no ``/N``),
             ``"none"``: (N,) per-image row sums ``sum_j softplus(-z_ij s_ij)``.
-        chunk_size, gather, grad_reduction, eps, validate: the shared options
-            (:mod:`torch_contrastive.options`). With ``gather`` the texts (and ids) of
-            every rank are gathered and each rank computes its own image rows against all
-            of them; the value is the global loss on every rank.
+        gather: the shared option; the texts (and ids) of every rank are gathered and each
+            rank computes its own image rows against all of them; the value is the global
+            loss on every rank.
         backend: ``"auto"`` (default: the torch backend), ``"torch"`` or ``"triton"`` (fused
             sigmoid tile kernels: positives on the diagonal or by ids, or none).
+
+    The shared options ``chunk_size``, ``grad_reduction``, ``eps``, ``validate`` are documented once in
+    :mod:`torch_contrastive.options`.
 
     Memory: O(N * D + tile^2); forward+backward about three N x N x D matrix multiplies
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid

@@ -66,21 +66,24 @@ def supcon_loss(
             products of features it expects to be normalised already.
         reduction: ``"mean"`` over anchors with positives, ``"sum"``, or ``"none"``:
             per-anchor losses in view-major order (0 for anchors without positives).
-        chunk_size, gather, grad_reduction, eps, validate, backend: the shared options
-            (:mod:`torch_contrastive.options`).
-        memory_emb, memory_labels: (M, D) rows kept from earlier batches (a
-            :class:`~torch_contrastive.FeatureQueue`) and their (M,) labels: extra
-            candidates of every anchor, positives by label -- pytorch-metric-learning's
-            ``CrossBatchMemory`` around its ``SupConLoss``, with this batch's rows live
-            (they get gradients as candidates too). Needs ``labels``. Memory rows are not
-            gathered (a queue pushed with ``gather=True`` is global already).
-        ref_emb, ref_labels: (M, D) reference rows and (M,) labels: the candidates of every
-            anchor instead of the batch (pytorch-metric-learning's ``ref_emb``/``ref_labels``);
-            no self pair. Needs ``labels``.
+        memory_emb: (M, D) rows kept from earlier batches (a
+            :class:`~torch_contrastive.FeatureQueue`): extra candidates of every anchor,
+            positives by label -- pytorch-metric-learning's ``CrossBatchMemory`` around its
+            ``SupConLoss``, with this batch's rows live (they get gradients as candidates
+            too). Needs ``labels``. Memory rows are not gathered (a queue pushed with
+            ``gather=True`` is global already).
+        memory_labels: (M,) integer labels of ``memory_emb``.
+        ref_emb: (M, D) reference rows: the candidates of every anchor instead of the batch
+            (pytorch-metric-learning's ``ref_emb``/``ref_labels``); no self pair. Needs
+            ``labels``.
+        ref_labels: (M,) integer labels of ``ref_emb``.
         single_class: a batch without a negative pair (every label equal): ``"keep"``
             (default: the formula's value, at least ``log |P(i)|`` per anchor, as the
             SupCon authors' code) or ``"zero"`` (pytorch-metric-learning: 0 with a zero
             gradient). Needs ``labels``.
+
+    The shared options ``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate``, ``backend`` are
+    documented once in :mod:`torch_contrastive.options`.
 
     Memory: O((N + M) * D + tile^2); forward+backward about two N x N x D matrix
     multiplies in ``"all"`` mode, whatever the labels (plus N x M x D products per
