@@ -122,7 +122,9 @@ def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps
     row scaling); the per-row cases are decided on (N, 1) vectors. Folding ``scale`` in
     saves the caller a pass.
     """
-    radial = torch.linalg.vecdot(g, y).unsqueeze(1).mul_(norm > eps)
+    # (g * y).sum over the row, kept as a column: one op fewer than vecdot + unsqueeze; a masked
+    # fill takes the bool mask as it is (a multiply by it would first widen it to a float copy)
+    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)
     factor = torch.div(norm > 0, denom)  # 0 for an all-zero row (a multiply by a mask, cheaper than where)
     if not isinstance(scale, float) or scale != 1.0:
         factor = factor.mul_(scale)

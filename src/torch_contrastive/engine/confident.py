@@ -107,14 +107,20 @@ def margin(log_excess: Tensor, positive: Tensor) -> Tensor:
     return torch.logaddexp(x, x.new_zeros(()))
 
 
-def coefficient(u: Tensor, c: Tensor, d: Tensor, alike: bool, lse: Tensor | None = None) -> Tensor:
+def coefficient(u: Tensor, c: Tensor | None, d: Tensor, alike: bool, lse: Tensor | None = None) -> Tensor:
     """The positive entry's gradient coefficient ``u exp(-d) + c`` without cancellation;
     ``alike``: ``c == -u`` exactly (the loss weighs the soft-max and the positive alike)."""
     out = torch.expm1(d.neg()).mul_(u)
-    return out if alike else out.add_(u + c)
+    return out if alike else out.add_(u + _given(c))
 
 
-def coefficient_from_sums(u: Tensor, c: Tensor, excess: Tensor, alike: bool, total: Tensor) -> Tensor:
+def coefficient_from_sums(u: Tensor, c: Tensor | None, excess: Tensor, alike: bool, total: Tensor) -> Tensor:
     """The same from the one tile's sums: ``exp(-d) - 1 = -excess / total``."""
     out = torch.mul(u, excess).div_(total).neg_()
-    return out if alike else out.add_(u + c)
+    return out if alike else out.add_(u + _given(c))
+
+
+def _given(c: Tensor | None) -> Tensor:
+    if c is None:  # only an alike loss may leave the positive coefficient unformed
+        raise RuntimeError("internal: the positive coefficient is needed when the parts are weighed differently")
+    return c

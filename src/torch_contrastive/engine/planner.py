@@ -199,6 +199,30 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     """
     fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
     prefer_triton = auto_triton and dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
+    # A training loop asks the same question every step: the answer is kept where it depends on
+    # the key alone -- not where the Triton kernels' coverage of this problem decides it.
+    cacheable = backend == "torch" or (backend == "auto" and not (prefer_triton and device.type == "cuda"))
+    key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS)
+    decision = _DECISIONS.get(key) if cacheable else None
+    if decision is None:
+        decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, triton_serves,
+                           one_tile_torch_only, half_ok, prefer_triton)
+        if cacheable:
+            if len(_DECISIONS) > 512:  # many distinct shapes: keep the cache small
+                _DECISIONS.clear()
+            _DECISIONS[key] = decision
+    _record(decision)
+    return decision
+
+
+#: ``decide``'s answers by their key (the problem's shape, dtypes, device and options).
+_DECISIONS: dict[tuple[Any, ...], Decision] = {}
+
+
+def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
+            chunk_size: int | None, backend: str, fixed: bool, triton_serves: Callable[[], str | None],
+            one_tile_torch_only: bool, half_ok: bool, prefer_triton: bool) -> Decision:
+    """:func:`decide` without its cache."""
     chosen = choose_backend(backend, device, triton_serves, prefer_triton)
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
     wide = 16 if torch.float64 in (dtype, other_dtype) else 8
@@ -207,9 +231,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     tile = resolve_tile(chunk_size, rows, cols, device, per_logit if device.type == "cuda" else 8)
     single = tile >= max(rows, cols) and (chosen == "torch" or not one_tile_torch_only)
     operand_dtype = dtype if chosen == "triton" and dtype in _HALF and other_dtype == dtype else None
-    decision = Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
-    _record(decision)
-    return decision
+    return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
 
 
 def plan(problem: Problem) -> Decision:

@@ -36,19 +36,32 @@ class Products:
     """Products in the compute dtype from the compute-dtype rows.
 
     Args:
-        a_s: ``scale * Â`` (R, D).
+        a_s: ``scale * Â`` (R, D), or None: formed on the first logit tile (a backward that
+            reuses the kept tile never forms it).
         a: ``Â`` (R, D).
         b: ``B̂`` (C, D); ``a`` itself for a single set.
+        scale: the logit scale (for ``a_s``).
     """
 
     half = False
 
-    def __init__(self, a_s: Tensor, a: Tensor, b: Tensor) -> None:
-        self.a_s, self.a, self.b = a_s, a, b
+    def __init__(self, a_s: Tensor | None, a: Tensor, b: Tensor, scale: Scale = 1.0) -> None:
+        self._a_s, self.a, self.b, self.scale = a_s, a, b, scale
+
+    @property
+    def a_s(self) -> Tensor:
+        """``scale * Â``, formed once."""
+        if self._a_s is None:
+            self._a_s = self.a * self.scale
+        return self._a_s
 
     def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
         """``S[r0:r1, c0:c1]`` in the compute dtype, into ``out`` when given."""
-        return logits_tile(out, self.a_s[r0:r1], self.b[c0:c1])
+        a_s, b = self.a_s, self.b
+        # the whole problem as one tile (small batches) takes no slice views: two ops fewer per call
+        rows = a_s if r0 == 0 and r1 == a_s.shape[0] else a_s[r0:r1]
+        cols = b if c0 == 0 and c1 == b.shape[0] else b[c0:c1]
+        return logits_tile(out, rows, cols)
 
     def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
         """``acc += g @ B̂[c0:c1]`` (``acc`` the rows' slice of the accumulator)."""
@@ -171,7 +184,7 @@ def make_products(half: bool, raw: tuple[Tensor | None, ...], a_s: Tensor | None
             are the anchors, as the engine's normalisation returned them.
     """
     if not half:
-        return Products(a * scale if a_s is None else a_s, a, b)
+        return Products(a_s, a, b, scale)
     a_raw, b_raw = raw[0], raw[1]
     if a_raw is None:
         raise ValueError("half-precision products need the raw inputs")

@@ -16,6 +16,7 @@ handful of autograd nodes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -132,10 +133,8 @@ class _Softmax:
         ctx.total = total
         ctx.set_materialize_grads(False)  # an output the caller drops (the empty column slot) costs no zeros
         if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
-            row_out = row_out.sum() * total[0]
-            if col_lse is not None:
-                row_out = row_out + col_out.sum() * total[1]
-            col_out = row_out.new_zeros(0)
+            row_out = _total(row_out, col_out if col_lse is not None else None, total)
+            col_out = None  # no empty placeholder: an autograd output may be None
         own_col_alpha = None if plan.shared_alpha else col_alpha
         ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
         weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
@@ -174,16 +173,13 @@ class _Softmax:
             col = (_weighted(g_col_c, col_alpha), col_lse)
         u = _weighted(g_row, row_alpha)
         has_pos = plan.positives is not None
-        # without beta weights a reduced loss gives every row the same positive coefficient: a 0-dim one
-        c_row = (-uniform_row if uniform_row is not None and row_beta is None else -_weighted(g_row, row_beta)) if has_pos else None
+        how = coefficient_from_sums if ctx.apart_sums else coefficient
+        c_row = _positive_coefficient(how, u, g_row, uniform_row, row_beta, margins[:1], row_alpha is row_beta, row_lse) \
+            if has_pos else None
         c_col = None
-        if has_pos and g_col_c is not None and plan.column_positives:
-            c_col = -uniform_col if uniform_col is not None and col_beta is None else -_weighted(g_col_c, col_beta)
-        if margins and c_row is not None:  # the positive entries were left out of the tiles: their exact coefficient
-            how = coefficient_from_sums if ctx.apart_sums else coefficient
-            c_row = how(u, c_row, margins[0], row_alpha is row_beta, row_lse)
-            if len(margins) == 2 and c_col is not None and col is not None:
-                c_col = how(col[0], c_col, margins[1], col_alpha is col_beta, col_lse)
+        if has_pos and g_col_c is not None and col is not None and plan.column_positives:
+            c_col = _positive_coefficient(how, col[0], g_col_c, uniform_col, col_beta, margins[1:2] if c_row is not None else (),
+                                          col_alpha is col_beta, col_lse)
         if not plan.symmetric and not ctx.operands_need_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         if plan.symmetric and kept is None:
@@ -207,15 +203,37 @@ class _Softmax:
 _SOFTMAX = _Softmax()
 
 
+def _total(row_out: Tensor, col_out: Tensor | None, total: tuple[Any, Any]) -> Tensor:
+    """``c * sum_i row_out_i + c' * sum_j col_out_j``; one sum when both directions share the
+    coefficient and the shape (CLIP's mean: three ops instead of five)."""
+    if col_out is None:
+        return row_out.sum() * total[0]
+    if total[0] is total[1] and row_out.shape == col_out.shape:
+        return (row_out + col_out).sum() * total[0]
+    return row_out.sum() * total[0] + col_out.sum() * total[1]
+
+
+def _positive_coefficient(how: Any, u: Tensor, g: Tensor, uniform: Tensor | None, beta: Tensor | None,
+                          margins: Sequence[Tensor], alike: bool, lse: Tensor | None) -> Tensor:
+    """The positive part's coefficient ``c = -beta * g`` per row (0-dim when a reduced loss gives
+    every row the same, without beta weights); where the positive entries were left out of the
+    tiles (``margins``), their exact coefficient ``u exp(-d) + c`` -- which never reads ``c`` when
+    the loss weighs both parts alike (so it is not formed)."""
+    if margins and alike:
+        return how(u, None, margins[0], True, lse)
+    c = -uniform if uniform is not None and beta is None else -_weighted(g, beta)
+    return how(u, c, margins[0], False, lse) if margins else c
+
+
 def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos: Tensor | None, col_pos: Tensor | None,
              row_alpha: Tensor | None, row_beta: Tensor | None, col_alpha: Tensor | None, col_beta: Tensor | None,
-             total: Any, given: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+             total: Any, given: bool = False) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """``alpha * LSE - beta * pos`` per row (and column), the full log-sum-exps and, when the
     positives were kept apart, the margins ``LSE - pos`` that backward needs."""
     margins: tuple[Tensor, ...] = ()
     if given and row_pos is not None:  # the one bounded tile computed the margins itself (single_apart): lse hold them
         row_out = _apart_out(row_lse, row_pos, row_alpha, row_beta)
-        col_out = row_lse.new_zeros(0) if total is None else row_lse
+        col_out = None
         if col_lse is not None and col_pos is not None:
             col_out = _apart_out(col_lse, col_pos, col_alpha, col_beta)
         return row_out, col_out, row_lse, col_lse, ()
@@ -235,7 +253,7 @@ def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos
             if col_pos is not None:
                 col_out = col_out - _weighted(col_pos, col_beta)
     if col_lse is None:
-        col_out = row_lse.new_zeros(0) if total is None else row_lse
+        col_out = None
     return row_out, col_out, row_lse, col_lse, margins
 
 

@@ -7,7 +7,7 @@ accumulates ``G @ B`` and ``G.T @ A`` through :mod:`.products`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -53,12 +53,33 @@ def _strided_positives(t: Tensor, layout: str) -> list[Tensor]:
     return [t.diagonal(half), t.diagonal(-half)]
 
 
-def _read_strided(t: Tensor, layout: str) -> Tensor:
-    parts = _strided_positives(t, layout)
-    if layout == "adjacent":
-        return torch.stack(parts, 1).reshape(-1)
-    # a copy, not a view: the tile is exponentiated in place afterwards
-    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+class FlatPlaces(NamedTuple):
+    """Row-major places in a square ``n x n`` tile under a strided layout (one tile = the whole problem)."""
+
+    positives: Tensor  # (n,) row i's positive (i, p(i)), in row order
+    mirrored: Tensor  # (n,) the mirrored entries (p(i), i)
+    left_out: Tensor  # the self pairs (if any) and the positives: what the kept-apart sums leave out
+
+
+_FLAT: dict[tuple[str, int, int | None, torch.device], FlatPlaces] = {}
+
+
+def flat_places(layout: str, n: int, self_offset: int | None, device: torch.device) -> FlatPlaces:
+    """:class:`FlatPlaces` for a layout, built once per (layout, size, self offset, device): a
+    small batch reads, clears and updates its strided entries with one indexed op each instead
+    of a view and an op per diagonal (the call's cost is its op count at these sizes)."""
+    key = (layout, n, self_offset, device)
+    places = _FLAT.get(key)
+    if places is None:
+        rows = torch.arange(n, device=device)
+        partner = rows if layout == "identity" else rows ^ 1 if layout == "adjacent" else (rows + n // 2) % n
+        positives, mirrored = rows * n + partner, partner * n + rows
+        left_out = positives if self_offset is None else torch.cat([rows * n + rows + self_offset, positives])
+        places = FlatPlaces(positives, mirrored, left_out)
+        if len(_FLAT) > 64:  # many distinct shapes: keep the cache small
+            _FLAT.clear()
+        _FLAT[key] = places
+    return places
 
 
 def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
@@ -69,8 +90,8 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
     R, C = s.shape
     how, rel = _positive_layout(positives, plan, R, C)
     col_pos = None
-    if rel is None:  # strided layout: a view, no index tensor
-        row_pos = _read_strided(s, how)
+    if rel is None:  # strided layout: one gather by the layout's cached places (a copy: the tile is exponentiated in place)
+        row_pos = torch.take(s, flat_places(how, R, plan.self_offset, s.device).positives)
         if plan.column_positives:  # identity: column j's positive is row j
             col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives.require(positives.partner, "partner"), row_pos)
     elif how == "partner":
@@ -98,9 +119,13 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     diag = self_diagonal(s, 0, 0, plan.self_offset)
     if plan.fixed:
         e = s.exp_()
-        if diag is not None:
-            diag.zero_()
-        drop(e, plan, 0, e.shape[0], 0, C)
+        if plan.apart is not None and plan.exclude is None and plan.positives is not None and plan.positives.layout is not None:
+            # the self pairs and the positives kept apart, cleared by one indexed fill
+            e.view(-1).index_fill_(0, flat_places(plan.positives.layout, R, plan.self_offset, e.device).left_out, 0.0)
+        else:
+            if diag is not None:
+                diag.zero_()
+            drop(e, plan, 0, e.shape[0], 0, C)
         row_sum = e.sum(1)
         if plan.apart is not None and row_pos is not None and plan.exclude is None and (not plan.columns or col_pos is not None):
             return single_apart(e, row_sum, row_pos, col_pos, plan)
@@ -192,8 +217,15 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
     ``c_row`` / ``c_col`` may be 0-dim (the same coefficient for every row / column).
     """
     how, rel = _positive_layout(positives, plan, g.shape[0], g.shape[1])
-    if rel is None:
-        _add_strided(g, how, c_row, c_col, plan.symmetric)
+    if rel is None and c_col is not None:  # a two-set loss: row and column coefficients
+        _add_strided(g, how, c_row, c_col)
+        return
+    if rel is None:  # one set of coefficients (a single set's columns are its rows)
+        places = flat_places(how, g.shape[0], plan.self_offset, g.device)
+        flat, values = g.view(-1), c_row.expand(g.shape[0])
+        flat.index_add_(0, places.positives, values)  # G[i, p(i)] += c_i
+        if plan.symmetric:  # G[p(i), i] += c_i too
+            flat.index_add_(0, places.mirrored, values)
         return
     c_row = c_row.expand(g.shape[0])
     c_col = None if c_col is None else c_col.expand(g.shape[1])
@@ -209,26 +241,19 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
             g.addcmul_(mask.t(), c_row[None, :])
 
 
-def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor | None, symmetric: bool) -> None:
-    """``G[i, p(i)] += c_i (+ c'_p(i))`` on a strided layout; symmetric: also ``G[p(i), i] += c_i``."""
+def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor) -> None:
+    """``G[i, p(i)] += c_i + c'_p(i)`` on a strided layout (two-set losses: the row and the
+    column coefficient of every positive entry)."""
     if layout == "identity":
-        g.diagonal().add_(c_row if c_col is None else c_row + c_col)
+        g.diagonal().add_(c_row + c_col)
         return
-    if c_row.ndim == 0:  # one coefficient for every row (a reduced loss)
-        both = c_row * 2 if symmetric else c_row if c_col is None else c_row + c_col
-        for view in _strided_positives(g, layout):
-            view.add_(both)
-        return
-    # adjacent and halves are involutions: p(p(i)) = i, so the symmetric term adds c_p(i) at (i, p(i)).
+    n = g.shape[0]
+    c_row, c_col = c_row.expand(n), c_col.expand(n)
     views = _strided_positives(g, layout)
-    first, second = (c_row[0::2], c_row[1::2]) if layout == "adjacent" else (c_row[: g.shape[0] // 2], c_row[g.shape[0] // 2 :])
-    if symmetric:
-        both = first + second
-        views[0].add_(both)
-        views[1].add_(both)
-    else:
-        views[0].add_(first if c_col is None else first + (c_col[1::2] if layout == "adjacent" else c_col[g.shape[0] // 2 :]))
-        views[1].add_(second if c_col is None else second + (c_col[0::2] if layout == "adjacent" else c_col[: g.shape[0] // 2]))
+    # adjacent and halves are involutions: the first view holds rows 0, 2, ... (or the first half), the second the rest
+    first, second = (c_row[0::2], c_row[1::2]) if layout == "adjacent" else (c_row[: n // 2], c_row[n // 2 :])
+    views[0].add_(first + (c_col[1::2] if layout == "adjacent" else c_col[n // 2 :]))
+    views[1].add_(second + (c_col[0::2] if layout == "adjacent" else c_col[: n // 2]))
 
 
 # ----------------------------------------------------------------------- many tiles

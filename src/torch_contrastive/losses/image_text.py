@@ -108,12 +108,14 @@ def image_text_contrastive_loss(
         # gt is symmetric (gt_ij = gt_ji), so one Positives serves both directions, and the
         # whole loss -- normalisation, both directions, positives -- is one engine call.
         pos = image_text_positives(image_id, text_id, n, n, scope, device)
-        counts = pos.row_counts()
+        # a partner relation has one positive per row: its counts are formed only for the paths that read them
+        partner = pos.kind == "partner"
+        counts = pos.row_counts() if smoothing or decoupled or not partner or reduction == "none" else None
         cdtype = compute_dtype(image_feat.dtype)
-        weights = variant.weights(counts, counts.sum(), n, cdtype) if smoothing else \
-            (None, None) if pos.kind == "partner" else (counts.to(cdtype), None)
+        weights = variant.weights(_counted(counts), _counted(counts).sum(), n, cdtype) if smoothing else \
+            (None, None) if partner else (_counted(counts).to(cdtype), None)
         # mean: sum / (2 sum gt); sum: N times that -- inside the engine when nothing follows
-        n_gt = float(n) if pos.kind == "partner" else counts.sum()
+        n_gt = float(n) if partner else _counted(counts).sum()
         total = None if smoothing or decoupled or reduction == "none" else \
             engine_total("mean", scope, 2 * n_gt, cdtype, float(n) if reduction == "sum" else 1.0)
         text = as_dtype(text_feat, image_feat.dtype)
@@ -127,6 +129,7 @@ def image_text_contrastive_loss(
             return per_image
         if per_text is None:
             raise RuntimeError("internal: columns=True returns the column terms")
+        counts = _counted(counts)
         if smoothing:
             img, txt = prepare(image_feat, normalize, eps), prepare(text_feat.to(image_feat.dtype), normalize, eps)
             per_image, per_text = variant.smooth(per_image, per_text, img, txt, img, txt, counts.sum(), n, scale)
@@ -138,6 +141,12 @@ def image_text_contrastive_loss(
         per_text = torch.where(torch.isneginf(per_text), 0.0, per_text)
     finish_checks((per_image, per_text), checks, v.output_needs_check(normalize, bound))
     return _reduce_image_text(per_image, per_text, counts.sum(), n, reduction, scope)
+
+
+def _counted(counts: Tensor | None) -> Tensor:
+    if counts is None:  # formed above for every path that reads it
+        raise RuntimeError("internal: the positive counts were not formed")
+    return counts
 
 
 def _column_weights(weights: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
