@@ -104,6 +104,8 @@ class Positives:
     row_sample: Tensor | None = None
     key_terms: tuple[tuple[Tensor, Tensor, int, int], ...] = ()
     dense: Tensor | None = None
+    # ``dense`` as 0/1 values per dtype (see dense_as); not a property of the relation
+    _dense_values: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -278,6 +280,17 @@ class Positives:
         per_sample = mask.long().sum(1) * views
         return per_sample[self.require(self.row_sample, kind)] - self._self_in_relation().long()
 
+    def dense_as(self, dtype: torch.dtype) -> Tensor:
+        """The dense relation as 0/1 values of ``dtype``, converted once per relation and dtype
+        (a small batch's forward and backward read it several times); under ``torch.compile``
+        converted where asked (the compiler fuses it)."""
+        if torch.compiler.is_compiling():
+            return mask_as(self.require(self.dense, "dense"), dtype)
+        values = self._dense_values.get(dtype)
+        if values is None:
+            values = self._dense_values[dtype] = mask_as(self.require(self.dense, "dense"), dtype)
+        return values
+
     @cached_property
     def row_lists(self) -> tuple[Tensor, Tensor]:
         """A ``pairs`` relation as sorted per-row lists (CSR): ``(offsets, columns)``, int32.
@@ -309,7 +322,7 @@ class Positives:
             return candidates[self.require(self.partner, kind)]
         if self.dense is not None:
             with torch.autocast(candidates.device.type, enabled=False):
-                return mask_as(self.dense, candidates.dtype) @ candidates
+                return self.dense_as(candidates.dtype) @ candidates
         if kind == "keys":
             total = candidates.new_zeros(self.num_rows, candidates.shape[1])
             for rg, cg, n_bound, sign in self.key_terms:
@@ -338,7 +351,7 @@ class Positives:
             return rows.new_zeros(self.num_cols, width).index_add(0, self.require(self.partner, kind), rows)
         if self.dense is not None:
             with torch.autocast(rows.device.type, enabled=False):
-                return mask_as(self.dense, rows.dtype).t() @ rows
+                return self.dense_as(rows.dtype).t() @ rows
         if kind == "keys":
             total = rows.new_zeros(self.num_cols, width)
             for rg, cg, n_bound, sign in self.key_terms:

@@ -57,6 +57,11 @@ class Products:
 
     def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
         """``S[r0:r1, c0:c1]`` in the compute dtype, into ``out`` when given."""
+        if self._a_s is None and out is None and isinstance(self.scale, float) and (r0, c0) == (0, 0) \
+                and (r1, c1) == (self.a.shape[0], self.b.shape[0]):
+            # the whole problem as one tile with a float scale: the GEMM applies the scale
+            # itself (alpha), so ``scale * A`` is never formed -- one op fewer per small call
+            return torch.addmm(_zero(self.a), self.a, self.b.t(), beta=0, alpha=self.scale)
         a_s, b = self.a_s, self.b
         # the whole problem as one tile (small batches) takes no slice views: two ops fewer per call
         rows = a_s if r0 == 0 and r1 == a_s.shape[0] else a_s[r0:r1]
@@ -78,6 +83,18 @@ class Products:
     def column_product(self, g: Tensor) -> Tensor:
         """``g.T @ Â`` for a tile spanning every row (``g`` may cover the first columns only)."""
         return g.t() @ self.a
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A 0-dim zero of ``like``'s dtype and device, made once: ``addmm``'s ignored input (beta=0)."""
+    key = (like.dtype, like.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return zero
 
 
 def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:

@@ -31,7 +31,7 @@ from .driver import Gradients, Operands, Saved, run
 from .kernel_operands import KernelOperands
 from .planner import Decision
 from .problem import Options, Problem, Softmax
-from .products import make_products
+from .products import Products, make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns
 from .softmax_tiles import backward_fixed, backward_online, fixed_lse, forward_fixed, forward_online, single_backward, single_forward
 
@@ -104,7 +104,7 @@ class _Softmax:
     def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
         row_alpha, row_beta, col_alpha, col_beta, total = extras
         a_c, b_c, scale_c, norms = ops.a_c, ops.b_c, ops.scale, ops.norms
-        a_s = a_c * scale_c
+        a_s: Tensor | None = None  # scale * A, formed where a path needs it (one small tile never does)
         kept = None
         sums: Any = None  # (total, total') to divide by; six entries from single_apart
         row_pos = col_pos = None
@@ -112,12 +112,15 @@ class _Softmax:
         if plan.backend == "triton":
             row_lse, col_lse = _forward_triton(KernelOperands(plan, raw, a_c, b_c, scale_c, norms, a_s), plan, b_c.shape[0])
         else:
-            prod = make_products(plan.half, raw, a_s, a_c, b_c, scale_c, norms, plan.normalize)
+            prod = make_products(plan.half, raw, None, a_c, b_c, scale_c, norms, plan.normalize)
             if plan.single_tile:
                 row_lse, col_lse, row_pos, col_pos, kept, sums = single_forward(prod, a_c.shape[0], b_c.shape[0], plan)
             else:
                 row_lse, col_lse = (forward_fixed if plan.fixed else forward_online)(prod, a_c, b_c.shape[0], plan)
+            if isinstance(prod, Products):
+                a_s = prod.a_s if plan.positives is not None and not plan.tile_positives else None  # formed once, shared
         if plan.positives is not None and not plan.tile_positives:
+            a_s = a_c * scale_c if a_s is None else a_s
             row_pos = (a_s * plan.positives.aggregate(b_c)).sum(1)
             if plan.column_positives:
                 col_pos = (b_c * plan.positives.aggregate_transposed(a_s)).sum(1)
@@ -207,7 +210,10 @@ def _total(row_out: Tensor, col_out: Tensor | None, total: tuple[Any, Any]) -> T
     """``c * sum_i row_out_i + c' * sum_j col_out_j``; one sum when both directions share the
     coefficient and the shape (CLIP's mean: three ops instead of five)."""
     if col_out is None:
-        return row_out.sum() * total[0]
+        # a mean over the rows is one op, not a sum and a multiply
+        # (a tensor coefficient is never compared: that would read it on the host)
+        mean = isinstance(total[0], float) and total[0] == 1.0 / max(row_out.numel(), 1)
+        return row_out.mean() if mean else row_out.sum() * total[0]
     if total[0] is total[1] and row_out.shape == col_out.shape:
         return (row_out + col_out).sum() * total[0]
     return row_out.sum() * total[0] + col_out.sum() * total[1]

@@ -99,10 +99,18 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
         if plan.column_positives:
             col_pos = s.new_zeros(C).index_add_(0, rel, row_pos)
     else:  # a 0/1 float mask: a multiply is several times cheaper than torch.where (s is finite here)
-        weight = mask_as(rel, s.dtype)
+        weight = _mask_values(positives, rel, s)
         row_pos = torch.linalg.vecdot(s, weight)
         col_pos = torch.linalg.vecdot(s.t(), weight.t()) if plan.column_positives else None
     return row_pos, col_pos
+
+
+def _mask_values(positives: Positives, block: Tensor, like: Tensor) -> Tensor:
+    """The relation's block as 0/1 values of ``like``'s dtype: the relation's own dense values
+    (converted once per call) when the block is all of it."""
+    if positives.dense is not None and block.shape == positives.dense.shape:
+        return positives.dense_as(like.dtype)
+    return mask_as(block, like.dtype)
 
 
 def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
@@ -116,13 +124,13 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     """
     s = prod.logits(0, R, 0, C)
     row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
-    diag = self_diagonal(s, 0, 0, plan.self_offset)
     if plan.fixed:
         e = s.exp_()
         if plan.apart is not None and plan.exclude is None and plan.positives is not None and plan.positives.layout is not None:
             # the self pairs and the positives kept apart, cleared by one indexed fill
             e.view(-1).index_fill_(0, flat_places(plan.positives.layout, R, plan.self_offset, e.device).left_out, 0.0)
         else:
+            diag = self_diagonal(e, 0, 0, plan.self_offset)
             if diag is not None:
                 diag.zero_()
             drop(e, plan, 0, e.shape[0], 0, C)
@@ -139,6 +147,7 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
         # every sum > 0 (exp > 0 in fixed mode) unless exclusions or a lone row can empty one
         nonempty = plan.exclude is None and plan.apart is None and C - (plan.self_offset is not None) >= 1
         return row_lse, col_lse, row_pos, col_pos, e, ((row_sum, col_sum) if nonempty else None)
+    diag = self_diagonal(s, 0, 0, plan.self_offset)
     if diag is not None:
         diag.fill_(torch.finfo(s.dtype).min)
     out = excluded(plan, 0, s.shape[0], 0, C)
@@ -235,7 +244,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         if plan.symmetric:
             g.index_put_((rel, rows), c_row, accumulate=True)
     else:
-        mask = mask_as(rel, g.dtype)
+        mask = _mask_values(positives, rel, g)
         g.addcmul_(mask, c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :])
         if plan.symmetric:
             g.addcmul_(mask.t(), c_row[None, :])

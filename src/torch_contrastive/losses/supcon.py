@@ -137,10 +137,10 @@ def supcon_loss(
     symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None and reference is None
     z_all, positives, grad_columns, self_offset = _candidates(z_all, positives, offset, memory, reference, inside, normalize, eps)
     counts = positives.row_counts()
-    has_pos = counts > 0
     cdtype = compute_dtype(z.dtype)
-    # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0)
-    has_pos_f = mask_as(has_pos, cdtype)
+    # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0);
+    # has_pos as min(|P(i)|, 1) in the compute dtype: one op fewer than a comparison and a cast
+    has_pos_f = counts.clamp_max(1).to(cdtype)
     weights = (has_pos_f, has_pos_f / counts.clamp_min(1))
     # a tensor factor (learnable temperature) carries a gradient: then reduce outside
     n_with_positives = has_pos_f.sum()
