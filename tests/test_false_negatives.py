@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 import torch_contrastive as tc
 from device import DEVICE
+from helpers import DTYPES, compare
 from peers import lightly_files
 from reference import info_nce_masked
-from test_losses import DTYPES, _compare
 
 
 def _case(n, m, k, seed, paired, dg=3):
@@ -63,7 +63,7 @@ def test_masked_info_nce_equals_the_minus_inf_reference(rule, chunk, n, mode, in
         *c, t = rest
         return info_nce_masked(a, b, c[0] if c else None, t, neg_mode, in_batch, **ref_kw)
 
-    _compare(ours, ref, [q, key] + ([] if negs is None else [negs]), 0.2, dtype, tols)
+    compare(ours, ref, [q, key] + ([] if negs is None else [negs]), 0.2, dtype, tols)
 
 
 def test_every_candidate_excluded_gives_zero_and_a_zero_gradient():
@@ -148,7 +148,7 @@ from reference import image_text_variant, nt_xent_decoupled  # noqa: E402
 @pytest.mark.parametrize("tau", [0.01, 0.3])
 def test_nt_xent_decoupled_reference(tau, chunk, pairing, n, dtype, tols):
     x = torch.randn(n, 5, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
-    _compare(lambda a, t: tc.nt_xent_loss(a, t, pairing=pairing, decoupled=True, chunk_size=chunk),
+    compare(lambda a, t: tc.nt_xent_loss(a, t, pairing=pairing, decoupled=True, chunk_size=chunk),
              lambda a, t: nt_xent_decoupled(a, t, pairing), [x], tau, dtype, tols)
 
 
@@ -156,7 +156,7 @@ def test_nt_xent_positive_weight_reference():
     x = torch.randn(10, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     w = torch.linspace(0.5, 1.5, 10, dtype=torch.float64)
     for chunk in (None, 3):
-        _compare(lambda a, t, chunk=chunk: tc.nt_xent_loss(a, t, pairing="halves", decoupled=True, positive_weight=w, chunk_size=chunk),
+        compare(lambda a, t, chunk=chunk: tc.nt_xent_loss(a, t, pairing="halves", decoupled=True, positive_weight=w, chunk_size=chunk),
                  lambda a, t: nt_xent_decoupled(a, t, "halves", w), [x], 0.2, torch.float64, (1e-9, 1e-9))
 
 
@@ -169,7 +169,7 @@ def test_nt_xent_learnable_positive_weight_gets_its_gradient(pairing, chunk, dty
     g = torch.Generator().manual_seed(5)
     x = torch.randn(10, 5, generator=g, dtype=torch.float64)
     w = torch.rand(10, generator=g, dtype=torch.float64) + 0.5
-    _compare(lambda a, wt, t: tc.nt_xent_loss(a, t, pairing=pairing, decoupled=True, positive_weight=wt, chunk_size=chunk),
+    compare(lambda a, wt, t: tc.nt_xent_loss(a, t, pairing=pairing, decoupled=True, positive_weight=wt, chunk_size=chunk),
              lambda a, wt, t: nt_xent_decoupled(a, t, pairing, wt), [x, w], 0.2, dtype, tols)
 
 
@@ -222,7 +222,7 @@ def test_image_text_variants_reference(n, chunk, variant, ids, dtype, tols):
     image_id = None if ids == "none" else torch.randint(0, 3, (n,), generator=g)
     text_id = torch.randint(0, 3, (n,), generator=g) if ids == "both" else None
     kw = dict(decoupled=variant.get("decoupled", False), label_smoothing=variant.get("smoothing", 0.0))
-    _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, image_id, text_id, chunk_size=chunk, **kw),
+    compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, image_id, text_id, chunk_size=chunk, **kw),
              lambda a, b, t: image_text_variant(a, b, t, image_id, text_id, kw["decoupled"], kw["label_smoothing"]),
              [img, txt], 0.2, dtype, tols)
 

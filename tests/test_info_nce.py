@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import torch_contrastive as tc
+from helpers import DTYPES, compare, rand_rows
 from reference import info_nce, mnrl
-from test_losses import DTYPES, _compare, _rand
 
 
 def _inputs(n, m, k, seed, paired):
@@ -26,11 +26,11 @@ def test_info_nce_reference(chunk, n, mode, in_batch, dtype, tols):
     """Values and gradients (query, key, negatives, tau) of every mode equal the float64 loop."""
     q, key, neg = _inputs(n, 9, 3, seed=n, paired=mode == "paired")
     if mode == "none":
-        _compare(lambda a, b, t: tc.info_nce_loss(a, b, temperature=t, chunk_size=chunk),
+        compare(lambda a, b, t: tc.info_nce_loss(a, b, temperature=t, chunk_size=chunk),
                  lambda a, b, t: info_nce(a, b, None, t), [q, key], 0.2, dtype, tols)
         return
     neg_mode = mode
-    _compare(lambda a, b, c, t: tc.info_nce_loss(a, b, c, t, negative_mode=neg_mode, in_batch_negatives=in_batch, chunk_size=chunk),
+    compare(lambda a, b, c, t: tc.info_nce_loss(a, b, c, t, negative_mode=neg_mode, in_batch_negatives=in_batch, chunk_size=chunk),
              lambda a, b, c, t: info_nce(a, b, c, t, neg_mode, in_batch), [q, key, neg], 0.2, dtype, tols)
 
 
@@ -40,7 +40,7 @@ def test_info_nce_reference(chunk, n, mode, in_batch, dtype, tols):
 def test_info_nce_online_and_raw_dot_products(tau, normalize, in_batch):
     """tau below the fixed-shift range (0.01) and raw dot products take the online maximum path."""
     q, key, neg = _inputs(9, 11, 2, seed=3, paired=False)
-    _compare(lambda a, b, c, t: tc.info_nce_loss(a, b, c, t, in_batch_negatives=in_batch, normalize=normalize, chunk_size=4),
+    compare(lambda a, b, c, t: tc.info_nce_loss(a, b, c, t, in_batch_negatives=in_batch, normalize=normalize, chunk_size=4),
              lambda a, b, c, t: info_nce(a, b, c, t, "unpaired", in_batch, normalize), [q, key, neg], tau,
              torch.float64, (1e-9, 1e-9))
 
@@ -48,7 +48,7 @@ def test_info_nce_online_and_raw_dot_products(tau, normalize, in_batch):
 def test_info_nce_matches_mnrl_form():
     """MultipleNegativesRankingLoss: scale 20 (tau = 0.05), in-batch positives + the batch's hard negatives as a pool."""
     q, key, hard = _inputs(8, 8, 0, seed=5, paired=False)
-    _compare(lambda a, b, c, t: tc.info_nce_loss(a, b, c, t, chunk_size=4),
+    compare(lambda a, b, c, t: tc.info_nce_loss(a, b, c, t, chunk_size=4),
              lambda a, b, c, t: mnrl(a, b, c, 1.0 / t), [q, key, hard], 0.05, torch.float64, (1e-9, 1e-9))
 
 
@@ -112,7 +112,7 @@ def test_empty_queue_and_learnable_temperature():
     # in-batch with an empty pool: the plain in-batch loss
     assert tc.info_nce_loss(q, key, empty, 0.1).item() == pytest.approx(tc.info_nce_loss(q, key, None, 0.1).item(), rel=1e-12)
     module = tc.InfoNCELoss(0.1, learnable_temperature=True, in_batch_negatives=False).double()
-    module(q, key, _rand(9, seed=4)).backward()
+    module(q, key, rand_rows(9, seed=4)).backward()
     assert module.logit_scale.grad is not None and module.logit_scale.grad != 0
 
 

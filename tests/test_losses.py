@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
-from device import DEVICE
+from helpers import DTYPES, compare, rand_rows
 from reference import (
     LOG_FLOAT32_TINY,
     SEED000_POS,
@@ -60,60 +60,14 @@ def test_seed004_numbers():
 
 
 # ----------------------------------------------------------------- references, values + grads
-def _rand(n, d=5, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
-
-
-TAU_TOLS = {torch.bfloat16: 2e-3, torch.float16: 5e-4}
-
-
-def _compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
-    """Value and gradients (inputs and temperature) of ours vs the float64 reference.
-
-    Inputs are rounded to ``dtype`` first and the reference runs on those rounded values,
-    so the difference is the library's own arithmetic (ours on the suite's device, the
-    reference on the CPU): ``tols = (value, gradient)``
-    relative tolerances (gradients relative to the largest reference gradient; half
-    precision gradients are rounded to the input dtype).
-    """
-    rtol, grad_tol = tols
-    rounded = [x.detach().to(dtype) for x in inputs]
-    ref_in = [x.double().clone().requires_grad_() for x in rounded]
-    ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
-    ref = fn_ref(*ref_in, ref_tau)
-    ref.backward()
-    our_in = [x.clone().detach().to(DEVICE).requires_grad_() for x in rounded]
-    our_tau = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=DEVICE, requires_grad=True)
-    ours = fn_ours(*our_in, our_tau)
-    ours.backward()
-    assert ours.device.type == DEVICE.type
-    assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
-    for a, b in zip(our_in, ref_in):
-        assert a.grad.dtype == dtype
-        torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=grad_tol, atol=grad_tol * max(1.0, b.grad.abs().max().item()))
-    # d tau sums the gradient tile against the logits: on a GPU the tile is rounded to the input's
-    # half dtype for the tensor-core products (2^-9 relative for bf16, 2^-12 for fp16)
-    tau_tol = TAU_TOLS.get(dtype, 10 * rtol)
-    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=tau_tol, abs=tau_tol * max(1.0, abs(ref_tau.grad.item())))
-
-
-DTYPES = [
-    (torch.float64, (1e-9, 1e-9)),
-    (torch.float32, (1e-5, 1e-5)),
-    (torch.float16, (2e-5, 2e-3)),  # computed in fp32; gradients rounded to fp16
-    (torch.bfloat16, (2e-5, 1e-2)),  # computed in fp32; gradients rounded to bf16
-]
-
-
 @pytest.mark.parametrize("dtype,tols", DTYPES)
 @pytest.mark.parametrize("n", [2, 8, 14])
 @pytest.mark.parametrize("pairing", ["adjacent", "halves"])
 @pytest.mark.parametrize("tau", [0.1, 0.5, 2.0])
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_nt_xent_reference(chunk, dtype, tols, n, pairing, tau):
-    _compare(lambda x, t: tc.nt_xent_loss(x, t, pairing=pairing, chunk_size=chunk),
-             lambda x, t: nt_xent(x, t, pairing), [_rand(n, seed=n)], tau, dtype, tols)
+    compare(lambda x, t: tc.nt_xent_loss(x, t, pairing=pairing, chunk_size=chunk),
+             lambda x, t: nt_xent(x, t, pairing), [rand_rows(n, seed=n)], tau, dtype, tols)
 
 
 @pytest.mark.parametrize("dtype,tols", DTYPES)
@@ -122,8 +76,8 @@ def test_nt_xent_reference(chunk, dtype, tols, n, pairing, tau):
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_nt_xent_labels_reference(chunk, dtype, tols, n, classes, tau):
     labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(n))
-    _compare(lambda x, t: tc.nt_xent_loss(x, t, labels=labels, chunk_size=chunk),
-             lambda x, t: nt_xent_pml(x, labels, t), [_rand(n, seed=n + 1)], tau, dtype, tols)
+    compare(lambda x, t: tc.nt_xent_loss(x, t, labels=labels, chunk_size=chunk),
+             lambda x, t: nt_xent_pml(x, labels, t), [rand_rows(n, seed=n + 1)], tau, dtype, tols)
 
 
 @pytest.mark.parametrize("dtype,tols", DTYPES)
@@ -131,7 +85,7 @@ def test_nt_xent_labels_reference(chunk, dtype, tols, n, classes, tau):
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_nt_bxent_reference(chunk, dtype, tols, tau):
     x = seed000_x().double()
-    _compare(lambda z, t: tc.nt_bxent_loss(z, SEED000_POS, t, chunk_size=chunk),
+    compare(lambda z, t: tc.nt_bxent_loss(z, SEED000_POS, t, chunk_size=chunk),
              lambda z, t: nt_bxent(z, t, pos_indices=SEED000_POS), [x], tau, dtype, tols)
 
 
@@ -140,8 +94,8 @@ def test_nt_bxent_reference(chunk, dtype, tols, tau):
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_nt_bxent_labels_reference(chunk, dtype, tols, n, classes):
     labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(3 * n))
-    _compare(lambda z, t: tc.nt_bxent_loss(z, labels=labels, temperature=t, chunk_size=chunk),
-             lambda z, t: nt_bxent(z, t, labels=labels), [_rand(n, seed=n)], 0.3, dtype, tols)
+    compare(lambda z, t: tc.nt_bxent_loss(z, labels=labels, temperature=t, chunk_size=chunk),
+             lambda z, t: nt_bxent(z, t, labels=labels), [rand_rows(n, seed=n)], 0.3, dtype, tols)
 
 
 @pytest.mark.parametrize("dtype,tols", DTYPES)
@@ -154,8 +108,8 @@ def test_image_text_reference(chunk, dtype, tols, n, ids):
     if ids == "all_same":  # every pair is a positive
         iid = torch.zeros(n, dtype=torch.int64)
     tid = torch.randint(0, max(1, n // 3), (n,), generator=g) if ids in ("text", "both") else None
-    _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, iid, tid, chunk_size=chunk),
-             lambda a, b, t: image_text(a, b, t, iid, tid), [_rand(n, seed=n), _rand(n, seed=n + 100)], 0.07, dtype, tols)
+    compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, iid, tid, chunk_size=chunk),
+             lambda a, b, t: image_text(a, b, t, iid, tid), [rand_rows(n, seed=n), rand_rows(n, seed=n + 100)], 0.07, dtype, tols)
 
 
 @pytest.mark.parametrize("dtype,tols", DTYPES)
@@ -170,12 +124,12 @@ def test_supcon_reference(chunk, dtype, tols, bsz, views, mode, kind):
     if kind == "one_class":
         labels = torch.zeros(bsz, dtype=torch.int64)
     mask = (torch.rand(bsz, bsz, generator=g) > 0.5).float() if kind == "mask" else None  # asymmetric
-    _compare(lambda f, t: tc.supcon_loss(f, labels, mask, t, base_temperature=0.07, contrast_mode=mode, chunk_size=chunk),
+    compare(lambda f, t: tc.supcon_loss(f, labels, mask, t, base_temperature=0.07, contrast_mode=mode, chunk_size=chunk),
              lambda f, t: supcon(f, t, labels, mask, 0.07, mode), [feats], 0.2, dtype, tols)
 
 
 def test_supcon_flat_equals_pml_form():
-    x = _rand(10, seed=4)
+    x = rand_rows(10, seed=4)
     labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 5])  # the last anchor has no positive
     ours = tc.supcon_loss(x, labels, temperature=0.3)
     assert ours.item() == pytest.approx(supcon(x, 0.3, labels).item(), rel=1e-12)
@@ -250,7 +204,7 @@ def test_small_temperature_exact_where_pml_clamps(pml_losses):
 
 # ----------------------------------------------------------------- reductions, modules, misc
 def test_reductions_are_consistent():
-    x = _rand(12, seed=5).float()
+    x = rand_rows(12, seed=5).float()
     labels = torch.tensor([0, 0, 1, 1, 2, 2, 0, 1, 2, 3, 3, 9])
     for fn in (lambda r: tc.nt_xent_loss(x, reduction=r), lambda r: tc.nt_bxent_loss(x, labels=labels, reduction=r)):
         assert fn("none").shape == (12,)
@@ -259,7 +213,7 @@ def test_reductions_are_consistent():
     pml = tc.nt_xent_loss(x, labels=labels, reduction="none")
     n_pairs = sum(int((labels == labels[i]).sum()) - 1 for i in range(12))
     assert tc.nt_xent_loss(x, labels=labels).item() == pytest.approx(pml.sum().item() / n_pairs, rel=1e-6)
-    y = _rand(12, seed=6).float()
+    y = rand_rows(12, seed=6).float()
     e = tc.image_text_contrastive_loss(x, y, image_id=labels, reduction="none")
     assert tc.image_text_contrastive_loss(x, y, image_id=labels).item() == pytest.approx(e.mean().item(), rel=1e-6)
     assert tc.image_text_contrastive_loss(x, y, image_id=labels, reduction="sum").item() == pytest.approx(e.sum().item(), rel=1e-6)
@@ -270,7 +224,7 @@ def test_reductions_are_consistent():
 
 
 def test_image_text_without_ids_is_clip():
-    x, y = _rand(9, seed=1), _rand(9, seed=2)
+    x, y = rand_rows(9, seed=1), rand_rows(9, seed=2)
     logits = torch.nn.functional.normalize(x) @ torch.nn.functional.normalize(y).T / 0.07
     target = torch.arange(9)
     clip = (torch.nn.functional.cross_entropy(logits, target) + torch.nn.functional.cross_entropy(logits.T, target)) / 2
@@ -284,7 +238,7 @@ def test_text_ids_deduplicate_strings():
 
 
 def test_half_inputs_compute_in_float32():
-    x = _rand(10, seed=7)
+    x = rand_rows(10, seed=7)
     for dtype in (torch.float16, torch.bfloat16):
         xin = x.to(dtype).requires_grad_()
         loss = tc.nt_xent_loss(xin, 0.1)
@@ -296,7 +250,7 @@ def test_half_inputs_compute_in_float32():
 
 
 def test_inputs_not_modified_and_zero_vectors_finite():
-    x = _rand(8, seed=8).float()
+    x = rand_rows(8, seed=8).float()
     x[3] = 0
     before = x.clone()
     xin = x.clone().requires_grad_()
@@ -309,7 +263,7 @@ def test_inputs_not_modified_and_zero_vectors_finite():
 
 
 def test_no_positive_anywhere_is_zero_with_zero_grad():
-    x = _rand(6, seed=9).requires_grad_()
+    x = rand_rows(6, seed=9).requires_grad_()
     loss = tc.supcon_loss(x, torch.arange(6))
     assert loss.item() == 0.0
     loss.backward()
@@ -321,7 +275,7 @@ def test_no_positive_anywhere_is_zero_with_zero_grad():
 def test_learnable_temperature_module_gets_gradient():
     m = tc.ClipLoss(learnable_temperature=True)
     assert m.logit_scale.item() == pytest.approx(2.6592600, rel=1e-6)  # ln(1/0.07)
-    x, y = _rand(8, seed=10).float(), _rand(8, seed=11).float()
+    x, y = rand_rows(8, seed=10).float(), rand_rows(8, seed=11).float()
     m(x, y).backward()
     assert m.logit_scale.grad is not None and m.logit_scale.grad.abs() > 0
     with torch.no_grad():
@@ -382,7 +336,7 @@ def test_label_sorted_tiles_equal_the_reference(kind, validate):
         (lambda a, t: tc.nt_bxent_loss(a, labels=labels, temperature=t, chunk_size=4, validate=validate),
          lambda a, t: nt_bxent(a, t, labels=labels)),
     ):
-        _compare(ours_fn, ref_fn, [x], 0.2, torch.float64, (1e-9, 1e-9))
+        compare(ours_fn, ref_fn, [x], 0.2, torch.float64, (1e-9, 1e-9))
 
 
 def test_label_sorted_path_skips_the_mask_in_negative_tiles(monkeypatch):

@@ -8,8 +8,8 @@ import torch
 
 import torch_contrastive as tc
 from device import DEVICE
+from helpers import DTYPES, compare
 from reference import image_text, info_nce, nt_xent, supcon
-from test_losses import DTYPES, _compare
 from torch_contrastive.engine import planner
 
 CUDA = torch.device("cuda")
@@ -44,6 +44,23 @@ def test_budget_and_chunk_size_override_the_plan(monkeypatch):
     monkeypatch.setattr(planner, "GPU_BUDGET", 64 * 2**20)
     assert _decide(CUDA, torch.bfloat16, 8192).tile == 2304  # sqrt(64 MiB / 12) = 2364
     assert _decide(CUDA, torch.bfloat16, 8192, chunk_size=500).tile == 500
+
+
+def test_a_kept_answer_is_the_answer_to_the_same_question_only():
+    """The planner keeps its answers per key (a training loop asks the same question every step):
+    every input that decides something -- the tile, the backend, the dtype, the regime, the
+    scratch budget -- asks anew, and the kept answer is the one decide() computes afresh."""
+    planner._DECISIONS.clear()
+    first = _decide(CPU, torch.float32, 4096)
+    assert _decide(CPU, torch.float32, 4096) is first  # kept
+    assert first.tile == 1024
+    assert _decide(CPU, torch.float32, 4096, chunk_size=500).tile == 500
+    assert _decide(CPU, torch.float32, 4096, chunk_size=7).tile == 7
+    assert _decide(CPU, torch.float64, 4096).fixed and not _decide(CPU, torch.float32, 4096, fixed=False).fixed
+    assert _decide(CPU, torch.float32, 4096, backend="torch").backend == "torch"
+    assert _decide(CPU, torch.float32, 4096, kernel="pairwise").kernel == "pairwise"
+    planner._DECISIONS.clear()
+    assert _decide(CPU, torch.float32, 4096, chunk_size=7) == _decide(CPU, torch.float32, 4096, chunk_size=7)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
@@ -191,9 +208,9 @@ def test_tensor_core_products_equal_the_float64_references(name, chunk, tau, dty
     assert tc.explain(ours, x.to(DEVICE, dtype), y.to(DEVICE, dtype), tau, chunk)[0].half
     inputs = [x, y][:n_inputs]
     if n_inputs == 1:
-        _compare(lambda a, t: ours(a, None, t, chunk), lambda a, t: ref(a, None, t), inputs, tau, dtype, tols)
+        compare(lambda a, t: ours(a, None, t, chunk), lambda a, t: ref(a, None, t), inputs, tau, dtype, tols)
     else:
-        _compare(lambda a, b, t: ours(a, b, t, chunk), lambda a, b, t: ref(a, b, t), inputs, tau, dtype, tols)
+        compare(lambda a, b, t: ours(a, b, t, chunk), lambda a, b, t: ref(a, b, t), inputs, tau, dtype, tols)
 
 
 def test_auto_takes_the_kernels_where_they_were_measured_faster():

@@ -19,8 +19,8 @@ triton = pytest.importorskip("triton")
 
 import torch_contrastive as tc  # noqa: E402
 from device import DEVICE  # noqa: E402
+from helpers import compare  # noqa: E402
 from reference import image_text, info_nce, nt_bxent, nt_xent, nt_xent_pml, nt_xent_pml_memory, supcon  # noqa: E402
-from test_losses import _compare  # noqa: E402
 from torch_contrastive.engine import softmax_terms  # noqa: E402
 from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
 
@@ -120,9 +120,9 @@ def test_losses_on_triton_equal_the_float64_references(name, dtype):
     x, y = torch.randn(14, 5, generator=g, dtype=torch.float64), torch.randn(14, 5, generator=g, dtype=torch.float64)
     inputs = [x, y][:n_inputs]
     if n_inputs == 1:
-        _compare(lambda a, t: ours(a, None, t, "triton"), lambda a, t: ref(a, None, t), inputs, 0.2, dtype, TOLS[dtype])
+        compare(lambda a, t: ours(a, None, t, "triton"), lambda a, t: ref(a, None, t), inputs, 0.2, dtype, TOLS[dtype])
     else:
-        _compare(lambda a, b, t: ours(a, b, t, "triton"), lambda a, b, t: ref(a, b, t), inputs, 0.2, dtype, TOLS[dtype])
+        compare(lambda a, b, t: ours(a, b, t, "triton"), lambda a, b, t: ref(a, b, t), inputs, 0.2, dtype, TOLS[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -145,13 +145,13 @@ def test_half_inputs_at_a_low_temperature_equal_the_float64_formula(name, dtype,
     g = torch.Generator().manual_seed(11)
     x, y, queue = torch.randn(45, 24, generator=g), torch.randn(45, 24, generator=g), torch.randn(30, 24, generator=g)
     if name == "clip":
-        _compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, backend="triton"), image_text, [x, y], 0.01, dtype, tols)
+        compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, backend="triton"), image_text, [x, y], 0.01, dtype, tols)
     elif name == "nt_xent_halves":
-        _compare(lambda a, t: tc.nt_xent_loss(a, t, pairing="halves", backend="triton"),
+        compare(lambda a, t: tc.nt_xent_loss(a, t, pairing="halves", backend="triton"),
                  lambda a, t: nt_xent(a, t, "halves"), [x[:44]], 0.01, dtype, tols)
     else:
         q = queue.to(dtype).to(DEVICE)
-        _compare(lambda a, b, t: tc.info_nce_loss(a, b, q, t, backend="triton"),
+        compare(lambda a, b, t: tc.info_nce_loss(a, b, q, t, backend="triton"),
                  lambda a, b, t: info_nce(a, b, q.double().cpu(), t), [x, y], 0.01, dtype, tols)
 
 
@@ -472,9 +472,9 @@ def test_labelled_nt_xent_and_nt_bxent_on_triton_equal_the_float64_formula(n, cl
     labels = torch.arange(n) % classes
     rtol, _ = TOLS[dtype]
     with _in_scheme(scheme_name):
-        _compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), backend="triton"),
+        compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), backend="triton"),
                  lambda z, t: nt_xent_pml(z, labels, t), [x], 0.2, dtype, (rtol, 10 * rtol))
-        _compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), backend="triton"),
+        compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), backend="triton"),
                  lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.2, dtype, (rtol, 10 * rtol))
 
 
@@ -498,7 +498,7 @@ def test_nt_bxent_with_pos_indices_on_triton_equals_the_float64_formula(n, dtype
     pairs = _listed_pairs(n)
     rtol, _ = TOLS[dtype]
     with _in_scheme(scheme_name):
-        _compare(lambda z, t: tc.nt_bxent_loss(z, pairs.to(DEVICE), t, backend="triton"),
+        compare(lambda z, t: tc.nt_bxent_loss(z, pairs.to(DEVICE), t, backend="triton"),
                  lambda z, t: nt_bxent(z, t, pos_indices=pairs), [x], 0.2, dtype, (rtol, 10 * rtol))
 
 
@@ -529,7 +529,7 @@ def test_pml_nt_xent_with_a_memory_on_triton_equals_the_float64_formula():
     g = torch.Generator().manual_seed(5)
     x, memory = torch.randn(20, 12, generator=g, dtype=torch.float64), torch.randn(30, 12, generator=g, dtype=torch.float64)
     labels, memory_labels = torch.arange(20) % 4, torch.arange(30) % 5
-    _compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), memory_emb=memory.to(DEVICE),
+    compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), memory_emb=memory.to(DEVICE),
                                           memory_labels=memory_labels.to(DEVICE), backend="triton"),
              lambda z, t: nt_xent_pml_memory(z, labels, memory, memory_labels, t), [x], 0.1, torch.float64,
              TOLS[torch.float64])

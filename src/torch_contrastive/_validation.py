@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .engine.planner import BACKENDS
+
 #: Integer dtypes accepted for indices (``pos_indices``).
 INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 #: Dtypes accepted for labels and ids: integers, and bool for two classes.
@@ -232,7 +234,6 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     return x
 
 
-BACKENDS = ("auto", "torch", "triton")
 
 
 def check_backend(backend: object) -> str:
@@ -392,8 +393,9 @@ def check_chunk_size(chunk_size: object) -> int | None:
     return chunk_size
 
 
-def check_options(*, reduction: object, chunk_size: object, grad_reduction: object, eps: object) -> None:
+def check_options(*, reduction: object, chunk_size: object, grad_reduction: object, eps: object, backend: object = "auto") -> None:
     """The options every loss shares (also checked by the modules at construction)."""
+    check_backend(backend)
     check_choice(reduction, "reduction", REDUCTIONS)
     check_choice(grad_reduction, "grad_reduction", GRAD_REDUCTIONS)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:

@@ -194,7 +194,7 @@ class Scope:
 _warned_local = False
 
 
-def make_scope(gather: bool, grad_reduction: str = "mean") -> Scope:
+def make_scope(gather: bool, grad_reduction: str = "mean", stacklevel: int = 3) -> Scope:
     """The :class:`Scope` of a loss call: distributed when ``gather`` and a group is active.
 
     A loss called with ``gather=False`` while a process group of several ranks is active
@@ -209,5 +209,5 @@ def make_scope(gather: bool, grad_reduction: str = "mean") -> Scope:
             _warned_local = True
             warnings.warn(f"a contrastive loss was called with gather=False under a process group of {dist.get_world_size()} "
                           "ranks: each rank only sees its local negatives. Pass gather=True for the global batch "
-                          "(this warning is shown once).", UserWarning, stacklevel=3)
+                          "(this warning is shown once).", UserWarning, stacklevel=stacklevel)
     return Scope(grad_reduction=grad_reduction)

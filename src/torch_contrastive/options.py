@@ -47,7 +47,6 @@ SHARED = ("normalize", "reduction", "chunk_size", "gather", "grad_reduction", "e
 def check(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
           grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> dict[str, Any]:
     """The shared options, checked, as keyword arguments for a loss function."""
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    v.check_choice(backend, "backend", v.BACKENDS)
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend)
     return dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size, gather=bool(gather),
                 grad_reduction=grad_reduction, eps=float(eps), validate=bool(validate), backend=backend)

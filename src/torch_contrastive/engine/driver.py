@@ -4,8 +4,9 @@ A kernel (the soft-max terms, the pairwise softplus/binary terms, the sigmoid pa
 object with two methods:
 
 * ``forward(ctx, plan, ops, extras) -> (outputs, keep)``: ``ops`` holds the caller's raw
-  inputs and their compute-dtype copies (normalised when the plan says so); ``keep`` is the
-  tuple of tensors its backward needs besides the operands.
+  inputs and their compute-dtype copies (normalised when the plan says so); ``keep`` holds the
+  tensors its backward needs besides the operands: a tuple, or a dict by name whose values are
+  tensors, tuples of tensors or None (:func:`pack` / :func:`unpack`: backward gets the same dict).
 * ``backward(ctx, plan, saved, grads) -> Gradients``: the unscaled accumulators ``G @ B``
   and ``G.T @ A`` and the gradients of its extra inputs.
 
@@ -43,13 +44,48 @@ class Operands(NamedTuple):
 
 class Saved(NamedTuple):
     """What backward gets back: the compute-dtype operands and scale, the kernel's own
-    tensors (``keep``) and the normalisation state."""
+    tensors (``keep``: as the kernel's forward returned them, a list or a dict by name) and the
+    normalisation state."""
 
     a: Tensor
     b: Tensor
     scale: Scale
-    keep: list[Tensor]
+    keep: Any
     norms: list[Tensor]
+
+
+#: how one named entry of ``keep`` was stored: None, one tensor, or a tuple of this many
+_NONE, _ONE = -1, -2
+
+
+def pack(keep: dict[str, Any]) -> tuple[list[tuple[str, int]], list[Tensor]]:
+    """A dict of tensors, tuples of tensors and None as (layout, flat tensors) for ``save_for_backward``."""
+    layout: list[tuple[str, int]] = []
+    flat: list[Tensor] = []
+    for name, value in keep.items():
+        if value is None:
+            layout.append((name, _NONE))
+        elif isinstance(value, Tensor):
+            layout.append((name, _ONE))
+            flat.append(value)
+        else:
+            layout.append((name, len(value)))
+            flat.extend(value)
+    return layout, flat
+
+
+def unpack(layout: list[tuple[str, int]], flat: list[Tensor]) -> dict[str, Any]:
+    """The dict :func:`pack` took apart."""
+    out: dict[str, Any] = {}
+    at = 0
+    for name, size in layout:
+        if size == _NONE:
+            out[name] = None
+        elif size == _ONE:
+            out[name], at = flat[at], at + 1
+        else:
+            out[name], at = tuple(flat[at : at + size]), at + size
+    return out
 
 
 class Gradients(NamedTuple):
@@ -69,7 +105,7 @@ class Gradients(NamedTuple):
 
 
 class Kernel(Protocol):
-    def forward(self, ctx: Any, plan: Any, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]: ...
+    def forward(self, ctx: Any, plan: Any, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, Any]: ...
 
     def backward(self, ctx: Any, plan: Any, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients: ...
 
@@ -89,6 +125,7 @@ class _EngineCall(torch.autograd.Function):
             outputs, keep = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
         ctx.kernel, ctx.plan = kernel, plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
+        ctx.keep_layout, keep = pack(keep) if isinstance(keep, dict) else (None, keep)
         ctx.counts = (len(keep), len(extras))
         # Kernels that multiply the caller's half rows as given (Triton, fp16/bf16) keep those for
         # backward, not the fp32 normalised copies: 2 bytes per element instead of 2 + 4 (the copies
@@ -110,7 +147,8 @@ class _EngineCall(torch.autograd.Function):
             a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
         ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
         plan = ctx.plan
-        out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, rest[:n_keep], norms), grads)
+        keep = rest[:n_keep] if ctx.keep_layout is None else unpack(ctx.keep_layout, rest[:n_keep])
+        out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, norms), grads)
         norm_a = (norms[0], norms[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])
         ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps)

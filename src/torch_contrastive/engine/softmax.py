@@ -101,7 +101,7 @@ class _Softmax:
     """The soft-max terms as a kernel of the engine's driver (:mod:`.driver`): its extra
     inputs are ``(row_alpha, row_beta, col_alpha, col_beta, total)``, all without gradient."""
 
-    def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
+    def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         row_alpha, row_beta, col_alpha, col_beta, total = extras
         a_c, b_c, scale_c, norms = ops.a_c, ops.b_c, ops.scale, ops.norms
         a_s: Tensor | None = None  # scale * A, formed where a path needs it (one small tile never does)
@@ -138,30 +138,20 @@ class _Softmax:
         if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
             row_out = _total(row_out, col_out if col_lse is not None else None, total)
             col_out = None  # no empty placeholder: an autograd output may be None
-        own_col_alpha = None if plan.shared_alpha else col_alpha
-        ctx.weights = tuple(w is not None for w in (row_alpha, row_beta, own_col_alpha, col_beta))
-        weights = [w for w in (row_alpha, row_beta, own_col_alpha, col_beta) if w is not None]
-        ctx.kept = kept is not None
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
-        ctx.margins = len(margins)
-        raw_kept = tuple(t for t in raw if t is not None)
-        ctx.raw = len(raw_kept)
-        keep = (row_stat, row_stat if col_stat is None else col_stat, *margins, *weights, *(() if kept is None else (kept,)),
-                *raw_kept)
+        keep = {"row_stat": row_stat, "col_stat": col_stat, "margins": margins, "row_alpha": row_alpha, "row_beta": row_beta,
+                "col_alpha": None if plan.shared_alpha else col_alpha, "col_beta": col_beta, "kept": kept,
+                "raw": tuple(t for t in raw if t is not None)}
         return (row_out, col_out), keep
 
     def backward(self, ctx: Any, plan: SoftmaxPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
-        a, b, scale, rest = saved.a, saved.b, saved.scale, list(saved.keep)
+        a, b, scale, keep = saved.a, saved.b, saved.scale, saved.keep
         g_row, g_col = grads
-        raw: list[Tensor | None] = list(rest[len(rest) - ctx.raw:])
-        del rest[len(rest) - ctx.raw:]
-        raw += [None] * (2 - len(raw))  # a single set's candidates are its anchors
-        kept = rest.pop() if ctx.kept else None
-        row_lse, col_lse = rest[0], rest[1]
-        margins = rest[2 : 2 + ctx.margins]
-        given = iter(rest[2 + ctx.margins :])
-        row_alpha, row_beta, col_alpha, col_beta = (next(given) if present else None for present in ctx.weights)
+        raw: list[Tensor | None] = [*keep["raw"], None, None][:2]  # a single set's candidates are its anchors
+        kept, margins = keep["kept"], keep["margins"]
+        row_lse, col_lse = keep["row_stat"], keep["col_stat"]
+        row_alpha, row_beta, col_alpha, col_beta = keep["row_alpha"], keep["row_beta"], keep["col_alpha"], keep["col_beta"]
         if plan.shared_alpha:
             col_alpha = row_alpha
         g_row, g_col, uniform_row, uniform_col = _incoming(ctx, g_row, g_col, a, b, plan)

@@ -38,21 +38,6 @@ def _positive_layout(positives: Positives, plan: SoftmaxPlan, rows: int, cols: i
     return "mask", positives.tile(0, rows, 0, cols)
 
 
-def _strided_positives(t: Tensor, layout: str) -> list[Tensor]:
-    """Views of the positive entries of a square tile under a strided layout.
-
-    Returns views whose concatenation, in order, is row i's positive entry for every i:
-    identity ``t[i, i]``; adjacent ``t[2k, 2k+1]`` and ``t[2k+1, 2k]`` (interleaved);
-    halves ``t[i, i+N]`` then ``t[i+N, i]``.
-    """
-    if layout == "identity":
-        return [t.diagonal()]
-    if layout == "adjacent":
-        return [t.diagonal(1)[::2], t.diagonal(-1)[::2]]
-    half = t.shape[0] // 2
-    return [t.diagonal(half), t.diagonal(-half)]
-
-
 class FlatPlaces(NamedTuple):
     """Row-major places in a square ``n x n`` tile under a strided layout (one tile = the whole problem)."""
 
@@ -227,7 +212,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
     """
     how, rel = _positive_layout(positives, plan, g.shape[0], g.shape[1])
     if rel is None and c_col is not None:  # a two-set loss: row and column coefficients
-        _add_strided(g, how, c_row, c_col)
+        _add_two_set(g, how, c_row, c_col)
         return
     if rel is None:  # one set of coefficients (a single set's columns are its rows)
         places = flat_places(how, g.shape[0], plan.self_offset, g.device)
@@ -250,19 +235,12 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
             g.addcmul_(mask.t(), c_row[None, :])
 
 
-def _add_strided(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor) -> None:
-    """``G[i, p(i)] += c_i + c'_p(i)`` on a strided layout (two-set losses: the row and the
-    column coefficient of every positive entry)."""
-    if layout == "identity":
-        g.diagonal().add_(c_row + c_col)
-        return
-    n = g.shape[0]
-    c_row, c_col = c_row.expand(n), c_col.expand(n)
-    views = _strided_positives(g, layout)
-    # adjacent and halves are involutions: the first view holds rows 0, 2, ... (or the first half), the second the rest
-    first, second = (c_row[0::2], c_row[1::2]) if layout == "adjacent" else (c_row[: n // 2], c_row[n // 2 :])
-    views[0].add_(first + (c_col[1::2] if layout == "adjacent" else c_col[n // 2 :]))
-    views[1].add_(second + (c_col[0::2] if layout == "adjacent" else c_col[: n // 2]))
+def _add_two_set(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor) -> None:
+    """``G[i, i] += c_i + c'_i``: a two-set loss's positives on the identity layout (the only
+    strided layout with column terms: the pairing rules' layouts are single sets)."""
+    if layout != "identity":
+        raise RuntimeError(f"internal: column coefficients on the {layout!r} layout")
+    g.diagonal().add_(c_row + c_col)
 
 
 # ----------------------------------------------------------------------- many tiles

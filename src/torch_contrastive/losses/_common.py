@@ -26,6 +26,15 @@ from ..positives import Positives
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
+def begin(*, reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, backend: str, gather: bool,
+          validate: bool, stacklevel: int = 4) -> tuple[Scope, v.Checks]:
+    """Every loss's prologue: the shared options checked (:mod:`torch_contrastive.options`), the
+    call's :class:`~torch_contrastive.distributed.Scope` and its :class:`~torch_contrastive._validation.Checks`."""
+    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend)
+    scope = make_scope(gather, grad_reduction, stacklevel=stacklevel)  # a warning names the caller's line
+    return scope, v.Checks(validate, scope)
+
+
 def check_agreement(scope: Scope, what: str, x: Tensor, validate: bool, *flags: bool) -> None:
     """Ranks must agree on feature shape, dtype and which optional inputs were given."""
     if validate and scope.distributed:
@@ -45,19 +54,18 @@ class ImageTextInputs(NamedTuple):
 
 def image_text_inputs(image_feat: Tensor, text_feat: Tensor, image_id: Tensor | None, text_id: Tensor | None, *,
                       reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, gather: bool,
-                      validate: bool) -> ImageTextInputs:
+                      validate: bool, backend: str) -> ImageTextInputs:
     """Checks and set-up shared by the two-set image-text losses (CLIP's and SigLIP)."""
     v.check_embeddings(image_feat, "image_feat")
     v.check_embeddings(text_feat, "text_feat")
     v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+                          gather=gather, validate=validate, stacklevel=5)
     n = image_feat.shape[0]
     device = image_feat.device
     ids_given = (image_id is not None, text_id is not None)
     image_id = None if image_id is None else v.check_labels(image_id, "image_id", n, device)
     text_id = None if text_id is None else v.check_labels(text_id, "text_id", n, device)
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
     checks.finite(image_feat, "image_feat", deferred=True)
     checks.finite(text_feat, "text_feat", deferred=True)
     return ImageTextInputs(n, device, image_id, text_id, ids_given, scope, checks)

@@ -91,12 +91,11 @@ def image_text_contrastive_loss(
     multiplies, one ``exp`` per logit when the fixed shift applies.
     """
     pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
-                             grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
+                             grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate, backend=backend)
     n, device, image_id, text_id, ids_given, scope, checks = pair
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     smoothing = v.check_fraction(label_smoothing, "label_smoothing")
-    v.check_backend(backend)
     if smoothing and decoupled:
         raise ValueError("label_smoothing is not combined with decoupled=True")
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize)

@@ -13,9 +13,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from .. import _validation as v
-from ..distributed import make_scope
 from ..engine import Options
-from ._common import check_agreement, reduce
+from ._common import begin, check_agreement, reduce
 from ._false_negatives import false_negative_rules
 from ._info_nce_groups import candidate_groups, in_batch
 
@@ -112,13 +111,11 @@ def info_nce_loss(
     grad (a queue) skip their ``G.T @ Q`` products in backward.
     """
     n, paired = _check_inputs(query, key, negatives, negative_mode, in_batch_negatives)
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+                          gather=gather, validate=validate)
     if gather_negatives is not None and not isinstance(gather_negatives, bool):
         raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")
     smoothing = v.check_fraction(label_smoothing, "label_smoothing")
-    v.check_backend(backend)
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
     checks.finite(query, "query")
     checks.finite(key, "key")
     if negatives is not None:

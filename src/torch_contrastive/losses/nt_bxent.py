@@ -6,10 +6,9 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from ..distributed import make_scope
 from ..engine import Options, PairTerms, Problem, compute_dtype, solve
 from ..positives import Positives
-from ._common import engine_total, finish_checks, labelled_pairwise_rows, reduce, single_set
+from ._common import begin, engine_total, finish_checks, labelled_pairwise_rows, reduce, single_set
 
 __all__ = ["nt_bxent_loss"]
 
@@ -57,13 +56,11 @@ def nt_bxent_loss(
     Memory: O(M * D + tile^2).
     """
     v.check_embeddings(embeddings, "embeddings")
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
-    v.check_backend(backend)
+    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+                          gather=gather, validate=validate)
     n = embeddings.shape[0]
     if (pos_indices is None) == (labels is None):
         raise ValueError("nt_bxent_loss needs exactly one of pos_indices or labels")
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
     if pos_indices is not None:
         pos_indices = v.check_pos_indices(pos_indices, n, embeddings.device, checks)
     else:

@@ -7,10 +7,10 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._normalize import prepare
-from ..distributed import make_scope
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
 from ._common import (
+    begin,
     check_reference,
     engine_total,
     finish_checks,
@@ -96,7 +96,8 @@ def nt_xent_loss(
     N x N x D matrix multiplies (symmetric tiles); with labels about five (two forward passes).
     """
     v.check_embeddings(embeddings, "embeddings")
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+                          gather=gather, validate=validate)
     n = embeddings.shape[0]
     if labels is None:
         v.check_choice(pairing, "pairing", v.PAIRINGS)
@@ -104,14 +105,11 @@ def nt_xent_loss(
             raise ValueError(f"embeddings must have an even number of rows (2N views) for pairing={pairing!r}, got {n}")
     else:
         labels = v.check_labels(labels, "labels", n, embeddings.device)
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
     checks.finite(embeddings, "embeddings", deferred=True)
     memory = v.check_memory(memory_emb, memory_labels, embeddings.shape[1], embeddings.device, checks)
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
     reference = check_reference(ref_emb, ref_labels, labels, embeddings.shape[1], embeddings.device, checks, gather, memory)
-    v.check_backend(backend)
     positive_weight = _check_dcl(decoupled, positive_weight, labels, n, embeddings.device)
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)

@@ -86,14 +86,13 @@ def siglip_loss(
     (forward, recomputed tile, two gradient products) plus one softplus and one sigmoid
     per pair.
     """
-    v.check_backend(backend)
     if not isinstance(negative_only, bool):
         raise TypeError(f"negative_only must be a bool, got {type(negative_only).__name__}")
     if negative_only:
         if image_id is not None or text_id is not None:
             raise ValueError("negative_only=True has no positives: do not pass image_id/text_id")
     pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
-                             grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate)
+                             grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate, backend=backend)
     n, device, image_id, text_id, ids_given, scope, checks = pair
     # The scale is a multiplier: 1 / scale is a "temperature" that must be positive and finite.
     v.inverse_temperature(logit_scale, checks, name="logit_scale")  # positive and finite, like a temperature

@@ -7,10 +7,10 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._tensors import mask_as
-from ..distributed import Scope, make_scope
+from ..distributed import Scope
 from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..positives import Positives
-from ._common import check_reference, engine_total, finish_checks, reduce, single_set, with_memory, with_reference
+from ._common import begin, check_reference, engine_total, finish_checks, reduce, single_set, with_memory, with_reference
 
 __all__ = ["supcon_loss"]
 
@@ -90,9 +90,9 @@ def supcon_loss(
     direction with a memory).
     """
     v.check_embeddings(features, "features", min_ndim=2, max_ndim=None)
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps)
+    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+                          gather=gather, validate=validate)
     v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
-    v.check_backend(backend)
     if labels is not None and mask is not None:
         raise ValueError("supcon_loss takes labels or mask, not both")
     v.check_choice(single_class, "single_class", ("keep", "zero"))
@@ -103,8 +103,6 @@ def supcon_loss(
             raise ValueError("features of shape (N, D) need labels (or a mask); pass (bsz, n_views, D) for SimCLR-style views")
     bsz, n_views = features.shape[0], (1 if features.ndim == 2 else features.shape[1])
     device = features.device
-    scope = make_scope(gather, grad_reduction)
-    checks = v.Checks(validate, scope)
     if labels is not None:
         labels = v.check_labels(labels, "labels", bsz, device)
     if mask is not None:

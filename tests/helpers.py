@@ -1,0 +1,60 @@
+"""Helpers shared by the test modules: float64 comparisons and per-dtype tolerances.
+
+Every value test compares the library on the suite's device (:data:`device.DEVICE`) with an
+independent float64 reference (``reference.py``) through :func:`compare`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device import DEVICE
+
+__all__ = ["DTYPES", "TAU_TOLS", "compare", "rand_rows"]
+
+
+def rand_rows(n, d=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
+
+
+TAU_TOLS = {torch.bfloat16: 2e-3, torch.float16: 5e-4}
+
+
+def compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
+    """Value and gradients (inputs and temperature) of ours vs the float64 reference.
+
+    Inputs are rounded to ``dtype`` first and the reference runs on those rounded values,
+    so the difference is the library's own arithmetic (ours on the suite's device, the
+    reference on the CPU): ``tols = (value, gradient)``
+    relative tolerances (gradients relative to the largest reference gradient; half
+    precision gradients are rounded to the input dtype).
+    """
+    rtol, grad_tol = tols
+    rounded = [x.detach().to(dtype) for x in inputs]
+    ref_in = [x.double().clone().requires_grad_() for x in rounded]
+    ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
+    ref = fn_ref(*ref_in, ref_tau)
+    ref.backward()
+    our_in = [x.clone().detach().to(DEVICE).requires_grad_() for x in rounded]
+    our_tau = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=DEVICE, requires_grad=True)
+    ours = fn_ours(*our_in, our_tau)
+    ours.backward()
+    assert ours.device.type == DEVICE.type
+    assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
+    for a, b in zip(our_in, ref_in):
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=grad_tol, atol=grad_tol * max(1.0, b.grad.abs().max().item()))
+    # d tau sums the gradient tile against the logits: on a GPU the tile is rounded to the input's
+    # half dtype for the tensor-core products (2^-9 relative for bf16, 2^-12 for fp16)
+    tau_tol = TAU_TOLS.get(dtype, 10 * rtol)
+    assert our_tau.grad.item() == pytest.approx(ref_tau.grad.item(), rel=tau_tol, abs=tau_tol * max(1.0, abs(ref_tau.grad.item())))
+
+
+DTYPES = [
+    (torch.float64, (1e-9, 1e-9)),
+    (torch.float32, (1e-5, 1e-5)),
+    (torch.float16, (2e-5, 2e-3)),  # computed in fp32; gradients rounded to fp16
+    (torch.bfloat16, (2e-5, 1e-2)),  # computed in fp32; gradients rounded to bf16
+]
