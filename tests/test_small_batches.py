@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_contrastive as tc
 from device import DEVICE
@@ -146,3 +147,36 @@ def test_small_bench_measures_ratios_and_syncs():
     for r in rows:
         assert r["value"] == pytest.approx(r["plain_value"], rel=1e-5)
         assert r["ratio"] > 0 and r["syncs_no_validate"] == 0 and r["syncs_validate"] == 1
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops a call dispatches (views included): a small call's time is its op count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(fn, leaves) -> int:
+    fn().backward()  # caches (partner relations, flat places, the planner's answer) as in a training loop
+    for leaf in leaves:
+        leaf.grad = None
+    with _OpCounter() as counter:
+        fn().backward()
+    return counter.ops
+
+
+# PML NT-Xent's exact per-pair terms take two passes over its one tile; the others fit in the formula's ops
+_EXTRA_OPS = {"nt_xent labels (PML)": 8}
+
+
+@pytest.mark.parametrize("name", list(bench_small.cases(8, 4, 0.1, torch.Generator())))
+def test_a_small_call_runs_no_more_ops_than_the_plain_formula(name):
+    """At 64 rows (one tile), forward + backward with validation dispatches no more ATen ops than the
+    plain PyTorch formula it replaces (bench --small's baselines) -- counted, so it cannot flake."""
+    ours, plain, leaves = bench_small.cases(64, 128, 0.1, torch.Generator().manual_seed(64))[name]
+    assert _ops(lambda: ours(True), leaves) <= _ops(plain, leaves) + _EXTRA_OPS.get(name, 0)

@@ -280,6 +280,13 @@ class Positives:
         per_sample = mask.long().sum(1) * views
         return per_sample[self.require(self.row_sample, kind)] - self._self_in_relation().long()
 
+    def tile_values(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor:
+        """:meth:`tile` as 0/1 values of ``dtype`` (read-only): a dense relation's whole block is
+        converted once per relation and dtype (:meth:`dense_as`)."""
+        if self.dense is not None and (r0, c0) == (0, 0) and (r1, c1) == tuple(self.dense.shape):
+            return self.dense_as(dtype)
+        return mask_as(self.tile(r0, r1, c0, c1), dtype)
+
     def dense_as(self, dtype: torch.dtype) -> Tensor:
         """The dense relation as 0/1 values of ``dtype``, converted once per relation and dtype
         (a small batch's forward and backward read it several times); under ``torch.compile``

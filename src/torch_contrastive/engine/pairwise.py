@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .._tensors import as_dtype, mask_as, self_diagonal
+from .._tensors import as_dtype, self_diagonal
 from ..positives import Exclusion
 from . import planner
 from ._common import Buffers, Scale, logits_tile, tiles
@@ -23,6 +23,7 @@ from .driver import Gradients, Operands, Saved, run
 from .kernel_operands import KernelOperands
 from .planner import Decision
 from .problem import Combine, Options, PairTerms, Problem
+from .products import Products
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -334,29 +335,30 @@ class _PairwiseKernel:
     def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
         (combine,) = extras
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
-        a_s = a_c * scale_c
         R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
         kept: tuple[Tensor, ...] = ()
         kernel_saved: tuple[Tensor, ...] = ()
         raw = tuple(t for t in (ops.a, ops.b) if t is not None) if plan.operand_dtype is not None else ()
         if plan.backend == "triton":
-            outputs, kernel_saved = _forward_triton(plan, KernelOperands(plan, (ops.a, ops.b), a_c, b_c, scale_c, ops.norms, a_s))
+            outputs, kernel_saved = _forward_triton(plan, KernelOperands(plan, (ops.a, ops.b), a_c, b_c, scale_c, ops.norms))
         elif plan.tile == 0:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
+            s = Products(None, a_c, b_c, scale_c).logits(0, R, 0, C)
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
-                pos_f = mask_as(plan.positives.tile(0, R, 0, C), a_c.dtype)
+                pos_f = plan.positives.tile_values(0, R, 0, C, a_c.dtype)
                 neg_f = torch.rsub(pos_f, 1.0)  # neither positive nor the self pair
                 diag = self_diagonal(neg_f, 0, 0, plan.positives.self_offset)
                 if diag is not None:
                     diag.zero_()
-                outputs, kept = kernel_cls.single_fixed(a_s @ b_c.t(), pos_f, neg_f)
+                outputs, kept = kernel_cls.single_fixed(s, pos_f, neg_f)
             else:
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
-                outputs, kept = kernel_cls.single(a_s @ b_c.t(), pos, neg)
+                outputs, kept = kernel_cls.single(s, pos, neg)
         else:
             kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
             bufs = Buffers(a_c.dtype, a_c.device)
+            a_s = a_c * scale_c
             if plan.symmetric:
                 _symmetric_forward(kernel, a_s, b_c, plan, bufs)
             for p in range(0 if plan.symmetric else kernel.passes):

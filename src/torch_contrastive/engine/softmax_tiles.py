@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._tensors import mask_as, self_diagonal
+from .._tensors import self_diagonal
 from ._common import Buffers, tiles
 from .products import AnyProducts
 from .softmax_plan import Direction, SoftmaxPlan, blank, complete_columns, drop, excluded, inverse_exp, log_total
@@ -84,18 +84,10 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
         if plan.column_positives:
             col_pos = s.new_zeros(C).index_add_(0, rel, row_pos)
     else:  # a 0/1 float mask: a multiply is several times cheaper than torch.where (s is finite here)
-        weight = _mask_values(positives, rel, s)
+        weight = positives.tile_values(0, R, 0, C, s.dtype)
         row_pos = torch.linalg.vecdot(s, weight)
         col_pos = torch.linalg.vecdot(s.t(), weight.t()) if plan.column_positives else None
     return row_pos, col_pos
-
-
-def _mask_values(positives: Positives, block: Tensor, like: Tensor) -> Tensor:
-    """The relation's block as 0/1 values of ``like``'s dtype: the relation's own dense values
-    (converted once per call) when the block is all of it."""
-    if positives.dense is not None and block.shape == positives.dense.shape:
-        return positives.dense_as(like.dtype)
-    return mask_as(block, like.dtype)
 
 
 def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None,
@@ -229,7 +221,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         if plan.symmetric:
             g.index_put_((rel, rows), c_row, accumulate=True)
     else:
-        mask = _mask_values(positives, rel, g)
+        mask = positives.tile_values(0, g.shape[0], 0, g.shape[1], g.dtype)
         g.addcmul_(mask, c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :])
         if plan.symmetric:
             g.addcmul_(mask.t(), c_row[None, :])
