@@ -5,8 +5,8 @@ object with two methods:
 
 * ``forward(ctx, plan, ops, extras) -> (outputs, keep)``: ``ops`` holds the caller's raw
   inputs and their compute-dtype copies (normalised when the plan says so); ``keep`` holds the
-  tensors its backward needs besides the operands: a tuple, or a dict by name whose values are
-  tensors, tuples of tensors or None (:func:`pack` / :func:`unpack`: backward gets the same dict).
+  tensors its backward needs besides the operands, by name: a dict whose values are tensors,
+  tuples of tensors or None (:func:`pack` / :func:`unpack`: backward gets the same dict).
 * ``backward(ctx, plan, saved, grads) -> Gradients``: the unscaled accumulators ``G @ B``
   and ``G.T @ A`` and the gradients of its extra inputs.
 
@@ -44,13 +44,12 @@ class Operands(NamedTuple):
 
 class Saved(NamedTuple):
     """What backward gets back: the compute-dtype operands and scale, the kernel's own
-    tensors (``keep``: as the kernel's forward returned them, a list or a dict by name) and the
-    normalisation state."""
+    tensors by name (``keep``, as the kernel's forward returned them) and the normalisation state."""
 
     a: Tensor
     b: Tensor
     scale: Scale
-    keep: Any
+    keep: dict[str, Any]
     norms: list[Tensor]
 
 
@@ -105,7 +104,7 @@ class Gradients(NamedTuple):
 
 
 class Kernel(Protocol):
-    def forward(self, ctx: Any, plan: Any, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, Any]: ...
+    def forward(self, ctx: Any, plan: Any, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]: ...
 
     def backward(self, ctx: Any, plan: Any, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients: ...
 
@@ -122,10 +121,10 @@ class _EngineCall(torch.autograd.Function):
     def forward(ctx, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale, *extras: Any):  # type: ignore[override]
         with engine_precision(a.device.type):
             a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
-            outputs, keep = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
+            outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
         ctx.kernel, ctx.plan = kernel, plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
-        ctx.keep_layout, keep = pack(keep) if isinstance(keep, dict) else (None, keep)
+        ctx.keep_layout, keep = pack(named)
         ctx.counts = (len(keep), len(extras))
         # Kernels that multiply the caller's half rows as given (Triton, fp16/bf16) keep those for
         # backward, not the fp32 normalised copies: 2 bytes per element instead of 2 + 4 (the copies
@@ -147,7 +146,7 @@ class _EngineCall(torch.autograd.Function):
             a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
         ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
         plan = ctx.plan
-        keep = rest[:n_keep] if ctx.keep_layout is None else unpack(ctx.keep_layout, rest[:n_keep])
+        keep = unpack(ctx.keep_layout, rest[:n_keep])
         out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, norms), grads)
         norm_a = (norms[0], norms[1]) if plan.normalize else None
         norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])

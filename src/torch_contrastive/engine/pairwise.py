@@ -332,7 +332,7 @@ class _PairwiseKernel:
     """The pairwise terms as a kernel of the engine's driver (:mod:`.driver`); its one extra
     input is ``combine`` (the caller's per-row weights and reduction, or None)."""
 
-    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
+    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         (combine,) = extras
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
@@ -376,23 +376,20 @@ class _PairwiseKernel:
             weights, total = combine
             loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
             outputs = (loss,)
-        ctx.pair_counts = (len(kernel_saved), len(kept), len(raw))
-        return tuple(outputs), (*kernel_saved, *kept, *raw)
+        return tuple(outputs), {"kernel": kernel_saved, "kept": kept, "raw": raw}
 
     def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a, b, scale = saved.a, saved.b, saved.scale
-        n_kernel, n_kept, n_raw = ctx.pair_counts
-        kernel_saved, kept = tuple(saved.keep[:n_kernel]), saved.keep[n_kernel : n_kernel + n_kept]
-        raw = (*saved.keep[n_kernel + n_kept :], None)
+        kernel_saved, kept, raw = saved.keep["kernel"], saved.keep["kept"], (*saved.keep["raw"], None)
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
             weights, total = ctx.combine
             grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
         grads = tuple(as_dtype(g, a.dtype) for g in grads)  # type: ignore[arg-type]
         kernel = _KERNELS[plan.kernel]
         if plan.backend == "triton":
-            return _backward_triton(plan, KernelOperands(plan, raw[:2] if n_raw else (), a, b, scale, saved.norms), kernel_saved,
+            return _backward_triton(plan, KernelOperands(plan, raw[:2] if len(raw) > 1 else (), a, b, scale, saved.norms), kernel_saved,
                                     grads)  # type: ignore[arg-type]
-        if n_kept > 0:
+        if kept:
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)  # type: ignore[arg-type]
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients((g + g.t()) @ a, None, True)

@@ -85,7 +85,7 @@ class _SigmoidKernel:
     """The sigmoid pairs as a kernel of the engine's driver (:mod:`.driver`); its one extra
     input is the bias (a float, or a 0-dim tensor that gets its gradient)."""
 
-    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, tuple[Tensor, ...]]:
+    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         (bias,) = extras
         a_c, b_c = ops.a_c, ops.b_c
         bias_c = _bias_tensor(bias, a_c)
@@ -113,11 +113,11 @@ class _SigmoidKernel:
                 out[r0:r1] += F.softplus(signed).sum(1)
         ctx.bias_is_tensor = isinstance(bias, Tensor)
         ctx.float_bias = None if isinstance(bias_c, Tensor) else bias_c
-        return out, (*((bias_c,) if isinstance(bias_c, Tensor) else ()), *kept)
+        return out, {"bias": bias_c if isinstance(bias_c, Tensor) else None, "kept": kept}
 
     def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
-        a, b, scale, rest = saved.a, saved.b, saved.scale, list(saved.keep)
-        bias: Tensor | float = rest.pop(0) if ctx.float_bias is None else ctx.float_bias
+        a, b, scale, rest = saved.a, saved.b, saved.scale, list(saved.keep["kept"])
+        bias: Tensor | float = saved.keep["bias"] if ctx.float_bias is None else ctx.float_bias
         g_row = grads[0].to(a.dtype)  # type: ignore[union-attr]
         if plan.backend == "triton":
             from . import triton_backend

@@ -405,10 +405,12 @@ def execute(problem: Problem, decision: Decision) -> tuple[Tensor, Tensor | None
     apart = apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,
                        decision.backend)
     grad_columns = C if problem.grad_columns is None else max(0, min(int(problem.grad_columns), C))
-    softmax_plan = SoftmaxPlan(problem.self_offset, columns, problem.symmetric, decision.tile, decision.fixed, opts.normalize,
-                               float(opts.eps), positives, columns and stat.column_positives, tile_positives, shared_alpha,
-                               stat.column_comm if columns else None, grad_columns, stat.exclude, decision.backend,
-                               decision.operand_dtype, decision.half, apart)
+    softmax_plan = SoftmaxPlan(self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric, tile=decision.tile,
+                               fixed=decision.fixed, normalize=opts.normalize, eps=float(opts.eps), positives=positives,
+                               column_positives=columns and stat.column_positives, tile_positives=tile_positives,
+                               shared_alpha=shared_alpha, column_comm=stat.column_comm if columns else None,
+                               grad_columns=grad_columns, exclude=stat.exclude, backend=decision.backend,
+                               operand_dtype=decision.operand_dtype, half=decision.half, apart=apart)
     row_out, col_out = run(_SOFTMAX, softmax_plan, anchors, None if problem.single else candidates, problem.scale, *row_weights,
                            None if shared_alpha else col_weights[0], col_weights[1], stat.total)
     return row_out, (col_out if columns and stat.total is None else None)

@@ -49,18 +49,19 @@ class FlatPlaces(NamedTuple):
 _FLAT: dict[tuple[str, int, int | None, torch.device], FlatPlaces] = {}
 
 
-def flat_places(layout: str, n: int, self_offset: int | None, device: torch.device) -> FlatPlaces:
-    """:class:`FlatPlaces` for a layout, built once per (layout, size, self offset, device): a
-    small batch reads, clears and updates its strided entries with one indexed op each instead
-    of a view and an op per diagonal (the call's cost is its op count at these sizes)."""
-    key = (layout, n, self_offset, device)
+def flat_places(positives: Positives, self_offset: int | None) -> FlatPlaces:
+    """:class:`FlatPlaces` of a square strided relation (``positives.layout`` set: its partner is
+    row i's positive), built once per (layout, size, self offset, device): a small batch reads,
+    clears and updates its strided entries with one indexed op each instead of a view and an op
+    per diagonal (the call's cost is its op count at these sizes)."""
+    partner, n = positives.require(positives.partner, "partner"), positives.num_rows
+    key = (str(positives.layout), n, self_offset, partner.device)
     places = _FLAT.get(key)
     if places is None:
-        rows = torch.arange(n, device=device)
-        partner = rows if layout == "identity" else rows ^ 1 if layout == "adjacent" else (rows + n // 2) % n
-        positives, mirrored = rows * n + partner, partner * n + rows
-        left_out = positives if self_offset is None else torch.cat([rows * n + rows + self_offset, positives])
-        places = FlatPlaces(positives, mirrored, left_out)
+        rows = torch.arange(n, device=partner.device)
+        flat, mirrored = rows * n + partner, partner * n + rows
+        left_out = flat if self_offset is None else torch.cat([rows * n + rows + self_offset, flat])
+        places = FlatPlaces(flat, mirrored, left_out)
         if len(_FLAT) > 64:  # many distinct shapes: keep the cache small
             _FLAT.clear()
         _FLAT[key] = places
@@ -76,7 +77,7 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
     how, rel = _positive_layout(positives, plan, R, C)
     col_pos = None
     if rel is None:  # strided layout: one gather by the layout's cached places (a copy: the tile is exponentiated in place)
-        row_pos = torch.take(s, flat_places(how, R, plan.self_offset, s.device).positives)
+        row_pos = torch.take(s, flat_places(positives, plan.self_offset).positives)
         if plan.column_positives:  # identity: column j's positive is row j
             col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives.require(positives.partner, "partner"), row_pos)
     elif how == "partner":
@@ -105,7 +106,7 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
         e = s.exp_()
         if plan.apart is not None and plan.exclude is None and plan.positives is not None and plan.positives.layout is not None:
             # the self pairs and the positives kept apart, cleared by one indexed fill
-            e.view(-1).index_fill_(0, flat_places(plan.positives.layout, R, plan.self_offset, e.device).left_out, 0.0)
+            e.view(-1).index_fill_(0, flat_places(plan.positives, plan.self_offset).left_out, 0.0)
         else:
             diag = self_diagonal(e, 0, 0, plan.self_offset)
             if diag is not None:
@@ -207,7 +208,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         _add_two_set(g, how, c_row, c_col)
         return
     if rel is None:  # one set of coefficients (a single set's columns are its rows)
-        places = flat_places(how, g.shape[0], plan.self_offset, g.device)
+        places = flat_places(positives, plan.self_offset)
         flat, values = g.view(-1), c_row.expand(g.shape[0])
         flat.index_add_(0, places.positives, values)  # G[i, p(i)] += c_i
         if plan.symmetric:  # G[p(i), i] += c_i too
