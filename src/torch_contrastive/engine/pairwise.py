@@ -20,10 +20,9 @@ from ..positives import Exclusion
 from . import planner
 from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
-from .kernel_operands import KernelOperands
 from .planner import Decision
 from .problem import Combine, Options, PairTerms, Problem
-from .products import Products
+from .products import KernelOperands, Products
 
 if TYPE_CHECKING:
     from ..positives import Positives

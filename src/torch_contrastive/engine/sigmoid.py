@@ -25,9 +25,9 @@ from .._tensors import self_diagonal
 from . import planner
 from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
-from .kernel_operands import KernelOperands
 from .planner import Decision
 from .problem import Options, Problem, SigmoidPairs
+from .products import KernelOperands
 
 if TYPE_CHECKING:
     from ..positives import Positives

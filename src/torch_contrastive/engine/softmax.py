@@ -28,10 +28,9 @@ from . import planner
 from ._common import Scale
 from .confident import apart_rule, coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
-from .kernel_operands import KernelOperands
 from .planner import Decision
 from .problem import Options, Problem, Softmax
-from .products import Products, make_products
+from .products import KernelOperands, Products, make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns
 from .softmax_tiles import backward_fixed, backward_online, fixed_lse, forward_fixed, forward_online, single_backward, single_forward
 
