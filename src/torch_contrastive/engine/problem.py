@@ -64,6 +64,10 @@ class Softmax:
     Attributes:
         row_weights, col_weights: ``(alpha, beta)``, (R,) / (C,) tensors without gradient;
             None means 1.
+        columns_share_alpha: the column ``alpha'`` is the row ``alpha`` (a square two-set loss
+            whose relation is symmetric, as CLIP's): ``col_weights[0]`` is then None, and the
+            tensor is passed to the engine once (``torch.compile`` cannot trace one tensor given
+            as two inputs).
         columns: also return the column terms (two-set losses: no self pair).
         column_positives: include ``sum_i P_ij S_ij`` in the column terms (False when the
             caller computes it, as a rank that holds only some rows does).
@@ -80,6 +84,7 @@ class Softmax:
 
     row_weights: tuple[Tensor | None, Tensor | None] = (None, None)
     col_weights: tuple[Tensor | None, Tensor | None] = (None, None)
+    columns_share_alpha: bool = False
     columns: bool = False
     column_positives: bool = True
     column_comm: Any = None

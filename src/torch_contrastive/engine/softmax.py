@@ -166,12 +166,12 @@ class _Softmax:
         u = _weighted(g_row, row_alpha)
         has_pos = plan.positives is not None
         how = coefficient_from_sums if ctx.apart_sums else coefficient
-        c_row = _positive_coefficient(how, u, g_row, uniform_row, row_beta, margins[:1], row_alpha is row_beta, row_lse) \
+        c_row = _positive_coefficient(how, u, g_row, uniform_row, row_beta, margins[:1], _alike(row_alpha, row_beta), row_lse) \
             if has_pos else None
         c_col = None
         if has_pos and g_col_c is not None and col is not None and plan.column_positives:
             c_col = _positive_coefficient(how, col[0], g_col_c, uniform_col, col_beta, margins[1:2] if c_row is not None else (),
-                                          col_alpha is col_beta, col_lse)
+                                          _alike(col_alpha, col_beta), col_lse)
         if not plan.symmetric and not ctx.operands_need_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         if plan.symmetric and kept is None:
@@ -252,6 +252,12 @@ def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos
     return row_out, col_out, row_lse, col_lse, margins
 
 
+def _alike(alpha: Tensor | None, beta: Tensor | None) -> bool:
+    """The soft-max and the positive part weigh every row alike (no weights: both 1), so the
+    loss is ``alpha * d`` and the positive's coefficient cancels exactly."""
+    return alpha is None and beta is None
+
+
 def _apart_terms(log_excess: Tensor, pos: Tensor, alpha: Tensor | None, beta: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, LSE, d)`` with ``d = LSE - pos`` computed from the excess (confident.py):
     ``out = alpha * d`` when both weights are alike, so a near-zero loss keeps its digits."""
@@ -261,7 +267,7 @@ def _apart_terms(log_excess: Tensor, pos: Tensor, alpha: Tensor | None, beta: Te
 
 def _apart_out(d: Tensor, pos: Tensor, alpha: Tensor | None, beta: Tensor | None) -> Tensor:
     """``alpha * (pos + d) - beta * pos``, as ``alpha * d`` when both weights are the same."""
-    return _weighted(d, alpha) if alpha is beta else _weighted(pos + d, alpha) - _weighted(pos, beta)
+    return d if _alike(alpha, beta) else _weighted(pos + d, alpha) - _weighted(pos, beta)
 
 
 def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b: Tensor,
@@ -383,8 +389,9 @@ def softmax_terms(
     Memory: O((R + C) * D) for the compute-dtype copies plus two tile buffers; never
     R x C (unless one tile covers everything).
     """
-    problem = Problem(anchors, candidates, scale, Softmax(row_weights, col_weights, columns, column_positives, column_comm,
-                                                          exclude, total, fixed),
+    problem = Problem(anchors, candidates, scale, Softmax(row_weights=row_weights, col_weights=col_weights, columns=columns,
+                                                          column_positives=column_positives, column_comm=column_comm,
+                                                          exclude=exclude, total=total, fixed=fixed),
                       positives=positives, self_offset=self_offset, symmetric=symmetric, bound=bound, grad_columns=grad_columns,
                       options=Options(normalize, float(eps), chunk_size, backend))
     return execute(problem, planner.plan(problem))
@@ -398,7 +405,7 @@ def execute(problem: Problem, decision: Decision) -> tuple[Tensor, Tensor | None
     anchors, candidates, positives, opts = problem.anchors, problem.candidates, problem.positives, problem.options
     row_weights, col_weights, columns = stat.row_weights, stat.col_weights, stat.columns
     C = candidates.shape[0]
-    shared_alpha = col_weights[0] is not None and col_weights[0] is row_weights[0]
+    shared_alpha = stat.columns_share_alpha and row_weights[0] is not None
     single = decision.tile == 0
     tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
     apart = apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,

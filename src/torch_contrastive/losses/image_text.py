@@ -118,8 +118,10 @@ def image_text_contrastive_loss(
         total = None if smoothing or decoupled or reduction == "none" else \
             engine_total("mean", scope, 2 * n_gt, cdtype, float(n) if reduction == "sum" else 1.0)
         text = as_dtype(text_feat, image_feat.dtype)
-        both = Softmax(row_weights=weights, col_weights=_column_weights(weights), columns=True, exclude=variant.exclusion(pos),
-                       total=total)
+        # gt is symmetric: the columns' alpha is the rows'; beta as its own tensor (one tensor given
+        # as two inputs is more than torch.compile traces)
+        both = Softmax(row_weights=weights, col_weights=(None, None if weights[1] is None else weights[1].clone()),
+                       columns_share_alpha=True, columns=True, exclude=variant.exclusion(pos), total=total)
         per_image, per_text = solve(Problem(image_feat, text, scale, both, positives=pos, bound=limit,
                                             options=Options(normalize, eps, chunk_size, backend)))
         if total is not None:
@@ -146,13 +148,6 @@ def _counted(counts: Tensor | None) -> Tensor:
     if counts is None:  # formed above for every path that reads it
         raise RuntimeError("internal: the positive counts were not formed")
     return counts
-
-
-def _column_weights(weights: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
-    """The column weights: alpha shared with the rows (the engine knows), beta as its own
-    tensor -- ``torch.compile`` cannot trace one tensor passed as two inputs."""
-    alpha, beta = weights
-    return alpha, None if beta is None else beta.clone()
 
 
 @dataclass(frozen=True)
