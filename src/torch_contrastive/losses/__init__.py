@@ -7,12 +7,14 @@
 * :mod:`.siglip` -- SigLIP, the sigmoid image-text loss (Zhai et al. 2023)
 * :mod:`.info_nce` -- InfoNCE with hard negatives and queues (MNRL, info-nce-pytorch, MoCo)
 
-Shared set-up (normalisation, gather, reduction, checks) lives in :mod:`._common`;
+Shared pieces: every call's set-up and finish (options, scope, checks, reduction) in
+:mod:`._prologue`, relations by pairing rules and ids in :mod:`._pairing`, the labelled losses'
+memory, reference set and label-sorted tiles in :mod:`._labelled`;
 the tiled math in :mod:`torch_contrastive.engine`; positives in
 :mod:`torch_contrastive.positives`.
 """
 
-from ._common import pair_keys
+from ._pairing import pair_keys
 from .image_text import clip_loss, image_text_contrastive_loss, text_ids
 from .info_nce import info_nce_loss
 from .nt_bxent import nt_bxent_loss

@@ -21,8 +21,8 @@ from .._normalize import prepare
 from ..distributed import Scope, all_gather_with_grad
 from ..engine import Options, Problem, Scale, Softmax, solve
 from ..positives import Exclusion, Positives
-from ._common import pair_partner, safe_logsumexp
 from ._false_negatives import Rules, key_exclusion, learn, learning, paired_exclusion, pool_exclusion
+from ._pairing import pair_partner, safe_logsumexp
 
 __all__ = ["candidate_groups", "in_batch"]
 

@@ -14,7 +14,8 @@ from .._tensors import as_dtype
 from ..distributed import Scope
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
-from ._common import check_agreement, engine_total, finish_checks, image_text_inputs, image_text_positives, positive_logits
+from ._pairing import image_text_positives, positive_logits
+from ._prologue import check_agreement, engine_total, finish_checks, image_text_inputs
 
 __all__ = ["clip_loss", "image_text_contrastive_loss", "text_ids"]
 

@@ -14,9 +14,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..engine import Options
-from ._common import begin, check_agreement, reduce
 from ._false_negatives import false_negative_rules
 from ._info_nce_groups import candidate_groups, in_batch
+from ._prologue import begin, check_agreement, reduce
 
 __all__ = ["info_nce_loss"]
 

@@ -8,7 +8,8 @@ from torch import Tensor
 from .. import _validation as v
 from ..engine import Options, PairTerms, Problem, compute_dtype, solve
 from ..positives import Positives
-from ._common import begin, engine_total, finish_checks, labelled_pairwise_rows, reduce, single_set
+from ._labelled import labelled_pairwise_rows
+from ._prologue import begin, engine_total, finish_checks, reduce, single_set
 
 __all__ = ["nt_bxent_loss"]
 

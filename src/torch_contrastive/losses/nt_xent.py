@@ -9,17 +9,9 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
-from ._common import (
-    begin,
-    check_reference,
-    engine_total,
-    finish_checks,
-    labelled_pairwise_rows,
-    partner_positives,
-    positive_logits,
-    reduce,
-    single_set,
-)
+from ._labelled import check_reference, labelled_pairwise_rows
+from ._pairing import partner_positives, positive_logits
+from ._prologue import begin, engine_total, finish_checks, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 

@@ -11,7 +11,8 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Options, Problem, Scale, SigmoidPairs, solve
 from ..positives import Positives
-from ._common import check_agreement, image_text_inputs, image_text_positives, reduce
+from ._pairing import image_text_positives
+from ._prologue import check_agreement, image_text_inputs, reduce
 
 __all__ = ["siglip_loss"]
 

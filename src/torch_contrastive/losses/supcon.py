@@ -10,7 +10,8 @@ from .._tensors import mask_as
 from ..distributed import Scope
 from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..positives import Positives
-from ._common import begin, check_reference, engine_total, finish_checks, reduce, single_set, with_memory, with_reference
+from ._labelled import check_reference, with_memory, with_reference
+from ._prologue import begin, engine_total, finish_checks, reduce, single_set
 
 __all__ = ["supcon_loss"]
 

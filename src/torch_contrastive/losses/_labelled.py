@@ -1,0 +1,145 @@
+"""The labelled losses' candidates (a memory, a reference set) and their label-sorted tiles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from .._normalize import prepare
+from ..distributed import Scope
+from ..engine import Options, PairTerms, Problem, Scale, resolve_tile, solve, tile_label_bounds
+from ..engine.planner import label_sorted
+from ..positives import Positives
+
+
+def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positives, inside: bool, normalize: bool,
+                eps: float) -> tuple[Tensor, Positives, int | None]:
+    """Candidates and positives of a single-set labelled loss extended by memory rows.
+
+    The memory rows follow the batch as extra candidate columns (the self pairs keep
+    their place); their labels extend the column keys. Returns ``(candidates, positives,
+    grad_columns)``: a memory that does not require grad skips its gradient products.
+    """
+    emb, labels = memory
+    # normalised like the batch: inside the engine (local) or already (gathered rows)
+    rows = emb.to(z_all.dtype) if inside else prepare(emb.to(z_all.dtype), normalize, eps)
+    candidates = torch.cat([z_all, rows])
+    row_keys, col_keys = positives.row_keys[0], positives.col_keys[0]
+    extended = Positives.from_keys(row_keys, torch.cat([col_keys, labels]), self_offset=positives.self_offset)
+    return candidates, extended, (None if emb.requires_grad else z_all.shape[0])
+
+
+def with_reference(reference: tuple[Tensor, Tensor], anchor_keys: Tensor, dtype: torch.dtype, inside: bool, normalize: bool,
+                   eps: float) -> tuple[Tensor, Positives, int | None]:
+    """Candidates and positives when a separate reference set replaces the batch as candidates
+    (pytorch-metric-learning's ``ref_emb``/``ref_labels``): anchors i and reference rows j
+    are positives when their labels match; no pair is a self pair. Returns
+    ``(candidates, positives, grad_columns)`` as :func:`with_memory`."""
+    emb, labels = reference
+    rows = emb.to(dtype) if inside else prepare(emb.to(dtype), normalize, eps)
+    positives = Positives.from_keys(anchor_keys, labels, self_offset=None)
+    return rows, positives, (None if emb.requires_grad else 0)
+
+
+def check_reference(ref_emb: object, ref_labels: object, labels: object, width: int, device: torch.device, checks: v.Checks,
+                    gather: bool, memory: object) -> tuple[Tensor, Tensor] | None:
+    """``(ref_emb, ref_labels)`` checked, or None; a reference set needs labels, and is not
+    combined with ``gather`` or a memory."""
+    if ref_emb is None and ref_labels is None:
+        return None
+    if ref_emb is None or ref_labels is None:
+        raise ValueError("ref_emb and ref_labels go together: pass both or neither")
+    if labels is None:
+        raise ValueError("ref_emb needs labels for the batch (positives with reference rows are found by label)")
+    if gather or memory is not None:
+        raise ValueError("ref_emb is not combined with gather=True or memory_emb (the reference set is the only candidate set)")
+    emb = v.check_embeddings(ref_emb, "ref_emb")
+    if emb.shape[1] != width:
+        raise ValueError(f"ref_emb must have feature size {width} (as the batch), got {emb.shape[1]}")
+    ref = v.check_labels(ref_labels, "ref_labels", emb.shape[0], device)
+    checks.finite(emb, "ref_emb")
+    return emb, ref
+
+
+class SortedByLabel(NamedTuple):
+    rows: Tensor  # the rows, sorted by label
+    labels: Tensor  # their labels, sorted
+    ranges: list[tuple[float, float]]  # (first, last) label of every tile of sorted rows
+    order: Tensor  # sorted position of every original row: per_row_sorted[order] is in the caller's order
+    scale_bound: float | None  # the value of a tensor scale, read in the same transfer (None for a float scale)
+
+
+def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.Checks, scope: Scope,
+                  normalize: bool, scale: Scale, backend: str = "auto") -> SortedByLabel | None:
+    """Rows sorted by label and the tile plan of the mask-in-tile kernels, or None.
+
+    Sorted by label, the positives of a single-set labelled loss are contiguous diagonal
+    blocks, so most tiles hold only negatives and skip the mask work. Which tiles do is
+    known from each tile's first and last label, read in the call's one validation
+    transfer; when to sort is the planner's decision (:func:`~..engine.planner.label_sorted`).
+    A tensor scale is read in the same transfer, so no output check (a second read) is
+    needed afterwards.
+    """
+    n = z.shape[0]
+    tile = resolve_tile(chunk_size, n, n, z.device, 16 if z.dtype == torch.float64 else 8)
+    if not label_sorted(n, tile, reads_anyway=checks.enabled, distributed=scope.distributed, normalized=normalize,
+                        backend=backend):
+        return None
+    sorted_labels, perm = torch.sort(labels, stable=True)
+    bounds = tile_label_bounds(sorted_labels, tile)
+    if isinstance(scale, Tensor):
+        bounds = torch.cat([bounds.to(torch.float64), scale.detach().reshape(1).to(device=bounds.device, dtype=torch.float64)])
+    values = checks.flush_values(bounds)
+    scale_bound = values.pop() if isinstance(scale, Tensor) else None
+    ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(values) // 2)]
+    return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm), scale_bound)
+
+
+class LabelledRows(NamedTuple):
+    outputs: tuple[Tensor, ...]  # the kernel's per-row statistics, in the caller's row order
+    counts: Tensor  # (R,) positives per row, same order
+    scale_bound: float | None  # the scale's value when it was read (see SortedByLabel), else the bound given
+
+
+def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, scale: Scale, bound: float | None, *,
+                           kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
+                           chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None,
+                           combine: Callable[[Tensor], Any] | None = None,
+                           reference: tuple[Tensor, Tensor] | None = None, backend: str = "auto") -> LabelledRows:
+    """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
+    :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
+    ``memory`` (rows, labels) adds candidates, ``reference`` (rows, labels) replaces them
+    (then the given order is kept).
+
+    ``combine``: from the positive counts (in the engine's row order) to the
+    ``PairTerms(combine=...)`` weights and reduction; ``outputs`` is then the scalar
+    loss alone (order does not matter for a sum).
+    """
+    given_order = memory is not None or reference is not None
+    options = Options(inside, eps, chunk_size, backend)
+    by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale, backend)
+    if by_label is None:
+        positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
+        if reference is not None:
+            z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
+        if memory is not None:
+            z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
+        counts = positives.row_counts()
+        outputs = solve(Problem(z, z_all, scale, PairTerms(kernel, combine=combine and combine(counts)), positives=positives,
+                                self_offset=positives.self_offset, bound=bound if normalize else None, options=options))
+        return LabelledRows(outputs, counts, bound)
+    # Sorted: most tiles hold only negatives.
+    known = bound if by_label.scale_bound is None else by_label.scale_bound
+    positives = Positives.from_keys(by_label.labels, self_offset=0)
+    counts = positives.row_counts()
+    stat = PairTerms(kernel, label_ranges=(by_label.ranges, by_label.ranges), combine=combine and combine(counts))
+    outputs = solve(Problem(by_label.rows, by_label.rows, scale, stat, positives=positives, self_offset=0,
+                            bound=known if normalize else None, options=options))
+    order = by_label.order
+    if combine is not None:
+        return LabelledRows(outputs, counts, known)
+    return LabelledRows(tuple(t[order] for t in outputs), counts[order], known)
