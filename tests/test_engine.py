@@ -257,7 +257,7 @@ def test_softmax_terms_against_the_dense_formula(kind, single_set, fixed, chunk)
 
 def test_row_norms_of_large_inputs_go_through_blocks_with_the_same_result():
     """Above 2**19 elements the fp64 norm accumulation runs per row block (bounded copy): same norms."""
-    from torch_contrastive.engine._common import _NORM_BLOCK, l2_normalize
+    from torch_contrastive.engine.normalization import _NORM_BLOCK, l2_normalize
 
     x = torch.randn(_NORM_BLOCK // 128 * 2 + 37, 128) * torch.logspace(-30, 30, _NORM_BLOCK // 128 * 2 + 37)[:, None]
     y, _, norm = l2_normalize(x, 1e-12)

@@ -52,7 +52,7 @@ E = f"{PKG}/engine"
 CONFIDENT_TESTS = ("tests/test_confident.py", "tests/test_engine.py")
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
-    Mutation(f"{E}/_common.py", "            gscale = gscale / 2", "            gscale = gscale",
+    Mutation(f"{E}/driver.py", "            gscale = gscale / 2", "            gscale = gscale",
              "symmetric path: temperature gradient counts every pair twice"),
     Mutation(f"{E}/softmax_tiles.py", "        if plan.symmetric and c0 != r0:\n            row_sum[c0:c1] += e.sum(0)",
              "        if plan.symmetric and c0 == r0:\n            row_sum[c0:c1] += e.sum(0)",
@@ -82,7 +82,7 @@ MUTATIONS = [
              "one tile, mask relation: transposed positive gradient uses the untransposed mask"),
     Mutation(f"{E}/softmax.py", "                plan.column_comm.all_sum(g_col_c)", "                pass",
              "distributed image-text: column gradient not summed over ranks", tests=tuple(DIST_TESTS)),
-    Mutation(f"{E}/_common.py", "    return torch.addcmul(g, y, radial, value=-1).mul_(factor)",
+    Mutation(f"{E}/normalization.py", "    return torch.addcmul(g, y, radial, value=-1).mul_(factor)",
              "    return torch.addcmul(g, y, radial, value=1).mul_(factor)", "L2 normalisation: radial gradient with the wrong sign"),
     # engine: mask-in-tile kernels (PML NT-Xent, NT-BXent)
     Mutation(f"{E}/pairwise.py", "g = grads[0][r0:r1] * has_neg", "g = grads[0][r0:r1]",
@@ -202,7 +202,7 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_prologue.py", "            coef: Tensor | float = as_dtype(normaliser, dtype).clamp_min(1).reciprocal()",
              "            coef: Tensor | float = as_dtype(normaliser, dtype).clamp_min(1)",
              "engine_total: the mean multiplies by the count"),
-    Mutation(f"{E}/_common.py", "    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)",
+    Mutation(f"{E}/normalization.py", "    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)",
              "    radial = (g * y).sum(1, keepdim=True)",
              "normalisation backward: rows below eps keep the radial term"),
     Mutation(f"{PKG}/_validation.py", "            self.add(value, message, _not_finite)\n        else:",

@@ -10,13 +10,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .engine._common import compute_dtype, l2_normalize, l2_normalize_backward
+from .engine.normalization import l2_normalize, l2_normalize_backward
+from .engine.precision import compute_dtype
 
 __all__ = ["prepare"]
 
 
 class _L2Normalize(torch.autograd.Function):
-    """``x / max(||x||, eps)`` per row; see :func:`~torch_contrastive.engine._common.l2_normalize`."""
+    """``x / max(||x||, eps)`` per row; see :func:`~torch_contrastive.engine.normalization.l2_normalize`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, eps: float):  # type: ignore[override]

@@ -55,13 +55,14 @@ block, and ``H = G + G.T`` feeds both ``dZ_I`` and ``dZ_J``. A problem that fits
 tile (the common small batch) skips the tile bookkeeping altogether.
 """
 
-from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, Scale, compute_dtype, fixed_scale_applies
 from .pairwise import pairwise_rows, tile_label_bounds
 from .planner import Decision, decide, explain, plan, resolve_tile
+from .precision import Scale, compute_dtype, fixed_scale_applies
 from .problem import Options, PairTerms, Problem, SigmoidPairs, Softmax
 from .sigmoid import sigmoid_rows
 from .softmax import softmax_terms
 from .solve import solve
+from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
 
 __all__ = [
     "DEFAULT_TILE",

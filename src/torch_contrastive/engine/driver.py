@@ -15,7 +15,7 @@ chooses its own precision: fp32 logits for half inputs, fp64 for fp64), prepares
 operands, saves them (``B`` only when it is not ``A``; a float scale on ``ctx``), restores
 them, and turns the accumulators into the gradients of the raw inputs, the scale and --
 through the normalisation inside -- the caller's un-normalised tensors
-(:func:`~._common.finish_gradients`).
+(:func:`finish_gradients`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,93 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import Scale, autocast_enabled, finish_gradients, prepare_inputs, save, saved, to_compute
+from .._tensors import as_dtype
+from .normalization import l2_normalize, l2_normalize_backward
+from .precision import Scale, autocast_enabled, compute_dtype
+
+
+# ---------------------------------------------------------------------------------
+# Inputs, saved state and gradients: what every kernel shares around its own passes
+# ---------------------------------------------------------------------------------
+def to_compute(a: Tensor, b: Tensor | None, scale: Scale) -> tuple[Tensor, Tensor, Scale]:
+    """Inputs in the compute dtype (fp32 for fp16/bf16; no copy when already there).
+
+    ``b=None`` (a single set) returns ``a`` itself as the candidates. A float scale stays
+    a Python float: turning it into a device tensor would be a host-to-device copy on
+    every call.
+    """
+    cdtype = compute_dtype(a.dtype)
+    if isinstance(scale, Tensor):
+        scale = scale.detach().to(device=a.device, dtype=cdtype)
+    a_c = a if a.dtype == cdtype else a.to(cdtype)
+    if b is None:
+        return a_c, a_c, scale
+    return a_c, (b if b.dtype == cdtype else b.to(cdtype)), scale
+
+
+def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
+                   eps: float) -> tuple[Tensor, Tensor, Scale, list[Tensor]]:
+    """Compute-dtype inputs, L2-normalised inside the autograd function when asked.
+
+    Returns ``(a, b, scale, norms)``: ``b`` is ``a`` for a single set (``b=None``), and
+    ``norms`` the (denominator, norm) of ``a`` -- then of ``b`` unless it is ``a`` -- for
+    :func:`finish_gradients`.
+    """
+    a_c, b_c, scale_c = to_compute(a, b, scale)
+    norms: list[Tensor] = []
+    if normalize:
+        a_c, *norm_a = l2_normalize(a_c, eps)
+        norms += norm_a
+        if b is None:
+            b_c = a_c
+        else:
+            b_c, *norm_b = l2_normalize(b_c, eps)
+            norms += norm_b
+    return a_c, b_c, scale_c, norms
+
+
+def save(ctx: Any, scale: Scale, a: Tensor, b: Tensor, *tensors: Tensor) -> None:
+    """Save tensors for backward: ``b`` only when it is not ``a`` (a single set), a float
+    scale on ``ctx`` (it is not a tensor)."""
+    ctx.float_scale = None if isinstance(scale, Tensor) else scale
+    ctx.single = b is a
+    ctx.save_for_backward(a, *(() if ctx.single else (b,)), *tensors, *((scale,) if isinstance(scale, Tensor) else ()))
+
+
+def saved(ctx: Any) -> tuple[Tensor, Tensor, list[Tensor], Scale]:
+    """``(a, b, other saved tensors, scale)`` as given to :func:`save`."""
+    stored = list(ctx.saved_tensors)
+    scale: Scale = ctx.float_scale if ctx.float_scale is not None else stored.pop()
+    a = stored.pop(0)
+    b = a if ctx.single else stored.pop(0)
+    return a, b, stored, scale
+
+
+def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: Tensor | None, symmetric: bool,
+                     norm_a: tuple[Tensor, Tensor] | None, norm_b: tuple[Tensor, Tensor] | None,
+                     b: Tensor, eps: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """From ``G @ B`` and ``G.T @ A`` (unscaled) to the gradients of the raw inputs and scale.
+
+    ``dscale = sum_ij G_ij a_i . b_j = sum_i a_i . (G @ B)_i``; when ``symmetric`` the
+    accumulator holds ``H @ Z`` with ``H = G + G.T``, which counts every pair twice. For
+    a single set (B is A, not symmetric) both accumulators are A's gradient. ``norm_a``
+    / ``norm_b`` are the ``(denom, state)`` of a normalisation done inside the function,
+    whose backward is applied last (with floor ``eps``). A float scale gets no gradient.
+    """
+    gscale = None
+    if isinstance(scale, Tensor):
+        gscale = torch.linalg.vecdot(gb_acc, a).sum()
+        if symmetric:
+            gscale = gscale / 2
+    if ctx.single and ga_acc is not None:
+        gb_acc = gb_acc + ga_acc
+        ga_acc = None
+    ga = gb_acc * scale if norm_a is None else l2_normalize_backward(gb_acc, a, *norm_a, eps, scale)
+    gb = None
+    if ga_acc is not None:
+        gb = ga_acc * scale if norm_b is None else l2_normalize_backward(ga_acc, b, *norm_b, eps, scale)
+        gb = as_dtype(gb, ctx.in_dtypes[1])
+    return as_dtype(ga, ctx.in_dtypes[0]), gb, gscale
 
 
 class Operands(NamedTuple):
@@ -157,7 +243,7 @@ class _EngineCall(torch.autograd.Function):
 
 def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool) -> tuple[Tensor, Tensor]:
     """The compute-dtype (normalised) operands from the caller's rows and the saved denominators:
-    the same operations as :func:`~._common.prepare_inputs`, so the same bits."""
+    the same operations as :func:`prepare_inputs`, so the same bits."""
     a_c, b_c, _ = to_compute(a, None if single else b, 1.0)
     if normalize:
         a_c = a_c / norms[0]

@@ -18,11 +18,12 @@ from torch import Tensor
 from .._tensors import as_dtype, self_diagonal
 from ..positives import Exclusion
 from . import planner
-from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
 from .planner import Decision
+from .precision import Scale
 from .problem import Combine, Options, PairTerms, Problem
 from .products import KernelOperands, Products
+from .tiling import Buffers, logits_tile, tiles
 
 if TYPE_CHECKING:
     from ..positives import Positives

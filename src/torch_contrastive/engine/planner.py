@@ -8,8 +8,8 @@ engine asks :func:`decide` how to run it on the inputs' device:
 * **products** -- fp16/bf16 inputs on a GPU are multiplied as given on tensor cores with fp32
   accumulation and fp32 logits (:class:`~.products.HalfProducts`); everything else in the
   compute dtype (fp32 on a GPU follows ``torch.backends.cuda.matmul.allow_tf32``).
-* **tile** -- on a CPU cache-sized (:data:`~._common.DEFAULT_TILE`, one tile up to
-  :data:`~._common.DENSE_BUDGET_BYTES`); on a GPU sized from a scratch budget
+* **tile** -- on a CPU cache-sized (:data:`~.tiling.DEFAULT_TILE`, one tile up to
+  :data:`~.tiling.DENSE_BUDGET_BYTES`); on a GPU sized from a scratch budget
   (:data:`GPU_BUDGET`: 1 GiB unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` gives bytes), so
   a GPU runs a few large GEMMs instead of thousands of small ones. Memory stays
   ``O((R + C) * D + budget)``, never ``R x C`` beyond the budget.
@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from ._common import DEFAULT_TILE, DENSE_BUDGET_BYTES, fixed_scale_applies
+from .precision import fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
+from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
 
 #: GPU scratch budget (bytes) unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` says otherwise.
 GPU_BUDGET_DEFAULT = 1 << 30
@@ -190,7 +191,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         fixed: force the bounded one-``exp`` algorithm (tests; the caller vouches for it).
         bound: the loss's promise that every ``|S| <= bound`` (unit rows and a host-known scale;
             None: no promise). The bounded algorithm is chosen when it is exact for the dtype
-            (:func:`~._common.fixed_scale_applies`).
+            (:func:`~.precision.fixed_scale_applies`).
         triton_serves: None when the Triton kernels can serve the call, else the reason.
         one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
         half_ok: the kernel can take tensor-core products (:mod:`.products`).

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch import Tensor
 
-from ._common import Scale
+from .precision import Scale
 
 if TYPE_CHECKING:
     from ..positives import Exclusion, Positives

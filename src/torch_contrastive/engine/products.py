@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import Scale, logits_tile
+from .precision import Scale
+from .tiling import logits_tile
 
 
 class Products:

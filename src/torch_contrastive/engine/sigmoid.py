@@ -23,11 +23,12 @@ from torch import Tensor
 
 from .._tensors import self_diagonal
 from . import planner
-from ._common import Buffers, Scale, logits_tile, tiles
 from .driver import Gradients, Operands, Saved, run
 from .planner import Decision
+from .precision import Scale
 from .problem import Options, Problem, SigmoidPairs
 from .products import KernelOperands
+from .tiling import Buffers, logits_tile, tiles
 
 if TYPE_CHECKING:
     from ..positives import Positives

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from .._tensors import as_dtype
 from . import planner
-from ._common import Scale
 from .confident import apart_rule, coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
 from .planner import Decision
+from .precision import Scale
 from .problem import Options, Problem, Softmax
 from .products import KernelOperands, Products, make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from .._tensors import self_diagonal
-from ._common import Buffers, tiles
 from .products import AnyProducts
 from .softmax_plan import Direction, SoftmaxPlan, blank, complete_columns, drop, excluded, inverse_exp, log_total
+from .tiling import Buffers, tiles
 
 if TYPE_CHECKING:
     from ..positives import Positives

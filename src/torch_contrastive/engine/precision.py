@@ -1,0 +1,37 @@
+"""The engine's numbers: the compute dtype, when the bounded one-``exp`` regime is exact, autocast."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MAX_FIXED_SCALE = {torch.float32: 40.0, torch.float64: 340.0}
+
+
+Scale = Tensor | float
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine computes in: fp64 stays fp64, everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fixed_scale_applies(bounded: bool, scale_bound: float | None, dtype: torch.dtype) -> bool:
+    """Whether the fixed (no-shift) algorithm is exact.
+
+    Args:
+        bounded: every input row has norm <= 1 (L2-normalised), so ``|S| <= scale``.
+        scale_bound: a host-side upper bound of ``scale`` (``None``: unknown, e.g. a
+            learnable temperature under ``validate=False``, which never reads it).
+        dtype: the input dtype.
+    """
+    return bounded and scale_bound is not None and scale_bound <= _MAX_FIXED_SCALE[compute_dtype(dtype)]
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether an autocast region is active for ``device_type`` (cheaper than entering a
+    disabling context on every call)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4 takes no argument
+        return bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
