@@ -179,13 +179,13 @@ def test_positive_weight_gradient_under_every_reduction(reduction, decoupled):
     """Against the dense float64 formula ``-w_i s_ip + LSE_i`` (LSE without the positive for DCL),
     weight, embeddings and temperature alike, through the reduction the engine applies inside."""
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    w = (torch.rand(8, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
-    upstream = torch.randn(8, generator=g, dtype=torch.float64)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    w = (torch.rand(8, generator=g, dtype=torch.float64) + 0.5).to(DEVICE).requires_grad_()
+    upstream = torch.randn(8, generator=g, dtype=torch.float64).to(DEVICE)
     z = torch.nn.functional.normalize(x, dim=1)
     s = z @ z.T / 0.3
-    partner = (torch.arange(8) + 4) % 8
-    left_out = torch.eye(8, dtype=torch.bool) | (torch.nn.functional.one_hot(partner, 8).bool() if decoupled else False)
+    partner = (torch.arange(8, device=DEVICE) + 4) % 8
+    left_out = torch.eye(8, dtype=torch.bool, device=DEVICE) | (torch.nn.functional.one_hot(partner, 8).bool() if decoupled else False)
     per_row = -w * s[torch.arange(8), partner] + torch.logsumexp(s.masked_fill(left_out, float("-inf")), 1)
     ref = {"mean": per_row.mean(), "sum": per_row.sum(), "none": (per_row * upstream).sum()}[reduction]
     ref_grads = torch.autograd.grad(ref, (x, w))
@@ -200,13 +200,13 @@ def test_engine_refuses_weights_that_require_grad():
     """The engine's weights are constants: one that requires grad is an error, never dropped."""
     from torch_contrastive.engine import PairTerms, Problem, Softmax
 
-    x = torch.randn(4, 3)
-    w = torch.ones(4, requires_grad=True)
+    x = torch.randn(4, 3, device=DEVICE)
+    w = torch.ones(4, device=DEVICE, requires_grad=True)
     with pytest.raises(ValueError, match="require grad"):
         Problem(x, x, 1.0, Softmax(row_weights=(None, w)), self_offset=0)
     with pytest.raises(ValueError, match="require grad"):
         Problem(x, x, 1.0, Softmax(col_weights=(w, None), columns=True))
-    pos = tc.positives.Positives.from_keys(torch.arange(4) % 2, self_offset=0)
+    pos = tc.positives.Positives.from_keys(torch.arange(4, device=DEVICE) % 2, self_offset=0)
     with pytest.raises(ValueError, match="require grad"):
         Problem(x, x, 1.0, PairTerms("binary", combine=((w, w), 1.0)), positives=pos, self_offset=0)
 

@@ -380,14 +380,14 @@ class _PairwiseKernel:
 
     def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a, b, scale = saved.a, saved.b, saved.scale
-        kernel_saved, kept, raw = saved.keep["kernel"], saved.keep["kept"], (*saved.keep["raw"], None)
+        kernel_saved, kept, raw = saved.keep["kernel"], saved.keep["kept"], saved.keep["raw"]
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
             weights, total = ctx.combine
             grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
         grads = tuple(as_dtype(g, a.dtype) for g in grads)  # type: ignore[arg-type]
         kernel = _KERNELS[plan.kernel]
         if plan.backend == "triton":
-            return _backward_triton(plan, KernelOperands(plan, raw[:2] if len(raw) > 1 else (), a, b, scale, saved.norms), kernel_saved,
+            return _backward_triton(plan, KernelOperands(plan, (*raw, None)[:2] if raw else (), a, b, scale, saved.norms), kernel_saved,
                                     grads)  # type: ignore[arg-type]
         if kept:
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from .driver import Gradients, Operands, Saved, run
 from .planner import Decision
 from .precision import Scale
 from .problem import Options, Problem, Softmax
-from .products import KernelOperands, Products, make_products
+from .products import AnyProducts, KernelOperands, Products, make_products
 from .softmax_plan import Direction, SoftmaxPlan, complete_columns
 from .softmax_tiles import backward_fixed, backward_online, fixed_lse, forward_fixed, forward_online, single_backward, single_forward
 
@@ -103,23 +103,24 @@ class _Softmax:
     def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         row_alpha, row_beta, col_alpha, col_beta, total = extras
         a_c, b_c, scale_c, norms = ops.a_c, ops.b_c, ops.scale, ops.norms
-        a_s: Tensor | None = None  # scale * A, formed where a path needs it (one small tile never does)
         kept = None
         sums: Any = None  # (total, total') to divide by; six entries from single_apart
         row_pos = col_pos = None
         raw = (ops.a, ops.b) if plan.half or plan.operand_dtype is not None else ()
         if plan.backend == "triton":
-            row_lse, col_lse = _forward_triton(KernelOperands(plan, raw, a_c, b_c, scale_c, norms, a_s), plan, b_c.shape[0])
+            scaled = Products(None, a_c, b_c, scale_c)  # holds scale * A once: the kernels' operand and the positive part's
+            kops = KernelOperands(plan, raw, a_c, b_c, scale_c, norms, scaled.a_s if plan.operand_dtype is None else None)
+            prod: AnyProducts = scaled
+            row_lse, col_lse = _forward_triton(kops, plan, b_c.shape[0])
         else:
             prod = make_products(plan.half, raw, None, a_c, b_c, scale_c, norms, plan.normalize)
             if plan.single_tile:
                 row_lse, col_lse, row_pos, col_pos, kept, sums = single_forward(prod, a_c.shape[0], b_c.shape[0], plan)
             else:
                 row_lse, col_lse = (forward_fixed if plan.fixed else forward_online)(prod, a_c, b_c.shape[0], plan)
-            if isinstance(prod, Products):
-                a_s = prod.a_s if plan.positives is not None and not plan.tile_positives else None  # formed once, shared
         if plan.positives is not None and not plan.tile_positives:
-            a_s = a_c * scale_c if a_s is None else a_s
+            # scale * A, formed once (a small tile's addmm never forms it; half products never do)
+            a_s = prod.a_s if isinstance(prod, Products) else a_c * scale_c
             row_pos = (a_s * plan.positives.aggregate(b_c)).sum(1)
             if plan.column_positives:
                 col_pos = (b_c * plan.positives.aggregate_transposed(a_s)).sum(1)
