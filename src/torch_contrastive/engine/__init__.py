@@ -6,9 +6,10 @@ by block without ever holding S (README, "Tiled engine").
 
 A loss describes each call as an immutable :class:`~.problem.Problem` (the rows, the scale, the
 relation of positives, the statistic, the shared :class:`~.problem.Options`);
-:func:`~.planner.plan` turns it and its device into a :class:`~.planner.Decision` without
-running anything, and :func:`~.solve.solve` plans it and runs the statistic's executor. The
-statistics, with their keyword forms:
+:func:`~.planner.plan` turns it and its device into one frozen typed plan (:mod:`.plans`, holding
+the device :class:`~.planner.Decision`) without running anything, and :func:`~.solve.solve` plans
+it and runs the executor registered for its statistic and the plan's backend. The statistics, with
+their keyword forms:
 
 :class:`~.problem.Softmax` -- :func:`softmax_terms` (:mod:`.softmax`)
     ``alpha_i * log sum_{j != self(i)} exp(S_ij) - beta_i * sum_j P_ij S_ij`` per row,

@@ -9,24 +9,21 @@ for its block of the mask. Forward keeps O(N) statistics, backward recomputes ea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .._tensors import as_dtype, self_diagonal
-from ..positives import Exclusion
-from . import planner
 from .driver import Gradients, Operands, Saved, run
-from .planner import Decision
 from .precision import Scale
 from .problem import Combine, Options, PairTerms, Problem
-from .products import KernelOperands, Products
-from .tiling import Buffers, logits_tile, tiles
+from .products import Products
+from .tiling import Buffers, GradTile, gradient_sweep, raise_max, sweep
 
 if TYPE_CHECKING:
     from ..positives import Positives
+    from .plans import PairPlan
 
 
 class _PairKernel:
@@ -61,10 +58,8 @@ class _PairKernel:
             return
         if p == 0:
             masked = s.masked_fill(~neg, self.low)
-            new_max = torch.maximum(self.neg_max[r0:r1], masked.amax(1))
-            self.neg_sum[r0:r1] *= torch.exp(self.neg_max[r0:r1] - new_max)
+            new_max = raise_max(self.neg_max, self.neg_sum, r0, r1, masked.amax(1))
             self.neg_sum[r0:r1] += torch.where(neg, torch.exp(masked - new_max[:, None]), 0.0).sum(1)
-            self.neg_max[r0:r1] = new_max
             return
         has_neg = self.neg_sum[r0:r1] > 0
         lse = self.neg_lse_rows(r0, r1)
@@ -83,10 +78,8 @@ class _PairKernel:
         if p == 0 and self.fixed:
             self.neg_sum[r0:r1] += s.exp_().sum(1)  # s is a scratch tile buffer
         elif p == 0:
-            new_max = torch.maximum(self.neg_max[r0:r1], s.amax(1))
-            self.neg_sum[r0:r1] *= torch.exp(self.neg_max[r0:r1] - new_max)
+            new_max = raise_max(self.neg_max, self.neg_sum, r0, r1, s.amax(1))
             self.neg_sum[r0:r1] += torch.exp(s - new_max[:, None]).sum(1)
-            self.neg_max[r0:r1] = new_max
         # pass 1 (the per-positive terms) has nothing to do here
 
     def visit_negatives_both(self, s: Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
@@ -271,29 +264,7 @@ class _BinaryKernel:
 _KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKernel}
 
 
-@dataclass(frozen=True)
-class _Plan:
-    kernel: str
-    positives: Positives
-    tile: int  # 0: one tile covers everything
-    normalize: bool
-    eps: float
-    # Which tiles can hold a positive or self pair ((row tile, column tile) -> bool), from
-    # rows and columns sorted by label; None: every tile is treated as mixed.
-    mixed: tuple[tuple[bool, ...], ...] | None = None
-    fixed: bool = False
-    # Single set sorted by label: S is symmetric, so only upper-triangle tiles are visited
-    # and each feeds the statistics (and gradients) of its row block and its column block.
-    symmetric: bool = False
-    backend: str = "torch"  # "triton": the fused pair kernels (triton_backend/pair_terms.py)
-    # Triton on half inputs: the caller's rows reach tl.dot as given (see KernelOperands)
-    operand_dtype: torch.dtype | None = None
-
-    def is_mixed(self, r0: int, c0: int) -> bool:
-        return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
-
-
-def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int, plan: _Plan | None = None,
+def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int, plan: PairPlan | None = None,
            bufs: Buffers | None = None) -> tuple[Tensor, Tensor]:
     """(positive, negative) masks of a tile; the self pair is in neither.
 
@@ -322,27 +293,58 @@ def _scratch(bufs: Buffers, rows: int, cols: int, slot: int) -> tuple[Tensor, Te
     return bufs.get(rows, cols, slot), bufs.get(rows, cols, slot + 1)
 
 
-def _float_masks(plan: _Plan, positives: Positives) -> bool:
+def _float_masks(plan: PairPlan, positives: Positives) -> bool:
     """PML NT-Xent in fixed mode on a one-key label relation: every exp, softplus and sigmoid
     of a tile is finite (``|S| <= 40``), so masks can multiply instead of select."""
     return plan.fixed and plan.kernel == "pair_softplus" and positives.kind == "keys" and len(positives.row_keys) == 1
 
 
-class _PairwiseKernel:
-    """The pairwise terms as a kernel of the engine's driver (:mod:`.driver`); its one extra
-    input is ``combine`` (the caller's per-row weights and reduction, or None)."""
+class PairExecutor:
+    """The pair terms as an executor of the engine's driver (:mod:`.driver`). This class owns the
+    statistic's combination (the caller's per-row weights and reduction, ``combine``, its one
+    extra input) and a backend supplies :meth:`terms` and :meth:`gradients`."""
 
-    def forward(self, ctx: Any, plan: _Plan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
+    def run(self, problem: Problem, plan: PairPlan) -> tuple[Tensor, ...]:
+        """Run a :class:`~.problem.PairTerms` problem as ``plan`` says (see :func:`pairwise_rows`)."""
+        stat = problem.statistic
+        if not isinstance(stat, PairTerms):
+            raise TypeError(f"the pair executor runs PairTerms problems, got {type(stat).__name__}")
+        return tuple(run(self, plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
+                         stat.combine))
+
+    def terms(self, plan: PairPlan, ops: Operands) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+        raise NotImplementedError
+
+    def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
+        raise NotImplementedError
+
+    def forward(self, ctx: Any, plan: PairPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         (combine,) = extras
+        outputs, keep = self.terms(plan, ops)
+        ctx.combine = combine
+        if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
+            weights, total = combine
+            loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
+            outputs = (loss,)
+        return tuple(outputs), keep
+
+    def backward(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
+        a = saved.a
+        if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
+            weights, total = ctx.combine
+            grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
+        return self.gradients(ctx, plan, saved, tuple(as_dtype(g, a.dtype) for g in grads))  # type: ignore[arg-type]
+
+
+class TorchPairs(PairExecutor):
+    """The pair terms on torch: one kept tile, or tile passes (the upper triangle for a
+    label-sorted single set, all-negative tiles without masks)."""
+
+    def terms(self, plan: PairPlan, ops: Operands) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
-        kept: tuple[Tensor, ...] = ()
-        kernel_saved: tuple[Tensor, ...] = ()
-        raw = tuple(t for t in (ops.a, ops.b) if t is not None) if plan.operand_dtype is not None else ()
-        if plan.backend == "triton":
-            outputs, kernel_saved = _forward_triton(plan, KernelOperands(plan, (ops.a, ops.b), a_c, b_c, scale_c, ops.norms))
-        elif plan.tile == 0:
+        if plan.single_tile:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             s = Products(None, a_c, b_c, scale_c).logits(0, R, 0, C)
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
@@ -355,133 +357,86 @@ class _PairwiseKernel:
             else:
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)
-        else:
-            kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
-            bufs = Buffers(a_c.dtype, a_c.device)
-            a_s = a_c * scale_c
-            if plan.symmetric:
-                _symmetric_forward(kernel, a_s, b_c, plan, bufs)
-            for p in range(0 if plan.symmetric else kernel.passes):
-                for r0, r1, c0, c1 in tiles(R, C, plan.tile, False):
-                    if not plan.is_mixed(r0, c0):
-                        if p == 0 or plan.kernel == "binary":  # all negatives: no mask, and no positive terms
-                            kernel.visit_negatives(p, logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1]), r0, r1)
-                        continue
-                    s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b_c[c0:c1])
-                    pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
-                    kernel.visit(p, s, pos, neg, r0, r1)
-            outputs, kernel_saved = kernel.outputs(), kernel.saved()
-        ctx.combine = combine
-        if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
-            weights, total = combine
-            loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
-            outputs = (loss,)
-        return tuple(outputs), {"kernel": kernel_saved, "kept": kept, "raw": raw}
+            return outputs, {"kernel": (), "kept": kept}
+        kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
+        prod = Products(a_c * scale_c, a_c, b_c)
+        if plan.symmetric:
+            _symmetric_forward(kernel, prod, R, plan)
+        for p in range(0 if plan.symmetric else kernel.passes):
+            def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers, p: int = p) -> None:
+                if not plan.is_mixed(r0, c0):  # all negatives: no mask, and no positive terms
+                    kernel.visit_negatives(p, s, r0, r1)
+                    return
+                pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
+                kernel.visit(p, s, pos, neg, r0, r1)
 
-    def backward(self, ctx: Any, plan: _Plan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
+            # PML's second pass has nothing to do on an all-negative tile: not even its logits are formed
+            quiet = p > 0 and plan.kernel != "binary"
+            sweep(prod, R, C, plan.tile, False, visit, skip=(lambda r0, c0: not plan.is_mixed(r0, c0)) if quiet else None)
+        return kernel.outputs(), {"kernel": kernel.saved(), "kept": ()}
+
+    def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
         a, b, scale = saved.a, saved.b, saved.scale
-        kernel_saved, kept, raw = saved.keep["kernel"], saved.keep["kept"], saved.keep["raw"]
-        if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
-            weights, total = ctx.combine
-            grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
-        grads = tuple(as_dtype(g, a.dtype) for g in grads)  # type: ignore[arg-type]
+        kernel_saved, kept = saved.keep["kernel"], saved.keep["kept"]
         kernel = _KERNELS[plan.kernel]
-        if plan.backend == "triton":
-            return _backward_triton(plan, KernelOperands(plan, (*raw, None)[:2] if raw else (), a, b, scale, saved.norms), kernel_saved,
-                                    grads)  # type: ignore[arg-type]
         if kept:
-            g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)  # type: ignore[arg-type]
+            g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients((g + g.t()) @ a, None, True)
             return Gradients(g @ b, g.t() @ a)
+        prod = Products(a * scale, a, a if plan.symmetric else b)
+
+        def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
+            if not plan.is_mixed(r0, c0):
+                return kernel.grad_negatives(s, r0, r1, kernel_saved, grads, plan.fixed)
+            pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
+            return kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))
+
         if plan.symmetric:
-            return Gradients(_symmetric_backward(kernel, a * scale, a, plan, kernel_saved, grads), None, True)  # type: ignore[arg-type]
-        a_s = a * scale
-        gb = torch.zeros_like(a)
-        ga = torch.zeros_like(b)
-        bufs = Buffers(a.dtype, a.device)
-        for r0, r1, c0, c1 in tiles(a.shape[0], b.shape[0], plan.tile, False):
-            s = logits_tile(bufs.get(r1 - r0, c1 - c0), a_s[r0:r1], b[c0:c1])
-            if plan.is_mixed(r0, c0):
-                pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
-                g = kernel.grad_tile(s, pos, neg, r0, r1, kernel_saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))  # type: ignore[arg-type]
-            else:
-                g = kernel.grad_negatives(s, r0, r1, kernel_saved, grads, plan.fixed)  # type: ignore[arg-type]
-            gb[r0:r1].addmm_(g, b[c0:c1])
-            ga[c0:c1].addmm_(g.t(), a[r0:r1])
+            gb, _ = gradient_sweep(prod, a, a, plan.tile, True, _symmetric_grad_tile(kernel, plan, kernel_saved, grads))
+            return Gradients(gb, None, True)
+        gb, ga = gradient_sweep(prod, a, b, plan.tile, False, grad_tile)
         return Gradients(gb, ga)
 
 
-_PAIRWISE = _PairwiseKernel()
+#: The torch pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+TORCH = TorchPairs()
 
 
-def _forward_triton(plan: _Plan, ops: KernelOperands) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """The pair kernels' forward: NT-BXent's two sums in one pass; PML NT-Xent's negatives'
-    log-sum-exp (the row-owned kernel, same-label pairs excluded), then its pair terms."""
-    from . import triton_backend
-
-    if plan.kernel == "binary":
-        return triton_backend.pair_sums(ops.x, ops.y, plan.positives, True, factors=ops.pair()), ()
-    neg_lse = triton_backend.row_lse(ops.x, ops.y, plan.positives.self_offset, Exclusion(relation=plan.positives),
-                                     factors=ops.pair())
-    out, weight = triton_backend.pair_sums(ops.x, ops.y, plan.positives, False, lse=neg_lse, factors=ops.pair())
-    return (out,), (neg_lse, weight)
-
-
-def _backward_triton(plan: _Plan, ops: KernelOperands, kernel_saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Gradients:
-    """``G @ B`` and ``G.T @ A`` of the pair terms, each gradient tile formed once (atomics)."""
-    from . import triton_backend
-
-    binary = plan.kernel == "binary"
-    lse, weight = (None, None) if binary else kernel_saved
-    rows, cols = triton_backend.pair_grad(ops.x, ops.y, ops.z, plan.positives, binary, grads, lse, weight, ops.factors)
-    return Gradients(rows, cols)
-
-
-def _symmetric_forward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, bufs: Buffers) -> None:
+def _symmetric_forward(kernel: Any, prod: Products, n: int, plan: PairPlan) -> None:
     """Both passes over the upper-triangle tiles of a symmetric S (rows = columns, sorted by label).
 
     A mixed tile off the diagonal is visited twice, as rows of its row block and, transposed,
     as rows of its column block (the relation is symmetric); an all-negative tile feeds
     both blocks from one exp (PML, fixed mode) or one softplus (NT-BXent).
     """
-    n = z.shape[0]
     for p in range(kernel.passes):
-        for r0, r1, c0, c1 in tiles(n, n, plan.tile, True):
-            mixed = plan.is_mixed(r0, c0)
-            if not mixed and p > 0:
-                continue  # an all-negative tile has no per-positive terms: not even its logits are needed
-            s = logits_tile(bufs.get(r1 - r0, c1 - c0), z_s[r0:r1], z[c0:c1])
-            if not mixed:
+        def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers, p: int = p) -> None:
+            if not plan.is_mixed(r0, c0):
                 kernel.visit_negatives_both(s, r0, r1, c0, c1)
-                continue
+                return
             pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
             kernel.visit(p, s, pos, neg, r0, r1)
             if c0 != r0:
                 kernel.visit(p, s.t(), pos.t(), neg.t(), c0, c1)
 
+        # an all-negative tile has no per-positive terms: not even its logits are needed after pass 0
+        sweep(prod, n, n, plan.tile, True, visit, skip=(lambda r0, c0: not plan.is_mixed(r0, c0)) if p > 0 else None)
 
-def _symmetric_backward(kernel: Any, z_s: Tensor, z: Tensor, plan: _Plan, saved: tuple[Tensor, ...],
-                        grads: tuple[Tensor, ...]) -> Tensor:
-    """``H @ Z`` over the upper-triangle tiles, ``H = G + G'^T`` (both blocks' gradient tiles)."""
-    n = z.shape[0]
-    acc = torch.zeros_like(z)
-    bufs = Buffers(z.dtype, z.device)
-    for r0, r1, c0, c1 in tiles(n, n, plan.tile, True):
-        s = logits_tile(bufs.get(r1 - r0, c1 - c0), z_s[r0:r1], z[c0:c1])
-        if plan.is_mixed(r0, c0):
-            pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
-            h = kernel.grad_tile(s, pos, neg, r0, r1, saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))
-            if c0 == r0:
-                h = torch.add(h, h.t(), out=bufs.get(r1 - r0, c1 - c0, 8))
-            else:
-                h = h.add_(kernel.grad_tile(s.t(), pos.t(), neg.t(), c0, c1, saved, grads, _scratch(bufs, c1 - c0, r1 - r0, 6)).t())
-        else:
-            h = kernel.grad_negatives_both(s, r0, r1, c0, c1, saved, grads, bufs.get(r1 - r0, c1 - c0, 1))
-        acc[r0:r1].addmm_(h, z[c0:c1])
-        if c0 != r0:
-            acc[c0:c1].addmm_(h.t(), z[r0:r1])
-    return acc
+
+def _symmetric_grad_tile(kernel: Any, plan: PairPlan, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> GradTile:
+    """The gradient tile of a symmetric S's upper triangle: ``H = G + G'^T`` (both blocks' tiles)."""
+
+    def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
+        if not plan.is_mixed(r0, c0):
+            return kernel.grad_negatives_both(s, r0, r1, c0, c1, saved, grads, bufs.get(r1 - r0, c1 - c0, 1))
+        pos, neg = _masks(plan.positives, r0, r1, c0, c1, plan, bufs)
+        h = kernel.grad_tile(s, pos, neg, r0, r1, saved, grads, _scratch(bufs, r1 - r0, c1 - c0, 4))
+        if c0 == r0:
+            return torch.add(h, h.t(), out=bufs.get(r1 - r0, c1 - c0, 8))
+        return h.add_(kernel.grad_tile(s.t(), pos.t(), neg.t(), c0, c1, saved, grads, _scratch(bufs, c1 - c0, r1 - r0, 6)).t())
+
+    return grad_tile
 
 
 def pairwise_rows(
@@ -531,27 +486,9 @@ def pairwise_rows(
     """
     problem = Problem(anchors, candidates, scale, PairTerms(kernel, label_ranges, combine, fixed), positives=positives,
                       self_offset=positives.self_offset, bound=bound, options=Options(normalize, float(eps), chunk_size, backend))
-    return execute(problem, planner.plan(problem))
+    from .solve import solve  # the keyword form builds a Problem; solve imports this module
 
-
-def execute(problem: Problem, decision: Decision) -> tuple[Tensor, ...]:
-    """Run a :class:`~.problem.PairTerms` problem as ``decision`` says (see :func:`pairwise_rows`)."""
-    stat, positives, opts = problem.statistic, problem.positives, problem.options
-    if not isinstance(stat, PairTerms) or positives is None:
-        raise TypeError("pairwise.execute runs PairTerms problems (with positives)")
-    single = decision.tile == 0
-    mixed = None
-    if stat.label_ranges is not None and not single:
-        rows, cols = stat.label_ranges
-        mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in cols) for r_lo, r_hi in rows)
-    symmetric = (mixed is not None and problem.single and positives.self_offset == 0
-                 and (stat.kernel == "binary" or decision.fixed))  # PML's one exp for both blocks needs the fixed mode
-    if decision.backend == "triton":
-        mixed, symmetric = None, False  # the kernels form every tile's mask in registers
-    pair_plan = _Plan(stat.kernel, positives, 0 if single else decision.tile, opts.normalize, float(opts.eps), mixed,
-                      decision.fixed, symmetric, decision.backend, decision.operand_dtype)
-    return tuple(run(_PAIRWISE, pair_plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
-                     stat.combine))
+    return solve(problem)
 
 
 def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .confident import apart_rule
+from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
@@ -235,10 +237,11 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
 
 
-def plan(problem: Problem) -> Decision:
-    """Every decision for one :class:`~.problem.Problem` on its inputs' device -- the one planning
-    function every engine call goes through. Nothing runs: ``plan(problem)`` says what
-    :func:`~torch_contrastive.engine.solve` would do (``str(decision)`` in words).
+def plan(problem: Problem) -> AnyPlan:
+    """The one complete plan of a :class:`~.problem.Problem` on its inputs' device -- the one
+    planning function every engine call goes through. Nothing runs: ``plan(problem)`` says what
+    :func:`~torch_contrastive.engine.solve` would do (``str(plan)`` in words) and is a frozen
+    :class:`~.plans.SoftmaxPlan`, :class:`~.plans.PairPlan` or :class:`~.plans.SigmoidPlan`.
 
     The statistic's traits: the soft-max terms take tensor-core products and may move to the
     Triton kernels under ``"auto"``; the pair and sigmoid kernels stay on torch under
@@ -247,14 +250,55 @@ def plan(problem: Problem) -> Decision:
     """
     stat = problem.statistic
     rows, cols = problem.shape
-    anchors, candidates, opts = problem.anchors, problem.candidates, problem.options
+    anchors, opts = problem.anchors, problem.options
     softmax = isinstance(stat, Softmax)
     kernel = "softmax" if softmax else "pairwise" if isinstance(stat, PairTerms) else "sigmoid"
     fixed = stat.fixed if isinstance(stat, (Softmax, PairTerms)) else False
-    return decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
-                  other_dtype=candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
-                  bound=None if isinstance(stat, SigmoidPairs) else problem.bound, half_ok=softmax, auto_triton=softmax,
-                  triton_serves=lambda: triton_refusal(problem))
+    decision = decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
+                      other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
+                      bound=None if isinstance(stat, SigmoidPairs) else problem.bound, half_ok=softmax, auto_triton=softmax,
+                      triton_serves=lambda: triton_refusal(problem))
+    if softmax:
+        return _softmax_plan(problem, stat, decision)
+    if isinstance(stat, PairTerms):
+        return _pair_plan(problem, stat, decision)
+    if problem.positives is None:  # Problem refuses it when built
+        raise ValueError("SigmoidPairs needs positives")
+    return SigmoidPlan(decision=decision, positives=problem.positives, diagonal_offset=stat.diagonal_offset,
+                       normalize=opts.normalize, eps=float(opts.eps))
+
+
+def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> SoftmaxPlan:
+    """The soft-max choices: where the positive part is read, shared weights, kept-apart positives, gradient columns."""
+    positives, columns, n_cols = problem.positives, stat.columns, problem.shape[1]
+    return SoftmaxPlan(
+        decision=decision, self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric,
+        normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
+        column_positives=columns and stat.column_positives,
+        tile_positives=decision.tile == 0 and positives is not None and (positives.kind != "keys" or positives.dense is not None),
+        shared_alpha=stat.columns_share_alpha and stat.row_weights[0] is not None,
+        column_comm=stat.column_comm if columns else None,
+        grad_columns=n_cols if problem.grad_columns is None else max(0, min(int(problem.grad_columns), n_cols)),
+        exclude=stat.exclude,
+        apart=apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,
+                         decision.backend))
+
+
+def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPlan:
+    """The pair choices: which tiles can hold a positive (label-sorted rows), and the symmetric walk."""
+    positives = problem.positives
+    if positives is None:  # Problem refuses it when built
+        raise ValueError("PairTerms needs positives")
+    mixed = None
+    # The Triton kernels form every tile's mask in registers: no skipped tiles, no triangle walk.
+    if stat.label_ranges is not None and decision.tile != 0 and decision.backend == "torch":
+        row_ranges, col_ranges = stat.label_ranges
+        mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in col_ranges) for r_lo, r_hi in row_ranges)
+    # PML's one exp for both blocks of a tile needs the bounded regime
+    symmetric = (mixed is not None and problem.single and positives.self_offset == 0
+                 and (stat.kernel == "binary" or decision.fixed))
+    return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
+                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric)
 
 
 def triton_refusal(problem: Problem) -> str | None:

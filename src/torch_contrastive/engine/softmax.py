@@ -18,106 +18,71 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from .._tensors import as_dtype
-from . import planner
-from .confident import apart_rule, coefficient, coefficient_from_sums, margin
+from .confident import coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
-from .planner import Decision
+from .left_out import Direction
 from .precision import Scale
 from .problem import Options, Problem, Softmax
-from .products import AnyProducts, KernelOperands, Products, make_products
-from .softmax_plan import Direction, SoftmaxPlan, complete_columns
-from .softmax_tiles import backward_fixed, backward_online, fixed_lse, forward_fixed, forward_online, single_backward, single_forward
+from .products import AnyProducts, Products, make_products
+from .softmax_tiles import backward_fixed, backward_online, forward_fixed, forward_online, single_backward, single_forward
 
 if TYPE_CHECKING:
     from ..positives import Positives
-
-
-
-
-def _forward_triton(ops: KernelOperands, plan: SoftmaxPlan, n_cols: int) -> tuple[Tensor, Tensor | None]:
-    """Row (and column) log-sum-exp by the Triton kernels: the bounded regime sums rows and
-    columns in one pass over the tiles (the upper triangle for a single set); the online
-    regime, or deterministic mode, runs the row-owned kernel once per direction."""
-    from . import triton_backend
-
-    x, y = ops.x, ops.y
-    if plan.fixed and triton_backend.fused():
-        row_sum, col_sum = triton_backend.tile_sums(x, y, plan.self_offset, plan.exclude, plan.columns, plan.symmetric,
-                                                    ops.pair())
-        return fixed_lse(row_sum, col_sum, plan, n_cols)
-    row_lse = triton_backend.row_lse(x, y, plan.self_offset, plan.exclude, factors=ops.pair())
-    if plan.exclude is None:  # a row without candidates (a batch of one) gets 0, as the torch backend's
-        row_lse = torch.where(torch.isneginf(row_lse), 0.0, row_lse)
-    if not plan.columns:
-        return row_lse, None
-    col_offset = None if plan.self_offset is None else -plan.self_offset
-    col_lse = triton_backend.row_lse(y, x, col_offset, plan.exclude, transposed=True, factors=ops.pair(swapped=True))
-    if plan.column_comm is not None:  # every rank's partial log-sum-exp, brought to the global maximum
-        col_lse = complete_columns(torch.ones_like(col_lse), col_lse, plan)
-    return row_lse, col_lse
-
-
-def _backward_triton(ops: KernelOperands, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
-                     plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
-    """``G @ B`` and ``G.T @ A`` by the Triton kernels: each gradient tile formed once
-    (atomics), or -- in deterministic mode -- ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
-    from . import triton_backend
-
-    x, y, z = ops.x, ops.y, ops.z
-    offset = plan.self_offset
-    if triton_backend.fused():
-        return triton_backend.tile_grad(x, y, z, row, col, offset, plan.exclude, plan.grad_columns, plan.symmetric, ops.factors)
-    fxy = ops.pair()
-    gb_acc = triton_backend.grad_rows(x, y, y, row, col, offset, plan.exclude,
-                                      factors=None if fxy is None else (*fxy, fxy[1]))
-    if plan.grad_columns == 0 or plan.symmetric:  # a single set: G is symmetric, G @ Z holds both roles
-        return gb_acc, None
-    k = plan.grad_columns
-    zero = torch.zeros(k, dtype=a.dtype, device=a.device)
-    swapped_row = (zero, zero) if col is None else (col[0].expand(b.shape[0])[:k], col[1][:k])
-    swapped = ops.pair(swapped=True, rows=k)
-    part = triton_backend.grad_rows(y[:k], x, z, swapped_row, row, None if offset is None else -offset, plan.exclude,
-                                    transposed=True, factors=None if swapped is None or ops.factors is None
-                                    else (*swapped, ops.factors[2]))
-    if k >= b.shape[0]:
-        return gb_acc, part
-    ga_acc = torch.zeros_like(b, dtype=part.dtype)
-    ga_acc[:k] = part
-    return gb_acc, ga_acc
+    from .plans import SoftmaxPlan
 
 
 def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
     return g if weight is None else g * weight
 
 
-class _Softmax:
-    """The soft-max terms as a kernel of the engine's driver (:mod:`.driver`): its extra
-    inputs are ``(row_alpha, row_beta, col_alpha, col_beta, total)``, all without gradient."""
+class Statistics(NamedTuple):
+    """A backend's forward pass: its products, the row (and column) log-sum-exps and what the
+    one kept tile gives besides (its positive sums, the tile itself, the sums to divide by)."""
+
+    prod: AnyProducts
+    row_lse: Tensor
+    col_lse: Tensor | None
+    row_pos: Tensor | None = None
+    col_pos: Tensor | None = None
+    kept: Tensor | None = None
+    sums: tuple[Any, ...] | None = None  # (total, total') to divide by; six entries from single_apart
+
+
+class SoftmaxExecutor:
+    """The soft-max terms as an executor of the engine's driver (:mod:`.driver`). This class owns
+    the statistic -- weights, positive part, kept-apart margins, the reduction, the coefficients
+    of backward -- and a backend supplies its two passes: :meth:`statistics` (the log-sum-exps)
+    and :meth:`tile_gradients` (``G @ B`` and ``G.T @ A`` of the soft-max part). The driver's
+    extra inputs are ``(row_alpha, row_beta, col_alpha, col_beta, total)``, all without gradient."""
+
+    def run(self, problem: Problem, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+        """Run a :class:`~.problem.Softmax` problem as ``plan`` says: ``(row_out, col_out or None)``."""
+        stat = problem.statistic
+        if not isinstance(stat, Softmax):
+            raise TypeError(f"the soft-max executor runs Softmax problems, got {type(stat).__name__}")
+        row_weights, col_weights = stat.row_weights, stat.col_weights
+        row_out, col_out = run(self, plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
+                               *row_weights, None if plan.shared_alpha else col_weights[0], col_weights[1], stat.total)
+        return row_out, (col_out if plan.columns and stat.total is None else None)
+
+    def statistics(self, plan: SoftmaxPlan, ops: Operands, raw: tuple[Tensor | None, ...]) -> Statistics:
+        raise NotImplementedError
+
+    def tile_gradients(self, plan: SoftmaxPlan, saved: Saved, raw: tuple[Tensor | None, ...], row: Direction,
+                       col: Direction | None, folded: tuple[Tensor | None, Tensor | None],
+                       by_sums: bool) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
 
     def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         row_alpha, row_beta, col_alpha, col_beta, total = extras
-        a_c, b_c, scale_c, norms = ops.a_c, ops.b_c, ops.scale, ops.norms
-        kept = None
-        sums: Any = None  # (total, total') to divide by; six entries from single_apart
-        row_pos = col_pos = None
+        a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         raw = (ops.a, ops.b) if plan.half or plan.operand_dtype is not None else ()
-        if plan.backend == "triton":
-            scaled = Products(None, a_c, b_c, scale_c)  # holds scale * A once: the kernels' operand and the positive part's
-            kops = KernelOperands(plan, raw, a_c, b_c, scale_c, norms, scaled.a_s if plan.operand_dtype is None else None)
-            prod: AnyProducts = scaled
-            row_lse, col_lse = _forward_triton(kops, plan, b_c.shape[0])
-        else:
-            prod = make_products(plan.half, raw, None, a_c, b_c, scale_c, norms, plan.normalize)
-            if plan.single_tile:
-                row_lse, col_lse, row_pos, col_pos, kept, sums = single_forward(prod, a_c.shape[0], b_c.shape[0], plan)
-            else:
-                row_lse, col_lse = (forward_fixed if plan.fixed else forward_online)(prod, a_c, b_c.shape[0], plan)
+        prod, row_lse, col_lse, row_pos, col_pos, kept, sums = self.statistics(plan, ops, raw)
         if plan.positives is not None and not plan.tile_positives:
             # scale * A, formed once (a small tile's addmm never forms it; half products never do)
             a_s = prod.a_s if isinstance(prod, Products) else a_c * scale_c
@@ -128,7 +93,7 @@ class _Softmax:
             col_alpha = row_alpha
         given = sums is not None and len(sums) == 6  # (total, total', d, d', excess, excess') of single_apart
         row_out, col_out, row_lse, col_lse, margins = _outputs(plan, row_lse, col_lse, row_pos, col_pos, row_alpha, row_beta,
-                                                               col_alpha, col_beta, total, given)
+                                                               col_alpha, col_beta, given)
         if given and sums is not None:
             margins = tuple(t for t in sums[4:] if t is not None)  # backward's coefficient reads the excesses
             sums = (sums[0], sums[1])
@@ -146,9 +111,9 @@ class _Softmax:
         return (row_out, col_out), keep
 
     def backward(self, ctx: Any, plan: SoftmaxPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
-        a, b, scale, keep = saved.a, saved.b, saved.scale, saved.keep
+        a, b, keep = saved.a, saved.b, saved.keep
         g_row, g_col = grads
-        raw: list[Tensor | None] = [*keep["raw"], None, None][:2]  # a single set's candidates are its anchors
+        raw: tuple[Tensor | None, ...] = (*keep["raw"], None, None)[:2]  # a single set's candidates are its anchors
         kept, margins = keep["kept"], keep["margins"]
         row_lse, col_lse = keep["row_stat"], keep["col_stat"]
         row_alpha, row_beta, col_alpha, col_beta = keep["row_alpha"], keep["row_beta"], keep["col_alpha"], keep["col_beta"]
@@ -177,23 +142,37 @@ class _Softmax:
             plan = replace(plan, grad_columns=0)
         if plan.symmetric and kept is None:
             col = (u, row_lse)  # a single set's columns are its rows
-        if plan.backend == "triton":  # the kernels take the operands themselves (never one kept tile)
-            gb_acc, ga_acc = _backward_triton(KernelOperands(plan, tuple(raw), a, b, scale, saved.norms), a, b, (u, row_lse),
-                                              col, plan)
-        else:
-            prod = make_products(plan.half, tuple(raw) if plan.half else (), None, a, b, scale, saved.norms, plan.normalize)
-            if kept is not None:
-                folded = (c_row, c_col) if plan.tile_positives else (None, None)
-                gb_acc, ga_acc = single_backward(kept, prod, b, (u, row_lse), col, *folded, plan, ctx.by_sums)
-            else:
-                gb_acc, ga_acc = (backward_fixed if plan.fixed else backward_online)(prod, a, b, (u, row_lse), col, plan)
+        folded = (c_row, c_col) if plan.tile_positives else (None, None)
+        gb_acc, ga_acc = self.tile_gradients(plan, saved, raw, (u, row_lse), col, folded, ctx.by_sums)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row.expand(a.shape[0]),
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
         return Gradients(gb_acc, ga_acc, plan.symmetric)
 
 
-_SOFTMAX = _Softmax()
+class TorchSoftmax(SoftmaxExecutor):
+    """The soft-max terms on torch: one kept tile (:func:`~.softmax_tiles.single_forward`), or
+    the bounded / online-maximum tile loops of :mod:`.softmax_tiles`."""
+
+    def statistics(self, plan: SoftmaxPlan, ops: Operands, raw: tuple[Tensor | None, ...]) -> Statistics:
+        a_c, b_c = ops.a_c, ops.b_c
+        prod = make_products(plan.half, raw, None, a_c, b_c, ops.scale, ops.norms, plan.normalize)
+        if plan.single_tile:
+            return Statistics(prod, *single_forward(prod, a_c.shape[0], b_c.shape[0], plan))
+        return Statistics(prod, *(forward_fixed if plan.fixed else forward_online)(prod, a_c, b_c.shape[0], plan))
+
+    def tile_gradients(self, plan: SoftmaxPlan, saved: Saved, raw: tuple[Tensor | None, ...], row: Direction,
+                       col: Direction | None, folded: tuple[Tensor | None, Tensor | None],
+                       by_sums: bool) -> tuple[Tensor, Tensor | None]:
+        a, b, kept = saved.a, saved.b, saved.keep["kept"]
+        prod = make_products(plan.half, raw if plan.half else (), None, a, b, saved.scale, saved.norms, plan.normalize)
+        if kept is not None:
+            return single_backward(kept, prod, b, row, col, *folded, plan, by_sums)
+        return (backward_fixed if plan.fixed else backward_online)(prod, a, b, row, col, plan)
+
+
+#: The torch soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+TORCH = TorchSoftmax()
 
 
 def _total(row_out: Tensor, col_out: Tensor | None, total: tuple[Any, Any]) -> Tensor:
@@ -223,7 +202,7 @@ def _positive_coefficient(how: Any, u: Tensor, g: Tensor, uniform: Tensor | None
 
 def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos: Tensor | None, col_pos: Tensor | None,
              row_alpha: Tensor | None, row_beta: Tensor | None, col_alpha: Tensor | None, col_beta: Tensor | None,
-             total: Any, given: bool = False) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, tuple[Tensor, ...]]:
+             given: bool = False) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """``alpha * LSE - beta * pos`` per row (and column), the full log-sum-exps and, when the
     positives were kept apart, the margins ``LSE - pos`` that backward needs."""
     margins: tuple[Tensor, ...] = ()
@@ -395,29 +374,6 @@ def softmax_terms(
                                                           exclude=exclude, total=total, fixed=fixed),
                       positives=positives, self_offset=self_offset, symmetric=symmetric, bound=bound, grad_columns=grad_columns,
                       options=Options(normalize, float(eps), chunk_size, backend))
-    return execute(problem, planner.plan(problem))
+    from .solve import solve  # the keyword form builds a Problem; solve imports this module
 
-
-def execute(problem: Problem, decision: Decision) -> tuple[Tensor, Tensor | None]:
-    """Run a :class:`~.problem.Softmax` problem as ``decision`` says (see :func:`softmax_terms`)."""
-    stat = problem.statistic
-    if not isinstance(stat, Softmax):
-        raise TypeError(f"softmax.execute runs Softmax problems, got {type(stat).__name__}")
-    anchors, candidates, positives, opts = problem.anchors, problem.candidates, problem.positives, problem.options
-    row_weights, col_weights, columns = stat.row_weights, stat.col_weights, stat.columns
-    C = candidates.shape[0]
-    shared_alpha = stat.columns_share_alpha and row_weights[0] is not None
-    single = decision.tile == 0
-    tile_positives = single and positives is not None and (positives.kind != "keys" or positives.dense is not None)
-    apart = apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,
-                       decision.backend)
-    grad_columns = C if problem.grad_columns is None else max(0, min(int(problem.grad_columns), C))
-    softmax_plan = SoftmaxPlan(self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric, tile=decision.tile,
-                               fixed=decision.fixed, normalize=opts.normalize, eps=float(opts.eps), positives=positives,
-                               column_positives=columns and stat.column_positives, tile_positives=tile_positives,
-                               shared_alpha=shared_alpha, column_comm=stat.column_comm if columns else None,
-                               grad_columns=grad_columns, exclude=stat.exclude, backend=decision.backend,
-                               operand_dtype=decision.operand_dtype, half=decision.half, apart=apart)
-    row_out, col_out = run(_SOFTMAX, softmax_plan, anchors, None if problem.single else candidates, problem.scale, *row_weights,
-                           None if shared_alpha else col_weights[0], col_weights[1], stat.total)
-    return row_out, (col_out if columns and stat.total is None else None)
+    return solve(problem)

@@ -13,14 +13,15 @@ import torch
 from torch import Tensor
 
 from .._tensors import self_diagonal
+from .left_out import Direction, blank, drop, excluded, inverse_exp, log_total
 from .products import AnyProducts
-from .softmax_plan import Direction, SoftmaxPlan, blank, complete_columns, drop, excluded, inverse_exp, log_total
-from .tiling import Buffers, tiles
+from .tiling import Buffers, gradient_sweep, raise_max, sweep
 
 if TYPE_CHECKING:
     from ..positives import Positives
+    from .plans import SoftmaxPlan
 
-__all__ = ["backward_fixed", "backward_online", "fixed_lse", "forward_fixed", "forward_online", "single_backward",
+__all__ = ["backward_fixed", "backward_online", "complete_columns", "fixed_lse", "forward_fixed", "forward_online", "single_backward",
            "single_forward"]
 
 
@@ -240,11 +241,11 @@ def _add_two_set(g: Tensor, layout: str, c_row: Tensor, c_col: Tensor) -> None:
 def forward_fixed(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """Plain sums of ``exp(S)`` (no shift): exact when ``|S| <= 40`` (fp32)."""
     R = a.shape[0]
-    bufs = Buffers(a.dtype, a.device)
     row_sum = a.new_zeros(R)
     col_sum = a.new_zeros(C) if plan.columns else None
-    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        e = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()
+
+    def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+        e = s.exp_()
         diag = self_diagonal(e, r0, c0, plan.self_offset)
         if diag is not None:
             diag.zero_()
@@ -254,6 +255,8 @@ def forward_fixed(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> tu
             row_sum[c0:c1] += e.sum(0)
         if col_sum is not None:
             col_sum[c0:c1] += e.sum(0)
+
+    sweep(prod, R, C, plan.tile, plan.symmetric, visit)
     return fixed_lse(row_sum, col_sum, plan, C)
 
 
@@ -268,6 +271,17 @@ def fixed_lse(row_sum: Tensor, col_sum: Tensor | None, plan: SoftmaxPlan, n_cols
     return row_lse, col_sum.log()
 
 
+def complete_columns(col_sum: Tensor, col_max: Tensor, plan: SoftmaxPlan) -> Tensor:
+    """Column LSE from (sum, max); across ranks: bring partial sums to the global maximum."""
+    if plan.column_comm is not None:
+        global_max = col_max.clone()
+        plan.column_comm.all_max(global_max)
+        col_sum = col_sum * torch.exp(col_max - global_max)
+        plan.column_comm.all_sum(col_sum)
+        col_max = global_max
+    return col_sum.log() + col_max
+
+
 def forward_online(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """Running (maximum, shifted sum) per row and column: exact for any logit range.
 
@@ -276,11 +290,10 @@ def forward_online(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> t
     """
     R = a.shape[0]
     low = torch.finfo(a.dtype).min
-    bufs = Buffers(a.dtype, a.device)
     row_max, row_sum = a.new_full((R,), low), a.new_zeros(R)
     col_max, col_sum = a.new_full((C,), low), a.new_zeros(C)
-    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0))
+
+    def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
         diag = self_diagonal(s, r0, c0, plan.self_offset)
         if diag is not None:
             diag.fill_(low)
@@ -293,6 +306,8 @@ def forward_online(prod: AnyProducts, a: Tensor, C: int, plan: SoftmaxPlan) -> t
             _online_update(s, row_max, row_sum, c0, c1, r0, None, dim=0, work=work, cleared=cleared)
         if plan.columns:
             _online_update(s, col_max, col_sum, c0, c1, r0, None, dim=0, work=work, cleared=cleared)
+
+    sweep(prod, R, C, plan.tile, plan.symmetric, visit)
     row_lse = log_total(row_sum, row_max, plan, C)
     if not plan.columns:
         return row_lse, None
@@ -309,9 +324,7 @@ def _online_update(
     ``other0`` is the first index of the other axis; ``self_offset`` (rows only) marks
     self entries whose exp must be zeroed.
     """
-    tile_max = s.amax(dim)
-    new_max = torch.maximum(run_max[i0:i1], tile_max)
-    run_sum[i0:i1] *= torch.exp(run_max[i0:i1] - new_max)
+    new_max = raise_max(run_max, run_sum, i0, i1, s.amax(dim))
     shifted = torch.sub(s, new_max[:, None] if dim == 1 else new_max[None, :], out=work).exp_()
     diag = self_diagonal(shifted, i0, other0, self_offset)
     if diag is not None:
@@ -319,11 +332,10 @@ def _online_update(
     if cleared is not None:  # excluded entries sit at the lowest value: exp(0) = 1 while nothing else is seen
         blank(shifted, *cleared, 0.0)
     run_sum[i0:i1] += shifted.sum(dim)
-    run_max[i0:i1] = new_max
 
 
 def backward_fixed(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
-                    plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+                   plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = u_i e^{S_ij} + v_j e^{S_ij}``.
 
     ``exp(S_ij - LSE_i) = exp(S_ij) * exp(-LSE_i)``: one exp per element serves both
@@ -331,46 +343,36 @@ def backward_fixed(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col:
     """
     u = row[0] * inverse_exp(row[1], plan)
     v = None if col is None else col[0] * inverse_exp(col[1], plan)
-    R, C = a.shape[0], b.shape[0]
-    bufs = Buffers(a.dtype, a.device)
-    gb_acc = torch.zeros_like(a)  # G @ B (or H @ Z when symmetric)
-    ga_acc = _column_accumulator(b, plan)  # G.T @ A
-    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        g = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()
+
+    def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
+        g = s.exp_()
         if v is not None:
             g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1], out=bufs.get(r1 - r0, c1 - c0, 1)))
         else:
             g.mul_(u[r0:r1, None])
-        _accumulate(g, prod, gb_acc, ga_acc, r0, r1, c0, c1, plan)
-    return gb_acc, ga_acc
+        _leave_out(g, r0, r1, c0, c1, plan)
+        return g
+
+    return gradient_sweep(prod, a, b, plan.tile, plan.symmetric, grad_tile, plan.grad_columns)
 
 
 def backward_online(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
-                     plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
+                    plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` with ``G_ij = g_i e^{S_ij - LSE_i} + h_j e^{S_ij - LSE'_j}``."""
     g_row, row_lse = row
-    R, C = a.shape[0], b.shape[0]
-    bufs = Buffers(a.dtype, a.device)
-    gb_acc = torch.zeros_like(a)
-    ga_acc = _column_accumulator(b, plan)
-    for r0, r1, c0, c1 in tiles(R, C, plan.tile, plan.symmetric):
-        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0, 1))
-        g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0)).exp_().mul_(g_row[r0:r1, None])
+
+    def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
+        g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0, 1)).exp_().mul_(g_row[r0:r1, None])
         if col is not None:
             g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
-        _accumulate(g, prod, gb_acc, ga_acc, r0, r1, c0, c1, plan)
-    return gb_acc, ga_acc
+        _leave_out(g, r0, r1, c0, c1, plan)
+        return g
+
+    return gradient_sweep(prod, a, b, plan.tile, plan.symmetric, grad_tile, plan.grad_columns)
 
 
-def _column_accumulator(b: Tensor, plan: SoftmaxPlan) -> Tensor | None:
-    """``G.T @ A``'s accumulator: none for a symmetric set (its columns are its rows) or
-    when no candidate needs a gradient; rows past ``grad_columns`` stay zero."""
-    return None if plan.symmetric or plan.grad_columns == 0 else torch.zeros_like(b)
-
-
-def _accumulate(g: Tensor, prod: AnyProducts, gb_acc: Tensor, ga_acc: Tensor | None,
-                r0: int, r1: int, c0: int, c1: int, plan: SoftmaxPlan) -> None:
-    """Zero the self pairs (and excluded entries) of a gradient tile and add it into both accumulators."""
+def _leave_out(g: Tensor, r0: int, r1: int, c0: int, c1: int, plan: SoftmaxPlan) -> None:
+    """Zero the self pairs and the excluded entries of a gradient tile."""
     diag = self_diagonal(g, r0, c0, plan.self_offset)
     if diag is not None:
         diag.zero_()
@@ -378,10 +380,3 @@ def _accumulate(g: Tensor, prod: AnyProducts, gb_acc: Tensor, ga_acc: Tensor | N
         drop(g, plan, r0, r1, c0, c1)
     else:  # an empty row's recomputed exp can be inf there: overwrite
         blank(g, plan, r0, c0, excluded(plan, r0, r1, c0, c1), 0.0)
-    prod.add_rows(gb_acc[r0:r1], g, c0, c1)
-    if plan.symmetric:
-        if c0 != r0:
-            prod.add_columns(gb_acc[c0:c1], g, r0, r1)
-    elif ga_acc is not None and c0 < plan.grad_columns:
-        end = min(c1, plan.grad_columns)
-        prod.add_columns(ga_acc[c0:end], g[:, : end - c0], r0, r1)

@@ -1,17 +1,17 @@
-"""The engine's entry: :func:`solve` a :class:`~.problem.Problem` -- plan it, then run its executor."""
+"""The engine's entry: :func:`solve` a :class:`~.problem.Problem` -- plan it, then run the
+executor registered for its statistic and the plan's backend."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, overload
 
 from torch import Tensor
 
-from . import pairwise, sigmoid, softmax
-from .planner import Decision, plan
+from . import pairwise, sigmoid, softmax, triton_executors
+from .planner import plan
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 
-__all__ = ["solve"]
+__all__ = ["EXECUTORS", "solve"]
 
 
 @overload
@@ -30,13 +30,18 @@ def solve(problem: Problem[Any]) -> Any:
     kernel's per-row outputs (one scalar with ``combine``), :class:`~.problem.SigmoidPairs` the
     (R,) row sums.
     """
-    return EXECUTORS[type(problem.statistic)](problem, plan(problem))
+    chosen = plan(problem)
+    return EXECUTORS[type(problem.statistic), chosen.backend].run(problem, chosen)
 
 
-#: The executor of each statistic: ``execute(problem, decision)``. A new statistic is a
-#: description in ``problem.py``, its executor module, and one entry here.
-EXECUTORS: dict[type, Callable[[Problem[Any], Decision], Any]] = {
-    Softmax: softmax.execute,
-    PairTerms: pairwise.execute,
-    SigmoidPairs: sigmoid.execute,
+#: The executor of each (statistic, backend): an object with ``run(problem, plan)`` and the
+#: driver's ``forward`` / ``backward``. A new statistic is a description in ``problem.py``, its
+#: plan in ``plans.py`` (built by the planner), its executors, and an entry per backend here.
+EXECUTORS: dict[tuple[type, str], Any] = {
+    (Softmax, "torch"): softmax.TORCH,
+    (Softmax, "triton"): triton_executors.SOFTMAX,
+    (PairTerms, "torch"): pairwise.TORCH,
+    (PairTerms, "triton"): triton_executors.PAIRS,
+    (SigmoidPairs, "torch"): sigmoid.TORCH,
+    (SigmoidPairs, "triton"): triton_executors.SIGMOID,
 }

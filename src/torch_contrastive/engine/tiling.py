@@ -1,12 +1,19 @@
-"""Tiles of the ``R x C`` logits: their size on a CPU, the visiting order, reused buffers, one logit tile."""
+"""Tiles of the ``R x C`` logits: their size on a CPU, the visiting order, reused buffers, one logit
+tile, and the engine's two tile loops -- :func:`sweep` (forward: each tile's logits to the
+statistic's tile function) and :func:`gradient_sweep` (backward: each tile's gradient into
+``G @ B`` and ``G.T @ A``) -- with the online maximum's step, :func:`raise_max`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .products import AnyProducts
 
 #: Rows (and columns) per tile when ``chunk_size=None`` and the batch is too big for
 #: one tile. 1024 x 1024 fp32 logit tiles (4 MiB) stay in a CPU's L3 cache and were
@@ -49,3 +56,76 @@ def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
     if out is None:
         return torch.mm(a_scaled, b.t())
     return torch.mm(a_scaled, b.t(), out=out)
+
+
+#: A forward tile function: ``visit(s, r0, r1, c0, c1, bufs)`` with ``s`` the logit tile (slot 0
+#: of ``bufs``; the function may overwrite it and use the other slots).
+Visit = Callable[[Tensor, int, int, int, int, Buffers], None]
+#: A backward tile function: ``grad_tile(s, r0, r1, c0, c1, bufs)`` returns the gradient tile
+#: ``G[r0:r1, c0:c1]`` (``dloss / dS``), possibly in ``s``'s own buffer.
+GradTile = Callable[[Tensor, int, int, int, int, Buffers], Tensor]
+
+
+def sweep(prod: AnyProducts, rows: int, cols: int, tile: int, symmetric: bool, visit: Visit,
+          skip: Callable[[int, int], bool] | None = None) -> None:
+    """The forward tile loop: every tile's logits, formed into a reused buffer, handed to ``visit``.
+
+    Args:
+        prod: the call's products (:mod:`.products`).
+        rows: ``R``.
+        cols: ``C``.
+        tile: the tile edge.
+        symmetric: visit the upper triangle only (a single set: the function feeds both blocks).
+        visit: the statistic's tile function (:data:`Visit`).
+        skip: ``skip(r0, c0)`` True for a tile that has nothing to add (its logits are not formed).
+    """
+    bufs = Buffers(prod.a.dtype, prod.a.device)
+    for r0, r1, c0, c1 in tiles(rows, cols, tile, symmetric):
+        if skip is None or not skip(r0, c0):
+            visit(prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)), r0, r1, c0, c1, bufs)
+
+
+def gradient_sweep(prod: AnyProducts, a: Tensor, b: Tensor, tile: int, symmetric: bool, grad_tile: GradTile,
+                   grad_columns: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """The backward tile loop: every tile's logits recomputed, its gradient ``G`` from
+    ``grad_tile`` and added into ``G @ B`` (rows) and ``G.T @ A`` (columns).
+
+    Args:
+        prod: the call's products.
+        a: ``Â`` (R, D): the accumulators' shape and dtype.
+        b: ``B̂`` (C, D).
+        tile: the tile edge.
+        symmetric: a single set over the upper triangle: ``G`` holds both roles of its pairs and
+            both products land in the one accumulator (``(G + G.T) @ A`` -- no column accumulator).
+        grad_tile: the statistic's gradient tile (:data:`GradTile`).
+        grad_columns: only candidates ``[0, grad_columns)`` need a gradient (None: all; 0: no
+            column accumulator); the others' products are skipped and their rows stay 0.
+
+    Returns:
+        ``(G @ B, G.T @ A or None)``, unscaled.
+    """
+    rows, cols = a.shape[0], b.shape[0]
+    wanted = cols if grad_columns is None else grad_columns
+    gb_acc = torch.zeros_like(a)
+    ga_acc = None if symmetric or wanted == 0 else torch.zeros_like(b)
+    bufs = Buffers(a.dtype, a.device)
+    for r0, r1, c0, c1 in tiles(rows, cols, tile, symmetric):
+        g = grad_tile(prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)), r0, r1, c0, c1, bufs)
+        prod.add_rows(gb_acc[r0:r1], g, c0, c1)
+        if symmetric:
+            if c0 != r0:  # a diagonal tile's G already holds both roles of its pairs
+                prod.add_columns(gb_acc[c0:c1], g, r0, r1)
+        elif ga_acc is not None and c0 < wanted:
+            end = min(c1, wanted)
+            prod.add_columns(ga_acc[c0:end], g[:, : end - c0], r0, r1)
+    return gb_acc, ga_acc
+
+
+def raise_max(run_max: Tensor, run_sum: Tensor, i0: int, i1: int, tile_max: Tensor) -> Tensor:
+    """The online maximum's step for indices ``i0:i1``: the running maximum raised to the tile's,
+    the running sum of shifted exps rescaled to it; returns the new maximum (the caller adds the
+    tile's ``exp(s - new_max)``)."""
+    new_max = torch.maximum(run_max[i0:i1], tile_max)
+    run_sum[i0:i1] *= torch.exp(run_max[i0:i1] - new_max)
+    run_max[i0:i1] = new_max
+    return new_max

@@ -124,12 +124,48 @@ def test_plan_says_what_solve_runs(statistic):
     from torch_contrastive.engine import plan, solve
 
     problem = _problems(DEVICE)[statistic]
+    from torch_contrastive.engine.plans import PairPlan, SigmoidPlan, SoftmaxPlan
+
     decided = plan(problem)
-    assert tc.explain(solve, problem) == [decided]
-    assert decided.kernel == {"softmax": "softmax", "pairs": "pairwise", "sigmoid": "sigmoid"}[statistic]
+    assert type(decided) is {"softmax": SoftmaxPlan, "pairs": PairPlan, "sigmoid": SigmoidPlan}[statistic]
+    assert tc.explain(solve, problem) == [decided.decision]
+    assert str(decided) == str(decided.decision)
+    assert decided.decision.kernel == {"softmax": "softmax", "pairs": "pairwise", "sigmoid": "sigmoid"}[statistic]
     assert not decided.half  # fp32 rows: no half-precision products on any device
     assert (decided.tile == 7) == (statistic == "pairs")  # the problem's chunk_size reaches the plan
     assert decided.fixed == (statistic == "softmax")  # only the soft-max problem promised a bound
+
+
+def test_the_plan_holds_every_statistic_decision():
+    """What the executors used to re-derive is decided once, in the plan."""
+    from torch_contrastive.engine import Options, PairTerms, Problem, Softmax, plan
+    from torch_contrastive.positives import Positives
+
+    x, y = torch.randn(8, 4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    w = torch.rand(8, device=DEVICE)
+    identity = Positives.from_partner(torch.arange(8, device=DEVICE), 8, self_offset=None, layout="identity")
+    clip = Softmax(row_weights=(w, None), columns=True, columns_share_alpha=True)
+    one_tile = plan(Problem(x, y, 2.0, clip, positives=identity, grad_columns=5, options=Options(True)))
+    assert one_tile.tile_positives and one_tile.shared_alpha and one_tile.columns and one_tile.column_positives
+    assert one_tile.grad_columns == 5 and one_tile.apart is not None and one_tile.apart.kind == "shift"
+    tiled = plan(Problem(x, y, 2.0, clip, positives=identity, grad_columns=99, options=Options(True, chunk_size=3)))
+    assert not tiled.tile_positives and tiled.tile == 3 and tiled.grad_columns == 8  # clamped to the candidates
+    unweighted = plan(Problem(x, y, 2.0, Softmax(columns=True, columns_share_alpha=True), positives=identity))
+    assert not unweighted.shared_alpha and unweighted.grad_columns == 8
+
+    labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2], device=DEVICE)
+    by_label = Positives.from_keys(labels, self_offset=0)
+    ranges = ([(0.0, 0.0), (0.0, 1.0), (2.0, 2.0)], [(0.0, 0.0), (0.0, 1.0), (2.0, 2.0)])
+    pairs = plan(Problem(x, x, 2.0, PairTerms("binary", label_ranges=ranges), positives=by_label, self_offset=0,
+                         options=Options(True, chunk_size=3)))
+    assert pairs.mixed == ((True, True, False), (True, True, False), (False, False, True))
+    assert pairs.symmetric and pairs.is_mixed(3, 0) and not pairs.is_mixed(6, 3)
+    # PML's per-pair terms walk the triangle only in the bounded regime (one exp serves both blocks)
+    online = plan(Problem(x, x, 2.0, PairTerms("pair_softplus", label_ranges=ranges), positives=by_label, self_offset=0,
+                          options=Options(True, chunk_size=3)))
+    assert online.mixed is not None and not online.fixed and not online.symmetric
+    whole = plan(Problem(x, x, 2.0, PairTerms("binary", label_ranges=ranges), positives=by_label, self_offset=0))
+    assert whole.mixed is None and not whole.symmetric  # one tile: nothing to skip
 
 
 def test_a_problem_is_immutable_and_checked():

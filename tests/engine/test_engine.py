@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
 
 import torch_contrastive as tc
+from device import DEVICE
 from torch_contrastive.engine import resolve_tile, softmax_terms
 
 
@@ -328,3 +330,43 @@ def test_rows_below_the_normalisation_floor_get_the_floor_gradient(kind, chunk):
     assert torch.equal(grads[0][1][6], torch.zeros(5, dtype=torch.float64))
     if kind == "clip":
         torch.testing.assert_close(grads[0][2], grads[1][2], rtol=1e-9, atol=1e-11)
+
+
+def test_a_new_statistic_needs_only_its_tile_functions():
+    """The engine's contract from the outside: a toy statistic (per-row sums of exp(S)) written as
+    an executor with one forward and one backward tile function runs under the driver and the two
+    tile loops, tiled and untiled, and matches float64 autograd of the dense formula."""
+    from torch_contrastive.engine.driver import Gradients, run
+    from torch_contrastive.engine.products import Products
+    from torch_contrastive.engine.tiling import gradient_sweep, sweep
+
+    class RowExpSums:
+        def forward(self, ctx, plan, ops, extras):
+            out = ops.a_c.new_zeros(ops.a_c.shape[0])
+            sweep(Products(None, ops.a_c, ops.b_c, ops.scale), ops.a_c.shape[0], ops.b_c.shape[0], plan.tile, False,
+                  lambda s, r0, r1, c0, c1, bufs: out[r0:r1].add_(s.exp_().sum(1)))
+            return out, {}
+
+        def backward(self, ctx, plan, saved, grads):
+            g = grads[0]
+            prod = Products(None, saved.a, saved.b, saved.scale)
+            rows, cols = gradient_sweep(prod, saved.a, saved.b, plan.tile, False,
+                                        lambda s, r0, r1, c0, c1, bufs: s.exp_().mul_(g[r0:r1, None]))
+            return Gradients(rows, cols)
+
+    class Plan(NamedTuple):
+        tile: int
+        normalize: bool = True
+        eps: float = 1e-12
+
+    a = torch.randn(11, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    b = torch.randn(7, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    scale = torch.tensor(3.0, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    weights = torch.randn(11, dtype=torch.float64, device=DEVICE)
+    an, bn = torch.nn.functional.normalize(a, dim=1), torch.nn.functional.normalize(b, dim=1)
+    expected = torch.autograd.grad((torch.exp(scale * an @ bn.t()).sum(1) * weights).sum(), (a, b, scale))
+    for tile in (3, 4, 11):
+        got = run(RowExpSums(), Plan(tile), a, b, scale)
+        assert torch.allclose(got, torch.exp(scale * an @ bn.t()).sum(1).detach(), rtol=1e-12)
+        for g, e in zip(torch.autograd.grad((got * weights).sum(), (a, b, scale)), expected):
+            assert torch.allclose(g, e, rtol=1e-10, atol=1e-12), tile

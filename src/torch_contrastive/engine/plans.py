@@ -1,0 +1,154 @@
+"""What one engine call will do: one frozen, typed plan per statistic.
+
+:func:`~.planner.plan` builds the plan once per call, by keywords, from the problem and the
+device :class:`~.planner.Decision`; the statistic's executor reads it and decides nothing
+itself. Every plan holds its ``decision`` (backend, tile, regime, products, operand dtype,
+read through the properties below) and the statistic's own choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..positives import Exclusion, Positives
+    from .confident import Apart
+    from .planner import Decision
+
+__all__ = ["AnyPlan", "PairPlan", "SigmoidPlan", "SoftmaxPlan"]
+
+
+class _Device:
+    """The device decisions every plan reads from its :class:`~.planner.Decision`."""
+
+    __slots__ = ()
+    decision: Decision
+
+    @property
+    def backend(self) -> str:
+        """``"torch"`` or ``"triton"``: which executor runs the plan."""
+        return self.decision.backend
+
+    @property
+    def tile(self) -> int:
+        """Rows (and columns) per tile; 0: the whole problem is one tile."""
+        return self.decision.tile
+
+    @property
+    def fixed(self) -> bool:
+        """The bounded one-``exp`` regime (no running maximum)."""
+        return self.decision.fixed
+
+    @property
+    def half(self) -> bool:
+        """The torch backend multiplies fp16/bf16 inputs as given on tensor cores."""
+        return self.decision.half
+
+    @property
+    def operand_dtype(self) -> torch.dtype | None:
+        """The Triton kernels' half operand dtype (None: the compute dtype)."""
+        return self.decision.operand_dtype
+
+    @property
+    def single_tile(self) -> bool:
+        return self.decision.tile == 0
+
+    def __str__(self) -> str:
+        return str(self.decision)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SoftmaxPlan(_Device):
+    """A :class:`~.problem.Softmax` call.
+
+    Attributes:
+        decision: the device decisions.
+        self_offset: anchor ``i`` is candidate ``i + self_offset`` (left out); None: none.
+        columns: the column terms are computed too.
+        symmetric: one set on one process: only the upper-triangle tiles are visited.
+        normalize: rows L2-normalised inside.
+        eps: the normalisation floor.
+        positives: the relation P; None: no positive part.
+        column_positives: the column terms include ``sum_i P_ij S_ij``.
+        tile_positives: one tile and a relation cheap to lay over it (a partner, a strided
+            layout, a small mask): the positive part is read off the tile; otherwise it goes
+            through ``Positives.aggregate`` in O(N * D).
+        shared_alpha: the column weights alpha' are the row weights alpha (one tensor,
+            passed once: ``torch.compile`` cannot trace a duplicate input).
+        column_comm: distributed column statistics (in-place ``all_sum`` / ``all_max`` over
+            ranks); None on one process.
+        grad_columns: only candidates ``[0, grad_columns)`` get a gradient (the rest are
+            constants: a queue, detached negatives); their ``G.T @ A`` products are skipped.
+        exclude: candidates left out besides the self pair (false negatives).
+        apart: a row's single positive kept out of the sums and added back exactly
+            (:mod:`.confident`); None: not kept apart.
+    """
+
+    decision: Decision
+    self_offset: int | None
+    columns: bool
+    symmetric: bool
+    normalize: bool
+    eps: float
+    positives: Positives | None
+    column_positives: bool
+    tile_positives: bool
+    shared_alpha: bool
+    column_comm: Any = None
+    grad_columns: int = 0
+    exclude: Exclusion | None = None
+    apart: Apart | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PairPlan(_Device):
+    """A :class:`~.problem.PairTerms` call.
+
+    Attributes:
+        decision: the device decisions.
+        kernel: ``"pair_softplus"`` (PML NT-Xent) or ``"binary"`` (NT-BXent).
+        positives: the relation (labels, a partner or index pairs).
+        normalize: rows L2-normalised inside.
+        eps: the normalisation floor.
+        mixed: which (row tile, column tile) can hold a positive or self pair, from rows
+            and columns sorted by label; None: every tile is treated as mixed.
+        symmetric: one set sorted by label: only upper-triangle tiles are visited, each
+            feeding its row block and its column block.
+    """
+
+    decision: Decision
+    kernel: str
+    positives: Positives
+    normalize: bool
+    eps: float
+    mixed: tuple[tuple[bool, ...], ...] | None = None
+    symmetric: bool = False
+
+    def is_mixed(self, r0: int, c0: int) -> bool:
+        return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SigmoidPlan(_Device):
+    """A :class:`~.problem.SigmoidPairs` call.
+
+    Attributes:
+        decision: the device decisions.
+        positives: the relation.
+        diagonal_offset: row i's only positive is column ``i + diagonal_offset`` (a strided
+            diagonal of each tile); None: positives by ids.
+        normalize: rows L2-normalised inside.
+        eps: the normalisation floor.
+    """
+
+    decision: Decision
+    positives: Positives
+    diagonal_offset: int | None
+    normalize: bool
+    eps: float
+
+
+AnyPlan = SoftmaxPlan | PairPlan | SigmoidPlan
