@@ -10,19 +10,20 @@ object instead of building an N x N mask. The object can
   turns the positive part of a soft-max loss, ``sum_p s_ip``, into an O(N * D)
   computation that needs no tiles at all.
 
-Four kinds of relation cover every convention in the seeds:
+Four kinds of relation cover every convention in the seeds, one frozen class each (its
+``kind`` a class constant), each owning its tile rule, row counts and aggregates:
 
-``partner``
+:class:`PartnerPositives` (``partner``)
     Exactly one positive per anchor, ``partner[i]`` (pairing rules ``adjacent`` and
     ``halves`` pairing rules, CLIP without ids): aggregates are a gather.
-``keys``
+:class:`KeyPositives` (``keys``)
     ``i ~ j`` iff ``row_key[i] == col_key[j]`` for at least one of up to two key
     pairs: class labels, SupCon views (key = sample index) and the image/text ids of
     Wang's image-text write-up (image ids OR text ids; README, "Conventions").
-``pairs``
+:class:`PairPositives` (``pairs``)
     An explicit, directional list of (row, column) index pairs (the NT-BXent write-up's
     ``pos_indices``).
-``mask``
+:class:`MaskPositives` (``mask``)
     A small dense (bsz, bsz) mask over *samples*, repeated over views (the SupCon
     authors' ``mask`` argument, possibly asymmetric).
 
@@ -42,14 +43,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ._tensors import mask_as, self_diagonal
 
-__all__ = ["DENSE_KEYS_LIMIT", "Positives"]
+__all__ = [
+    "DENSE_KEYS_LIMIT",
+    "LAYOUTS",
+    "Exclusion",
+    "KeyPositives",
+    "MaskPositives",
+    "PairPositives",
+    "PartnerPositives",
+    "Positives",
+    "Strided",
+]
 
 #: Key relations with at most this many (row, column) entries are held as a dense bool
 #: matrix (64 KiB): for small batches a few element-wise ops beat grouping by a sort.
@@ -58,81 +69,47 @@ DENSE_KEYS_LIMIT = 256 * 256
 
 @dataclass(frozen=True)
 class Positives:
-    """Description of the positive relation between R anchors and C candidates.
+    """The positive relation between R anchors and C candidates: one frozen class per kind.
 
     Build it with the class methods (:meth:`from_partner`, :meth:`from_keys`,
-    :meth:`from_pairs`, :meth:`from_sample_mask`) rather than the constructor.
+    :meth:`from_pairs`, :meth:`from_sample_mask`), which return a :class:`PartnerPositives`,
+    :class:`KeyPositives`, :class:`PairPositives` or :class:`MaskPositives`; each owns its tile
+    rule, its row counts and its aggregates.
 
     Attributes:
         num_rows: R, the number of anchors.
         num_cols: C, the number of candidates.
         self_offset: anchor ``i`` is candidate ``i + self_offset``; ``None`` when
             anchors and candidates are different sets (image-text).
-        partner: for ``partner`` relations, the (R,) int64 column of each anchor's
-            only positive (never its self column).
-        layout: for ``partner`` relations whose positives lie on strided diagonals of the
-            R x C matrix (``"identity"``: column i; ``"adjacent"``: i ^ 1; ``"halves"``:
-            (i + R/2) mod R), so a single tile reads and writes them as views.
-        shift: for ``partner`` relations, ``k`` when ``partner[i] == i + k`` for every row
-            (the caller's promise; 0 for the ``identity`` layout), so the engine can keep
-            the positive apart from the soft-max sums (``engine/confident.py``).
-        row_keys: for ``keys`` relations, a tuple of (R,) int64 tensors.
-        col_keys: for ``keys`` relations, a tuple of (C,) int64 tensors, same length.
-        pairs: for ``pairs`` relations, a (P, 2) int64 tensor of (row, column) pairs.
-        pair_weight: for ``pairs`` relations, (P,) 1 for a pair that counts, 0 for a
-            self pair or a repeat of an earlier pair.
-        sample_mask: for ``mask`` relations, a (bsz, bsz) bool tensor; anchor ``i``
-            is sample ``row_sample[i]``, candidate ``j`` is sample ``j % bsz``.
-        row_sample: for ``mask`` relations, the (R,) sample index of every anchor.
-        key_terms: for large ``keys`` relations, the sorted grouping of the keys
-            (see :func:`_key_terms`).
-        dense: for small ``keys`` relations (at most :data:`DENSE_KEYS_LIMIT` entries),
-            the (R, C) bool relation itself, self pairs excluded.
+        kind: ``"partner"``, ``"keys"``, ``"pairs"`` or ``"mask"`` (a class constant).
     """
 
     num_rows: int
     num_cols: int
     self_offset: int | None
-    partner: Tensor | None = None
-    layout: str | None = None
-    shift: int | None = None
-    row_keys: tuple[Tensor, ...] = ()
-    col_keys: tuple[Tensor, ...] = ()
-    pairs: Tensor | None = None
-    pair_weight: Tensor | None = None
-    sample_mask: Tensor | None = None
-    row_sample: Tensor | None = None
-    key_terms: tuple[tuple[Tensor, Tensor, int, int], ...] = ()
-    dense: Tensor | None = None
-    # ``dense`` as 0/1 values per dtype (see dense_as); not a property of the relation
-    _dense_values: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    kind: ClassVar[str] = ""
 
     # ------------------------------------------------------------------ builders
-    @classmethod
-    def from_partner(cls, partner: Tensor, num_cols: int, *, self_offset: int | None = 0, layout: str | None = None,
-                     shift: int | None = None) -> Positives:
+    @staticmethod
+    def from_partner(partner: Tensor, num_cols: int, *, self_offset: int | None = 0, layout: str | None = None,
+                     shift: int | None = None) -> PartnerPositives:
         """One positive per anchor: column ``partner[i]`` (which must not be the self column).
 
         Pairing rules (``adjacent``: ``i ^ 1``; ``halves``: ``(i + N) mod 2N``) and
         CLIP without ids (``partner[i] = i``, ``self_offset=None``). ``layout`` names the
         rule when ``partner`` follows it exactly on a square problem; ``shift=k`` says
-        ``partner[i] == i + k`` (see the attributes).
+        ``partner[i] == i + k`` (see :class:`PartnerPositives`).
         """
         p = partner.reshape(-1).long()
-        if layout is not None and (layout not in ("identity", "adjacent", "halves") or int(p.numel()) != num_cols):
+        if layout is not None and (layout not in LAYOUTS or int(p.numel()) != num_cols):
             raise ValueError(f"layout must be 'identity', 'adjacent' or 'halves' on a square problem, got {layout!r}")
         if shift is None and layout == "identity":
             shift = 0
-        return cls(num_rows=int(p.numel()), num_cols=num_cols, self_offset=self_offset, partner=p, layout=layout, shift=shift)
+        return PartnerPositives(int(p.numel()), num_cols, self_offset, p, layout, shift)
 
-    @classmethod
-    def from_keys(
-        cls,
-        row_keys: Tensor | tuple[Tensor, ...],
-        col_keys: Tensor | tuple[Tensor, ...] | None = None,
-        *,
-        self_offset: int | None = 0,
-    ) -> Positives:
+    @staticmethod
+    def from_keys(row_keys: Tensor | tuple[Tensor, ...], col_keys: Tensor | tuple[Tensor, ...] | None = None, *,
+                  self_offset: int | None = 0) -> KeyPositives:
         """Positives by key equality: ``i ~ j`` iff any ``row_keys[k][i] == col_keys[k][j]``.
 
         Args:
@@ -159,12 +136,11 @@ class Positives:
                 k = self_offset
                 if k < num_cols and -k < num_rows:
                     dense.diagonal(k).fill_(False)
-            return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, row_keys=rows, col_keys=cols, dense=dense)
-        return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, row_keys=rows,
-                   col_keys=cols, key_terms=_key_terms(rows, cols))
+            return KeyPositives(num_rows, num_cols, self_offset, rows, cols, dense=dense)
+        return KeyPositives(num_rows, num_cols, self_offset, rows, cols, key_terms=_key_terms(rows, cols))
 
-    @classmethod
-    def from_pairs(cls, pairs: Tensor, num_rows: int, num_cols: int, *, self_offset: int | None = 0) -> Positives:
+    @staticmethod
+    def from_pairs(pairs: Tensor, num_rows: int, num_cols: int, *, self_offset: int | None = 0) -> PairPositives:
         """Positives from an explicit (P, 2) list of directional (row, column) pairs.
 
         Repeated pairs count once and self pairs not at all (the self pair is handled
@@ -180,75 +156,272 @@ class Positives:
             weight = torch.empty_like(weight).scatter_(0, order, first)
             if self_offset is not None:
                 weight &= p[:, 1] != p[:, 0] + self_offset
-        return cls(num_rows=num_rows, num_cols=num_cols, self_offset=self_offset, pairs=p, pair_weight=weight)
+        return PairPositives(num_rows, num_cols, self_offset, p, weight)
 
-    @classmethod
-    def from_sample_mask(cls, sample_mask: Tensor, row_sample: Tensor, num_cols: int) -> Positives:
+    @staticmethod
+    def from_sample_mask(sample_mask: Tensor, row_sample: Tensor, num_cols: int) -> MaskPositives:
         """Positives from a (bsz, bsz) sample mask repeated over views (SupCon's ``mask``).
 
         Candidates are the view-major flattening ``j -> sample j % bsz``; anchor ``i``
         is candidate ``i`` (``self_offset=0``) and belongs to sample ``row_sample[i]``.
         """
-        return cls(
-            num_rows=int(row_sample.numel()),
-            num_cols=num_cols,
-            self_offset=0,
-            sample_mask=sample_mask.bool(),
-            row_sample=row_sample.long(),
-        )
-
-    # ------------------------------------------------------------------ typed access
-    @staticmethod
-    def require(t: Tensor | None, kind: str) -> Tensor:
-        """``t``, which the relation's kind guarantees; an internal error otherwise."""
-        if t is None:
-            raise RuntimeError(f"internal: not a {kind!r} relation")
-        return t
-
-    @property
-    def kind(self) -> str:
-        """``"partner"``, ``"keys"``, ``"pairs"`` or ``"mask"``."""
-        if self.partner is not None:
-            return "partner"
-        if self.pairs is not None:
-            return "pairs"
-        if self.sample_mask is not None:
-            return "mask"
-        return "keys"
+        return MaskPositives(int(row_sample.numel()), num_cols, 0, sample_mask.bool(), row_sample.long())
 
     # ------------------------------------------------------------------ queries
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         """The (r1 - r0, c1 - c0) bool block of the relation, self pairs excluded (read-only).
+        O(tile) memory and time (O(P + tile) for listed pairs)."""
+        raise NotImplementedError
 
-        Cost: O(tile) memory and time for ``partner``/``keys``/``mask``, O(P + tile)
-        for ``pairs``.
+    def row_counts(self) -> Tensor:
+        """(R,) int64 number of positives of every anchor (self excluded). O(N) memory."""
+        raise NotImplementedError
+
+    def aggregate(self, candidates: Tensor) -> Tensor:
+        """(R, D) sum of the positive candidates of every anchor, ``sum_j P_ij c_j``.
+
+        Differentiable with respect to ``candidates``; O(N * D) memory and time (the sample
+        mask: O(bsz^2 + N * D)).
         """
-        kind = self.kind
-        device = self._device()
-        if self.dense is not None:
-            return self.dense[r0:r1, c0:c1]
-        if kind == "partner":
-            cols = torch.arange(c0, c1, device=device)
-            return self.require(self.partner, kind)[r0:r1, None] == cols[None, :]  # never the self column
-        if kind == "pairs":
-            return self._pair_tile(r0, r1, c0, c1)
-        if kind == "keys":
-            block = self.row_keys[0][r0:r1, None] == self.col_keys[0][None, c0:c1]
-            for rk, ck in zip(self.row_keys[1:], self.col_keys[1:]):
-                block |= rk[r0:r1, None] == ck[None, c0:c1]
-        else:
-            mask = self.require(self.sample_mask, kind)
-            cols = torch.arange(c0, c1, device=device) % mask.shape[0]
-            block = mask[self.require(self.row_sample, kind)[r0:r1]][:, cols]
+        raise NotImplementedError
+
+    def aggregate_transposed(self, rows: Tensor) -> Tensor:
+        """(C, D) ``sum_i P_ij r_i``: the transpose of :meth:`aggregate`, for gradients
+        with respect to candidates and for column statistics. Same cost as :meth:`aggregate`."""
+        raise NotImplementedError
+
+    def tile_values(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor:
+        """:meth:`tile` as 0/1 values of ``dtype`` (read-only)."""
+        return mask_as(self.tile(r0, r1, c0, c1), dtype)
+
+    # ------------------------------------------------------------------ helpers
+    def _self_diagonal_cleared(self, block: Tensor, r0: int, c0: int) -> Tensor:
         diag = self_diagonal(block, r0, c0, self.self_offset)
         if diag is not None:
             diag.fill_(False)
         return block
 
-    def _pair_tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+    def _self_in_relation(self, device: torch.device) -> Tensor:
+        """(R,) bool: is the anchor's self pair inside the raw relation (to subtract it)?"""
+        return torch.zeros(self.num_rows, dtype=torch.bool, device=device)
+
+    def _minus_self(self, total: Tensor, candidates: Tensor) -> Tensor:
+        """Remove each anchor's own row from a relation sum that included it."""
+        if self.self_offset is None:
+            return total
+        own = candidates[self.self_offset : self.self_offset + self.num_rows]
+        return total - own * self._self_in_relation(candidates.device)[:, None].to(candidates.dtype)
+
+
+#: The strided layouts of a one-positive relation on a square problem (:class:`PartnerPositives`).
+LAYOUTS = ("identity", "adjacent", "halves")
+
+
+@dataclass(frozen=True)
+class Strided:
+    """Where row ``i``'s one positive lies on a strided pattern of the logit matrix -- the
+    layout's single definition: its columns, its pairing keys and its places in a tile.
+
+    Attributes:
+        kind: ``"shift"`` (column ``i + k``; CLIP and InfoNCE with ``k`` the rank's offset),
+            ``"halves"`` (``i + k`` for ``i < k``, ``i - k`` otherwise: ``torch.cat([view1,
+            view2])`` with ``k = N``) or ``"adjacent"`` (``i ^ 1``: views stored row by row).
+        k: the shift, or the half size.
+    """
+
+    kind: str
+    k: int = 0
+
+    @staticmethod
+    def of(layout: str, n_rows: int, shift: int = 0) -> Strided:
+        """The pattern of a named layout (:data:`LAYOUTS`) over ``n_rows`` rows; ``identity`` shifted by ``shift``."""
+        if layout == "identity":
+            return Strided("shift", shift)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        return Strided(layout, n_rows // 2)
+
+    def columns(self, rows: Tensor) -> Tensor:
+        """The positive's column of each row index in ``rows``."""
+        if self.kind == "shift":
+            return rows + self.k
+        if self.kind == "halves":
+            return (rows + self.k) % (2 * self.k)
+        return rows ^ 1
+
+    def keys(self, rows: Tensor) -> Tensor:
+        """A key per row index such that rows with equal keys are each other's positive (a pairing rule)."""
+        return rows // 2 if self.kind == "adjacent" else rows % max(self.k, 1)
+
+    def views(self, t: Tensor, r0: int, c0: int) -> list[Tensor]:
+        """Strided views of the positive entries inside the tile ``t`` at ``(r0, c0)``."""
+        if self.kind == "shift":
+            return _present([self_diagonal(t, r0, c0, self.k)])
+        if self.kind == "halves":
+            return _present([self_diagonal(t, r0, c0, self.k), self_diagonal(t, r0, c0, -self.k)])
+        out = []
+        for step, parity in ((1, 0), (-1, 1)):  # even rows look right, odd rows left
+            diag = self_diagonal(t, r0, c0, step)
+            if diag is not None:
+                first_row = r0 + max(0, c0 - r0 - step)  # the global row of the diagonal's first entry
+                out.append(diag[(first_row + parity) % 2 :: 2])
+        return out
+
+    def clear(self, t: Tensor, r0: int, c0: int, value: float) -> None:
+        """Set the positive entries of a tile to ``value`` in place."""
+        for view in self.views(t, r0, c0):
+            view.fill_(value)
+
+
+def _present(views: list[Tensor | None]) -> list[Tensor]:
+    return [v for v in views if v is not None]
+
+
+@dataclass(frozen=True)
+class PartnerPositives(Positives):
+    """Exactly one positive per anchor (the pairing rules, CLIP without ids): aggregates are a gather.
+
+    Attributes:
+        partner: the (R,) int64 column of each anchor's only positive (never its self column).
+        layout: the positives lie on strided diagonals of the square matrix (``"identity"``:
+            column i; ``"adjacent"``: i ^ 1; ``"halves"``: (i + R/2) mod R), so a single tile
+            reads and writes them by strided places; None: no such layout.
+        shift: ``k`` when ``partner[i] == i + k`` for every row (the caller's promise; 0 for
+            the ``identity`` layout), so the engine can keep the positive apart from the
+            soft-max sums (``engine/confident.py``).
+    """
+
+    partner: Tensor
+    layout: str | None = None
+    shift: int | None = None
+    kind: ClassVar[str] = "partner"
+
+    @property
+    def strided(self) -> Strided | None:
+        """The positives' strided pattern: the named layout, or the promised shift; None: neither."""
+        if self.layout is not None:
+            return Strided.of(self.layout, self.num_rows, self.shift or 0)
+        return None if self.shift is None else Strided("shift", self.shift)
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        cols = torch.arange(c0, c1, device=self.partner.device)
+        return self.partner[r0:r1, None] == cols[None, :]  # never the self column
+
+    def row_counts(self) -> Tensor:
+        return torch.ones(self.num_rows, dtype=torch.int64, device=self.partner.device)
+
+    def aggregate(self, candidates: Tensor) -> Tensor:
+        if self.layout == "identity":  # CLIP without ids: row i's positive is column i. No copy at all.
+            return candidates
+        return candidates[self.partner]
+
+    def aggregate_transposed(self, rows: Tensor) -> Tensor:
+        if self.layout == "identity":
+            return rows  # CLIP without ids: column j's positive is row j
+        return rows.new_zeros(self.num_cols, rows.shape[1]).index_add(0, self.partner, rows)
+
+
+@dataclass(frozen=True)
+class KeyPositives(Positives):
+    """``i ~ j`` iff ``row_keys[k][i] == col_keys[k][j]`` for one of up to two key pairs: class
+    labels, SupCon views (key = sample index), the image and text ids of the image-text loss.
+
+    Attributes:
+        row_keys: a tuple of (R,) int64 tensors.
+        col_keys: a tuple of (C,) int64 tensors, same length.
+        dense: small relations (at most :data:`DENSE_KEYS_LIMIT` entries): the (R, C) bool
+            relation itself, self pairs excluded; None for large ones.
+        key_terms: large relations: the sorted grouping of the keys (see :func:`_key_terms`).
+    """
+
+    row_keys: tuple[Tensor, ...]
+    col_keys: tuple[Tensor, ...]
+    dense: Tensor | None = None
+    key_terms: tuple[tuple[Tensor, Tensor, int, int], ...] = ()
+    # ``dense`` as 0/1 values per dtype (see dense_as); not a property of the relation
+    _dense_values: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    kind: ClassVar[str] = "keys"
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        if self.dense is not None:
+            return self.dense[r0:r1, c0:c1]
+        block = self.row_keys[0][r0:r1, None] == self.col_keys[0][None, c0:c1]
+        for rk, ck in zip(self.row_keys[1:], self.col_keys[1:]):
+            block |= rk[r0:r1, None] == ck[None, c0:c1]
+        return self._self_diagonal_cleared(block, r0, c0)
+
+    def row_counts(self) -> Tensor:
+        if self.dense is not None:
+            return self.dense.sum(1)
+        device = self.row_keys[0].device
+        counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
+        for rg, cg, n_bound, sign in self.key_terms:
+            per_group = torch.zeros(n_bound, dtype=torch.int64, device=device).index_add_(0, cg, torch.ones_like(cg))
+            counts += sign * per_group[rg]
+        return counts - int(self.self_offset is not None)  # every key relation contains the self pair
+
+    def tile_values(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor:
+        """A dense relation's whole block is converted once per relation and dtype (:meth:`dense_as`)."""
+        if self.dense is not None and (r0, c0) == (0, 0) and (r1, c1) == tuple(self.dense.shape):
+            return self.dense_as(dtype)
+        return mask_as(self.tile(r0, r1, c0, c1), dtype)
+
+    def dense_as(self, dtype: torch.dtype) -> Tensor:
+        """The dense relation as 0/1 values of ``dtype``, converted once per relation and dtype
+        (a small batch's forward and backward read it several times); under ``torch.compile``
+        converted where asked (the compiler fuses it)."""
+        if self.dense is None:
+            raise RuntimeError("internal: a large key relation has no dense form")
+        if torch.compiler.is_compiling():
+            return mask_as(self.dense, dtype)
+        values = self._dense_values.get(dtype)
+        if values is None:
+            values = self._dense_values[dtype] = mask_as(self.dense, dtype)
+        return values
+
+    def aggregate(self, candidates: Tensor) -> Tensor:
+        if self.dense is not None:
+            with torch.autocast(candidates.device.type, enabled=False):
+                return self.dense_as(candidates.dtype) @ candidates
+        total = candidates.new_zeros(self.num_rows, candidates.shape[1])
+        for rg, cg, n_bound, sign in self.key_terms:
+            per_group = candidates.new_zeros(n_bound, candidates.shape[1]).index_add_(0, cg, candidates)
+            total = total + sign * per_group[rg]
+        if self.self_offset is None:
+            return total
+        return total - candidates[self.self_offset : self.self_offset + self.num_rows]  # every key relation holds the self pair
+
+    def aggregate_transposed(self, rows: Tensor) -> Tensor:
+        if self.dense is not None:
+            with torch.autocast(rows.device.type, enabled=False):
+                return self.dense_as(rows.dtype).t() @ rows
+        width = rows.shape[1]
+        total = rows.new_zeros(self.num_cols, width)
+        for rg, cg, n_bound, sign in self.key_terms:
+            per_group = rows.new_zeros(n_bound, width).index_add_(0, rg, rows)
+            total = total + sign * per_group[cg]
+        if self.self_offset is not None:  # every key relation contains the self pair
+            total = total.index_add(0, torch.arange(self.num_rows, device=rows.device) + self.self_offset, rows, alpha=-1)
+        return total
+
+
+@dataclass(frozen=True)
+class PairPositives(Positives):
+    """An explicit, directional list of (row, column) index pairs (NT-BXent's ``pos_indices``).
+
+    Attributes:
+        pairs: a (P, 2) int64 tensor of (row, column) pairs.
+        pair_weight: (P,) 1 for a pair that counts, 0 for a self pair or a repeat of an earlier pair.
+    """
+
+    pairs: Tensor
+    pair_weight: Tensor
+    kind: ClassVar[str] = "pairs"
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         # Pairs outside the tile (or with zero weight) write into one spare slot past
         # its end, so the scatter has the same shape whatever the data.
-        p, w = self.require(self.pairs, "pairs"), self.require(self.pair_weight, "pairs")
+        p, w = self.pairs, self.pair_weight
         h, wdt = r1 - r0, c1 - c0
         inside = w & (p[:, 0] >= r0) & (p[:, 0] < r1) & (p[:, 1] >= c0) & (p[:, 1] < c1)
         flat = torch.where(inside, (p[:, 0] - r0) * wdt + (p[:, 1] - c0), h * wdt)
@@ -259,48 +432,12 @@ class Positives:
         return block[:-1].view(h, wdt)
 
     def row_counts(self) -> Tensor:
-        """(R,) int64 number of positives of every anchor (self excluded). O(N) memory."""
-        kind = self.kind
-        device = self._device()
-        if kind == "partner":
-            return torch.ones(self.num_rows, dtype=torch.int64, device=device)
-        if self.dense is not None:
-            return self.dense.sum(1)
-        if kind == "keys":
-            counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
-            for rg, cg, n_bound, sign in self.key_terms:
-                per_group = torch.zeros(n_bound, dtype=torch.int64, device=device).index_add_(0, cg, torch.ones_like(cg))
-                counts += sign * per_group[rg]
-            return counts - self._self_in_relation().long()
-        if kind == "pairs":
-            p, w = self.require(self.pairs, kind), self.require(self.pair_weight, kind)
-            return torch.zeros(self.num_rows, dtype=torch.int64, device=device).index_add_(0, p[:, 0], w.long())
-        mask = self.require(self.sample_mask, kind)
-        views = self.num_cols // mask.shape[0]  # candidates are bsz * n_views, view-major
-        per_sample = mask.long().sum(1) * views
-        return per_sample[self.require(self.row_sample, kind)] - self._self_in_relation().long()
-
-    def tile_values(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> Tensor:
-        """:meth:`tile` as 0/1 values of ``dtype`` (read-only): a dense relation's whole block is
-        converted once per relation and dtype (:meth:`dense_as`)."""
-        if self.dense is not None and (r0, c0) == (0, 0) and (r1, c1) == tuple(self.dense.shape):
-            return self.dense_as(dtype)
-        return mask_as(self.tile(r0, r1, c0, c1), dtype)
-
-    def dense_as(self, dtype: torch.dtype) -> Tensor:
-        """The dense relation as 0/1 values of ``dtype``, converted once per relation and dtype
-        (a small batch's forward and backward read it several times); under ``torch.compile``
-        converted where asked (the compiler fuses it)."""
-        if torch.compiler.is_compiling():
-            return mask_as(self.require(self.dense, "dense"), dtype)
-        values = self._dense_values.get(dtype)
-        if values is None:
-            values = self._dense_values[dtype] = mask_as(self.require(self.dense, "dense"), dtype)
-        return values
+        out = torch.zeros(self.num_rows, dtype=torch.int64, device=self.pairs.device)
+        return out.index_add_(0, self.pairs[:, 0], self.pair_weight.long())
 
     @cached_property
     def row_lists(self) -> tuple[Tensor, Tensor]:
-        """A ``pairs`` relation as sorted per-row lists (CSR): ``(offsets, columns)``, int32.
+        """The relation as sorted per-row lists (CSR): ``(offsets, columns)``, int32.
 
         Row ``r``'s listed columns are ``columns[offsets[r]:offsets[r + 1]]`` in increasing
         order; repeats and the self pair (weight 0) are left out. ``columns`` has one spare
@@ -308,7 +445,7 @@ class Positives:
         no host read (the Triton pair kernels test membership with it, ``_tile.listed``);
         computed once per relation, so a loss's forward and backward share it.
         """
-        p, w = self.require(self.pairs, "pairs"), self.require(self.pair_weight, "pairs")
+        p, w = self.pairs, self.pair_weight
         counts = self.row_counts()
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         # pairs that do not count sort past every real one (offsets never reach them)
@@ -317,94 +454,59 @@ class Positives:
         return offsets, torch.cat([columns, columns.new_full((1,), -1)]).to(torch.int32)
 
     def aggregate(self, candidates: Tensor) -> Tensor:
-        """(R, D) sum of the positive candidates of every anchor, ``sum_j P_ij c_j``.
+        p, w = self.pairs, self.pair_weight
+        out = candidates.new_zeros(self.num_rows, candidates.shape[1])
+        return out.index_add(0, p[:, 0], candidates[p[:, 1]] * w[:, None].to(candidates.dtype))
 
-        Differentiable with respect to ``candidates``; O(N * D) memory and time for
-        ``partner``, ``keys`` and ``pairs`` relations, O(bsz^2 + N * D) for ``mask``.
-        """
-        kind = self.kind
-        if kind == "partner":
-            if self.layout == "identity":  # CLIP without ids: row i's positive is column i. No copy at all.
-                return candidates
-            return candidates[self.require(self.partner, kind)]
-        if self.dense is not None:
-            with torch.autocast(candidates.device.type, enabled=False):
-                return self.dense_as(candidates.dtype) @ candidates
-        if kind == "keys":
-            total = candidates.new_zeros(self.num_rows, candidates.shape[1])
-            for rg, cg, n_bound, sign in self.key_terms:
-                per_group = candidates.new_zeros(n_bound, candidates.shape[1]).index_add_(0, cg, candidates)
-                total = total + sign * per_group[rg]
-            return self._minus_self(total, candidates)
-        if kind == "pairs":
-            p, w = self.require(self.pairs, kind), self.require(self.pair_weight, kind)
-            out = candidates.new_zeros(self.num_rows, candidates.shape[1])
-            return out.index_add(0, p[:, 0], candidates[p[:, 1]] * w[:, None].to(candidates.dtype))
-        mask = self.require(self.sample_mask, kind)
-        bsz = mask.shape[0]
+    def aggregate_transposed(self, rows: Tensor) -> Tensor:
+        p, w = self.pairs, self.pair_weight
+        return rows.new_zeros(self.num_cols, rows.shape[1]).index_add(0, p[:, 1], rows[p[:, 0]] * w[:, None].to(rows.dtype))
+
+
+@dataclass(frozen=True)
+class MaskPositives(Positives):
+    """A small dense (bsz, bsz) mask over *samples*, repeated over views (the SupCon authors'
+    ``mask`` argument, possibly asymmetric).
+
+    Attributes:
+        sample_mask: a (bsz, bsz) bool tensor; anchor ``i`` is sample ``row_sample[i]``,
+            candidate ``j`` is sample ``j % bsz``.
+        row_sample: the (R,) sample index of every anchor.
+    """
+
+    sample_mask: Tensor
+    row_sample: Tensor
+    kind: ClassVar[str] = "mask"
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        cols = torch.arange(c0, c1, device=self.sample_mask.device) % self.sample_mask.shape[0]
+        return self._self_diagonal_cleared(self.sample_mask[self.row_sample[r0:r1]][:, cols], r0, c0)
+
+    def row_counts(self) -> Tensor:
+        views = self.num_cols // self.sample_mask.shape[0]  # candidates are bsz * n_views, view-major
+        per_sample = self.sample_mask.long().sum(1) * views
+        return per_sample[self.row_sample] - self._self_in_relation(self.sample_mask.device).long()
+
+    def aggregate(self, candidates: Tensor) -> Tensor:
+        bsz = self.sample_mask.shape[0]
         per_sample = candidates.reshape(-1, bsz, candidates.shape[1]).sum(0)  # view-major: j -> sample j % bsz
         with torch.autocast(candidates.device.type, enabled=False):  # keep the compute dtype under autocast
-            total = mask_as(mask, candidates.dtype)[self.require(self.row_sample, kind)] @ per_sample
+            total = mask_as(self.sample_mask, candidates.dtype)[self.row_sample] @ per_sample
         return self._minus_self(total, candidates)
 
     def aggregate_transposed(self, rows: Tensor) -> Tensor:
-        """(C, D) ``sum_i P_ij r_i``: the transpose of :meth:`aggregate`, for gradients
-        with respect to candidates and for column statistics. Same cost as :meth:`aggregate`."""
-        kind = self.kind
-        width = rows.shape[1]
-        if kind == "partner":
-            if self.layout == "identity":
-                return rows  # CLIP without ids: column j's positive is row j
-            return rows.new_zeros(self.num_cols, width).index_add(0, self.require(self.partner, kind), rows)
-        if self.dense is not None:
-            with torch.autocast(rows.device.type, enabled=False):
-                return self.dense_as(rows.dtype).t() @ rows
-        if kind == "keys":
-            total = rows.new_zeros(self.num_cols, width)
-            for rg, cg, n_bound, sign in self.key_terms:
-                per_group = rows.new_zeros(n_bound, width).index_add_(0, rg, rows)
-                total = total + sign * per_group[cg]
-            if self.self_offset is not None:  # every key relation contains the self pair
-                total = total.index_add(0, torch.arange(self.num_rows, device=rows.device) + self.self_offset, rows, alpha=-1)
-            return total
-        if kind == "pairs":
-            p, w = self.require(self.pairs, kind), self.require(self.pair_weight, kind)
-            return rows.new_zeros(self.num_cols, width).index_add(0, p[:, 1], rows[p[:, 0]] * w[:, None].to(rows.dtype))
-        mask = self.require(self.sample_mask, kind)
-        bsz = mask.shape[0]
-        row_sample = self.require(self.row_sample, kind)
-        per_sample = rows.new_zeros(bsz, width).index_add_(0, row_sample, rows)
+        bsz = self.sample_mask.shape[0]
+        per_sample = rows.new_zeros(bsz, rows.shape[1]).index_add_(0, self.row_sample, rows)
         with torch.autocast(rows.device.type, enabled=False):
-            per_col_sample = mask.to(rows.dtype).t() @ per_sample
+            per_col_sample = self.sample_mask.to(rows.dtype).t() @ per_sample
         total = per_col_sample.repeat(self.num_cols // bsz, 1)  # view-major: column j is sample j % bsz
-        own = rows * mask[row_sample, row_sample][:, None].to(rows.dtype)
+        own = rows * self.sample_mask[self.row_sample, self.row_sample][:, None].to(rows.dtype)
         return total.index_add(0, torch.arange(self.num_rows, device=rows.device), own, alpha=-1)
 
-    # ------------------------------------------------------------------ helpers
-    def _minus_self(self, total: Tensor, candidates: Tensor) -> Tensor:
-        """Remove each anchor's own row from a relation sum that included it."""
+    def _self_in_relation(self, device: torch.device) -> Tensor:
         if self.self_offset is None:
-            return total
-        own = candidates[self.self_offset : self.self_offset + self.num_rows]
-        if self.kind == "keys":
-            return total - own  # every key relation contains the self pair
-        return total - own * self._self_in_relation()[:, None].to(candidates.dtype)
-
-    def _self_in_relation(self) -> Tensor:
-        """(R,) bool: is the anchor's self pair inside the raw relation (to subtract it)?"""
-        device = self._device()
-        if self.self_offset is None or self.kind in ("partner", "pairs"):
             return torch.zeros(self.num_rows, dtype=torch.bool, device=device)
-        if self.kind == "keys":
-            return torch.ones(self.num_rows, dtype=torch.bool, device=device)
-        rows = self.require(self.row_sample, "mask")
-        return self.require(self.sample_mask, "mask")[rows, rows]
-
-    def _device(self) -> torch.device:
-        for t in (self.partner, *self.row_keys, self.pairs, self.sample_mask):
-            if t is not None:
-                return t.device
-        return torch.device("cpu")
+        return self.sample_mask[self.row_sample, self.row_sample]
 
 
 def _index_vector(k: Tensor) -> Tensor:

@@ -25,48 +25,20 @@ this way: their loss stays at least ``log`` of the number of positives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .._tensors import self_diagonal
+from ..positives import PartnerPositives, Strided
 
 if TYPE_CHECKING:
     from ..positives import Positives
 
 
-@dataclass(frozen=True)
-class Apart:
-    """Where a row's only positive lies: ``kind`` "shift" (column ``i + k``), "halves"
-    (``i + k`` for ``i < k``, ``i - k`` otherwise) or "adjacent" (``i ^ 1``)."""
-
-    kind: str
-    k: int = 0
-
-    def views(self, t: Tensor, r0: int, c0: int) -> list[Tensor]:
-        """Strided views of the positive entries inside the tile at ``(r0, c0)``."""
-        if self.kind == "shift":
-            return _present([self_diagonal(t, r0, c0, self.k)])
-        if self.kind == "halves":
-            return _present([self_diagonal(t, r0, c0, self.k), self_diagonal(t, r0, c0, -self.k)])
-        out = []
-        for step, parity in ((1, 0), (-1, 1)):  # even rows look right, odd rows left
-            diag = self_diagonal(t, r0, c0, step)
-            if diag is not None:
-                first_row = r0 + max(0, c0 - r0 - step)  # the global row of the diagonal's first entry
-                out.append(diag[(first_row + parity) % 2 :: 2])
-        return out
-
-    def clear(self, t: Tensor, r0: int, c0: int, value: float) -> None:
-        """Set the positive entries of a tile to ``value`` in place."""
-        for view in self.views(t, r0, c0):
-            view.fill_(value)
-
-
-def _present(views: list[Tensor | None]) -> list[Tensor]:
-    return [v for v in views if v is not None]
+#: The rule that keeps each row's one positive apart from the sums: where it lies
+#: (:class:`~torch_contrastive.positives.Strided`, the layout's one definition).
+Apart = Strided
 
 
 def apart_rule(positives: Positives | None, exclude: Any, columns: bool, column_positives: bool,
@@ -77,16 +49,12 @@ def apart_rule(positives: Positives | None, exclude: Any, columns: bool, column_
     exclusion (false negatives) that keeps the positive. Column terms need the same
     entries as their positives (a square shifted diagonal) on one process.
     """
-    if positives is None or backend != "torch" or positives.partner is None:
+    if not isinstance(positives, PartnerPositives) or backend != "torch":
         return None
-    if positives.layout in ("halves", "adjacent"):
-        rule = Apart(positives.layout, positives.num_rows // 2)
-        shift = None
-    elif positives.layout == "identity" or positives.shift is not None:
-        shift = 0 if positives.layout == "identity" else int(positives.shift or 0)
-        rule = Apart("shift", shift)
-    else:
+    rule = positives.strided
+    if rule is None:
         return None
+    shift = rule.k if rule.kind == "shift" else None
     if symmetric and rule.kind == "shift":
         return None
     if exclude is not None and (shift is None or exclude.diagonal is not None or exclude.keep_diagonal != shift):

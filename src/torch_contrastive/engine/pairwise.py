@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import as_dtype, self_diagonal
+from ..positives import KeyPositives
 from .driver import Gradients, Operands, Saved, run
 from .precision import Scale
 from .problem import Combine, Options, PairTerms, Problem
@@ -272,8 +273,9 @@ def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int, plan: PairP
     comparison into reused buffers) when :func:`_float_masks` allows: multiplying by them is
     several times cheaper than ``where`` and, in fixed mode, every masked value is finite.
     """
-    if plan is not None and bufs is not None and _float_masks(plan, positives):
-        rk, ck = positives.row_keys[0][r0:r1, None], positives.col_keys[0][None, c0:c1]
+    labels = _float_masks(plan, positives) if plan is not None and bufs is not None else None
+    if labels is not None and bufs is not None:
+        rk, ck = labels.row_keys[0][r0:r1, None], labels.col_keys[0][None, c0:c1]
         pos_f = torch.eq(rk, ck, out=bufs.get(r1 - r0, c1 - c0, 2))
         neg_f = torch.ne(rk, ck, out=bufs.get(r1 - r0, c1 - c0, 3))  # the self pair has its own label: never a negative
         diag = self_diagonal(pos_f, r0, c0, positives.self_offset)
@@ -293,10 +295,11 @@ def _scratch(bufs: Buffers, rows: int, cols: int, slot: int) -> tuple[Tensor, Te
     return bufs.get(rows, cols, slot), bufs.get(rows, cols, slot + 1)
 
 
-def _float_masks(plan: PairPlan, positives: Positives) -> bool:
-    """PML NT-Xent in fixed mode on a one-key label relation: every exp, softplus and sigmoid
-    of a tile is finite (``|S| <= 40``), so masks can multiply instead of select."""
-    return plan.fixed and plan.kernel == "pair_softplus" and positives.kind == "keys" and len(positives.row_keys) == 1
+def _float_masks(plan: PairPlan, positives: Positives) -> KeyPositives | None:
+    """The label relation when PML NT-Xent runs in fixed mode on one key: every exp, softplus
+    and sigmoid of a tile is finite (``|S| <= 40``), so masks can multiply instead of select."""
+    one_key = isinstance(positives, KeyPositives) and len(positives.row_keys) == 1
+    return positives if one_key and plan.fixed and plan.kernel == "pair_softplus" else None  # type: ignore[return-value]
 
 
 class PairExecutor:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..positives import KeyPositives, PairPositives, PartnerPositives
 from .confident import apart_rule
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import fixed_scale_applies
@@ -275,7 +276,8 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         decision=decision, self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric,
         normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
         column_positives=columns and stat.column_positives,
-        tile_positives=decision.tile == 0 and positives is not None and (positives.kind != "keys" or positives.dense is not None),
+        tile_positives=decision.tile == 0 and positives is not None
+        and (not isinstance(positives, KeyPositives) or positives.dense is not None),
         shared_alpha=stat.columns_share_alpha and stat.row_weights[0] is not None,
         column_comm=stat.column_comm if columns else None,
         grad_columns=n_cols if problem.grad_columns is None else max(0, min(int(problem.grad_columns), n_cols)),
@@ -320,13 +322,14 @@ def triton_refusal(problem: Problem) -> str | None:
     if positives is None:  # Problem refuses pair and sigmoid terms without positives when built
         return f"{type(stat).__name__} needs positives"
     kind = positives.kind
-    by_ids = kind == "keys" and len(positives.row_keys) <= 2
+    by_ids = isinstance(positives, KeyPositives)  # one or two keys: the kernels compare both
     if isinstance(stat, PairTerms):
-        if kind in ("partner", "pairs") or by_ids:
+        if isinstance(positives, (PartnerPositives, PairPositives)) or by_ids:
             return None
         return f"the pair kernels take positives by ids, a partner or index pairs, not a {kind!r} relation"
-    covered = (kind == "partner" and stat.diagonal_offset is not None) or (by_ids and positives.self_offset is None) \
-        or (kind == "pairs" and positives.pairs is not None and positives.pairs.shape[0] == 0)
+    covered = (isinstance(positives, PartnerPositives) and stat.diagonal_offset is not None) \
+        or (by_ids and positives.self_offset is None) \
+        or (isinstance(positives, PairPositives) and positives.pairs.shape[0] == 0)
     return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import self_diagonal
+from ..positives import PartnerPositives
 from .left_out import Direction, blank, drop, excluded, inverse_exp, log_total
 from .products import AnyProducts
 from .tiling import Buffers, gradient_sweep, raise_max, sweep
@@ -32,11 +33,14 @@ __all__ = ["backward_fixed", "backward_online", "complete_columns", "fixed_lse",
 def _positive_layout(positives: Positives, plan: SoftmaxPlan, rows: int, cols: int) -> tuple[str, Tensor | None]:
     """How the positives lie on the tile: a named strided layout ("identity", "adjacent",
     "halves"; no tensor), ("partner", column per row) or ("mask", R x C bool)."""
-    if positives.layout is not None:
-        return positives.layout, None
-    if positives.kind == "partner" and positives.partner is not None:
-        return "partner", positives.partner
+    if isinstance(positives, PartnerPositives):
+        return (positives.layout, None) if positives.layout is not None else ("partner", positives.partner)
     return "mask", positives.tile(0, rows, 0, cols)
+
+
+def _strided(positives: Positives | None) -> PartnerPositives | None:
+    """The relation when its positives lie on a named strided layout (else None)."""
+    return positives if isinstance(positives, PartnerPositives) and positives.layout is not None else None
 
 
 class FlatPlaces(NamedTuple):
@@ -50,13 +54,22 @@ class FlatPlaces(NamedTuple):
 _FLAT: dict[tuple[str, int, int | None, torch.device], FlatPlaces] = {}
 
 
-def flat_places(positives: Positives, self_offset: int | None) -> FlatPlaces:
+def _partner(positives: Positives) -> Tensor:
+    if not isinstance(positives, PartnerPositives):
+        raise RuntimeError("internal: not a partner relation")
+    return positives.partner
+
+
+def flat_places(positives: Positives | None, self_offset: int | None) -> FlatPlaces:
     """:class:`FlatPlaces` of a square strided relation (``positives.layout`` set: its partner is
     row i's positive), built once per (layout, size, self offset, device): a small batch reads,
     clears and updates its strided entries with one indexed op each instead of a view and an op
     per diagonal (the call's cost is its op count at these sizes)."""
-    partner, n = positives.require(positives.partner, "partner"), positives.num_rows
-    key = (str(positives.layout), n, self_offset, partner.device)
+    strided = _strided(positives)
+    if strided is None:
+        raise RuntimeError("internal: flat places of a relation without a strided layout")
+    partner, n = strided.partner, strided.num_rows
+    key = (str(strided.layout), n, self_offset, partner.device)
     places = _FLAT.get(key)
     if places is None:
         rows = torch.arange(n, device=partner.device)
@@ -80,7 +93,7 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
     if rel is None:  # strided layout: one gather by the layout's cached places (a copy: the tile is exponentiated in place)
         row_pos = torch.take(s, flat_places(positives, plan.self_offset).positives)
         if plan.column_positives:  # identity: column j's positive is row j
-            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, positives.require(positives.partner, "partner"), row_pos)
+            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, _partner(positives), row_pos)
     elif how == "partner":
         row_pos = s.gather(1, rel[:, None])[:, 0]
         if plan.column_positives:
@@ -105,7 +118,7 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
     if plan.fixed:
         e = s.exp_()
-        if plan.apart is not None and plan.exclude is None and plan.positives is not None and plan.positives.layout is not None:
+        if plan.apart is not None and plan.exclude is None and _strided(plan.positives) is not None:
             # the self pairs and the positives kept apart, cleared by one indexed fill
             e.view(-1).index_fill_(0, flat_places(plan.positives, plan.self_offset).left_out, 0.0)
         else:

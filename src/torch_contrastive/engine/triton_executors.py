@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..positives import Exclusion
+from ..positives import Exclusion, KeyPositives
 from .driver import Gradients, Operands, Saved
 from .left_out import Direction
 from .pairwise import PairExecutor
@@ -160,7 +160,7 @@ class TritonSigmoid(SigmoidExecutor):
 
 def _sigmoid_keys(positives: Positives, diagonal: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
     """The id keys the Triton kernels compare (None: a strided diagonal or no positive at all)."""
-    if positives.kind == "keys" and diagonal is None:
+    if isinstance(positives, KeyPositives) and diagonal is None:
         return positives.row_keys, positives.col_keys
     return None
 

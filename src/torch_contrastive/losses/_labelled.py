@@ -13,7 +13,7 @@ from .._normalize import prepare
 from ..distributed import Scope
 from ..engine import Options, PairTerms, Problem, Scale, resolve_tile, solve, tile_label_bounds
 from ..engine.planner import label_sorted
-from ..positives import Positives
+from ..positives import KeyPositives, Positives
 
 
 def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positives, inside: bool, normalize: bool,
@@ -28,6 +28,8 @@ def with_memory(z_all: Tensor, memory: tuple[Tensor, Tensor], positives: Positiv
     # normalised like the batch: inside the engine (local) or already (gathered rows)
     rows = emb.to(z_all.dtype) if inside else prepare(emb.to(z_all.dtype), normalize, eps)
     candidates = torch.cat([z_all, rows])
+    if not isinstance(positives, KeyPositives):
+        raise TypeError(f"a memory extends a label relation, got a {positives.kind!r} relation")
     row_keys, col_keys = positives.row_keys[0], positives.col_keys[0]
     extended = Positives.from_keys(row_keys, torch.cat([col_keys, labels]), self_offset=positives.self_offset)
     return candidates, extended, (None if emb.requires_grad else z_all.shape[0])
@@ -123,7 +125,8 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     options = Options(inside, eps, chunk_size, backend)
     by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale, backend)
     if by_label is None:
-        positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, self_offset=offset)
+        positives: Positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys,
+                                                   self_offset=offset)
         if reference is not None:
             z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
         if memory is not None:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..distributed import Scope
 from ..engine import Scale
-from ..positives import Positives
+from ..positives import Positives, Strided
 
 
 def image_text_positives(image_id: Tensor | None, text_id: Tensor | None, n: int, num_cols: int, scope: Scope,
@@ -54,9 +54,7 @@ def pair_partner(n_rows: int, pairing: str, offset: int = 0, device: torch.devic
     key = (n_rows, pairing, offset, torch.device(device) if device is not None else torch.device("cpu"))
     cached = _PARTNERS.get(key)
     if cached is None:
-        rows = torch.arange(n_rows, device=device)
-        local = rows if pairing == "identity" else rows ^ 1 if pairing == "adjacent" else (rows + n_rows // 2) % n_rows
-        cached = local + offset
+        cached = Strided.of(pairing, n_rows).columns(torch.arange(n_rows, device=device)) + offset
         if len(_PARTNERS) > 256:  # many distinct shapes: keep the cache small
             _PARTNERS.clear()
         _PARTNERS[key] = cached
@@ -93,5 +91,4 @@ def pair_keys(n_rows: int, pairing: str, device: torch.device | None = None) -> 
             ``"halves"`` pairs row i with i + N, as in ``torch.cat([view1, view2])``
             (the SimCLR and SupCon papers).
     """
-    rows = torch.arange(n_rows, device=device)
-    return rows // 2 if pairing == "adjacent" else rows % (n_rows // 2)
+    return Strided.of(pairing, n_rows).keys(torch.arange(n_rows, device=device))

@@ -13,7 +13,7 @@ from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
-from ..positives import Exclusion, Positives
+from ..positives import Exclusion, PartnerPositives, Positives
 from ._pairing import image_text_positives, positive_logits
 from ._prologue import check_agreement, engine_total, finish_checks, image_text_inputs
 
@@ -109,7 +109,7 @@ def image_text_contrastive_loss(
         # whole loss -- normalisation, both directions, positives -- is one engine call.
         pos = image_text_positives(image_id, text_id, n, n, scope, device)
         # a partner relation has one positive per row: its counts are formed only for the paths that read them
-        partner = pos.kind == "partner"
+        partner = isinstance(pos, PartnerPositives)
         counts = pos.row_counts() if smoothing or decoupled or not partner or reduction == "none" else None
         cdtype = compute_dtype(image_feat.dtype)
         weights = variant.weights(_counted(counts), _counted(counts).sum(), n, cdtype) if smoothing else \

@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Options, Problem, Scale, SigmoidPairs, solve
-from ..positives import Positives
+from ..positives import PartnerPositives, Positives
 from ._pairing import image_text_positives
 from ._prologue import check_agreement, image_text_inputs, reduce
 
@@ -109,11 +109,11 @@ def siglip_loss(
     else:
         img, txt_all, inside = image_feat, text_feat, normalize
     if negative_only:
-        positives = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.long, device=device), n, txt_all.shape[0], self_offset=None)
+        positives: Positives = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.long, device=device), n, txt_all.shape[0], self_offset=None)
     else:
         positives = image_text_positives(image_id, text_id, n, txt_all.shape[0], scope, device)
     # Without ids image i's positive is text offset + i: a strided diagonal of each tile.
-    diagonal = scope.offset if positives.kind == "partner" and not negative_only else None
+    diagonal = scope.offset if isinstance(positives, PartnerPositives) and not negative_only else None
     per_image = solve(Problem(img, txt_all, scale, SigmoidPairs(bias, diagonal), positives=positives,
                               options=Options(inside, eps, chunk_size, backend)))
     # "mean": the global sum over all pairs / the global number of images (open_clip's / N).

@@ -9,7 +9,7 @@ from .. import _validation as v
 from .._tensors import mask_as
 from ..distributed import Scope
 from ..engine import Options, Problem, Softmax, compute_dtype, solve
-from ..positives import Positives
+from ..positives import KeyPositives, Positives
 from ._labelled import check_reference, with_memory, with_reference
 from ._prologue import begin, engine_total, finish_checks, reduce, single_set
 
@@ -125,7 +125,7 @@ def supcon_loss(
     z, z_all, offset, inside = single_set(flat, "features", normalize, eps, scope, checks, labels is not None)
     n_anchor = bsz if contrast_mode == "one" else bsz * n_views
     if mask is not None:
-        positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
+        positives: Positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
     else:
         sample_keys = labels if labels is not None else torch.arange(bsz, device=device) + offset
         keys = scope.ints(sample_keys if n_views == 1 else sample_keys.repeat(n_views))
@@ -164,6 +164,8 @@ def _candidates(z_all: Tensor, positives: Positives, offset: int, memory: tuple[
     """The candidate rows, positives, first constant column and self offset: the batch, the
     batch and a memory, or a reference set (no self pairs)."""
     if reference is not None:
+        if not isinstance(positives, KeyPositives):
+            raise ValueError("reference_embeddings take labels, not a mask")
         rows, extended, constant = with_reference(reference, positives.row_keys[0], z_all.dtype, inside, normalize, eps)
         return rows, extended, constant, None
     if memory is not None:

@@ -34,6 +34,14 @@ One kernel per file (:mod:`.row_lse`, :mod:`.tile_sums`, :mod:`.grad_rows`,
 :mod:`.tile_grad`; the in-tile pieces in :mod:`._tile`), each with a keyword launcher and
 ``triton.autotune`` over a small config list (:mod:`._configs`): the block sizes, warps and
 pipeline stages are timed on the user's GPU the first time a (size bucket, D, dtype) is seen.
+Every launcher sets up the same way (:func:`._host.launch_operands`: the device check and
+contiguous operands, so a row's stride is its width; grids from :mod:`._configs`). Optional
+inputs are None, never stand-in tensors: the kernels test them with ``is not None``, which
+Triton folds at compile time, so a plain CLIP call compiles no exclusion code and passes no
+exclusion arguments (they are keyword parameters that default to None, :data:`._host.EXCLUSION`);
+the constexprs that follow from the arguments (accumulation dtype, ``tl.dot`` precision, whether
+anything is excluded) come from ``triton.heuristics`` (:data:`._host.DERIVED`). An accumulator
+the autotuner must reset between timed runs is one tensor (rows, then columns), split in views.
 
 Precision: fp32 operands are multiplied in IEEE fp32 (TF32 only when
 ``torch.backends.cuda.matmul.allow_tf32`` is set), fp64 in fp64; half-precision inputs

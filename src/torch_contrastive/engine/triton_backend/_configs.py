@@ -84,6 +84,24 @@ def tile_grid(r: int, c: int, owned: bool = False) -> Any:
     return grid
 
 
+def row_grid(r: int) -> Any:
+    """One program per block of ``BLOCK_M`` rows (the row-owned log-sum-exp)."""
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(r, meta["BLOCK_M"]),)
+
+    return grid
+
+
+def output_grid(r: int, d_out: int) -> Any:
+    """A program per (block of ``BLOCK_M`` rows, block of ``BLOCK_O`` output features)."""
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return (triton.cdiv(r, meta["BLOCK_M"]), triton.cdiv(d_out, meta["BLOCK_O"]))
+
+    return grid
+
+
 def owned_grid(blocks_of: int, d: int) -> Any:
     """Grid of a deterministic gradient kernel: output blocks (rows or columns) by feature blocks."""
     def grid(meta: dict[str, Any]) -> tuple[int, int]:

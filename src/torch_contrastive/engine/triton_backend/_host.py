@@ -1,5 +1,9 @@
-"""Host-side helpers every kernel launcher shares: the device check, operands as the kernels
-read them, accumulation dtype and ``tl.dot`` precision, and the exclusion rule's arguments."""
+"""Host-side helpers every kernel launcher shares: the device check and operands as the kernels
+read them (:func:`launch_operands`), the constexprs derived from the arguments (:data:`DERIVED`,
+through ``triton.heuristics``), and the exclusion rule's keyword arguments (:func:`exclusion`).
+
+Optional inputs are passed as None -- no stand-in pointers -- and the kernels test them with
+``is not None``, which Triton folds at compile time (a None argument is a constexpr)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ...positives import KeyPositives, PartnerPositives
 
 try:  # optional dependency
     import triton
@@ -63,46 +69,69 @@ def precision(x: Tensor) -> str:
     return "ieee"
 
 
-def exclusion_args(exclude: Any, anchor: Tensor) -> tuple[list[Any], dict[str, Any]]:
-    """The kernels' view of an :class:`~torch_contrastive.positives.Exclusion` (or None):
-    positional tensors/ints after ``self_offset`` and the constexpr switches."""
-    dummy = anchor
-    keys: list[Tensor] = [dummy, dummy, dummy, dummy]
-    partner: Tensor = dummy
-    g_rows = g_cols = threshold = dummy
-    dg = stride_gr = stride_gc = 0
-    flags: dict[str, Any] = dict(EXCLUDE=exclude is not None, N_KEYS=0, PARTNER=False, GUIDE=False, DIAGONAL=False,
-                                 KEEP_DIAGONAL=False, GACC=tl.float32)
-    diagonal = keep_diagonal = 0
-    if exclude is not None:
-        if exclude.keep is not None:
-            raise ValueError("backend='triton' does not cover an exclusion with a kept relation; use backend='torch'")
-        relation = exclude.relation
-        if relation is not None:
-            if relation.kind == "keys":
-                rk, ck = relation.row_keys, relation.col_keys
-                keys = [rk[0].contiguous(), ck[0].contiguous()]
-                keys += [rk[1].contiguous(), ck[1].contiguous()] if len(rk) > 1 else [dummy, dummy]
-                flags["N_KEYS"] = len(rk)
-            elif relation.kind == "partner":
-                partner = relation.partner.contiguous()
-                flags["PARTNER"] = True
-            else:
-                raise ValueError(f"backend='triton' does not cover exclusions by a {relation.kind!r} relation; use backend='torch'")
-        if exclude.guide is not None:
-            rows, cols, thr = exclude.guide
-            g_rows, g_cols = operand(rows), operand(cols)
-            threshold = thr.to(g_rows.dtype).contiguous()
-            dg, stride_gr, stride_gc = g_rows.shape[1], g_rows.stride(0), g_cols.stride(0)
-            flags.update(GUIDE=True, GACC=tl.float64 if g_rows.dtype == torch.float64 else tl.float32)
-        if exclude.diagonal is not None:
-            diagonal = exclude.diagonal
-            flags["DIAGONAL"] = True
-        if exclude.keep_diagonal is not None:
-            keep_diagonal = exclude.keep_diagonal
-            flags["KEEP_DIAGONAL"] = True
-    args = [*keys, partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal]
-    return args, flags
+#: The exclusion rule's keyword arguments of every soft-max kernel (all default to None: a
+#: plain call passes none of them, and the kernels test ``is not None`` at compile time).
+EXCLUSION = ("rk0", "ck0", "rk1", "ck1", "partner", "g_rows", "g_cols", "threshold", "dg", "diagonal", "keep_diagonal")
+
+
+def exclusion(exclude: Any) -> dict[str, Any]:
+    """The kernels' view of an :class:`~torch_contrastive.positives.Exclusion` (or None): only the
+    parts it has, by name -- id keys, a partner, a guide (contiguous rows, their width), the
+    strided diagonal left out and the one kept."""
+    check_exclusion(exclude)
+    if exclude is None:
+        return {}
+    out: dict[str, Any] = {}
+    relation = exclude.relation
+    if isinstance(relation, KeyPositives):
+        out.update(keys(relation.row_keys, relation.col_keys))
+    elif isinstance(relation, PartnerPositives):
+        out["partner"] = relation.partner.contiguous()
+    if exclude.guide is not None:
+        rows, cols, thr = exclude.guide
+        out["g_rows"], out["g_cols"] = operand(rows), operand(cols)
+        out.update(threshold=thr.to(out["g_rows"].dtype).contiguous(), dg=out["g_rows"].shape[1])
+    if exclude.diagonal is not None:
+        out["diagonal"] = exclude.diagonal
+    if exclude.keep_diagonal is not None:
+        out["keep_diagonal"] = exclude.keep_diagonal
+    return out
+
+
+def keys(row_keys: tuple[Tensor, ...], col_keys: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    """One or two pairs of id keys as the kernels' ``rk0, ck0 (, rk1, ck1)``."""
+    out = {"rk0": row_keys[0].contiguous(), "ck0": col_keys[0].contiguous()}
+    if len(row_keys) > 1:
+        out.update(rk1=row_keys[1].contiguous(), ck1=col_keys[1].contiguous())
+    return out
+
+
+def _acc(args: dict[str, Any]) -> Any:
+    return tl.float64 if args["x_ptr"].dtype == torch.float64 else tl.float32
+
+
+def _guide_acc(args: dict[str, Any]) -> Any:
+    guide = args.get("g_rows")
+    return tl.float64 if guide is not None and guide.dtype == torch.float64 else tl.float32
+
+
+def _excludes(args: dict[str, Any]) -> bool:
+    return any(args.get(name) is not None for name in ("rk0", "partner", "g_rows", "diagonal"))
+
+
+#: The constexprs every kernel derives from its arguments (``triton.heuristics``): the
+#: accumulation dtype and ``tl.dot`` precision from the operands.
+DERIVED = {"ACC": _acc, "PRECISION": lambda args: precision(args["x_ptr"])}
+#: The soft-max kernels' derivations: :data:`DERIVED` and whether any exclusion is given, with
+#: the guide's accumulation dtype.
+DERIVED_EXCLUSION = {**DERIVED, "EXCLUDE": _excludes, "GACC": _guide_acc}
+
+
+def launch_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Every launcher's set-up: the device check, then the operands as the kernels read them
+    (contiguous, so a row's stride is its width; fp32 under the interpreter)."""
+    check_device(tensors[0])
+    return tuple(operand(t) for t in tensors)
 
 
 def per_index(t: Tensor, n: int, dtype: torch.dtype) -> Tensor:
@@ -110,17 +139,22 @@ def per_index(t: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     return t.to(dtype).expand(n).contiguous()
 
 
-def directions(row: tuple[Tensor, Tensor], col: tuple[Tensor, Tensor] | None, dtype: torch.dtype) -> list[Tensor]:
-    """``[L, u, M, v]`` for the gradient kernels (the row pair again when there is no column term)."""
+def directions(row: tuple[Tensor, Tensor], col: tuple[Tensor, Tensor] | None, dtype: torch.dtype) -> list[Tensor | None]:
+    """``[L, u, M, v]`` for the gradient kernels (``M, v`` None without a column term)."""
     n = row[1].shape[0]
     lse_r, u = per_index(row[1], n, dtype), per_index(row[0], n, dtype)
     if col is None:
-        return [lse_r, u, lse_r, u]
+        return [lse_r, u, None, None]
     m = col[1].shape[0]
     return [lse_r, u, per_index(col[1], m, dtype), per_index(col[0], m, dtype)]
 
 
 def check_exclusion(exclude: Any) -> None:
     """A clear error, before any work, for an exclusion the kernels do not cover."""
-    if exclude is not None:
-        exclusion_args(exclude, torch.empty(0))
+    if exclude is None:
+        return
+    if exclude.keep is not None:
+        raise ValueError("backend='triton' does not cover an exclusion with a kept relation; use backend='torch'")
+    relation = exclude.relation
+    if relation is not None and not isinstance(relation, (KeyPositives, PartnerPositives)):
+        raise ValueError(f"backend='triton' does not cover exclusions by a {relation.kind!r} relation; use backend='torch'")

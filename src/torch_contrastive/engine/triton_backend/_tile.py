@@ -8,25 +8,26 @@ from ._host import tl, triton
 
 
 @triton.jit
-def logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) tile of X @ Y.T (accumulated in ACC) for the given rows and columns."""
+def logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+           PRECISION: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) tile of X @ Y.T (accumulated in ACC) for the given rows and columns
+    (contiguous operands: a row's stride is ``d``)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for k0 in range(0, d, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < n_rows) & (ks[None, :] < d), other=0.0)
-        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < d), other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * d + ks[None, :], mask=(rows[:, None] < n_rows) & (ks[None, :] < d), other=0.0)
+        y = tl.load(y_ptr + cols[:, None] * d + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < d), other=0.0)
         acc += tl.dot(x, tl.trans(y), out_dtype=ACC, input_precision=PRECISION)
     return acc
 
 
 @triton.jit
-def with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS: tl.constexpr):
+def with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr):
     """``s * fx_i * fy_j``: the normalisation and the scale applied to the fp32 logit tile of the
     caller's own half-precision rows (never ``x / ||x||`` rounded to half, an error the
-    temperature multiplies); ``s`` unchanged without ``FACTORS``."""
-    if FACTORS:
+    temperature multiplies); ``s`` unchanged without factors (None)."""
+    if fx_ptr is not None:
         fx = tl.load(fx_ptr + rows, mask=rows < n_rows, other=0.0)
         fy = tl.load(fy_ptr + cols, mask=cols < n_cols, other=0.0)
         s = s * fx[:, None] * fy[None, :]
@@ -34,18 +35,18 @@ def with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS: tl.cons
 
 
 @triton.jit
-def fold_columns(g, cols, n_cols, f_ptr, FACTORS: tl.constexpr):
+def fold_columns(g, cols, n_cols, f_ptr):
     """``g * f_j``: a column factor folded into a gradient tile before it is rounded for a product."""
-    if FACTORS:
+    if f_ptr is not None:
         f = tl.load(f_ptr + cols, mask=cols < n_cols, other=0.0)
         g = g * f[None, :]
     return g
 
 
 @triton.jit
-def fold_rows(g, rows, n_rows, f_ptr, FACTORS: tl.constexpr):
+def fold_rows(g, rows, n_rows, f_ptr):
     """``f_i * g``: a row factor folded into a gradient tile before it is rounded for a product."""
-    if FACTORS:
+    if f_ptr is not None:
         f = tl.load(f_ptr + rows, mask=rows < n_rows, other=0.0)
         g = g * f[:, None]
     return g
@@ -70,15 +71,15 @@ def peaks(g, AXIS: tl.constexpr):
 
 
 @triton.jit
-def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, row_ok, col_ok,
-                     out_ok, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, row_ok, col_ok, out_ok, n_rows, n_cols, fy_ptr, fz_ptr,
+                     FACTORS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     """A gradient tile's two products, D block by D block, added with atomics: ``G diag(fy) @ Y``
     into its rows of ``ga`` and -- with ``COLUMNS`` -- ``(diag(fz) G).T @ Z`` into the rows of
     ``gb`` named by its columns where ``out_ok`` (the first ``grad_columns``; a single set's
     mirror rows, ``gb`` being ``ga``). ``row_ok`` / ``col_ok``: the tile's rows / columns in bounds."""
-    g_rows = fold_columns(g, cols, n_cols, fy_ptr, FACTORS)
-    g_cols = fold_rows(g, rows, n_rows, fz_ptr, FACTORS)
+    g_rows = fold_columns(g, cols, n_cols, fy_ptr)
+    g_cols = fold_rows(g, rows, n_rows, fz_ptr)
     if FACTORS == 2:  # fp16: each output row's entries scaled to <= 1 before rounding
         peak_r = peaks(g_rows, 1)
         g_rows = g_rows / peak_r[:, None]
@@ -87,32 +88,32 @@ def scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, s
     for k0 in range(0, d, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         k_ok = ks < d
-        y = tl.load(y_ptr + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        y = tl.load(y_ptr + cols[:, None] * d + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(g_rows.to(y.dtype), y, out_dtype=ACC, input_precision=PRECISION)
         if FACTORS == 2:
             part = part * peak_r[:, None]
-        tl.atomic_add(ga_ptr + rows[:, None] * stride_ga + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+        tl.atomic_add(ga_ptr + rows[:, None] * d + ks[None, :], part, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
         if COLUMNS:
-            z = tl.load(z_ptr + rows[:, None] * stride_z + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            z = tl.load(z_ptr + rows[:, None] * d + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             part_t = tl.dot(tl.trans(g_cols.to(z.dtype)), z, out_dtype=ACC, input_precision=PRECISION)
             if FACTORS == 2:
                 part_t = part_t * peak_c[:, None]
-            tl.atomic_add(gb_ptr + cols[:, None] * stride_gb + ks[None, :], part_t, mask=out_ok[:, None] & k_ok[None, :],
+            tl.atomic_add(gb_ptr + cols[:, None] * d + ks[None, :], part_t, mask=out_ok[:, None] & k_ok[None, :],
                           sem="relaxed")
 
 
 @triton.jit
-def owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, stride_y, stride_z, fy_ptr, fz_ptr,
+def owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, fy_ptr, fz_ptr,
                   FACTORS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """One step of a deterministic gradient: ``acc + G diag(fy) @ Y[cols, ds]`` for a program that owns
     rows, or (``COLUMNS``) ``acc + (diag(fz) G).T @ Z[rows, ds]`` for one that owns columns."""
     if COLUMNS:
-        g = tl.trans(fold_rows(grad, rows, n_rows, fz_ptr, FACTORS))
-        operand = tl.load(z_ptr + rows[:, None] * stride_z + ds[None, :], mask=(rows[:, None] < n_rows) & (ds[None, :] < d),
+        g = tl.trans(fold_rows(grad, rows, n_rows, fz_ptr))
+        operand = tl.load(z_ptr + rows[:, None] * d + ds[None, :], mask=(rows[:, None] < n_rows) & (ds[None, :] < d),
                           other=0.0)
     else:
-        g = fold_columns(grad, cols, n_cols, fy_ptr, FACTORS)
-        operand = tl.load(y_ptr + cols[:, None] * stride_y + ds[None, :], mask=(cols[:, None] < n_cols) & (ds[None, :] < d),
+        g = fold_columns(grad, cols, n_cols, fy_ptr)
+        operand = tl.load(y_ptr + cols[:, None] * d + ds[None, :], mask=(cols[:, None] < n_cols) & (ds[None, :] < d),
                           other=0.0)
     if FACTORS == 2:  # fp16: each output row's entries scaled to <= 1 before rounding
         peak = peaks(g, 1)
@@ -123,19 +124,19 @@ def owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, st
 
 
 @triton.jit
-def related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS: tl.constexpr, PARTNER: tl.constexpr):
-    """(rows, cols) bool: any of the ``N_KEYS`` (0-2) id keys equal, or -- with ``PARTNER`` -- the
-    column is the row's partner; out-of-bounds entries never match."""
+def related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner):
+    """(rows, cols) bool: any of the given id keys (``rk0 / ck0``, ``rk1 / ck1``) equal, or the
+    column is the row's ``partner``; out-of-bounds entries never match (all None: nothing)."""
     out = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
-    if N_KEYS >= 1:
+    if rk0 is not None:
         a0 = tl.load(rk0 + rows, mask=r_ok, other=-1)
         b0 = tl.load(ck0 + cols, mask=c_ok, other=-2)
         out = out | (a0[:, None] == b0[None, :])
-    if N_KEYS >= 2:
+    if rk1 is not None:
         a1 = tl.load(rk1 + rows, mask=r_ok, other=-1)
         b1 = tl.load(ck1 + cols, mask=c_ok, other=-2)
         out = out | (a1[:, None] == b1[None, :])
-    if PARTNER:
+    if partner is not None:
         p = tl.load(partner + rows, mask=r_ok, other=-1)
         out = out | (cols[None, :] == p[:, None])
     return out
@@ -180,66 +181,61 @@ def listed(rows, cols, r_ok, pair_ptr, pair_col):
 
 
 @triton.jit
-def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr,
-              stride_gc, diagonal, keep_diagonal, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
-              DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, OM: tl.constexpr,
-              ON: tl.constexpr, PRECISION: tl.constexpr):
+def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
+             keep_diagonal, GACC: tl.constexpr, OM: tl.constexpr, ON: tl.constexpr, PRECISION: tl.constexpr):
     """(OM, ON) bool, in the problem's own orientation: candidate ``ocol_j`` leaves anchor
     ``orow_i``'s log-sum-exp -- ``(keys | partner | guide) & ~kept diagonal | diagonal``,
     the same rule as :class:`~torch_contrastive.positives.Exclusion`."""
     r_ok = orow < n_orows
     c_ok = ocol < n_ocols
-    out = related(orow, ocol, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS, PARTNER)
-    if GUIDE:
+    out = related(orow, ocol, r_ok, c_ok, rk0, ck0, rk1, ck1, partner)
+    if g_rows is not None:  # contiguous guide rows: a row's stride is dg
         g = tl.zeros((OM, ON), dtype=GACC)
         for k0 in range(0, dg, 16):
             ks = k0 + tl.arange(0, 16)
-            u = tl.load(g_rows + orow[:, None] * stride_gr + ks[None, :], mask=r_ok[:, None] & (ks[None, :] < dg), other=0.0)
-            v = tl.load(g_cols + ocol[:, None] * stride_gc + ks[None, :], mask=c_ok[:, None] & (ks[None, :] < dg), other=0.0)
+            u = tl.load(g_rows + orow[:, None] * dg + ks[None, :], mask=r_ok[:, None] & (ks[None, :] < dg), other=0.0)
+            v = tl.load(g_cols + ocol[:, None] * dg + ks[None, :], mask=c_ok[:, None] & (ks[None, :] < dg), other=0.0)
             g += tl.dot(u, tl.trans(v), out_dtype=GACC, input_precision=PRECISION)
         t = tl.load(threshold + orow, mask=r_ok, other=0.0)
         out = out | (g > t[:, None])
-    if KEEP_DIAGONAL:  # the positive itself never leaves
+    if keep_diagonal is not None:  # the positive itself never leaves
         out = out & (ocol[None, :] != orow[:, None] + keep_diagonal)
-    if DIAGONAL:  # DCL's positive as a strided diagonal
+    if diagonal is not None:  # DCL's positive as a strided diagonal
         out = out | (ocol[None, :] == orow[:, None] + diagonal)
     return out
 
 @triton.jit
-def valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-           stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr, EXCLUDE: tl.constexpr,
-           TRANSPOSED: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
-           DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) bool: in bounds, not a self pair, not excluded. Kernel rows and
-    columns are the problem's columns and rows when ``TRANSPOSED`` (a pass over ``S.T``)."""
+def valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
+               keep_diagonal, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr, GACC: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool: in bounds, not a self pair (``self_offset`` None: none), not
+    excluded. Kernel rows and columns are the problem's columns and rows when ``TRANSPOSED`` (a
+    pass over ``S.T``)."""
     valid = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    if HAS_SELF:
+    if self_offset is not None:
         valid = valid & (cols[None, :] != rows[:, None] + self_offset)
     if EXCLUDE:
         if TRANSPOSED:
             out = tl.trans(excluded(cols, rows, n_cols, n_rows, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                                     stride_gr, stride_gc, diagonal, keep_diagonal, N_KEYS, PARTNER, GUIDE, DIAGONAL,
-                                     KEEP_DIAGONAL, GACC, BLOCK_N, BLOCK_M, PRECISION))
+                                    diagonal, keep_diagonal, GACC, BLOCK_N, BLOCK_M, PRECISION))
         else:
-            out = excluded(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                            stride_gr, stride_gc, diagonal, keep_diagonal, N_KEYS, PARTNER, GUIDE, DIAGONAL, KEEP_DIAGONAL,
-                            GACC, BLOCK_M, BLOCK_N, PRECISION)
+            out = excluded(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
+                           keep_diagonal, GACC, BLOCK_M, BLOCK_N, PRECISION)
         valid = valid & ~out
     return valid
 
 
 @triton.jit
-def gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL: tl.constexpr):
-    """``G_ij = u_i exp(S_ij - L_i) (+ v_j exp(S_ij - M_j))``; a row (column) whose
-    log-sum-exp is ``-inf`` has no candidate and no gradient."""
+def gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr):
+    """``G_ij = u_i exp(S_ij - L_i) (+ v_j exp(S_ij - M_j)`` when the column terms are given); a
+    row (column) whose log-sum-exp is ``-inf`` has no candidate and no gradient."""
     row_ok = rows < n_rows
     lse_r = tl.load(lse_r_ptr + rows, mask=row_ok, other=0.0)
     u = tl.load(u_ptr + rows, mask=row_ok, other=0.0)
     u = tl.where(lse_r == float("-inf"), 0.0, u)
     lse_r = tl.where(lse_r == float("-inf"), 0.0, lse_r)
     g = u[:, None] * tl.exp(s - lse_r[:, None])
-    if HAS_COL:
+    if lse_c_ptr is not None:
         col_ok = cols < n_cols
         lse_c = tl.load(lse_c_ptr + cols, mask=col_ok, other=0.0)
         v = tl.load(v_ptr + cols, mask=col_ok, other=0.0)

@@ -9,37 +9,35 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, row_output_blocks
-from ._host import acc_dtypes, check_device, directions, exclusion_args, gradient_factors, operand, precision, tl, triton
+from ._configs import autotune, bucket, output_grid, row_output_blocks
+from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch_operands, tl, triton
 from ._tile import gradient_tile, logits, owned_product, valid_mask, with_factors
 
 
 @autotune(row_output_blocks())
+@triton.heuristics(DERIVED_EXCLUSION)
 @triton.jit
-def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket, d_out,
-                      stride_x, stride_y, stride_z, stride_o, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
-                      threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr,
-                      HAS_COL: tl.constexpr, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr, N_KEYS: tl.constexpr,
-                      PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr,
-                      GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr):
-    """Rows ``pid0`` and output features ``pid1`` of ``G @ Z``: the program owns its output."""
+def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
+                      bucket, d_out, self_offset, TRANSPOSED: tl.constexpr, FACTORS: tl.constexpr, EXCLUDE: tl.constexpr,
+                      GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, rk0=None, ck0=None, rk1=None,
+                      ck1=None, partner=None, g_rows=None, g_cols=None, threshold=None, dg=None, diagonal=None,
+                      keep_diagonal=None):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     ds = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=ACC)
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
-        s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
-        g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL)
+        s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
+        s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
+        g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr)
         valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
-                           dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, TRANSPOSED, N_KEYS, PARTNER,
-                           GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK_M, BLOCK_N, PRECISION)
+                           dg, diagonal, keep_diagonal, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
         # the row-owned product step shared with the pair / SigLIP kernels: Z's rows are this tile's columns
-        acc = owned_product(acc, tl.where(valid, g, 0.0), rows, cols, ds, n_rows, n_cols, d_out, z_ptr, z_ptr, stride_z,
-                            stride_z, fz_ptr, fz_ptr, FACTORS, False, ACC, PRECISION)
-    tl.store(out_ptr + rows[:, None] * stride_o + ds[None, :], acc, mask=(rows[:, None] < n_rows) & (ds[None, :] < d_out))
+        acc = owned_product(acc, tl.where(valid, g, 0.0), rows, cols, ds, n_rows, n_cols, d_out, z_ptr, z_ptr, fz_ptr, fz_ptr,
+                            FACTORS, False, ACC, PRECISION)
+    tl.store(out_ptr + rows[:, None] * d_out + ds[None, :], acc, mask=(rows[:, None] < n_rows) & (ds[None, :] < d_out))
 
 
 def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor], col: tuple[Tensor, Tensor] | None,
@@ -54,20 +52,11 @@ def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     ``factors``: ``(fx, fy, fz)`` for raw half rows: ``S_ij = fx_i fy_j <x_i, y_j>`` and the output
     ``G @ diag(fz) z``.
     """
-    check_device(x_scaled)
-    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    x, yy, zz = launch_operands(x_scaled, y, z)
     r, c, d, d_out = x.shape[0], yy.shape[0], x.shape[1], zz.shape[1]
-    dtype, acc = acc_dtypes(x)
-    out = torch.empty(r, d_out, dtype=dtype, device=x.device)
-    excl_args, flags = exclusion_args(exclude, x)
-
-    def grid(meta: dict[str, Any]) -> tuple[int, int]:
-        return (triton.cdiv(r, meta["BLOCK_M"]), triton.cdiv(d_out, meta["BLOCK_O"]))
-
-    fx, fy, fz = factors if factors is not None else (out, out, out)
-    _grad_rows_kernel[grid](
-        x, yy, zz, out, fx, fy, fz, *directions(row, col, dtype), r, c, d, bucket(r, c), d_out, x.stride(0), yy.stride(0), zz.stride(0),
-        out.stride(0), 0 if self_offset is None else self_offset, *excl_args, HAS_SELF=self_offset is not None,
-        HAS_COL=col is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled),
-        **flags)
+    out = torch.empty(r, d_out, dtype=acc_dtypes(x)[0], device=x.device)
+    fx, fy, fz = factors if factors is not None else (None, None, None)
+    _grad_rows_kernel[output_grid(r, d_out)](x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
+                                             d_out, self_offset, TRANSPOSED=transposed,
+                                             FACTORS=gradient_factors(factors, x_scaled), **exclusion(exclude))
     return out

@@ -20,52 +20,48 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...positives import KeyPositives, PairPositives, PartnerPositives
 from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
-from ._host import acc_dtypes, check_device, fused, gradient_factors, operand, precision, tl, triton
+from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch_operands, tl, triton
 from ._tile import listed, logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
 
 @triton.jit
-def _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset,
-              HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, PAIRS: tl.constexpr):
-    """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither."""
+def _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset):
+    """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither.
+    Positives by listed pairs (``pair_ptr`` given), else by keys or a partner."""
     r_ok = rows < n_rows
     c_ok = cols < n_cols
-    if PAIRS:
+    if pair_ptr is not None:
         pos = listed(rows, cols, r_ok, pair_ptr, pair_col)
     else:
-        pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner, N_KEYS, PARTNER)
+        pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner)
     counted = r_ok[:, None] & c_ok[None, :]
-    if HAS_SELF:
+    if self_offset is not None:
         counted = counted & (cols[None, :] != rows[:, None] + self_offset)
     return pos & counted, counted & ~pos
 
 
 @triton.jit
 def _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, n_rows, n_cols, d,
-               stride_x, stride_y, self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr,
-               PAIRS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+               self_offset, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``: its rows, columns, logits and positive / negative masks."""
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
-    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
-    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
-    pos, neg = _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset, HAS_SELF,
-                         N_KEYS, PARTNER, PAIRS)
+    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
+    pos, neg = _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset)
     return rows, cols, s, pos, neg
 
 
 @triton.jit
 def _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, n_rows, n_cols,
-               d, stride_x, stride_y, self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr,
-               PAIRS: tl.constexpr, BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-               FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+               d, self_offset, BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``'s share of the two per-row sums (see :func:`pair_sums`)."""
     rows, _cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col,
-                                          n_rows, n_cols, d, stride_x, stride_y, self_offset, HAS_SELF, N_KEYS, PARTNER, PAIRS,
-                                          ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                          n_rows, n_cols, d, self_offset, ACC, PRECISION, BLOCK, BLOCK_D)
     if BINARY:
         first = tl.where(pos, softplus(-s), 0.0)
         second = tl.where(neg, softplus(s), 0.0)
@@ -77,14 +73,14 @@ def _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1
     return rows, tl.sum(first, axis=1), tl.sum(second, axis=1)
 
 
+@triton.heuristics(DERIVED)
 @triton.jit
-def _pair_sums(x_ptr, y_ptr, out0_ptr, out1_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, n_rows,
-               n_cols, d, bucket, stride_x, stride_y, self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr,
-               PARTNER: tl.constexpr, PAIRS: tl.constexpr, BINARY: tl.constexpr, OWNED: tl.constexpr, ACC: tl.constexpr,
-               PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+def _pair_sums(x_ptr, y_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, self_offset, BINARY: tl.constexpr,
+               OWNED: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, pair_ptr=None, pair_col=None):
     """Fused: one tile per program, row sums added with atomics. ``OWNED``: one row block per
-    program sweeps the column blocks in order and stores its sums (deterministic)."""
+    program sweeps the column blocks in order and stores its sums (deterministic). ``out`` holds
+    the first sum per row, then the second."""
     if OWNED:
         bi = tl.program_id(0)
         rows = bi * BLOCK + tl.arange(0, BLOCK)
@@ -92,35 +88,31 @@ def _pair_sums(x_ptr, y_ptr, out0_ptr, out1_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, c
         acc1 = tl.zeros((BLOCK,), dtype=ACC)
         for bj in range(0, tl.cdiv(n_cols, BLOCK)):
             _rows, t0, t1 = _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr,
-                                      pair_col, n_rows, n_cols, d, stride_x, stride_y, self_offset, HAS_SELF, N_KEYS, PARTNER,
-                                      PAIRS, BINARY, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                      pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION, BLOCK, BLOCK_D)
             acc0 += t0
             acc1 += t1
-        tl.store(out0_ptr + rows, acc0, mask=rows < n_rows)
-        tl.store(out1_ptr + rows, acc1, mask=rows < n_rows)
+        tl.store(out_ptr + rows, acc0, mask=rows < n_rows)
+        tl.store(out_ptr + n_rows + rows, acc1, mask=rows < n_rows)
     else:
         bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
         rows, t0, t1 = _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr,
-                                  pair_col, n_rows, n_cols, d, stride_x, stride_y, self_offset, HAS_SELF, N_KEYS, PARTNER,
-                                  PAIRS, BINARY, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
-        tl.atomic_add(out0_ptr + rows, t0, mask=rows < n_rows, sem="relaxed")
-        tl.atomic_add(out1_ptr + rows, t1, mask=rows < n_rows, sem="relaxed")
+                                  pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION, BLOCK, BLOCK_D)
+        tl.atomic_add(out_ptr + rows, t0, mask=rows < n_rows, sem="relaxed")
+        tl.atomic_add(out_ptr + n_rows + rows, t1, mask=rows < n_rows, sem="relaxed")
 
 
 # One jitted body, two autotuners: each scheme times and caches its own best config.
-_pair_sums_kernel = autotune(square_tiles(), reset_to_zero=["out0_ptr", "out1_ptr"])(_pair_sums)
+_pair_sums_kernel = autotune(square_tiles(), reset_to_zero=["out_ptr"])(_pair_sums)
 _pair_sums_owned_kernel = autotune(square_tiles())(_pair_sums)
 
 
 @triton.jit
 def _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr,
-               pair_col, n_rows, n_cols, d, stride_x, stride_y, self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr,
-               PARTNER: tl.constexpr, PAIRS: tl.constexpr, BINARY: tl.constexpr, ACC: tl.constexpr,
-               PRECISION: tl.constexpr, FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+               pair_col, n_rows, n_cols, d, self_offset, BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``'s gradient ``G = d loss / d S`` (see :func:`pair_grad`), with its rows and columns."""
     rows, cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col,
-                                         n_rows, n_cols, d, stride_x, stride_y, self_offset, HAS_SELF, N_KEYS, PARTNER, PAIRS,
-                                         ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                         n_rows, n_cols, d, self_offset, ACC, PRECISION, BLOCK, BLOCK_D)
     row_ok = rows < n_rows
     g0 = tl.load(g0_ptr + rows, mask=row_ok, other=0.0)
     if BINARY:
@@ -138,28 +130,28 @@ def _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_
 
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
+@triton.heuristics(DERIVED)
 @triton.jit
-def _pair_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0,
-                      rk1, ck1, partner, pair_ptr, pair_col, n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z,
-                      stride_ga, stride_gb, self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr,
-                      PARTNER: tl.constexpr, PAIRS: tl.constexpr, BINARY: tl.constexpr, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+def _pair_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols,
+                      d, bucket, self_offset, BINARY: tl.constexpr, FACTORS: tl.constexpr, ACC: tl.constexpr,
+                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None,
+                      ck0=None, rk1=None, ck1=None, partner=None, pair_ptr=None, pair_col=None):
     """Fused: each tile's gradient formed once, both products added with atomics."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
     rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
-                                  partner, pair_ptr, pair_col, n_rows, n_cols, d, stride_x, stride_y, self_offset, HAS_SELF,
-                                  N_KEYS, PARTNER, PAIRS, BINARY, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
-    scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, rows < n_rows,
-                     cols < n_cols, cols < n_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
+                                  partner, pair_ptr, pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION, BLOCK,
+                                  BLOCK_D)
+    scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, rows < n_rows, cols < n_cols, cols < n_cols, n_rows,
+                     n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
 
 
+@triton.heuristics(DERIVED)
 @triton.jit
-def _pair_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0, rk1, ck1,
-                     partner, pair_ptr, pair_col, n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_o,
-                     self_offset, HAS_SELF: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, PAIRS: tl.constexpr,
-                     BINARY: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                     FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr):
+def _pair_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols, d,
+                     bucket, self_offset, BINARY: tl.constexpr, COLUMNS: tl.constexpr, FACTORS: tl.constexpr,
+                     ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_O: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, pair_ptr=None,
+                     pair_col=None):
     """Deterministic: the program owns a block of output rows and features and sweeps the other
     side's blocks in order -- ``G diag(fy) @ y`` for a row block, or (``COLUMNS``)
     ``(diag(fz) G).T @ z`` for a column block. Each tile is formed in its own orientation, so the
@@ -172,38 +164,30 @@ def _pair_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, lse_ptr, w_ptr, g0_ptr, g1_pt
         bi = other if COLUMNS else own
         bj = own if COLUMNS else other
         rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
-                                      partner, pair_ptr, pair_col, n_rows, n_cols, d, stride_x, stride_y, self_offset,
-                                      HAS_SELF, N_KEYS, PARTNER, PAIRS, BINARY, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
-        acc = owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, stride_y, stride_z, fy_ptr, fz_ptr,
-                            FACTORS, COLUMNS, ACC, PRECISION)
+                                      partner, pair_ptr, pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION,
+                                      BLOCK, BLOCK_D)
+        acc = owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, fy_ptr, fz_ptr, FACTORS, COLUMNS, ACC,
+                            PRECISION)
     mine = own * BLOCK + tl.arange(0, BLOCK)
     n_mine = n_cols if COLUMNS else n_rows
-    tl.store(out_ptr + mine[:, None] * stride_o + ds[None, :], acc, mask=(mine[:, None] < n_mine) & (ds[None, :] < d))
+    tl.store(out_ptr + mine[:, None] * d + ds[None, :], acc, mask=(mine[:, None] < n_mine) & (ds[None, :] < d))
 
 
 _pair_grad_rows_kernel = autotune(owned_outputs())(_pair_grad_owned)
 _pair_grad_cols_kernel = autotune(owned_outputs())(_pair_grad_owned)
 
 
-def _relation_args(positives: Any, dummy: Tensor) -> tuple[list[Any], dict[str, Any]]:
-    """The positive relation (keys, partner or listed pairs) as the kernels read it."""
-    ptrs: list[Any] = [dummy] * 7
-    flags: dict[str, Any] = dict(N_KEYS=0, PARTNER=False, PAIRS=False)
-    if positives.kind == "keys":
-        rk, ck = positives.row_keys, positives.col_keys
-        ptrs[:2] = [rk[0].contiguous(), ck[0].contiguous()]
-        if len(rk) > 1:
-            ptrs[2:4] = [rk[1].contiguous(), ck[1].contiguous()]
-        flags["N_KEYS"] = len(rk)
-    elif positives.kind == "partner":
-        ptrs[4] = positives.partner.contiguous()
-        flags["PARTNER"] = True
-    elif positives.kind == "pairs":
-        ptrs[5:7] = positives.row_lists
-        flags["PAIRS"] = True
-    else:  # the planner refuses other relations before any work
-        raise ValueError(f"the pair kernels take positives by ids, a partner or index pairs, not a {positives.kind!r} relation")
-    return ptrs, flags
+def _relation_args(positives: Any) -> dict[str, Any]:
+    """The positive relation as the kernels read it, by name: keys, a partner or listed pairs."""
+    if isinstance(positives, KeyPositives):
+        return keys(positives.row_keys, positives.col_keys)
+    if isinstance(positives, PartnerPositives):
+        return {"partner": positives.partner.contiguous()}
+    if isinstance(positives, PairPositives):
+        pair_ptr, pair_col = positives.row_lists
+        return {"pair_ptr": pair_ptr, "pair_col": pair_col}
+    # the planner refuses other relations before any work
+    raise ValueError(f"the pair kernels take positives by ids, a partner or index pairs, not a {positives.kind!r} relation")
 
 
 def pair_sums(x_scaled: Tensor, y: Tensor, positives: Any, binary: bool, lse: Tensor | None = None,
@@ -213,22 +197,15 @@ def pair_sums(x_scaled: Tensor, y: Tensor, positives: Any, binary: bool, lse: Te
     log-sum-exps ``lse`` (``-inf`` for a row without negatives). ``S = x_scaled @ y.T`` (with
     ``factors``: ``fx_i fy_j <x_i, y_j>``); the self pair is ``positives.self_offset``'s.
     Under ``torch.use_deterministic_algorithms(True)`` row blocks own their sums (no atomics)."""
-    check_device(x_scaled)
-    x, yy = operand(x_scaled), operand(y)
+    x, yy = launch_operands(x_scaled, y)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
-    dtype, acc = acc_dtypes(x)
-    out0 = torch.zeros(r, dtype=dtype, device=x.device)
-    out1 = torch.zeros(r, dtype=dtype, device=x.device)
-    ptrs, flags = _relation_args(positives, x)
-    fx, fy = factors if factors is not None else (out0, out0)
-    offset = positives.self_offset
+    out = torch.zeros(2 * r, dtype=acc_dtypes(x)[0], device=x.device)  # both sums: one accumulator to reset
+    fx, fy = factors if factors is not None else (None, None)
     owned = not fused()
     kernel = _pair_sums_owned_kernel if owned else _pair_sums_kernel
-    kernel[tile_grid(r, c, owned)](
-        x, yy, out0, out1, out0 if lse is None else lse.contiguous(), fx, fy, *ptrs, r, c, d, bucket(r, c), x.stride(0),
-        yy.stride(0), 0 if offset is None else offset, HAS_SELF=offset is not None, BINARY=binary, OWNED=owned, ACC=acc,
-        PRECISION=precision(x), FACTORS=factors is not None, GROUP=GROUP, **flags)
-    return out0, out1
+    kernel[tile_grid(r, c, owned)](x, yy, out, None if lse is None else lse.contiguous(), fx, fy, r, c, d, bucket(r, c),
+                                   positives.self_offset, BINARY=binary, OWNED=owned, GROUP=GROUP, **_relation_args(positives))
+    return out[:r], out[r:]
 
 
 def pair_grad(x_scaled: Tensor, y: Tensor, z: Tensor, positives: Any, binary: bool, grads: tuple[Tensor, ...],
@@ -239,28 +216,22 @@ def pair_grad(x_scaled: Tensor, y: Tensor, z: Tensor, positives: Any, binary: bo
     each gradient tile formed once and both products added with atomics, or -- under
     ``torch.use_deterministic_algorithms(True)`` -- row blocks and column blocks owning their
     outputs (the tile formed once per direction and feature block)."""
-    check_device(x_scaled)
-    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    x, yy, zz = launch_operands(x_scaled, y, z)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
-    dtype, acc = acc_dtypes(x)
+    dtype = acc_dtypes(x)[0]
     g0 = grads[0].to(dtype).expand(r).contiguous()
-    g1 = grads[1].to(dtype).expand(r).contiguous() if binary else g0
-    ptrs, flags = _relation_args(positives, x)
-    fx, fy, fz = factors if factors is not None else (g0, g0, g0)
-    offset = positives.self_offset
-    stats = (g0 if lse is None else lse.contiguous(), g0 if weight is None else weight.contiguous(), g0, g1, fx, fy, fz, *ptrs,
-             r, c, d, bucket(r, c), x.stride(0), yy.stride(0), zz.stride(0))
-    common = dict(HAS_SELF=offset is not None, BINARY=binary, ACC=acc, PRECISION=precision(x),
-                  FACTORS=gradient_factors(factors, x_scaled), **flags)
+    g1 = grads[1].to(dtype).expand(r).contiguous() if binary else None
+    fx, fy, fz = factors if factors is not None else (None, None, None)
+    stats = (None if lse is None else lse.contiguous(), None if weight is None else weight.contiguous(), g0, g1, fx, fy, fz,
+             r, c, d, bucket(r, c), positives.self_offset)
+    common = dict(BINARY=binary, FACTORS=gradient_factors(factors, x_scaled), **_relation_args(positives))
     if fused():
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
         gb = torch.zeros(c, d, dtype=dtype, device=x.device)
-        _pair_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, *stats, ga.stride(0), gb.stride(0),
-                                           0 if offset is None else offset, GROUP=GROUP, **common)
+        _pair_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, *stats, GROUP=GROUP, **common)
         return ga, gb
     ga = torch.empty(r, d, dtype=dtype, device=x.device)
     gb = torch.empty(c, d, dtype=dtype, device=x.device)
     for kernel, out, blocks_of, columns in ((_pair_grad_rows_kernel, ga, r, False), (_pair_grad_cols_kernel, gb, c, True)):
-        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, *stats, out.stride(0), 0 if offset is None else offset,
-                                          COLUMNS=columns, **common)
+        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, *stats, COLUMNS=columns, **common)
     return ga, gb

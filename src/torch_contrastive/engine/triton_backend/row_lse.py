@@ -12,30 +12,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, row_blocks
-from ._host import acc_dtypes, check_device, exclusion_args, operand, precision, tl, triton
+from ._configs import autotune, bucket, row_blocks, row_grid
+from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch_operands, tl, triton
 from ._tile import logits, valid_mask, with_factors
 
 
 @autotune(row_blocks())
+@triton.heuristics(DERIVED_EXCLUSION)
 @triton.jit
-def _row_lse_kernel(x_ptr, y_ptr, out_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, stride_x, stride_y, self_offset,
-                    rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal,
-                    keep_diagonal, HAS_SELF: tl.constexpr, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr,
-                    N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr,
-                    KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                    FACTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _row_lse_kernel(x_ptr, y_ptr, out_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, self_offset, TRANSPOSED: tl.constexpr,
+                    EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None,
+                    ck1=None, partner=None, g_rows=None, g_cols=None, threshold=None, dg=None, diagonal=None,
+                    keep_diagonal=None):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
     run_sum = tl.zeros((BLOCK_M,), dtype=ACC)
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
-        s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
-        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
-                           dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, TRANSPOSED, N_KEYS, PARTNER,
-                           GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK_M, BLOCK_N, PRECISION)
+        s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
+        s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
+        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
+                           diagonal, keep_diagonal, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
         s = tl.where(valid, s, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(s, axis=1))
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -54,19 +53,10 @@ def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any =
     log-sum-exp), so the exclusion rule is read with rows and columns swapped. ``factors``:
     ``(fx, fy)`` fp32 row and column factors, ``S_ij = fx_i fy_j <x_i, y_j>`` (raw half rows).
     """
-    check_device(x_scaled)
-    x, yy = operand(x_scaled), operand(y)
+    x, yy = launch_operands(x_scaled, y)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
-    dtype, acc = acc_dtypes(x)
-    out = torch.empty(r, dtype=dtype, device=x.device)
-    excl_args, flags = exclusion_args(exclude, x)
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(r, meta["BLOCK_M"]),)
-
-    fx, fy = factors if factors is not None else (out, out)
-    _row_lse_kernel[grid](
-        x, yy, out, fx, fy, r, c, d, bucket(r, c), x.stride(0), yy.stride(0), 0 if self_offset is None else self_offset, *excl_args,
-        HAS_SELF=self_offset is not None, TRANSPOSED=transposed, ACC=acc, PRECISION=precision(x),
-        FACTORS=factors is not None, **flags)
+    out = torch.empty(r, dtype=acc_dtypes(x)[0], device=x.device)
+    fx, fy = factors if factors is not None else (None, None)
+    _row_lse_kernel[row_grid(r)](x, yy, out, fx, fy, r, c, d, bucket(r, c), self_offset, TRANSPOSED=transposed,
+                                 **exclusion(exclude))
     return out

@@ -12,39 +12,36 @@ tensors), or none (open_clip's negative-only term).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
-from ._host import acc_dtypes, check_device, fused, gradient_factors, operand, precision, tl, triton
+from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch_operands, tl, triton
 from ._tile import logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
 
 @triton.jit
-def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, stride_x, stride_y,
-                 diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                 FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, diagonal,
+                 ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """``-z * S`` of the tile, the positive mask and the in-bounds mask."""
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
-    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
-    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS) + tl.load(bias_ptr)
+    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr) + tl.load(bias_ptr)
     r_ok = rows < n_rows
     c_ok = cols < n_cols
-    pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, rk0, N_KEYS, False)
-    if DIAGONAL:
+    pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, None)
+    if diagonal is not None:
         pos = pos | (cols[None, :] == rows[:, None] + diagonal)
     return tl.where(pos, -s, s), pos, r_ok[:, None] & c_ok[None, :], rows, cols
 
 
+@triton.heuristics(DERIVED)
 @triton.jit
-def _sigmoid_sums(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, bucket, stride_x,
-                  stride_y, diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, OWNED: tl.constexpr, ACC: tl.constexpr,
-                  PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+def _sigmoid_sums(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, diagonal, OWNED: tl.constexpr,
+                  ACC: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None):
     """Fused: one tile per program, row sums added with atomics. ``OWNED``: one row block per
     program sweeps the column blocks in order and stores its sums (deterministic)."""
     if OWNED:
@@ -52,16 +49,14 @@ def _sigmoid_sums(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1
         total = tl.zeros((BLOCK,), dtype=ACC)
         for bj in range(0, tl.cdiv(n_cols, BLOCK)):
             signed, _pos, inside, _rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
-                                                              n_rows, n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS,
-                                                              ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                                              n_rows, n_cols, d, diagonal, ACC, PRECISION, BLOCK, BLOCK_D)
             total += tl.sum(tl.where(inside, softplus(signed), 0.0), axis=1)
         rows = bi * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + rows, total, mask=rows < n_rows)
     else:
         bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
         signed, _pos, inside, rows, _cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
-                                                         n_rows, n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC,
-                                                         PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                                         n_rows, n_cols, d, diagonal, ACC, PRECISION, BLOCK, BLOCK_D)
         terms = tl.where(inside, softplus(signed), 0.0)
         tl.atomic_add(out_ptr + rows, tl.sum(terms, axis=1), mask=rows < n_rows, sem="relaxed")
 
@@ -72,38 +67,38 @@ _sigmoid_sums_owned_kernel = autotune(square_tiles())(_sigmoid_sums)
 
 
 @triton.jit
-def _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, stride_x,
-               stride_y, diagonal, DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-               FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d, diagonal,
+               ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``'s ``dS = -z sigmoid(-z S) g_i`` (0 out of bounds), with its rows and columns."""
     signed, pos, inside, rows, cols = _signed_tile(bi, bj, x_ptr, y_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows,
-                                                   n_cols, d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION,
-                                                   FACTORS, BLOCK, BLOCK_D)
+                                                   n_cols, d, diagonal, ACC, PRECISION, BLOCK, BLOCK_D)
     g_row = tl.load(g_ptr + rows, mask=rows < n_rows, other=0.0)
     grad = tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None])
     return rows, cols, tl.where(inside, grad, 0.0)
 
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr", "gbias_ptr"])
+@triton.heuristics(DERIVED)
 @triton.jit
-def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0, rk1,
-                         ck1, n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_ga, stride_gb, diagonal,
-                         DIAGONAL: tl.constexpr, N_KEYS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                         FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols,
+                         d, bucket, diagonal, FACTORS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None,
+                         ck1=None):
     """Fused: each tile's ``dS`` formed once; both products and the bias sum added with atomics."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
     rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols, d,
-                                  stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                  diagonal, ACC, PRECISION, BLOCK, BLOCK_D)
     tl.atomic_add(gbias_ptr, tl.sum(tl.sum(grad, axis=1), axis=0), sem="relaxed")
-    scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, rows < n_rows,
-                     cols < n_cols, cols < n_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
+    scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, rows < n_rows, cols < n_cols, cols < n_cols, n_rows,
+                     n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
 
 
+@triton.heuristics(DERIVED)
 @triton.jit
-def _sigmoid_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, rk0, ck0, rk1, ck1,
-                        n_rows, n_cols, d, bucket, stride_x, stride_y, stride_z, stride_o, diagonal, DIAGONAL: tl.constexpr,
-                        N_KEYS: tl.constexpr, COLUMNS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                        FACTORS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr):
+def _sigmoid_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols, d,
+                        bucket, diagonal, COLUMNS: tl.constexpr, FACTORS: tl.constexpr, ACC: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, rk0=None,
+                        ck0=None, rk1=None, ck1=None):
     """Deterministic: the program owns a block of output rows and features and sweeps the other
     side's blocks in order (``dS diag(fy) @ y``, or with ``COLUMNS`` ``(diag(fz) dS).T @ z``); a
     row block's first feature block also stores its rows' ``sum_j dS_ij`` (the bias gradient's parts)."""
@@ -116,14 +111,14 @@ def _sigmoid_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, gbias_ptr, g_ptr, bias_ptr
         bi = other if COLUMNS else own
         bj = own if COLUMNS else other
         rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, n_rows, n_cols,
-                                      d, stride_x, stride_y, diagonal, DIAGONAL, N_KEYS, ACC, PRECISION, FACTORS, BLOCK, BLOCK_D)
+                                      d, diagonal, ACC, PRECISION, BLOCK, BLOCK_D)
         if not COLUMNS:
             row_sum += tl.sum(grad, axis=1)
-        acc = owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, stride_y, stride_z, fy_ptr, fz_ptr,
-                            FACTORS, COLUMNS, ACC, PRECISION)
+        acc = owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, fy_ptr, fz_ptr, FACTORS, COLUMNS, ACC,
+                            PRECISION)
     mine = own * BLOCK + tl.arange(0, BLOCK)
     n_mine = n_cols if COLUMNS else n_rows
-    tl.store(out_ptr + mine[:, None] * stride_o + ds[None, :], acc, mask=(mine[:, None] < n_mine) & (ds[None, :] < d))
+    tl.store(out_ptr + mine[:, None] * d + ds[None, :], acc, mask=(mine[:, None] < n_mine) & (ds[None, :] < d))
     if not COLUMNS:
         if tl.program_id(1) == 0:
             tl.store(gbias_ptr + mine, row_sum, mask=mine < n_rows)
@@ -133,19 +128,6 @@ _sigmoid_grad_rows_kernel = autotune(owned_outputs())(_sigmoid_grad_owned)
 _sigmoid_grad_cols_kernel = autotune(owned_outputs())(_sigmoid_grad_owned)
 
 
-def _positive_args(diagonal: int | None, keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
-                   dummy: Tensor) -> tuple[list[Any], dict[str, Any]]:
-    """The positive relation as the kernels read it: key pointers, the diagonal, the switches."""
-    ptrs: list[Any] = [dummy, dummy, dummy, dummy]
-    n_keys = 0
-    if keys is not None:
-        rk, ck = keys
-        ptrs = [rk[0].contiguous(), ck[0].contiguous()]
-        ptrs += [rk[1].contiguous(), ck[1].contiguous()] if len(rk) > 1 else [dummy, dummy]
-        n_keys = len(rk)
-    return ptrs, dict(DIAGONAL=diagonal is not None, N_KEYS=n_keys)
-
-
 def _bias(bias: Tensor | float, like: Tensor, dtype: torch.dtype) -> Tensor:
     if isinstance(bias, Tensor):
         return bias.detach().to(device=like.device, dtype=dtype).reshape(1).contiguous()
@@ -153,60 +135,51 @@ def _bias(bias: Tensor | float, like: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: int | None,
-                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
+                 keys_: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
                  factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """(R,) ``sum_j softplus(-z_ij S_ij)`` with ``S = x_scaled @ y.T + bias`` (fp32; fp64 for
-    fp64); ``z_ij = +1`` where ``j == i + diagonal`` or the ids are equal (``keys`` =
+    fp64); ``z_ij = +1`` where ``j == i + diagonal`` or the ids are equal (``keys_`` =
     (row keys, column keys)), -1 elsewhere. Neither given: every pair is a negative.
     ``factors``: ``(fx, fy)``, ``S_ij = fx_i fy_j <x_i, y_j> + bias`` (raw half rows).
     Under ``torch.use_deterministic_algorithms(True)`` row blocks own their sums (no atomics)."""
-    check_device(x_scaled)
-    x, yy = operand(x_scaled), operand(y)
+    x, yy = launch_operands(x_scaled, y)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
-    dtype, acc = acc_dtypes(x)
+    dtype = acc_dtypes(x)[0]
     out = torch.zeros(r, dtype=dtype, device=x.device)
-    ptrs, flags = _positive_args(diagonal, keys, x)
-    fx, fy = factors if factors is not None else (out, out)
+    fx, fy = factors if factors is not None else (None, None)
     owned = not fused()
     kernel = _sigmoid_sums_owned_kernel if owned else _sigmoid_sums_kernel
-    kernel[tile_grid(r, c, owned)](
-        x, yy, out, _bias(bias, x, dtype), fx, fy, *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
-        0 if diagonal is None else diagonal, OWNED=owned, ACC=acc, PRECISION=precision(x), FACTORS=factors is not None,
-        GROUP=GROUP, **flags)
+    kernel[tile_grid(r, c, owned)](x, yy, out, _bias(bias, x, dtype), fx, fy, r, c, d, bucket(r, c), diagonal, OWNED=owned,
+                                   GROUP=GROUP, **({} if keys_ is None else keys(*keys_)))
     return out
 
 
 def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Tensor | float, diagonal: int | None,
-                 keys: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
+                 keys_: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None,
                  factors: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dS diag(fy) @ y, (diag(fz) dS).T @ z, sum dS)`` for the upstream per-row gradient
     ``g_row``, each gradient tile formed once (atomics) -- or, under
     ``torch.use_deterministic_algorithms(True)``, row and column blocks owning their outputs and
     the bias gradient summed from per-row parts; see :func:`sigmoid_sums` for ``S``, ``z_ij`` and
     ``factors`` (here ``(fx, fy, fz)``; without them no diagonal scaling)."""
-    check_device(x_scaled)
-    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    x, yy, zz = launch_operands(x_scaled, y, z)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
-    dtype, acc = acc_dtypes(x)
-    ptrs, flags = _positive_args(diagonal, keys, x)
+    dtype = acc_dtypes(x)[0]
     g = g_row.to(dtype).expand(r).contiguous()
-    fx, fy, fz = factors if factors is not None else (g, g, g)
+    fx, fy, fz = factors if factors is not None else (None, None, None)
     bias_t = _bias(bias, x, dtype)
-    common = dict(ACC=acc, PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled), **flags)
-    diag = 0 if diagonal is None else diagonal
+    common = dict(FACTORS=gradient_factors(factors, x_scaled), **({} if keys_ is None else keys(*keys_)))
     if fused():
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
         gb = torch.zeros(c, d, dtype=dtype, device=x.device)
         gbias = torch.zeros(1, dtype=dtype, device=x.device)
-        _sigmoid_grad_kernel[tile_grid(r, c)](
-            x, yy, zz, ga, gb, gbias, g, bias_t, fx, fy, fz, *ptrs, r, c, d, bucket(r, c), x.stride(0), yy.stride(0),
-            zz.stride(0), ga.stride(0), gb.stride(0), diag, GROUP=GROUP, **common)
+        _sigmoid_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, gbias, g, bias_t, fx, fy, fz, r, c, d, bucket(r, c), diagonal,
+                                              GROUP=GROUP, **common)
         return ga, gb, gbias.reshape(())
     ga = torch.empty(r, d, dtype=dtype, device=x.device)
     gb = torch.empty(c, d, dtype=dtype, device=x.device)
     bias_rows = torch.empty(r, dtype=dtype, device=x.device)
     for kernel, out, blocks_of, columns in ((_sigmoid_grad_rows_kernel, ga, r, False), (_sigmoid_grad_cols_kernel, gb, c, True)):
-        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, bias_rows, g, bias_t, fx, fy, fz, *ptrs, r, c, d, bucket(r, c),
-                                          x.stride(0), yy.stride(0), zz.stride(0), out.stride(0), diag, COLUMNS=columns,
-                                          **common)
+        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, bias_rows, g, bias_t, fx, fy, fz, r, c, d, bucket(r, c), diagonal,
+                                          COLUMNS=columns, **common)
     return ga, gb, bias_rows.sum()

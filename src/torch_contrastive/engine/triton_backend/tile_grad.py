@@ -10,56 +10,52 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, square_tiles
-from ._host import acc_dtypes, check_device, directions, exclusion_args, gradient_factors, operand, precision, tl, triton
+from ._configs import autotune, bucket, square_tiles, tile_grid
+from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch_operands, tl, triton
 from ._tile import gradient_tile, logits, scatter_products, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
 
 
 @triton.jit
-def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols,
-               stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
-               threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF: tl.constexpr, HAS_COL: tl.constexpr,
-               EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr, PARTNER: tl.constexpr, GUIDE: tl.constexpr,
-               DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr, GACC: tl.constexpr, GRAD_COLS: tl.constexpr,
-               SYMMETRIC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr,
-               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows,
+               n_cols, d, grad_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
+               keep_diagonal, EXCLUDE: tl.constexpr, GACC: tl.constexpr, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr,
+               ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
-    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, stride_x, stride_y, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
-    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr, FACTORS)
-    g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, HAS_COL)
+    s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
+    s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
+    g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr)
     valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                       stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, EXCLUDE, False, N_KEYS, PARTNER, GUIDE,
-                       DIAGONAL, KEEP_DIAGONAL, GACC, BLOCK, BLOCK, PRECISION)
+                       diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK, BLOCK, PRECISION)
     g = tl.where(valid, g, 0.0)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     if SYMMETRIC:  # G is symmetric: the mirror tile's rows get G.T @ Z (not from a diagonal tile)
-        scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, ga_ptr, stride_y, stride_z, stride_ga, stride_ga, row_ok, col_ok,
-                         col_ok & (cols // BLOCK != bi), n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
+        scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, ga_ptr, row_ok, col_ok, col_ok & (cols // BLOCK != bi), n_rows,
+                         n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
     else:
-        scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, stride_y, stride_z, stride_ga, stride_gb, row_ok, col_ok,
-                         cols < grad_cols, n_rows, n_cols, fy_ptr, fz_ptr, FACTORS, GRAD_COLS, ACC, PRECISION, BLOCK_D)
+        scatter_products(g, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, row_ok, col_ok, cols < grad_cols, n_rows, n_cols,
+                         fy_ptr, fz_ptr, FACTORS, GRAD_COLS, ACC, PRECISION, BLOCK_D)
 
 
-@autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
+@autotune(square_tiles(), reset_to_zero=["out_ptr"])
+@triton.heuristics(DERIVED_EXCLUSION)
 @triton.jit
-def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d, bucket,
-                      grad_cols, stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1,
-                      partner, g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal,
-                      HAS_SELF: tl.constexpr, HAS_COL: tl.constexpr, EXCLUDE: tl.constexpr, N_KEYS: tl.constexpr,
-                      PARTNER: tl.constexpr, GUIDE: tl.constexpr, DIAGONAL: tl.constexpr, KEEP_DIAGONAL: tl.constexpr,
-                      GACC: tl.constexpr, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, FACTORS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    """One tile of the grouped grid; for a single set the programs below the diagonal do nothing."""
+def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
+                      bucket, grad_cols, self_offset, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                      FACTORS: tl.constexpr, EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr,
+                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None,
+                      ck0=None, rk1=None, ck1=None, partner=None, g_rows=None, g_cols=None, threshold=None, dg=None,
+                      diagonal=None, keep_diagonal=None):
+    """One tile of the grouped grid; for a single set the programs below the diagonal do nothing.
+    ``out`` holds ``G @ Y`` (R rows), then ``G.T @ Z`` (its first ``grad_cols`` rows used)."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
     if not SYMMETRIC or bj >= bi:
-        _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
-                   grad_cols, stride_x, stride_y, stride_z, stride_ga, stride_gb, self_offset, rk0, ck0, rk1, ck1, partner,
-                   g_rows, g_cols, threshold, dg, stride_gr, stride_gc, diagonal, keep_diagonal, HAS_SELF, HAS_COL, EXCLUDE,
-                   N_KEYS, PARTNER, GUIDE, DIAGONAL, KEEP_DIAGONAL, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, FACTORS,
+        _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, out_ptr, out_ptr + n_rows * d, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr,
+                   lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
+                   threshold, dg, diagonal, keep_diagonal, EXCLUDE, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, FACTORS,
                    BLOCK, BLOCK_D)
 
 
@@ -71,22 +67,14 @@ def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     ``symmetric``: ``y`` is ``x``'s own set, upper-triangle tiles, ``G @ y`` holds both
     roles and the second result is None. ``factors``: ``(fx, fy, fz)`` for raw half rows,
     ``S_ij = fx_i fy_j <x_i, y_j>``, results ``G diag(fy) @ y`` and ``(diag(fz) G).T @ z``."""
-    check_device(x_scaled)
-    x, yy, zz = operand(x_scaled), operand(y), operand(z)
+    x, yy, zz = launch_operands(x_scaled, y, z)
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
-    dtype, acc = acc_dtypes(x)
-    ga = torch.zeros(r, d, dtype=dtype, device=x.device)
     grad_cols = 0 if symmetric else max(0, min(grad_columns, c))
-    gb = torch.zeros(c, d, dtype=dtype, device=x.device) if grad_cols else ga
-    excl_args, flags = exclusion_args(exclude, x)
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(r, meta["BLOCK"]) * triton.cdiv(c, meta["BLOCK"]),)
-
-    fx, fy, fz = factors if factors is not None else (ga, ga, ga)
-    _tile_grad_kernel[grid](
-        x, yy, zz, ga, gb, fx, fy, fz, *directions(row, col, dtype), r, c, d, bucket(r, c), grad_cols, x.stride(0), yy.stride(0),
-        zz.stride(0), ga.stride(0), gb.stride(0), 0 if self_offset is None else self_offset, *excl_args,
-        HAS_SELF=self_offset is not None, HAS_COL=col is not None, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric, ACC=acc,
-        PRECISION=precision(x), FACTORS=gradient_factors(factors, x_scaled), GROUP=GROUP, **flags)
-    return ga, gb if grad_cols else None
+    # one zeroed accumulator (rows, then the columns that get a gradient): the autotuner's reset
+    # between timed runs covers both
+    out = torch.zeros(r + (c if grad_cols else 0), d, dtype=acc_dtypes(x)[0], device=x.device)
+    fx, fy, fz = factors if factors is not None else (None, None, None)
+    _tile_grad_kernel[tile_grid(r, c)](x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
+                                       grad_cols, self_offset, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric,
+                                       FACTORS=gradient_factors(factors, x_scaled), GROUP=GROUP, **exclusion(exclude))
+    return out[:r], (out[r:] if grad_cols else None)
