@@ -373,6 +373,11 @@ MUTATIONS = [
              "one-tile logits without the scale"),
     Mutation(f"{PKG}/positives.py", "        values = self._dense_values.get(dtype)", "        values = None",
              "a dense relation converted to 0/1 values on every read (a small call's ops grow)", ("tests/test_small_batches.py",)),
+    # the shared options
+    Mutation(f"{PKG}/options.py", "        found = _KNOWN.get(key)", "        found = None",
+             "shared options: every call checks its options again", ("tests/test_options.py",)),
+    Mutation(f"{PKG}/options.py", "    key: Any = tuple((type(x), x) for x in values)", "    key: Any = values",
+             "shared options: chunk_size=True taken for the known chunk_size=1", ("tests/test_options.py",)),
 ]
 
 

@@ -1,7 +1,8 @@
 """The options every loss shares, defined and documented once.
 
 Every loss function takes them as keyword arguments, and every ``nn.Module`` twin takes them
-at construction (checked there once, by :func:`check`):
+at construction. Either way they become one frozen :class:`Shared`, checked the first time a set
+of values is seen (:func:`shared`), so neither a module nor a training loop re-checks them per call:
 
 normalize (bool, default True)
     L2-normalise the embeddings inside the loss (``x / max(||x||, eps)``): cosine logits.
@@ -34,19 +35,80 @@ backend (``"auto"`` | ``"torch"`` | ``"triton"``)
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import _validation as v
 
-__all__ = ["SHARED", "check"]
+__all__ = ["SHARED", "Shared", "check", "shared"]
 
 #: The shared option names, in signature order.
 SHARED = ("normalize", "reduction", "chunk_size", "gather", "grad_reduction", "eps", "validate", "backend")
 
 
+@dataclass(frozen=True)
+class Shared:
+    """The shared options of one call, checked when built (a ``ValueError`` names the option).
+
+    Build it with :func:`shared`, which keeps each distinct set of values once: a training loop
+    (and a module, which builds its set at construction) pays the checks once, not per call.
+
+    Attributes:
+        normalize: L2-normalise the embeddings inside the loss.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        chunk_size: the tile edge, or None (the planner's choice).
+        gather: compute over every rank's batch.
+        grad_reduction: ``"mean"`` (DDP) or ``"sum"``.
+        eps: the normalisation floor.
+        validate: check device values in one host synchronisation.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    """
+
+    normalize: bool = True
+    reduction: str = "mean"
+    chunk_size: int | None = None
+    gather: bool = False
+    grad_reduction: str = "mean"
+    eps: float = 1e-12
+    validate: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        v.check_options(reduction=self.reduction, chunk_size=self.chunk_size, grad_reduction=self.grad_reduction,
+                        eps=self.eps, backend=self.backend)
+        # checked as given (a bool eps is refused), then held as the types the losses read
+        for name, kind in (("normalize", bool), ("gather", bool), ("validate", bool), ("eps", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options as keyword arguments for a loss function."""
+        return asdict(self)
+
+
+def shared(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
+           grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> Shared:
+    """The :class:`Shared` options for these values, checked the first time they are seen."""
+    values = (normalize, reduction, chunk_size, gather, grad_reduction, eps, validate, backend)
+    key: Any = tuple((type(x), x) for x in values)  # True and 1 are equal keys, but not the same option
+    try:
+        found = _KNOWN.get(key)
+    except TypeError:  # an unhashable value: the checks say what is wrong with it
+        found = None
+        key = None
+    if found is None:
+        found = Shared(normalize, reduction, chunk_size, gather, grad_reduction, eps, validate, backend)
+        if key is not None:
+            if len(_KNOWN) > 256:  # many distinct option sets: keep the record small
+                _KNOWN.clear()
+            _KNOWN[key] = found
+    return found
+
+
+_KNOWN: dict[Any, Shared] = {}
+
+
 def check(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
           grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> dict[str, Any]:
     """The shared options, checked, as keyword arguments for a loss function."""
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend)
-    return dict(normalize=bool(normalize), reduction=reduction, chunk_size=chunk_size, gather=bool(gather),
-                grad_reduction=grad_reduction, eps=float(eps), validate=bool(validate), backend=backend)
+    return shared(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,
+                  grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend).kwargs()

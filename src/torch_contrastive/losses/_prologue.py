@@ -20,13 +20,15 @@ from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope, make_scope
 from ..engine.planner import reduce_inside
+from ..options import shared
 
 
 def begin(*, reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, backend: str, gather: bool,
           validate: bool, stacklevel: int = 4) -> tuple[Scope, v.Checks]:
     """Every loss's prologue: the shared options checked (:mod:`torch_contrastive.options`), the
     call's :class:`~torch_contrastive.distributed.Scope` and its :class:`~torch_contrastive._validation.Checks`."""
-    v.check_options(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend)
+    shared(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend, gather=gather,
+           validate=validate)  # checked the first time these values are seen
     scope = make_scope(gather, grad_reduction, stacklevel=stacklevel)  # a warning names the caller's line
     return scope, v.Checks(validate, scope)
 
