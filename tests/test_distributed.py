@@ -82,6 +82,9 @@ def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
         "clip_dcl_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, None, decoupled=True, gather=gather),
         "clip_smooth_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, label_smoothing=0.2, gather=gather),
         "nt_xent_dcl": lambda: tc.nt_xent_loss(emb, 0.3, decoupled=True, gather=gather),
+        # a positive weight that requires grad (computed from the rows): its gradient term crosses ranks too
+        "nt_xent_dcl_weight": lambda: tc.nt_xent_loss(emb, 0.3, decoupled=True, positive_weight=torch.sigmoid(emb.sum(1)),
+                                                      gather=gather),
     }
     return calls[case]()
 
@@ -93,7 +96,7 @@ CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", 
          "clip", "clip_ids", "siglip", "siglip_ids", "supcon_labels", "supcon_views", "supcon_one",
          "info_nce", "info_nce_pool", "info_nce_pool_only", "info_nce_paired", "info_nce_queue", "info_nce_keys_queue",
          "supcon_memory", "nt_xent_pml_memory", "info_nce_ids", "info_nce_guide", "info_nce_dcl", "info_nce_smooth",
-         "clip_dcl_ids", "clip_smooth_ids", "nt_xent_dcl"]
+         "clip_dcl_ids", "clip_smooth_ids", "nt_xent_dcl", "nt_xent_dcl_weight"]
 
 
 def _check_case(rank, world, case, sizes):
