@@ -125,9 +125,24 @@ def test_guide_tile_counts_and_excluded_columns_are_exact(dtype, width):
     keep[2, 3] = 0
     keep[3, 1] = keep[3, 5] = 0
     exclusion._remember(keep, 0, 0)
-    torch.testing.assert_close(exclusion.flags[(0, 0)], torch.tensor([4.0, 1.0]))
-    column, kept = exclusion.firsts[(0, 0)]
+    torch.testing.assert_close(exclusion.record.flags[(0, 0)], torch.tensor([4.0, 1.0]))
+    column, kept = exclusion.record.firsts[(0, 0)]
     assert column[[0, 2]].tolist() == [width - 1, 3]
     assert kept.tolist() == [False, True, False, False]
     exclusion.learn_from([4.0, 1.0])  # a row excludes two: this tile is masked again, not scattered
-    assert not exclusion.firsts
+    assert not exclusion.record.firsts
+
+
+def test_an_exclusion_is_a_frozen_rule_with_one_record_per_call():
+    """The rule cannot change after it is built; what a call learns about its tiles lives in its
+    own record, so two calls never share one."""
+    import dataclasses
+
+    from torch_contrastive.positives import Exclusion
+
+    first, second = Exclusion(diagonal=1, learn=True), Exclusion(diagonal=1, learn=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.diagonal = 2  # type: ignore[misc]
+    assert first.record is not second.record
+    first.learn_from([])
+    assert first.learned and not second.learned

@@ -551,6 +551,52 @@ _LEARNED = (-1, -1)  # marks an Exclusion whose tile flags have been read
 
 
 @dataclass(eq=False)
+class TileRecord:
+    """What one call's forward pass learned about the tiles of an :class:`Exclusion` -- the call's
+    only mutable state, apart from the rule itself; built with the rule for one loss call, it
+    lives through that call's backward.
+
+    Attributes:
+        flags: per tile ``(r0, c0)``, recorded in forward: (excluded entries, rows excluding more
+            than one) as device scalars, read in the loss's one validation transfer.
+        firsts: per tile, each row's first excluded column and whether it has one (a guide alone;
+            after :meth:`learn_from` only for the tiles whose rows exclude one at most).
+        clear: the tiles known on the host to exclude nothing (and a marker once learned).
+        scratch: reused tile buffers (the rule's per-shape scratch).
+    """
+
+    flags: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    firsts: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    clear: set[tuple[int, int]] = field(default_factory=set)
+    scratch: dict[Any, Tensor] = field(default_factory=dict)
+
+    @property
+    def learned(self) -> bool:
+        """Whether :meth:`learn_from` has run (the backward pass may use what it kept)."""
+        return _LEARNED in self.clear
+
+    def recorded(self) -> Tensor | None:
+        """The forward pass's per-tile counts as one float vector, two entries per tile
+        (None when none were recorded)."""
+        if not self.flags:
+            return None
+        return torch.cat([f.to(torch.float32) for f in self.flags.values()])
+
+    def learn_from(self, values: list[float]) -> None:
+        """The host values of :meth:`recorded`: tiles that exclude nothing are skipped from
+        now on; those whose rows exclude one candidate at most are zeroed from the kept
+        first columns."""
+        for k, tile_key in enumerate(list(self.flags)):
+            excluded, multiple = values[2 * k], values[2 * k + 1]
+            if excluded == 0:
+                self.clear.add(tile_key)
+            if excluded == 0 or multiple != 0:  # skipped, or masked again: its columns are not needed
+                self.firsts.pop(tile_key, None)
+        self.flags.clear()
+        self.clear.add(_LEARNED)  # later passes (backward) record nothing
+
+
+@dataclass(frozen=True, eq=False)
 class Exclusion:
     """Candidates left out of an anchor's denominator, besides the self pair.
 
@@ -589,52 +635,32 @@ class Exclusion:
     diagonal: int | None = None
     symmetric: bool = False
     learn: bool = False
-    # Per-call state below (an Exclusion is built for one loss call and lives through its
-    # backward): not frozen, compared by identity.
-    scratch: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
-    # per-tile counts recorded in forward ((r0, c0) -> (excluded entries, rows excluding more
-    # than one)), each tile row's first excluded column and whether it has one (guide alone;
-    # after learn_from only for the tiles whose rows exclude one at most), and the tiles
-    # known on the host to exclude nothing
-    flags: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False, compare=False)
-    firsts: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False, compare=False)
-    clear: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
+    # what this call's passes learn about its tiles (mutable; the rule above is not)
+    record: TileRecord = field(default_factory=lambda: TileRecord(), repr=False, compare=False)
 
     @property
     def learned(self) -> bool:
-        """Whether :meth:`learn_from` has run (the backward pass may use what it kept)."""
-        return _LEARNED in self.clear
+        """Whether the call's tile record has been learned from (the backward pass may use it)."""
+        return self.record.learned
 
     def recorded(self) -> Tensor | None:
-        """The forward pass's per-tile counts as one float vector, two entries per tile
-        (None when none were recorded)."""
-        if not self.flags:
-            return None
-        return torch.cat([f.to(torch.float32) for f in self.flags.values()])
+        """See :meth:`TileRecord.recorded`."""
+        return self.record.recorded()
 
     def learn_from(self, values: list[float]) -> None:
-        """The host values of :meth:`recorded`: tiles that exclude nothing are skipped from
-        now on; those whose rows exclude one candidate at most are zeroed from the kept
-        first columns."""
-        for k, tile_key in enumerate(list(self.flags)):
-            excluded, multiple = values[2 * k], values[2 * k + 1]
-            if excluded == 0:
-                self.clear.add(tile_key)
-            if excluded == 0 or multiple != 0:  # skipped, or masked again: its columns are not needed
-                self.firsts.pop(tile_key, None)
-        self.flags.clear()
-        self.clear.add(_LEARNED)  # later passes (backward) record nothing
+        """See :meth:`TileRecord.learn_from`."""
+        self.record.learn_from(values)
 
     def _recording(self) -> bool:
         return self.learn and not self.learned and not torch.compiler.is_compiling()
 
     def _note(self, r0: int, c0: int, excluded: Tensor, multiple: Tensor) -> None:
-        self.flags[(r0, c0)] = torch.stack((excluded.to(torch.float32), multiple.to(torch.float32)))
+        self.record.flags[(r0, c0)] = torch.stack((excluded.to(torch.float32), multiple.to(torch.float32)))
 
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
         """The (r1 - r0, c1 - c0) bool block of excluded candidates (without ``diagonal``),
         or None when only ``diagonal`` is excluded (or the tile is known to exclude nothing)."""
-        if (r0, c0) in self.clear:
+        if (r0, c0) in self.record.clear:
             return None
         block: Tensor | None = None
         if self.relation is not None:
@@ -665,9 +691,9 @@ class Exclusion:
         in place: a multiplication by the 0/1 factor, several times cheaper than a masked
         fill; for a guide alone one comparison written straight into floats, or -- in a
         backward pass after :meth:`learn_from` -- one scatter at the kept first columns."""
-        if (r0, c0) in self.clear:
+        if (r0, c0) in self.record.clear:
             return
-        firsts = self.firsts.get((r0, c0)) if self.learned else None
+        firsts = self.record.firsts.get((r0, c0)) if self.learned else None
         if firsts is not None:
             column, kept = firsts
             column = column.to(torch.int64)[:, None]
@@ -705,7 +731,7 @@ class Exclusion:
         else:
             column = keep.argmin(1)  # the first of equal minima
         self._note(r0, c0, excluded.sum(), (excluded > 1).sum())
-        self.firsts[(r0, c0)] = (column.to(torch.int32), excluded == 0)
+        self.record.firsts[(r0, c0)] = (column.to(torch.int32), excluded == 0)
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A per-shape scratch tensor (tiles repeat a few shapes; no allocation per tile)."""
@@ -716,7 +742,7 @@ class Exclusion:
         side effect to capture)."""
         if torch.compiler.is_compiling():
             return make()
-        value = self.scratch.get(key)
+        value = self.record.scratch.get(key)
         if value is None:
-            value = self.scratch[key] = make()
+            value = self.record.scratch[key] = make()
         return value

@@ -302,8 +302,8 @@ def test_guide_tiles_that_exclude_nothing_are_skipped_in_backward_exactly(valida
     for a, b in zip(inputs, ref_in):
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=tol, atol=tol * b.grad.abs().max().item())
     if validate:  # skipped, scattered and masked-again tiles all occurred
-        clear = set().union(*(e.clear for e in learned))
-        single = set().union(*(set(e.firsts) for e in learned))  # tiles zeroed by a scatter
+        clear = set().union(*(e.record.clear for e in learned))
+        single = set().union(*(set(e.record.firsts) for e in learned))  # tiles zeroed by a scatter
         assert len(clear) > 1 and single and len(clear | single) - 1 < 36 + 24 * (negs is not None)
     else:
         assert not learned

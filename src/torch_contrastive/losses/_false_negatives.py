@@ -26,7 +26,7 @@ def learn(learners: list[Exclusion], values: list[float]) -> None:
     """Hand each exclusion its part of the host-read tile flags (in recording order)."""
     start = 0
     for exclusion in learners:
-        count = 2 * len(exclusion.flags)  # two counts per tile
+        count = 2 * len(exclusion.record.flags)  # two counts per tile
         exclusion.learn_from(values[start : start + count])
         start += count
 
