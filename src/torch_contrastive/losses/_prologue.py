@@ -94,13 +94,21 @@ def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, 
 
 
 def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope: Scope, checks: v.Checks,
-           check_output: bool, extra: tuple[Tensor, Callable[[list[float]], None]] | None = None) -> Tensor:
-    """Apply ``reduction`` to this rank's per-anchor values and run the call's checks.
+           check_output: bool, extra: tuple[Tensor, Callable[[list[float]], None]] | None = None, *,
+           inside: bool = False, covers: bool = False) -> Tensor:
+    """Apply ``reduction`` to this rank's per-anchor values and run the call's checks -- every
+    loss's one way out.
+
+    ``inside``: the engine already applied the reduction (:func:`engine_total`): ``per_anchor`` is
+    the loss, only checked (``covers``: its value answers the deferred finite checks).
 
     ``mean`` divides the global sum by the global ``normaliser`` (at least 1); ``sum``
     is the global sum; ``none`` returns this rank's per-anchor values. ``extra``: see
     :meth:`~torch_contrastive._validation.Checks.finish`.
     """
+    if inside:
+        finish_checks(per_anchor, checks, check_output, covers, extra=extra)
+        return per_anchor
     finish_checks(per_anchor, checks, check_output, extra=extra)
     if reduction == "none":
         return per_anchor

@@ -9,7 +9,7 @@ from .. import _validation as v
 from ..engine import Options, PairTerms, Problem, compute_dtype, solve
 from ..positives import Positives
 from ._labelled import labelled_pairwise_rows
-from ._prologue import begin, engine_total, finish_checks, reduce, single_set
+from ._prologue import begin, engine_total, reduce, single_set
 
 __all__ = ["nt_bxent_loss"]
 
@@ -96,8 +96,7 @@ def nt_bxent_loss(
         outputs, counts, bound = rows
     check_output = v.output_needs_check(normalize, bound)
     if reduced is not None:  # combined and reduced inside the engine
-        finish_checks(outputs[0], checks, check_output)
-        return outputs[0]
+        return reduce(outputs[0], float(n), reduction, scope, checks, check_output, inside=True)
     pos_sum, neg_sum = outputs
     n_pos = (counts + 1).to(pos_sum.dtype)  # + the diagonal, as in the seed
     n_neg = total - n_pos

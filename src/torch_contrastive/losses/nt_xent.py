@@ -11,7 +11,7 @@ from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
 from ._labelled import check_reference, labelled_pairwise_rows
 from ._pairing import partner_positives, positive_logits
-from ._prologue import begin, engine_total, finish_checks, reduce, single_set
+from ._prologue import begin, engine_total, reduce, single_set
 
 __all__ = ["nt_xent_loss"]
 
@@ -119,15 +119,13 @@ def nt_xent_loss(
         per_row, _ = solve(Problem(z, z_all, scale, Softmax(row_weights=weights, exclude=exclude, total=total),
                                    positives=positives, self_offset=offset, symmetric=not scope.distributed,
                                    bound=bound if normalize else None, options=Options(inside, eps, chunk_size, backend)))
-        if total is not None:
-            # every row has its partner: a non-finite row (normalised inside) makes the loss NaN
-            finish_checks(per_row, checks, v.output_needs_check(normalize, bound), covers=inside)
-            return per_row
         if decoupled:  # a pair alone in the batch has no negative: its rows contribute 0
             per_row = torch.where(torch.isneginf(per_row), 0.0, per_row)
         if weight_term is not None:
             per_row = per_row + weight_term.to(per_row.dtype)
-        return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound))
+        # reduced inside: every row has its partner, so a non-finite row (normalised inside) makes the loss NaN
+        return reduce(per_row, float(n), reduction, scope, checks, v.output_needs_check(normalize, bound),
+                      inside=total is not None, covers=inside)
 
     cdtype = compute_dtype(z.dtype)
 
@@ -140,10 +138,8 @@ def nt_xent_loss(
                                   combine=None if reduction == "none" or scope.distributed else per_pair_mean, reference=reference,
                                   backend=backend)
     check_output = v.output_needs_check(normalize, rows.scale_bound)
-    if rows.outputs[0].ndim == 0:  # reduced inside the engine
-        finish_checks(rows.outputs[0], checks, check_output)
-        return rows.outputs[0]
-    return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, check_output)
+    return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, check_output,
+                  inside=rows.outputs[0].ndim == 0)
 
 
 def _check_dcl(decoupled: object, positive_weight: object, labels: Tensor | None, n: int,

@@ -11,7 +11,7 @@ from ..distributed import Scope
 from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..positives import KeyPositives, Positives
 from ._labelled import check_reference, with_memory, with_reference
-from ._prologue import begin, engine_total, finish_checks, reduce, single_set
+from ._prologue import begin, engine_total, reduce, single_set
 
 __all__ = ["supcon_loss"]
 
@@ -186,9 +186,6 @@ def _has_negative_pair(labels: Tensor, memory: tuple[Tensor, Tensor] | None, ref
 def _finish(per_anchor: Tensor, total: object, factor: Tensor | float | None, n_anchors: Tensor, reduction: str,
             scope: Scope, checks: v.Checks, check_output: bool, covers: bool) -> Tensor:
     """The loss from the engine's output: already reduced (``total``), or reduced here."""
-    if total is not None:
-        finish_checks(per_anchor, checks, check_output, covers)
-        return per_anchor
-    if factor is not None:
+    if factor is not None and total is None:
         per_anchor = per_anchor * (factor.to(per_anchor.dtype) if isinstance(factor, Tensor) else factor)
-    return reduce(per_anchor, n_anchors, reduction, scope, checks, check_output)
+    return reduce(per_anchor, n_anchors, reduction, scope, checks, check_output, inside=total is not None, covers=covers)
