@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
+from device import DEVICE
 from torch_contrastive import _validation, options
 
 
@@ -16,7 +17,7 @@ def test_a_set_of_options_is_checked_once(monkeypatch):
     real = _validation.check_options
     monkeypatch.setattr(_validation, "check_options", lambda **kw: (calls.append(kw), real(**kw))[1])
     monkeypatch.setattr(options, "_KNOWN", {})
-    x = torch.randn(6, 4)
+    x = torch.randn(6, 4, device=DEVICE)
     for _ in range(3):
         tc.clip_loss(x, x.flip(0), 0.1, chunk_size=5)
     assert len(calls) == 1  # three calls, one check
@@ -45,4 +46,4 @@ def test_bad_options_are_refused_even_after_good_ones(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         options.shared(**bad)
     with pytest.raises((ValueError, TypeError), match=message):
-        tc.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 0.1, **bad)
+        tc.clip_loss(torch.randn(4, 3, device=DEVICE), torch.randn(4, 3, device=DEVICE), 0.1, **bad)

@@ -298,8 +298,9 @@ def _scratch(bufs: Buffers, rows: int, cols: int, slot: int) -> tuple[Tensor, Te
 def _float_masks(plan: PairPlan, positives: Positives) -> KeyPositives | None:
     """The label relation when PML NT-Xent runs in fixed mode on one key: every exp, softplus
     and sigmoid of a tile is finite (``|S| <= 40``), so masks can multiply instead of select."""
-    one_key = isinstance(positives, KeyPositives) and len(positives.row_keys) == 1
-    return positives if one_key and plan.fixed and plan.kernel == "pair_softplus" else None  # type: ignore[return-value]
+    if isinstance(positives, KeyPositives) and len(positives.row_keys) == 1 and plan.fixed and plan.kernel == "pair_softplus":
+        return positives
+    return None
 
 
 class PairExecutor:

@@ -30,12 +30,13 @@ __all__ = ["backward_fixed", "backward_online", "complete_columns", "fixed_lse",
 # A problem that fits in one tile (the common small batch) keeps that tile from forward
 # to backward, and reads its positive part off the tile itself: no aggregate, no
 # recomputed matrix product, a few large ops.
-def _positive_layout(positives: Positives, plan: SoftmaxPlan, rows: int, cols: int) -> tuple[str, Tensor | None]:
+def _positive_layout(positives: Positives) -> tuple[str, Tensor | None]:
     """How the positives lie on the tile: a named strided layout ("identity", "adjacent",
-    "halves"; no tensor), ("partner", column per row) or ("mask", R x C bool)."""
+    "halves") or "partner", with each row's positive column; or ("mask", None): read through
+    ``Positives.tile_values``."""
     if isinstance(positives, PartnerPositives):
-        return (positives.layout, None) if positives.layout is not None else ("partner", positives.partner)
-    return "mask", positives.tile(0, rows, 0, cols)
+        return positives.layout or "partner", positives.partner
+    return "mask", None
 
 
 def _strided(positives: Positives | None) -> PartnerPositives | None:
@@ -52,12 +53,6 @@ class FlatPlaces(NamedTuple):
 
 
 _FLAT: dict[tuple[str, int, int | None, torch.device], FlatPlaces] = {}
-
-
-def _partner(positives: Positives) -> Tensor:
-    if not isinstance(positives, PartnerPositives):
-        raise RuntimeError("internal: not a partner relation")
-    return positives.partner
 
 
 def flat_places(positives: Positives | None, self_offset: int | None) -> FlatPlaces:
@@ -88,16 +83,17 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
     if positives is None:
         raise RuntimeError("internal: no positive relation")
     R, C = s.shape
-    how, rel = _positive_layout(positives, plan, R, C)
+    how, partner = _positive_layout(positives)
     col_pos = None
-    if rel is None:  # strided layout: one gather by the layout's cached places (a copy: the tile is exponentiated in place)
+    if partner is not None and how != "partner":
+        # strided layout: one gather by the layout's cached places (a copy: the tile is exponentiated in place)
         row_pos = torch.take(s, flat_places(positives, plan.self_offset).positives)
         if plan.column_positives:  # identity: column j's positive is row j
-            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, _partner(positives), row_pos)
-    elif how == "partner":
-        row_pos = s.gather(1, rel[:, None])[:, 0]
+            col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, partner, row_pos)
+    elif partner is not None:
+        row_pos = s.gather(1, partner[:, None])[:, 0]
         if plan.column_positives:
-            col_pos = s.new_zeros(C).index_add_(0, rel, row_pos)
+            col_pos = s.new_zeros(C).index_add_(0, partner, row_pos)
     else:  # a 0/1 float mask: a multiply is several times cheaper than torch.where (s is finite here)
         weight = positives.tile_values(0, R, 0, C, s.dtype)
         row_pos = torch.linalg.vecdot(s, weight)
@@ -217,11 +213,12 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
 
     ``c_row`` / ``c_col`` may be 0-dim (the same coefficient for every row / column).
     """
-    how, rel = _positive_layout(positives, plan, g.shape[0], g.shape[1])
-    if rel is None and c_col is not None:  # a two-set loss: row and column coefficients
+    how, partner = _positive_layout(positives)
+    strided = partner is not None and how != "partner"
+    if strided and c_col is not None:  # a two-set loss: row and column coefficients
         _add_two_set(g, how, c_row, c_col)
         return
-    if rel is None:  # one set of coefficients (a single set's columns are its rows)
+    if strided:  # one set of coefficients (a single set's columns are its rows)
         places = flat_places(positives, plan.self_offset)
         flat, values = g.view(-1), c_row.expand(g.shape[0])
         flat.index_add_(0, places.positives, values)  # G[i, p(i)] += c_i
@@ -230,11 +227,11 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         return
     c_row = c_row.expand(g.shape[0])
     c_col = None if c_col is None else c_col.expand(g.shape[1])
-    if how == "partner":
+    if partner is not None:
         rows = torch.arange(g.shape[0], device=g.device)
-        g.index_put_((rows, rel), c_row if c_col is None else c_row + c_col[rel], accumulate=True)
+        g.index_put_((rows, partner), c_row if c_col is None else c_row + c_col[partner], accumulate=True)
         if plan.symmetric:
-            g.index_put_((rel, rows), c_row, accumulate=True)
+            g.index_put_((partner, rows), c_row, accumulate=True)
     else:
         mask = positives.tile_values(0, g.shape[0], 0, g.shape[1], g.dtype)
         g.addcmul_(mask, c_row[:, None] if c_col is None else c_row[:, None] + c_col[None, :])
