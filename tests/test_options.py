@@ -42,7 +42,8 @@ def test_shared_options_are_frozen_and_typed():
     (dict(backend="cuda"), "backend must be one of"),
 ])
 def test_bad_options_are_refused_even_after_good_ones(bad, message):
-    options.shared(chunk_size=1, eps=1.0)  # the equal-looking good values are known first
+    options.shared(chunk_size=1)  # the equal-looking good values are known first, each on its own
+    options.shared(eps=1.0)
     with pytest.raises((ValueError, TypeError), match=message):
         options.shared(**bad)
     with pytest.raises((ValueError, TypeError), match=message):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from .engine.driver import first_order_only
 from .engine.normalization import l2_normalize, l2_normalize_backward
 from .engine.precision import compute_dtype
 
@@ -27,8 +27,8 @@ class _L2Normalize(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g: Tensor):  # type: ignore[override]
+        first_order_only()
         y, denom, norm = ctx.saved_tensors
         return l2_normalize_backward(g, y, denom, norm, ctx.eps), None
 

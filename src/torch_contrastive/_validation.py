@@ -65,7 +65,9 @@ class Checks:
         """Record ``value`` (0-dim); the call fails with ``message()`` when ``bad(value)``
         (unless the message is ``None``: the flag was a false alarm)."""
         if self.enabled:
-            self._values.append(value.detach().reshape(()))
+            # a 0-dim value is kept as it is (its one read needs no view of it); packing several
+            # happens without grad mode (see _pack)
+            self._values.append(value if value.ndim == 0 else value.reshape(()))
             self._bad.append(bad)
             self._messages.append(message)
 
@@ -210,10 +212,11 @@ def _pack(values: list[Tensor]) -> Tensor:
     dtype, device = values[0].dtype, values[0].device
     if any(t.device != device for t in values):  # a flag of a CPU-side argument (labels, a mask) beside CUDA ones
         values = [t.to(device) for t in values]
-    if all(t.dtype == dtype for t in values):  # fp32 flags read exactly as Python floats: no cast
-        packed = torch.stack(values)
-        return packed if dtype in (torch.float32, torch.float64) else packed.to(torch.float64)
-    return torch.cat([t.reshape(1).to(torch.float64) for t in values])
+    with torch.no_grad():  # a flag may be a loss value that requires grad: the read records no graph
+        if all(t.dtype == dtype for t in values):  # fp32 flags read exactly as Python floats: no cast
+            packed = torch.stack(values)
+            return packed if dtype in (torch.float32, torch.float64) else packed.to(torch.float64)
+        return torch.cat([t.reshape(1).to(torch.float64) for t in values])
 
 
 def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int | None = 2, empty_rows: bool = False) -> Tensor:

@@ -88,8 +88,10 @@ class Shared:
 def shared(*, normalize: bool = True, reduction: str = "mean", chunk_size: int | None = None, gather: bool = False,
            grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> Shared:
     """The :class:`Shared` options for these values, checked the first time they are seen."""
-    values = (normalize, reduction, chunk_size, gather, grad_reduction, eps, validate, backend)
-    key: Any = tuple((type(x), x) for x in values)  # True and 1 are equal keys, but not the same option
+    # True and 1 are equal keys, but not the same option: the types are part of the key
+    key: Any = (normalize, reduction, chunk_size, gather, grad_reduction, eps, validate, backend,
+                type(normalize), type(reduction), type(chunk_size), type(gather), type(grad_reduction), type(eps),
+                type(validate), type(backend))
     try:
         found = _KNOWN.get(key)
     except TypeError:  # an unhashable value: the checks say what is wrong with it

@@ -370,3 +370,16 @@ def test_a_new_statistic_needs_only_its_tile_functions():
         assert torch.allclose(got, torch.exp(scale * an @ bn.t()).sum(1).detach(), rtol=1e-12)
         for g, e in zip(torch.autograd.grad((got * weights).sum(), (a, b, scale)), expected):
             assert torch.allclose(g, e, rtol=1e-10, atol=1e-12), tile
+
+
+def test_a_second_derivative_is_refused_not_silently_wrong():
+    """The engine's backward is first order. Under ``create_graph=True`` the gradient would come back
+    without a graph of its own, so a gradient penalty through the loss would silently miss it: refused."""
+    x = torch.randn(8, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    (first,) = torch.autograd.grad(tc.nt_xent_loss(x, 0.3), x)
+    assert first.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(tc.nt_xent_loss(x * w, 0.3), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(tc.image_text_contrastive_loss(x, w, 0.3), (x, w), create_graph=True)

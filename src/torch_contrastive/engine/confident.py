@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..positives import PartnerPositives, Strided
+from .precision import zero
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -75,17 +76,22 @@ def margin(log_excess: Tensor, positive: Tensor) -> Tensor:
     return torch.logaddexp(x, x.new_zeros(()))
 
 
-def coefficient(u: Tensor, c: Tensor | None, d: Tensor, alike: bool, lse: Tensor | None = None) -> Tensor:
+def coefficient(u: Tensor, c: Tensor | None, d: Tensor, alike: bool, w: Tensor | None = None) -> Tensor:
     """The positive entry's gradient coefficient ``u exp(-d) + c`` without cancellation;
-    ``alike``: ``c == -u`` exactly (the loss weighs the soft-max and the positive alike)."""
+    ``alike``: ``c == -u`` exactly (the loss weighs the soft-max and the positive alike).
+    ``w`` (the row's soft-max weight) is not needed here: the signature is
+    :func:`coefficient_from_sums`'s."""
     out = torch.expm1(d.neg()).mul_(u)
     return out if alike else out.add_(u + _given(c))
 
 
-def coefficient_from_sums(u: Tensor, c: Tensor | None, excess: Tensor, alike: bool, total: Tensor) -> Tensor:
-    """The same from the one tile's sums: ``exp(-d) - 1 = -excess / total``."""
-    out = torch.mul(u, excess).div_(total).neg_()
+def coefficient_from_sums(u: Tensor, c: Tensor | None, excess: Tensor, alike: bool, w: Tensor) -> Tensor:
+    """The same from the one tile's sums: ``exp(-d) - 1 = -excess / total``, with ``w = u / total``
+    (the row's soft-max weight, which backward forms anyway): ``u (exp(-d) - 1) = -w * excess``,
+    one fused op."""
+    out = torch.addcmul(zero(w), w, excess, value=-1)
     return out if alike else out.add_(u + _given(c))
+
 
 
 def _given(c: Tensor | None) -> Tensor:

@@ -20,12 +20,10 @@ through the normalisation inside -- the caller's un-normalised tensors
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._tensors import as_dtype
 from .normalization import l2_normalize, l2_normalize_backward
@@ -195,19 +193,14 @@ class Kernel(Protocol):
     def backward(self, ctx: Any, plan: Any, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients: ...
 
 
-def engine_precision(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off inside the engine: its products must not be turned into half precision."""
-    if autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 class _EngineCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale, *extras: Any):  # type: ignore[override]
-        with engine_precision(a.device.type):
-            a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
-            outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
+        if autocast_enabled(a.device.type):
+            with torch.autocast(a.device.type, enabled=False):
+                outputs, named, a_c, b_c, scale_c, norms = _forward(ctx, kernel, plan, a, b, scale, extras)
+        else:  # no context to enter: the common call pays nothing for autocast
+            outputs, named, a_c, b_c, scale_c, norms = _forward(ctx, kernel, plan, a, b, scale, extras)
         ctx.kernel, ctx.plan = kernel, plan
         ctx.in_dtypes = (a.dtype, a.dtype if b is None else b.dtype)
         ctx.keep_layout, keep = pack(named)
@@ -223,22 +216,43 @@ class _EngineCall(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
-        a, b, rest, scale = saved(ctx)
-        n_keep, n_extras = ctx.counts
-        norms = rest[n_keep:]
-        if ctx.lean:
-            a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
-        ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
-        plan = ctx.plan
-        keep = unpack(ctx.keep_layout, rest[:n_keep])
-        out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, norms), grads)
-        norm_a = (norms[0], norms[1]) if plan.normalize else None
-        norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])
-        ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps)
-        extras = tuple(out.extras) + (None,) * (n_extras - len(out.extras))
-        return (None, None, ga, gb, gscale, *extras)
+        first_order_only()
+        return _backward(ctx, *grads)
+
+
+def first_order_only() -> None:
+    """Refuse ``create_graph=True`` in a backward: the gradient would come back without a graph of
+    its own, so anything differentiated through it (a gradient penalty) would silently miss this
+    loss's part. (The autograd engine runs a first-order backward without grad mode.)"""
+    if torch.is_grad_enabled():
+        raise RuntimeError("torch-contrastive losses have first-order gradients only: backward with create_graph=True "
+                           "(a second derivative, e.g. a gradient penalty through this loss) is not supported")
+
+
+def _forward(ctx: Any, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale,
+             extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any], Tensor, Tensor, Scale, list[Tensor]]:
+    a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
+    outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
+    return outputs, named, a_c, b_c, scale_c, norms
+
+
+def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+    """The engine node's backward (first order: the autograd engine runs it without grad mode)."""
+    a, b, rest, scale = saved(ctx)
+    n_keep, n_extras = ctx.counts
+    norms = rest[n_keep:]
+    if ctx.lean:
+        a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
+    ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
+    plan = ctx.plan
+    keep = unpack(ctx.keep_layout, rest[:n_keep])
+    out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, norms), grads)
+    norm_a = (norms[0], norms[1]) if plan.normalize else None
+    norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])
+    ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps)
+    extras = tuple(out.extras) + (None,) * (n_extras - len(out.extras))
+    return (None, None, ga, gb, gscale, *extras)
 
 
 def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool) -> tuple[Tensor, Tensor]:

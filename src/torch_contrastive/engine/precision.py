@@ -35,3 +35,16 @@ def autocast_enabled(device_type: str) -> bool:
         return bool(torch.is_autocast_enabled(device_type))
     except TypeError:  # torch < 2.4 takes no argument
         return bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def zero(like: Tensor) -> Tensor:
+    """A 0-dim zero of ``like``'s dtype and device, made once: the ignored or broadcast base of a
+    fused op (``addmm`` with ``beta=0``, ``addcmul``) costs no allocation per call."""
+    key = (like.dtype, like.device)
+    found = _ZEROS.get(key)
+    if found is None:
+        found = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return found

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .precision import Scale
+from .precision import Scale, zero
 from .tiling import logits_tile
 
 
@@ -66,7 +66,7 @@ class Products:
                 and (r1, c1) == (self.a.shape[0], self.b.shape[0]):
             # the whole problem as one tile with a float scale: the GEMM applies the scale
             # itself (alpha), so ``scale * A`` is never formed -- one op fewer per small call
-            return torch.addmm(_zero(self.a), self.a, self.b.t(), beta=0, alpha=self.scale)
+            return torch.addmm(zero(self.a), self.a, self.b.t(), beta=0, alpha=self.scale)
         a_s, b = self.a_s, self.b
         # the whole problem as one tile (small batches) takes no slice views: two ops fewer per call
         rows = a_s if r0 == 0 and r1 == a_s.shape[0] else a_s[r0:r1]
@@ -89,17 +89,6 @@ class Products:
         """``g.T @ Â`` for a tile spanning every row (``g`` may cover the first columns only)."""
         return g.t() @ self.a
 
-
-_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-
-def _zero(like: Tensor) -> Tensor:
-    """A 0-dim zero of ``like``'s dtype and device, made once: ``addmm``'s ignored input (beta=0)."""
-    key = (like.dtype, like.device)
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
-    return zero
 
 
 def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from .._tensors import as_dtype
@@ -58,7 +59,7 @@ class SoftmaxExecutor:
     the statistic -- weights, positive part, kept-apart margins, the reduction, the coefficients
     of backward -- and a backend supplies its two passes: :meth:`statistics` (the log-sum-exps)
     and :meth:`tile_gradients` (``G @ B`` and ``G.T @ A`` of the soft-max part). The driver's
-    extra inputs are ``(row_alpha, row_beta, col_alpha, col_beta, total)``, all without gradient."""
+    extra input is one tuple ``(row_alpha, row_beta, col_alpha, col_beta, total)``, all without gradient."""
 
     def run(self, problem: Problem, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
         """Run a :class:`~.problem.Softmax` problem as ``plan`` says: ``(row_out, col_out or None)``."""
@@ -66,8 +67,10 @@ class SoftmaxExecutor:
         if not isinstance(stat, Softmax):
             raise TypeError(f"the soft-max executor runs Softmax problems, got {type(stat).__name__}")
         row_weights, col_weights = stat.row_weights, stat.col_weights
+        # the weights and the reduction's coefficients never need a gradient (Problem refuses weights
+        # that require one): one plain argument, which the autograd node neither inspects nor answers
         row_out, col_out = run(self, plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
-                               *row_weights, None if plan.shared_alpha else col_weights[0], col_weights[1], stat.total)
+                               (*row_weights, None if plan.shared_alpha else col_weights[0], col_weights[1], stat.total))
         return row_out, (col_out if plan.columns and stat.total is None else None)
 
     def statistics(self, plan: SoftmaxPlan, ops: Operands, raw: tuple[Tensor | None, ...]) -> Statistics:
@@ -79,7 +82,7 @@ class SoftmaxExecutor:
         raise NotImplementedError
 
     def forward(self, ctx: Any, plan: SoftmaxPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
-        row_alpha, row_beta, col_alpha, col_beta, total = extras
+        row_alpha, row_beta, col_alpha, col_beta, total = extras[0]
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         raw = (ops.a, ops.b) if plan.half or plan.operand_dtype is not None else ()
         prod, row_lse, col_lse, row_pos, col_pos, kept, sums = self.statistics(plan, ops, raw)
@@ -95,7 +98,7 @@ class SoftmaxExecutor:
         row_out, col_out, row_lse, col_lse, margins = _outputs(plan, row_lse, col_lse, row_pos, col_pos, row_alpha, row_beta,
                                                                col_alpha, col_beta, given)
         if given and sums is not None:
-            margins = tuple(t for t in sums[4:] if t is not None)  # backward's coefficient reads the excesses
+            margins = (sums[4],) if sums[5] is None else (sums[4], sums[5])  # backward's coefficient reads the excesses
             sums = (sums[0], sums[1])
         ctx.apart_sums = given
         ctx.total = total
@@ -107,7 +110,7 @@ class SoftmaxExecutor:
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
         keep = {"row_stat": row_stat, "col_stat": col_stat, "margins": margins, "row_alpha": row_alpha, "row_beta": row_beta,
                 "col_alpha": None if plan.shared_alpha else col_alpha, "col_beta": col_beta, "kept": kept,
-                "raw": tuple(t for t in raw if t is not None)}
+                "raw": raw if not raw or raw[1] is not None else raw[:1]}
         return (row_out, col_out), keep
 
     def backward(self, ctx: Any, plan: SoftmaxPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
@@ -130,20 +133,27 @@ class SoftmaxExecutor:
                 plan.column_comm.all_sum(g_col_c)
             col = (_weighted(g_col_c, col_alpha), col_lse)
         u = _weighted(g_row, row_alpha)
+        # The one tile's sums: every later use reads the soft-max weight u / total, formed once here
+        # (the tile gradient's rows, and the positive coefficient -w * excess).
+        w_row = u / row_lse if ctx.by_sums else None
+        w_col = col[0] / col[1] if ctx.by_sums and col is not None else None
         has_pos = plan.positives is not None
         how = coefficient_from_sums if ctx.apart_sums else coefficient
-        c_row = _positive_coefficient(how, u, g_row, uniform_row, row_beta, margins[:1], _alike(row_alpha, row_beta), row_lse) \
+        c_row = _positive_coefficient(how, u, g_row, uniform_row, row_beta, margins[:1], _alike(row_alpha, row_beta), w_row) \
             if has_pos else None
         c_col = None
         if has_pos and g_col_c is not None and col is not None and plan.column_positives:
             c_col = _positive_coefficient(how, col[0], g_col_c, uniform_col, col_beta, margins[1:2] if c_row is not None else (),
-                                          _alike(col_alpha, col_beta), col_lse)
+                                          _alike(col_alpha, col_beta), w_col)
         if not plan.symmetric and not ctx.operands_need_grad[1 if not ctx.single else 0]:
             plan = replace(plan, grad_columns=0)
         if plan.symmetric and kept is None:
             col = (u, row_lse)  # a single set's columns are its rows
         folded = (c_row, c_col) if plan.tile_positives else (None, None)
-        gb_acc, ga_acc = self.tile_gradients(plan, saved, raw, (u, row_lse), col, folded, ctx.by_sums)
+        row: Direction = (u, row_lse) if w_row is None else (w_row, row_lse)
+        if w_col is not None and col is not None:
+            col = (w_col, col[1])
+        gb_acc, ga_acc = self.tile_gradients(plan, saved, raw, row, col, folded, ctx.by_sums)
         if plan.positives is not None and c_row is not None and not plan.tile_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row.expand(a.shape[0]),
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
@@ -183,21 +193,23 @@ def _total(row_out: Tensor, col_out: Tensor | None, total: tuple[Any, Any]) -> T
         # (a tensor coefficient is never compared: that would read it on the host)
         mean = isinstance(total[0], float) and total[0] == 1.0 / max(row_out.numel(), 1)
         return row_out.mean() if mean else row_out.sum() * total[0]
+    if total[0] is total[1] and isinstance(total[0], float) and total[0] == 1.0 / max(row_out.numel() + col_out.numel(), 1):
+        return torch.cat([row_out, col_out]).mean()  # CLIP's mean over both directions: two ops, not three
     if total[0] is total[1] and row_out.shape == col_out.shape:
         return (row_out + col_out).sum() * total[0]
     return row_out.sum() * total[0] + col_out.sum() * total[1]
 
 
 def _positive_coefficient(how: Any, u: Tensor, g: Tensor, uniform: Tensor | None, beta: Tensor | None,
-                          margins: Sequence[Tensor], alike: bool, lse: Tensor | None) -> Tensor:
+                          margins: Sequence[Tensor], alike: bool, w: Tensor | None) -> Tensor:
     """The positive part's coefficient ``c = -beta * g`` per row (0-dim when a reduced loss gives
     every row the same, without beta weights); where the positive entries were left out of the
     tiles (``margins``), their exact coefficient ``u exp(-d) + c`` -- which never reads ``c`` when
     the loss weighs both parts alike (so it is not formed)."""
     if margins and alike:
-        return how(u, None, margins[0], True, lse)
+        return how(u, None, margins[0], True, w)
     c = -uniform if uniform is not None and beta is None else -_weighted(g, beta)
-    return how(u, c, margins[0], False, lse) if margins else c
+    return how(u, c, margins[0], False, w) if margins else c
 
 
 def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos: Tensor | None, col_pos: Tensor | None,
@@ -260,8 +272,9 @@ def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b
         g_col = b.new_zeros(b.shape[0])
     uniform_row = uniform_col = None
     if ctx.total is not None:  # d total / d row_out_i = total[0] (and total[1] per column)
-        uniform_col = as_dtype(g_row * ctx.total[1], a.dtype) if plan.columns else None
         uniform_row = as_dtype(g_row * ctx.total[0], a.dtype)
+        uniform_col = None if not plan.columns else uniform_row if ctx.total[1] is ctx.total[0] \
+            else as_dtype(g_row * ctx.total[1], a.dtype)  # one coefficient for both directions (CLIP's mean): one op
         # 0-dim: the fixed single tile divides by its sums, which broadcasts; the rest index rows
         g_row = uniform_row if ctx.by_sums else uniform_row.expand(a.shape[0])
         if uniform_col is not None:

@@ -178,13 +178,14 @@ def single_backward(kept: Tensor, prod: AnyProducts, b: Tensor, row: Direction, 
     (``H = G + G.T``), so the positive part enters as ``P_ij c_i + P_ji c_j``.
     """
     if plan.fixed:  # exp(S_ij - LSE_i) = exp(S_ij) exp(-LSE_i): one exp per element for both directions
-        # by_sums: row[1] / col[1] hold the sums of exp(S) themselves (exp(-LSE) = 1 / sum)
-        u = row[0] / row[1] if by_sums else row[0] * inverse_exp(row[1], plan)
+        # by_sums: the executor already divided by the sums of exp(S) (row[0] is u / sum = u exp(-LSE))
+        u = row[0] if by_sums else row[0] * inverse_exp(row[1], plan)
+        # (u_i + v_j) formed, then multiplied in place: one tile-sized buffer, not two
         if plan.symmetric:
-            g = kept * (u[:, None] + u[None, :])
+            g = (u[:, None] + u).mul_(kept)
         elif col is not None:
-            v = col[0] / col[1] if by_sums else col[0] * inverse_exp(col[1], plan)
-            g = kept * (u[:, None] + v[None, :])
+            v = col[0] if by_sums else col[0] * inverse_exp(col[1], plan)
+            g = (u[:, None] + v).mul_(kept)
         else:
             g = kept * u[:, None]
     else:
@@ -220,7 +221,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         return
     if strided:  # one set of coefficients (a single set's columns are its rows)
         places = flat_places(positives, plan.self_offset)
-        flat, values = g.view(-1), c_row.expand(g.shape[0])
+        flat, values = g.view(-1), (c_row if c_row.ndim else c_row.expand(g.shape[0]))
         flat.index_add_(0, places.positives, values)  # G[i, p(i)] += c_i
         if plan.symmetric:  # G[p(i), i] += c_i too
             flat.index_add_(0, places.mirrored, values)
