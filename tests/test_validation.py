@@ -127,3 +127,21 @@ def test_a_finite_check_whose_cheap_sum_overflows_is_cleared_by_the_exact_check(
     query[3, 1] = float("nan")
     with pytest.raises(ValueError, match="query contains non-finite values"):
         tc.info_nce_loss(query, key, temperature=0.1)
+
+
+def test_non_finite_rows_are_named_when_the_loss_value_is_read_with_other_checks():
+    """With other values to read in the same transfer, the loss value that answers the deferred finite
+    checks is packed with them (not the one-value read of a plain call) and still names the argument."""
+    from torch_contrastive._validation import Checks
+
+    x = torch.randn(8, 4)
+    x[3, 1] = float("nan")
+    checks = Checks(True)
+    checks.finite(x, "embeddings", deferred=True)
+    checks.add(torch.tensor(1.0), lambda: "a flag that is fine", lambda got: got < 0)
+    with pytest.raises(ValueError, match=r"embeddings contains non-finite values .* \(first bad row: 3\)"):
+        checks.finish(x.sum(), covers=True, overflow=None)
+    fine = Checks(True)
+    fine.finite(x[:3], "embeddings", deferred=True)
+    fine.add(torch.tensor(1.0), lambda: "a flag that is fine", lambda got: got < 0)
+    fine.finish(x[:3].sum(), covers=True, overflow=None)  # no error: every value is fine

@@ -208,7 +208,7 @@ MUTATIONS = [
     Mutation(f"{E}/normalization.py", "    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)",
              "    radial = (g * y).sum(1, keepdim=True)",
              "normalisation backward: rows below eps keep the radial term"),
-    Mutation(f"{PKG}/_validation.py", "            self.add(value, message, _not_finite)\n        else:",
+    Mutation(f"{PKG}/_validation.py", "            self.add(value, lambda: _covered_message(pending, overflow), _not_finite)\n        else:",
              "            pass\n        else:", "finite check answered by the loss value: never read",
              tests=("tests/test_validation.py",)),
     Mutation(f"{PKG}/_validation.py", "        self.add(total, lambda: None if bool(torch.isfinite(x).all()) else message(), _not_finite)",
@@ -377,11 +377,39 @@ MUTATIONS = [
     # the shared options
     Mutation(f"{PKG}/options.py", "        found = _KNOWN.get(key)", "        found = None",
              "shared options: every call checks its options again", ("tests/test_options.py",)),
-    Mutation(f"{PKG}/options.py", "                type(normalize), type(reduction), type(chunk_size), type(gather), type(grad_reduction), type(eps),\n"
-             "                type(validate), type(backend))",
-             "                type(normalize), type(reduction), object, type(gather), type(grad_reduction), type(eps),\n"
-             "                type(validate), type(backend))",
+    Mutation(f"{PKG}/options.py", "                type(normalize), type(reduction), type(chunk_size), type(gather),",
+             "                type(normalize), type(reduction), object, type(gather),",
              "shared options: chunk_size=True taken for the known chunk_size=1", ("tests/test_options.py",)),
+    # small calls (issue 33, second step): the soft-max weight, the plan cache, the one-value read, first order only
+    Mutation(f"{E}/softmax.py", "    return torch.cat([row_out, col_out]).mean()  # CLIP's mean over both directions: two ops, not three",
+             "    return torch.cat([row_out, row_out]).mean()  # CLIP's mean over both directions: two ops, not three",
+             "CLIP's mean inside the engine: the column terms dropped"),
+    Mutation(f"{E}/planner.py", "id(problem.positives), problem.self_offset, problem.symmetric, problem.grad_columns,",
+             "id(problem.positives), problem.self_offset, problem.grad_columns,",
+             "the kept soft-max plan ignores whether the tiles are walked as a triangle",
+             ("tests/engine/test_planner.py", "tests/engine/test_engine.py", "tests/losses/test_losses.py")),
+    Mutation(f"{PKG}/_validation.py", "                if not math.isfinite(value.item()):", "                if False:",
+             "a validated small call no longer reads its loss value: non-finite inputs pass", ("tests/test_validation.py",)),
+    Mutation(f"{E}/driver.py", "    if torch.is_grad_enabled():\n        raise RuntimeError(", "    if False:\n        raise RuntimeError(",
+             "create_graph=True through a loss returns a gradient without a graph, silently", ("tests/engine/test_engine.py",)),
+    # GPU cost counted on a CPU (issue 34)
+    Mutation(f"{PKG}/cli/traffic.py", "        self.flops[str(own).replace(\"torch.\", \"\")] += 2 * batch * a.shape[-2]",
+             "        self.flops[str(own).replace(\"torch.\", \"\")] += batch * a.shape[-2]",
+             "cost counter: a product counted at half its FLOPs", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{PKG}/cli/traffic.py", "        if products.WIDENING[0]:  # a CPU-only copy: remember what it stands for",
+             "        if False:  # a CPU-only copy: remember what it stands for",
+             "cost counter: the CPU's widening copies counted as GPU work", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{PKG}/cli/traffic.py", "        return min(t.numel(), t.untyped_storage().nbytes() // t.itemsize) * width",
+             "        return t.numel() * width", "cost counter: an expanded tensor counted as if stored in full",
+             ("tests/cli/test_traffic.py",)),
+    Mutation(f"{PKG}/cli/traffic.py", "        return 2 * touched * self._width(big[0])  # read and written (or gathered and stored)",
+             "        return sum(t.numel() * self._width(t) for t in big)",
+             "cost counter: an indexed op counted as a pass over the whole tile", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/cost.py", "    return gemm, counts.logit_bytes / g.bandwidth, counts.launches * g.launch",
+             "    return gemm, counts.logit_bytes / g.bandwidth, counts.launches * g.launch * 2",
+             "cost model: the per-op term doubled", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/planner.py", "        _SIMULATED, GPU_BUDGET = previous", "        _SIMULATED = previous[0]",
+             "simulate() leaves the simulated budget behind", ("tests/cli/test_traffic.py",)),
 ]
 
 

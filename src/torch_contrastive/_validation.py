@@ -122,15 +122,13 @@ class Checks:
         pending = self._pending
         if covers and pending and value.ndim == 0:
             self._pending = []
-
-            def message() -> str:
-                for x, name in pending:
-                    if not bool(torch.isfinite(x).all()):
-                        return _finite_message(x, name)()
-                return overflow() if overflow is not None else (
-                    "the loss is not finite although every input is (please report this with the inputs)")
-
-            self.add(value, message, _not_finite)
+            if not self._values and extra is None and not (self.scope is not None and self.scope.distributed):
+                # the common small call: the loss value is the only read, with nothing to pack
+                self.reads += 1
+                if not math.isfinite(value.item()):
+                    raise ValueError(_covered_message(pending, overflow))
+                return
+            self.add(value, lambda: _covered_message(pending, overflow), _not_finite)
         else:
             self._run_pending()
             if overflow is not None:
@@ -185,6 +183,16 @@ class Checks:
                 if text is not None:  # None: a cheap flag's false alarm, cleared by the exact check
                     raise ValueError(text)
         return host[n:]
+
+
+def _covered_message(pending: list[tuple[Tensor, str]], overflow: Callable[[], str] | None) -> str:
+    """Why a loss value that answers deferred finite checks is not finite: the first non-finite
+    input by name, else the overflow (failure path only: reads the inputs again)."""
+    for x, name in pending:
+        if not bool(torch.isfinite(x).all()):
+            return _finite_message(x, name)()
+    return overflow() if overflow is not None else (
+        "the loss is not finite although every input is (please report this with the inputs)")
 
 
 def _finite_message(x: Tensor, name: str) -> Callable[[], str]:

@@ -256,3 +256,25 @@ def test_auto_takes_the_kernels_where_they_were_measured_faster():
     assert _decide(CUDA, torch.float32, **big).backend == "torch"  # fp32 kernels lack tensor cores
     assert _decide(CUDA, torch.bfloat16, **big, triton_serves=lambda: "not covered").backend == "torch"
     assert _decide(CPU, torch.bfloat16, **big).backend == "torch"
+
+
+def test_a_kept_plan_is_never_another_problems():
+    """The soft-max plan is kept per key (a training loop asks the same question every step); problems
+    that differ in anything the plan holds get their own plan, whatever they share."""
+    from torch_contrastive.engine import Options, Problem, Softmax
+    from torch_contrastive.losses._pairing import partner_positives
+
+    x = torch.randn(12, 5, device=DEVICE)
+    pos = partner_positives(12, "halves", 0, x.device, 12, 0, "halves")
+
+    def make(**kw):
+        base = dict(positives=pos, self_offset=0, symmetric=True, bound=10.0, options=Options(True, 1e-12, None, "torch"))
+        base.update(kw)
+        return planner.plan(Problem(x, x, 10.0, Softmax(), **base))
+
+    first = make()
+    assert make() is first  # the same question: the same plan
+    assert make(symmetric=False).symmetric is False and first.symmetric is True
+    assert make(grad_columns=4).grad_columns == 4 and first.grad_columns == 12
+    assert make(options=Options(False, 1e-12, None, "torch")).normalize is False
+    assert make(positives=None, self_offset=0).positives is None

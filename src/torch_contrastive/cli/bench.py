@@ -522,21 +522,26 @@ def _machine(device: str) -> str:
     return machine
 
 
-def run(args: argparse.Namespace) -> int:
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if args.small:
-        from .bench_small import run_small
+def _counted_or_small(args: argparse.Namespace, out_dir: Path) -> int:
+    """``--traffic`` (counted on this machine) and ``--small`` (timed here): no case grid."""
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+    if args.traffic:
+        from .traffic import run_traffic
 
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
-        return run_small(args.sizes, args.dim, 0.1 if args.temperature == 0.07 else args.temperature, out_dir, machine)
+        return run_traffic(args.sizes, args.dim, args.calibrate, out_dir, machine)
+    from .bench_small import run_small
+
+    return run_small(args.sizes, args.dim, 0.1 if args.temperature == 0.07 else args.temperature, out_dir, machine)
+
+
+def _grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
+    """The timed cases the options ask for, or why there are none."""
     if args.gpu:
         args.device, args.dtype = "cuda", "bfloat16"
     cases = plan(args.quick, args.sizes, args.dims or [args.dim], args.temperature, args.large)
     backends, problem = _backends(args)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return [], problem
     cases = gpu_plan(backends) if args.gpu else _per_backend(cases, backends)
     for case in cases:
         case["device"] = args.device
@@ -550,6 +555,21 @@ def run(args: argparse.Namespace) -> int:
         case["classes"] = args.classes
         if case["loss"] == "info_nce_queue":
             case["queue"] = args.queue
+    return cases, None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calibrate and not args.traffic:  # before anything is written
+        print("error: --calibrate goes with --traffic", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.calibrate or args.traffic or args.small:
+        return _counted_or_small(args, out_dir)
+    cases, problem = _grid(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     machine = _machine(args.device)
     print(f"torch-contrastive bench ({'gpu' if args.gpu else 'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
     print(f"{'loss':<8} {'impl':<24} {'N':>6} {'D':>4} {'time s':>8} {'R':>6} {'extra MiB':>10}  status")
@@ -589,6 +609,10 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--small", action="store_true",
                    help="small batches (N = 64, 256, 1024 unless --sizes): every loss vs the plain PyTorch formula, "
                         "time ratio and host syncs per call (tau 0.1 unless --temperature)")
+    p.add_argument("--traffic", action="store_true",
+                   help="count what the GPU plan costs, on this machine: launches, logit-sized bytes, GEMM FLOPs, host syncs "
+                        "per loss beside the dense formula's, and the cost model's predicted H100 time (N = 1024 unless --sizes)")
+    p.add_argument("--calibrate", action="store_true", help="with --traffic: fit the model to the measured H100 rows")
     p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", *ON_REQUEST],
                    default="all", help="nt_xent_pml (labels, pytorch-metric-learning convention), nt_bxent (labels), "
                                        "info_nce_queue (N queries, their keys and a queue of --queue negatives) and "

@@ -20,9 +20,10 @@ made, and the tests check :func:`decide` per device without running a kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,8 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         auto_triton: ``"auto"`` may pick the Triton kernels (where they were measured faster);
             False keeps ``"auto"`` on torch (kernels not yet measured on a GPU).
     """
+    if _SIMULATED is not None:  # a cost count of another device's plan (simulate())
+        device = _SIMULATED
     fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
     prefer_triton = auto_triton and dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
     # A training loop asks the same question every step: the answer is kept where it depends on
@@ -217,6 +220,29 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
             _DECISIONS[key] = decision
     _record(decision)
     return decision
+
+
+# Set only while simulate() runs (a module global: torch.compile guards on it being None).
+_SIMULATED: torch.device | None = None
+
+
+@contextlib.contextmanager
+def simulate(device: str, budget: int | None = None) -> Iterator[None]:
+    """Plan every engine call as for ``device`` (``"cuda"``) while the tensors stay where they are:
+    a CPU then runs the GPU's plan -- its tile budget, its tensor-core product scheme (half
+    operands, widened here to the same numbers) -- so its launches, bytes and FLOPs can be counted
+    (:mod:`torch_contrastive.cli.traffic`). ``budget``: the GPU scratch budget in bytes for the
+    duration (default :data:`GPU_BUDGET`). The Triton kernels are not simulated: a plan that
+    would choose them needs the device itself."""
+    global _SIMULATED, GPU_BUDGET
+    previous = (_SIMULATED, GPU_BUDGET)
+    _SIMULATED = torch.device(device)
+    if budget is not None:
+        GPU_BUDGET = int(budget)
+    try:
+        yield
+    finally:
+        _SIMULATED, GPU_BUDGET = previous
 
 
 #: ``decide``'s answers by their key (the problem's shape, dtypes, device and options).
@@ -260,13 +286,38 @@ def plan(problem: Problem) -> AnyPlan:
                       bound=None if isinstance(stat, SigmoidPairs) else problem.bound, half_ok=softmax, auto_triton=softmax,
                       triton_serves=lambda: triton_refusal(problem))
     if softmax:
-        return _softmax_plan(problem, stat, decision)
+        return _cached_softmax_plan(problem, stat, decision)
     if isinstance(stat, PairTerms):
         return _pair_plan(problem, stat, decision)
     if problem.positives is None:  # Problem refuses it when built
         raise ValueError("SigmoidPairs needs positives")
     return SigmoidPlan(decision=decision, positives=problem.positives, diagonal_offset=stat.diagonal_offset,
                        normalize=opts.normalize, eps=float(opts.eps))
+
+
+def _cached_softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> SoftmaxPlan:
+    """:func:`_softmax_plan`, kept per key: a training loop asks the same question every step. Only
+    problems whose every input to the plan is a plain value (or a relation built once per shape,
+    which the kept plan holds, so its ``id`` stays its own) are kept; per-call objects (an
+    exclusion, a distributed column reduction) are planned afresh."""
+    # (under torch.compile the plan is traced once anyway, and an id() of a traced object is not)
+    if stat.exclude is not None or stat.column_comm is not None or torch.compiler.is_compiling():
+        return _softmax_plan(problem, stat, decision)
+    opts = problem.options
+    key = (decision, id(problem.positives), problem.self_offset, problem.symmetric, problem.grad_columns, problem.shape[1],
+           opts.normalize, opts.eps, stat.columns, stat.column_positives, stat.columns_share_alpha,
+           stat.row_weights[0] is not None)
+    found = _SOFTMAX_PLANS.get(key)
+    if found is None or found.positives is not problem.positives:
+        found = _softmax_plan(problem, stat, decision)
+        if len(_SOFTMAX_PLANS) > 256:  # many distinct problems: keep the cache small
+            _SOFTMAX_PLANS.clear()
+        _SOFTMAX_PLANS[key] = found
+    return found
+
+
+#: :func:`_cached_softmax_plan`'s plans by their key.
+_SOFTMAX_PLANS: dict[tuple[Any, ...], SoftmaxPlan] = {}
 
 
 def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> SoftmaxPlan:

@@ -28,6 +28,8 @@ multiplied is a planning decision (:mod:`.planner`), made here in one place:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,9 +104,26 @@ def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
         if out is None:
             return torch.mm(x, y, out_dtype=torch.float32)
         return torch.mm(x, y, out_dtype=torch.float32, out=out)
+    with widening():  # the CPU's stand-in for out_dtype: a cost count leaves it out
+        xw, yw = x.float(), y.float()
     if out is None:
-        return torch.mm(x.float(), y.float())
-    return torch.mm(x.float(), y.float(), out=out)
+        return torch.mm(xw, yw)
+    return torch.mm(xw, yw, out=out)
+
+
+#: > 0 while :func:`_mm32` widens half operands on a CPU (no GPU would): the cost counter
+#: (:mod:`torch_contrastive.cli.traffic`) skips those copies and counts the product at the
+#: operands' own width.
+WIDENING = [0]
+
+
+@contextlib.contextmanager
+def widening() -> Iterator[None]:
+    WIDENING[0] += 1
+    try:
+        yield
+    finally:
+        WIDENING[0] -= 1
 
 
 class HalfProducts:

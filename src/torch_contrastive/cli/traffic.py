@@ -1,0 +1,238 @@
+"""Count what a loss call would cost a GPU, on any machine: launches, logit-sized bytes, GEMM FLOPs,
+host syncs (``torch-contrastive bench --traffic``).
+
+A ``TorchDispatchMode`` sees every ATen op of a forward + backward call. Under
+:func:`~torch_contrastive.engine.planner.simulate` the engine plans as on a GPU (its tile budget,
+its tensor-core products), so a CPU runs the GPU's plan and the counts are the GPU's:
+
+* a **launch** is an op that runs a kernel: views, allocations and host reads are not;
+* **logit bytes** are the bytes of every logit-sized tensor an op reads or writes (inputs and
+  outputs; an in-place op's tensor twice). Logit-sized: no side of length ``D`` (a feature
+  tensor, as it is or transposed), and at least ``2 * max(R, C)`` numbers (a tile whose edge
+  equals ``D`` would be missed: count at a size where it does not). Indexed ops (``take``, ``index_fill_``, ``index_add_``, ...)
+  touch only their indexed entries, which is what they count;
+* **GEMM FLOPs** are ``2 m k n`` per product, by the operands' dtype;
+* the copies a CPU makes to widen half operands (``torch.mm`` has no ``out_dtype`` on a CPU) are
+  not counted, and the product counts those operands at their own width;
+* **host syncs** as :mod:`.synccount` sees them.
+
+:func:`torch_contrastive.engine.cost.predict` turns the counts into a predicted time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..engine import products
+from ..engine.cost import GPUS, MEASURED, PEAK_BANDWIDTH, Counts, Gpu, Measured, fit
+from ..engine.planner import simulate
+from .synccount import SYNC_OPERATORS, host_sync_events
+
+#: Ops that make no kernel launch on a GPU (allocation or metadata only).
+_FREE = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_local_scalar_dense",
+                   "lift_fresh", "set_", "resize_", "_to_copy_noop"})
+#: Ops that touch only the entries their index names, not the whole tensor they index.
+_INDEXED = frozenset({"take", "index_fill", "index_fill_", "index_add", "index_add_", "index_put", "index_put_",
+                      "_index_put_impl_", "put", "put_", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
+                      "index_select"})
+_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self, rows: int, cols: int, dim: int) -> None:
+        super().__init__()
+        self.rows, self.cols, self.dim = rows, cols, dim
+        self.launches = 0
+        self.logit_bytes = 0
+        self.flops: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
+        self.widened: dict[int, torch.dtype] = {}  # id of a CPU-widened copy -> the operand's own dtype
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if products.WIDENING[0]:  # a CPU-only copy: remember what it stands for
+            for t in _tensors(out):
+                self.widened[id(t)] = _tensors(args)[0].dtype
+            return out
+        if func.is_view or name in _FREE or name in SYNC_OPERATORS:
+            return out
+        self.launches += 1
+        self.ops[name] += 1
+        given = {k: v for k, v in kwargs.items() if k != "out"}  # an out= tensor is written, not read
+        inputs, outputs = _tensors((args, given)), _tensors(out)
+        if name in _GEMMS:
+            self._gemm(_tensors(args))
+        if name in _INDEXED:
+            self.logit_bytes += self._indexed_bytes(name, inputs)
+        else:
+            self.logit_bytes += sum(self._bytes(t) for t in inputs) + sum(self._bytes(t) for t in outputs)
+        return out
+
+    def _width(self, t: torch.Tensor) -> int:
+        own = self.widened.get(id(t))
+        return (own if own is not None else t.dtype).itemsize
+
+    def _logit_sized(self, t: torch.Tensor) -> bool:
+        # a feature tensor has D along one side, as it is or transposed
+        return t.ndim >= 1 and self.dim not in t.shape and t.numel() >= 2 * max(self.rows, self.cols)
+
+    def _bytes(self, t: torch.Tensor) -> int:
+        """What reading or writing ``t`` moves: its numbers at their own width, no more than its
+        storage holds (an expanded tensor is read from its one stored value)."""
+        if not self._logit_sized(t):
+            return 0
+        width = self._width(t)
+        return min(t.numel(), t.untyped_storage().nbytes() // t.itemsize) * width
+
+    def _indexed_bytes(self, name: str, inputs: list[torch.Tensor]) -> int:
+        """An indexed op on a logit-sized tensor reads (and, in place, writes) the indexed entries only."""
+        big = [t for t in inputs if self._logit_sized(t)]
+        if not big:
+            return 0
+        touched = max((t.numel() for t in inputs if not self._logit_sized(t)), default=0)
+        return 2 * touched * self._width(big[0])  # read and written (or gathered and stored)
+
+    def _gemm(self, args: list[torch.Tensor]) -> None:
+        mats = [t for t in args if t.ndim >= 2]
+        a, b = mats[-2], mats[-1]  # (bias,) a, b
+        batch = math.prod(a.shape[:-2]) if a.ndim > 2 else 1
+        own = self.widened.get(id(a), a.dtype)
+        for t in (a, b):  # a widened copy is used once: its id may name another tensor later
+            self.widened.pop(id(t), None)
+        self.flops[str(own).replace("torch.", "")] += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, simulate_device: str | None = "cuda",
+          budget: int | None = None) -> Counts:
+    """Run ``fn().backward()`` twice and count the second call: a training loop's steady step (see
+    the module docstring).
+
+    Args:
+        fn: builds the loss (its inputs require grad).
+        rows: ``R`` of the call's logit matrix.
+        cols: ``C``.
+        dim: the feature size ``D`` (tensors ``(·, D)`` are features, not logits).
+        simulate_device: plan as on this device type (``"cuda"``: the GPU's plan, run here);
+            None: this machine's own plan.
+        budget: the simulated GPU's scratch budget in bytes (default: the engine's).
+    """
+    counter = _Count(rows, cols, dim)
+
+    def run() -> None:
+        with counter:
+            fn().backward()
+
+    with simulate(simulate_device, budget) if simulate_device is not None else contextlib.nullcontext():
+        fn().backward()  # once uncounted: what a training loop builds on its first step is cached by its second
+        syncs = host_sync_events(run)
+    return Counts(rows, cols, counter.launches, counter.logit_bytes, dict(counter.flops), len(syncs), dict(counter.ops))
+
+
+# ------------------------------------------------------------------------ the losses, counted
+def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None = None,
+          seed: int = 0) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]:
+    """name -> (our default call, the dense formula it replaces), fwd+bwd ready, at ``n`` rows of
+    ``d`` features (``chunk``: our tile edge, to count a large problem's tile structure at a small size)."""
+    import torch_contrastive as tc
+
+    from .bench import dense_clip, dense_nt_xent
+    from .bench_small import CLASSES, plain_nt_bxent, plain_nt_xent_pml, plain_supcon
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    y = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, CLASSES, (n,), generator=g)
+    opts: dict[str, Any] = {"validate": False, "chunk_size": chunk}
+    return {
+        "clip": (lambda: tc.image_text_contrastive_loss(x, y, 0.07, **opts), lambda: dense_clip(x, y, 0.07)),
+        "nt_xent": (lambda: tc.nt_xent_loss(x, 0.1, pairing="halves", **opts), lambda: dense_nt_xent(x, 0.1)),
+        "supcon": (lambda: tc.supcon_loss(x, labels, temperature=0.1, **opts), lambda: plain_supcon(x, labels, 0.1)),
+        "nt_xent_pml": (lambda: tc.nt_xent_loss(x, 0.1, labels=labels, **opts), lambda: plain_nt_xent_pml(x, labels, 0.1)),
+        "nt_bxent": (lambda: tc.nt_bxent_loss(x, labels=labels, temperature=0.1, **opts), lambda: plain_nt_bxent(x, labels, 0.1)),
+    }
+
+
+def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int = 1) -> Counts:
+    """The counts of one loss (``impl`` ``"ours"`` or ``"dense"``) on the simulated GPU at ``n`` rows,
+    counted at ``at`` rows (default ``n``) and scaled: ``tiles`` tiles per side at that size
+    (our plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`)."""
+    small = at or n
+    chunk = None if tiles <= 1 else -(-small // tiles)
+    ours, dense = cases(small, d, chunk=chunk)[name]
+    return count(ours if impl == "ours" else dense, small, small, d).scaled(n, n)
+
+
+def gpu_tiles(n: int) -> int:
+    """Tiles per side of our plan for ``n x n`` bf16 logits on the GPU's default scratch budget."""
+    from ..engine.planner import GPU_BUDGET, resolve_tile
+
+    return -(-n // resolve_tile(None, n, n, "cuda", 12, GPU_BUDGET))
+
+
+def calibration(at: int = 1024) -> tuple[Gpu, float, list[tuple[Measured, Counts]]]:
+    """The H100 constants fitted to :data:`~torch_contrastive.engine.cost.MEASURED`, and each row's
+    counts (counted at ``at`` rows with the row's tile structure, scaled to its size)."""
+    counted = []
+    for row in MEASURED:
+        tiles = gpu_tiles(row.n) if row.impl == "ours" else 1
+        counted.append((row, count_loss(row.loss, row.impl, row.n, row.d, at=min(at, row.n), tiles=tiles)))
+    fitted, rms = fit([(c, row.ms / 1e3) for row, c in counted], GPUS["H100"], PEAK_BANDWIDTH["H100"])
+    return fitted, rms, counted
+
+
+# ------------------------------------------------------------------------------------ the CLI
+def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any, machine: str) -> int:
+    """``torch-contrastive bench --traffic``: every loss's counts on the simulated GPU plan beside
+    the dense formula's, with the model's predicted H100 time; ``--calibrate`` adds the fit."""
+    import csv
+
+    from ..engine.cost import predict
+
+    gpu = GPUS["H100"]
+    sizes = sizes or [1024]
+    print(f"torch-contrastive bench --traffic: D = {dim}, bf16, fwd+bwd, the CUDA plan counted on {machine}")
+    print("passes = logit bytes / (4 R C); predicted = the model's H100 time (a prediction, not a measurement)")
+    print(f"{'loss':<12} {'N':>6} {'impl':<6} {'tiles':>5} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
+          f"{'predicted ms':>13}")
+    rows = []
+    for n in sizes:
+        at, tiles = min(n, 1024), gpu_tiles(n)
+        for name in cases(4, 2):
+            for impl in ("ours", "dense"):
+                c = count_loss(name, impl, n, dim, at=at, tiles=tiles if impl == "ours" else 1)
+                row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles if impl == "ours" else 1,
+                       "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
+                       "syncs": c.syncs, "predicted_ms": round(predict(c, gpu) * 1e3, 4)}
+                rows.append(row)
+                print(f"{name:<12} {n:>6} {impl:<6} {row['tiles']:>5} {c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} "
+                      f"{c.syncs:>5} {row['predicted_ms']:>13.3f}", flush=True)
+    with open(out_dir / "traffic.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out_dir / 'traffic.csv'}")
+    if calibrate:
+        fitted, rms, counted = calibration()
+        print(f"\nfit to the measured H100 rows: bandwidth {fitted.bandwidth / 1e12:.2f} TB/s, per-op {fitted.launch * 1e6:.1f} us, "
+              f"RMS relative error {100 * rms:.0f} % (table: bandwidth {gpu.bandwidth / 1e12:.2f} TB/s, per-op "
+              f"{gpu.launch * 1e6:.1f} us)")
+        print(f"{'loss':<10} {'impl':<6} {'N':>6} {'D':>4} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+        for measured, c in counted:
+            p = predict(c, gpu) * 1e3
+            print(f"{measured.loss:<10} {measured.impl:<6} {measured.n:>6} {measured.d:>4} {measured.ms:>12.2f} {p:>13.2f} "
+                  f"{100 * (p / measured.ms - 1):>+6.0f}%")
+    return 0

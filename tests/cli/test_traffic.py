@@ -1,0 +1,127 @@
+"""GPU cost counted on a CPU: the counter against hand counts, the simulated plan, the model's fit."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+import torch_contrastive as tc
+from torch_contrastive.cli import main
+from torch_contrastive.cli.traffic import _Count, count, count_loss, gpu_tiles
+from torch_contrastive.engine import planner
+from torch_contrastive.engine.cost import GPUS, Counts, Gpu, fit, predict, terms
+from torch_contrastive.engine.products import HalfProducts
+
+
+def test_gemm_flops_and_logit_bytes_of_a_plain_product_are_counted_exactly():
+    """(a @ b.T).sum() with R = 40, C = 24, D = 8: three products of 2 R C D FLOPs (forward, and
+    the two gradients); the (40, 24) logits are written once and read by the sum, and the
+    backward's expanded ones are read from their one stored value."""
+    a = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(24, 8, dtype=torch.bfloat16, requires_grad=True)
+    got = count(lambda: (a @ b.t()).float().sum(), 40, 24, 8, simulate_device=None)
+    assert got.gemm_flops == {"bfloat16": 3 * 2 * 40 * 24 * 8}
+    logits = 40 * 24
+    # mm writes bf16 logits; the cast reads them and writes fp32; the sum reads fp32; backward:
+    # the fp32 gradient of the cast (expanded one: 4 bytes) -> bf16 gradient written once, read by two mms
+    assert got.logit_bytes == 2 * logits + (2 + 4) * logits + 4 * logits + (4 + 2 * logits) + 2 * 2 * logits
+    assert got.passes == pytest.approx(got.logit_bytes / (4 * logits))
+    assert got.syncs == 0
+    assert got.ops["mm"] == 3 and "t" not in got.ops and "expand" not in got.ops  # views launch nothing
+
+
+def test_indexed_ops_count_the_entries_they_touch():
+    """take / index_fill_ / index_add_ on a logit tile move the indexed entries, not the tile; a full
+    op on the same tile moves all of it."""
+    s = torch.randn(50, 50)
+    idx = torch.arange(0, 2500, 51)  # 50 entries
+    ones = torch.ones(50)
+    counter = _Count(50, 50, 3)
+    with counter:
+        torch.take(s, idx)
+        s.view(-1).index_fill_(0, idx, 0.0)
+        s.view(-1).index_add_(0, idx, ones)
+    assert counter.logit_bytes == 3 * 2 * 50 * 4 and counter.launches == 3
+    with counter:
+        s.exp_()
+    assert counter.logit_bytes == 3 * 2 * 50 * 4 + 2 * 2500 * 4
+
+
+def test_widening_on_a_cpu_is_not_a_gpu_cost():
+    """The tensor-core products widen half operands on a CPU only: no copy is counted, and the product
+    counts at the operands' own width and dtype."""
+    x = torch.randn(30, 6, dtype=torch.bfloat16)
+    y = torch.randn(20, 6, dtype=torch.bfloat16)
+    prod = HalfProducts(x, y, x.float(), None, None, 2.0)
+
+    def logits() -> torch.Tensor:
+        return prod.logits(0, 30, 0, 20).sum().requires_grad_()
+
+    got = count(logits, 30, 20, 6, simulate_device=None)
+    assert "_to_copy" not in got.ops
+    assert got.gemm_flops == {"bfloat16": 2 * 30 * 20 * 6}
+    assert got.ops["mm"] == 1 and got.ops["mul_"] == 1
+
+
+def test_simulate_plans_as_on_a_gpu_and_restores_the_planner():
+    before = planner.GPU_BUDGET
+    args = dict(kernel="softmax", rows=2048, cols=2048, device=torch.device("cpu"), dtype=torch.bfloat16,
+                other_dtype=torch.bfloat16, chunk_size=None, backend="auto")
+    cpu = planner.decide(**args)
+    with planner.simulate("cuda", budget=2048 * 2048 * 12 // 4):
+        gpu = planner.decide(**args)
+        assert planner.GPU_BUDGET == 2048 * 2048 * 12 // 4
+    assert not cpu.half and cpu.device == "cpu"
+    assert gpu.half and gpu.device == "cuda" and gpu.backend == "torch" and gpu.tile == 1024  # two tiles per side
+    assert planner.GPU_BUDGET == before and planner._SIMULATED is None
+    assert gpu_tiles(8192) == 1 and gpu_tiles(65536) > 1
+
+
+def test_a_loss_on_the_simulated_plan_is_exact_and_makes_no_host_sync():
+    x = torch.randn(96, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(96, 32, dtype=torch.bfloat16, requires_grad=True)
+    with planner.simulate("cuda"):
+        loss = tc.image_text_contrastive_loss(x, y, 0.07, validate=False)
+    ref = tc.image_text_contrastive_loss(x.double(), y.double(), 0.07)
+    assert float(loss) == pytest.approx(float(ref), rel=1e-3)
+    got = count(lambda: tc.image_text_contrastive_loss(x, y, 0.07, validate=False), 96, 96, 32)
+    assert got.syncs == 0 and got.gemm_flops == {"bfloat16": 3 * 2 * 96 * 96 * 32}
+    assert count(lambda: tc.image_text_contrastive_loss(x, y, 0.07), 96, 96, 32).syncs == 1
+
+
+def test_counts_scale_with_the_logits_and_keep_their_launches():
+    small = count_loss("nt_xent", "ours", 256, 16)
+    big = small.scaled(1024, 1024)
+    assert big.launches == small.launches and big.syncs == small.syncs
+    assert big.logit_bytes == 16 * small.logit_bytes and big.passes == pytest.approx(small.passes)
+    assert big.gemm_flops["bfloat16"] == 16 * small.gemm_flops["bfloat16"]
+    tiled = count_loss("nt_xent", "ours", 256, 16, tiles=4)
+    assert tiled.launches > small.launches  # a tile loop launches per tile
+
+
+def test_the_model_adds_its_three_terms_and_the_fit_recovers_known_constants():
+    truth = Gpu("toy", {"bfloat16": 1e12}, bandwidth=1.5e11, launch=4e-6, source="test")
+    rows = [Counts(n, n, launches, int(passes * 4 * n * n), {"bfloat16": 6 * n * n * 64}, 0)
+            for n, launches, passes in ((1024, 50, 13.0), (4096, 80, 20.0), (8192, 1600, 40.0), (2048, 30, 9.0))]
+    for c in rows:
+        gemm, traffic, launch = terms(c, truth)
+        assert predict(c, truth) == pytest.approx(gemm + traffic + launch)
+        assert traffic == pytest.approx(c.logit_bytes / 1.5e11) and launch == pytest.approx(c.launches * 4e-6)
+    start = Gpu("toy", {"bfloat16": 1e12}, bandwidth=1.0, launch=1.0, source="start")
+    fitted, rms = fit([(c, predict(c, truth)) for c in rows], start, peak_bandwidth=3e11)
+    assert fitted.bandwidth == pytest.approx(1.5e11, rel=1e-9) and fitted.launch == pytest.approx(4e-6, rel=1e-6)
+    assert rms < 1e-6
+    assert "H100" in GPUS and GPUS["H100"].gemm_flops["bfloat16"] > 0
+
+
+def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, capsys):
+    assert main(["bench", "--traffic", "--sizes", "96", "--dim", "16", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "traffic.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["loss"] for r in rows} == {"clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"}
+    assert {r["impl"] for r in rows} == {"ours", "dense"}
+    assert all(float(r["predicted_ms"]) > 0 and int(r["syncs"]) == 0 for r in rows)
+    assert "prediction" in capsys.readouterr().out
+    assert main(["bench", "--calibrate", "--out", str(tmp_path)]) == 2
