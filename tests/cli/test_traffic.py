@@ -125,3 +125,19 @@ def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, c
     assert all(float(r["predicted_ms"]) > 0 and int(r["syncs"]) == 0 for r in rows)
     assert "prediction" in capsys.readouterr().out
     assert main(["bench", "--calibrate", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_every_loss_on_the_gpu_plan_makes_no_host_sync_without_validation(tiles):
+    """Issue 34's sync budget, counted on the simulated GPU plan: zero host syncs with validate=False
+    for every loss, one tile and strips."""
+    for name in ("clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"):
+        got = count_loss(name, "ours", 48, 8, tiles=tiles)
+        assert got.syncs == 0, name
+        # the soft-max family's logit products take the bf16 rows on tensor cores (the CPU's widening not
+        # counted; a small dense label mask may add fp32 products); the pair kernels (PML NT-Xent,
+        # NT-BXent) take fp32 products today
+        if name in ("clip", "nt_xent", "supcon"):
+            assert got.gemm_flops["bfloat16"] >= 2 * 2 * 48 * 48 * 8 // (2 if name != "clip" else 1), name
+        else:
+            assert set(got.gemm_flops) == {"float32"}, name
