@@ -410,6 +410,15 @@ MUTATIONS = [
              "cost model: the per-op term doubled", ("tests/cli/test_traffic.py",)),
     Mutation(f"{E}/planner.py", "        _SIMULATED, GPU_BUDGET = previous", "        _SIMULATED = previous[0]",
              "simulate() leaves the simulated budget behind", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/products.py", "        return torch.mul(g, factor[None, :] if dim == 1 else factor[:, None], out=out)",
+             "        return torch.mul(g, factor[:, None], out=out)",
+             "tensor-core products: the bf16 gradient tile scaled along the wrong side", ("tests/engine/test_planner.py",)),
+    Mutation(f"{E}/planner.py", "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)",
+             "    return entries <= GPU_BUDGET", "a GPU holds every label relation that fits the budget as a dense mask",
+             ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/planner.py", "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)",
+             "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols)",
+             "a problem counted small decides its relation's form at the counted size", ("tests/cli/test_traffic.py",)),
 ]
 
 

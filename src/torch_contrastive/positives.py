@@ -62,9 +62,16 @@ __all__ = [
     "Strided",
 ]
 
-#: Key relations with at most this many (row, column) entries are held as a dense bool
-#: matrix (64 KiB): for small batches a few element-wise ops beat grouping by a sort.
+#: On a CPU, key relations with at most this many (row, column) entries are held as a dense bool
+#: matrix (64 KiB): for small batches a few element-wise ops beat grouping by a sort (measured
+#: here). On a GPU the cost model decides (:func:`torch_contrastive.engine.planner.dense_relation`).
 DENSE_KEYS_LIMIT = 256 * 256
+
+
+def _dense_pays(rows: int, cols: int, device: torch.device) -> bool:
+    from .engine.planner import dense_relation  # the engine imports this module: imported on first use
+
+    return dense_relation(rows, cols, device, DENSE_KEYS_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ class Positives:
         rows = tuple(_index_vector(k) for k in rk)
         cols = rows if col_keys is None else tuple(_index_vector(k) for k in ck)
         num_rows, num_cols = int(rows[0].numel()), int(cols[0].numel())
-        if num_rows * num_cols <= DENSE_KEYS_LIMIT:
+        if _dense_pays(num_rows, num_cols, rows[0].device):
             # Small batches: the R x C relation itself is cheaper than grouping by a sort
             # (a few element-wise ops instead of a dozen small ones).
             dense = rows[0][:, None] == cols[0][None, :]
@@ -329,7 +336,8 @@ class KeyPositives(Positives):
     Attributes:
         row_keys: a tuple of (R,) int64 tensors.
         col_keys: a tuple of (C,) int64 tensors, same length.
-        dense: small relations (at most :data:`DENSE_KEYS_LIMIT` entries): the (R, C) bool
+        dense: small relations (:data:`DENSE_KEYS_LIMIT` entries on a CPU; on a GPU as the cost model
+            says, :func:`~torch_contrastive.engine.planner.dense_relation`): the (R, C) bool
             relation itself, self pairs excluded; None for large ones.
         key_terms: large relations: the sorted grouping of the keys (see :func:`_key_terms`).
     """

@@ -141,3 +141,29 @@ def test_every_loss_on_the_gpu_plan_makes_no_host_sync_without_validation(tiles)
             assert got.gemm_flops["bfloat16"] >= 2 * 2 * 48 * 48 * 8 // (2 if name != "clip" else 1), name
         else:
             assert set(got.gemm_flops) == {"float32"}, name
+
+
+def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
+    """The counted difference between a label relation's dense mask and its grouped form is the one the
+    planner prices (cost.RELATION_FORMS): re-counted here, so a change to either form shows."""
+    from torch_contrastive import positives
+    from torch_contrastive.engine.cost import RELATION_FORMS
+
+    got = {}
+    for dense in (True, False):
+        monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, dense=dense: dense)
+        got[dense] = count_loss("supcon", "ours", 1024, 512)
+    assert got[True].passes - got[False].passes == pytest.approx(RELATION_FORMS.dense_passes, abs=0.5)
+    assert got[False].launches - got[True].launches == pytest.approx(RELATION_FORMS.grouped_launches, abs=2)
+
+
+def test_the_form_of_a_label_relation_is_the_devices_choice():
+    cpu = torch.device("cpu")
+    limit = 256 * 256
+    assert planner.dense_relation(256, 256, cpu, limit) and not planner.dense_relation(257, 256, cpu, limit)
+    with planner.simulate("cuda"):  # the cost model: the mask's passes against the grouped form's launches
+        assert planner.dense_relation(2048, 2048, cpu, limit)
+        assert not planner.dense_relation(16384, 16384, cpu, limit)
+    with planner.simulate("cuda", area=64.0):  # counted at 2,048 rows, standing for 16,384
+        assert not planner.dense_relation(2048, 2048, cpu, limit)
+    assert planner._SIMULATED_AREA == 1.0

@@ -278,3 +278,23 @@ def test_a_kept_plan_is_never_another_problems():
     assert make(grad_columns=4).grad_columns == 4 and first.grad_columns == 12
     assert make(options=Options(False, 1e-12, None, "torch")).normalize is False
     assert make(positives=None, self_offset=0).positives is None
+
+
+@pytest.mark.parametrize("name", ["clip", "nt_xent", "info_nce"])
+def test_tensor_core_products_with_a_float_temperature(name, monkeypatch):
+    """A float temperature (no remainder product): the bf16 gradient tile is rounded as it is formed;
+    values to fp32 round-off and gradients to bf16's rounding against float64 on the same inputs."""
+    monkeypatch.setattr(planner, "PRODUCTS", "half")
+    ours, ref, n_inputs = LOSSES[name]
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(14, 6, generator=g, dtype=torch.float64) * 3).to(torch.bfloat16)
+    y = torch.randn(14, 6, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    inputs = [x, y][:n_inputs]
+    low = [t.to(DEVICE).requires_grad_() for t in inputs]
+    wide = [t.double().requires_grad_() for t in inputs]
+    assert tc.explain(ours, *(low + [None] * (2 - n_inputs)), 0.2, None)[0].half
+    got = ours(*(low + [None] * (2 - n_inputs)), 0.2, None)
+    want = ref(*(wide + [None] * (2 - n_inputs)), 0.2)
+    assert float(got) == pytest.approx(float(want), rel=2e-5)
+    for a, b in zip(torch.autograd.grad(got, low), torch.autograd.grad(want, wide)):
+        assert torch.allclose(a.double().cpu(), b, rtol=1e-2, atol=1e-2 * float(b.abs().max())), name

@@ -117,7 +117,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, simulate_device: str | None = "cuda",
-          budget: int | None = None) -> Counts:
+          budget: int | None = None, area: float = 1.0) -> Counts:
     """Run ``fn().backward()`` twice and count the second call: a training loop's steady step (see
     the module docstring).
 
@@ -129,6 +129,8 @@ def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, sim
         simulate_device: plan as on this device type (``"cuda"``: the GPU's plan, run here);
             None: this machine's own plan.
         budget: the simulated GPU's scratch budget in bytes (default: the engine's).
+        area: the call stands for one with this many times its logits (see
+            :func:`~torch_contrastive.engine.planner.simulate`).
     """
     counter = _Count(rows, cols, dim)
 
@@ -136,7 +138,7 @@ def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, sim
         with counter:
             fn().backward()
 
-    with simulate(simulate_device, budget) if simulate_device is not None else contextlib.nullcontext():
+    with simulate(simulate_device, budget, area) if simulate_device is not None else contextlib.nullcontext():
         fn().backward()  # once uncounted: what a training loop builds on its first step is cached by its second
         syncs = host_sync_events(run)
     return Counts(rows, cols, counter.launches, counter.logit_bytes, dict(counter.flops), len(syncs), dict(counter.ops))
@@ -173,7 +175,7 @@ def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, t
     small = at or n
     chunk = None if tiles <= 1 else -(-small // tiles)
     ours, dense = cases(small, d, chunk=chunk)[name]
-    return count(ours if impl == "ours" else dense, small, small, d).scaled(n, n)
+    return count(ours if impl == "ours" else dense, small, small, d, area=(n / small) ** 2).scaled(n, n)
 
 
 def gpu_tiles(n: int) -> int:

@@ -48,10 +48,10 @@ GPUS: dict[str, Gpu] = {
     "H100": Gpu(
         name="H100",
         gemm_flops={"bfloat16": 645e12, "float16": 645e12, "float32": 51e12},
-        bandwidth=2.85e12,
-        launch=22.2e-6,
+        bandwidth=2.61e12,
+        launch=23.9e-6,
         source="bf16 GEMM rate measured 2026-11-23; bandwidth and per-op cost fitted 2026-11-24 to docs/gpu.md's rows "
-               "(RMS relative error 14 %, worst -37 %)",
+               "(RMS relative error 12 %, worst -30 %)",
     ),
 }
 
@@ -85,6 +85,31 @@ MEASURED: tuple[Measured, ...] = (
     Measured("H100", "nt_xent", "dense", 65536, 768, 91.1, "docs/gpu.md 2026-11-23"),
     Measured("H100", "nt_xent", "ours", 65536, 768, 123.0, "docs/gpu.md 2026-11-23"),
 )
+
+
+@dataclass(frozen=True)
+class RelationForms:
+    """What the two forms of a label relation cost a call beyond each other, counted on the GPU plan
+    (``tests/cli/test_traffic.py`` re-counts them, so a change to either form shows).
+
+    Attributes:
+        dense_passes: fp32 passes over the logits that the dense 0/1 mask adds (built, converted,
+            read by the positive sums and the gradient tile).
+        grouped_launches: launches that the grouped form (keys sorted, per-class sums) adds.
+    """
+
+    dense_passes: float
+    grouped_launches: int
+
+
+#: SupCon with labels, 1,024 rows, bf16, the GPU plan, counted 2026-11-24.
+RELATION_FORMS = RelationForms(dense_passes=11.6, grouped_launches=44)
+
+
+def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100") -> bool:
+    """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * g.launch
 
 
 @dataclass(frozen=True)

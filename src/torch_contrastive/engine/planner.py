@@ -31,6 +31,7 @@ import torch
 
 from ..positives import KeyPositives, PairPositives, PartnerPositives
 from .confident import apart_rule
+from .cost import dense_relation_pays
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
@@ -224,25 +225,28 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
 
 # Set only while simulate() runs (a module global: torch.compile guards on it being None).
 _SIMULATED: torch.device | None = None
+_SIMULATED_AREA = 1.0
 
 
 @contextlib.contextmanager
-def simulate(device: str, budget: int | None = None) -> Iterator[None]:
+def simulate(device: str, budget: int | None = None, area: float = 1.0) -> Iterator[None]:
     """Plan every engine call as for ``device`` (``"cuda"``) while the tensors stay where they are:
     a CPU then runs the GPU's plan -- its tile budget, its tensor-core product scheme (half
     operands, widened here to the same numbers) -- so its launches, bytes and FLOPs can be counted
     (:mod:`torch_contrastive.cli.traffic`). ``budget``: the GPU scratch budget in bytes for the
-    duration (default :data:`GPU_BUDGET`). The Triton kernels are not simulated: a plan that
-    would choose them needs the device itself."""
-    global _SIMULATED, GPU_BUDGET
-    previous = (_SIMULATED, GPU_BUDGET)
-    _SIMULATED = torch.device(device)
+    duration (default :data:`GPU_BUDGET`). ``area``: the counted problem stands for one with this
+    many times its logits (counted small, scaled after): size rules that are not the tile's (the
+    form of a label relation) are decided at that size. The Triton kernels are not simulated: a
+    plan that would choose them needs the device itself."""
+    global _SIMULATED, GPU_BUDGET, _SIMULATED_AREA
+    previous = (_SIMULATED, GPU_BUDGET, _SIMULATED_AREA)
+    _SIMULATED, _SIMULATED_AREA = torch.device(device), float(area)
     if budget is not None:
         GPU_BUDGET = int(budget)
     try:
         yield
     finally:
-        _SIMULATED, GPU_BUDGET = previous
+        _SIMULATED, GPU_BUDGET, _SIMULATED_AREA = previous
 
 
 #: ``decide``'s answers by their key (the problem's shape, dtypes, device and options).
@@ -382,6 +386,18 @@ def triton_refusal(problem: Problem) -> str | None:
         or (by_ids and positives.self_offset is None) \
         or (isinstance(positives, PairPositives) and positives.pairs.shape[0] == 0)
     return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
+
+
+def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int) -> bool:
+    """Whether a label relation of ``R x C`` entries is held as a dense mask (else grouped by key):
+    on a CPU up to ``cpu_limit`` entries (measured there); on a GPU -- also one :func:`simulate` d --
+    where the cost model prices the mask's extra passes below the grouped form's extra launches
+    (:func:`~.cost.dense_relation_pays`, the H100's constants for any CUDA device until others are
+    measured), and the mask fits the scratch budget."""
+    entries = rows * cols * _SIMULATED_AREA  # a problem counted small stands for its full size
+    if (_SIMULATED or device).type != "cuda":
+        return entries <= cpu_limit
+    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)
 
 
 def reduce_inside(reduction: str, distributed: bool) -> bool:

@@ -176,9 +176,21 @@ class HalfProducts:
         peak = g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
         return g / peak, peak
 
+    def _rounded(self, g: Tensor, factor: Tensor | None, dim: int) -> Tensor:
+        """``g`` times the other side's factor, rounded to the operand dtype by the multiply itself
+        (``out=``): the fp32 product is never stored, so the gradient tile costs one read of ``g``
+        and one half-width write -- the same bits as multiplying in fp32 and rounding after."""
+        out = torch.empty(g.shape, dtype=self.dtype, device=g.device)
+        if factor is None:
+            return out.copy_(g)
+        return torch.mul(g, factor[None, :] if dim == 1 else factor[:, None], out=out)
+
     def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor:
         c1 = self.b_raw.shape[0] if c1 is None else c1
-        wide, peak = self._scaled(g, None if self.inv_b is None else self.inv_b[c0:c1], 1)
+        factor = None if self.inv_b is None else self.inv_b[c0:c1]
+        if not (self.rescale or self.split_rows):  # bf16: the gradient tile rounded as it is formed
+            return _mm32(self._rounded(g, factor, 1), self.b_raw[c0:c1])
+        wide, peak = self._scaled(g, factor, 1)
         gh = wide.to(self.dtype)
         out = _mm32(gh, self.b_raw[c0:c1])
         if self.split_rows:  # the rounding remainder, from the same scaled tile
@@ -187,7 +199,10 @@ class HalfProducts:
 
     def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
         r1 = self.a_raw.shape[0] if r1 is None else r1
-        wide, peak = self._scaled(g, None if self.inv_a is None else self.inv_a[r0:r1], 0)
+        factor = None if self.inv_a is None else self.inv_a[r0:r1]
+        if not self.rescale:
+            return _mm32(self._rounded(g, factor, 0).t(), self.a_raw[r0:r1])
+        wide, peak = self._scaled(g, factor, 0)
         out = _mm32(wide.to(self.dtype).t(), self.a_raw[r0:r1])
         return out if peak is None else out.mul_(peak)
 
