@@ -408,7 +408,8 @@ MUTATIONS = [
     Mutation(f"{E}/cost.py", "    return gemm, counts.logit_bytes / g.bandwidth, counts.launches * g.launch",
              "    return gemm, counts.logit_bytes / g.bandwidth, counts.launches * g.launch * 2",
              "cost model: the per-op term doubled", ("tests/cli/test_traffic.py",)),
-    Mutation(f"{E}/planner.py", "        _SIMULATED, GPU_BUDGET = previous", "        _SIMULATED = previous[0]",
+    Mutation(f"{E}/planner.py", "        _SIMULATED, GPU_BUDGET, _SIMULATED_AREA = previous",
+             "        _SIMULATED, _SIMULATED_AREA = previous[0], previous[2]",
              "simulate() leaves the simulated budget behind", ("tests/cli/test_traffic.py",)),
     Mutation(f"{E}/products.py", "        return torch.mul(g, factor[None, :] if dim == 1 else factor[:, None], out=out)",
              "        return torch.mul(g, factor[:, None], out=out)",
@@ -419,6 +420,12 @@ MUTATIONS = [
     Mutation(f"{E}/planner.py", "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)",
              "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols)",
              "a problem counted small decides its relation's form at the counted size", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/planner.py", "                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,",
+             "                      half_ok=softmax, auto_triton=softmax,",
+             "the pair terms (PML NT-Xent, NT-BXent) widen half rows to fp32 products on a GPU", ("tests/engine/test_planner.py",)),
+    Mutation(f"{E}/pairwise.py", "                return Gradients(prod.row_product(g + g.t()), None, True)",
+             "                return Gradients(prod.row_product(g), None, True)",
+             "one pair tile of a single set: the column role of every pair dropped"),
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 import torch_contrastive as tc
 from device import DEVICE
 from helpers import DTYPES, compare
-from reference import image_text, info_nce, nt_xent, supcon
+from reference import image_text, info_nce, nt_bxent, nt_xent, nt_xent_pml, supcon
 from torch_contrastive.engine import planner
 
 CUDA = torch.device("cuda")
@@ -226,6 +226,12 @@ LOSSES = {
     "supcon": (lambda a, b, t, c: tc.supcon_loss(a, torch.arange(a.shape[0], device=a.device) % 3, temperature=t, chunk_size=c),
                lambda a, b, t: supcon(a, t, labels=torch.arange(a.shape[0]) % 3), 1),
     "info_nce": (lambda a, b, t, c: tc.info_nce_loss(a, b, None, t, chunk_size=c), lambda a, b, t: info_nce(a, b, None, t), 2),
+    # the pair terms (PML NT-Xent, NT-BXent) take the same products
+    "nt_xent_pml": (lambda a, b, t, c: tc.nt_xent_loss(a, t, labels=torch.arange(a.shape[0], device=a.device) % 3, chunk_size=c),
+                    lambda a, b, t: nt_xent_pml(a, torch.arange(a.shape[0]) % 3, t), 1),
+    "nt_bxent": (lambda a, b, t, c: tc.nt_bxent_loss(a, labels=torch.arange(a.shape[0], device=a.device) % 3, temperature=t,
+                                                     chunk_size=c),
+                 lambda a, b, t: nt_bxent(a, t, labels=torch.arange(a.shape[0]) % 3), 1),
 }
 
 
@@ -280,7 +286,7 @@ def test_a_kept_plan_is_never_another_problems():
     assert make(positives=None, self_offset=0).positives is None
 
 
-@pytest.mark.parametrize("name", ["clip", "nt_xent", "info_nce"])
+@pytest.mark.parametrize("name", ["clip", "nt_xent", "info_nce", "nt_xent_pml", "nt_bxent"])
 def test_tensor_core_products_with_a_float_temperature(name, monkeypatch):
     """A float temperature (no remainder product): the bf16 gradient tile is rounded as it is formed;
     values to fp32 round-off and gradients to bf16's rounding against float64 on the same inputs."""

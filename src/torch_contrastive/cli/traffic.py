@@ -43,7 +43,7 @@ _FREE = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_emp
 _INDEXED = frozenset({"take", "index_fill", "index_fill_", "index_add", "index_add_", "index_put", "index_put_",
                       "_index_put_impl_", "put", "put_", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
                       "index_select"})
-_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+_GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})  # in-place forms accumulate
 
 
 class _Count(TorchDispatchMode):

@@ -19,7 +19,7 @@ from ..positives import KeyPositives
 from .driver import Gradients, Operands, Saved, run
 from .precision import Scale
 from .problem import Combine, Options, PairTerms, Problem
-from .products import Products
+from .products import AnyProducts, make_products
 from .tiling import Buffers, GradTile, gradient_sweep, raise_max, sweep
 
 if TYPE_CHECKING:
@@ -325,6 +325,8 @@ class PairExecutor:
     def forward(self, ctx: Any, plan: PairPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         (combine,) = extras
         outputs, keep = self.terms(plan, ops)
+        # tensor-core products multiply the caller's half rows as given, in backward too
+        keep["raw"] = () if not plan.half else (ops.a,) if ops.b is None else (ops.a, ops.b)
         ctx.combine = combine
         if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
             weights, total = combine
@@ -348,9 +350,10 @@ class TorchPairs(PairExecutor):
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
+        prod = make_products(plan.half, (ops.a, ops.b), None, a_c, b_c, scale_c, ops.norms, plan.normalize)
         if plan.single_tile:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
-            s = Products(None, a_c, b_c, scale_c).logits(0, R, 0, C)
+            s = prod.logits(0, R, 0, C)
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
                 pos_f = plan.positives.tile_values(0, R, 0, C, a_c.dtype)
                 neg_f = torch.rsub(pos_f, 1.0)  # neither positive nor the self pair
@@ -363,7 +366,6 @@ class TorchPairs(PairExecutor):
                 outputs, kept = kernel_cls.single(s, pos, neg)
             return outputs, {"kernel": (), "kept": kept}
         kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
-        prod = Products(a_c * scale_c, a_c, b_c)
         if plan.symmetric:
             _symmetric_forward(kernel, prod, R, plan)
         for p in range(0 if plan.symmetric else kernel.passes):
@@ -383,12 +385,14 @@ class TorchPairs(PairExecutor):
         a, b, scale = saved.a, saved.b, saved.scale
         kernel_saved, kept = saved.keep["kernel"], saved.keep["kept"]
         kernel = _KERNELS[plan.kernel]
+        raw = (*saved.keep["raw"], None, None)  # a single set's candidates are its anchors
+        prod = make_products(plan.half, (raw[0], raw[1]), None, a, a if plan.symmetric else b,
+                             scale, saved.norms, plan.normalize)
         if kept:
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
-                return Gradients((g + g.t()) @ a, None, True)
-            return Gradients(g @ b, g.t() @ a)
-        prod = Products(a * scale, a, a if plan.symmetric else b)
+                return Gradients(prod.row_product(g + g.t()), None, True)
+            return Gradients(prod.row_product(g), prod.column_product(g))
 
         def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
             if not plan.is_mixed(r0, c0):
@@ -407,7 +411,7 @@ class TorchPairs(PairExecutor):
 TORCH = TorchPairs()
 
 
-def _symmetric_forward(kernel: Any, prod: Products, n: int, plan: PairPlan) -> None:
+def _symmetric_forward(kernel: Any, prod: AnyProducts, n: int, plan: PairPlan) -> None:
     """Both passes over the upper-triangle tiles of a symmetric S (rows = columns, sorted by label).
 
     A mixed tile off the diagonal is visited twice, as rows of its row block and, transposed,

@@ -274,9 +274,9 @@ def plan(problem: Problem) -> AnyPlan:
     :func:`~torch_contrastive.engine.solve` would do (``str(plan)`` in words) and is a frozen
     :class:`~.plans.SoftmaxPlan`, :class:`~.plans.PairPlan` or :class:`~.plans.SigmoidPlan`.
 
-    The statistic's traits: the soft-max terms take tensor-core products and may move to the
-    Triton kernels under ``"auto"``; the pair and sigmoid kernels stay on torch under
-    ``"auto"`` until measured faster on a GPU. :func:`triton_refusal` says whether the Triton
+    The statistic's traits: the soft-max and pair terms take tensor-core products; the soft-max
+    terms may move to the Triton kernels under ``"auto"``, the pair and sigmoid kernels stay on
+    torch under ``"auto"`` until measured faster on a GPU. :func:`triton_refusal` says whether the Triton
     kernels serve the problem.
     """
     stat = problem.statistic
@@ -287,7 +287,8 @@ def plan(problem: Problem) -> AnyPlan:
     fixed = stat.fixed if isinstance(stat, (Softmax, PairTerms)) else False
     decision = decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
                       other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
-                      bound=None if isinstance(stat, SigmoidPairs) else problem.bound, half_ok=softmax, auto_triton=softmax,
+                      bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
+                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,
                       triton_serves=lambda: triton_refusal(problem))
     if softmax:
         return _cached_softmax_plan(problem, stat, decision)
