@@ -426,6 +426,9 @@ MUTATIONS = [
     Mutation(f"{E}/pairwise.py", "                return Gradients(prod.row_product(g + g.t()), None, True)",
              "                return Gradients(prod.row_product(g), None, True)",
              "one pair tile of a single set: the column role of every pair dropped"),
+    Mutation(f"{E}/cost.py", "    return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * g.launch",
+             "    return False", "a GPU never holds a label relation as a dense mask (SupCon's launches grow)",
+             ("tests/cli/test_traffic.py",)),
 ]
 
 

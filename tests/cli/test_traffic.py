@@ -174,3 +174,14 @@ def test_an_accumulating_product_counts_its_flops():
         acc.addmm_(g, b)
         torch.addmm(acc, g, b)
     assert counter.flops == {"float32": 2 * 2 * 20 * 30 * 6} and counter.launches == 2
+
+
+@pytest.mark.parametrize("name", ["clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent"])
+def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dense_formula(name):
+    """Issue 34's launch budget for the eager path on the GPU plan, one tile (1,024 rows, bf16): no more
+    than 1.5x the dense formula's launches. (Its byte budget -- no more logit bytes than the dense
+    formula -- is the fused-epilogue path's to meet: the eager path pays the fp32 factor passes.)"""
+    ours = count_loss(name, "ours", 1024, 64)
+    dense = count_loss(name, "dense", 1024, 64)
+    assert ours.launches <= 1.5 * dense.launches, (ours.launches, dense.launches)
+    assert ours.syncs == 0
