@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
+from device import DEVICE
 
 X = torch.randn(8, 4)
 Y = torch.randn(8, 4)
@@ -134,14 +135,14 @@ def test_non_finite_rows_are_named_when_the_loss_value_is_read_with_other_checks
     checks is packed with them (not the one-value read of a plain call) and still names the argument."""
     from torch_contrastive._validation import Checks
 
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4, device=DEVICE)
     x[3, 1] = float("nan")
     checks = Checks(True)
     checks.finite(x, "embeddings", deferred=True)
-    checks.add(torch.tensor(1.0), lambda: "a flag that is fine", lambda got: got < 0)
+    checks.add(torch.tensor(1.0, device=DEVICE), lambda: "a flag that is fine", lambda got: got < 0)
     with pytest.raises(ValueError, match=r"embeddings contains non-finite values .* \(first bad row: 3\)"):
         checks.finish(x.sum(), covers=True, overflow=None)
     fine = Checks(True)
     fine.finite(x[:3], "embeddings", deferred=True)
-    fine.add(torch.tensor(1.0), lambda: "a flag that is fine", lambda got: got < 0)
+    fine.add(torch.tensor(1.0, device=DEVICE), lambda: "a flag that is fine", lambda got: got < 0)
     fine.finish(x[:3].sum(), covers=True, overflow=None)  # no error: every value is fine

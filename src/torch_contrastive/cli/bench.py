@@ -524,7 +524,7 @@ def _machine(device: str) -> str:
 
 def _counted_or_small(args: argparse.Namespace, out_dir: Path) -> int:
     """``--traffic`` (counted on this machine) and ``--small`` (timed here): no case grid."""
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+    machine = _machine("cpu")
     if args.traffic:
         from .traffic import run_traffic
 

@@ -44,6 +44,8 @@ _INDEXED = frozenset({"take", "index_fill", "index_fill_", "index_add", "index_a
                       "_index_put_impl_", "put", "put_", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
                       "index_select"})
 _GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})  # in-place forms accumulate
+#: The losses :func:`cases` builds, in the order ``bench --traffic`` prints them.
+LOSSES = ("clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent")
 
 
 class _Count(TorchDispatchMode):
@@ -73,7 +75,7 @@ class _Count(TorchDispatchMode):
         if name in _GEMMS:
             self._gemm(_tensors(args))
         if name in _INDEXED:
-            self.logit_bytes += self._indexed_bytes(name, inputs)
+            self.logit_bytes += self._indexed_bytes(inputs)
         else:
             self.logit_bytes += sum(self._bytes(t) for t in inputs) + sum(self._bytes(t) for t in outputs)
         return out
@@ -94,7 +96,7 @@ class _Count(TorchDispatchMode):
         width = self._width(t)
         return min(t.numel(), t.untyped_storage().nbytes() // t.itemsize) * width
 
-    def _indexed_bytes(self, name: str, inputs: list[torch.Tensor]) -> int:
+    def _indexed_bytes(self, inputs: list[torch.Tensor]) -> int:
         """An indexed op on a logit-sized tensor reads (and, in place, writes) the indexed entries only."""
         big = [t for t in inputs if self._logit_sized(t)]
         if not big:
@@ -179,10 +181,13 @@ def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, t
 
 
 def gpu_tiles(n: int) -> int:
-    """Tiles per side of our plan for ``n x n`` bf16 logits on the GPU's default scratch budget."""
-    from ..engine.planner import GPU_BUDGET, resolve_tile
+    """Tiles per side of our plan for ``n x n`` bf16 logits on a GPU, as the planner decides it."""
+    from ..engine.planner import decide
 
-    return -(-n // resolve_tile(None, n, n, "cuda", 12, GPU_BUDGET))
+    bf16 = torch.bfloat16
+    tile = decide(kernel="softmax", rows=n, cols=n, device=torch.device("cuda"), dtype=bf16, other_dtype=bf16,
+                  chunk_size=None, backend="torch").tile
+    return 1 if tile == 0 else -(-n // tile)
 
 
 def calibration(at: int = 1024) -> tuple[Gpu, float, list[tuple[Measured, Counts]]]:
@@ -213,7 +218,7 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
     rows = []
     for n in sizes:
         at, tiles = min(n, 1024), gpu_tiles(n)
-        for name in cases(4, 2):
+        for name in LOSSES:
             for impl in ("ours", "dense"):
                 c = count_loss(name, impl, n, dim, at=at, tiles=tiles if impl == "ours" else 1)
                 row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles if impl == "ours" else 1,
