@@ -61,3 +61,25 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
             raise AssertionError(f"ranks {hung} did not finish in {timeout}s\n" + "\n".join(errors))
         if errors or any(p.exitcode != 0 for p in procs):
             raise AssertionError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
+
+
+def ranks_clip_on(rank, world, backend, fixed, deterministic, chunk):
+    """One rank of CLIP with ids, DCL and uneven sizes, gathered: ``backend`` (a kernel backend, run
+    by Triton's interpreter on these CPU tensors) against the torch backend, values and gradients."""
+    import torch
+
+    import torch_contrastive as tc
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    torch.use_deterministic_algorithms(deterministic)
+    g = torch.Generator().manual_seed(rank)
+    x, y = (torch.randn(20 + 5 * rank, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    ids = torch.arange(x.shape[0]) % 4
+    out = {}
+    for name in ("torch", backend):
+        leaves = [t.clone().requires_grad_() for t in (x, y)]
+        value = tc.image_text_contrastive_loss(*leaves, 0.2, ids, normalize=fixed, gather=True, decoupled=True, chunk_size=chunk,
+                                               backend=name)
+        out[name] = (value.detach(), *torch.autograd.grad(value, leaves))
+    for a, b in zip(out[backend], out["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -11,7 +11,7 @@ import torch
 
 from device import DEVICE
 
-__all__ = ["DTYPES", "TAU_TOLS", "compare", "rand_rows"]
+__all__ = ["DTYPES", "TAU_TOLS", "compare", "queue_problem", "rand_rows", "two_set_problem"]
 
 
 def rand_rows(n, d=5, seed=0, dtype=torch.float64):
@@ -58,3 +58,34 @@ DTYPES = [
     (torch.float16, (2e-5, 2e-3)),  # computed in fp32; gradients rounded to fp16
     (torch.bfloat16, (2e-5, 1e-2)),  # computed in fp32; gradients rounded to bf16
 ]
+
+
+def two_set_problem(rows, cols, relation, dtype=torch.float64):
+    """A two-set soft-max problem for the kernel backends (on the suite's device, in ``dtype``): anchors,
+    candidates, a learnable scale, the relation (``"partner"``, ``"keys"`` or ``"none"``) and per-row
+    ``(alpha, beta)`` weights."""
+    from torch_contrastive.positives import Positives
+
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    a = torch.randn(rows, 20, generator=g, dtype=dtype).to(DEVICE).requires_grad_()
+    b = torch.randn(cols, 20, generator=g, dtype=dtype).to(DEVICE).requires_grad_()
+    scale = torch.tensor(3.0, dtype=dtype, device=DEVICE, requires_grad=True)
+    pos = None
+    if relation == "partner":
+        pos = Positives.from_partner(torch.arange(rows, device=DEVICE) % cols, cols, self_offset=None)
+    elif relation == "keys":
+        pos = Positives.from_keys(torch.arange(rows, device=DEVICE) % 3, torch.arange(cols, device=DEVICE) % 4, self_offset=None)
+    weights = (torch.linspace(0.5, 2, rows, dtype=dtype, device=DEVICE), torch.linspace(1, 3, rows, dtype=dtype, device=DEVICE))
+    return a, b, scale, pos, weights
+
+
+def queue_problem():
+    """11 queries and keys with a queue of 40 constant candidates behind the keys (float64, the
+    suite's device): ``(q, k, queue, positives)``, query i's positive key i."""
+    from torch_contrastive.positives import Positives
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(11, 6, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    k = torch.randn(11, 6, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    queue = torch.randn(40, 6, generator=g, dtype=torch.float64).to(DEVICE)
+    return q, k, queue, Positives.from_partner(torch.arange(11, device=DEVICE), 51, self_offset=None)

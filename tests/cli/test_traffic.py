@@ -9,9 +9,9 @@ import torch
 
 import torch_contrastive as tc
 from torch_contrastive.cli import main
-from torch_contrastive.cli.traffic import LOSSES, _Count, cases, count, count_loss, gpu_tiles
+from torch_contrastive.cli.traffic import EPILOGUE_LOSSES, LOSSES, _Count, cases, count, count_loss, gpu_tiles
 from torch_contrastive.engine import planner
-from torch_contrastive.engine.cost import GPUS, Counts, Gpu, fit, predict, terms
+from torch_contrastive.engine.cost import GPUS, RELATION_FORMS, Counts, Gpu, fit, predict, terms
 from torch_contrastive.engine.products import HalfProducts
 
 
@@ -143,7 +143,6 @@ def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
     """The counted difference between a label relation's dense mask and its grouped form is the one the
     planner prices (cost.RELATION_FORMS): re-counted here, so a change to either form shows."""
     from torch_contrastive import positives
-    from torch_contrastive.engine.cost import RELATION_FORMS
 
     got = {}
     for dense in (True, False):
@@ -184,4 +183,46 @@ def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dens
     ours = count_loss(name, "ours", 1024, 64)
     dense = count_loss(name, "dense", 1024, 64)
     assert ours.launches <= 1.5 * dense.launches, (ours.launches, dense.launches)
+    assert ours.syncs == 0
+
+
+def test_an_announced_kernel_launch_counts_once_with_the_bytes_it_declares():
+    """A Triton launch is one launch moving the logit-sized tensors it declares; the tensor work the
+    interpreter does inside is not counted."""
+    pytest.importorskip("triton")
+    from torch_contrastive.engine.triton_backend._host import LAUNCH_LISTENERS, announced
+
+    s = torch.randn(50, 40)
+    g = torch.empty(50, 40, dtype=torch.bfloat16)
+    counter = _Count(50, 40, 3)
+    vector = torch.zeros(40)
+    LAUNCH_LISTENERS.append(counter)
+    try:
+        with counter, announced("k", reads=(s,), writes=(g, vector)):
+            g.copy_(s.exp() * 2)  # stands for the kernel's own work
+    finally:
+        LAUNCH_LISTENERS.remove(counter)
+    assert counter.launches == 1 and counter.ops == {"triton:k": 1}
+    assert counter.logit_bytes == 50 * 40 * (4 + 2)  # an (N,) vector is not logit-sized
+
+
+@pytest.mark.parametrize("n", [8192, 32768])
+@pytest.mark.parametrize("name", EPILOGUE_LOSSES)
+def test_the_epilogue_path_moves_at_most_six_passes(name, n):
+    """Issue 34's byte budget for the cuBLAS + epilogue path (bf16, the GPU plan at n rows, counted at 256
+    and scaled): the GEMM writes a logit tile once and the epilogue reads it once; backward reads the
+    kept or recomputed tile once and writes the gradient tiles once in bf16 for the GEMMs -- at most 6
+    fp32 passes (the dense formula: 10 to 13), at most 1.5x the dense formula's launches (plus, for a
+    label relation, the grouped form's own, which the model prefers at these sizes), no host sync."""
+    pytest.importorskip("triton")
+    tiles = gpu_tiles(n, "epilogue")
+    assert (tiles == 1) == (n == 8192)  # one tile kept from forward, and strips
+    ours = count_loss(name, "epilogue", n, 48, at=256, tiles=tiles)
+    dense = count_loss(name, "dense", n, 48, at=256)
+    assert ours.passes <= 6.0 and ours.passes < dense.passes, (ours.passes, dense.passes)
+    assert ours.ops.get("triton:epilogue_sums") and ours.ops.get("triton:epilogue_grad")
+    assert ours.gemm_flops.keys() == {"bfloat16"}  # every product on tensor cores: no fp32 mask product at this size
+    if tiles == 1:
+        grouped = RELATION_FORMS.grouped_launches if name == "supcon" else 0
+        assert ours.launches <= 1.5 * dense.launches + grouped, (ours.launches, dense.launches)
     assert ours.syncs == 0

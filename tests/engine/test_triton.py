@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 import torch_contrastive as tc  # noqa: E402
 from device import DEVICE  # noqa: E402
-from helpers import compare  # noqa: E402
+from helpers import compare, queue_problem, two_set_problem  # noqa: E402
 from reference import image_text, info_nce, nt_bxent, nt_xent, nt_xent_pml, nt_xent_pml_memory, supcon  # noqa: E402
 from torch_contrastive.engine import softmax_terms  # noqa: E402
 from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
@@ -42,17 +42,7 @@ def _both(fn, leaves):
 @pytest.mark.parametrize("rows,cols", [(1, 1), (7, 45), (45, 7), (33, 33)])
 @pytest.mark.parametrize("relation", ["partner", "keys", "none"])
 def test_softmax_terms_two_sets_with_columns(rows, cols, relation, dtype):
-    g = torch.Generator().manual_seed(rows * 100 + cols)
-    a = torch.randn(rows, 20, generator=g, dtype=dtype, device="cpu").to(DEVICE).requires_grad_()
-    b = torch.randn(cols, 20, generator=g, dtype=dtype, device="cpu").to(DEVICE).requires_grad_()
-    scale = torch.tensor(3.0, dtype=dtype, device=DEVICE, requires_grad=True)
-    if relation == "partner":
-        pos = Positives.from_partner(torch.arange(rows, device=DEVICE) % cols, cols, self_offset=None)
-    elif relation == "keys":
-        pos = Positives.from_keys(torch.arange(rows, device=DEVICE) % 3, torch.arange(cols, device=DEVICE) % 4, self_offset=None)
-    else:
-        pos = None
-    weights = (torch.linspace(0.5, 2, rows, dtype=dtype, device=DEVICE), torch.linspace(1, 3, rows, dtype=dtype, device=DEVICE))
+    a, b, scale, pos, weights = two_set_problem(rows, cols, relation, dtype)
 
     def fn(x, y, s, backend):
         r, c = softmax_terms(x, y, s, self_offset=None, positives=pos, row_weights=weights, columns=True, normalize=True,
@@ -81,11 +71,7 @@ def test_softmax_terms_single_set(n):
 
 def test_constant_candidates_behind_live_ones():
     """A queue behind the live keys (grad_columns): the same gradients as the torch backend."""
-    g = torch.Generator().manual_seed(5)
-    q = torch.randn(11, 6, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
-    k = torch.randn(11, 6, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
-    queue = torch.randn(40, 6, generator=g, dtype=torch.float64).to(DEVICE)
-    pos = Positives.from_partner(torch.arange(11, device=DEVICE), 51, self_offset=None)
+    q, k, queue, pos = queue_problem()
 
     def fn(x, y, backend):
         return softmax_terms(x, torch.cat([y, queue]), 4.0, self_offset=None, positives=pos, normalize=True, grad_columns=11,
@@ -334,30 +320,14 @@ def test_triangle_tiles_and_two_sided_exclusions_equal_the_torch_backend(name, d
         torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol * max(1.0, b.abs().max().item()))
 
 
-def _ranks_clip(rank, world, fixed, deterministic):
-    os.environ["TRITON_INTERPRET"] = "1"
-    torch.use_deterministic_algorithms(deterministic)
-    g = torch.Generator().manual_seed(rank)
-    x, y = (torch.randn(20 + 5 * rank, 6, generator=g, dtype=torch.float64) for _ in range(2))
-    ids = torch.arange(x.shape[0]) % 4
-    out = {}
-    for backend in ("torch", "triton"):
-        leaves = [t.clone().requires_grad_() for t in (x, y)]
-        value = tc.image_text_contrastive_loss(*leaves, 0.2, ids, normalize=fixed, gather=True, decoupled=True,
-                                               backend=backend)
-        out[backend] = (value.detach(), *torch.autograd.grad(value, leaves))
-    for a, b in zip(out["triton"], out["torch"]):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors")
 @pytest.mark.parametrize("fixed", [True, False])
 def test_distributed_column_statistics_on_triton_equal_the_torch_backend(fixed, scheme):
     """CLIP with ids, DCL and uneven sizes at 2 ranks (gloo): the column log-sum-exp is
     completed across ranks from the kernels' partial sums / log-sum-exps."""
-    from dist_helpers import run_ranks
+    from dist_helpers import ranks_clip_on, run_ranks
 
-    run_ranks(_ranks_clip, 2, fixed, scheme == "deterministic", timeout=300)
+    run_ranks(ranks_clip_on, 2, "triton", fixed, scheme == "deterministic", None, timeout=300)
 
 
 @pytest.mark.parametrize("rows,cols", [(45, 70), (70, 45)])

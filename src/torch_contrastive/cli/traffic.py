@@ -8,8 +8,9 @@ its tensor-core products), so a CPU runs the GPU's plan and the counts are the G
 * a **launch** is an op that runs a kernel: views, allocations and host reads are not;
 * **logit bytes** are the bytes of every logit-sized tensor an op reads or writes (inputs and
   outputs; an in-place op's tensor twice). Logit-sized: no side of length ``D`` (a feature
-  tensor, as it is or transposed), and at least ``2 * max(R, C)`` numbers (a tile whose edge
-  equals ``D`` would be missed: count at a size where it does not). Indexed ops (``take``, ``index_fill_``, ``index_add_``, ...)
+  tensor, as it is or transposed), and at least ``2 * max(R, C)`` numbers -- a vector more than
+  that and ``R * C / 64``, so a flattened tile counts and a per-row statistic of both directions does not (a
+  tile whose edge equals ``D`` would be missed: count at a size where it does not). Indexed ops (``take``, ``index_fill_``, ``index_add_``, ...)
   touch only their indexed entries, which is what they count;
 * **GEMM FLOPs** are ``2 m k n`` per product, by the operands' dtype;
 * the copies a CPU makes to widen half operands (``torch.mm`` has no ``out_dtype`` on a CPU) are
@@ -57,10 +58,25 @@ class _Count(TorchDispatchMode):
         self.flops: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()
         self.widened: dict[int, torch.dtype] = {}  # id of a CPU-widened copy -> the operand's own dtype
+        self.inside = 0  # > 0 during an announced kernel launch: its own tensor work is not counted
+
+    def launch_begins(self, name: str, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> None:
+        """A Triton launch (:func:`~torch_contrastive.engine.triton_backend._host.announced`): one
+        launch, the logit bytes of the tensors it declares; nothing it does inside is counted."""
+        if self.inside == 0:
+            self.launches += 1
+            self.ops[f"triton:{name}"] += 1
+            self.logit_bytes += sum(self._bytes(t) for t in (*reads, *writes))
+        self.inside += 1
+
+    def launch_ends(self) -> None:
+        self.inside -= 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.inside:
+            return out
         name = func.overloadpacket.__name__
         if products.WIDENING[0]:  # a CPU-only copy: remember what it stands for
             for t in _tensors(out):
@@ -72,12 +88,12 @@ class _Count(TorchDispatchMode):
         self.ops[name] += 1
         given = {k: v for k, v in kwargs.items() if k != "out"}  # an out= tensor is written, not read
         inputs, outputs = _tensors((args, given)), _tensors(out)
-        if name in _GEMMS:
-            self._gemm(_tensors(args))
         if name in _INDEXED:
             self.logit_bytes += self._indexed_bytes(inputs)
         else:
             self.logit_bytes += sum(self._bytes(t) for t in inputs) + sum(self._bytes(t) for t in outputs)
+        if name in _GEMMS:  # after the bytes: a widened operand is counted at its own width, then forgotten
+            self._gemm(_tensors(args))
         return out
 
     def _width(self, t: torch.Tensor) -> int:
@@ -85,8 +101,12 @@ class _Count(TorchDispatchMode):
         return (own if own is not None else t.dtype).itemsize
 
     def _logit_sized(self, t: torch.Tensor) -> bool:
-        # a feature tensor has D along one side, as it is or transposed
-        return t.ndim >= 1 and self.dim not in t.shape and t.numel() >= 2 * max(self.rows, self.cols)
+        # a feature tensor has D along one side, as it is or transposed; a vector is a tile only when
+        # it is one flattened (a per-row statistic of both directions has 2 max(R, C) numbers)
+        if t.ndim < 1 or self.dim in t.shape:
+            return False
+        edge = 2 * max(self.rows, self.cols)
+        return t.numel() >= edge if t.ndim >= 2 else t.numel() > max(edge, self.rows * self.cols // 64)
 
     def _bytes(self, t: torch.Tensor) -> int:
         """What reading or writing ``t`` moves: its numbers at their own width, no more than its
@@ -137,8 +157,13 @@ def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, sim
     counter = _Count(rows, cols, dim)
 
     def run() -> None:
-        with counter:
-            fn().backward()
+        listeners = _launch_listeners()
+        listeners.append(counter)
+        try:
+            with counter:
+                fn().backward()
+        finally:
+            listeners.remove(counter)
 
     with simulate(simulate_device, budget, area) if simulate_device is not None else contextlib.nullcontext():
         fn().backward()  # once uncounted: what a training loop builds on its first step is cached by its second
@@ -146,11 +171,18 @@ def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, sim
     return Counts(rows, cols, counter.launches, counter.logit_bytes, dict(counter.flops), len(syncs), dict(counter.ops))
 
 
+def _launch_listeners() -> list[Any]:
+    from ..engine.triton_backend import _host  # imports triton when installed (not needed otherwise)
+
+    return _host.LAUNCH_LISTENERS
+
+
 # ------------------------------------------------------------------------ the losses, counted
 def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None = None,
-          seed: int = 0) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]:
-    """name -> (our default call, the dense formula it replaces), fwd+bwd ready, at ``n`` rows of
-    ``d`` features (``chunk``: our tile edge, to count a large problem's tile structure at a small size)."""
+          seed: int = 0, backend: str = "auto") -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]:
+    """name -> (our call, the dense formula it replaces), fwd+bwd ready, at ``n`` rows of ``d``
+    features (``chunk``: our tile edge, to count a large problem's tile structure at a small size;
+    ``backend``: ours on this backend -- the default call's ``"auto"``, or ``"epilogue"``)."""
     import torch_contrastive as tc
 
     from .bench import dense_clip, dense_nt_xent
@@ -160,7 +192,7 @@ def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None
     x = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
     y = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
     labels = torch.randint(0, CLASSES, (n,), generator=g)
-    opts: dict[str, Any] = {"validate": False, "chunk_size": chunk}
+    opts: dict[str, Any] = {"validate": False, "chunk_size": chunk, "backend": backend}
     return {
         "clip": (lambda: tc.image_text_contrastive_loss(x, y, 0.07, **opts), lambda: dense_clip(x, y, 0.07)),
         "nt_xent": (lambda: tc.nt_xent_loss(x, 0.1, pairing="halves", **opts), lambda: dense_nt_xent(x, 0.1)),
@@ -170,23 +202,32 @@ def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None
     }
 
 
+#: What :func:`count_loss` counts: our default call, ours on the cuBLAS + epilogue path, the dense formula.
+IMPLS = ("ours", "epilogue", "dense")
+#: The losses the epilogue path runs (the log-sum-exp family; the pair terms have no epilogue yet).
+EPILOGUE_LOSSES = ("clip", "nt_xent", "supcon")
+
+
 def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int = 1) -> Counts:
-    """The counts of one loss (``impl`` ``"ours"`` or ``"dense"``) on the simulated GPU at ``n`` rows,
+    """The counts of one loss (``impl`` one of :data:`IMPLS`) on the simulated GPU at ``n`` rows,
     counted at ``at`` rows (default ``n``) and scaled: ``tiles`` tiles per side at that size
     (our plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     small = at or n
     chunk = None if tiles <= 1 else -(-small // tiles)
-    ours, dense = cases(small, d, chunk=chunk)[name]
-    return count(ours if impl == "ours" else dense, small, small, d, area=(n / small) ** 2).scaled(n, n)
+    ours, dense = cases(small, d, chunk=chunk, backend="epilogue" if impl == "epilogue" else "auto")[name]
+    return count(dense if impl == "dense" else ours, small, small, d, area=(n / small) ** 2).scaled(n, n)
 
 
-def gpu_tiles(n: int) -> int:
-    """Tiles per side of our plan for ``n x n`` bf16 logits on a GPU, as the planner decides it."""
+def gpu_tiles(n: int, impl: str = "ours") -> int:
+    """Tiles per side of our plan for ``n x n`` bf16 logits on a GPU, as the planner decides it
+    (``impl``: our default call's torch path, or ``"epilogue"``, whose tiles hold fewer bytes per logit)."""
     from ..engine.planner import decide
 
     bf16 = torch.bfloat16
     tile = decide(kernel="softmax", rows=n, cols=n, device=torch.device("cuda"), dtype=bf16, other_dtype=bf16,
-                  chunk_size=None, backend="torch").tile
+                  chunk_size=None, backend="epilogue" if impl == "epilogue" else "torch", epilogue_serves=lambda: None).tile
     return 1 if tile == 0 else -(-n // tile)
 
 
@@ -202,6 +243,21 @@ def calibration(at: int = 1024) -> tuple[Gpu, float, list[tuple[Measured, Counts
 
 
 # ------------------------------------------------------------------------------------ the CLI
+def epilogue_countable() -> bool:
+    """Whether the epilogue path can be counted here: triton installed, its kernels run by the
+    interpreter on the CPU tensors a count uses (switched on here when triton is not yet imported:
+    the interpreter is chosen when the kernels are defined)."""
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"  # this process only counts: nothing runs on a GPU
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any, machine: str) -> int:
     """``torch-contrastive bench --traffic``: every loss's counts on the simulated GPU plan beside
     the dense formula's, with the model's predicted H100 time; ``--calibrate`` adds the fit."""
@@ -213,19 +269,25 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
     sizes = sizes or [1024]
     print(f"torch-contrastive bench --traffic: D = {dim}, bf16, fwd+bwd, the CUDA plan counted on {machine}")
     print("passes = logit bytes / (4 R C); predicted = the model's H100 time (a prediction, not a measurement)")
-    print(f"{'loss':<12} {'N':>6} {'impl':<6} {'tiles':>5} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
+    print(f"{'loss':<12} {'N':>6} {'impl':<8} {'tiles':>5} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
           f"{'predicted ms':>13}")
     rows = []
+    impls = IMPLS if epilogue_countable() else ("ours", "dense")
+    if "epilogue" not in impls:
+        print("(the epilogue path is not counted: it needs triton, run in its interpreter -- TRITON_INTERPRET=1)")
     for n in sizes:
-        at, tiles = min(n, 1024), gpu_tiles(n)
+        at = min(n, 1024)
         for name in LOSSES:
-            for impl in ("ours", "dense"):
-                c = count_loss(name, impl, n, dim, at=at, tiles=tiles if impl == "ours" else 1)
-                row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles if impl == "ours" else 1,
+            for impl in impls:
+                if impl == "epilogue" and name not in EPILOGUE_LOSSES:
+                    continue
+                tiles = 1 if impl == "dense" else gpu_tiles(n, impl)
+                c = count_loss(name, impl, n, dim, at=at, tiles=tiles)
+                row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles,
                        "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
                        "syncs": c.syncs, "predicted_ms": round(predict(c, gpu) * 1e3, 4)}
                 rows.append(row)
-                print(f"{name:<12} {n:>6} {impl:<6} {row['tiles']:>5} {c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} "
+                print(f"{name:<12} {n:>6} {impl:<8} {row['tiles']:>5} {c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} "
                       f"{c.syncs:>5} {row['predicted_ms']:>13.3f}", flush=True)
     with open(out_dir / "traffic.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -42,7 +42,7 @@ GPU_BUDGET_DEFAULT = 1 << 30
 #: GPU tile edges are multiples of this (GEMM-friendly shapes).
 _GPU_TILE_QUANTUM = 256
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "epilogue")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -81,8 +81,12 @@ class Decision:
             tiles = "one tile"
         else:
             tiles = f"{math.ceil(self.rows / self.tile)}x{math.ceil(self.cols / self.tile)} tiles of {self.tile}"
-        products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "kernel operands" if self.backend == "triton" \
-            else "compute-dtype products"
+        if self.backend == "epilogue":
+            products = "GEMMs by torch.mm ({}), Triton epilogues".format(
+                "bf16 operands as given, fp32 logits" if self.operand_dtype is not None else "compute dtype")
+        else:
+            products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "kernel operands" \
+                if self.backend == "triton" else "compute-dtype products"
         regime = "bounded (one exp)" if self.fixed else "online maximum"
         return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
                 f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}")
@@ -161,20 +165,23 @@ def half_products(device: torch.device, dtype: torch.dtype, other: torch.dtype) 
 TRITON_FROM_LOGITS = 8192 * 8192
 
 
-def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[], str | None], prefer_triton: bool = False) -> str:
+def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[], str | None], prefer_triton: bool = False,
+                   epilogue_serves: Callable[[], str | None] | None = None) -> str:
     """The backend for a call: ``"auto"`` resolved, an explicit one checked.
 
-    ``triton_serves()`` returns None when the Triton kernels can run this call, else why
-    not. ``"auto"`` picks ``"triton"`` where it was measured faster (``prefer_triton``: half
-    inputs on CUDA past :data:`TRITON_FROM_LOGITS`) and the kernels serve the call, else
-    ``"torch"`` (always on a CPU).
+    ``triton_serves()`` (``epilogue_serves()``) returns None when the fused Triton kernels (the
+    cuBLAS GEMMs with Triton epilogues) can run this call, else why not; no ``epilogue_serves``:
+    the statistic has no epilogue kernels. ``"auto"`` picks ``"triton"`` where it was measured
+    faster (``prefer_triton``: half inputs on CUDA past :data:`TRITON_FROM_LOGITS`) and the kernels
+    serve the call, else ``"torch"`` (always on a CPU).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
-        why = triton_serves()
+    if backend in ("triton", "epilogue"):
+        serves = triton_serves if backend == "triton" else epilogue_serves
+        why = "this statistic has no epilogue kernels" if serves is None else serves()
         if why is not None:
-            raise ValueError(f"backend='triton' cannot run this call: {why}")
+            raise ValueError(f"backend={backend!r} cannot run this call: {why}")
     if backend == "auto":
         return "triton" if prefer_triton and device.type == "cuda" and triton_serves() is None else "torch"
     return backend
@@ -182,7 +189,7 @@ def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[
 
 def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
            chunk_size: int | None, backend: str, fixed: bool = False, bound: float | None = None,
-           triton_serves: Callable[[], str | None] = lambda: None,
+           triton_serves: Callable[[], str | None] = lambda: None, epilogue_serves: Callable[[], str | None] | None = None,
            one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True) -> Decision:
     """Every decision for one engine call (see the module docstring).
 
@@ -198,6 +205,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
             None: no promise). The bounded algorithm is chosen when it is exact for the dtype
             (:func:`~.precision.fixed_scale_applies`).
         triton_serves: None when the Triton kernels can serve the call, else the reason.
+        epilogue_serves: the same for the epilogue kernels (None: the statistic has none).
         one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
         half_ok: the kernel can take tensor-core products (:mod:`.products`).
         auto_triton: ``"auto"`` may pick the Triton kernels (where they were measured faster);
@@ -213,8 +221,8 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS)
     decision = _DECISIONS.get(key) if cacheable else None
     if decision is None:
-        decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, triton_serves,
-                           one_tile_torch_only, half_ok, prefer_triton)
+        decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed,
+                           (triton_serves, epilogue_serves), one_tile_torch_only, half_ok, prefer_triton)
         if cacheable:
             if len(_DECISIONS) > 512:  # many distinct shapes: keep the cache small
                 _DECISIONS.clear()
@@ -254,17 +262,18 @@ _DECISIONS: dict[tuple[Any, ...], Decision] = {}
 
 
 def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
-            chunk_size: int | None, backend: str, fixed: bool, triton_serves: Callable[[], str | None],
-            one_tile_torch_only: bool, half_ok: bool, prefer_triton: bool) -> Decision:
+            chunk_size: int | None, backend: str, fixed: bool,
+            serves: tuple[Callable[[], str | None], Callable[[], str | None] | None], one_tile_torch_only: bool,
+            half_ok: bool, prefer_triton: bool) -> Decision:
     """:func:`decide` without its cache."""
-    chosen = choose_backend(backend, device, triton_serves, prefer_triton)
+    chosen = choose_backend(backend, device, serves[0], prefer_triton, serves[1])
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
     wide = 16 if torch.float64 in (dtype, other_dtype) else 8
     per_logit = wide + (4 if half else 0)  # two fp32 tile buffers (+ two half copies of the gradient tile)
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
     tile = resolve_tile(chunk_size, rows, cols, device, per_logit if device.type == "cuda" else 8)
-    single = tile >= max(rows, cols) and (chosen == "torch" or not one_tile_torch_only)
-    operand_dtype = dtype if chosen == "triton" and dtype in _HALF and other_dtype == dtype else None
+    single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
+    operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
 
 
@@ -289,7 +298,8 @@ def plan(problem: Problem) -> AnyPlan:
                       other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
                       bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
                       half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,
-                      triton_serves=lambda: triton_refusal(problem))
+                      triton_serves=lambda: triton_refusal(problem),
+                      epilogue_serves=(lambda: epilogue_refusal(problem)) if softmax else None)
     if softmax:
         return _cached_softmax_plan(problem, stat, decision)
     if isinstance(stat, PairTerms):
@@ -332,7 +342,7 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         decision=decision, self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric,
         normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
         column_positives=columns and stat.column_positives,
-        tile_positives=decision.tile == 0 and positives is not None
+        tile_positives=decision.backend == "torch" and decision.tile == 0 and positives is not None
         and (not isinstance(positives, KeyPositives) or positives.dense is not None),
         shared_alpha=stat.columns_share_alpha and stat.row_weights[0] is not None,
         column_comm=stat.column_comm if columns else None,
@@ -387,6 +397,17 @@ def triton_refusal(problem: Problem) -> str | None:
         or (by_ids and positives.self_offset is None) \
         or (isinstance(positives, PairPositives) and positives.pairs.shape[0] == 0)
     return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
+
+
+def epilogue_refusal(problem: Problem) -> str | None:
+    """None when the epilogue kernels can run ``problem`` (a soft-max problem the Triton kernels
+    cover, without fp16 inputs), else why not."""
+    why = triton_refusal(problem)
+    if why is not None:
+        return why.replace("backend='triton'", "backend='epilogue'")
+    if torch.float16 in (problem.anchors.dtype, problem.candidates.dtype):
+        return "fp16 gradient tiles need a tile-wide rescale; use backend='torch' or 'triton' (or bf16 inputs)"
+    return None
 
 
 def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int) -> bool:

@@ -80,8 +80,9 @@ class Products:
         acc.addmm_(g, self.b[c0:c1])
 
     def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
-        """``acc += g.T @ Â[r0:r1]`` (``acc`` the columns' slice of the accumulator)."""
-        acc.addmm_(g.t(), self.a[r0:r1])
+        """``acc += g.T @ Â[r0:r1]`` (``acc`` the columns' slice of the accumulator: ``g``'s first
+        ``len(acc)`` columns)."""
+        acc.addmm_(_first_columns(g, acc.shape[0]).t(), self.a[r0:r1])
 
     def row_product(self, g: Tensor) -> Tensor:
         """``g @ B̂`` for a tile spanning every column."""
@@ -91,6 +92,11 @@ class Products:
         """``g.T @ Â`` for a tile spanning every row (``g`` may cover the first columns only)."""
         return g.t() @ self.a
 
+
+
+def _first_columns(g: Tensor, k: int) -> Tensor:
+    """``g[:, :k]`` (no view when that is all of it)."""
+    return g if g.shape[1] == k else g[:, :k]
 
 
 def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
@@ -210,7 +216,7 @@ class HalfProducts:
         acc.add_(self.row_product(g, c0, c1))
 
     def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
-        acc.add_(self.column_product(g, r0, r1))
+        acc.add_(self.column_product(_first_columns(g, acc.shape[0]), r0, r1))
 
 
 AnyProducts = Products | HalfProducts

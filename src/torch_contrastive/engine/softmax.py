@@ -52,6 +52,7 @@ class Statistics(NamedTuple):
     col_pos: Tensor | None = None
     kept: Tensor | None = None
     sums: tuple[Any, ...] | None = None  # (total, total') to divide by; six entries from single_apart
+    logits: Tensor | None = None  # the one logit tile as the GEMM wrote it, for a backward that reads it again
 
 
 class SoftmaxExecutor:
@@ -85,7 +86,7 @@ class SoftmaxExecutor:
         row_alpha, row_beta, col_alpha, col_beta, total = extras[0]
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         raw = (ops.a, ops.b) if plan.half or plan.operand_dtype is not None else ()
-        prod, row_lse, col_lse, row_pos, col_pos, kept, sums = self.statistics(plan, ops, raw)
+        prod, row_lse, col_lse, row_pos, col_pos, kept, sums, logits = self.statistics(plan, ops, raw)
         if plan.positives is not None and not plan.tile_positives:
             # scale * A, formed once (a small tile's addmm never forms it; half products never do)
             a_s = prod.a_s if isinstance(prod, Products) else a_c * scale_c
@@ -109,7 +110,7 @@ class SoftmaxExecutor:
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
         keep = {"row_stat": row_stat, "col_stat": col_stat, "margins": margins, "row_alpha": row_alpha, "row_beta": row_beta,
-                "col_alpha": None if plan.shared_alpha else col_alpha, "col_beta": col_beta, "kept": kept,
+                "col_alpha": None if plan.shared_alpha else col_alpha, "col_beta": col_beta, "kept": kept, "logits": logits,
                 "raw": raw if not raw or raw[1] is not None else raw[:1]}
         return (row_out, col_out), keep
 

@@ -7,7 +7,7 @@ from typing import Any, overload
 
 from torch import Tensor
 
-from . import pairwise, sigmoid, softmax, triton_executors
+from . import epilogue, pairwise, sigmoid, softmax, triton_executors
 from .planner import plan
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 
@@ -40,6 +40,7 @@ def solve(problem: Problem[Any]) -> Any:
 EXECUTORS: dict[tuple[type, str], Any] = {
     (Softmax, "torch"): softmax.TORCH,
     (Softmax, "triton"): triton_executors.SOFTMAX,
+    (Softmax, "epilogue"): epilogue.SOFTMAX,
     (PairTerms, "torch"): pairwise.TORCH,
     (PairTerms, "triton"): triton_executors.PAIRS,
     (SigmoidPairs, "torch"): sigmoid.TORCH,

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .products import AnyProducts
+
+class TileProducts(Protocol):
+    """What the two tile loops ask of a call's products (:mod:`.products`, :mod:`.epilogue`)."""
+
+    @property
+    def a(self) -> Tensor: ...  # the anchors in the compute dtype: the tile buffers' dtype and device
+
+    def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor: ...
+
+    def add_rows(self, acc: Tensor, g: Any, c0: int, c1: int) -> None: ...
+
+    def add_columns(self, acc: Tensor, g: Any, r0: int, r1: int) -> None: ...
 
 #: Rows (and columns) per tile when ``chunk_size=None`` and the batch is too big for
 #: one tile. 1024 x 1024 fp32 logit tiles (4 MiB) stay in a CPU's L3 cache and were
@@ -62,11 +72,12 @@ def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
 #: of ``bufs``; the function may overwrite it and use the other slots).
 Visit = Callable[[Tensor, int, int, int, int, Buffers], None]
 #: A backward tile function: ``grad_tile(s, r0, r1, c0, c1, bufs)`` returns the gradient tile
-#: ``G[r0:r1, c0:c1]`` (``dloss / dS``), possibly in ``s``'s own buffer.
-GradTile = Callable[[Tensor, int, int, int, int, Buffers], Tensor]
+#: ``G[r0:r1, c0:c1]`` (``dloss / dS``), possibly in ``s``'s own buffer -- or whatever the
+#: products' ``add_rows`` / ``add_columns`` read as it (the epilogue's rounded tiles).
+GradTile = Callable[[Tensor, int, int, int, int, Buffers], Any]
 
 
-def sweep(prod: AnyProducts, rows: int, cols: int, tile: int, symmetric: bool, visit: Visit,
+def sweep(prod: TileProducts, rows: int, cols: int, tile: int, symmetric: bool, visit: Visit,
           skip: Callable[[int, int], bool] | None = None) -> None:
     """The forward tile loop: every tile's logits, formed into a reused buffer, handed to ``visit``.
 
@@ -85,7 +96,7 @@ def sweep(prod: AnyProducts, rows: int, cols: int, tile: int, symmetric: bool, v
             visit(prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)), r0, r1, c0, c1, bufs)
 
 
-def gradient_sweep(prod: AnyProducts, a: Tensor, b: Tensor, tile: int, symmetric: bool, grad_tile: GradTile,
+def gradient_sweep(prod: TileProducts, a: Tensor, b: Tensor, tile: int, symmetric: bool, grad_tile: GradTile,
                    grad_columns: int | None = None) -> tuple[Tensor, Tensor | None]:
     """The backward tile loop: every tile's logits recomputed, its gradient ``G`` from
     ``grad_tile`` and added into ``G @ B`` (rows) and ``G.T @ A`` (columns).
@@ -117,7 +128,7 @@ def gradient_sweep(prod: AnyProducts, a: Tensor, b: Tensor, tile: int, symmetric
                 prod.add_columns(gb_acc[c0:c1], g, r0, r1)
         elif ga_acc is not None and c0 < wanted:
             end = min(c1, wanted)
-            prod.add_columns(ga_acc[c0:end], g[:, : end - c0], r0, r1)
+            prod.add_columns(ga_acc[c0:end], g, r0, r1)  # the products read g's first end - c0 columns
     return gb_acc, ga_acc
 
 

@@ -76,6 +76,31 @@ def owned_outputs() -> list[Any]:
     ]
 
 
+def epilogue_rows() -> list[Any]:
+    """Configs of the forward epilogue (a block of rows reads a logit tile's columns block by block)."""
+    return [
+        _config(8, 2, BLOCK_M=64, BLOCK_N=256),
+        _config(4, 2, BLOCK_M=32, BLOCK_N=256),
+        _config(8, 2, BLOCK_M=128, BLOCK_N=128),
+        _config(4, 2, BLOCK_M=64, BLOCK_N=128),
+    ]
+
+
+def column_blocks() -> list[Any]:
+    """Configs of the column partials' fold (a block of columns per program)."""
+    return [_config(4, 1, BLOCK_N=256), _config(4, 1, BLOCK_N=1024)]
+
+
+def epilogue_tiles() -> list[Any]:
+    """Configs of the backward epilogue (one block of a logit tile per program)."""
+    return [
+        _config(8, 2, BLOCK_M=64, BLOCK_N=256),
+        _config(8, 2, BLOCK_M=128, BLOCK_N=128),
+        _config(4, 2, BLOCK_M=64, BLOCK_N=128),
+        _config(4, 2, BLOCK_M=32, BLOCK_N=64),
+    ]
+
+
 def tile_grid(r: int, c: int, owned: bool = False) -> Any:
     """Grid of a square-tile kernel: one program per tile, or (``owned``) one per row block."""
     def grid(meta: dict[str, Any]) -> tuple[int]:
@@ -116,14 +141,19 @@ def _interpreter_config(configs: list[Any]) -> Any:
 
 
 def _side(config: Any) -> int:
-    return max(v for k, v in config.kwargs.items() if k in ("BLOCK", "BLOCK_M"))
+    return max((v for k, v in config.kwargs.items() if k in ("BLOCK", "BLOCK_M", "BLOCK_N")), default=0)
+
+
+#: The tensor argument whose dtype says fp64 for each kind of kernel: the operands, a logit tile,
+#: a fold's partial sums.
+_DTYPE_ARGS = ("x_ptr", "s_ptr", "part_sum_ptr")
 
 
 def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """``early_config_prune`` of every kernel: see the module docstring."""
     if interpreting():
         return [_interpreter_config(configs)]
-    x = named_args["x_ptr"]
+    x = next(named_args[name] for name in _DTYPE_ARGS if name in named_args)
     if x.dtype == torch.float64:
         small = [c for c in configs if _side(c) <= 64 and c.num_stages <= 2]
         return small or configs[-1:]
@@ -131,8 +161,10 @@ def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list
     return fitting or configs[-1:]
 
 
-def autotune(configs: list[Any], reset_to_zero: list[str] | None = None) -> Any:
-    """``triton.autotune`` with the kernels' key and pruning. Kernels that accumulate with
-    atomics name their outputs in ``reset_to_zero`` (timing runs them several times)."""
-    return triton.autotune(configs=configs, key=["bucket", "d"], prune_configs_by={"early_config_prune": prune},
-                           reset_to_zero=reset_to_zero)
+def autotune(configs: list[Any], reset_to_zero: list[str] | None = None, key: list[str] | None = None,
+             restore_value: list[str] | None = None) -> Any:
+    """``triton.autotune`` with the kernels' key (default: size bucket and D) and pruning. Timing runs
+    a kernel several times: kernels that accumulate with atomics name their outputs in
+    ``reset_to_zero``, kernels that update a statistic in place name it in ``restore_value``."""
+    return triton.autotune(configs=configs, key=key or ["bucket", "d"], prune_configs_by={"early_config_prune": prune},
+                           reset_to_zero=reset_to_zero, restore_value=restore_value)

@@ -7,7 +7,9 @@ Optional inputs are passed as None -- no stand-in pointers -- and the kernels te
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -125,6 +127,36 @@ DERIVED = {"ACC": _acc, "PRECISION": lambda args: precision(args["x_ptr"])}
 #: The soft-max kernels' derivations: :data:`DERIVED` and whether any exclusion is given, with
 #: the guide's accumulation dtype.
 DERIVED_EXCLUSION = {**DERIVED, "EXCLUDE": _excludes, "GACC": _guide_acc}
+
+
+def accumulates_as(name: str) -> Any:
+    """A ``triton.heuristics`` rule: the accumulation dtype of the tensor argument ``name`` (fp64 stays fp64)."""
+    return lambda args: tl.float64 if args[name].dtype == torch.float64 else tl.float32
+
+
+#: The epilogue kernels' derivations (:mod:`.epilogue_sums`, :mod:`.epilogue_grad`): the statistics'
+#: dtype from the logit tile ``s_ptr``, the exclusion switch, and the guide product's precision.
+DERIVED_EPILOGUE = {"ACC": accumulates_as("s_ptr"), "PRECISION": lambda args: precision(args["s_ptr"]),
+                    "EXCLUDE": _excludes, "GACC": _guide_acc}
+
+
+#: Objects told of every kernel launch the host code announces (:func:`announced`): the cost
+#: counter (:mod:`torch_contrastive.cli.traffic`) counts a launch and the logit bytes it declares,
+#: and leaves out whatever torch does inside (the interpreter's own tensor work).
+LAUNCH_LISTENERS: list[Any] = []
+
+
+@contextlib.contextmanager
+def announced(name: str, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...]) -> Iterator[None]:
+    """A kernel launch as a cost count sees it: one launch of ``name`` reading ``reads`` and
+    writing ``writes`` (the tensors it declares; a GPU's kernel touches each once)."""
+    for listener in LAUNCH_LISTENERS:
+        listener.launch_begins(name, reads, writes)
+    try:
+        yield
+    finally:
+        for listener in LAUNCH_LISTENERS:
+            listener.launch_ends()
 
 
 def launch_operands(*tensors: Tensor) -> tuple[Tensor, ...]:

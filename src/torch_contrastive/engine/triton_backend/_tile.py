@@ -246,6 +246,39 @@ def gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_
 
 
 @triton.jit
+def block_stats(s, AXIS: tl.constexpr):
+    """(maximum, ``sum exp(s - maximum)``) of a block along ``AXIS`` (left-out entries at ``-inf``;
+    a line without entries: ``-inf`` and 0)."""
+    m = tl.max(s, axis=AXIS)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    shifted = s - (safe[:, None] if AXIS == 1 else safe[None, :])
+    return m, tl.sum(tl.exp(shifted), axis=AXIS)
+
+
+@triton.jit
+def merged(max_a, sum_a, max_b, sum_b):
+    """Two (maximum, shifted exp-sum) statistics of the same entries' parts as one: the online
+    maximum's step (a part without entries has maximum ``-inf`` and sum 0)."""
+    new_max = tl.maximum(max_a, max_b)
+    safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, sum_a * tl.exp(max_a - safe) + sum_b * tl.exp(max_b - safe)
+
+
+@triton.jit
+def fold_running(max_ptr, sum_ptr, at, ok, part_max, part_sum, FIXED: tl.constexpr):
+    """Add a part into running statistics in memory (``at``, where ``ok``), whose only writer in this
+    launch is the caller: plain sums in the bounded regime, :func:`merged` otherwise."""
+    old_sum = tl.load(sum_ptr + at, mask=ok, other=0.0)
+    if FIXED:
+        tl.store(sum_ptr + at, old_sum + part_sum, mask=ok)
+    else:
+        old_max = tl.load(max_ptr + at, mask=ok, other=float("-inf"))
+        new_max, new_sum = merged(old_max, old_sum, part_max, part_sum)
+        tl.store(sum_ptr + at, new_sum, mask=ok)
+        tl.store(max_ptr + at, new_max, mask=ok)
+
+
+@triton.jit
 def tile_of(n_rows, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """``(row block, column block)`` of this program in grouped order: ``GROUP`` row blocks
     sweep the column blocks together, so their column operands are reused from L2."""

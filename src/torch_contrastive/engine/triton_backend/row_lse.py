@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, row_blocks, row_grid
 from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch_operands, tl, triton
-from ._tile import logits, valid_mask, with_factors
+from ._tile import block_stats, logits, merged, valid_mask, with_factors
 
 
 @autotune(row_blocks())
@@ -35,11 +35,7 @@ def _row_lse_kernel(x_ptr, y_ptr, out_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bu
         s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
         valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
                            diagonal, keep_diagonal, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
-        s = tl.where(valid, s, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(s, axis=1))
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
-        run_max = new_max
+        run_max, run_sum = merged(run_max, run_sum, *block_stats(tl.where(valid, s, float("-inf")), 1))
     lse = tl.where(run_sum > 0, tl.log(run_sum) + run_max, float("-inf"))
     tl.store(out_ptr + rows, lse, mask=rows < n_rows)
 

@@ -1,0 +1,209 @@
+"""The soft-max terms as cuBLAS GEMMs with Triton epilogues (``backend="epilogue"``).
+
+The tile loops are the torch backend's (:func:`~.tiling.sweep`, :func:`~.tiling.gradient_sweep`);
+what happens between the GEMMs is one kernel each way:
+
+* forward: ``torch.mm`` writes a logit tile in fp32 (half rows multiplied as given on tensor
+  cores, ``out_dtype=torch.float32``), and :mod:`.triton_backend.epilogue_sums` reads it once for
+  its rows' and its columns' exp-sums (one ``exp`` per entry in the bounded regime), with
+  :mod:`.triton_backend.fold_partials` adding the columns' partials up in order;
+* backward: the tile is recomputed -- or, when the whole problem is one tile, kept from forward --
+  and :mod:`.triton_backend.epilogue_grad` reads it once and writes the gradient tile once in the
+  GEMM operand dtype, which ``torch.mm`` multiplies into ``G @ B`` and ``G.T @ A``.
+
+Counted on the GPU plan (``bench --traffic``), a bf16 call moves about 6 fp32 passes over the
+logits where the torch backend's elementwise ops move 13 to 47 (docs/gpu.md). The same
+semantics as the other backends: both regimes, the single-set triangle, self pairs, exclusions
+by ids, a partner, a guide or diagonals, distributed column statistics, a queue's constant
+columns; positives through ``Positives.aggregate``. No atomics: the same result on every run.
+fp16 inputs are left to the other backends (their gradient tiles need a tile-wide rescale).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .driver import Operands, Saved
+from .left_out import Direction, log_total
+from .products import KernelOperands, Products, _mm32
+from .softmax import SoftmaxExecutor, Statistics
+from .softmax_tiles import complete_columns, fixed_lse
+from .tiling import Buffers, gradient_sweep, sweep
+
+if TYPE_CHECKING:
+    from .plans import SoftmaxPlan
+
+__all__ = ["SOFTMAX", "EpilogueProducts", "GradTiles"]
+
+
+class GradTiles(NamedTuple):
+    """One gradient tile as the GEMMs read it: the row product's (``G diag(fy)``), its rounding
+    remainder (a learnable scale's half rows; else None) and the column product's (``diag(fz) G``;
+    the row tile itself when no factor tells them apart)."""
+
+    rows: Tensor
+    low: Tensor | None
+    cols: Tensor
+
+
+class EpilogueProducts:
+    """The three products of the epilogue backend (the interface of :mod:`.products`): raw logit
+    tiles for the epilogue kernels, and the two gradient products of :class:`GradTiles`.
+
+    Args:
+        ops: the kernel operands (``x``, ``y``, ``z`` and the factors; see
+            :class:`~.products.KernelOperands`).
+        a: ``Â`` in the compute dtype (the accumulators' shape and dtype).
+        kept: the whole problem's one logit tile, kept from forward (None: recomputed).
+    """
+
+    half = False
+
+    def __init__(self, ops: KernelOperands, a: Tensor, kept: Tensor | None = None) -> None:
+        self.ops, self.a, self.kept = ops, a, kept
+        self.dtype = ops.y.dtype
+
+    def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
+        """The raw tile ``x[r0:r1] @ y[c0:c1].T`` in fp32 (fp64 for fp64), factors not applied."""
+        x, y = self.ops.x, self.ops.y
+        if self.kept is not None and (r0, c0, r1, c1) == (0, 0, x.shape[0], y.shape[0]):
+            return self.kept
+        rows = x if (r0, r1) == (0, x.shape[0]) else x[r0:r1]
+        cols = y if (c0, c1) == (0, y.shape[0]) else y[c0:c1]
+        if rows.dtype in (torch.float16, torch.bfloat16):
+            return _mm32(rows, cols.t(), out)
+        return torch.mm(rows, cols.t(), out=out) if out is not None else torch.mm(rows, cols.t())
+
+    def add_rows(self, acc: Tensor, g: GradTiles, c0: int, c1: int) -> None:
+        """``acc += G diag(fy) @ y[c0:c1]`` (with the rounding remainder's product when kept)."""
+        y = self.ops.y[c0:c1]
+        for tile in (g.rows, g.low):
+            if tile is not None:
+                acc.add_(_mm32(tile, y)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile, y)
+
+    def add_columns(self, acc: Tensor, g: GradTiles, r0: int, r1: int) -> None:
+        """``acc += (diag(fz) G).T @ z[r0:r1]`` over ``G``'s first ``len(acc)`` columns."""
+        tile, z = g.cols, self.ops.z[r0:r1]
+        tile = tile if tile.shape[1] == acc.shape[0] else tile[:, : acc.shape[0]]
+        acc.add_(_mm32(tile.t(), z)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile.t(), z)
+
+
+def _edge(plan: SoftmaxPlan, rows: int, cols: int) -> int:
+    return plan.tile if plan.tile else max(rows, cols, 1)
+
+
+def _tile_factors(ops: KernelOperands, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(fx, fy, fz)`` sliced to a tile (all None without factors)."""
+    if ops.factors is None:
+        return None, None, None
+    fx, fy, fz = ops.factors
+    return fx[r0:r1], fy[c0:c1], fz[r0:r1]
+
+
+def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(row_lse, col_lse or None, the one tile kept for backward or None)``."""
+    from . import triton_backend  # imports triton: on the first call
+
+    ops, dtype, device = prod.ops, prod.a.dtype, prod.a.device
+    low = torch.finfo(dtype).min
+    fixed = plan.fixed
+    row_max = torch.empty(rows, dtype=dtype, device=device) if fixed else torch.full((rows,), low, dtype=dtype, device=device)
+    row_sum = torch.zeros(rows, dtype=dtype, device=device)
+    col_max = col_sum = None
+    if plan.columns:
+        col_max = torch.empty(cols, dtype=dtype, device=device) if fixed else torch.full((cols,), low, dtype=dtype, device=device)
+        col_sum = torch.zeros(cols, dtype=dtype, device=device)
+    edge = _edge(plan, rows, cols)
+    # the column partials' scratch, reused by every tile: O(C * tile / 32), never R x C
+    wants_partials = plan.columns or (plan.symmetric and edge < rows)
+    parts = triton_backend.partial_rows(min(edge, rows))
+    scratch = (None if fixed else torch.empty(parts, min(edge, cols), dtype=dtype, device=device),
+               torch.empty(parts, min(edge, cols), dtype=dtype, device=device)) if wants_partials else None
+    kept: list[Tensor] = []
+
+    def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+        if plan.single_tile:  # the epilogue only reads the tile: backward reads it again
+            kept.append(s)
+        width = c1 - c0
+        mirror = plan.symmetric and c0 != r0  # a single set's mirror tile: its columns are rows c0:c1
+        partials = None
+        if scratch is not None and (plan.columns or mirror):
+            partials = (None if scratch[0] is None else scratch[0][:, :width], scratch[1][:, :width])
+        fx, fy, _ = _tile_factors(ops, r0, r1, c0, c1)
+        used = triton_backend.epilogue_sums(s, r0, c0, rows, cols, (row_max[r0:r1], row_sum[r0:r1]),
+                                            None if partials is None else (partials[0], partials[1]),
+                                            None if fx is None or fy is None else (fx, fy), plan.self_offset,
+                                            plan.exclude, fixed)
+        if partials is None:
+            return
+        if mirror:
+            triton_backend.fold_partials(partials, used, width, (row_max[c0:c1], row_sum[c0:c1]), fixed)
+        if col_max is not None and col_sum is not None:
+            triton_backend.fold_partials(partials, used, width, (col_max[c0:c1], col_sum[c0:c1]), fixed)
+
+    sweep(prod, rows, cols, edge, plan.symmetric, visit)
+    if fixed:
+        row_lse, col_lse = fixed_lse(row_sum, col_sum, plan, cols)
+    else:
+        row_lse = log_total(row_sum, row_max, plan, cols)
+        col_lse = None if col_sum is None or col_max is None else complete_columns(col_sum, col_max, plan)
+    return row_lse, col_lse, (kept[0] if kept else None)
+
+
+def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
+             plan: SoftmaxPlan, learned_scale: bool) -> tuple[Tensor, Tensor | None]:
+    """``G @ B`` and ``G.T @ A`` (unscaled; in the factors' terms for half rows): each tile's
+    gradient written once by :func:`~.triton_backend.epilogue_grad` and multiplied by ``torch.mm``.
+    ``learned_scale``: the scale is a tensor whose gradient reads ``G @ B`` (half rows then keep
+    the row tile's rounding remainder)."""
+    from . import triton_backend  # imports triton: on the first call
+
+    ops = prod.ops
+    rows, cols = a.shape[0], b.shape[0]
+    directions = triton_backend.directions(row, col, a.dtype)
+    half = prod.dtype in (torch.float16, torch.bfloat16)
+    # a learnable scale's gradient reads G @ B against A: the rows' rounding remainder is kept
+    split = half and learned_scale
+    wanted = plan.grad_columns
+
+    def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> GradTiles:
+        h, w = r1 - r0, c1 - c0
+        if plan.symmetric:
+            k = w if c0 != r0 else 0  # a diagonal tile's G holds both roles: no column product
+        else:
+            k = max(0, min(c1, wanted) - c0)
+        own = half and ops.factors is not None  # the two products fold different factors
+        g_rows = torch.empty(h, w, dtype=prod.dtype, device=s.device)
+        low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
+        g_cols = torch.empty(h, k, dtype=prod.dtype, device=s.device) if own and k else None
+        triton_backend.epilogue_grad(s, r0, c0, rows, cols, directions, (g_rows, low, g_cols),
+                                     _tile_factors(ops, r0, r1, c0, c1), plan.self_offset, plan.exclude)
+        return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
+
+    return gradient_sweep(prod, a, b, _edge(plan, rows, cols), plan.symmetric, grad_tile, wanted)
+
+
+class EpilogueSoftmax(SoftmaxExecutor):
+    """The soft-max log-sum-exps and tile gradients as cuBLAS GEMMs with Triton epilogues; the
+    positive part, weights, reduction and coefficients are the base class's."""
+
+    def statistics(self, plan: SoftmaxPlan, ops: Operands, raw: tuple[Tensor | None, ...]) -> Statistics:
+        kops = KernelOperands(plan, raw, ops.a_c, ops.b_c, ops.scale, ops.norms)
+        row_lse, col_lse, kept = forward(EpilogueProducts(kops, ops.a_c), ops.a_c.shape[0], ops.b_c.shape[0], plan)
+        # the positive part reads scale * A: the kernels' operand when they take the compute-dtype rows
+        prod = Products(kops.x if kops.factors is None else None, ops.a_c, ops.b_c, ops.scale)
+        return Statistics(prod, row_lse, col_lse, logits=kept)
+
+    def tile_gradients(self, plan: SoftmaxPlan, saved: Saved, raw: tuple[Tensor | None, ...], row: Direction,
+                       col: Direction | None, folded: tuple[Tensor | None, Tensor | None],
+                       by_sums: bool) -> tuple[Tensor, Tensor | None]:
+        a, b = saved.a, saved.b
+        kops = KernelOperands(plan, raw, a, b, saved.scale, saved.norms)
+        return backward(EpilogueProducts(kops, a, saved.keep["logits"]), a, b, row, col, plan, isinstance(saved.scale, Tensor))
+
+
+#: The epilogue soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+SOFTMAX = EpilogueSoftmax()

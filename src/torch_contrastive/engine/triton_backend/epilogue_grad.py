@@ -1,0 +1,100 @@
+"""The epilogue of a cuBLAS logit tile, backward: the gradient tile formed in one read of the
+logits and written once in the operand dtype, for ``torch.mm`` to multiply.
+
+One program per (row block, column block) of the tile reads its logits (raw products of half
+rows get their factors here), forms ``G_ij = u_i exp(S_ij - L_i) (+ v_j exp(S_ij - M_j))`` over
+the candidates that count and stores it rounded to the GEMM operand dtype: once for both
+products when they take the same tile, else with each product's other-side factor folded in
+(``G diag(fy)`` for the rows, ``diag(fz) G`` for the columns -- the tensor-core scheme of
+:mod:`...products`), and with a learnable scale also the rows' rounding remainder (the row
+product then carries ``G`` to ~2^-17, as the torch backend's split product). No atomics.
+
+Under the interpreter (the CPU tests), whose conversion to half does not round to nearest even
+as a GPU does, the kernel stores fp32 and torch rounds after it (the remainder taken from the
+rounded tile): the same numbers as the GPU's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._configs import autotune, bucket, epilogue_tiles
+from ._host import DERIVED_EPILOGUE, announced, exclusion, interpreting, tl, triton
+from ._tile import fold_columns, fold_rows, gradient_tile, valid_mask, with_factors
+
+
+@autotune(epilogue_tiles(), key=["bucket"])
+@triton.heuristics(DERIVED_EPILOGUE)
+@triton.jit
+def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr,
+                          tile_rows, tile_cols, col_width, r0, c0, n_rows, n_cols, bucket, self_offset, EXCLUDE: tl.constexpr,
+                          GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, g_rows=None,
+                          g_cols=None, threshold=None, dg=None, diagonal=None, keep_diagonal=None):
+    local_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_in = local_r < tile_rows
+    c_in = local_c < tile_cols
+    inside = r_in[:, None] & c_in[None, :]
+    s = tl.load(s_ptr + local_r[:, None] * tile_cols + local_c[None, :], mask=inside, other=0.0)
+    s = with_factors(s, local_r, local_c, tile_rows, tile_cols, fx_ptr, fy_ptr)
+    rows = r0 + local_r
+    cols = c0 + local_c
+    g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr)
+    valid = inside & valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
+                                dg, diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK_M, BLOCK_N, PRECISION)
+    g = tl.where(valid, g, 0.0)
+    at = local_r[:, None] * tile_cols + local_c[None, :]
+    g_rows = fold_columns(g, local_c, tile_cols, fy_ptr)
+    high = g_rows.to(rows_ptr.dtype.element_ty)
+    tl.store(rows_ptr + at, high, mask=inside)
+    if low_ptr is not None:  # the rounding remainder of the row product's tile
+        tl.store(low_ptr + at, (g_rows - high.to(ACC)).to(low_ptr.dtype.element_ty), mask=inside)
+    if cols_ptr is not None:  # the column product's own tile: its first col_width columns
+        g_cols = fold_rows(g, local_r, tile_rows, fz_ptr)
+        tl.store(cols_ptr + local_r[:, None] * col_width + local_c[None, :], g_cols.to(cols_ptr.dtype.element_ty),
+                 mask=r_in[:, None] & (local_c[None, :] < col_width))
+
+
+def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: list[Tensor | None],
+                  out: tuple[Tensor, Tensor | None, Tensor | None], factors: tuple[Tensor | None, Tensor | None, Tensor | None],
+                  self_offset: int | None, exclude: Any) -> None:
+    """Write the gradient tile of the logit tile ``s = S[r0:r0+h, c0:c0+w]``.
+
+    Args:
+        s: the tile as ``torch.mm`` wrote it (fp32; raw products when factors are given).
+        r0, c0: the tile's place in the problem; ``n_rows``, ``n_cols`` its ``R`` and ``C``.
+        row: ``[L, u, M, v]``, the problem's (R,) / (C,) log-sum-exps and coefficients (``M, v``
+            None without column terms) -- :func:`~._host.directions`.
+        out: ``(rows, low, cols)``: the row product's tile (h, w) in the operand dtype; its rounding
+            remainder (h, w) or None; the column product's tile (h, k) -- its first ``k`` columns --
+            or None when the row product's tile serves both (or no column product is wanted).
+        factors: ``(fx, fy, fz)`` of the tile's rows / columns / rows: ``S_ij = fx_i fy_j s_ij``, the
+            row tile is ``G diag(fy)``, the column tile ``diag(fz) G``; all None without.
+        self_offset, exclude: the self pair and the exclusion rule.
+    """
+    h, w = s.shape
+    rows, low, cols = out
+    fx, fy, fz = factors
+    k = 0 if cols is None else cols.shape[1]
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return (triton.cdiv(h, meta["BLOCK_M"]), triton.cdiv(w, meta["BLOCK_N"]))
+
+    with announced("epilogue_grad", reads=(s,), writes=tuple(t for t in out if t is not None)):
+        # The interpreter (CPU tests) does not round fp32 to half as a GPU does (to nearest even):
+        # there the kernel stores fp32 and torch rounds, the remainder formed from the rounded tile.
+        widen = interpreting() and rows.dtype in (torch.float16, torch.bfloat16)
+        k_rows = torch.empty(rows.shape, device=rows.device) if widen else rows
+        k_cols = torch.empty(cols.shape, device=cols.device) if widen and cols is not None else cols
+        _epilogue_grad_kernel[grid](s, k_rows, None if widen else low, k_cols, fx, fy, fz, *row, h, w, k, r0, c0, n_rows,
+                                    n_cols, bucket(h, w), self_offset, **exclusion(exclude))
+        if widen:
+            rows.copy_(k_rows)
+            if low is not None:
+                low.copy_(k_rows - rows.float())
+            if cols is not None and k_cols is not None:
+                cols.copy_(k_cols)

@@ -1,0 +1,216 @@
+"""backend="epilogue": cuBLAS GEMMs (``torch.mm``) with Triton epilogues equal the float64
+references and the torch backend -- one tile kept from forward and strips of tiles (the
+single-set triangle's mirror tiles included), both regimes, exclusions, a queue, ranks.
+
+Without CUDA the epilogue kernels run in Triton's interpreter (``TRITON_INTERPRET=1``); sizes
+stay small because it is slow. Skipped when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+import torch_contrastive as tc  # noqa: E402
+from device import DEVICE  # noqa: E402
+from helpers import compare, queue_problem, two_set_problem  # noqa: E402
+from reference import image_text, info_nce, info_nce_masked, nt_xent, supcon  # noqa: E402
+from torch_contrastive.engine import softmax_terms  # noqa: E402
+from torch_contrastive.positives import Exclusion, Positives  # noqa: E402
+
+TOLS = {torch.float64: (1e-9, 1e-9), torch.float32: (1e-5, 1e-5)}
+#: one tile (kept from forward), and strips of 16 (several tiles; a single set's upper triangle)
+CHUNKS = [None, 16]
+
+
+def _grads(fn, leaves, backend):
+    copies = [x.detach().clone().requires_grad_(x.requires_grad) for x in leaves]
+    value = fn(*copies, backend)
+    return value.detach(), torch.autograd.grad(value.sum(), [c for c in copies if c.requires_grad])
+
+
+def _same_as_torch(fn, leaves, tol):
+    (v0, g0), (v1, g1) = _grads(fn, leaves, "torch"), _grads(fn, leaves, "epilogue")
+    torch.testing.assert_close(v1, v0, rtol=tol, atol=tol)
+    for x, y in zip(g1, g0):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol * max(1.0, y.abs().max().item()))
+
+
+LOSSES = {
+    "nt_xent_halves": (lambda x, y, t, c: tc.nt_xent_loss(x, t, pairing="halves", chunk_size=c, backend="epilogue"),
+                       lambda x, y, t: nt_xent(x, t, "halves"), 1),
+    "nt_xent_adjacent": (lambda x, y, t, c: tc.nt_xent_loss(x, t, chunk_size=c, backend="epilogue"),
+                         lambda x, y, t: nt_xent(x, t), 1),
+    "supcon_labels": (lambda x, y, t, c: tc.supcon_loss(x, torch.arange(x.shape[0], device=x.device) % 3, temperature=t,
+                                                        chunk_size=c, backend="epilogue"),
+                      lambda x, y, t: supcon(x, t, labels=torch.arange(x.shape[0]) % 3), 1),
+    "clip_ids": (lambda x, y, t, c: tc.image_text_contrastive_loss(x, y, t, torch.arange(x.shape[0], device=x.device) % 4,
+                                                                   chunk_size=c, backend="epilogue"),
+                 lambda x, y, t: image_text(x, y, t, torch.arange(x.shape[0]) % 4), 2),
+    "info_nce_pool": (lambda x, y, t, c: tc.info_nce_loss(x, y, y.flip(0) * 2, t, chunk_size=c, backend="epilogue"),
+                      lambda x, y, t: info_nce(x, y, y.flip(0) * 2, t), 2),
+}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_losses_on_the_epilogue_equal_the_float64_references(name, dtype, chunk):
+    ours, ref, n_inputs = LOSSES[name]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(38, 5, generator=g, dtype=torch.float64), torch.randn(38, 5, generator=g, dtype=torch.float64)
+    if n_inputs == 1:
+        compare(lambda a, t: ours(a, None, t, chunk), lambda a, t: ref(a, None, t), [x], 0.2, dtype, TOLS[dtype])
+    else:
+        compare(lambda a, b, t: ours(a, b, t, chunk), lambda a, b, t: ref(a, b, t), [x, y], 0.2, dtype, TOLS[dtype])
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (7, 45), (45, 7), (33, 33)])
+@pytest.mark.parametrize("relation", ["partner", "keys", "none"])
+def test_two_sets_with_columns_weights_and_a_learned_scale(relation, rows, cols, fixed, chunk):
+    """Row and column terms, per-row weights, a scale with a gradient; the bounded regime (one exp)
+    and the online maximum; one tile and strips whose columns are folded from per-row-block partials."""
+    a, b, scale, pos, weights = two_set_problem(rows, cols, relation)
+
+    def fn(x, y, s, backend):
+        r, c = softmax_terms(x, y, s, self_offset=None, positives=pos, row_weights=weights, columns=True, normalize=fixed,
+                             fixed=fixed, chunk_size=chunk, backend=backend)
+        return r.sum() + 0.7 * c.sum()
+
+    _same_as_torch(fn, [a, b, scale], 1e-10)
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("n", [2, 10, 40])
+def test_a_single_sets_triangle_feeds_the_mirror_rows(n, fixed):
+    """Strips of 16 over a single set: only upper-triangle tiles are read, and an off-diagonal
+    tile's column partials are its mirror rows' sums."""
+    a = torch.randn(n, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(n)).to(DEVICE).requires_grad_()
+    pos = Positives.from_partner(torch.arange(n, device=DEVICE) ^ 1, n, self_offset=0)
+
+    def fn(x, backend):
+        return softmax_terms(x, x, 2.5, self_offset=0, positives=pos, symmetric=True, normalize=fixed, fixed=fixed,
+                             chunk_size=16, backend=backend)[0]
+
+    _same_as_torch(fn, [a], 1e-10)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_constant_candidates_behind_live_ones(chunk):
+    """A queue behind the live keys (``grad_columns``): the column tiles stop at the live keys."""
+    q, k, queue, pos = queue_problem()
+
+    def fn(x, y, backend):
+        return softmax_terms(x, torch.cat([y, queue]), 4.0, self_offset=None, positives=pos, normalize=True, grad_columns=11,
+                             chunk_size=chunk, backend=backend)[0]
+
+    _same_as_torch(fn, [q, k], 1e-10)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("rule", ["ids", "guide", "decoupled"])
+def test_false_negatives_equal_the_minus_inf_reference(rule, chunk):
+    """Ids, a guide's verdicts and DCL's partner applied in the epilogue (the exclusion rule of the
+    fused kernels, read at the tile's own rows and columns), against the float64 loop."""
+    g = torch.Generator().manual_seed(len(rule))
+    q, k, neg = (torch.randn(n, 6, generator=g, dtype=torch.float64).to(DEVICE) for n in (45, 45, 40))
+    if rule == "guide":
+        gq, gk, gn = (torch.randn(n, 20, generator=g, dtype=torch.float64).to(DEVICE) for n in (45, 45, 40))
+        gk = gq + 0.3 * gk
+        gq[10], gq[30] = gq[40], gq[2]  # near-duplicates: one candidate leaves
+        kwargs = dict(guide=(gq, gk, gn), guide_margin=0.1)
+        ref_kwargs = dict(guide=(gq, gk, gn), margin=0.1)
+    elif rule == "ids":
+        kwargs = ref_kwargs = dict(key_ids=torch.arange(45, device=DEVICE) % 7, negative_ids=torch.arange(40, device=DEVICE) % 5)
+    else:
+        kwargs = ref_kwargs = dict(decoupled=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, neg)]
+    value = tc.info_nce_loss(*leaves, 0.2, chunk_size=chunk, backend="epilogue", **kwargs)
+    grads = torch.autograd.grad(value, leaves)
+    ref_leaves = [x.detach().cpu().requires_grad_() for x in leaves]
+    ref_kwargs = {k: (tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() if isinstance(v, torch.Tensor) else v)
+                  for k, v in ref_kwargs.items()}
+    ref = info_nce_masked(*ref_leaves, torch.tensor(0.2, dtype=torch.float64), **ref_kwargs)
+    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    torch.testing.assert_close(value.cpu(), ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("name", ["clip", "nt_xent_halves", "info_nce_queue", "clip_float_tau"])
+def test_bf16_inputs_at_a_low_temperature_equal_the_float64_formula(name, chunk):
+    """tau = 0.01, bf16 rows multiplied as given (fp32 logits), the scale and the normalisation
+    applied in the epilogue, the gradient tiles rounded once to bf16 with each product's factor
+    folded in (and the rows' remainder when the temperature has a gradient): the torch backend's tolerances."""
+    g = torch.Generator().manual_seed(11)
+    x, y, queue = torch.randn(45, 24, generator=g), torch.randn(45, 24, generator=g), torch.randn(30, 24, generator=g)
+    tols = (2e-5, 1e-2)
+    if name == "clip":
+        compare(lambda a, b, t: tc.image_text_contrastive_loss(a, b, t, chunk_size=chunk, backend="epilogue"), image_text,
+                [x, y], 0.01, torch.bfloat16, tols)
+    elif name == "clip_float_tau":  # a float scale: one rounded row tile, no remainder
+        leaves = [t.to(torch.bfloat16).to(DEVICE).requires_grad_() for t in (x, y)]
+        value = tc.image_text_contrastive_loss(*leaves, 0.01, chunk_size=chunk, backend="epilogue")
+        grads = torch.autograd.grad(value, leaves)
+        ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+        ref = image_text(*ref_leaves, torch.tensor(0.01, dtype=torch.float64))
+        ref_grads = torch.autograd.grad(ref, ref_leaves)
+        assert value.item() == pytest.approx(ref.item(), rel=tols[0])
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a.double().cpu(), b, rtol=tols[1], atol=tols[1] * b.abs().max().item())
+    elif name == "nt_xent_halves":
+        compare(lambda a, t: tc.nt_xent_loss(a, t, pairing="halves", chunk_size=chunk, backend="epilogue"),
+                lambda a, t: nt_xent(a, t, "halves"), [x[:44]], 0.01, torch.bfloat16, tols)
+    else:
+        q = queue.to(torch.bfloat16).to(DEVICE)
+        compare(lambda a, b, t: tc.info_nce_loss(a, b, q, t, chunk_size=chunk, backend="epilogue"),
+                lambda a, b, t: info_nce(a, b, q.double().cpu(), t), [x, y], 0.01, torch.bfloat16, tols)
+
+
+def test_the_same_bits_on_every_run_without_deterministic_mode():
+    """No atomics anywhere (column partials are added in row-block order): two runs agree bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randn(70, 8, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    runs = []
+    for _ in range(2):
+        loss = tc.image_text_contrastive_loss(x, y, 0.05, chunk_size=32, backend="epilogue")
+        runs.append((loss.detach(), *torch.autograd.grad(loss, [x, y])))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors")
+@pytest.mark.parametrize("fixed", [True, False])
+def test_distributed_column_statistics_equal_the_torch_backend(fixed):
+    """CLIP with ids, DCL and uneven sizes at 2 ranks (gloo), strips of 16: each rank's column
+    partials are completed across ranks as the torch backend's."""
+    from dist_helpers import ranks_clip_on, run_ranks
+
+    run_ranks(ranks_clip_on, 2, "epilogue", fixed, False, 16, timeout=300)
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda x: tc.nt_xent_loss(x.half(), backend="epilogue"), "fp16"),
+    (lambda x: tc.siglip_loss(x, x.flip(0), 10.0, -10.0, backend="epilogue"), "no epilogue kernels"),
+    (lambda x: tc.nt_bxent_loss(x, labels=torch.arange(6, device=x.device) % 2, backend="epilogue"), "no epilogue kernels"),
+    (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="epilogue",
+                             exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
+])
+def test_what_the_epilogue_does_not_cover_is_a_clear_error(call, words):
+    with pytest.raises(ValueError, match=words):
+        call(torch.randn(6, 4, device=DEVICE))
+
+
+def test_explain_names_the_epilogue():
+    x = torch.randn(20, 8, device=DEVICE)
+    (decision,) = tc.explain(tc.image_text_contrastive_loss, x, x.flip(0), 0.1, backend="epilogue")
+    assert decision.backend == "epilogue" and "Triton epilogues" in str(decision)
