@@ -11,7 +11,7 @@ import torch_contrastive as tc
 from torch_contrastive.cli import main
 from torch_contrastive.cli.traffic import EPILOGUE_LOSSES, LOSSES, _Count, cases, count, count_loss, gpu_tiles
 from torch_contrastive.engine import planner
-from torch_contrastive.engine.cost import GPUS, RELATION_FORMS, Counts, Gpu, fit, predict, terms
+from torch_contrastive.engine.cost import GPUS, PATHS, RELATION_FORMS, Counts, Gpu, fit, predict, terms
 from torch_contrastive.engine.products import HalfProducts
 
 
@@ -85,19 +85,19 @@ def test_a_loss_on_the_simulated_plan_is_exact_and_makes_no_host_sync():
     with planner.simulate("cuda"):
         loss = tc.image_text_contrastive_loss(x, y, 0.07, validate=False)
     ref = tc.image_text_contrastive_loss(x.double(), y.double(), 0.07)
-    assert float(loss) == pytest.approx(float(ref), rel=1e-3)
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-3)
     got = count(lambda: tc.image_text_contrastive_loss(x, y, 0.07, validate=False), 96, 96, 32)
     assert got.syncs == 0 and got.gemm_flops == {"bfloat16": 3 * 2 * 96 * 96 * 32}
     assert count(lambda: tc.image_text_contrastive_loss(x, y, 0.07), 96, 96, 32).syncs == 1
 
 
 def test_counts_scale_with_the_logits_and_keep_their_launches():
-    small = count_loss("nt_xent", "ours", 256, 16)
+    small = count_loss("nt_xent", "torch", 256, 16)
     big = small.scaled(1024, 1024)
     assert big.launches == small.launches and big.syncs == small.syncs
     assert big.logit_bytes == 16 * small.logit_bytes and big.passes == pytest.approx(small.passes)
     assert big.gemm_flops["bfloat16"] == 16 * small.gemm_flops["bfloat16"]
-    tiled = count_loss("nt_xent", "ours", 256, 16, tiles=4)
+    tiled = count_loss("nt_xent", "torch", 256, 16, tiles=4)
     assert tiled.launches > small.launches  # a tile loop launches per tile
 
 
@@ -120,8 +120,12 @@ def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, c
     assert main(["bench", "--traffic", "--sizes", "96", "--dim", "16", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "traffic.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["loss"] for r in rows if r["impl"] == "ours"] == list(LOSSES) == list(cases(4, 2))
-    assert {r["impl"] for r in rows} == {"ours", "dense"}
+    assert [r["loss"] for r in rows if r["impl"] == "torch"] == list(LOSSES) == list(cases(4, 2))
+    assert [r["loss"] for r in rows if r["impl"] == "epilogue"] == list(EPILOGUE_LOSSES)
+    assert {r["impl"] for r in rows} == {"torch", "epilogue", "dense"}
+    # one default per loss: at 96 rows the model keeps every loss on the torch loops
+    assert [r["loss"] for r in rows if r["default"] == "True"] == list(LOSSES)
+    assert all(r["impl"] == "torch" for r in rows if r["default"] == "True")
     assert all(float(r["predicted_ms"]) > 0 and int(r["syncs"]) == 0 for r in rows)
     assert "prediction" in capsys.readouterr().out
     assert main(["bench", "--calibrate", "--out", str(tmp_path)]) == 2
@@ -147,7 +151,7 @@ def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
     got = {}
     for dense in (True, False):
         monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, dense=dense: dense)
-        got[dense] = count_loss("supcon", "ours", 1024, 512)
+        got[dense] = count_loss("supcon", "torch", 1024, 512)
     assert got[True].passes - got[False].passes == pytest.approx(RELATION_FORMS.dense_passes, abs=0.5)
     assert got[False].launches - got[True].launches == pytest.approx(RELATION_FORMS.grouped_launches, abs=2)
 
@@ -180,7 +184,7 @@ def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dens
     """Issue 34's launch budget for the eager path on the GPU plan, one tile (1,024 rows, bf16): no more
     than 1.5x the dense formula's launches. (Its byte budget -- no more logit bytes than the dense
     formula -- is the fused-epilogue path's to meet: the eager path pays the fp32 factor passes.)"""
-    ours = count_loss(name, "ours", 1024, 64)
+    ours = count_loss(name, "torch", 1024, 64)
     dense = count_loss(name, "dense", 1024, 64)
     assert ours.launches <= 1.5 * dense.launches, (ours.launches, dense.launches)
     assert ours.syncs == 0
@@ -226,3 +230,64 @@ def test_the_epilogue_path_moves_at_most_six_passes(name, n):
         grouped = RELATION_FORMS.grouped_launches if name == "supcon" else 0
         assert ours.launches <= 1.5 * dense.launches + grouped, (ours.launches, dense.launches)
     assert ours.syncs == 0
+
+
+@pytest.mark.parametrize("key", list(PATHS))
+def test_the_planners_path_costs_are_the_counted_ones(key):
+    """Every entry of cost.PATHS -- what the planner prices each backend's call at -- re-counted on the
+    simulated GPU plan at 256 rows (one tile, and 4 x 4 tiles for the strips and the launches per tile):
+    a change to a path shows here until the table follows it."""
+    pytest.importorskip("triton")
+    kind, backend, operands = key
+    name, visited = ("clip", 16) if kind == "columns" else ("nt_xent", 10)  # a single set's triangle: 10 of 16
+    dtype = torch.bfloat16 if operands == "half" else torch.float32
+    got = []
+    for chunk in (None, 64):
+        ours, _ = cases(256, 48, dtype=dtype, chunk=chunk, backend=backend)[name]
+        got.append(count(ours, 256, 256, 48))
+    one, strips = got
+    want = PATHS[key]
+    assert one.launches == pytest.approx(want.launches, abs=1)
+    assert (strips.launches - one.launches) / (visited - 1) == pytest.approx(want.per_tile, abs=0.5)
+    assert one.passes == pytest.approx(want.passes_one, abs=0.3) and strips.passes == pytest.approx(want.passes_strips, abs=0.3)
+    if backend != "triton":  # the fused kernels' products are tl.dot inside them: not visible to the counter
+        unit = 2 * 256 * 256 * 48
+        assert sum(one.gemm_flops.values()) / unit == pytest.approx(want.gemms_one, abs=0.01)
+        assert sum(strips.gemm_flops.values()) / unit == pytest.approx(want.gemms_strips, abs=0.01)
+
+
+def test_the_fused_kernels_constants_are_the_fit_to_the_measured_rows():
+    from torch_contrastive.cli.traffic import fused_calibration
+    from torch_contrastive.engine.cost import FUSED, Fused, fit_fused
+
+    truth = Fused(rate=1e14, overhead=1e-3, source="test")
+    rows = [(f, f / truth.rate + truth.overhead) for f in (1e11, 3e12, 2e13)]
+    recovered, err = fit_fused(rows)
+    assert recovered.rate == pytest.approx(1e14) and recovered.overhead == pytest.approx(1e-3) and err < 1e-9
+    fitted, rms = fused_calibration()
+    assert fitted.rate == pytest.approx(FUSED["H100"].rate, rel=0.01)
+    assert fitted.overhead == pytest.approx(FUSED["H100"].overhead, rel=0.01)
+    assert rms < 0.01
+
+
+@pytest.mark.parametrize("name", ["supcon", "clip"])
+def test_the_epilogue_backward_reads_the_positives_in_registers(name):
+    """The epilogue kernels form a key or partner relation in registers and add its coefficients to the
+    gradient tile: backward aggregates no relation (a grouped label relation's index_add ops, a partner's
+    gathers) -- what the torch loops pay per call beyond their tiles."""
+    pytest.importorskip("triton")
+    from torch_contrastive.engine.triton_backend._host import LAUNCH_LISTENERS
+
+    ours, _ = cases(256, 48, backend="epilogue")[name]
+    counter = _Count(256, 256, 48)
+    with planner.simulate("cuda", area=(8192 / 256) ** 2):  # a grouped label relation, as at 8,192 rows
+        loss = ours()
+        LAUNCH_LISTENERS.append(counter)
+        try:
+            with counter:
+                loss.backward()
+        finally:
+            LAUNCH_LISTENERS.remove(counter)
+    assert counter.ops["triton:epilogue_grad"] == 1
+    aggregating = {"index_add", "index_add_", "index_select", "gather", "index"}
+    assert not aggregating & set(counter.ops), counter.ops

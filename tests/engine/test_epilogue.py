@@ -214,3 +214,68 @@ def test_explain_names_the_epilogue():
     x = torch.randn(20, 8, device=DEVICE)
     (decision,) = tc.explain(tc.image_text_contrastive_loss, x, x.flip(0), 0.1, backend="epilogue")
     assert decision.backend == "epilogue" and "Triton epilogues" in str(decision)
+
+
+CONFIDENT = {
+    "clip": lambda x, y, t, b: tc.image_text_contrastive_loss(x, y, t, backend=b),
+    "clip_strips": lambda x, y, t, b: tc.image_text_contrastive_loss(x, y, t, chunk_size=16, backend=b),
+    "nt_xent_halves": lambda x, y, t, b: tc.nt_xent_loss(torch.cat([x, y]), t, pairing="halves", backend=b),
+    "nt_xent_adjacent_strips": lambda x, y, t, b: tc.nt_xent_loss(torch.stack([x, y], 1).flatten(0, 1), t, chunk_size=16,
+                                                                  backend=b),
+    "supcon": lambda x, y, t, b: tc.supcon_loss(torch.stack([x, y], 1), temperature=t, backend=b),
+}
+
+
+@pytest.mark.parametrize("dtype,value_tol,grad_tol", [(torch.float32, 2e-5, 1e-4), (torch.bfloat16, 2e-5, 1e-2)])
+@pytest.mark.parametrize("name", list(CONFIDENT))
+def test_a_confident_model_keeps_its_digits(name, dtype, value_tol, grad_tol):
+    if name == "supcon":  # positives by sample keys are not kept apart: fp32's cancellation, as on torch (~4e-4)
+        value_tol, grad_tol = 2e-3, max(grad_tol, 2e-3)
+    """tau = 0.05 and views that nearly agree: each row's positive dominates, so ``LSE - S_p`` and the
+    positive's ``p - 1`` are tiny differences of large numbers. A lone positive is kept apart from the
+    sums (left out in the kernels) and every positive's coefficient is added to the gradient tile before
+    it is rounded: values to fp32 rounding, a learned temperature's gradient with them (bf16: the row
+    tile's remainder), input gradients to the input dtype -- against the float64 torch backend. SupCon's
+    positives (sample keys) are folded into the tile but not kept apart: its value and temperature keep
+    fp32's cancellation, as the torch backend's do."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 32, generator=g)
+    y = x + 0.5 * torch.randn(40, 32, generator=g)
+    leaves = [t.to(dtype).to(DEVICE).requires_grad_() for t in (x, y)]
+    tau = torch.tensor(0.05, device=DEVICE, requires_grad=True)
+    value = CONFIDENT[name](*leaves, tau, "epilogue")
+    grads = torch.autograd.grad(value, [*leaves, tau])
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    ref_tau = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
+    ref = CONFIDENT[name](*ref_leaves, ref_tau, "torch")
+    ref_grads = torch.autograd.grad(ref, [*ref_leaves, ref_tau])
+    assert value.item() == pytest.approx(ref.item(), rel=value_tol)
+    assert grads[2].item() == pytest.approx(ref_grads[2].item(), rel=10 * value_tol)
+    for a, b in zip(grads[:2], ref_grads[:2]):
+        torch.testing.assert_close(a.double().cpu(), b, rtol=grad_tol, atol=grad_tol * b.abs().max().item())
+
+
+def test_a_queue_gets_no_column_gradient_tiles():
+    """Behind the live keys a queue's columns are constants: the gradient kernel writes column tiles
+    only as wide as the live keys (what it declares to a cost count)."""
+    from torch_contrastive.engine.triton_backend._host import LAUNCH_LISTENERS
+
+    widths = []
+
+    class Listener:
+        def launch_begins(self, name, reads, writes):
+            if name == "epilogue_grad":
+                widths.append([tuple(t.shape) for t in writes])
+
+        def launch_ends(self):
+            pass
+
+    q, k, queue, pos = queue_problem()
+    q, k, queue = (t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) for t in (q, k, queue))
+    LAUNCH_LISTENERS.append(listener := Listener())
+    try:
+        softmax_terms(q, torch.cat([k, queue]), 4.0, self_offset=None, positives=pos, normalize=True, grad_columns=11,
+                      backend="epilogue")[0].sum().backward()
+    finally:
+        LAUNCH_LISTENERS.remove(listener)
+    assert widths == [[(11, 51), (11, 11)]]  # the row product's tile, the column product's (live keys only)

@@ -255,13 +255,35 @@ def test_tensor_core_products_equal_the_float64_references(name, chunk, tau, dty
         compare(lambda a, b, t: ours(a, b, t, chunk), lambda a, b, t: ref(a, b, t), inputs, tau, dtype, tols)
 
 
-def test_auto_takes_the_kernels_where_they_were_measured_faster():
-    big = dict(n=65536)
-    assert _decide(CUDA, torch.bfloat16, **big).backend == "triton"
-    assert _decide(CUDA, torch.bfloat16, 8192).backend == "torch"  # a tie at 8,192: the torch loops
-    assert _decide(CUDA, torch.float32, **big).backend == "torch"  # fp32 kernels lack tensor cores
-    assert _decide(CUDA, torch.bfloat16, **big, triton_serves=lambda: "not covered").backend == "torch"
-    assert _decide(CPU, torch.bfloat16, **big).backend == "torch"
+def test_auto_on_a_gpu_takes_the_backend_the_model_predicts_fastest():
+    """On CUDA "auto" is the cost model's choice among the backends that serve the call: every priced
+    candidate is in the decision, the chosen one is the fastest of those allowed, and nothing changes
+    on a CPU or without the problem's traits."""
+    from torch_contrastive.engine.cost import PATHS, predict_path
+
+    clip = planner.Traits(512, columns=True)
+    serve = dict(epilogue_serves=lambda: None, traits=clip)
+    small, big = _decide(CUDA, torch.bfloat16, 1024, **serve), _decide(CUDA, torch.bfloat16, 65536, **serve)
+    for d in (small, big):
+        assert [name for name, _ in d.predicted] == ["torch", "epilogue", "triton"]
+        assert d.backend == min((t, name) for name, t in d.predicted)[1]
+        assert "predicted (H100 cost model, not a measurement)" in str(d)
+    assert small.backend == "torch" and small.tile == 0  # 1,024 rows: the torch loops' fewer launches win
+    assert big.backend == "epilogue" and big.operand_dtype == torch.bfloat16 and not big.half
+    torch_65k = dict(big.predicted)["torch"]
+    tile = big.tile  # the epilogue's tiles hold 8 bytes per logit: larger than the torch loops' 12
+    assert tile > planner.resolve_tile(None, 65536, 65536, "cuda", 12)
+    assert torch_65k == pytest.approx(predict_path(PATHS[("columns", "torch", "half")], "torch", 65536, 65536, 512,
+                                                   "bfloat16", 8 * 8))
+    # only what serves the call is chosen: without the epilogue the fused kernels, without both the torch loops
+    assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: "no", traits=clip).backend == "triton"
+    assert _decide(CUDA, torch.bfloat16, 65536, traits=clip, triton_serves=lambda: "no").backend == "torch"
+    assert _decide(CUDA, torch.float32, 65536, **serve).backend == "epilogue"  # fp32: the fused kernels are not priced
+    assert [n for n, _ in _decide(CUDA, torch.float32, 65536, **serve).predicted] == ["torch", "epilogue"]
+    assert _decide(CUDA, torch.float64, 65536, **serve).backend == "torch"  # fp64: not priced
+    assert _decide(CPU, torch.bfloat16, 65536, **serve).backend == "torch" and not _decide(CPU, torch.bfloat16, 65536,
+                                                                                          **serve).predicted
+    assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: None).backend == "torch"  # no traits: no model
 
 
 def test_a_kept_plan_is_never_another_problems():
@@ -301,6 +323,6 @@ def test_tensor_core_products_with_a_float_temperature(name, monkeypatch):
     assert tc.explain(ours, *(low + [None] * (2 - n_inputs)), 0.2, None)[0].half
     got = ours(*(low + [None] * (2 - n_inputs)), 0.2, None)
     want = ref(*(wide + [None] * (2 - n_inputs)), 0.2)
-    assert float(got) == pytest.approx(float(want), rel=2e-5)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-5)
     for a, b in zip(torch.autograd.grad(got, low), torch.autograd.grad(want, wide)):
         assert torch.allclose(a.double().cpu(), b, rtol=1e-2, atol=1e-2 * float(b.abs().max())), name

@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..engine import products
-from ..engine.cost import GPUS, MEASURED, PEAK_BANDWIDTH, Counts, Gpu, Measured, fit
-from ..engine.planner import simulate
+from ..engine.cost import GPUS, MEASURED, PATHS, PEAK_BANDWIDTH, Counts, Fused, Gpu, Measured, fit, fit_fused
+from ..engine.planner import Traits, predictions, simulate
 from .synccount import SYNC_OPERATORS, host_sync_events
 
 #: Ops that make no kernel launch on a GPU (allocation or metadata only).
@@ -202,8 +202,9 @@ def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None
     }
 
 
-#: What :func:`count_loss` counts: our default call, ours on the cuBLAS + epilogue path, the dense formula.
-IMPLS = ("ours", "epilogue", "dense")
+#: What :func:`count_loss` counts: our default call (``"ours"``: the backend ``"auto"`` picks), our
+#: torch tile loops, the cuBLAS + epilogue path, the fused Triton kernels, the dense formula.
+IMPLS = ("ours", "torch", "epilogue", "triton", "dense")
 #: The losses the epilogue path runs (the log-sum-exp family; the pair terms have no epilogue yet).
 EPILOGUE_LOSSES = ("clip", "nt_xent", "supcon")
 
@@ -211,18 +212,18 @@ EPILOGUE_LOSSES = ("clip", "nt_xent", "supcon")
 def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int = 1) -> Counts:
     """The counts of one loss (``impl`` one of :data:`IMPLS`) on the simulated GPU at ``n`` rows,
     counted at ``at`` rows (default ``n``) and scaled: ``tiles`` tiles per side at that size
-    (our plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`)."""
+    (a backend's plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     small = at or n
     chunk = None if tiles <= 1 else -(-small // tiles)
-    ours, dense = cases(small, d, chunk=chunk, backend="epilogue" if impl == "epilogue" else "auto")[name]
+    ours, dense = cases(small, d, chunk=chunk, backend="auto" if impl in ("ours", "dense") else impl)[name]
     return count(dense if impl == "dense" else ours, small, small, d, area=(n / small) ** 2).scaled(n, n)
 
 
-def gpu_tiles(n: int, impl: str = "ours") -> int:
-    """Tiles per side of our plan for ``n x n`` bf16 logits on a GPU, as the planner decides it
-    (``impl``: our default call's torch path, or ``"epilogue"``, whose tiles hold fewer bytes per logit)."""
+def gpu_tiles(n: int, impl: str = "torch") -> int:
+    """Tiles per side of a backend's plan for ``n x n`` bf16 logits on a GPU, as the planner decides it
+    (``impl``: ``"torch"``, or ``"epilogue"``, whose tiles hold fewer bytes per logit)."""
     from ..engine.planner import decide
 
     bf16 = torch.bfloat16
@@ -236,10 +237,41 @@ def calibration(at: int = 1024) -> tuple[Gpu, float, list[tuple[Measured, Counts
     counts (counted at ``at`` rows with the row's tile structure, scaled to its size)."""
     counted = []
     for row in MEASURED:
-        tiles = gpu_tiles(row.n) if row.impl == "ours" else 1
+        if row.impl not in ("torch", "dense"):  # the fused kernels' own GEMMs are not counted: fit_fused prices them
+            continue
+        tiles = gpu_tiles(row.n) if row.impl == "torch" else 1
         counted.append((row, count_loss(row.loss, row.impl, row.n, row.d, at=min(at, row.n), tiles=tiles)))
     fitted, rms = fit([(c, row.ms / 1e3) for row, c in counted], GPUS["H100"], PEAK_BANDWIDTH["H100"])
     return fitted, rms, counted
+
+
+def _traits(name: str, dim: int) -> Traits:
+    return Traits(dim, columns=name == "clip", symmetric=name != "clip")
+
+
+def _predicted(name: str, n: int, dim: int) -> tuple[tuple[str, float], ...]:
+    """The planner's predictions for one bf16 loss of :func:`cases` at ``n`` rows (soft-max losses only)."""
+    if name not in EPILOGUE_LOSSES:
+        return ()
+    return predictions(n, n, torch.bfloat16, torch.bfloat16, None, _traits(name, dim))
+
+
+def default_backend(name: str, n: int, dim: int) -> str:
+    """The backend our default call picks on a GPU for one bf16 loss of :func:`cases` (every kernel
+    backend serving it): the model's fastest for the soft-max losses, torch for the rest."""
+    predicted = _predicted(name, n, dim)
+    return min((t, b) for b, t in predicted)[1] if predicted else "torch"
+
+
+def fused_calibration() -> tuple[Fused, float]:
+    """The fused kernels' constants fitted to the ``"triton"`` rows of
+    :data:`~torch_contrastive.engine.cost.MEASURED` (their GEMM-equivalents from :data:`~torch_contrastive.engine.cost.PATHS`)."""
+    rows = []
+    for m in MEASURED:
+        if m.impl == "triton":
+            path = PATHS[("columns" if m.loss == "clip" else "rows", "triton", "half")]
+            rows.append((path.gemms_strips * 2.0 * m.n * m.n * m.d, m.ms / 1e3))
+    return fit_fused(rows)
 
 
 # ------------------------------------------------------------------------------------ the CLI
@@ -268,16 +300,18 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
     gpu = GPUS["H100"]
     sizes = sizes or [1024]
     print(f"torch-contrastive bench --traffic: D = {dim}, bf16, fwd+bwd, the CUDA plan counted on {machine}")
-    print("passes = logit bytes / (4 R C); predicted = the model's H100 time (a prediction, not a measurement)")
-    print(f"{'loss':<12} {'N':>6} {'impl':<8} {'tiles':>5} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
+    print("passes = logit bytes / (4 R C); predicted = the model's H100 time (a prediction, not a measurement); "
+          "* = the backend the default call (backend='auto') picks on a GPU, by the model")
+    print(f"{'loss':<12} {'N':>6} {'impl':<9} {'tiles':>4} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
           f"{'predicted ms':>13}")
     rows = []
-    impls = IMPLS if epilogue_countable() else ("ours", "dense")
+    impls = ("torch", "epilogue", "dense") if epilogue_countable() else ("torch", "dense")
     if "epilogue" not in impls:
         print("(the epilogue path is not counted: it needs triton, run in its interpreter -- TRITON_INTERPRET=1)")
     for n in sizes:
         at = min(n, 1024)
         for name in LOSSES:
+            picks = default_backend(name, n, dim)
             for impl in impls:
                 if impl == "epilogue" and name not in EPILOGUE_LOSSES:
                     continue
@@ -285,16 +319,22 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
                 c = count_loss(name, impl, n, dim, at=at, tiles=tiles)
                 row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles,
                        "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
-                       "syncs": c.syncs, "predicted_ms": round(predict(c, gpu) * 1e3, 4)}
+                       "syncs": c.syncs, "predicted_ms": round(predict(c, gpu) * 1e3, 4), "default": impl == picks}
                 rows.append(row)
-                print(f"{name:<12} {n:>6} {impl:<8} {row['tiles']:>5} {c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} "
-                      f"{c.syncs:>5} {row['predicted_ms']:>13.3f}", flush=True)
+                print(f"{name:<12} {n:>6} {impl + ('*' if impl == picks else ''):<9} {row['tiles']:>4} {c.launches:>8} "
+                      f"{c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {row['predicted_ms']:>13.3f}", flush=True)
+            if picks == "triton":
+                print(f"{name:<12} {n:>6} {'triton*':<9} (the fused kernels: not counted here; the model predicts "
+                      f"{1e3 * dict(_predicted(name, n, dim))['triton']:.3f} ms)")
     with open(out_dir / "traffic.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {out_dir / 'traffic.csv'}")
     if calibrate:
+        fused, fused_rms = fused_calibration()
+        print(f"\nthe fused Triton kernels fitted to the measured rows: {fused.rate / 1e12:.1f} TFLOP/s and "
+              f"{fused.overhead * 1e3:.2f} ms per call, RMS relative error {100 * fused_rms:.1f} %")
         fitted, rms, counted = calibration()
         print(f"\nfit to the measured H100 rows: bandwidth {fitted.bandwidth / 1e12:.2f} TB/s, per-op {fitted.launch * 1e6:.1f} us, "
               f"RMS relative error {100 * rms:.0f} % (table: bandwidth {gpu.bandwidth / 1e12:.2f} TB/s, per-op "

@@ -19,7 +19,7 @@ per logit, so the bounded one-``exp`` path keeps its speed.
 
 It applies to relations with one positive per row at a known strided place: a shifted
 diagonal (CLIP, InfoNCE: column ``i + k``), or the NT-Xent pairing rules ("halves",
-"adjacent"), for the torch tile loops. Multi-positive relations (SupCon) do not cancel
+"adjacent"), for the torch tile loops and the epilogue kernels. Multi-positive relations (SupCon) do not cancel
 this way: their loss stays at least ``log`` of the number of positives.
 """
 
@@ -46,11 +46,12 @@ def apart_rule(positives: Positives | None, exclude: Any, columns: bool, column_
                column_comm: Any, symmetric: bool, backend: str) -> Apart | None:
     """The :class:`Apart` rule for a call, or None where the positive stays in the sums.
 
-    Needs one positive per row at a known strided place, the torch tile loops, and an
-    exclusion (false negatives) that keeps the positive. Column terms need the same
-    entries as their positives (a square shifted diagonal) on one process.
+    Needs one positive per row at a known strided place, the torch tile loops or the epilogue
+    kernels (which leave the positives out as a strided diagonal or a partner, in registers), and
+    an exclusion (false negatives) that keeps the positive. Column terms need the same entries as
+    their positives (a square shifted diagonal) on one process.
     """
-    if not isinstance(positives, PartnerPositives) or backend != "torch":
+    if not isinstance(positives, PartnerPositives) or backend not in ("torch", "epilogue"):
         return None
     rule = positives.strided
     if rule is None:

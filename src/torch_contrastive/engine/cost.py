@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GPUS", "MEASURED", "PEAK_BANDWIDTH", "Counts", "Gpu", "Measured", "fit", "predict", "terms"]
+__all__ = ["FUSED", "GPUS", "MEASURED", "PATHS", "PEAK_BANDWIDTH", "Counts", "Fused", "Gpu", "Measured", "PathCost", "fit",
+           "fit_fused", "predict", "predict_path", "terms"]
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,10 @@ GPUS: dict[str, Gpu] = {
     "H100": Gpu(
         name="H100",
         gemm_flops={"bfloat16": 645e12, "float16": 645e12, "float32": 51e12},
-        bandwidth=2.61e12,
-        launch=23.9e-6,
+        bandwidth=2.56e12,
+        launch=24.3e-6,
         source="bf16 GEMM rate measured 2026-11-23; bandwidth and per-op cost fitted 2026-11-24 to docs/gpu.md's rows "
-               "(RMS relative error 12 %, worst -30 %)",
+               "(RMS relative error 11 %, worst -24 %)",
     ),
 }
 
@@ -63,8 +64,8 @@ PEAK_BANDWIDTH = {"H100": 3.35e12}
 @dataclass(frozen=True)
 class Measured:
     """One measured row the constants are fitted to: forward + backward of ``loss`` at ``n x n`` bf16
-    logits of ``d`` features, ``impl`` ``"ours"`` (the default call's torch path) or ``"dense"`` (the
-    eager formula it replaces), on ``gpu``."""
+    logits of ``d`` features, ``impl`` ``"torch"`` (our torch tile loops), ``"triton"`` (our fused
+    kernels) or ``"dense"`` (the eager formula it replaces), on ``gpu``."""
 
     gpu: str
     loss: str
@@ -77,14 +78,79 @@ class Measured:
 
 #: The measured rows (docs/gpu.md, "Where we stand on an H100", 2026-11-23, bf16, fwd+bwd). Ours
 #: was measured at that day's commit; the fit compares today's counts with it (docs/gpu.md says so).
+#: ``impl`` ``"triton"``: the fused Triton kernels, which :func:`fit_fused` prices.
 MEASURED: tuple[Measured, ...] = (
     Measured("H100", "clip", "dense", 8192, 512, 2.96, "docs/gpu.md 2026-11-23"),
-    Measured("H100", "clip", "ours", 8192, 512, 4.03, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "clip", "torch", 8192, 512, 4.03, "docs/gpu.md 2026-11-23"),
     Measured("H100", "clip", "dense", 65536, 768, 157.0, "docs/gpu.md 2026-11-23"),
-    Measured("H100", "clip", "ours", 65536, 768, 226.0, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "clip", "torch", 65536, 768, 226.0, "docs/gpu.md 2026-11-23"),
     Measured("H100", "nt_xent", "dense", 65536, 768, 91.1, "docs/gpu.md 2026-11-23"),
-    Measured("H100", "nt_xent", "ours", 65536, 768, 123.0, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "nt_xent", "torch", 65536, 768, 123.0, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "clip", "triton", 8192, 512, 4.09, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "clip", "triton", 65536, 768, 186.0, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "nt_xent", "triton", 65536, 768, 94.6, "docs/gpu.md 2026-11-23"),
 )
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """What one backend's call costs besides its GEMMs, counted on the GPU plan for one kind of problem
+    (``tests/cli/test_traffic.py`` re-counts every entry of :data:`PATHS`, so a change to a path shows).
+
+    Attributes:
+        launches: launches when the whole problem is one tile.
+        per_tile: launches each further tile adds (tiles visited: every tile of two sets, a single
+            set's upper triangle).
+        passes_one: fp32 passes over the logits, one tile (kept from forward).
+        passes_strips: the same when the problem spans tiles (recomputed in backward).
+        gemms_one: GEMM-equivalents (``2 R C D`` FLOPs each), one tile.
+        gemms_strips: the same, strips.
+    """
+
+    launches: int
+    per_tile: float
+    passes_one: float
+    passes_strips: float
+    gemms_one: float
+    gemms_strips: float
+
+
+#: The counts of each (problem kind, backend, operands): ``"columns"`` two sets with column terms (CLIP),
+#: ``"rows"`` row terms (a single set's triangle: NT-Xent; SupCon and InfoNCE cost about the same);
+#: operands ``"half"`` (bf16 on tensor cores) or ``"fp32"``. Counted 2026-11-24 at 256 rows, one tile and
+#: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
+#: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
+PATHS: dict[tuple[str, str, str], PathCost] = {
+    ("columns", "torch", "half"): PathCost(69, 24.8, 17.0, 24.0, 3.0, 4.0),
+    ("columns", "epilogue", "half"): PathCost(81, 9.1, 5.0, 6.0, 3.0, 4.0),
+    ("columns", "triton", "half"): PathCost(76, 0.0, 0.0, 0.0, 4.0, 4.0),
+    ("rows", "torch", "half"): PathCost(42, 24.0, 14.0, 14.25, 2.0, 2.25),
+    ("rows", "epilogue", "half"): PathCost(46, 8.1, 4.0, 3.5, 2.0, 2.25),
+    ("rows", "triton", "half"): PathCost(50, 0.0, 0.0, 0.0, 2.0, 2.0),
+    ("columns", "torch", "fp32"): PathCost(55, 16.6, 11.0, 14.0, 3.0, 4.0),
+    ("columns", "epilogue", "fp32"): PathCost(66, 7.1, 6.0, 7.0, 3.0, 4.0),
+    ("rows", "torch", "fp32"): PathCost(33, 16.4, 9.0, 8.25, 2.0, 2.25),
+    ("rows", "epilogue", "fp32"): PathCost(38, 6.4, 5.0, 4.1, 2.0, 2.25),
+}
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The fused Triton kernels on one GPU: their GEMMs (``tl.dot`` inside the kernels) run at ``rate``
+    FLOP/s, and a call pays ``overhead`` seconds besides (what the measured rows cannot separate: a
+    small problem's grid, the atomics). Fitted by :func:`fit_fused` to the ``"triton"`` rows of
+    :data:`MEASURED`."""
+
+    rate: float
+    overhead: float
+    source: str
+
+
+#: The fused kernels' constants per GPU (bf16 operands; fp32 is not measured and not offered by ``"auto"``).
+FUSED: dict[str, Fused] = {
+    "H100": Fused(rate=143.2e12, overhead=2.17e-3,
+                  source="fitted 2026-11-24 to the 3 measured Triton rows of docs/gpu.md (RMS relative error 0.2 %)"),
+}
 
 
 @dataclass(frozen=True)
@@ -185,3 +251,42 @@ def fit(rows: list[tuple[Counts, float]], gpu: Gpu, peak_bandwidth: float) -> tu
         raise ValueError("fit needs at least one measured row")
     rms, bandwidth, launch = best
     return Gpu(gpu.name, dict(gpu.gemm_flops), bandwidth, launch, f"fitted to {len(rows)} measured rows"), rms
+
+
+def fit_fused(rows: list[tuple[float, float]]) -> tuple[Fused, float]:
+    """:class:`Fused` fitted to ``(GEMM FLOPs, seconds)`` rows: least squares on the relative error of
+    ``flops / rate + overhead`` (linear in ``1 / rate`` and ``overhead``). Returns it and the RMS
+    relative error."""
+    if len(rows) < 2:
+        raise ValueError("fit_fused needs at least two measured rows")
+    # minimise sum_i ((f_i u + c) / t_i - 1)^2 over u = 1 / rate and c: the 2 x 2 normal equations
+    sff = sum((f / t) ** 2 for f, t in rows)
+    sf1 = sum(f / t / t for f, t in rows)
+    s11 = sum(1 / t / t for _, t in rows)
+    bf = sum(f / t for f, t in rows)
+    b1 = sum(1 / t for _, t in rows)
+    det = sff * s11 - sf1 * sf1
+    if det == 0:
+        raise ValueError("fit_fused needs rows of different sizes")
+    u, c = (bf * s11 - b1 * sf1) / det, (sff * b1 - sf1 * bf) / det
+    fitted = Fused(rate=1.0 / u, overhead=c, source=f"fitted to {len(rows)} measured rows")
+    rms = (sum(((f * u + c) / t - 1.0) ** 2 for f, t in rows) / len(rows)) ** 0.5
+    return fitted, rms
+
+
+def predict_path(path: PathCost, backend: str, rows: int, cols: int, dim: int, dtype: str, tiles: int,
+                 gpu: Gpu | str = "H100") -> float:
+    """The model's time (seconds) of one call on ``backend`` with the counts ``path``, at ``rows x cols``
+    logits of ``dim`` features in operand dtype ``dtype`` (``"bfloat16"``, ``"float32"``), ``tiles``
+    tiles visited (1: one tile) -- a prediction, not a measurement."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    one = tiles <= 1
+    flops = (path.gemms_one if one else path.gemms_strips) * 2.0 * rows * cols * dim
+    passes = path.passes_one if one else path.passes_strips
+    launches = path.launches + path.per_tile * max(0, tiles - 1)
+    if backend == "triton":
+        fused = FUSED[g.name]
+        gemm = flops / fused.rate + fused.overhead
+    else:
+        gemm = flops / g.gemm_flops[dtype]
+    return gemm + passes * 4.0 * rows * cols / g.bandwidth + launches * g.launch

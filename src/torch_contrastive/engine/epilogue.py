@@ -21,11 +21,12 @@ fp16 inputs are left to the other backends (their gradient tiles need a tile-wid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ..positives import PartnerPositives
 from .driver import Operands, Saved
 from .left_out import Direction, log_total
 from .products import KernelOperands, Products, _mm32
@@ -91,6 +92,20 @@ class EpilogueProducts:
         acc.add_(_mm32(tile.t(), z)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile.t(), z)
 
 
+def left_out(plan: SoftmaxPlan) -> dict[str, Any]:
+    """The kernels' exclusion arguments (:func:`~.triton_backend.exclusion`), with the positives kept
+    apart (:mod:`.confident`) left out too: a shifted diagonal, or a pairing rule's partner."""
+    from . import triton_backend  # imports triton: on the first call
+
+    out = triton_backend.exclusion(plan.exclude)
+    if plan.apart is not None and isinstance(plan.positives, PartnerPositives):
+        if plan.apart.kind == "shift":
+            out["diagonal"] = plan.apart.k
+        else:
+            out["partner"] = plan.positives.partner.contiguous()
+    return out
+
+
 def _edge(plan: SoftmaxPlan, rows: int, cols: int) -> int:
     return plan.tile if plan.tile else max(rows, cols, 1)
 
@@ -117,6 +132,7 @@ def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> 
         col_max = torch.empty(cols, dtype=dtype, device=device) if fixed else torch.full((cols,), low, dtype=dtype, device=device)
         col_sum = torch.zeros(cols, dtype=dtype, device=device)
     edge = _edge(plan, rows, cols)
+    excluded = left_out(plan)
     # the column partials' scratch, reused by every tile: O(C * tile / 32), never R x C
     wants_partials = plan.columns or (plan.symmetric and edge < rows)
     parts = triton_backend.partial_rows(min(edge, rows))
@@ -136,7 +152,7 @@ def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> 
         used = triton_backend.epilogue_sums(s, r0, c0, rows, cols, (row_max[r0:r1], row_sum[r0:r1]),
                                             None if partials is None else (partials[0], partials[1]),
                                             None if fx is None or fy is None else (fx, fy), plan.self_offset,
-                                            plan.exclude, fixed)
+                                            excluded, fixed)
         if partials is None:
             return
         if mirror:
@@ -154,11 +170,12 @@ def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> 
 
 
 def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: Direction | None,
-             plan: SoftmaxPlan, learned_scale: bool) -> tuple[Tensor, Tensor | None]:
+             plan: SoftmaxPlan, learned_scale: bool, folded: tuple[Tensor | None, Tensor | None] = (None, None)) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` (unscaled; in the factors' terms for half rows): each tile's
     gradient written once by :func:`~.triton_backend.epilogue_grad` and multiplied by ``torch.mm``.
     ``learned_scale``: the scale is a tensor whose gradient reads ``G @ B`` (half rows then keep
-    the row tile's rounding remainder)."""
+    the row tile's rounding remainder). ``folded``: the positive part's row and column coefficients,
+    added to each tile in the kernel (a single set's columns take the rows' coefficients)."""
     from . import triton_backend  # imports triton: on the first call
 
     ops = prod.ops
@@ -168,6 +185,11 @@ def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: 
     # a learnable scale's gradient reads G @ B against A: the rows' rounding remainder is kept
     split = half and learned_scale
     wanted = plan.grad_columns
+    c_row, c_col = folded
+    if plan.symmetric and c_row is not None:  # G holds both roles of a pair: P_ij (c_i + c_j)
+        c_col = c_row
+    positive = None if c_row is None else triton_backend.positive_terms(plan.positives, c_row, c_col, rows, cols, a.dtype)
+    excluded = left_out(plan)
 
     def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> GradTiles:
         h, w = r1 - r0, c1 - c0
@@ -180,7 +202,7 @@ def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: 
         low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
         g_cols = torch.empty(h, k, dtype=prod.dtype, device=s.device) if own and k else None
         triton_backend.epilogue_grad(s, r0, c0, rows, cols, directions, (g_rows, low, g_cols),
-                                     _tile_factors(ops, r0, r1, c0, c1), plan.self_offset, plan.exclude)
+                                     _tile_factors(ops, r0, r1, c0, c1), plan.self_offset, excluded, positive)
         return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
 
     return gradient_sweep(prod, a, b, _edge(plan, rows, cols), plan.symmetric, grad_tile, wanted)
@@ -202,7 +224,8 @@ class EpilogueSoftmax(SoftmaxExecutor):
                        by_sums: bool) -> tuple[Tensor, Tensor | None]:
         a, b = saved.a, saved.b
         kops = KernelOperands(plan, raw, a, b, saved.scale, saved.norms)
-        return backward(EpilogueProducts(kops, a, saved.keep["logits"]), a, b, row, col, plan, isinstance(saved.scale, Tensor))
+        return backward(EpilogueProducts(kops, a, saved.keep["logits"]), a, b, row, col, plan, isinstance(saved.scale, Tensor),
+                        folded)
 
 
 #: The epilogue soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).

@@ -3,8 +3,10 @@
 A loss describes its problem (rows, columns, dtype, the exactness regime it may use) and the
 engine asks :func:`decide` how to run it on the inputs' device:
 
-* **backend** -- ``"auto"`` picks the fastest exact path; an explicit ``"torch"`` /
-  ``"triton"`` is honoured or refused with a ``ValueError`` (never a silent switch).
+* **backend** -- ``"auto"`` picks the fastest exact path: on a CPU the torch tile loops, on a GPU
+  the backend the cost model (:mod:`.cost`) predicts fastest among those that serve the call
+  (:func:`predictions`; ``str(decision)`` lists them); an explicit ``"torch"`` / ``"triton"`` /
+  ``"epilogue"`` is honoured or refused with a ``ValueError`` (never a silent switch).
 * **products** -- fp16/bf16 inputs on a GPU are multiplied as given on tensor cores with fp32
   accumulation and fp32 logits (:class:`~.products.HalfProducts`); everything else in the
   compute dtype (fp32 on a GPU follows ``torch.backends.cuda.matmul.allow_tf32``).
@@ -25,13 +27,13 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..positives import KeyPositives, PairPositives, PartnerPositives
 from .confident import apart_rule
-from .cost import dense_relation_pays
+from .cost import PATHS, dense_relation_pays, predict_path
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
@@ -61,6 +63,8 @@ class Decision:
         rows, cols: the problem's shape.
         operand_dtype: the Triton kernels' operand dtype when they take the caller's fp16/bf16
             rows as given (one half dtype on both sides); None: the compute dtype.
+        predicted: on a GPU, the cost model's time of each backend it has counts for (a prediction,
+            in seconds): what ``"auto"`` chose from.
     """
 
     kernel: str
@@ -73,6 +77,7 @@ class Decision:
     rows: int
     cols: int
     operand_dtype: torch.dtype | None = None
+    predicted: tuple[tuple[str, float], ...] = ()
 
     def __str__(self) -> str:
         if self.backend == "triton":
@@ -88,8 +93,12 @@ class Decision:
             products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "kernel operands" \
                 if self.backend == "triton" else "compute-dtype products"
         regime = "bounded (one exp)" if self.fixed else "online maximum"
+        model = ""
+        if self.predicted:
+            model = "; predicted (H100 cost model, not a measurement): " + ", ".join(
+                f"{name} {1e3 * t:.3g} ms" for name, t in self.predicted)
         return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
-                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}")
+                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{model}")
 
 
 def _budget_from_environment() -> int:
@@ -159,21 +168,14 @@ def half_products(device: torch.device, dtype: torch.dtype, other: torch.dtype) 
     return PRODUCTS == "half"
 
 
-#: ``"auto"`` runs fp16/bf16 problems of more logits than this on the Triton kernels (CUDA).
-#: Measured on one H100 (docs, "GPU"), CLIP bf16: 8,192 x 512 torch 4.0 ms, Triton 4.1 ms (a tie);
-#: 65,536 x 768 torch 226 ms, Triton 186 ms; NT-Xent 65,536 x 768 torch 123 ms, Triton 95 ms.
-TRITON_FROM_LOGITS = 8192 * 8192
-
-
-def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[], str | None], prefer_triton: bool = False,
+def choose_backend(backend: str, triton_serves: Callable[[], str | None],
                    epilogue_serves: Callable[[], str | None] | None = None) -> str:
-    """The backend for a call: ``"auto"`` resolved, an explicit one checked.
+    """An explicit backend checked (``"auto"`` is returned as it is: :func:`decide` resolves it).
 
     ``triton_serves()`` (``epilogue_serves()``) returns None when the fused Triton kernels (the
     cuBLAS GEMMs with Triton epilogues) can run this call, else why not; no ``epilogue_serves``:
-    the statistic has no epilogue kernels. ``"auto"`` picks ``"triton"`` where it was measured
-    faster (``prefer_triton``: half inputs on CUDA past :data:`TRITON_FROM_LOGITS`) and the kernels
-    serve the call, else ``"torch"`` (always on a CPU).
+    the statistic has no epilogue kernels. A backend that cannot run the call is a ``ValueError``
+    that says why -- never a silent switch.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -182,15 +184,27 @@ def choose_backend(backend: str, device: torch.device, triton_serves: Callable[[
         why = "this statistic has no epilogue kernels" if serves is None else serves()
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot run this call: {why}")
-    if backend == "auto":
-        return "triton" if prefer_triton and device.type == "cuda" and triton_serves() is None else "torch"
     return backend
+
+
+class Traits(NamedTuple):
+    """What the cost model needs of a problem besides its shape: the feature size, whether it has
+    column terms (two sets, CLIP) and whether it is a single set's triangle."""
+
+    dim: int = 0
+    columns: bool = False
+    symmetric: bool = False
+
+
+#: No traits: a decision without the cost model (``dim`` 0).
+NO_TRAITS = Traits()
 
 
 def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
            chunk_size: int | None, backend: str, fixed: bool = False, bound: float | None = None,
            triton_serves: Callable[[], str | None] = lambda: None, epilogue_serves: Callable[[], str | None] | None = None,
-           one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True) -> Decision:
+           one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True,
+           traits: Traits = NO_TRAITS) -> Decision:
     """Every decision for one engine call (see the module docstring).
 
     Args:
@@ -199,7 +213,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         device: the inputs' device.
         dtype, other_dtype: the anchors' and candidates' dtypes.
         chunk_size: the caller's tile (None: chosen here).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"epilogue"``.
         fixed: force the bounded one-``exp`` algorithm (tests; the caller vouches for it).
         bound: the loss's promise that every ``|S| <= bound`` (unit rows and a host-known scale;
             None: no promise). The bounded algorithm is chosen when it is exact for the dtype
@@ -208,21 +222,24 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         epilogue_serves: the same for the epilogue kernels (None: the statistic has none).
         one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
         half_ok: the kernel can take tensor-core products (:mod:`.products`).
-        auto_triton: ``"auto"`` may pick the Triton kernels (where they were measured faster);
-            False keeps ``"auto"`` on torch (kernels not yet measured on a GPU).
+        auto_triton: ``"auto"`` may pick a kernel backend on a GPU, by the cost model (:func:`predictions`);
+            False keeps ``"auto"`` on torch (kernels not yet counted for the model).
+        traits: the problem's feature size and kind, which the cost model prices.
     """
     if _SIMULATED is not None:  # a cost count of another device's plan (simulate())
         device = _SIMULATED
     fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
-    prefer_triton = auto_triton and dtype in _HALF and other_dtype == dtype and rows * cols > TRITON_FROM_LOGITS
-    # A training loop asks the same question every step: the answer is kept where it depends on
-    # the key alone -- not where the Triton kernels' coverage of this problem decides it.
-    cacheable = backend == "torch" or (backend == "auto" and not (prefer_triton and device.type == "cuda"))
-    key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS)
+    # On a GPU "auto" is the cost model's choice among the backends that serve this problem: which
+    # serve is part of the key, so a training loop's same question is answered from the cache.
+    by_model = backend == "auto" and device.type == "cuda" and auto_triton and traits.dim > 0
+    served = (triton_serves() is None, epilogue_serves is not None and epilogue_serves() is None) if by_model else None
+    cacheable = backend in ("auto", "torch")
+    key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS, served,
+           traits)
     decision = _DECISIONS.get(key) if cacheable else None
     if decision is None:
         decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed,
-                           (triton_serves, epilogue_serves), one_tile_torch_only, half_ok, prefer_triton)
+                           (triton_serves, epilogue_serves), one_tile_torch_only, half_ok, served, traits)
         if cacheable:
             if len(_DECISIONS) > 512:  # many distinct shapes: keep the cache small
                 _DECISIONS.clear()
@@ -264,17 +281,60 @@ _DECISIONS: dict[tuple[Any, ...], Decision] = {}
 def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
             chunk_size: int | None, backend: str, fixed: bool,
             serves: tuple[Callable[[], str | None], Callable[[], str | None] | None], one_tile_torch_only: bool,
-            half_ok: bool, prefer_triton: bool) -> Decision:
+            half_ok: bool, served: tuple[bool, bool] | None, traits: Traits) -> Decision:
     """:func:`decide` without its cache."""
-    chosen = choose_backend(backend, device, serves[0], prefer_triton, serves[1])
+    chosen = choose_backend(backend, serves[0], serves[1])
+    predicted: tuple[tuple[str, float], ...] = ()
+    if device.type == "cuda" and kernel == "softmax" and traits.dim > 0:
+        predicted = predictions(rows, cols, dtype, other_dtype, chunk_size, traits)
+    if chosen == "auto":
+        chosen = "torch"
+        if served is not None and predicted:
+            allowed = {"torch": True, "triton": served[0], "epilogue": served[1]}
+            chosen = min((t, name) for name, t in predicted if allowed[name])[1]
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
-    wide = 16 if torch.float64 in (dtype, other_dtype) else 8
-    per_logit = wide + (4 if half else 0)  # two fp32 tile buffers (+ two half copies of the gradient tile)
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
-    tile = resolve_tile(chunk_size, rows, cols, device, per_logit if device.type == "cuda" else 8)
+    tile = resolve_tile(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
+                        if device.type == "cuda" else 8)
     single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
-    return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype)
+    return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
+                    predicted)
+
+
+def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype, half: bool) -> int:
+    """Scratch per logit of a GPU tile: two fp32 tile buffers (fp64: 16 bytes), plus two half copies of the
+    torch backend's gradient tile (the epilogue's gradient tiles fit the second buffer's bytes)."""
+    wide = 16 if torch.float64 in (dtype, other_dtype) else 8
+    return wide + (4 if half and backend == "torch" else 0)
+
+
+def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
+                traits: Traits, gpu: str = "H100") -> tuple[tuple[str, float], ...]:
+    """The cost model's time (seconds, a prediction) of each backend that has counts for this soft-max
+    problem (:data:`~.cost.PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available --
+    the H100's constants for any CUDA device until others are measured. Half operands of one dtype are
+    priced as tensor-core products; fp32 as fp32 (the fused kernels are counted for half operands only);
+    fp64 is not priced."""
+    if dtype in _HALF and other_dtype == dtype:
+        operands, name = "half", "bfloat16"
+    elif dtype == other_dtype == torch.float32:
+        operands, name = "fp32", "float32"
+    else:
+        return ()
+    kind = "columns" if traits.columns else "rows"
+    out = []
+    for backend in ("torch", "epilogue", "triton"):
+        path = PATHS.get((kind, backend, operands))
+        if path is None:
+            continue
+        half = backend == "torch" and operands == "half"
+        tile = resolve_tile(chunk_size, rows, cols, "cuda", _bytes_per_logit(backend, dtype, other_dtype, half))
+        per_side = math.ceil(rows / tile), math.ceil(cols / tile)
+        tiles = per_side[0] * (per_side[0] + 1) // 2 if traits.symmetric and per_side[0] == per_side[1] \
+            else per_side[0] * per_side[1]
+        out.append((backend, predict_path(path, backend, rows, cols, traits.dim, name, 1 if backend == "triton" else tiles, gpu)))
+    return tuple(out)
 
 
 def plan(problem: Problem) -> AnyPlan:
@@ -298,6 +358,7 @@ def plan(problem: Problem) -> AnyPlan:
                       other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
                       bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
                       half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,
+                      traits=Traits(int(anchors.shape[-1]), softmax and stat.columns, problem.symmetric),
                       triton_serves=lambda: triton_refusal(problem),
                       epilogue_serves=(lambda: epilogue_refusal(problem)) if softmax else None)
     if softmax:
@@ -338,12 +399,14 @@ _SOFTMAX_PLANS: dict[tuple[Any, ...], SoftmaxPlan] = {}
 def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> SoftmaxPlan:
     """The soft-max choices: where the positive part is read, shared weights, kept-apart positives, gradient columns."""
     positives, columns, n_cols = problem.positives, stat.columns, problem.shape[1]
+    tile_positives = decision.backend == "torch" and decision.tile == 0 and positives is not None \
+        and (not isinstance(positives, KeyPositives) or positives.dense is not None)
     return SoftmaxPlan(
         decision=decision, self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric,
         normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
         column_positives=columns and stat.column_positives,
-        tile_positives=decision.backend == "torch" and decision.tile == 0 and positives is not None
-        and (not isinstance(positives, KeyPositives) or positives.dense is not None),
+        tile_positives=tile_positives,
+        fold_positives=tile_positives or (decision.backend == "epilogue" and isinstance(positives, (KeyPositives, PartnerPositives))),
         shared_alpha=stat.columns_share_alpha and stat.row_weights[0] is not None,
         column_comm=stat.column_comm if columns else None,
         grad_columns=n_cols if problem.grad_columns is None else max(0, min(int(problem.grad_columns), n_cols)),

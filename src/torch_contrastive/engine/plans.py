@@ -76,6 +76,10 @@ class SoftmaxPlan(_Device):
         tile_positives: one tile and a relation cheap to lay over it (a partner, a strided
             layout, a small mask): the positive part is read off the tile; otherwise it goes
             through ``Positives.aggregate`` in O(N * D).
+        fold_positives: backward adds the positive part's coefficients to the gradient tiles
+            themselves (before a half-precision tile is rounded: a confident model's ``p_ii - 1`` keeps
+            its digits) instead of through ``Positives.aggregate``: the one torch tile whose positives
+            are read off it, and the epilogue kernels, which form a partner or key relation in registers.
         shared_alpha: the column weights alpha' are the row weights alpha (one tensor,
             passed once: ``torch.compile`` cannot trace a duplicate input).
         column_comm: distributed column statistics (in-place ``all_sum`` / ``all_max`` over
@@ -96,6 +100,7 @@ class SoftmaxPlan(_Device):
     positives: Positives | None
     column_positives: bool
     tile_positives: bool
+    fold_positives: bool
     shared_alpha: bool
     column_comm: Any = None
     grad_columns: int = 0

@@ -150,12 +150,12 @@ class SoftmaxExecutor:
             plan = replace(plan, grad_columns=0)
         if plan.symmetric and kept is None:
             col = (u, row_lse)  # a single set's columns are its rows
-        folded = (c_row, c_col) if plan.tile_positives else (None, None)
+        folded = (c_row, c_col) if plan.fold_positives else (None, None)
         row: Direction = (u, row_lse) if w_row is None else (w_row, row_lse)
         if w_col is not None and col is not None:
             col = (w_col, col[1])
         gb_acc, ga_acc = self.tile_gradients(plan, saved, raw, row, col, folded, ctx.by_sums)
-        if plan.positives is not None and c_row is not None and not plan.tile_positives:
+        if plan.positives is not None and c_row is not None and not plan.fold_positives:
             gb_acc, ga_acc = _positive_gradients(plan.positives, a, b, gb_acc, ga_acc, c_row.expand(a.shape[0]),
                                                  None if c_col is None else c_col.expand(b.shape[0]), plan.symmetric)
         return Gradients(gb_acc, ga_acc, plan.symmetric)

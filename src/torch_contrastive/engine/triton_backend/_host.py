@@ -159,6 +159,22 @@ def announced(name: str, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...]) 
             listener.launch_ends()
 
 
+def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``, announced (:func:`announced`) as one launch of the
+    kernel's name that reads and writes no logit-sized tensor: the fused kernels form their
+    tiles in registers."""
+    with announced(_name(kernel), (), ()):
+        kernel[grid](*args, **kwargs)
+
+
+def _name(kernel: Any) -> str:
+    """A kernel's name without the decorators around it: ``_tile_sums_kernel`` -> ``tile_sums``."""
+    inner = kernel
+    while not hasattr(inner, "__name__") and hasattr(inner, "fn"):
+        inner = inner.fn
+    return str(getattr(inner, "__name__", "kernel")).strip("_").removesuffix("_kernel")
+
+
 def launch_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
     """Every launcher's set-up: the device check, then the operands as the kernels read them
     (contiguous, so a row's stride is its width; fp32 under the interpreter)."""

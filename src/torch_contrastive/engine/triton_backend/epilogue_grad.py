@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...positives import PartnerPositives
 from ._configs import autotune, bucket, epilogue_tiles
-from ._host import DERIVED_EPILOGUE, announced, exclusion, interpreting, tl, triton
-from ._tile import fold_columns, fold_rows, gradient_tile, valid_mask, with_factors
+from ._host import DERIVED_EPILOGUE, announced, interpreting, keys, per_index, tl, triton
+from ._tile import fold_columns, fold_rows, gradient_tile, related, valid_mask, with_factors
 
 
 @autotune(epilogue_tiles(), key=["bucket"])
@@ -33,7 +34,8 @@ def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz
                           tile_rows, tile_cols, col_width, r0, c0, n_rows, n_cols, bucket, self_offset, EXCLUDE: tl.constexpr,
                           GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, g_rows=None,
-                          g_cols=None, threshold=None, dg=None, diagonal=None, keep_diagonal=None):
+                          g_cols=None, threshold=None, dg=None, diagonal=None, keep_diagonal=None, pos_rk0=None, pos_ck0=None,
+                          pos_rk1=None, pos_ck1=None, pos_partner=None, pos_offset=None, c_row_ptr=None, c_col_ptr=None):
     local_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     local_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_in = local_r < tile_rows
@@ -47,6 +49,9 @@ def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz
     valid = inside & valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
                                 dg, diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK_M, BLOCK_N, PRECISION)
     g = tl.where(valid, g, 0.0)
+    if c_row_ptr is not None:  # the positive part's coefficients, added before the tile is rounded
+        g = g + positive_part(rows, cols, n_rows, n_cols, inside, pos_rk0, pos_ck0, pos_rk1, pos_ck1, pos_partner, pos_offset,
+                              c_row_ptr, c_col_ptr)
     at = local_r[:, None] * tile_cols + local_c[None, :]
     g_rows = fold_columns(g, local_c, tile_cols, fy_ptr)
     high = g_rows.to(rows_ptr.dtype.element_ty)
@@ -59,9 +64,41 @@ def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz
                  mask=r_in[:, None] & (local_c[None, :] < col_width))
 
 
+@triton.jit
+def positive_part(rows, cols, n_rows, n_cols, inside, rk0, ck0, rk1, ck1, partner, self_offset, c_row_ptr, c_col_ptr):
+    """``P_ij (c_i + c'_j)``: the relation P (equal keys or a partner, never the self pair) formed in
+    registers, with the row coefficients and -- when given -- the column ones."""
+    r_ok = rows < n_rows
+    c_ok = cols < n_cols
+    pos = inside & related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner)
+    if self_offset is not None:
+        pos = pos & (cols[None, :] != rows[:, None] + self_offset)
+    coef = tl.load(c_row_ptr + rows, mask=r_ok, other=0.0)[:, None]
+    if c_col_ptr is not None:
+        coef = coef + tl.load(c_col_ptr + cols, mask=c_ok, other=0.0)[None, :]
+    return tl.where(pos, coef, 0.0)
+
+
+def positive_terms(positives: Any, c_row: Tensor | None, c_col: Tensor | None, n_rows: int, n_cols: int,
+                   dtype: torch.dtype) -> dict[str, Any]:
+    """The kernel's view of the positive part folded into the gradient tile (nothing without ``c_row``):
+    the relation's keys or partner, its self offset, and the (R,) / (C,) coefficients."""
+    if c_row is None:
+        return {}
+    out: dict[str, Any] = {"pos_offset": positives.self_offset, "c_row_ptr": per_index(c_row, n_rows, dtype)}
+    if c_col is not None:
+        out["c_col_ptr"] = per_index(c_col, n_cols, dtype)
+    if isinstance(positives, PartnerPositives):
+        out["pos_partner"] = positives.partner.contiguous()
+    else:
+        given = keys(positives.row_keys, positives.col_keys)
+        out.update({f"pos_{name}": t for name, t in given.items()})
+    return out
+
+
 def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: list[Tensor | None],
                   out: tuple[Tensor, Tensor | None, Tensor | None], factors: tuple[Tensor | None, Tensor | None, Tensor | None],
-                  self_offset: int | None, exclude: Any) -> None:
+                  self_offset: int | None, excluded: dict[str, Any], positive: dict[str, Any] | None = None) -> None:
     """Write the gradient tile of the logit tile ``s = S[r0:r0+h, c0:c0+w]``.
 
     Args:
@@ -74,7 +111,9 @@ def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: li
             or None when the row product's tile serves both (or no column product is wanted).
         factors: ``(fx, fy, fz)`` of the tile's rows / columns / rows: ``S_ij = fx_i fy_j s_ij``, the
             row tile is ``G diag(fy)``, the column tile ``diag(fz) G``; all None without.
-        self_offset, exclude: the self pair and the exclusion rule.
+        self_offset, excluded: the self pair, and what else the tile leaves out (the exclusion rule's
+            keyword arguments, :func:`~._host.exclusion`).
+        positive: the positive part folded into the tile (:func:`positive_terms`); None: none.
     """
     h, w = s.shape
     rows, low, cols = out
@@ -91,7 +130,7 @@ def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: li
         k_rows = torch.empty(rows.shape, device=rows.device) if widen else rows
         k_cols = torch.empty(cols.shape, device=cols.device) if widen and cols is not None else cols
         _epilogue_grad_kernel[grid](s, k_rows, None if widen else low, k_cols, fx, fy, fz, *row, h, w, k, r0, c0, n_rows,
-                                    n_cols, bucket(h, w), self_offset, **exclusion(exclude))
+                                    n_cols, bucket(h, w), self_offset, **excluded, **(positive or {}))
         if widen:
             rows.copy_(k_rows)
             if low is not None:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, epilogue_rows
-from ._host import DERIVED_EPILOGUE, announced, exclusion, tl, triton
+from ._host import DERIVED_EPILOGUE, announced, tl, triton
 from ._tile import block_stats, fold_running, merged, valid_mask, with_factors
 
 
@@ -70,7 +70,7 @@ def partial_rows(tile_rows: int) -> int:
 
 def epilogue_sums(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, running: tuple[Tensor, Tensor],
                   partials: tuple[Tensor | None, Tensor] | None, factors: tuple[Tensor, Tensor] | None,
-                  self_offset: int | None, exclude: Any, fixed: bool) -> int:
+                  self_offset: int | None, excluded: dict[str, Any], fixed: bool) -> int:
     """Fold the logit tile ``s = S[r0:r0+h, c0:c0+w]`` (fp32, contiguous) into its rows' running
     statistics and store its columns' partial statistics per row block.
 
@@ -83,7 +83,8 @@ def epilogue_sums(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, running
         partials: ``(max, sum)`` scratch of at least ``(partial_rows(h), w)`` entries for the columns'
             partial statistics (``max`` None in the bounded regime); None: no column statistics.
         factors: ``(fx, fy)`` of the tile's rows and columns, ``S_ij = fx_i fy_j s_ij``; None: none.
-        self_offset, exclude: the self pair and the exclusion rule (as the fused kernels take them).
+        self_offset, excluded: the self pair, and what else the sums leave out as the kernels take it
+            (:func:`~._host.exclusion`'s keyword arguments).
         fixed: the bounded regime (plain ``exp(S)``).
 
     Returns:
@@ -102,7 +103,7 @@ def epilogue_sums(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, running
     with announced("epilogue_sums", reads=(s,), writes=()):
         _epilogue_sums_kernel[grid](s, run_max, run_sum, part_max, part_sum, fx, fy, h, w, r0, c0, n_rows, n_cols,
                                     bucket(h, w), self_offset, FIXED=fixed, COLUMNS=partials is not None,
-                                    **exclusion(exclude))
+                                    **excluded)
     return used[0]
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, output_grid, row_output_blocks
-from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, tl, triton
 from ._tile import gradient_tile, logits, owned_product, valid_mask, with_factors
 
 
@@ -56,7 +56,7 @@ def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     r, c, d, d_out = x.shape[0], yy.shape[0], x.shape[1], zz.shape[1]
     out = torch.empty(r, d_out, dtype=acc_dtypes(x)[0], device=x.device)
     fx, fy, fz = factors if factors is not None else (None, None, None)
-    _grad_rows_kernel[output_grid(r, d_out)](x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
+    launch(_grad_rows_kernel, output_grid(r, d_out), x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
                                              d_out, self_offset, TRANSPOSED=transposed,
                                              FACTORS=gradient_factors(factors, x_scaled), **exclusion(exclude))
     return out

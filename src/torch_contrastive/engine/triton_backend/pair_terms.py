@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ...positives import KeyPositives, PairPositives, PartnerPositives
 from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
-from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch_operands, tl, triton
+from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch, launch_operands, tl, triton
 from ._tile import listed, logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
@@ -203,7 +203,7 @@ def pair_sums(x_scaled: Tensor, y: Tensor, positives: Any, binary: bool, lse: Te
     fx, fy = factors if factors is not None else (None, None)
     owned = not fused()
     kernel = _pair_sums_owned_kernel if owned else _pair_sums_kernel
-    kernel[tile_grid(r, c, owned)](x, yy, out, None if lse is None else lse.contiguous(), fx, fy, r, c, d, bucket(r, c),
+    launch(kernel, tile_grid(r, c, owned), x, yy, out, None if lse is None else lse.contiguous(), fx, fy, r, c, d, bucket(r, c),
                                    positives.self_offset, BINARY=binary, OWNED=owned, GROUP=GROUP, **_relation_args(positives))
     return out[:r], out[r:]
 
@@ -228,10 +228,10 @@ def pair_grad(x_scaled: Tensor, y: Tensor, z: Tensor, positives: Any, binary: bo
     if fused():
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
         gb = torch.zeros(c, d, dtype=dtype, device=x.device)
-        _pair_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, *stats, GROUP=GROUP, **common)
+        launch(_pair_grad_kernel, tile_grid(r, c), x, yy, zz, ga, gb, *stats, GROUP=GROUP, **common)
         return ga, gb
     ga = torch.empty(r, d, dtype=dtype, device=x.device)
     gb = torch.empty(c, d, dtype=dtype, device=x.device)
     for kernel, out, blocks_of, columns in ((_pair_grad_rows_kernel, ga, r, False), (_pair_grad_cols_kernel, gb, c, True)):
-        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, *stats, COLUMNS=columns, **common)
+        launch(kernel, owned_grid(blocks_of, d), x, yy, zz, out, *stats, COLUMNS=columns, **common)
     return ga, gb

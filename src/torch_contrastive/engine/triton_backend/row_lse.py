@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, row_blocks, row_grid
-from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, tl, triton
 from ._tile import block_stats, logits, merged, valid_mask, with_factors
 
 
@@ -53,6 +53,6 @@ def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any =
     r, c, d = x.shape[0], yy.shape[0], x.shape[1]
     out = torch.empty(r, dtype=acc_dtypes(x)[0], device=x.device)
     fx, fy = factors if factors is not None else (None, None)
-    _row_lse_kernel[row_grid(r)](x, yy, out, fx, fy, r, c, d, bucket(r, c), self_offset, TRANSPOSED=transposed,
+    launch(_row_lse_kernel, row_grid(r), x, yy, out, fx, fy, r, c, d, bucket(r, c), self_offset, TRANSPOSED=transposed,
                                  **exclusion(exclude))
     return out

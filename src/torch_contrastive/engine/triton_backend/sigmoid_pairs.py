@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
-from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch_operands, tl, triton
+from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch, launch_operands, tl, triton
 from ._tile import logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
 
@@ -149,7 +149,7 @@ def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: in
     fx, fy = factors if factors is not None else (None, None)
     owned = not fused()
     kernel = _sigmoid_sums_owned_kernel if owned else _sigmoid_sums_kernel
-    kernel[tile_grid(r, c, owned)](x, yy, out, _bias(bias, x, dtype), fx, fy, r, c, d, bucket(r, c), diagonal, OWNED=owned,
+    launch(kernel, tile_grid(r, c, owned), x, yy, out, _bias(bias, x, dtype), fx, fy, r, c, d, bucket(r, c), diagonal, OWNED=owned,
                                    GROUP=GROUP, **({} if keys_ is None else keys(*keys_)))
     return out
 
@@ -173,13 +173,13 @@ def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Te
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
         gb = torch.zeros(c, d, dtype=dtype, device=x.device)
         gbias = torch.zeros(1, dtype=dtype, device=x.device)
-        _sigmoid_grad_kernel[tile_grid(r, c)](x, yy, zz, ga, gb, gbias, g, bias_t, fx, fy, fz, r, c, d, bucket(r, c), diagonal,
+        launch(_sigmoid_grad_kernel, tile_grid(r, c), x, yy, zz, ga, gb, gbias, g, bias_t, fx, fy, fz, r, c, d, bucket(r, c), diagonal,
                                               GROUP=GROUP, **common)
         return ga, gb, gbias.reshape(())
     ga = torch.empty(r, d, dtype=dtype, device=x.device)
     gb = torch.empty(c, d, dtype=dtype, device=x.device)
     bias_rows = torch.empty(r, dtype=dtype, device=x.device)
     for kernel, out, blocks_of, columns in ((_sigmoid_grad_rows_kernel, ga, r, False), (_sigmoid_grad_cols_kernel, gb, c, True)):
-        kernel[owned_grid(blocks_of, d)](x, yy, zz, out, bias_rows, g, bias_t, fx, fy, fz, r, c, d, bucket(r, c), diagonal,
+        launch(kernel, owned_grid(blocks_of, d), x, yy, zz, out, bias_rows, g, bias_t, fx, fy, fz, r, c, d, bucket(r, c), diagonal,
                                           COLUMNS=columns, **common)
     return ga, gb, bias_rows.sum()

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles, tile_grid
-from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, tl, triton
 from ._tile import gradient_tile, logits, scatter_products, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
 
@@ -74,7 +74,7 @@ def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     # between timed runs covers both
     out = torch.zeros(r + (c if grad_cols else 0), d, dtype=acc_dtypes(x)[0], device=x.device)
     fx, fy, fz = factors if factors is not None else (None, None, None)
-    _tile_grad_kernel[tile_grid(r, c)](x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
+    launch(_tile_grad_kernel, tile_grid(r, c), x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
                                        grad_cols, self_offset, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric,
                                        FACTORS=gradient_factors(factors, x_scaled), GROUP=GROUP, **exclusion(exclude))
     return out[:r], (out[r:] if grad_cols else None)

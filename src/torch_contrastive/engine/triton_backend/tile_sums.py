@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles, tile_grid
-from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, tl, triton
 from ._tile import logits, tile_of, valid_mask, with_factors
 
 #: Row blocks that sweep the column blocks together (grouped order, L2 reuse).
@@ -66,6 +66,6 @@ def tile_sums(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any
     # one zeroed accumulator, so the autotuner's reset between timed runs covers both directions
     sums = torch.zeros(r + (c if columns else 0), dtype=dtype, device=x.device)
     fx, fy = factors if factors is not None else (None, None)
-    _tile_sums_kernel[tile_grid(r, c)](x, yy, sums, fx, fy, r, c, d, bucket(r, c), self_offset, COLUMNS=columns,
+    launch(_tile_sums_kernel, tile_grid(r, c), x, yy, sums, fx, fy, r, c, d, bucket(r, c), self_offset, COLUMNS=columns,
                                        SYMMETRIC=symmetric, GROUP=GROUP, **exclusion(exclude))
     return sums[:r], (sums[r:] if columns else None)
