@@ -50,6 +50,7 @@ class Mutation:
 
 E = f"{PKG}/engine"
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
+EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
     Mutation(f"{E}/driver.py", "            gscale = gscale / 2", "            gscale = gscale",
@@ -431,15 +432,15 @@ MUTATIONS = [
              ("tests/cli/test_traffic.py",)),
     # the cuBLAS + epilogue path (backend="epilogue") and the cost model's choice
     Mutation(f"{E}/epilogue.py", "        mirror = plan.symmetric and c0 != r0  # a single set's mirror tile: its columns are rows c0:c1",
-             "        mirror = False", "epilogue: a single set's off-diagonal tiles never feed their mirror rows", ("tests/engine/test_epilogue.py",)),
+             "        mirror = False", "epilogue: a single set's off-diagonal tiles never feed their mirror rows", EPILOGUE_TESTS),
     Mutation(f"{E}/epilogue.py", "            k = max(0, min(c1, wanted) - c0)", "            k = max(0, c1 - c0)",
-             "epilogue: a queue's constant columns get gradient tiles (written past the accumulator)", ("tests/engine/test_epilogue.py",)),
+             "epilogue: a queue's constant columns get gradient tiles (written past the accumulator)", EPILOGUE_TESTS),
     Mutation(f"{E}/epilogue.py", "        own = half and ops.factors is not None  # the two products fold different factors",
-             "        own = False", "epilogue: the column product reads the row tile, folded with the wrong side's factor", ("tests/engine/test_epilogue.py",)),
+             "        own = False", "epilogue: the column product reads the row tile, folded with the wrong side's factor", EPILOGUE_TESTS),
     Mutation(f"{E}/epilogue.py", "    split = half and learned_scale", "    split = False",
              "epilogue: a learned scale's gradient from bf16-rounded gradient tiles only (no remainder)", ("tests/engine/test_epilogue.py",)),
     Mutation(f"{E}/triton_backend/epilogue_sums.py", "        valid = inside & valid_mask(rows, c0 + local_c,",
-             "        valid = inside & valid_mask(rows, local_c,", "epilogue: the exclusion rule read at the tile's own indices", ("tests/engine/test_epilogue.py",)),
+             "        valid = inside & valid_mask(rows, local_c,", "epilogue: the exclusion rule read at the tile's own indices", EPILOGUE_TESTS),
     Mutation(f"{E}/triton_backend/_tile.py", "    return new_max, sum_a * tl.exp(max_a - safe) + sum_b * tl.exp(max_b - safe)",
              "    return new_max, sum_a + sum_b * tl.exp(max_b - safe)", "online maximum: a raised maximum does not rescale the running sum",
              ("tests/engine/test_epilogue.py", "tests/engine/test_triton.py")),
@@ -451,7 +452,7 @@ MUTATIONS = [
     Mutation(f"{E}/planner.py", '            allowed = {"torch": True, "triton": served[0], "epilogue": served[1]}',
              '            allowed = {"torch": True, "triton": True, "epilogue": True}',
              "planner: auto picks a backend that cannot serve the call", ("tests/engine/test_planner.py",)),
-    Mutation("src/torch_contrastive/cli/traffic.py", "            self.logit_bytes += sum(self._bytes(t) for t in (*reads, *writes))", "            pass",
+    Mutation(f"{PKG}/cli/traffic.py", "            self.logit_bytes += sum(self._bytes(t) for t in (*reads, *writes))", "            pass",
              "cost counter: a Triton launch's declared bytes are not counted", ("tests/cli/test_traffic.py",)),
     Mutation(f"{E}/planner.py",
              '        fold_positives=tile_positives or (decision.backend == "epilogue" and isinstance(positives, (KeyPositives, PartnerPositives))),',

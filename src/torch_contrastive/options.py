@@ -61,7 +61,8 @@ class Shared:
         grad_reduction: ``"mean"`` (DDP) or ``"sum"``.
         eps: the normalisation floor.
         validate: check device values in one host synchronisation.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"epilogue"`` (cuBLAS GEMMs with Triton
+            epilogues; the soft-max losses).
     """
 
     normalize: bool = True

@@ -62,7 +62,7 @@ def test_backend_and_device_options_are_checked(capsys):
     assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "triton"]) == 2
     assert "needs --device cuda" in capsys.readouterr().err
     assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "jax"]) == 2
-    assert "--backend takes auto, torch and/or triton" in capsys.readouterr().err
+    assert "--backend takes auto, torch, triton and/or epilogue" in capsys.readouterr().err
 
 
 def test_infcl_formula_peer_is_the_clip_loss():

@@ -61,6 +61,10 @@ IMPLEMENTATIONS = {
 _BACKEND = ["auto"]
 #: Losses whose "ours" runs on backend="triton" too (every loss the kernels cover).
 TRITON_LOSSES = ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue")
+#: The losses the epilogue kernels run (``--backend epilogue``): the soft-max family.
+EPILOGUE_LOSSES = ("clip", "nt_xent", "supcon", "info_nce_queue", "info_nce_guide")
+#: The losses each kernel backend covers (the others run everything).
+COVERED = {"triton": TRITON_LOSSES, "epilogue": EPILOGUE_LOSSES}
 
 #: Cases run only with --loss NAME --sizes N.
 ON_REQUEST = ("nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide")
@@ -348,7 +352,8 @@ def gpu_plan(backends: list[str]) -> list[dict[str, Any]]:
         for impl in peers:
             cases.append({"loss": loss, "impl": impl, "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": "torch"})
         for backend in backends:
-            cases.append({"loss": loss, "impl": "ours", "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": backend})
+            if backend not in COVERED or loss in COVERED[backend]:
+                cases.append({"loss": loss, "impl": "ours", "n": n, "d": d, "tau": 0.07, "reps": 5, "backend": backend})
     return cases
 
 
@@ -494,23 +499,27 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 def _backends(args: argparse.Namespace) -> tuple[list[str], str]:
     """The requested engine backends, and what is wrong with the request ("" if nothing)."""
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    if any(b not in ("auto", "torch", "triton") for b in backends) or not backends:
-        return backends, f"--backend takes auto, torch and/or triton, got {args.backend!r}"
-    if "triton" in backends and args.device != "cuda":
-        return backends, "--backend triton needs --device cuda (on CPU the kernels only run in Triton's slow interpreter)"
+    if any(b not in ("auto", "torch", "triton", "epilogue") for b in backends) or not backends:
+        return backends, f"--backend takes auto, torch, triton and/or epilogue, got {args.backend!r}"
+    for kernels in ("triton", "epilogue"):
+        if kernels in backends and args.device != "cuda":
+            return backends, f"--backend {kernels} needs --device cuda (on CPU the kernels only run in Triton's slow interpreter)"
     if args.device == "cuda" and not torch.cuda.is_available():
         return backends, "--device cuda: no CUDA device here"
     return backends, ""
 
 
 def _per_backend(cases: list[dict[str, Any]], backends: list[str]) -> list[dict[str, Any]]:
-    """Every "ours" case once per requested backend (Triton only for the losses it covers)."""
+    """Every "ours" case once per requested backend (a kernel backend only for the losses it covers)."""
+    def covers(backend: str, loss: str) -> bool:
+        return backend not in COVERED or loss in COVERED[backend]
+
     extra = [{**c, "impl": "ours", "backend": b} for b in backends[1:] for c in cases
-             if c["impl"] == "ours" and (b != "triton" or c["loss"] in TRITON_LOSSES)]
+             if c["impl"] == "ours" and covers(b, c["loss"])]
     for c in cases:
         if c["impl"] == "ours":
             c["backend"] = backends[0]
-    return [c for c in cases if c["impl"] != "ours" or backends[0] != "triton" or c["loss"] in TRITON_LOSSES] + extra
+    return [c for c in cases if c["impl"] != "ours" or covers(backends[0], c["loss"])] + extra
 
 
 def _machine(device: str) -> str:
@@ -631,7 +640,8 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--out", default="bench-results", help="output folder (CSV, PNG)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every case runs (default cpu)")
     p.add_argument("--backend", default="auto",
-                   help="engine backend(s) of 'ours', comma-separated: auto (default), torch, triton (triton needs --device cuda)")
+                   help="engine backend(s) of 'ours', comma-separated: auto (default), torch, triton, epilogue (the last two "
+                        "need --device cuda)")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU table (GPU_GRID): CLIP 4,096 to 262,144 rows, NT-Xent 65,536 x 768, bf16, ours per --backend "
                         "beside dense-compiled and dense (up to 65,536 rows) and Inf-CL's kernels when installed "
