@@ -465,6 +465,12 @@ MUTATIONS = [
              ("tests/engine/test_epilogue.py",)),
     Mutation(f"{E}/epilogue.py", '            out["diagonal"] = plan.apart.k', "            pass",
              "epilogue: a positive kept apart stays in the kernels' sums", ("tests/engine/test_epilogue.py",)),
+    Mutation(f"{E}/triton_backend/epilogue_sigmoid_grad.py", "    return part[: programs[0]].sum()", "    return part[:1].sum()",
+             "epilogue SigLIP: the bias gradient from the first program's part only", EPILOGUE_TESTS),
+    Mutation(f"{E}/triton_backend/epilogue_sigmoid_sums.py", "        pos = pos | (cols[None, :] == rows[:, None] + diagonal)",
+             "        pos = pos", "epilogue SigLIP: the diagonal positives are scored as negatives", ("tests/engine/test_triton.py",)),
+    Mutation(f"{E}/epilogue.py", "        split = prod.dtype in (torch.float16, torch.bfloat16) and isinstance(saved.scale, Tensor)",
+             "        split = False", "epilogue SigLIP: a learned scale's gradient from bf16-rounded gradient tiles only", EPILOGUE_TESTS),
 ]
 
 

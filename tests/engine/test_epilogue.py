@@ -200,7 +200,7 @@ def test_distributed_column_statistics_equal_the_torch_backend(fixed):
 
 @pytest.mark.parametrize("call,words", [
     (lambda x: tc.nt_xent_loss(x.half(), backend="epilogue"), "fp16"),
-    (lambda x: tc.siglip_loss(x, x.flip(0), 10.0, -10.0, backend="epilogue"), "no epilogue kernels"),
+    (lambda x: tc.siglip_loss(x.half(), x.flip(0).half(), 10.0, -10.0, backend="epilogue"), "fp16"),
     (lambda x: tc.nt_bxent_loss(x, labels=torch.arange(6, device=x.device) % 2, backend="epilogue"), "no epilogue kernels"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="epilogue",
                              exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
@@ -279,3 +279,27 @@ def test_a_queue_gets_no_column_gradient_tiles():
     finally:
         LAUNCH_LISTENERS.remove(listener)
     assert widths == [[(11, 51), (11, 11)]]  # the row product's tile, the column product's (live keys only)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_siglip_with_bf16_rows_and_a_learned_scale_and_bias(chunk):
+    """SigLIP on the epilogue with bf16 rows, ids and a learnable scale and bias: the row tile keeps its
+    rounding remainder, so the scale's and the bias's gradients hold fp32-level accuracy."""
+    from reference import siglip
+
+    g = torch.Generator().manual_seed(4)
+    iid = torch.randint(0, 30, (45,), generator=g)
+    a, b = (torch.randn(45, 20, generator=g).to(torch.bfloat16) for _ in range(2))
+    ref_in = [a.double().requires_grad_(), b.double().requires_grad_()]
+    ref_p = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (10.0, -10.0)]
+    ref = siglip(*ref_in, *ref_p, iid)
+    ref_grads = torch.autograd.grad(ref, [*ref_in, *ref_p])
+    our_in = [t.to(DEVICE).requires_grad_() for t in (a, b)]
+    our_p = [torch.tensor(v, device=DEVICE, requires_grad=True) for v in (10.0, -10.0)]
+    ours = tc.siglip_loss(*our_in, *our_p, iid.to(DEVICE), chunk_size=chunk, backend="epilogue")
+    grads = torch.autograd.grad(ours, [*our_in, *our_p])
+    assert ours.item() == pytest.approx(ref.item(), rel=2e-5)
+    for got, want in zip(grads[:2], ref_grads[:2]):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    for got, want in zip(grads[2:], ref_grads[2:]):
+        assert got.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-6)

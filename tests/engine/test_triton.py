@@ -364,11 +364,17 @@ def test_asymmetric_exclusions_read_right_in_the_column_pass(what, fixed, rows, 
 
 
 # ------------------------------------------------------------------ SigLIP's sigmoid kernels
+#: SigLIP's kernel schemes: the fused kernels (both schemes), and the epilogue kernels over strips of 16
+SIGLIP_SCHEMES = [(*case, "triton") for case in DTYPE_SCHEMES] + [(torch.float64, "fused", "epilogue"),
+                                                                  (torch.float32, "fused", "epilogue")]
+
+
 @pytest.mark.parametrize("n,ids", [(1, "none"), (7, "none"), (45, "none"), (45, "image"), (70, "both"), (33, "negative_only")])
-@pytest.mark.parametrize("dtype,scheme_name", DTYPE_SCHEMES)
-def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype, scheme_name):
+@pytest.mark.parametrize("dtype,scheme_name,backend", SIGLIP_SCHEMES)
+def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype, scheme_name, backend):
     """Values and gradients of inputs, scale and bias: positives on the diagonal, by ids (duplicates
-    positive), or none (open_clip's negative-only term); sizes that leave ragged tiles."""
+    positive), or none (open_clip's negative-only term); sizes that leave ragged tiles -- the fused
+    kernels, and the epilogue kernels over strips of 16 logit tiles from torch.mm."""
     from reference import cosine_matrix, siglip
 
     g = torch.Generator().manual_seed(n)
@@ -387,7 +393,8 @@ def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype, scheme_name)
     our_p = [torch.tensor(v, dtype=dtype, device=DEVICE, requires_grad=True) for v in (7.0, -3.0)]
     with _in_scheme(scheme_name):
         ours = tc.siglip_loss(*our_in, *our_p, None if iid is None else iid.to(DEVICE), None if tid is None else tid.to(DEVICE),
-                              negative_only=ids == "negative_only", backend="triton")
+                              negative_only=ids == "negative_only", chunk_size=16 if backend == "epilogue" else None,
+                              backend=backend)
         ours.backward()
     rtol, atol = TOLS[dtype]
     assert ours.item() == pytest.approx(ref.item(), rel=rtol, abs=atol)
@@ -395,9 +402,11 @@ def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype, scheme_name)
         torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=10 * rtol, atol=10 * atol)
 
 
-@pytest.mark.parametrize("dtype,tols", [(torch.float16, (2e-5, 2e-3)), (torch.bfloat16, (2e-5, 1e-2))])
-def test_siglip_on_triton_with_half_inputs_equals_the_float64_formula(dtype, tols):
-    """Half rows reach the kernels as given, with the scale and the normalisation as fp32 factors."""
+@pytest.mark.parametrize("dtype,tols,backend", [(torch.float16, (2e-5, 2e-3), "triton"), (torch.bfloat16, (2e-5, 1e-2), "triton"),
+                                                (torch.bfloat16, (2e-5, 1e-2), "epilogue")])
+def test_siglip_on_triton_with_half_inputs_equals_the_float64_formula(dtype, tols, backend):
+    """Half rows reach the kernels as given, with the scale and the normalisation as fp32 factors (the
+    epilogue: raw bf16 products from torch.mm, the gradient tiles rounded once per product)."""
     from reference import siglip
 
     g = torch.Generator().manual_seed(9)
@@ -407,7 +416,7 @@ def test_siglip_on_triton_with_half_inputs_equals_the_float64_formula(dtype, tol
     ref = siglip(*ref_in, 10.0, -10.0, iid)
     ref.backward()
     our_in = [t.to(DEVICE).requires_grad_() for t in (a, b)]
-    ours = tc.siglip_loss(*our_in, 10.0, -10.0, iid.to(DEVICE), backend="triton")
+    ours = tc.siglip_loss(*our_in, 10.0, -10.0, iid.to(DEVICE), backend=backend)
     ours.backward()
     rtol, grad_tol = tols
     assert ours.dtype == torch.float32 and ours.item() == pytest.approx(ref.item(), rel=rtol, abs=rtol)
@@ -417,7 +426,8 @@ def test_siglip_on_triton_with_half_inputs_equals_the_float64_formula(dtype, tol
                                    atol=grad_tol * max(1.0, want.grad.abs().max().item()))
 
 
-def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model():
+@pytest.mark.parametrize("backend", ["triton", "epilogue"])
+def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model(backend):
     """Scale 100, bias -20: every per-pair term is about e^-80 relative to 1 -- kept, not rounded to 0."""
     from reference import siglip
 
@@ -426,7 +436,7 @@ def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model():
     ref = siglip(ref_in, x, 100.0, -20.0)
     ref.backward()
     ours_in = x.float().to(DEVICE).requires_grad_()
-    ours = tc.siglip_loss(ours_in, x.float().to(DEVICE), 100.0, -20.0, backend="triton")
+    ours = tc.siglip_loss(ours_in, x.float().to(DEVICE), 100.0, -20.0, backend=backend)
     ours.backward()
     assert 0 < ours.item() == pytest.approx(ref.item(), rel=1e-4)
     torch.testing.assert_close(ours_in.grad.double().cpu(), ref_in.grad, rtol=1e-3, atol=1e-3 * ref_in.grad.abs().max().item())

@@ -26,18 +26,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..positives import PartnerPositives
+from ..positives import KeyPositives, PartnerPositives
 from .driver import Operands, Saved
 from .left_out import Direction, log_total
 from .products import KernelOperands, Products, _mm32
+from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
 from .softmax_tiles import complete_columns, fixed_lse
 from .tiling import Buffers, gradient_sweep, sweep
 
 if TYPE_CHECKING:
-    from .plans import SoftmaxPlan
+    from .plans import SigmoidPlan, SoftmaxPlan
 
-__all__ = ["SOFTMAX", "EpilogueProducts", "GradTiles"]
+__all__ = ["SIGMOID", "SOFTMAX", "EpilogueProducts", "GradTiles"]
 
 
 class GradTiles(NamedTuple):
@@ -106,7 +107,7 @@ def left_out(plan: SoftmaxPlan) -> dict[str, Any]:
     return out
 
 
-def _edge(plan: SoftmaxPlan, rows: int, cols: int) -> int:
+def _edge(plan: SoftmaxPlan | SigmoidPlan, rows: int, cols: int) -> int:
     return plan.tile if plan.tile else max(rows, cols, 1)
 
 
@@ -230,3 +231,78 @@ class EpilogueSoftmax(SoftmaxExecutor):
 
 #: The epilogue soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
 SOFTMAX = EpilogueSoftmax()
+
+
+# ----------------------------------------------------------------------------- SigLIP
+class EpilogueSigmoid(SigmoidExecutor):
+    """SigLIP's sigmoid pairs as cuBLAS GEMMs with Triton epilogues (the tile loops above): forward
+    reads each logit tile once for its rows' softplus sums, backward writes each gradient tile once
+    in the operand dtype and sums it for the bias. Positives on a strided diagonal, by ids, or none."""
+
+    def row_sums(self, plan: SigmoidPlan, ops: Operands, a_s: Tensor, bias: Tensor | float) -> tuple[Tensor, tuple[Tensor, ...]]:
+        from . import triton_backend  # imports triton: on the first call
+
+        kops = KernelOperands(plan, (ops.a, ops.b), ops.a_c, ops.b_c, ops.scale, ops.norms, a_s)
+        prod = EpilogueProducts(kops, ops.a_c)
+        rows, cols = ops.a_c.shape[0], ops.b_c.shape[0]
+        out = ops.a_c.new_zeros(rows)
+        bias_t, keys = _bias_vector(bias, out), _sigmoid_keys(plan)
+        kept: list[Tensor] = []
+
+        def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+            if plan.single_tile:  # the epilogue only reads the tile: backward reads it again
+                kept.append(s)
+            fx, fy, _ = _tile_factors(kops, r0, r1, c0, c1)
+            triton_backend.epilogue_sigmoid_sums(s, r0, c0, rows, cols, out[r0:r1], bias_t,
+                                                 None if fx is None or fy is None else (fx, fy), plan.diagonal_offset, keys)
+
+        sweep(prod, rows, cols, _edge(plan, rows, cols), False, visit)
+        raw = (ops.a, ops.b) if plan.operand_dtype is not None and ops.b is not None else ()
+        return out, (*raw, *kept)
+
+    def gradients(self, plan: SigmoidPlan, saved: Saved, g_row: Tensor, bias: Tensor | float) -> tuple[Tensor, Tensor | None, Tensor]:
+        from . import triton_backend  # imports triton: on the first call
+
+        a, b, kept = saved.a, saved.b, tuple(saved.keep["kept"])
+        n_raw = 2 if plan.operand_dtype is not None else 0
+        kops = KernelOperands(plan, kept[:n_raw], a, b, saved.scale, saved.norms)
+        prod = EpilogueProducts(kops, a, kept[n_raw] if len(kept) > n_raw else None)
+        rows, cols = a.shape[0], b.shape[0]
+        bias_t, keys = _bias_vector(bias, a), _sigmoid_keys(plan)
+        g_row = triton_backend.per_index(g_row, rows, a.dtype)  # a reduced loss's incoming gradient is expanded
+        split = prod.dtype in (torch.float16, torch.bfloat16) and isinstance(saved.scale, Tensor)
+        parts: list[Tensor] = []
+
+        def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> GradTiles:
+            h, w = r1 - r0, c1 - c0
+            own = kops.factors is not None and prod.dtype in (torch.float16, torch.bfloat16)
+            g_rows = torch.empty(h, w, dtype=prod.dtype, device=s.device)
+            low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
+            g_cols = torch.empty(h, w, dtype=prod.dtype, device=s.device) if own else None
+            parts.append(triton_backend.epilogue_sigmoid_grad(s, r0, c0, rows, cols, g_row, bias_t, (g_rows, low, g_cols),
+                                                              _tile_factors(kops, r0, r1, c0, c1), plan.diagonal_offset, keys))
+            return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
+
+        gb, ga = gradient_sweep(prod, a, b, _edge(plan, rows, cols), False, grad_tile)
+        return gb, ga, torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+
+
+def _bias_vector(bias: Tensor | float, like: Tensor) -> Tensor:
+    """The logit bias as the kernels read it: a (1,) tensor of the statistics' dtype."""
+    if isinstance(bias, Tensor):
+        return bias.reshape(1).to(like.dtype)
+    return torch.full((1,), bias, dtype=like.dtype, device=like.device)
+
+
+def _sigmoid_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
+    """The ids the kernels compare (nothing for a strided diagonal or no positive at all)."""
+    from . import triton_backend  # imports triton: on the first call
+
+    positives = plan.positives
+    if isinstance(positives, KeyPositives) and plan.diagonal_offset is None:
+        return triton_backend.keys(positives.row_keys, positives.col_keys)
+    return {}
+
+
+#: The epilogue sigmoid executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+SIGMOID = EpilogueSigmoid()

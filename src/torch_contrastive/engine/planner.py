@@ -360,7 +360,7 @@ def plan(problem: Problem) -> AnyPlan:
                       half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,
                       traits=Traits(int(anchors.shape[-1]), softmax and stat.columns, problem.symmetric),
                       triton_serves=lambda: triton_refusal(problem),
-                      epilogue_serves=(lambda: epilogue_refusal(problem)) if softmax else None)
+                      epilogue_serves=(lambda: epilogue_refusal(problem)) if not isinstance(stat, PairTerms) else None)
     if softmax:
         return _cached_softmax_plan(problem, stat, decision)
     if isinstance(stat, PairTerms):
@@ -463,8 +463,8 @@ def triton_refusal(problem: Problem) -> str | None:
 
 
 def epilogue_refusal(problem: Problem) -> str | None:
-    """None when the epilogue kernels can run ``problem`` (a soft-max problem the Triton kernels
-    cover, without fp16 inputs), else why not."""
+    """None when the epilogue kernels can run ``problem`` (a soft-max or sigmoid problem the Triton
+    kernels cover, without fp16 inputs), else why not."""
     why = triton_refusal(problem)
     if why is not None:
         return why.replace("backend='triton'", "backend='epilogue'")

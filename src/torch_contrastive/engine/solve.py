@@ -45,4 +45,5 @@ EXECUTORS: dict[tuple[type, str], Any] = {
     (PairTerms, "triton"): triton_executors.PAIRS,
     (SigmoidPairs, "torch"): sigmoid.TORCH,
     (SigmoidPairs, "triton"): triton_executors.SIGMOID,
+    (SigmoidPairs, "epilogue"): epilogue.SIGMOID,
 }

@@ -159,6 +159,25 @@ def announced(name: str, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...]) 
             listener.launch_ends()
 
 
+@contextlib.contextmanager
+def rounded_by_torch(rows: Tensor, low: Tensor | None, cols: Tensor | None) -> Iterator[tuple[Tensor, Tensor | None, Tensor | None]]:
+    """The gradient tiles an epilogue kernel writes: ``(rows, low, cols)`` themselves on a GPU. The
+    interpreter (the CPU tests) does not round fp32 to half to nearest even as a GPU does: there the
+    kernel writes fp32 stand-ins (and no remainder), and torch rounds them into the tiles on exit --
+    the remainder taken from the rounded row tile: the GPU's numbers."""
+    if not (interpreting() and rows.dtype in (torch.float16, torch.bfloat16)):
+        yield rows, low, cols
+        return
+    wide_rows = torch.empty(rows.shape, device=rows.device)
+    wide_cols = None if cols is None else torch.empty(cols.shape, device=cols.device)
+    yield wide_rows, None, wide_cols
+    rows.copy_(wide_rows)
+    if low is not None:
+        low.copy_(wide_rows - rows.float())
+    if cols is not None and wide_cols is not None:
+        cols.copy_(wide_cols)
+
+
 def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``, announced (:func:`announced`) as one launch of the
     kernel's name that reads and writes no logit-sized tensor: the fused kernels form their

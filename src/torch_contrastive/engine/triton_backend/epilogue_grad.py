@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ...positives import PartnerPositives
 from ._configs import autotune, bucket, epilogue_tiles
-from ._host import DERIVED_EPILOGUE, announced, interpreting, keys, per_index, tl, triton
+from ._host import DERIVED_EPILOGUE, announced, keys, per_index, rounded_by_torch, tl, triton
 from ._tile import fold_columns, fold_rows, gradient_tile, related, valid_mask, with_factors
 
 
@@ -124,16 +124,6 @@ def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: li
         return (triton.cdiv(h, meta["BLOCK_M"]), triton.cdiv(w, meta["BLOCK_N"]))
 
     with announced("epilogue_grad", reads=(s,), writes=tuple(t for t in out if t is not None)):
-        # The interpreter (CPU tests) does not round fp32 to half as a GPU does (to nearest even):
-        # there the kernel stores fp32 and torch rounds, the remainder formed from the rounded tile.
-        widen = interpreting() and rows.dtype in (torch.float16, torch.bfloat16)
-        k_rows = torch.empty(rows.shape, device=rows.device) if widen else rows
-        k_cols = torch.empty(cols.shape, device=cols.device) if widen and cols is not None else cols
-        _epilogue_grad_kernel[grid](s, k_rows, None if widen else low, k_cols, fx, fy, fz, *row, h, w, k, r0, c0, n_rows,
-                                    n_cols, bucket(h, w), self_offset, **excluded, **(positive or {}))
-        if widen:
-            rows.copy_(k_rows)
-            if low is not None:
-                low.copy_(k_rows - rows.float())
-            if cols is not None and k_cols is not None:
-                cols.copy_(k_cols)
+        with rounded_by_torch(rows, low, cols) as (k_rows, k_low, k_cols):
+            _epilogue_grad_kernel[grid](s, k_rows, k_low, k_cols, fx, fy, fz, *row, h, w, k, r0, c0, n_rows, n_cols, bucket(h, w),
+                                        self_offset, **excluded, **(positive or {}))
