@@ -421,8 +421,8 @@ MUTATIONS = [
     Mutation(f"{E}/planner.py", "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)",
              "    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols)",
              "a problem counted small decides its relation's form at the counted size", ("tests/cli/test_traffic.py",)),
-    Mutation(f"{E}/planner.py", "                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,",
-             "                      half_ok=softmax, auto_triton=softmax,",
+    Mutation(f"{E}/planner.py", "                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),",
+             "                      half_ok=softmax, auto_triton=not isinstance(stat, SigmoidPairs),",
              "the pair terms (PML NT-Xent, NT-BXent) widen half rows to fp32 products on a GPU", ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/pairwise.py", "                return Gradients(prod.row_product(g + g.t()), None, True)",
              "                return Gradients(prod.row_product(g), None, True)",
@@ -471,6 +471,15 @@ MUTATIONS = [
              "        pos = pos", "epilogue SigLIP: the diagonal positives are scored as negatives", ("tests/engine/test_triton.py",)),
     Mutation(f"{E}/epilogue.py", "        split = prod.dtype in (torch.float16, torch.bfloat16) and isinstance(saved.scale, Tensor)",
              "        split = False", "epilogue SigLIP: a learned scale's gradient from bf16-rounded gradient tiles only", EPILOGUE_TESTS),
+    Mutation(f"{E}/epilogue.py", "    excluded = triton_backend.exclusion(Exclusion(relation=plan.positives))", "    excluded = {}",
+             "epilogue PML NT-Xent: the positives stay in the negatives' log-sum-exp", ("tests/engine/test_triton.py",)),
+    Mutation(f"{E}/triton_backend/pair_terms.py",
+             "        grad = tl.where(pos, -tl.sigmoid(-s) * g0[:, None], tl.where(neg, tl.sigmoid(s) * g1[:, None], 0.0))",
+             "        grad = tl.where(pos, -tl.sigmoid(-s) * g0[:, None], tl.where(neg, tl.sigmoid(s) * g0[:, None], 0.0))",
+             "NT-BXent kernels: the negatives' gradient weighted by the positives' incoming gradient", EPILOGUE_TESTS),
+    Mutation(f"{E}/planner.py", '    kind = traits.pairs or ("columns" if traits.columns else "rows")',
+             '    kind = "columns" if traits.columns else "rows"', "planner: the pair terms priced as soft-max row terms",
+             ("tests/engine/test_planner.py",)),
 ]
 
 

@@ -121,11 +121,13 @@ def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, c
     with open(tmp_path / "traffic.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["loss"] for r in rows if r["impl"] == "torch"] == list(LOSSES) == list(cases(4, 2))
-    assert [r["loss"] for r in rows if r["impl"] == "epilogue"] == list(EPILOGUE_LOSSES)
+    assert [r["loss"] for r in rows if r["impl"] == "epilogue"] == list(EPILOGUE_LOSSES) == list(LOSSES)
     assert {r["impl"] for r in rows} == {"torch", "epilogue", "dense"}
-    # one default per loss: at 96 rows the model keeps every loss on the torch loops
-    assert [r["loss"] for r in rows if r["default"] == "True"] == list(LOSSES)
-    assert all(r["impl"] == "torch" for r in rows if r["default"] == "True")
+    # one default per loss, the model's choice: at 96 rows the soft-max losses stay on the torch loops (fewer
+    # launches), the pair terms take the epilogue (fewer launches and passes than their torch loops)
+    defaults = {r["loss"]: r["impl"] for r in rows if r["default"] == "True"}
+    assert list(defaults) == list(LOSSES)
+    assert defaults == {"clip": "torch", "nt_xent": "torch", "supcon": "torch", "nt_xent_pml": "epilogue", "nt_bxent": "epilogue"}
     assert all(float(r["predicted_ms"]) > 0 and int(r["syncs"]) == 0 for r in rows)
     assert "prediction" in capsys.readouterr().out
     assert main(["bench", "--calibrate", "--out", str(tmp_path)]) == 2
@@ -216,18 +218,21 @@ def test_the_epilogue_path_moves_at_most_six_passes(name, n):
     """Issue 34's byte budget for the cuBLAS + epilogue path (bf16, the GPU plan at n rows, counted at 256
     and scaled): the GEMM writes a logit tile once and the epilogue reads it once; backward reads the
     kept or recomputed tile once and writes the gradient tiles once in bf16 for the GEMMs -- at most 6
-    fp32 passes (the dense formula: 10 to 13), at most 1.5x the dense formula's launches (plus, for a
-    label relation, the grouped form's own, which the model prefers at these sizes), no host sync."""
+    fp32 passes (the dense formula: 10 to 20), at most 1.5x the dense formula's launches (plus, for a
+    label relation, the grouped form's own, which the model prefers at these sizes), no host sync.
+    PML NT-Xent is a two-pass statistic (its pair terms need each row's final log-sum-exp of negatives):
+    over strips forward forms every tile twice, 8 passes. A grouped label relation's indexing adds ~0.03."""
     pytest.importorskip("triton")
     tiles = gpu_tiles(n, "epilogue")
     assert (tiles == 1) == (n == 8192)  # one tile kept from forward, and strips
     ours = count_loss(name, "epilogue", n, 48, at=256, tiles=tiles)
     dense = count_loss(name, "dense", n, 48, at=256)
-    assert ours.passes <= 6.0 and ours.passes < dense.passes, (ours.passes, dense.passes)
-    assert ours.ops.get("triton:epilogue_sums") and ours.ops.get("triton:epilogue_grad")
+    budget = 8.0 if name == "nt_xent_pml" and tiles > 1 else 6.0
+    assert ours.passes <= budget + 0.05 and ours.passes < dense.passes, (ours.passes, dense.passes)
+    assert any(op.startswith("triton:epilogue") and op.endswith("grad") for op in ours.ops)
     assert ours.gemm_flops.keys() == {"bfloat16"}  # every product on tensor cores: no fp32 mask product at this size
     if tiles == 1:
-        grouped = RELATION_FORMS.grouped_launches if name == "supcon" else 0
+        grouped = RELATION_FORMS.grouped_launches if name in ("supcon", "nt_xent_pml", "nt_bxent") else 0
         assert ours.launches <= 1.5 * dense.launches + grouped, (ours.launches, dense.launches)
     assert ours.syncs == 0
 
@@ -239,7 +244,9 @@ def test_the_planners_path_costs_are_the_counted_ones(key):
     a change to a path shows here until the table follows it."""
     pytest.importorskip("triton")
     kind, backend, operands = key
-    name, visited = ("clip", 16) if kind == "columns" else ("nt_xent", 10)  # a single set's triangle: 10 of 16
+    # a single set's triangle visits 10 of 16 tiles; the pair terms every tile
+    name, visited = {"columns": ("clip", 16), "rows": ("nt_xent", 10), "pair_softplus": ("nt_xent_pml", 16),
+                     "binary": ("nt_bxent", 16)}[kind]
     dtype = torch.bfloat16 if operands == "half" else torch.float32
     got = []
     for chunk in (None, 64):

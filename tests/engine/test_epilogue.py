@@ -201,7 +201,7 @@ def test_distributed_column_statistics_equal_the_torch_backend(fixed):
 @pytest.mark.parametrize("call,words", [
     (lambda x: tc.nt_xent_loss(x.half(), backend="epilogue"), "fp16"),
     (lambda x: tc.siglip_loss(x.half(), x.flip(0).half(), 10.0, -10.0, backend="epilogue"), "fp16"),
-    (lambda x: tc.nt_bxent_loss(x, labels=torch.arange(6, device=x.device) % 2, backend="epilogue"), "no epilogue kernels"),
+    (lambda x: tc.nt_bxent_loss(x.half(), labels=torch.arange(6, device=x.device) % 2, backend="epilogue"), "fp16"),
     (lambda x: softmax_terms(x, x, 1.0, self_offset=None, backend="epilogue",
                              exclude=Exclusion(relation=Positives.from_pairs(torch.tensor([[0, 1]]), 6, 6))), "'pairs' relation"),
 ])
@@ -303,3 +303,23 @@ def test_siglip_with_bf16_rows_and_a_learned_scale_and_bias(chunk):
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     for got, want in zip(grads[2:], ref_grads[2:]):
         assert got.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-6)
+
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("loss", ["pml", "nt_bxent"])
+def test_the_mask_in_tile_losses_with_bf16_rows(loss, chunk):
+    """PML NT-Xent and NT-BXent on the epilogue with bf16 rows and a learned temperature: raw bf16
+    products in fp32, the relation formed in registers, the gradient tiles rounded once per product
+    (with the rows' remainder) -- against the float64 formula."""
+    from reference import nt_bxent, nt_xent_pml
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 16, generator=g)
+    labels = torch.arange(40) % 6
+    if loss == "pml":
+        compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), chunk_size=chunk, backend="epilogue"),
+                lambda z, t: nt_xent_pml(z, labels, t), [x], 0.1, torch.bfloat16, (2e-5, 1e-2))
+    else:
+        compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), chunk_size=chunk, backend="epilogue"),
+                lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.1, torch.bfloat16, (2e-5, 1e-2))

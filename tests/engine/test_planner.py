@@ -284,6 +284,11 @@ def test_auto_on_a_gpu_takes_the_backend_the_model_predicts_fastest():
     assert _decide(CPU, torch.bfloat16, 65536, **serve).backend == "torch" and not _decide(CPU, torch.bfloat16, 65536,
                                                                                           **serve).predicted
     assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: None).backend == "torch"  # no traits: no model
+    # the pair terms: the torch loops and the epilogue are priced (the fused pair kernels are not)
+    pml = dict(kernel="pairwise", epilogue_serves=lambda: None, traits=planner.Traits(512, pairs="pair_softplus"))
+    assert _decide(CUDA, torch.bfloat16, 65536, **pml).backend == "epilogue"
+    assert [n for n, _ in _decide(CUDA, torch.bfloat16, 65536, **pml).predicted] == ["torch", "epilogue"]
+    assert _decide(CUDA, torch.bfloat16, 65536, **{**pml, "epilogue_serves": lambda: "no"}).backend == "torch"
 
 
 def test_a_kept_plan_is_never_another_problems():

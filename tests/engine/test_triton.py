@@ -364,13 +364,14 @@ def test_asymmetric_exclusions_read_right_in_the_column_pass(what, fixed, rows, 
 
 
 # ------------------------------------------------------------------ SigLIP's sigmoid kernels
-#: SigLIP's kernel schemes: the fused kernels (both schemes), and the epilogue kernels over strips of 16
-SIGLIP_SCHEMES = [(*case, "triton") for case in DTYPE_SCHEMES] + [(torch.float64, "fused", "epilogue"),
+#: The kernel schemes of SigLIP and the mask-in-tile losses: the fused kernels (both schemes), and the
+#: epilogue kernels over strips of 16 logit tiles from torch.mm
+KERNEL_SCHEMES = [(*case, "triton") for case in DTYPE_SCHEMES] + [(torch.float64, "fused", "epilogue"),
                                                                   (torch.float32, "fused", "epilogue")]
 
 
 @pytest.mark.parametrize("n,ids", [(1, "none"), (7, "none"), (45, "none"), (45, "image"), (70, "both"), (33, "negative_only")])
-@pytest.mark.parametrize("dtype,scheme_name,backend", SIGLIP_SCHEMES)
+@pytest.mark.parametrize("dtype,scheme_name,backend", KERNEL_SCHEMES)
 def test_siglip_on_triton_equals_the_float64_formula(n, ids, dtype, scheme_name, backend):
     """Values and gradients of inputs, scale and bias: positives on the diagonal, by ids (duplicates
     positive), or none (open_clip's negative-only term); sizes that leave ragged tiles -- the fused
@@ -444,17 +445,19 @@ def test_siglip_on_triton_keeps_the_small_terms_of_a_confident_model(backend):
 
 # ------------------------------------------------------------------ the mask-in-tile losses' kernels
 @pytest.mark.parametrize("n,classes", [(1, 1), (7, 3), (45, 4), (70, 70), (33, 1)])
-@pytest.mark.parametrize("dtype,scheme_name", DTYPE_SCHEMES)
-def test_labelled_nt_xent_and_nt_bxent_on_triton_equal_the_float64_formula(n, classes, dtype, scheme_name):
+@pytest.mark.parametrize("dtype,scheme_name,backend", KERNEL_SCHEMES)
+def test_labelled_nt_xent_and_nt_bxent_on_triton_equal_the_float64_formula(n, classes, dtype, scheme_name, backend):
     """PML's NT-Xent (one term per positive pair) and NT-BXent with labels: values and gradients of the
-    inputs and a tensor temperature; all one class (no negatives), all distinct (no positives), ragged tiles."""
+    inputs and a tensor temperature; all one class (no negatives), all distinct (no positives), ragged
+    tiles -- the fused kernels, and the epilogue kernels over strips of 16."""
     x = torch.randn(n, 12, generator=torch.Generator().manual_seed(n + classes), dtype=torch.float64)
     labels = torch.arange(n) % classes
     rtol, _ = TOLS[dtype]
+    chunk = 16 if backend == "epilogue" else None
     with _in_scheme(scheme_name):
-        compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), backend="triton"),
+        compare(lambda z, t: tc.nt_xent_loss(z, t, labels=labels.to(DEVICE), chunk_size=chunk, backend=backend),
                  lambda z, t: nt_xent_pml(z, labels, t), [x], 0.2, dtype, (rtol, 10 * rtol))
-        compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), backend="triton"),
+        compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), chunk_size=chunk, backend=backend),
                  lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.2, dtype, (rtol, 10 * rtol))
 
 
@@ -470,15 +473,16 @@ def _listed_pairs(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [1, 7, 45, 70])
-@pytest.mark.parametrize("dtype,scheme_name", DTYPE_SCHEMES)
-def test_nt_bxent_with_pos_indices_on_triton_equals_the_float64_formula(n, dtype, scheme_name):
+@pytest.mark.parametrize("dtype,scheme_name,backend", KERNEL_SCHEMES)
+def test_nt_bxent_with_pos_indices_on_triton_equals_the_float64_formula(n, dtype, scheme_name, backend):
     """NT-BXent's listed pairs: membership tested per tile from each row's sorted columns; repeats count
     once, self pairs not at all, a row's long list spans tiles; values and gradients (inputs and tau)."""
     x = torch.randn(n, 12, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     pairs = _listed_pairs(n)
     rtol, _ = TOLS[dtype]
     with _in_scheme(scheme_name):
-        compare(lambda z, t: tc.nt_bxent_loss(z, pairs.to(DEVICE), t, backend="triton"),
+        compare(lambda z, t: tc.nt_bxent_loss(z, pairs.to(DEVICE), t, chunk_size=16 if backend == "epilogue" else None,
+                                              backend=backend),
                  lambda z, t: nt_bxent(z, t, pos_indices=pairs), [x], 0.2, dtype, (rtol, 10 * rtol))
 
 

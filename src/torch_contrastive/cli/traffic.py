@@ -205,8 +205,8 @@ def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None
 #: What :func:`count_loss` counts: our default call (``"ours"``: the backend ``"auto"`` picks), our
 #: torch tile loops, the cuBLAS + epilogue path, the fused Triton kernels, the dense formula.
 IMPLS = ("ours", "torch", "epilogue", "triton", "dense")
-#: The losses the epilogue path runs (the log-sum-exp family; the pair terms have no epilogue yet).
-EPILOGUE_LOSSES = ("clip", "nt_xent", "supcon")
+#: The losses the epilogue path runs (every loss :func:`cases` builds).
+EPILOGUE_LOSSES = LOSSES
 
 
 def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int = 1) -> Counts:
@@ -246,19 +246,18 @@ def calibration(at: int = 1024) -> tuple[Gpu, float, list[tuple[Measured, Counts
 
 
 def _traits(name: str, dim: int) -> Traits:
-    return Traits(dim, columns=name == "clip", symmetric=name != "clip")
+    pairs = {"nt_xent_pml": "pair_softplus", "nt_bxent": "binary"}.get(name)
+    return Traits(dim, columns=name == "clip", symmetric=name in ("nt_xent", "supcon"), pairs=pairs)
 
 
 def _predicted(name: str, n: int, dim: int) -> tuple[tuple[str, float], ...]:
-    """The planner's predictions for one bf16 loss of :func:`cases` at ``n`` rows (soft-max losses only)."""
-    if name not in EPILOGUE_LOSSES:
-        return ()
+    """The planner's predictions for one bf16 loss of :func:`cases` at ``n`` rows."""
     return predictions(n, n, torch.bfloat16, torch.bfloat16, None, _traits(name, dim))
 
 
 def default_backend(name: str, n: int, dim: int) -> str:
     """The backend our default call picks on a GPU for one bf16 loss of :func:`cases` (every kernel
-    backend serving it): the model's fastest for the soft-max losses, torch for the rest."""
+    backend serving it): the model's fastest."""
     predicted = _predicted(name, n, dim)
     return min((t, b) for b, t in predicted)[1] if predicted else "torch"
 

@@ -116,7 +116,8 @@ class PathCost:
 
 
 #: The counts of each (problem kind, backend, operands): ``"columns"`` two sets with column terms (CLIP),
-#: ``"rows"`` row terms (a single set's triangle: NT-Xent; SupCon and InfoNCE cost about the same);
+#: ``"rows"`` row terms (a single set's triangle: NT-Xent; SupCon and InfoNCE cost about the same),
+#: the pair terms ``"pair_softplus"`` (PML NT-Xent) and ``"binary"`` (NT-BXent) with labels;
 #: operands ``"half"`` (bf16 on tensor cores) or ``"fp32"``. Counted 2026-11-24 at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
@@ -131,6 +132,10 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "epilogue", "fp32"): PathCost(66, 7.1, 6.0, 7.0, 3.0, 4.0),
     ("rows", "torch", "fp32"): PathCost(33, 16.4, 9.0, 8.25, 2.0, 2.25),
     ("rows", "epilogue", "fp32"): PathCost(38, 6.4, 5.0, 4.1, 2.0, 2.25),
+    ("pair_softplus", "torch", "half"): PathCost(63, 61.7, 46.75, 66.5, 2.0, 5.0),
+    ("pair_softplus", "epilogue", "half"): PathCost(55, 10.1, 6.5, 8.5, 3.0, 5.0),
+    ("binary", "torch", "half"): PathCost(62, 37.9, 41.75, 45.5, 2.0, 4.0),
+    ("binary", "epilogue", "half"): PathCost(54, 8.1, 5.5, 6.5, 3.0, 4.0),
 }
 
 

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..positives import KeyPositives, PartnerPositives
-from .driver import Operands, Saved
+from ..positives import Exclusion, KeyPositives, PartnerPositives
+from .driver import Gradients, Operands, Saved
 from .left_out import Direction, log_total
+from .pairwise import PairExecutor
 from .products import KernelOperands, Products, _mm32
 from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
@@ -36,9 +37,9 @@ from .softmax_tiles import complete_columns, fixed_lse
 from .tiling import Buffers, gradient_sweep, sweep
 
 if TYPE_CHECKING:
-    from .plans import SigmoidPlan, SoftmaxPlan
+    from .plans import PairPlan, SigmoidPlan, SoftmaxPlan
 
-__all__ = ["SIGMOID", "SOFTMAX", "EpilogueProducts", "GradTiles"]
+__all__ = ["PAIRS", "SIGMOID", "SOFTMAX", "EpilogueProducts", "GradTiles"]
 
 
 class GradTiles(NamedTuple):
@@ -107,7 +108,7 @@ def left_out(plan: SoftmaxPlan) -> dict[str, Any]:
     return out
 
 
-def _edge(plan: SoftmaxPlan | SigmoidPlan, rows: int, cols: int) -> int:
+def _edge(plan: SoftmaxPlan | SigmoidPlan | PairPlan, rows: int, cols: int) -> int:
     return plan.tile if plan.tile else max(rows, cols, 1)
 
 
@@ -306,3 +307,92 @@ def _sigmoid_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
 
 #: The epilogue sigmoid executor (the engine's registry, :data:`~.solve.EXECUTORS`).
 SIGMOID = EpilogueSigmoid()
+
+
+# ------------------------------------------------------------------ the mask-in-tile losses
+class EpiloguePairs(PairExecutor):
+    """PML NT-Xent's per-pair terms and NT-BXent's binary terms as cuBLAS GEMMs with Triton epilogues:
+    the relation formed in registers in every tile. PML NT-Xent's negatives' log-sum-exps come from
+    the soft-max epilogue (:func:`~.triton_backend.epilogue_sums`, the positives left out)."""
+
+    def terms(self, plan: PairPlan, ops: Operands) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+        from . import triton_backend  # imports triton: on the first call
+
+        raw = (ops.a,) if ops.b is None else (ops.a, ops.b)
+        kops = KernelOperands(plan, raw, ops.a_c, ops.b_c, ops.scale, ops.norms)
+        prod = EpilogueProducts(kops, ops.a_c)
+        rows, cols = ops.a_c.shape[0], ops.b_c.shape[0]
+        edge, binary = _edge(plan, rows, cols), plan.kernel == "binary"
+        relation, offset = triton_backend.relation_args(plan.positives), plan.positives.self_offset
+        kept: list[Tensor] = []
+        lse = None
+        if not binary:  # pass 1: the negatives' log-sum-exp (the positives and the self pair left out)
+            lse = _negatives_lse(prod, rows, cols, edge, plan, kept)
+            prod.kept = kept[0] if kept else None
+        out = ops.a_c.new_zeros(2 * rows)
+
+        def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+            if plan.single_tile and not kept:
+                kept.append(s)
+            fx, fy, _ = _tile_factors(kops, r0, r1, c0, c1)
+            triton_backend.epilogue_pair_sums(s, r0, c0, rows, cols, out, lse, None if fx is None or fy is None else (fx, fy),
+                                              offset, relation, binary)
+
+        sweep(prod, rows, cols, edge, False, visit)
+        keep = {"stats": () if lse is None else (lse, out[rows:]), "operands": raw if plan.operand_dtype is not None else (),
+                "logits": kept[0] if kept else None}
+        return ((out[:rows], out[rows:]) if binary else (out[:rows],)), keep
+
+    def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
+        from . import triton_backend  # imports triton: on the first call
+
+        a, b, keep = saved.a, saved.b, saved.keep
+        kops = KernelOperands(plan, tuple(keep["operands"]), a, b, saved.scale, saved.norms)
+        prod = EpilogueProducts(kops, a, keep["logits"])
+        rows, cols = a.shape[0], b.shape[0]
+        binary = plan.kernel == "binary"
+        relation, offset = triton_backend.relation_args(plan.positives), plan.positives.self_offset
+        incoming = tuple(triton_backend.per_index(g, rows, a.dtype) for g in grads[: 2 if binary else 1])
+        stats = (None, None) if binary else tuple(keep["stats"])
+        half = prod.dtype in (torch.float16, torch.bfloat16)
+        split = half and isinstance(saved.scale, Tensor)
+
+        def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> GradTiles:
+            h, w = r1 - r0, c1 - c0
+            g_rows = torch.empty(h, w, dtype=prod.dtype, device=s.device)
+            low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
+            g_cols = torch.empty(h, w, dtype=prod.dtype, device=s.device) if half and kops.factors is not None else None
+            triton_backend.epilogue_pair_grad(s, r0, c0, rows, cols, incoming, (stats[0], stats[1]), (g_rows, low, g_cols),
+                                              _tile_factors(kops, r0, r1, c0, c1), offset, relation, binary)
+            return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
+
+        gb, ga = gradient_sweep(prod, a, b, _edge(plan, rows, cols), False, grad_tile)
+        return Gradients(gb, ga)
+
+
+def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: int, plan: PairPlan, kept: list[Tensor]) -> Tensor:
+    """PML NT-Xent's pass 1: each row's log-sum-exp over its negatives (``-inf`` for a row without any),
+    the positives and the self pair left out in the soft-max epilogue; a single tile kept in ``kept``."""
+    from . import triton_backend  # imports triton: on the first call
+
+    dtype, device = prod.a.dtype, prod.a.device
+    run_max = torch.empty(rows, dtype=dtype, device=device) if plan.fixed else \
+        torch.full((rows,), torch.finfo(dtype).min, dtype=dtype, device=device)
+    run_sum = torch.zeros(rows, dtype=dtype, device=device)
+    excluded = triton_backend.exclusion(Exclusion(relation=plan.positives))
+
+    def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+        if plan.single_tile:
+            kept.append(s)
+        fx, fy, _ = _tile_factors(prod.ops, r0, r1, c0, c1)
+        triton_backend.epilogue_sums(s, r0, c0, rows, cols, (run_max[r0:r1], run_sum[r0:r1]), None,
+                                     None if fx is None or fy is None else (fx, fy), plan.positives.self_offset, excluded,
+                                     plan.fixed)
+
+    sweep(prod, rows, cols, edge, False, visit)
+    total = run_sum.log() if plan.fixed else run_sum.log() + run_max
+    return torch.where(run_sum > 0, total, float("-inf"))
+
+
+#: The epilogue pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+PAIRS = EpiloguePairs()

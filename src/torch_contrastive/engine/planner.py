@@ -189,11 +189,13 @@ def choose_backend(backend: str, triton_serves: Callable[[], str | None],
 
 class Traits(NamedTuple):
     """What the cost model needs of a problem besides its shape: the feature size, whether it has
-    column terms (two sets, CLIP) and whether it is a single set's triangle."""
+    column terms (two sets, CLIP), whether it is a single set's triangle, and for pair terms their
+    kernel (``"pair_softplus"``, ``"binary"``; None for the soft-max terms)."""
 
     dim: int = 0
     columns: bool = False
     symmetric: bool = False
+    pairs: str | None = None
 
 
 #: No traits: a decision without the cost model (``dim`` 0).
@@ -285,7 +287,7 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     """:func:`decide` without its cache."""
     chosen = choose_backend(backend, serves[0], serves[1])
     predicted: tuple[tuple[str, float], ...] = ()
-    if device.type == "cuda" and kernel == "softmax" and traits.dim > 0:
+    if device.type == "cuda" and kernel in ("softmax", "pairwise") and traits.dim > 0:
         predicted = predictions(rows, cols, dtype, other_dtype, chunk_size, traits)
     if chosen == "auto":
         chosen = "torch"
@@ -311,8 +313,8 @@ def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype,
 
 def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
                 traits: Traits, gpu: str = "H100") -> tuple[tuple[str, float], ...]:
-    """The cost model's time (seconds, a prediction) of each backend that has counts for this soft-max
-    problem (:data:`~.cost.PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available --
+    """The cost model's time (seconds, a prediction) of each backend that has counts for this soft-max or
+    pair-term problem (:data:`~.cost.PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available --
     the H100's constants for any CUDA device until others are measured. Half operands of one dtype are
     priced as tensor-core products; fp32 as fp32 (the fused kernels are counted for half operands only);
     fp64 is not priced."""
@@ -322,7 +324,7 @@ def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dty
         operands, name = "fp32", "float32"
     else:
         return ()
-    kind = "columns" if traits.columns else "rows"
+    kind = traits.pairs or ("columns" if traits.columns else "rows")
     out = []
     for backend in ("torch", "epilogue", "triton"):
         path = PATHS.get((kind, backend, operands))
@@ -357,10 +359,11 @@ def plan(problem: Problem) -> AnyPlan:
     decision = decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
                       other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
                       bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
-                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=softmax,
-                      traits=Traits(int(anchors.shape[-1]), softmax and stat.columns, problem.symmetric),
+                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),
+                      traits=Traits(int(anchors.shape[-1]), softmax and stat.columns, problem.symmetric,
+                                    stat.kernel if isinstance(stat, PairTerms) else None),
                       triton_serves=lambda: triton_refusal(problem),
-                      epilogue_serves=(lambda: epilogue_refusal(problem)) if not isinstance(stat, PairTerms) else None)
+                      epilogue_serves=lambda: epilogue_refusal(problem))
     if softmax:
         return _cached_softmax_plan(problem, stat, decision)
     if isinstance(stat, PairTerms):
@@ -463,8 +466,8 @@ def triton_refusal(problem: Problem) -> str | None:
 
 
 def epilogue_refusal(problem: Problem) -> str | None:
-    """None when the epilogue kernels can run ``problem`` (a soft-max or sigmoid problem the Triton
-    kernels cover, without fp16 inputs), else why not."""
+    """None when the epilogue kernels can run ``problem`` (a problem the Triton kernels cover, without
+    fp16 inputs), else why not."""
     why = triton_refusal(problem)
     if why is not None:
         return why.replace("backend='triton'", "backend='epilogue'")

@@ -43,6 +43,7 @@ EXECUTORS: dict[tuple[type, str], Any] = {
     (Softmax, "epilogue"): epilogue.SOFTMAX,
     (PairTerms, "torch"): pairwise.TORCH,
     (PairTerms, "triton"): triton_executors.PAIRS,
+    (PairTerms, "epilogue"): epilogue.PAIRS,
     (SigmoidPairs, "torch"): sigmoid.TORCH,
     (SigmoidPairs, "triton"): triton_executors.SIGMOID,
     (SigmoidPairs, "epilogue"): epilogue.SIGMOID,

@@ -53,6 +53,26 @@ def fold_rows(g, rows, n_rows, f_ptr):
 
 
 @triton.jit
+def store_gradient_tiles(g, local_r, local_c, tile_rows, tile_cols, col_width, rows_ptr, low_ptr, cols_ptr, fy_ptr, fz_ptr,
+                         ACC: tl.constexpr):
+    """An epilogue's gradient tile, written once in the GEMM operand dtype: ``G diag(fy)`` for the row
+    product (and its rounding remainder when ``low_ptr`` is given), ``diag(fz) G`` for the column
+    product over its first ``col_width`` columns when ``cols_ptr`` is given (row-major, widths
+    ``tile_cols`` and ``col_width``)."""
+    inside = (local_r[:, None] < tile_rows) & (local_c[None, :] < tile_cols)
+    at = local_r[:, None] * tile_cols + local_c[None, :]
+    g_rows = fold_columns(g, local_c, tile_cols, fy_ptr)
+    high = g_rows.to(rows_ptr.dtype.element_ty)
+    tl.store(rows_ptr + at, high, mask=inside)
+    if low_ptr is not None:  # the rounding remainder of the row product's tile
+        tl.store(low_ptr + at, (g_rows - high.to(ACC)).to(low_ptr.dtype.element_ty), mask=inside)
+    if cols_ptr is not None:
+        g_cols = fold_rows(g, local_r, tile_rows, fz_ptr)
+        tl.store(cols_ptr + local_r[:, None] * col_width + local_c[None, :], g_cols.to(cols_ptr.dtype.element_ty),
+                 mask=(local_r[:, None] < tile_rows) & (local_c[None, :] < col_width))
+
+
+@triton.jit
 def softplus(x):
     """``max(x, 0) + log1p(exp(-|x|))`` with ``log1p`` by Kahan's trick (exact for tiny
     arguments): a confident pair's small term is kept, never rounded to 0; ``softplus(-inf) = 0``."""

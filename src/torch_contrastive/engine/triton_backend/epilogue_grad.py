@@ -24,7 +24,7 @@ from torch import Tensor
 from ...positives import PartnerPositives
 from ._configs import autotune, bucket, epilogue_tiles
 from ._host import DERIVED_EPILOGUE, announced, keys, per_index, rounded_by_torch, tl, triton
-from ._tile import fold_columns, fold_rows, gradient_tile, related, valid_mask, with_factors
+from ._tile import gradient_tile, related, store_gradient_tiles, valid_mask, with_factors
 
 
 @autotune(epilogue_tiles(), key=["bucket"])
@@ -52,16 +52,7 @@ def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz
     if c_row_ptr is not None:  # the positive part's coefficients, added before the tile is rounded
         g = g + positive_part(rows, cols, n_rows, n_cols, inside, pos_rk0, pos_ck0, pos_rk1, pos_ck1, pos_partner, pos_offset,
                               c_row_ptr, c_col_ptr)
-    at = local_r[:, None] * tile_cols + local_c[None, :]
-    g_rows = fold_columns(g, local_c, tile_cols, fy_ptr)
-    high = g_rows.to(rows_ptr.dtype.element_ty)
-    tl.store(rows_ptr + at, high, mask=inside)
-    if low_ptr is not None:  # the rounding remainder of the row product's tile
-        tl.store(low_ptr + at, (g_rows - high.to(ACC)).to(low_ptr.dtype.element_ty), mask=inside)
-    if cols_ptr is not None:  # the column product's own tile: its first col_width columns
-        g_cols = fold_rows(g, local_r, tile_rows, fz_ptr)
-        tl.store(cols_ptr + local_r[:, None] * col_width + local_c[None, :], g_cols.to(cols_ptr.dtype.element_ty),
-                 mask=r_in[:, None] & (local_c[None, :] < col_width))
+    store_gradient_tiles(g, local_r, local_c, tile_rows, tile_cols, col_width, rows_ptr, low_ptr, cols_ptr, fy_ptr, fz_ptr, ACC)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._configs import autotune, bucket, epilogue_tiles
 from ._host import DERIVED_EPILOGUE, announced, rounded_by_torch, tl, triton
-from ._tile import fold_columns, fold_rows
+from ._tile import store_gradient_tiles
 from .epilogue_sigmoid_sums import signed_logits
 
 
@@ -34,14 +34,7 @@ def _epilogue_sigmoid_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, part_ptr, 
     g_row = tl.load(g_ptr + rows, mask=rows < n_rows, other=0.0)
     grad = tl.where(inside, tl.sigmoid(signed) * tl.where(pos, -g_row[:, None], g_row[:, None]), 0.0)
     tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(grad, axis=1), axis=0))
-    at = local_r[:, None] * tile_cols + local_c[None, :]
-    g_rows = fold_columns(grad, local_c, tile_cols, fy_ptr)
-    high = g_rows.to(rows_ptr.dtype.element_ty)
-    tl.store(rows_ptr + at, high, mask=inside)
-    if low_ptr is not None:
-        tl.store(low_ptr + at, (g_rows - high.to(ACC)).to(low_ptr.dtype.element_ty), mask=inside)
-    if cols_ptr is not None:
-        tl.store(cols_ptr + at, fold_rows(grad, local_r, tile_rows, fz_ptr).to(cols_ptr.dtype.element_ty), mask=inside)
+    store_gradient_tiles(grad, local_r, local_c, tile_rows, tile_cols, tile_cols, rows_ptr, low_ptr, cols_ptr, fy_ptr, fz_ptr, ACC)
 
 
 def epilogue_sigmoid_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, g_row: Tensor, bias: Tensor,

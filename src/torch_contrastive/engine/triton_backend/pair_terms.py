@@ -28,7 +28,7 @@ from .tile_sums import GROUP
 
 
 @triton.jit
-def _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset):
+def relation_masks(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset):
     """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither.
     Positives by listed pairs (``pair_ptr`` given), else by keys or a partner."""
     r_ok = rows < n_rows
@@ -51,7 +51,7 @@ def _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner
     cols = bj * BLOCK + tl.arange(0, BLOCK)
     s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
     s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
-    pos, neg = _relation(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset)
+    pos, neg = relation_masks(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset)
     return rows, cols, s, pos, neg
 
 
@@ -113,6 +113,14 @@ def _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_
     """Tile ``(bi, bj)``'s gradient ``G = d loss / d S`` (see :func:`pair_grad`), with its rows and columns."""
     rows, cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col,
                                          n_rows, n_cols, d, self_offset, ACC, PRECISION, BLOCK, BLOCK_D)
+    return rows, cols, pair_gradient(s, rows, pos, neg, n_rows, lse_ptr, w_ptr, g0_ptr, g1_ptr, BINARY)
+
+
+@triton.jit
+def pair_gradient(s, rows, pos, neg, n_rows, lse_ptr, w_ptr, g0_ptr, g1_ptr, BINARY: tl.constexpr):
+    """``G = d loss / d S`` of a block with its positive and negative masks: NT-BXent's
+    ``-sigmoid(-S) g0_i`` / ``sigmoid(S) g1_i``, or PML NT-Xent's ``e^{S_in - L_i} w_i g_i`` on negatives
+    and ``-sigmoid(L_i - S_ip) g_i`` on positives (0 elsewhere)."""
     row_ok = rows < n_rows
     g0 = tl.load(g0_ptr + rows, mask=row_ok, other=0.0)
     if BINARY:
@@ -126,7 +134,7 @@ def _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_
         shift = tl.where(has_neg, lse, 0.0)
         grad = tl.where(neg, tl.exp(s - shift[:, None]) * factor[:, None],
                         tl.where(pos, -tl.sigmoid(lse[:, None] - s) * g0[:, None], 0.0))
-    return rows, cols, grad
+    return grad
 
 
 @autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
@@ -177,7 +185,7 @@ _pair_grad_rows_kernel = autotune(owned_outputs())(_pair_grad_owned)
 _pair_grad_cols_kernel = autotune(owned_outputs())(_pair_grad_owned)
 
 
-def _relation_args(positives: Any) -> dict[str, Any]:
+def relation_args(positives: Any) -> dict[str, Any]:
     """The positive relation as the kernels read it, by name: keys, a partner or listed pairs."""
     if isinstance(positives, KeyPositives):
         return keys(positives.row_keys, positives.col_keys)
@@ -204,7 +212,7 @@ def pair_sums(x_scaled: Tensor, y: Tensor, positives: Any, binary: bool, lse: Te
     owned = not fused()
     kernel = _pair_sums_owned_kernel if owned else _pair_sums_kernel
     launch(kernel, tile_grid(r, c, owned), x, yy, out, None if lse is None else lse.contiguous(), fx, fy, r, c, d, bucket(r, c),
-                                   positives.self_offset, BINARY=binary, OWNED=owned, GROUP=GROUP, **_relation_args(positives))
+                                   positives.self_offset, BINARY=binary, OWNED=owned, GROUP=GROUP, **relation_args(positives))
     return out[:r], out[r:]
 
 
@@ -224,7 +232,7 @@ def pair_grad(x_scaled: Tensor, y: Tensor, z: Tensor, positives: Any, binary: bo
     fx, fy, fz = factors if factors is not None else (None, None, None)
     stats = (None if lse is None else lse.contiguous(), None if weight is None else weight.contiguous(), g0, g1, fx, fy, fz,
              r, c, d, bucket(r, c), positives.self_offset)
-    common = dict(BINARY=binary, FACTORS=gradient_factors(factors, x_scaled), **_relation_args(positives))
+    common = dict(BINARY=binary, FACTORS=gradient_factors(factors, x_scaled), **relation_args(positives))
     if fused():
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
         gb = torch.zeros(c, d, dtype=dtype, device=x.device)
