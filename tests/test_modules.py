@@ -35,6 +35,20 @@ def test_learnable_temperature_is_a_parameter(cls):
     assert list(fixed.parameters()) == [] and "temperature=0.2" in repr(fixed)
 
 
+@pytest.mark.parametrize("cls", [tc.NTXentLoss, tc.ClipLoss, tc.SupConLoss])
+def test_a_learnable_temperature_starts_inside_its_clamp(cls):
+    """The learnable logit scale is clamped at 100 (CLIP's): a start below temperature 0.01 would sit on
+    the clamp with a zero gradient, so the constructor refuses it; 0.01 itself learns."""
+    with pytest.raises(ValueError, match=r"temperature must be at least 0\.01 with learnable_temperature=True"):
+        cls(0.001, learnable_temperature=True)
+    m = cls(0.01, learnable_temperature=True)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    loss = m(x, x.flip(0)) if cls is tc.ClipLoss else m(x.reshape(4, 2, 4)) if cls is tc.SupConLoss else m(x)
+    loss.backward()
+    assert m.logit_scale.grad is not None and m.logit_scale.grad.abs().item() > 0
+    assert cls(0.001)(x, x.flip(0)).item() > 0 if cls is tc.ClipLoss else True  # a fixed temperature has no clamp
+
+
 def test_temperature_gradient_reaches_logit_scale():
     torch.manual_seed(1)
     m = tc.SupConLoss(0.2, learnable_temperature=True)

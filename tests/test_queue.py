@@ -84,6 +84,7 @@ def test_moco_step_with_the_queue_equals_the_formula():
 
     g = torch.Generator().manual_seed(0)
     queue = tc.FeatureQueue(16, 5, dtype=torch.float64)
+    queue.push(torch.randn(4, 5, generator=g, dtype=torch.float64))  # an empty queue gives no negative: a ValueError
     for _ in range(3):
         q, k = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 5, generator=g, dtype=torch.float64)
         negs = queue.features.clone()

@@ -3,7 +3,8 @@
 Each module stores its options -- validated once, at construction -- and, optionally,
 a learnable temperature in CLIP's parameterisation (``logit_scale = log(1 / tau)``,
 initialised from ``temperature`` and clamped at ``log(100)`` when used, as OpenAI's
-CLIP does). ``forward`` accepts the call forms of the peer libraries:
+CLIP does; a start below temperature 0.01 is a ``ValueError``: the clamp would hold it there, without
+a gradient). ``forward`` accepts the call forms of the peer libraries:
 ``loss(embeddings, labels)`` (pytorch-metric-learning), ``loss(features, labels)`` /
 ``loss(features, mask=...)`` (the SupCon authors), ``loss(image_features,
 text_features)`` (open_clip).
@@ -31,6 +32,9 @@ __all__ = ["ClipLoss", "DCLLoss", "DCLWLoss", "ImageTextContrastiveLoss", "InfoN
 
 #: CLIP clamps its logit scale at 100 (temperature 0.01).
 MAX_LOGIT_SCALE = math.log(100.0)
+#: The lowest start of a learnable temperature: the clamp's (a start below it would be clamped and
+#: never move).
+MIN_LEARNABLE_TEMPERATURE = 0.01
 
 
 def _check_temperature(temperature: object, name: str = "temperature") -> float:
@@ -57,6 +61,10 @@ class _Loss(nn.Module):
                                        grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend)
         self.learnable = bool(learnable_temperature)
         if self.learnable:
+            # the clamp (CLIP's logit scale <= 100) would hide a start below 0.01 and give it no gradient
+            if temperature < MIN_LEARNABLE_TEMPERATURE:
+                raise ValueError(f"temperature must be at least {MIN_LEARNABLE_TEMPERATURE} with learnable_temperature=True "
+                                 f"(the learnable logit scale is clamped at 100, as CLIP's), got {temperature}")
             self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
         else:
             self.fixed_temperature = temperature

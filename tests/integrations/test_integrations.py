@@ -198,6 +198,17 @@ def test_open_clip_forms_match_single_process(oc_ref, device):
     assert set(oc.ClipLoss()(image, text, scale, output_dict=True)) == {"contrastive_loss"}
 
 
+@pytest.mark.parametrize("scale,exc,words", [(torch.ones(2), ValueError, "logit_scale must be a scalar"),
+                                             (0.0, ValueError, "logit_scale must be positive"),
+                                             (float("nan"), ValueError, "logit_scale must be positive"),
+                                             (None, TypeError, "logit_scale must be a positive float"),
+                                             (torch.tensor([1, 2]), ValueError, "logit_scale must be a scalar")])
+def test_open_clip_loss_checks_logit_scale_in_its_own_name(scale, exc, words):
+    x = torch.nn.functional.normalize(torch.randn(6, 4), dim=1)
+    with pytest.raises(exc, match=words):
+        oc.ClipLoss()(x, x.flip(0), scale)
+
+
 def _open_clip_ranks(rank, world):
     ref_module = open_clip_loss()
     image, text = _unit_leaves(4 * world, 5)

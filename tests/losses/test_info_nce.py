@@ -105,10 +105,12 @@ def test_empty_queue_and_learnable_temperature():
     q, key, _neg = _inputs(6, 0, 0, seed=2, paired=False)
     q.requires_grad_()
     empty = torch.zeros(0, 5, dtype=torch.float64)
-    # MoCo's first step: only the positive -> exactly 0, zero gradient
-    loss = tc.info_nce_loss(q, key, empty, 0.1, in_batch_negatives=False)
-    loss.backward()
-    assert loss.item() == 0.0 and q.grad.abs().max().item() == 0.0
+    # an empty pool as the only negatives: no loss to compute -- said as for negatives=None
+    for pool in (empty, None):
+        with pytest.raises(ValueError, match=r"in_batch_negatives=False .*identically 0"):
+            tc.info_nce_loss(q, key, pool, 0.1, in_batch_negatives=False)
+    with pytest.raises(ValueError, match="empty negatives pool"):
+        tc.InfoNCELoss(0.1, in_batch_negatives=False)(q, key, tc.FeatureQueue(8, 5).features.double())
     # in-batch with an empty pool: the plain in-batch loss
     assert tc.info_nce_loss(q, key, empty, 0.1).item() == pytest.approx(tc.info_nce_loss(q, key, None, 0.1).item(), rel=1e-12)
     module = tc.InfoNCELoss(0.1, learnable_temperature=True, in_batch_negatives=False).double()

@@ -31,11 +31,13 @@ gradients, whatever ``dist_impl`` moves the texts. Memory is O(N * D) in every c
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .. import _validation as v
 from ..distributed import is_active
 from ..losses import clip_loss, siglip_loss
 from ._strips import per_row_losses
@@ -88,7 +90,7 @@ class ClipLoss(nn.Module):
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: float | Tensor,
                 logit_bias: float | Tensor | None = None, output_dict: bool = False) -> Tensor | dict[str, Tensor]:
         # A bias shared by every logit cancels in each softmax: it changes neither value nor gradient.
-        temperature = 1.0 / logit_scale
+        temperature = 1.0 / _checked_scale(logit_scale)
         common: dict[str, Any] = {"normalize": False, "chunk_size": self.chunk_size, "backend": self.backend}
         if not _check_group(self.rank, self.world_size):
             loss = clip_loss(image_features, text_features, temperature, **common)
@@ -100,6 +102,19 @@ class ClipLoss(nn.Module):
         else:
             loss = _local_detached(image_features, text_features, logit_scale, self.rank, self.chunk_size)
         return _output(loss, output_dict, "contrastive_loss")
+
+
+def _checked_scale(logit_scale: object) -> float | Tensor:
+    """open_clip's ``logit_scale`` (the multiplier) checked in its own name: a positive finite float or a
+    one-element floating tensor (whose value the loss checks with its other device values, as ``1 /
+    temperature``)."""
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float, Tensor)):
+        raise TypeError(f"logit_scale must be a positive float or a 0-dim tensor, got {type(logit_scale).__name__}")
+    if isinstance(logit_scale, Tensor):
+        return v.check_scalar_tensor(logit_scale, "logit_scale")
+    if not math.isfinite(logit_scale) or logit_scale <= 0:
+        raise ValueError(f"logit_scale must be positive and finite, got {logit_scale}")
+    return float(logit_scale)
 
 
 def _local_detached(image: Tensor, text: Tensor, logit_scale: float | Tensor, rank: int, chunk_size: int | None) -> Tensor:

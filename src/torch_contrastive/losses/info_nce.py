@@ -166,7 +166,10 @@ def _check_inputs(query: Tensor, key: Tensor, negatives: Tensor | None, negative
             v.check_embeddings(negatives, "negatives", empty_rows=True)
         if negatives.shape[-1] != d:
             raise ValueError(f"negatives must have feature size {d} (as query), got {negatives.shape[-1]}")
-    elif not in_batch_negatives:
-        raise ValueError("in_batch_negatives=False needs negatives: otherwise a query's only candidate is its own key "
-                         "and the loss is identically 0")
+    no_negatives = negatives is None or negatives.shape[-2] == 0
+    if no_negatives and not in_batch_negatives:
+        # one answer whichever way the caller got here: no argument, or an empty pool (a fresh queue)
+        given = "needs negatives" if negatives is None else "got an empty negatives pool (a queue not yet filled?)"
+        raise ValueError(f"in_batch_negatives=False {given}: a query's only candidate is then its own key and the loss "
+                         "is identically 0")
     return n, paired
