@@ -324,3 +324,38 @@ def test_single_class_convention_matches_pml(device):
         tc.supcon_loss(x, same, single_class="pml")
     with pytest.raises(ValueError, match="ref_labels"):
         tc.supcon_loss(x, same, ref_emb=x)
+
+
+_Q = torch.nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), dim=1)
+_D = torch.nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), dim=1)
+_BOTH = ("query_to_doc", "doc_to_query")
+
+
+def _nan_rows(x):
+    out = x.clone()
+    out[2, 1] = float("nan")
+    return out
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(queries=_nan_rows(_Q)), ValueError, "queries has non-finite values"),
+    (dict(docs=[_D, _nan_rows(_D)]), ValueError, r"docs\[1\] has non-finite values"),
+    (dict(queries=_Q[:0]), ValueError, "queries must not be empty"),
+    (dict(scale=float("inf")), ValueError, "scale must be a positive finite float"),
+    (dict(hardness_mode="all_negatives", hardness_strength=float("inf")), ValueError, "hardness_strength must be a finite"),
+    (dict(queries=_Q * 1e19, docs=[_D * 1e19], similarity="dot"), ValueError, "the logits overflow"),
+    (dict(similarity="bogus"), ValueError, "similarity must be one of"),
+    (dict(docs=[_D[:, :3]]), ValueError, r"queries and docs\[0\] must have the same feature dimension"),
+    (dict(docs=[_D[:5]]), ValueError, "docs\\[0\\]"),
+    (dict(queries=torch.ones(6, 4, dtype=torch.int64)), TypeError, "queries must be a floating-point tensor"),
+    (dict(queries=_Q[0]), ValueError, "queries must have 2 dimensions"),
+    (dict(docs=_D), TypeError, "docs must be a list"),
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+])
+def test_mnrl_loss_checks_every_direction_as_the_default_one(kwargs, exc, words):
+    """Every option of mnrl_loss goes through the core losses' checks, whatever its directions: bad
+    inputs are clear errors naming the argument, never a NaN loss or a torch-internal message."""
+    args = {"queries": _Q, "docs": [_D], "directions": _BOTH, **kwargs}
+    queries, docs = args.pop("queries"), args.pop("docs")
+    with pytest.raises(exc, match=words):
+        ours_st.mnrl_loss(queries, docs, **args)

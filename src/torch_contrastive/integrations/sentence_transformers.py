@@ -24,6 +24,7 @@ features dict to ``{"sentence_embedding": (B, D)}``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _validation as v
 from ..distributed import all_gather_with_grad, is_active
 from ..grad_cache import RngSnapshot
 from ..losses import info_nce_loss
@@ -54,8 +56,8 @@ def _similarity_name(similarity_fct: Callable[..., Tensor] | str) -> str:
 
 def _check_mnrl(scale: float, directions: tuple[str, ...], partition_mode: str, hardness_mode: str | None,
                 hardness_strength: float) -> tuple[str, ...]:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     directions = tuple(directions)
     if not directions or any(d not in DIRECTIONS for d in directions):
         raise ValueError(f"directions must be a non-empty tuple drawn from {DIRECTIONS}, got {directions!r}")
@@ -68,9 +70,38 @@ def _check_mnrl(scale: float, directions: tuple[str, ...], partition_mode: str, 
                          "'query_to_query' and 'doc_to_doc' do not (use partition_mode='joint')")
     if hardness_mode not in HARDNESS_MODES:
         raise ValueError(f"hardness_mode must be one of {HARDNESS_MODES}, got {hardness_mode!r}")
-    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)) or not hardness_strength >= 0:
-        raise ValueError(f"hardness_strength must be a float >= 0, got {hardness_strength!r}")
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)) \
+            or not 0 <= hardness_strength < math.inf:
+        raise ValueError(f"hardness_strength must be a finite float >= 0, got {hardness_strength!r}")
     return directions
+
+
+def _check_mnrl_inputs(queries: object, docs: object, similarity: object, chunk_size: object) -> list[Tensor]:
+    """The tensors and options every direction reads, checked in the caller's words before any work
+    (the default direction's :func:`~torch_contrastive.info_nce_loss` checks them again, as its own)."""
+    q = v.check_embeddings(queries, "queries")
+    if not isinstance(docs, (list, tuple)):
+        raise TypeError(f"docs must be a list of (B, D) tensors (the positives first), got {type(docs).__name__}")
+    if not docs:
+        raise ValueError("docs must hold at least the positive column")
+    for i, doc in enumerate(docs):
+        d = v.check_embeddings(doc, f"docs[{i}]")
+        v.check_same_rows(q, "queries", d, f"docs[{i}]")  # rows and feature size
+    v.check_choice(similarity, "similarity", ("cosine", "dot"))
+    v.check_chunk_size(chunk_size)
+    return list(docs)
+
+
+def _finite_or_why(loss: Tensor, queries: Tensor, docs: list[Tensor], similarity: str) -> Tensor:
+    """``loss``, or a ``ValueError`` that says why it is not finite: one host read, as the core losses'
+    validation (a non-finite input, or -- for dot products -- logits that overflow)."""
+    if bool(torch.isfinite(loss.detach())):
+        return loss
+    for name, t in (("queries", queries), *((f"docs[{i}]", d) for i, d in enumerate(docs))):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} has non-finite values (NaN or inf)")
+    raise ValueError(f"the logits overflow (scale x {similarity} similarity is not finite in the input dtype): use "
+                     "similarity='cosine', a smaller scale or a wider dtype")
 
 
 def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, similarity: str = "cosine",
@@ -109,8 +140,7 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
         0-dim fp32 loss.
     """
     directions = _check_mnrl(scale, directions, partition_mode, hardness_mode, hardness_strength)
-    if not docs:
-        raise ValueError("docs must hold at least the positive column")
+    docs = _check_mnrl_inputs(queries, docs, similarity, chunk_size)
     cols = [d.to(queries.dtype) for d in docs]
     weighted = hardness_mode is not None and hardness_strength > 0
     if directions == ("query_to_doc",) and not weighted and not (gather and is_active()):
@@ -154,7 +184,8 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
 
     width = all_docs.shape[0] * (1 + ("doc_to_doc" in directions)) + world * (
         ("query_to_query" in directions) + ("doc_to_query" in directions))
-    return per_row_losses(row_loss, batch, width, (queries, all_queries, positives, all_docs), chunk_size).mean()
+    loss = per_row_losses(row_loss, batch, width, (queries, all_queries, positives, all_docs), chunk_size).mean()
+    return _finite_or_why(loss, queries, cols, similarity)
 
 
 def _own_docs(own: Tensor, world: int, n_cols: int) -> Tensor:
