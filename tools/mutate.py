@@ -480,6 +480,15 @@ MUTATIONS = [
     Mutation(f"{E}/planner.py", '    kind = traits.pairs or ("columns" if traits.columns else "rows")',
              '    kind = "columns" if traits.columns else "rows"', "planner: the pair terms priced as soft-max row terms",
              ("tests/engine/test_planner.py",)),
+    # issue 36: every door refuses what cannot give a right result
+    Mutation(f"{PKG}/modules.py", "            if temperature < MIN_LEARNABLE_TEMPERATURE:", "            if False:",
+             "a learnable temperature may start below its clamp (it never moves)", ("tests/test_modules.py",)),
+    Mutation(f"{PKG}/losses/info_nce.py", "    no_negatives = negatives is None or negatives.shape[-2] == 0",
+             "    no_negatives = negatives is None", "an empty negatives pool without in-batch negatives is a silent 0",
+             ("tests/losses/test_info_nce.py",)),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "    docs = _check_mnrl_inputs(queries, docs, similarity, chunk_size)",
+             "    docs = list(docs)", "mnrl_loss: the non-default directions skip the input checks",
+             ("tests/integrations/test_integrations.py",)),
 ]
 
 
