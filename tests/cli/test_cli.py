@@ -27,12 +27,22 @@ def test_explain_single_loss_and_labels(capsys):
     (["explain", "--labels", "a,b"], "integers"),
     (["explain", "--loss", "triplet"], "invalid choice"),
     (["explain", "--rows", "1"], "--rows"),
+    (["explain", "--rows", "3"], "--rows must be even for the NT-Xent pairing rules"),
+    (["explain", "--dim", "0"], "argument --dim: expected a positive integer"),
+    (["bench", "--sizes", "0", "--loss", "clip"], "argument --sizes: expected comma-separated even batch sizes"),
+    (["bench", "--small", "--sizes", "0"], "argument --sizes"),
+    (["bench", "--sizes", "33"], "argument --sizes"),
 ])
 def test_explain_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_explain_odd_rows_for_the_label_conventions(capsys):
+    assert main(["explain", "--rows", "5", "--loss", "supcon"]) == 0
+    assert "supcon_loss" in capsys.readouterr().out
 
 
 def test_explain_label_count_mismatch(capsys):

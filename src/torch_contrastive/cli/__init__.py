@@ -17,7 +17,7 @@ import torch
 
 from .. import losses
 from ..positives import Positives
-from ._argtypes import int_list, positive_float
+from ._argtypes import int_list, positive_float, positive_int
 
 LOSS_CHOICES = ("all", "nt_xent", "nt_xent_halves", "nt_xent_pml", "supcon", "nt_bxent")
 SEED000_POS = [(0, 0), (0, 2), (0, 4), (1, 4), (1, 6), (1, 1), (2, 3), (3, 7), (4, 3), (7, 6)]
@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("explain", help="show the similarity matrix, positive masks and each convention's loss")
-    p.add_argument("--rows", type=int, default=8, help="batch rows (default 8: the NT-BXent write-up's batch)")
-    p.add_argument("--dim", type=int, default=2, help="embedding size (default 2)")
+    p.add_argument("--rows", type=positive_int, default=8,
+                   help="batch rows (default 8: the NT-BXent write-up's batch; even for the NT-Xent pairing rules)")
+    p.add_argument("--dim", type=positive_int, default=2, help="embedding size (default 2)")
     p.add_argument("--seed", type=int, default=21, help="torch.manual_seed (default 21 reproduces the NT-BXent write-up's batch)")
     p.add_argument("--labels", type=int_list, default=None, help="comma-separated labels, one per row")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="tau (default 1.0)")
@@ -123,8 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "rows", 2) < 2 and args.command == "explain":
-        parser.error("--rows must be at least 2")
+    if args.command == "explain":
+        if args.rows < 2:
+            parser.error("--rows must be at least 2")
+        if args.rows % 2 and args.loss in ("all", "nt_xent", "nt_xent_halves"):
+            parser.error(f"--rows must be even for the NT-Xent pairing rules (2N views), got {args.rows}; "
+                         "or choose --loss supcon, nt_xent_pml or nt_bxent")
     missing = missing_cli_extra() if args.command in ("train", "embed", "bench") else []
     if missing:
         print(f"error: torch-contrastive {args.command} needs the 'cli' extra ({', '.join(missing)} not installed): "

@@ -18,6 +18,18 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,0,1; got {text!r}") from None
 
 
+def batch_sizes(text: str) -> list[int]:
+    """Comma-separated even integers >= 2 (batch sizes: the NT-Xent cases take 2N rows)."""
+    expected = "comma-separated even batch sizes >= 2 such as 1024,4096"
+    try:
+        values = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
+    if not values or any(v < 2 or v % 2 for v in values):
+        raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
+    return values
+
+
 def _int_from(text: str, low: int, expected: str) -> int:
     """An integer >= ``low``; else argparse's error saying what was ``expected``."""
     try:

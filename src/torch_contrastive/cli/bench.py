@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ._argtypes import int_list, positive_float, positive_int
+from ._argtypes import batch_sizes, int_list, positive_float, positive_int
 
 #: Above this many rows the matmul reference (two N x N fp32 matrices) is not run.
 MAX_REFERENCE_ROWS = 16384
@@ -629,7 +629,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--queue", type=positive_int, default=DEFAULT_QUEUE,
                    help=f"queue rows of info_nce_queue (default {DEFAULT_QUEUE})")
     p.add_argument("--classes", type=positive_int, default=100, help="random classes for nt_xent_pml / nt_bxent (default 100)")
-    p.add_argument("--sizes", type=int_list, default=None, help="comma-separated N values (rows)")
+    p.add_argument("--sizes", type=batch_sizes, default=None, help="comma-separated N values (rows; even, >= 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="input dtype of every case (default float32; the reference matmuls use it too)")
     p.add_argument("--dim", type=positive_int, default=128, help="embedding size D (default 128)")
