@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..positives import Exclusion, KeyPositives, PartnerPositives
+from ..positives import Exclusion, PartnerPositives
 from .driver import Gradients, Operands, Saved
 from .left_out import Direction, log_total
 from .pairwise import PairExecutor
@@ -35,6 +35,7 @@ from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
 from .softmax_tiles import complete_columns, fixed_lse
 from .tiling import Buffers, gradient_sweep, sweep
+from .triton_executors import sigmoid_keys
 
 if TYPE_CHECKING:
     from .plans import PairPlan, SigmoidPlan, SoftmaxPlan
@@ -51,6 +52,12 @@ class GradTiles(NamedTuple):
     low: Tensor | None
     cols: Tensor
 
+    @staticmethod
+    def of(written: tuple[Tensor, Tensor | None, Tensor | None]) -> GradTiles:
+        """The tiles :meth:`EpilogueProducts.gradient_tiles` gave, once a kernel has written them."""
+        rows, low, cols = written
+        return GradTiles(rows, low, rows if cols is None else cols)
+
 
 class EpilogueProducts:
     """The three products of the epilogue backend (the interface of :mod:`.products`): raw logit
@@ -63,11 +70,20 @@ class EpilogueProducts:
         kept: the whole problem's one logit tile, kept from forward (None: recomputed).
     """
 
-    half = False
-
     def __init__(self, ops: KernelOperands, a: Tensor, kept: Tensor | None = None) -> None:
         self.ops, self.a, self.kept = ops, a, kept
         self.dtype = ops.y.dtype
+
+    def gradient_tiles(self, h: int, w: int, k: int, learned_scale: bool, like: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Empty ``(rows, low, cols)`` tiles for an epilogue kernel to write, in the GEMM operand dtype:
+        the row product's (h, w); its rounding remainder when half rows meet a learnable scale (whose
+        gradient reads ``G @ B`` against ``A``); the column product's (h, k) when half rows' two products
+        fold different factors (else None: the row tile serves both, or ``k`` is 0)."""
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        rows = torch.empty(h, w, dtype=self.dtype, device=like.device)
+        low = torch.empty(h, w, dtype=self.dtype, device=like.device) if half and learned_scale else None
+        cols = torch.empty(h, k, dtype=self.dtype, device=like.device) if half and self.ops.factors is not None and k else None
+        return rows, low, cols
 
     def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
         """The raw tile ``x[r0:r1] @ y[c0:c1].T`` in fp32 (fp64 for fp64), factors not applied."""
@@ -183,9 +199,6 @@ def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: 
     ops = prod.ops
     rows, cols = a.shape[0], b.shape[0]
     directions = triton_backend.directions(row, col, a.dtype)
-    half = prod.dtype in (torch.float16, torch.bfloat16)
-    # a learnable scale's gradient reads G @ B against A: the rows' rounding remainder is kept
-    split = half and learned_scale
     wanted = plan.grad_columns
     c_row, c_col = folded
     if plan.symmetric and c_row is not None:  # G holds both roles of a pair: P_ij (c_i + c_j)
@@ -199,13 +212,10 @@ def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: 
             k = w if c0 != r0 else 0  # a diagonal tile's G holds both roles: no column product
         else:
             k = max(0, min(c1, wanted) - c0)
-        own = half and ops.factors is not None  # the two products fold different factors
-        g_rows = torch.empty(h, w, dtype=prod.dtype, device=s.device)
-        low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
-        g_cols = torch.empty(h, k, dtype=prod.dtype, device=s.device) if own and k else None
-        triton_backend.epilogue_grad(s, r0, c0, rows, cols, directions, (g_rows, low, g_cols),
-                                     _tile_factors(ops, r0, r1, c0, c1), plan.self_offset, excluded, positive)
-        return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
+        tiles = prod.gradient_tiles(h, w, k, learned_scale, s)
+        triton_backend.epilogue_grad(s, r0, c0, rows, cols, directions, tiles, _tile_factors(ops, r0, r1, c0, c1),
+                                     plan.self_offset, excluded, positive)
+        return GradTiles.of(tiles)
 
     return gradient_sweep(prod, a, b, _edge(plan, rows, cols), plan.symmetric, grad_tile, wanted)
 
@@ -247,7 +257,7 @@ class EpilogueSigmoid(SigmoidExecutor):
         prod = EpilogueProducts(kops, ops.a_c)
         rows, cols = ops.a_c.shape[0], ops.b_c.shape[0]
         out = ops.a_c.new_zeros(rows)
-        bias_t, keys = _bias_vector(bias, out), _sigmoid_keys(plan)
+        bias_t, keys = triton_backend.bias_vector(bias, out, out.dtype), _sigmoid_keys(plan)
         kept: list[Tensor] = []
 
         def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
@@ -269,40 +279,27 @@ class EpilogueSigmoid(SigmoidExecutor):
         kops = KernelOperands(plan, kept[:n_raw], a, b, saved.scale, saved.norms)
         prod = EpilogueProducts(kops, a, kept[n_raw] if len(kept) > n_raw else None)
         rows, cols = a.shape[0], b.shape[0]
-        bias_t, keys = _bias_vector(bias, a), _sigmoid_keys(plan)
+        bias_t, keys = triton_backend.bias_vector(bias, a, a.dtype), _sigmoid_keys(plan)
         g_row = triton_backend.per_index(g_row, rows, a.dtype)  # a reduced loss's incoming gradient is expanded
-        split = prod.dtype in (torch.float16, torch.bfloat16) and isinstance(saved.scale, Tensor)
         parts: list[Tensor] = []
 
         def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> GradTiles:
-            h, w = r1 - r0, c1 - c0
-            own = kops.factors is not None and prod.dtype in (torch.float16, torch.bfloat16)
-            g_rows = torch.empty(h, w, dtype=prod.dtype, device=s.device)
-            low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
-            g_cols = torch.empty(h, w, dtype=prod.dtype, device=s.device) if own else None
-            parts.append(triton_backend.epilogue_sigmoid_grad(s, r0, c0, rows, cols, g_row, bias_t, (g_rows, low, g_cols),
+            tiles = prod.gradient_tiles(r1 - r0, c1 - c0, c1 - c0, isinstance(saved.scale, Tensor), s)
+            parts.append(triton_backend.epilogue_sigmoid_grad(s, r0, c0, rows, cols, g_row, bias_t, tiles,
                                                               _tile_factors(kops, r0, r1, c0, c1), plan.diagonal_offset, keys))
-            return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
+            return GradTiles.of(tiles)
 
         gb, ga = gradient_sweep(prod, a, b, _edge(plan, rows, cols), False, grad_tile)
         return gb, ga, torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
 
-def _bias_vector(bias: Tensor | float, like: Tensor) -> Tensor:
-    """The logit bias as the kernels read it: a (1,) tensor of the statistics' dtype."""
-    if isinstance(bias, Tensor):
-        return bias.reshape(1).to(like.dtype)
-    return torch.full((1,), bias, dtype=like.dtype, device=like.device)
-
-
 def _sigmoid_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
-    """The ids the kernels compare (nothing for a strided diagonal or no positive at all)."""
+    """The ids the kernels compare, by name (:func:`~.triton_executors.sigmoid_keys`; none for a strided
+    diagonal or no positive at all)."""
     from . import triton_backend  # imports triton: on the first call
 
-    positives = plan.positives
-    if isinstance(positives, KeyPositives) and plan.diagonal_offset is None:
-        return triton_backend.keys(positives.row_keys, positives.col_keys)
-    return {}
+    given = sigmoid_keys(plan.positives, plan.diagonal_offset)
+    return {} if given is None else triton_backend.keys(*given)
 
 
 #: The epilogue sigmoid executor (the engine's registry, :data:`~.solve.EXECUTORS`).
@@ -354,17 +351,12 @@ class EpiloguePairs(PairExecutor):
         relation, offset = triton_backend.relation_args(plan.positives), plan.positives.self_offset
         incoming = tuple(triton_backend.per_index(g, rows, a.dtype) for g in grads[: 2 if binary else 1])
         stats = (None, None) if binary else tuple(keep["stats"])
-        half = prod.dtype in (torch.float16, torch.bfloat16)
-        split = half and isinstance(saved.scale, Tensor)
 
         def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> GradTiles:
-            h, w = r1 - r0, c1 - c0
-            g_rows = torch.empty(h, w, dtype=prod.dtype, device=s.device)
-            low = torch.empty(h, w, dtype=prod.dtype, device=s.device) if split else None
-            g_cols = torch.empty(h, w, dtype=prod.dtype, device=s.device) if half and kops.factors is not None else None
-            triton_backend.epilogue_pair_grad(s, r0, c0, rows, cols, incoming, (stats[0], stats[1]), (g_rows, low, g_cols),
+            tiles = prod.gradient_tiles(r1 - r0, c1 - c0, c1 - c0, isinstance(saved.scale, Tensor), s)
+            triton_backend.epilogue_pair_grad(s, r0, c0, rows, cols, incoming, (stats[0], stats[1]), tiles,
                                               _tile_factors(kops, r0, r1, c0, c1), offset, relation, binary)
-            return GradTiles(g_rows, low, g_rows if g_cols is None else g_cols)
+            return GradTiles.of(tiles)
 
         gb, ga = gradient_sweep(prod, a, b, _edge(plan, rows, cols), False, grad_tile)
         return Gradients(gb, ga)

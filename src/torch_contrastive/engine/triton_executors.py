@@ -144,7 +144,7 @@ class TritonSigmoid(SigmoidExecutor):
         from . import triton_backend  # imports triton: on the first call
 
         kops = KernelOperands(plan, (ops.a, ops.b), ops.a_c, ops.b_c, ops.scale, ops.norms, a_s)
-        keys = _sigmoid_keys(plan.positives, plan.diagonal_offset)
+        keys = sigmoid_keys(plan.positives, plan.diagonal_offset)
         out = triton_backend.sigmoid_sums(kops.x, kops.y, bias, plan.diagonal_offset, keys, kops.pair())
         # half operands: backward multiplies the caller's rows again
         kept = tuple(t for t in (ops.a, ops.b) if t is not None) if plan.operand_dtype is not None else ()
@@ -154,11 +154,11 @@ class TritonSigmoid(SigmoidExecutor):
         from . import triton_backend  # imports triton: on the first call
 
         kops = KernelOperands(plan, tuple(saved.keep["kept"]), saved.a, saved.b, saved.scale, saved.norms)
-        keys = _sigmoid_keys(plan.positives, plan.diagonal_offset)
+        keys = sigmoid_keys(plan.positives, plan.diagonal_offset)
         return triton_backend.sigmoid_grad(kops.x, kops.y, kops.z, g_row, bias, plan.diagonal_offset, keys, kops.factors)
 
 
-def _sigmoid_keys(positives: Positives, diagonal: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
+def sigmoid_keys(positives: Positives, diagonal: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
     """The id keys the Triton kernels compare (None: a strided diagonal or no positive at all)."""
     if isinstance(positives, KeyPositives) and diagonal is None:
         return positives.row_keys, positives.col_keys

@@ -60,10 +60,11 @@ from __future__ import annotations
 
 from ._host import check_device, check_exclusion, directions, exclusion, fused, interpreting, keys, per_index, triton
 
-__all__ = ["check_device", "check_exclusion", "directions", "epilogue_grad", "epilogue_pair_grad", "epilogue_pair_sums", "epilogue_sigmoid_grad",
-           "epilogue_sigmoid_sums", "epilogue_sums", "exclusion", "fold_partials", "fused", "grad_rows",
-           "interpreting", "keys", "pair_grad", "pair_sums", "partial_rows", "per_index", "positive_terms", "relation_args", "row_lse",
-           "sigmoid_grad", "sigmoid_sums", "tile_grad", "tile_sums"]
+__all__ = ["bias_vector", "check_device", "check_exclusion", "directions", "epilogue_grad", "epilogue_pair_grad",
+           "epilogue_pair_sums", "epilogue_sigmoid_grad", "epilogue_sigmoid_sums", "epilogue_sums", "exclusion",
+           "fold_partials", "fused", "grad_rows", "interpreting", "keys", "pair_grad", "pair_sums", "partial_rows",
+           "per_index", "positive_terms", "relation_args", "row_lse", "sigmoid_grad", "sigmoid_sums", "tile_grad",
+           "tile_sums"]
 
 if triton is not None:
     from .epilogue_grad import epilogue_grad, positive_terms
@@ -76,6 +77,6 @@ if triton is not None:
     from .grad_rows import grad_rows
     from .pair_terms import pair_grad, pair_sums, relation_args
     from .row_lse import row_lse
-    from .sigmoid_pairs import sigmoid_grad, sigmoid_sums
+    from .sigmoid_pairs import bias_vector, sigmoid_grad, sigmoid_sums
     from .tile_grad import tile_grad
     from .tile_sums import tile_sums

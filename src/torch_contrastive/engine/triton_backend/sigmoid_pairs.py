@@ -128,7 +128,8 @@ _sigmoid_grad_rows_kernel = autotune(owned_outputs())(_sigmoid_grad_owned)
 _sigmoid_grad_cols_kernel = autotune(owned_outputs())(_sigmoid_grad_owned)
 
 
-def _bias(bias: Tensor | float, like: Tensor, dtype: torch.dtype) -> Tensor:
+def bias_vector(bias: Tensor | float, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """The logit bias as the kernels read it: a (1,) tensor of ``dtype`` on ``like``'s device."""
     if isinstance(bias, Tensor):
         return bias.detach().to(device=like.device, dtype=dtype).reshape(1).contiguous()
     return torch.full((1,), float(bias), dtype=dtype, device=like.device)
@@ -149,7 +150,7 @@ def sigmoid_sums(x_scaled: Tensor, y: Tensor, bias: Tensor | float, diagonal: in
     fx, fy = factors if factors is not None else (None, None)
     owned = not fused()
     kernel = _sigmoid_sums_owned_kernel if owned else _sigmoid_sums_kernel
-    launch(kernel, tile_grid(r, c, owned), x, yy, out, _bias(bias, x, dtype), fx, fy, r, c, d, bucket(r, c), diagonal, OWNED=owned,
+    launch(kernel, tile_grid(r, c, owned), x, yy, out, bias_vector(bias, x, dtype), fx, fy, r, c, d, bucket(r, c), diagonal, OWNED=owned,
                                    GROUP=GROUP, **({} if keys_ is None else keys(*keys_)))
     return out
 
@@ -167,7 +168,7 @@ def sigmoid_grad(x_scaled: Tensor, y: Tensor, z: Tensor, g_row: Tensor, bias: Te
     dtype = acc_dtypes(x)[0]
     g = g_row.to(dtype).expand(r).contiguous()
     fx, fy, fz = factors if factors is not None else (None, None, None)
-    bias_t = _bias(bias, x, dtype)
+    bias_t = bias_vector(bias, x, dtype)
     common = dict(FACTORS=gradient_factors(factors, x_scaled), **({} if keys_ is None else keys(*keys_)))
     if fused():
         ga = torch.zeros(r, d, dtype=dtype, device=x.device)
