@@ -495,6 +495,22 @@ MUTATIONS = [
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "    docs = _check_mnrl_inputs(queries, docs, similarity, chunk_size)",
              "    docs = list(docs)", "mnrl_loss: the non-default directions skip the input checks",
              ("tests/integrations/test_integrations.py",)),
+    Mutation(f"{PKG}/engine/triton_backend/normalize_rows.py", "            squares += tl.sum(x * x, axis=1)",
+             "            squares += tl.sum(x, axis=1)", "the row kernel sums the features instead of their squares",
+             ("tests/engine/test_normalize_rows.py",)),
+    Mutation(f"{PKG}/engine/triton_backend/normalize_rows_grad.py",
+             "    radial = tl.where(norm <= eps, 0.0, radial)  # below the floor the map is x / eps: no radial part",
+             "    radial = radial", "the row kernel's backward keeps the radial part below the floor",
+             ("tests/engine/test_normalize_rows.py",)),
+    Mutation(f"{PKG}/engine/triton_backend/normalize_rows_grad.py", "        g += tl.load(g2_ptr + at, mask=inside, other=0.0)",
+             "        g += 0.0", "the row kernel's backward drops a single set's second accumulator",
+             ("tests/engine/test_normalize_rows.py",)),
+    Mutation(f"{PKG}/engine/triton_backend/normalize_rows_grad.py", "        factor = factor * tl.load(scale_ptr).to(tl.float32)",
+             "        factor = factor", "the row kernel's backward ignores a tensor scale",
+             ("tests/engine/test_normalize_rows.py",)),
+    Mutation(f"{PKG}/engine/driver.py", "        a_c = normalize_rows(a, 0.0, norms[0])[0]", "        a_c = normalize_rows(a, 0.0)[0]",
+             "backward rebuilds half rows with a zero floor instead of the saved denominators",
+             ("tests/engine/test_normalize_rows.py",)),
 ]
 
 

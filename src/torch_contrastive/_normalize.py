@@ -6,6 +6,9 @@ each rank normalises its own rows first (with this op) and gathers the result.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 from torch import Tensor
 
@@ -17,12 +20,18 @@ __all__ = ["prepare"]
 
 
 class _L2Normalize(torch.autograd.Function):
-    """``x / max(||x||, eps)`` per row; see :func:`~torch_contrastive.engine.normalization.l2_normalize`."""
+    """``x / max(||x||, eps)`` per row; see :func:`~torch_contrastive.engine.normalization.l2_normalize`.
+    ``kernel``: by the Triton row kernels (one launch each way, half rows read as given)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, eps: float):  # type: ignore[override]
-        y, denom, norm = l2_normalize(x, eps)
-        ctx.eps = eps
+    def forward(ctx, x: Tensor, eps: float, kernel: bool):  # type: ignore[override]
+        if kernel:
+            from .engine.triton_backend.normalize_rows import normalize_rows
+
+            y, denom, norm = normalize_rows(x, eps)
+        else:
+            y, denom, norm = l2_normalize(x, eps)
+        ctx.eps, ctx.kernel, ctx.in_dtype = eps, kernel, x.dtype
         ctx.save_for_backward(y, denom, norm)
         return y
 
@@ -30,12 +39,35 @@ class _L2Normalize(torch.autograd.Function):
     def backward(ctx, g: Tensor):  # type: ignore[override]
         first_order_only()
         y, denom, norm = ctx.saved_tensors
-        return l2_normalize_backward(g, y, denom, norm, ctx.eps), None
+        if ctx.kernel:
+            from .engine.triton_backend.normalize_rows_grad import normalize_rows_grad
+
+            return normalize_rows_grad(g, y, denom, norm, ctx.eps, 1.0, ctx.in_dtype), None, None
+        return l2_normalize_backward(g, y, denom, norm, ctx.eps), None, None
 
 
-def prepare(x: Tensor, normalize: bool, eps: float) -> Tensor:
-    """Cast to the compute dtype (fp32 for fp16/bf16) and, if asked, L2-normalise rows."""
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def by_kernel(backend: str, x: Tensor) -> bool:
+    """Whether rows normalised before a gather go through the Triton row kernels: on the kernel
+    backends, and for ``"auto"`` on a CUDA device with triton installed (the call is launch-bound at
+    a few thousand rows: one launch each way instead of five and ten); fp64 keeps the torch form."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if backend in ("epilogue", "triton"):
+        return True
+    return backend == "auto" and x.device.type == "cuda" and _triton_installed()
+
+
+def prepare(x: Tensor, normalize: bool, eps: float, backend: str = "torch") -> Tensor:
+    """Cast to the compute dtype (fp32 for fp16/bf16) and, if asked, L2-normalise rows (by the
+    Triton row kernels where :func:`by_kernel` says so for ``backend``)."""
+    if normalize and by_kernel(backend, x):
+        return _L2Normalize.apply(x, float(eps), True)
     x = x.to(compute_dtype(x.dtype))
     if not normalize:
         return x
-    return _L2Normalize.apply(x, float(eps))
+    return _L2Normalize.apply(x, float(eps), False)

@@ -123,11 +123,15 @@ def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, c
     assert [r["loss"] for r in rows if r["impl"] == "torch"] == list(LOSSES) == list(cases(4, 2))
     assert [r["loss"] for r in rows if r["impl"] == "epilogue"] == list(EPILOGUE_LOSSES) == list(LOSSES)
     assert {r["impl"] for r in rows} == {"torch", "epilogue", "dense"}
-    # one default per loss, the model's choice: at 96 rows the soft-max losses stay on the torch loops (fewer
-    # launches), the pair terms take the epilogue (fewer launches and passes than their torch loops)
+    # one default per loss, the model's choice: at 96 rows every loss takes the epilogue (fewer launches than
+    # the torch loops since the rows are normalised by one kernel each way, and a third of the passes)
     defaults = {r["loss"]: r["impl"] for r in rows if r["default"] == "True"}
     assert list(defaults) == list(LOSSES)
-    assert defaults == {"clip": "torch", "nt_xent": "torch", "supcon": "torch", "nt_xent_pml": "epilogue", "nt_bxent": "epilogue"}
+    assert set(defaults.values()) == {"epilogue"}
+    for r in rows:
+        if r["default"] == "True":  # the model puts the default call below the dense formula it replaces
+            dense = next(d for d in rows if d["loss"] == r["loss"] and d["impl"] == "dense")
+            assert float(r["predicted_ms"]) < float(dense["predicted_ms"]), r["loss"]
     assert all(float(r["predicted_ms"]) > 0 and int(r["syncs"]) == 0 for r in rows)
     assert "prediction" in capsys.readouterr().out
     assert main(["bench", "--calibrate", "--out", str(tmp_path)]) == 2

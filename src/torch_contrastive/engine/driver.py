@@ -20,7 +20,7 @@ through the normalisation inside -- the caller's un-normalised tensors
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -41,22 +41,43 @@ def to_compute(a: Tensor, b: Tensor | None, scale: Scale) -> tuple[Tensor, Tenso
     every call.
     """
     cdtype = compute_dtype(a.dtype)
-    if isinstance(scale, Tensor):
-        scale = scale.detach().to(device=a.device, dtype=cdtype)
+    scale = _compute_scale(scale, a.device, cdtype)
     a_c = a if a.dtype == cdtype else a.to(cdtype)
     if b is None:
         return a_c, a_c, scale
     return a_c, (b if b.dtype == cdtype else b.to(cdtype)), scale
 
 
+def _compute_scale(scale: Scale, device: torch.device, cdtype: torch.dtype) -> Scale:
+    """A tensor scale detached, on the rows' device, in the compute dtype; a float as it is."""
+    return scale.detach().to(device=device, dtype=cdtype) if isinstance(scale, Tensor) else scale
+
+
+def by_kernel(plan: Any, a: Tensor, b: Tensor | None = None) -> bool:
+    """Whether the rows are normalised (and their gradients finished) by the Triton row kernels:
+    the plan says so and neither set is fp64 (fp64 keeps the torch form)."""
+    return bool(getattr(plan, "rows_by_kernel", False)) and a.dtype != torch.float64 and \
+        (b is None or b.dtype != torch.float64)
+
+
 def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
-                   eps: float) -> tuple[Tensor, Tensor, Scale, list[Tensor]]:
-    """Compute-dtype inputs, L2-normalised inside the autograd function when asked.
+                   eps: float, kernel: bool = False) -> tuple[Tensor, Tensor, Scale, list[Tensor]]:
+    """Compute-dtype inputs, L2-normalised inside the autograd function when asked (``kernel``:
+    by the Triton row kernel, which reads half rows as given -- one launch per input).
 
     Returns ``(a, b, scale, norms)``: ``b`` is ``a`` for a single set (``b=None``), and
     ``norms`` the (denominator, norm) of ``a`` -- then of ``b`` unless it is ``a`` -- for
     :func:`finish_gradients`.
     """
+    if normalize and kernel:
+        from .triton_backend.normalize_rows import normalize_rows
+
+        a_c, denom, norm = normalize_rows(a, eps)
+        kept = [denom, cast(Tensor, norm)]
+        if b is not None:
+            b_c, denom, norm = normalize_rows(b, eps)
+            kept += [denom, cast(Tensor, norm)]
+        return a_c, a_c if b is None else b_c, _compute_scale(scale, a.device, a_c.dtype), kept
     a_c, b_c, scale_c = to_compute(a, b, scale)
     norms: list[Tensor] = []
     if normalize:
@@ -103,15 +124,30 @@ def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: 
         gscale = torch.linalg.vecdot(gb_acc, a).sum()
         if symmetric:
             gscale = gscale / 2
+    kernel = norm_a is not None and ctx.by_kernel
+    extra = None
     if ctx.single and ga_acc is not None:
-        gb_acc = gb_acc + ga_acc
+        if kernel:  # the row kernel adds the two accumulators as it reads them
+            extra = ga_acc
+        else:
+            gb_acc = gb_acc + ga_acc
         ga_acc = None
-    ga = gb_acc * scale if norm_a is None else l2_normalize_backward(gb_acc, a, *norm_a, eps, scale)
-    gb = None
-    if ga_acc is not None:
-        gb = ga_acc * scale if norm_b is None else l2_normalize_backward(ga_acc, b, *norm_b, eps, scale)
-        gb = as_dtype(gb, ctx.in_dtypes[1])
-    return as_dtype(ga, ctx.in_dtypes[0]), gb, gscale
+    ga = _raw_gradient(gb_acc, a, norm_a, eps, scale, ctx.in_dtypes[0], kernel, extra)
+    gb = None if ga_acc is None else _raw_gradient(ga_acc, b, norm_b, eps, scale, ctx.in_dtypes[1], kernel)
+    return ga, gb, gscale
+
+
+def _raw_gradient(g: Tensor, y: Tensor, norm: tuple[Tensor, Tensor] | None, eps: float, scale: Scale, dtype: torch.dtype,
+                  kernel: bool, g2: Tensor | None = None) -> Tensor:
+    """The gradient of the caller's rows, in their dtype, from the upstream ``scale * (g + g2)`` of
+    the rows ``y`` the engine multiplied (normalised inside when ``norm`` is given)."""
+    if norm is None:
+        return as_dtype(g * scale, dtype)
+    if kernel:
+        from .triton_backend.normalize_rows_grad import normalize_rows_grad
+
+        return normalize_rows_grad(g, y, norm[0], norm[1], eps, scale, dtype, g2)
+    return as_dtype(l2_normalize_backward(g, y, *norm, eps, scale), dtype)
 
 
 class Operands(NamedTuple):
@@ -232,7 +268,8 @@ def first_order_only() -> None:
 
 def _forward(ctx: Any, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale,
              extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any], Tensor, Tensor, Scale, list[Tensor]]:
-    a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps)
+    ctx.by_kernel = by_kernel(plan, a, b)
+    a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps, ctx.by_kernel)
     outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
     return outputs, named, a_c, b_c, scale_c, norms
 
@@ -243,7 +280,7 @@ def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
     n_keep, n_extras = ctx.counts
     norms = rest[n_keep:]
     if ctx.lean:
-        a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
+        a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single, ctx.by_kernel)
     ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
     plan = ctx.plan
     keep = unpack(ctx.keep_layout, rest[:n_keep])
@@ -255,9 +292,15 @@ def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
     return (None, None, ga, gb, gscale, *extras)
 
 
-def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool) -> tuple[Tensor, Tensor]:
+def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool,
+             kernel: bool = False) -> tuple[Tensor, Tensor]:
     """The compute-dtype (normalised) operands from the caller's rows and the saved denominators:
     the same operations as :func:`prepare_inputs`, so the same bits."""
+    if normalize and kernel:
+        from .triton_backend.normalize_rows import normalize_rows
+
+        a_c = normalize_rows(a, 0.0, norms[0])[0]
+        return a_c, a_c if single else normalize_rows(b, 0.0, norms[2])[0]
     a_c, b_c, _ = to_compute(a, None if single else b, 1.0)
     if normalize:
         a_c = a_c / norms[0]

@@ -79,7 +79,8 @@ class SingleSet(NamedTuple):
     normalize_inside: bool  # the engine normalises z (local); else z is normalised already
 
 
-def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, checks: v.Checks, *given: bool) -> SingleSet:
+def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, checks: v.Checks, *given: bool,
+               backend: str = "torch") -> SingleSet:
     """Shared set-up of the single-set losses: agreement check, normalisation, gather.
 
     Locally the raw rows go to the engine, which normalises them inside its autograd
@@ -89,7 +90,7 @@ def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, 
     check_agreement(scope, name, x, checks.enabled, *given)
     if not scope.distributed:
         return SingleSet(x, x, 0, normalize)
-    z = prepare(x, normalize, eps)
+    z = prepare(x, normalize, eps, backend)
     return SingleSet(z, scope.rows(z), scope.offset, False)
 
 

@@ -122,7 +122,7 @@ def supcon_loss(
     if base_temperature is not None:
         base_scale, _ = v.inverse_temperature(base_temperature, checks, name="base_temperature")
         factor = base_scale / scale  # tau / tau_base
-    z, z_all, offset, inside = single_set(flat, "features", normalize, eps, scope, checks, labels is not None)
+    z, z_all, offset, inside = single_set(flat, "features", normalize, eps, scope, checks, labels is not None, backend=backend)
     n_anchor = bsz if contrast_mode == "one" else bsz * n_views
     if mask is not None:
         positives: Positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)

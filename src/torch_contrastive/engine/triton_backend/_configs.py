@@ -101,6 +101,15 @@ def epilogue_tiles() -> list[Any]:
     ]
 
 
+def feature_rows() -> list[Any]:
+    """Configs of the row normalisation and its backward (a block of rows walks its features in blocks)."""
+    return [
+        _config(4, 1, BLOCK_M=16, BLOCK_D=128),
+        _config(4, 1, BLOCK_M=4, BLOCK_D=512),
+        _config(8, 1, BLOCK_M=32, BLOCK_D=256),
+    ]
+
+
 def tile_grid(r: int, c: int, owned: bool = False) -> Any:
     """Grid of a square-tile kernel: one program per tile, or (``owned``) one per row block."""
     def grid(meta: dict[str, Any]) -> tuple[int]:
