@@ -511,6 +511,14 @@ MUTATIONS = [
     Mutation(f"{PKG}/engine/driver.py", "        a_c = normalize_rows(a, 0.0, norms[0])[0]", "        a_c = normalize_rows(a, 0.0)[0]",
              "backward rebuilds half rows with a zero floor instead of the saved denominators",
              ("tests/engine/test_normalize_rows.py",)),
+    Mutation(f"{PKG}/cli/_paths.py", "        tempfile.TemporaryDirectory(dir=existing).cleanup()", "        pass",
+             "--out is not probed for writability", ("tests/cli/test_paths.py",)),
+    Mutation(f"{PKG}/cli/train.py", "    if n_train < 2 or n_test < 2:", "    if n_train < 1 or n_test < 1:",
+             "train accepts a split with one image on a side (it dies in the embedding plot)", ("tests/cli/test_paths.py",)),
+    Mutation(f"{PKG}/cli/train.py", "        if created:  # a run that fails", "        if False:  # a run that fails",
+             "a failed training run leaves its half-written folder", ("tests/cli/test_paths.py",)),
+    Mutation(f"{PKG}/cli/embed.py", "    except RuntimeError:  # the encoder's first", "    except KeyError:  # the encoder's first",
+             "embed with a run that does not fit the data ends in a traceback", ("tests/cli/test_paths.py",)),
 ]
 
 

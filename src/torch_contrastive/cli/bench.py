@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ._argtypes import batch_sizes, int_list, positive_float, positive_int
+from ._paths import cannot_write
 
 #: Above this many rows the matmul reference (two N x N fp32 matrices) is not run.
 MAX_REFERENCE_ROWS = 16384
@@ -570,6 +571,10 @@ def _grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
 def run(args: argparse.Namespace) -> int:
     if args.calibrate and not args.traffic:  # before anything is written
         print("error: --calibrate goes with --traffic", file=sys.stderr)
+        return 2
+    unwritable = cannot_write(args.out, "--out", folder=True)
+    if unwritable:
+        print(f"error: {unwritable}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpoint as ckpt
+from ._paths import cannot_write
 from .data import DataError, load
 from .device import DEVICES, DeviceError, resolve_device
 from .models import ImageEncoder, TextEncoder, Vocabulary, embed, embed_text
@@ -25,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .train import Config
 
+    unwritable = cannot_write(args.out, "--out", folder=False)
+    if unwritable:
+        print(f"error: {unwritable}", file=sys.stderr)
+        return 2
     try:
         values = ckpt.load_state(args.run)
     except ckpt.ResumeError as err:
@@ -43,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     enc = ImageEncoder(cfg.dim, data.channels, data.size)
-    enc.load_state_dict(values["modules"][0])
+    try:
+        enc.load_state_dict(values["modules"][0])
+    except RuntimeError:  # the encoder's first and last layers are sized by the images it was trained on
+        print(f"error: --run {args.run}'s encoder does not take --data {source}'s images ({data.channels} channel(s), "
+              f"{data.size}x{data.size} px); embed data like the run's training data ({cfg.data or 'digits'})", file=sys.stderr)
+        return 2
     enc.to(device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

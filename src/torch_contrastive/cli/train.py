@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -47,6 +48,7 @@ from ..grad_cache import grad_cache
 from ..modules import ClipLoss, SigLipLoss
 from . import checkpoint as ckpt
 from ._argtypes import batch_size, finite_float, non_negative_int, positive_float, positive_int
+from ._paths import cannot_write
 from .data import Data, DataError, load
 from .device import DEVICES, PRECISIONS, DeviceError, autocast, resolve_device, resolve_precision
 from .evaluate import caption_metrics, labelled_metrics, tracked_metric
@@ -111,6 +113,13 @@ def check_recipe_data(cfg: Config, data: Data) -> None:
         raise DataError(f"--loss {cfg.loss} trains images against captions: pass a caption CSV (columns image, caption) as --data")
     if cfg.loss not in IMAGE_TEXT and data.source == "csv":
         raise DataError(f"--loss {cfg.loss} needs labelled images: pass a folder of class subfolders as --data (a CSV is for clip/siglip)")
+    # every step the run takes needs two: a training batch (its negatives) and the held-out split
+    # (its scores and the embedding plot's two principal axes)
+    n_train, n_test = len(data.train_idx), len(data.test_idx)
+    if n_train < 2 or n_test < 2:
+        raise DataError(f"--data {cfg.data or 'digits'}: {len(data.images)} images split 70/30 into {n_train} for training and {n_test} "
+                        "held out; training needs at least 2 (a batch needs negatives) and scoring at least 2 "
+                        "(add images)")
 
 
 # --------------------------------------------------------------------------- recipes
@@ -611,7 +620,13 @@ def run(args: argparse.Namespace) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    train(cfg, progress=not args.quiet, resume=resume, data=data)
+    created = not Path(cfg.out).exists()
+    try:
+        train(cfg, progress=not args.quiet, resume=resume, data=data)
+    except Exception:
+        if created:  # a run that fails leaves no half-written folder behind (an interrupted one keeps its checkpoint)
+            shutil.rmtree(cfg.out, ignore_errors=True)
+        raise
     if cfg.distributed:
         import torch.distributed as dist
 
@@ -631,9 +646,10 @@ RUN_FILES = ("metrics.json", "checkpoint.pt", "config.json")
 def _check_run(cfg: Config, args: argparse.Namespace, resuming: bool) -> str | None:
     """Why this run cannot start (one line), or None: the output folder, device and precision."""
     out = Path(cfg.out)
+    unwritable = cannot_write(out, "--resume" if resuming else "--out", folder=True)
+    if unwritable:
+        return unwritable
     if not resuming:
-        if out.exists() and not out.is_dir():
-            return f"--out {out} is a file; expected a folder for the run's outputs"
         found = [f for f in RUN_FILES if (out / f).exists()]
         if found and not getattr(args, "overwrite", False):
             return f"--out {out} already holds a run ({', '.join(found)}); pass --overwrite to replace it, or choose another --out"
