@@ -28,8 +28,10 @@ def test_a_set_of_options_is_checked_once(monkeypatch):
 
 
 def test_shared_options_are_frozen_and_typed():
-    got = options.shared(eps=1, normalize=0)
+    got = options.shared(eps=1, normalize=False)
     assert got.eps == 1.0 and isinstance(got.eps, float) and got.normalize is False
+    with pytest.raises(TypeError, match="normalize must be a bool, got int"):  # a flag is a bool, not 0/1 or "no"
+        options.shared(normalize=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.reduction = "sum"  # type: ignore[misc]
     assert options.shared(eps=1) is options.shared(eps=1)

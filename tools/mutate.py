@@ -519,6 +519,20 @@ MUTATIONS = [
              "a failed training run leaves its half-written folder", ("tests/cli/test_paths.py",)),
     Mutation(f"{PKG}/cli/embed.py", "    except RuntimeError:  # the encoder's first", "    except KeyError:  # the encoder's first",
              "embed with a run that does not fit the data ends in a traceback", ("tests/cli/test_paths.py",)),
+    Mutation(f"{PKG}/_validation.py", "                renamed = pattern.sub(lambda m: names[m.group(1)], message)",
+             "                renamed = message", "a module's errors name the function's arguments, not the caller's",
+             ("tests/test_entry_points.py",)),
+    Mutation(f"{PKG}/_validation.py", '    if "non-finite" in str(err):', "    if False:",
+             "a non-finite row of a stacked input is named by the stacked tensor", ("tests/test_entry_points.py",)),
+    Mutation(f"{PKG}/options.py", '        for name in ("normalize", "gather", "validate"):', "        for name in ():",
+             "a bool option given as a string reads as a silent True", ("tests/test_entry_points.py",)),
+    Mutation(f"{PKG}/losses/_pairing.py", "    if n_rows % 2:", "    if False:",
+             "pair_keys keys an odd number of rows", ("tests/test_entry_points.py",)),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py", "    if not isinstance(model, nn.Module):", "    if False:",
+             "the sentence-transformers losses take any object as their model", ("tests/test_entry_points.py",)),
+    Mutation(f"{PKG}/cli/bench.py", "    if problem:  # before the output folder is made",
+             "    out_dir.mkdir(parents=True, exist_ok=True)\n    if problem:",
+             "bench writes its output folder before refusing a bad grid", ("tests/test_entry_points.py",)),
 ]
 
 

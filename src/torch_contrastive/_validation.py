@@ -16,14 +16,18 @@ Two kinds of check:
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from .engine.planner import BACKENDS
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: Integer dtypes accepted for indices (``pos_indices``).
 INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -245,6 +249,41 @@ def check_embeddings(x: object, name: str, *, min_ndim: int = 2, max_ndim: int |
     return x
 
 
+
+
+def in_callers_words(**names: str) -> Callable[[_F], _F]:
+    """A wrapper for an entry point whose arguments the function it calls names otherwise (a
+    module's ``forward``, a drop-in): a ``ValueError``/``TypeError`` raised inside names the
+    caller's arguments -- every whole word ``inner=outer`` of ``names`` replaced. The happy path
+    pays one frame; the message is rewritten only on failure."""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, TypeError) as err:
+                message = str(err)
+                renamed = pattern.sub(lambda m: names[m.group(1)], message)
+                if renamed == message or type(err) not in (ValueError, TypeError):
+                    raise
+                raise type(err)(renamed).with_traceback(err.__traceback__) from None
+
+        return cast(_F, inner)
+
+    return wrap
+
+
+def named_non_finite(err: ValueError, tensors: Sequence[tuple[str, Tensor]]) -> ValueError:
+    """``err`` of a call whose inputs were stacked or renamed before the loss checked them, with a
+    non-finite input named as the caller gave it (its own rows counted); ``err`` itself when it is
+    about something else. Failure path only: reads the inputs again."""
+    if "non-finite" in str(err):
+        for name, x in tensors:
+            if isinstance(x, Tensor) and x.numel() and not bool(torch.isfinite(x).all()):
+                return ValueError(_finite_message(x, name)())
+    return err
 
 
 def check_backend(backend: object) -> str:

@@ -89,6 +89,10 @@ def all_gather_with_grad(x: Tensor) -> Tensor:
     forward (sizes, data) and one ``all_reduce`` of the gathered gradient backward.
     Without an active process group it returns ``x`` unchanged.
     """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dimension (its rows are gathered), got a 0-dim tensor")
     if not is_active():
         return x
     sizes = gather_sizes(x.shape[0], x.device)

@@ -80,6 +80,12 @@ class RngSnapshot:
     """
 
     def __init__(self, devices: list[int] | None = None) -> None:
+        if devices is not None:
+            if isinstance(devices, (str, bytes)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
+                raise TypeError(f"devices must be None or a list of CUDA device indices (ints), got {devices!r}")
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if any(not 0 <= d < count for d in devices):
+                raise ValueError(f"devices must be CUDA device indices below {count} (the visible devices), got {list(devices)}")
         self.devices = _cuda_devices() if devices is None else list(devices)
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
@@ -111,6 +117,27 @@ def _warn_batch_norm(encoders: Sequence[nn.Module]) -> None:
                     "statistics, so gradients differ from a full-batch step (use eval mode, GroupNorm/LayerNorm, "
                     "or accept per-micro-batch statistics)", UserWarning, stacklevel=3)
                 return
+
+
+def _paired(encoders: object, inputs: object, loss_fn: object, micro_batch: object) -> tuple[list[nn.Module], list[Batch]]:
+    """:func:`grad_cache`'s arguments checked: one encoder per input (one encoder serves every input)."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(encoders, (nn.Module, list, tuple)):
+        raise TypeError(f"encoders must be an nn.Module or a sequence of nn.Modules, got {type(encoders).__name__}")
+    if not isinstance(inputs, (Tensor, Mapping, list, tuple)):
+        raise TypeError(f"inputs must be a tensor, a dict of tensors or a sequence of them, got {type(inputs).__name__}")
+    batches = [inputs] if isinstance(inputs, (Tensor, Mapping)) else list(inputs)
+    towers = [encoders] if isinstance(encoders, nn.Module) else list(encoders)
+    if not all(isinstance(e, nn.Module) for e in towers):
+        raise TypeError("encoders must be an nn.Module or a sequence of nn.Modules")
+    if len(towers) == 1 and len(batches) > 1:
+        towers = towers * len(batches)
+    if len(towers) != len(batches) or not batches:
+        raise ValueError(f"encoders and inputs must pair up: got {len(towers)} encoder(s) for {len(batches)} input(s)")
+    return towers, batches
 
 
 def grad_cache(
@@ -151,18 +178,7 @@ def grad_cache(
     Memory: the embeddings and their gradients (O(N * D)) plus one micro-batch's
     activations; time: one extra forward pass of the encoders.
     """
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
-        raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    batches = [inputs] if isinstance(inputs, (Tensor, Mapping)) else list(inputs)
-    towers = [encoders] if isinstance(encoders, nn.Module) else list(encoders)
-    if not all(isinstance(e, nn.Module) for e in towers):
-        raise TypeError("encoders must be an nn.Module or a sequence of nn.Modules")
-    if len(towers) == 1 and len(batches) > 1:
-        towers = towers * len(batches)
-    if len(towers) != len(batches) or not batches:
-        raise ValueError(f"encoders and inputs must pair up: got {len(towers)} encoder(s) for {len(batches)} input(s)")
+    towers, batches = _paired(encoders, inputs, loss_fn, micro_batch)
     sizes = [_rows(b, f"inputs[{k}]") for k, b in enumerate(batches)]
     _warn_batch_norm(towers)
     devices = _cuda_devices()

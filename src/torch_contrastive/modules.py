@@ -59,7 +59,7 @@ class _Loss(nn.Module):
         temperature = _check_temperature(temperature)
         self.options = _shared_options(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,
                                        grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend)
-        self.learnable = bool(learnable_temperature)
+        self.learnable = v.check_flag(learnable_temperature, "learnable_temperature")
         if self.learnable:
             # the clamp (CLIP's logit scale <= 100) would hide a start below 0.01 and give it no gradient
             if temperature < MIN_LEARNABLE_TEMPERATURE:
@@ -151,6 +151,7 @@ class ImageTextContrastiveLoss(_Loss):
         self.decoupled = v.check_flag(decoupled, "decoupled")
         self.label_smoothing = v.check_fraction(label_smoothing, "label_smoothing")
 
+    @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
                 text_id: Tensor | None = None) -> Tensor:
         return image_text_contrastive_loss(image_features, text_features, self.temperature, image_id, text_id,
@@ -284,8 +285,11 @@ class DCLLoss(_Loss):
         v.check_embeddings(out1, "out1")
         v.check_same_rows(out0, "out0", out1, "out1")
         # a weight that requires grad (lightly's weight_fn) gets its gradient from the loss itself
-        return nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
-                            positive_weight=self.positive_weight(out0, out1), **self.options)
+        try:
+            return nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
+                                positive_weight=self.positive_weight(out0, out1), **self.options)
+        except ValueError as err:  # the loss sees one stacked tensor: a non-finite row is named in out0 or out1
+            raise v.named_non_finite(err, (("out0", out0), ("out1", out1))) from None
 
 
 class DCLWLoss(DCLLoss):
@@ -335,7 +339,7 @@ class SigLipLoss(nn.Module):
             raise ValueError(f"init_logit_bias must be a finite float, got {init_logit_bias!r}")
         self.options = _shared_options(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,
                                        grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend)
-        self.learnable = bool(learnable)
+        self.learnable = v.check_flag(learnable, "learnable")
         log_scale = torch.tensor(math.log(scale))
         bias = torch.tensor(float(init_logit_bias))
         if self.learnable:
@@ -345,6 +349,7 @@ class SigLipLoss(nn.Module):
             self.register_buffer("logit_scale", log_scale)
             self.register_buffer("logit_bias", bias)
 
+    @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
                 text_id: Tensor | None = None, negative_only: bool = False) -> Tensor:
         return siglip_loss(image_features, text_features, self.logit_scale.exp(), self.logit_bias, image_id, text_id,

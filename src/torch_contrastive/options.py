@@ -77,9 +77,9 @@ class Shared:
     def __post_init__(self) -> None:
         v.check_options(reduction=self.reduction, chunk_size=self.chunk_size, grad_reduction=self.grad_reduction,
                         eps=self.eps, backend=self.backend)
-        # checked as given (a bool eps is refused), then held as the types the losses read
-        for name, kind in (("normalize", bool), ("gather", bool), ("validate", bool), ("eps", float)):
-            object.__setattr__(self, name, kind(getattr(self, name)))
+        for name in ("normalize", "gather", "validate"):  # "no" or None would read as a silent True / False
+            v.check_flag(getattr(self, name), name)
+        object.__setattr__(self, "eps", float(self.eps))  # checked as given (a bool eps is refused), then a float
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments for a loss function."""

@@ -130,6 +130,11 @@ class Positives:
         ck = rk if col_keys is None else ((col_keys,) if isinstance(col_keys, Tensor) else tuple(col_keys))
         if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
             raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
+        for name, given in (("row_keys", rk), ("col_keys", ck)):
+            for key in given:  # metadata only: a float key would be truncated, a 2-D one flattened
+                if not isinstance(key, Tensor) or key.ndim != 1 or key.dtype.is_floating_point or key.is_complex():
+                    what = f"{tuple(key.shape)} {key.dtype}" if isinstance(key, Tensor) else type(key).__name__
+                    raise TypeError(f"{name} must be 1-D integer (or bool) tensors, got {what}")
         rows = tuple(_index_vector(k) for k in rk)
         cols = rows if col_keys is None else tuple(_index_vector(k) for k in ck)
         num_rows, num_cols = int(rows[0].numel()), int(cols[0].numel())

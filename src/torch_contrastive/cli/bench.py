@@ -577,13 +577,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {unwritable}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if args.calibrate or args.traffic or args.small:
+        out_dir.mkdir(parents=True, exist_ok=True)
         return _counted_or_small(args, out_dir)
     cases, problem = _grid(args)
-    if problem:
+    if problem:  # before the output folder is made
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
     machine = _machine(args.device)
     print(f"torch-contrastive bench ({'gpu' if args.gpu else 'quick' if args.quick else 'full'}): {len(cases)} cases on {machine}")
     print(f"{'loss':<8} {'impl':<24} {'N':>6} {'D':>4} {'time s':>8} {'R':>6} {'extra MiB':>10}  status")

@@ -522,6 +522,8 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Decision]
     per engine call (``str(decision)`` says it in words). For a decision without running
     anything, call :func:`decide` itself.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable (a loss function or module), got {type(fn).__name__}")
     global _LOG
     previous, _LOG = _LOG, []
     try:

@@ -83,10 +83,13 @@ class ClipLoss(nn.Module):
         super().__init__()
         if use_horovod:
             raise ValueError("use_horovod=True is not supported: use torch.distributed (NCCL or gloo)")
-        self.local_loss, self.gather_with_grad, self.cache_labels = bool(local_loss), bool(gather_with_grad), bool(cache_labels)
+        self.local_loss, self.gather_with_grad, self.cache_labels = (v.check_flag(local_loss, "local_loss"),
+                                                                     v.check_flag(gather_with_grad, "gather_with_grad"),
+                                                                     v.check_flag(cache_labels, "cache_labels"))
         self.rank, self.world_size = rank, world_size
         self.chunk_size, self.backend = chunk_size, backend
 
+    @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: float | Tensor,
                 logit_bias: float | Tensor | None = None, output_dict: bool = False) -> Tensor | dict[str, Tensor]:
         # A bias shared by every logit cancels in each softmax: it changes neither value nor gradient.
@@ -160,10 +163,11 @@ class SigLipLoss(nn.Module):
         super().__init__()
         if dist_impl not in (None, "bidir", "shift", "reduce", "gather"):
             raise ValueError(f"dist_impl must be None, 'bidir', 'shift', 'reduce' or 'gather', got {dist_impl!r}")
-        self.cache_labels, self.rank, self.world_size = bool(cache_labels), rank, world_size
+        self.cache_labels, self.rank, self.world_size = v.check_flag(cache_labels, "cache_labels"), rank, world_size
         self.dist_impl = dist_impl or "bidir"
         self.chunk_size = chunk_size
 
+    @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: float | Tensor, logit_bias: float | Tensor,
                 output_dict: bool = False) -> Tensor | dict[str, Tensor]:
         common: dict[str, Any] = {"normalize": False, "chunk_size": self.chunk_size}
@@ -174,6 +178,7 @@ class SigLipLoss(nn.Module):
             loss = siglip_loss(image_features, text_features, logit_scale, logit_bias, **common)
         return _output(loss, output_dict, "contrastive_loss")
 
+    @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def negative_only_loss(self, image_features: Tensor, text_features: Tensor, logit_scale: float | Tensor,
                            logit_bias: float | Tensor) -> Tensor:
         """open_clip's ``_loss(..., negative_only=True)``: every pair a negative."""

@@ -76,6 +76,13 @@ def _check_mnrl(scale: float, directions: tuple[str, ...], partition_mode: str, 
     return directions
 
 
+def _module(model: object, name: str) -> nn.Module:
+    """The encoder a loss wraps: an ``nn.Module`` (a SentenceTransformer is one)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} must be an nn.Module (a SentenceTransformer), got {type(model).__name__}")
+    return model
+
+
 def _check_mnrl_inputs(queries: object, docs: object, similarity: object, chunk_size: object) -> list[Tensor]:
     """The tensors and options every direction reads, checked in the caller's words before any work
     (the default direction's :func:`~torch_contrastive.info_nce_loss` checks them again, as its own)."""
@@ -144,8 +151,11 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
     cols = [d.to(queries.dtype) for d in docs]
     weighted = hardness_mode is not None and hardness_strength > 0
     if directions == ("query_to_doc",) and not weighted and not (gather and is_active()):
-        return info_nce_loss(queries, cols[0], torch.cat(cols[1:]) if len(cols) > 1 else None, 1.0 / scale,
-                             normalize=similarity == "cosine", chunk_size=chunk_size)
+        try:
+            return info_nce_loss(queries, cols[0], torch.cat(cols[1:]) if len(cols) > 1 else None, 1.0 / scale,
+                                 normalize=similarity == "cosine", chunk_size=chunk_size)
+        except ValueError as err:  # info_nce_loss names its own arguments: the caller's are queries and docs[i]
+            raise v.named_non_finite(err, (("queries", queries), *((f"docs[{i}]", d) for i, d in enumerate(docs)))) from None
     if similarity == "cosine":
         queries, cols = F.normalize(queries, dim=-1), [F.normalize(c, dim=-1) for c in cols]
     batch = queries.shape[0]
@@ -258,10 +268,10 @@ class MultipleNegativesRankingLoss(nn.Module):
                  chunk_size: int | None = None) -> None:
         super().__init__()
         self.directions = _check_mnrl(scale, directions, partition_mode, hardness_mode, hardness_strength)
-        self.model = model
+        self.model = _module(model, "model")
         self.scale = float(scale)
         self.similarity = _similarity_name(similarity_fct)
-        self.gather_across_devices = bool(gather_across_devices)
+        self.gather_across_devices = v.check_flag(gather_across_devices, "gather_across_devices")
         self.partition_mode = partition_mode
         self.hardness_mode = hardness_mode
         self.hardness_strength = float(hardness_strength)
@@ -446,10 +456,11 @@ class GISTEmbedLoss(nn.Module):
             raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
             raise ValueError(f"margin must be a float >= 0, got {margin!r}")
-        self.model, self.guide = model, guide
+        self.model, self.guide = _module(model, "model"), _module(guide, "guide")
         self.temperature, self.margin_strategy, self.margin = float(temperature), margin_strategy, float(margin)
-        self.contrast_anchors, self.contrast_positives = bool(contrast_anchors), bool(contrast_positives)
-        self.gather_across_devices = bool(gather_across_devices)
+        self.contrast_anchors = v.check_flag(contrast_anchors, "contrast_anchors")
+        self.contrast_positives = v.check_flag(contrast_positives, "contrast_positives")
+        self.gather_across_devices = v.check_flag(gather_across_devices, "gather_across_devices")
         self.chunk_size = chunk_size
         self.must_retokenize = self._must_retokenize()
 

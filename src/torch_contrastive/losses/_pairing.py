@@ -91,4 +91,10 @@ def pair_keys(n_rows: int, pairing: str, device: torch.device | None = None) -> 
             ``"halves"`` pairs row i with i + N, as in ``torch.cat([view1, view2])``
             (the SimCLR and SupCon papers).
     """
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int) or n_rows < 0:
+        raise TypeError(f"n_rows must be an int >= 0, got {n_rows!r}")
+    if pairing not in ("adjacent", "halves"):
+        raise ValueError(f"pairing must be 'adjacent' or 'halves', got {pairing!r}")
+    if n_rows % 2:
+        raise ValueError(f"n_rows must be even (2N views) for pairing={pairing!r}, got {n_rows}")
     return Strided.of(pairing, n_rows).keys(torch.arange(n_rows, device=device))
