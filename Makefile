@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml
 	# The CPU wheel first: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,cli,gpu,docs]'
-	# Test-only peers whose packages import torchvision: no deps; tests load open_clip's loss.py and lightly's dcl_loss.py alone.
-	$(BIN)/pip install -q --no-deps open_clip_torch==3.3.0 lightly==1.6.0
+	# Test-only peers whose packages import torchvision or heavy stacks: no deps; tests load open_clip's loss.py, lightly's dcl_loss.py and LibAUC's losses/contrastive.py alone.
+	$(BIN)/pip install -q --no-deps open_clip_torch==3.3.0 lightly==1.6.0 libauc==2.0.1
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -83,3 +83,10 @@ def tiny_sentence_transformer(folder: Path, seed: int = 0, hidden: int = 16):
                         max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     BertModel(config).save_pretrained(str(folder))
     return SentenceTransformer(str(folder), device="cpu"), words
+
+
+def libauc_contrastive() -> types.ModuleType:
+    """LibAUC 2.0.1's ``losses/contrastive.py`` alone (``GCLoss_v1``, ``GCLoss_v2``): the package's
+    ``__init__`` imports its whole stack; this file needs torch and numpy only."""
+    root = _root("libauc", "pip install --no-deps libauc==2.0.1")
+    return _load("libauc_contrastive_only", root / "losses" / "contrastive.py")

@@ -15,6 +15,7 @@ its checks.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ DOORS: dict[str, Door] = {
     "nt_xent_loss": Door(lambda embeddings: tc.nt_xent_loss(embeddings), {"embeddings": X}),
     "siglip_loss": Door(lambda image_feat, text_feat: tc.siglip_loss(image_feat, text_feat, 10.0, -10.0),
                         {"image_feat": X, "text_feat": Y}),
+    "global_contrastive_loss": Door(lambda a, b: tc.global_contrastive_loss(a, b, torch.full((8, 2), -math.inf))[0],
+                                    {"a": X, "b": Y}),
     "supcon_loss": Door(lambda features: tc.supcon_loss(features, L), {"features": X}, skip={("features", "4-D"): _AUTHORS_VIEWS}),
     # the modules (constructed, then called)
     "ClipLoss": Door(lambda image_features, text_features: tc.ClipLoss()(image_features, text_features),
@@ -92,6 +95,10 @@ DOORS: dict[str, Door] = {
     "NTXentLoss": Door(lambda embeddings: tc.NTXentLoss()(embeddings), {"embeddings": X}),
     "SigLipLoss": Door(lambda image_features, text_features: tc.SigLipLoss()(image_features, text_features),
                        {"image_features": X, "text_features": Y}),
+    "GlobalContrastiveLoss": Door(lambda a, b: tc.GlobalContrastiveLoss(16, "bimodal")(a, b, torch.arange(a.shape[0]) if
+                                                                                       isinstance(a, torch.Tensor) and a.ndim else
+                                                                                       torch.arange(8)),
+                                  {"a": X, "b": Y}),
     "SupConLoss": Door(lambda features: tc.SupConLoss()(features, L), {"features": X}, skip={("features", "4-D"): _AUTHORS_VIEWS}),
     # the helpers: their tensors are not loss rows; their bad input is in CASES
     "FeatureQueue": Door(None, note="CASES: size, dim, dtype, fill, overflow and push's rows"),
@@ -218,6 +225,9 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("grad_cache", lambda: tc.grad_cache(_Tower(), X, 3, 2), TypeError, "loss_fn"),
     ("grad_cache", lambda: tc.grad_cache(_Tower(), X, tc.nt_xent_loss, 0), ValueError, "micro_batch"),
     ("grad_cache", lambda: tc.grad_cache([_Tower(), _Tower()], [X, Y, X], tc.nt_xent_loss, 2), ValueError, "encoders and inputs"),
+    ("GlobalContrastiveLoss", lambda: tc.GlobalContrastiveLoss(8)(X, Y, torch.arange(8) + 1), ValueError, "index"),
+    ("GlobalContrastiveLoss", lambda: tc.GlobalContrastiveLoss(8, gamma=1.5), ValueError, "gamma"),
+    ("global_contrastive_loss", lambda: tc.global_contrastive_loss(X, Y, torch.zeros(8, 3)), ValueError, "log_u"),
     ("pair_keys", lambda: tc.pair_keys(7, "halves"), ValueError, "n_rows"),
     ("pair_keys", lambda: tc.pair_keys("8", "halves"), TypeError, "n_rows"),
     ("pair_keys", lambda: tc.pair_keys(8, "neighbours"), ValueError, "pairing"),

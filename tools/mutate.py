@@ -533,6 +533,22 @@ MUTATIONS = [
     Mutation(f"{PKG}/cli/bench.py", "    if problem:  # before the output folder is made",
              "    out_dir.mkdir(parents=True, exist_ok=True)\n    if problem:",
              "bench writes its output folder before refusing a bad grid", ("tests/test_entry_points.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "    fresh = torch.logaddexp(old + math.log1p(-gamma), log_g + math.log(gamma))",
+             "    fresh = torch.logaddexp(old + math.log(gamma), log_g + math.log1p(-gamma))",
+             "global loss: the moving average's weights swapped", ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "    return torch.where(torch.isneginf(old), log_g, fresh)", "    return fresh",
+             "global loss: a first visit mixes with an empty state instead of taking the batch's estimate",
+             ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py",
+             "    new = torch.stack([torch.logaddexp(log_u1, log_u2) - math.log(2.0), torch.full_like(log_u1, -math.inf)], 1)",
+             "    new = torch.stack([log_u1, torch.full_like(log_u1, -math.inf)], 1)",
+             "global loss (unimodal): the stored state is the first view's only", ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "    w_img, w_txt = torch.exp(d_img.detach() - log_u_img), torch.exp(d_txt.detach() - log_u_txt)",
+             "    w_img, w_txt = torch.exp(d_img.detach()), torch.exp(d_txt.detach() - log_u_txt)",
+             "global loss (bimodal): the image anchors' weights ignore the state", ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "            if repeats:", "            if False:",
+             "global loss: a batch may repeat an index (two updates of one state collide)",
+             ("tests/losses/test_global_contrastive.py",)),
 ]
 
 

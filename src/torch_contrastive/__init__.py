@@ -15,7 +15,9 @@ from .distributed import all_gather_with_grad
 from .engine.planner import Decision, explain
 from .grad_cache import RngSnapshot, grad_cache
 from .losses import (
+    GlobalContrastiveLoss,
     clip_loss,
+    global_contrastive_loss,
     image_text_contrastive_loss,
     info_nce_loss,
     nt_bxent_loss,
@@ -47,6 +49,7 @@ __all__ = [
     "DCLWLoss",
     "Decision",
     "FeatureQueue",
+    "GlobalContrastiveLoss",
     "ImageTextContrastiveLoss",
     "InfoNCELoss",
     "NTBXentLoss",
@@ -58,6 +61,7 @@ __all__ = [
     "all_gather_with_grad",
     "clip_loss",
     "explain",
+    "global_contrastive_loss",
     "grad_cache",
     "image_text_contrastive_loss",
     "info_nce_loss",

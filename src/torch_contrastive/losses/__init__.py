@@ -6,6 +6,7 @@
 * :mod:`.supcon` -- SupCon (Khosla et al. 2020)
 * :mod:`.siglip` -- SigLIP, the sigmoid image-text loss (Zhai et al. 2023)
 * :mod:`.info_nce` -- InfoNCE with hard negatives and queues (MNRL, info-nce-pytorch, MoCo)
+* :mod:`.global_contrastive` -- global contrastive losses with per-sample state (SogCLR, FastCLIP's GCL)
 
 Shared pieces: every call's set-up and finish (options, scope, checks, reduction) in
 :mod:`._prologue`, relations by pairing rules and ids in :mod:`._pairing`, the labelled losses'
@@ -15,6 +16,7 @@ the tiled math in :mod:`torch_contrastive.engine`; positives in
 """
 
 from ._pairing import pair_keys
+from .global_contrastive import GlobalContrastiveLoss, global_contrastive_loss
 from .image_text import clip_loss, image_text_contrastive_loss, text_ids
 from .info_nce import info_nce_loss
 from .nt_bxent import nt_bxent_loss
@@ -23,7 +25,9 @@ from .siglip import siglip_loss
 from .supcon import supcon_loss
 
 __all__ = [
+    "GlobalContrastiveLoss",
     "clip_loss",
+    "global_contrastive_loss",
     "image_text_contrastive_loss",
     "info_nce_loss",
     "nt_bxent_loss",
