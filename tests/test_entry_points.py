@@ -27,6 +27,7 @@ from torch import nn
 import torch_contrastive as tc
 from torch_contrastive.integrations import open_clip as oc
 from torch_contrastive.integrations import sentence_transformers as st
+from torch_contrastive.losses.global_contrastive import GlobalState
 
 X = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
 Y = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
@@ -80,7 +81,7 @@ DOORS: dict[str, Door] = {
     "nt_xent_loss": Door(lambda embeddings: tc.nt_xent_loss(embeddings), {"embeddings": X}),
     "siglip_loss": Door(lambda image_feat, text_feat: tc.siglip_loss(image_feat, text_feat, 10.0, -10.0),
                         {"image_feat": X, "text_feat": Y}),
-    "global_contrastive_loss": Door(lambda a, b: tc.global_contrastive_loss(a, b, torch.full((8, 2), -math.inf))[0],
+    "global_contrastive_loss": Door(lambda a, b: tc.global_contrastive_loss(a, b, GlobalState(torch.full((8, 2), -math.inf)))[0],
                                     {"a": X, "b": Y}),
     "supcon_loss": Door(lambda features: tc.supcon_loss(features, L), {"features": X}, skip={("features", "4-D"): _AUTHORS_VIEWS}),
     # the modules (constructed, then called)
@@ -227,7 +228,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("grad_cache", lambda: tc.grad_cache([_Tower(), _Tower()], [X, Y, X], tc.nt_xent_loss, 2), ValueError, "encoders and inputs"),
     ("GlobalContrastiveLoss", lambda: tc.GlobalContrastiveLoss(8)(X, Y, torch.arange(8) + 1), ValueError, "index"),
     ("GlobalContrastiveLoss", lambda: tc.GlobalContrastiveLoss(8, gamma=1.5), ValueError, "gamma"),
-    ("global_contrastive_loss", lambda: tc.global_contrastive_loss(X, Y, torch.zeros(8, 3)), ValueError, "log_u"),
+    ("global_contrastive_loss", lambda: tc.global_contrastive_loss(X, Y, GlobalState(torch.zeros(8, 3))), ValueError, "log_u"),
     ("pair_keys", lambda: tc.pair_keys(7, "halves"), ValueError, "n_rows"),
     ("pair_keys", lambda: tc.pair_keys("8", "halves"), TypeError, "n_rows"),
     ("pair_keys", lambda: tc.pair_keys(8, "neighbours"), ValueError, "pairing"),

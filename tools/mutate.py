@@ -549,6 +549,15 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/global_contrastive.py", "            if repeats:", "            if False:",
              "global loss: a batch may repeat an index (two updates of one state collide)",
              ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "    moving = (1.0 - rule.beta) * state_grad + rule.beta * grad",
+             "    moving = rule.beta * state_grad + (1.0 - rule.beta) * grad",
+             "iSogCLR: the temperatures' moving gradient weighs the old gradient by beta", ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "    grad = log_ur + call.rule.rho - c * expected",
+             "    grad = log_ur + call.rule.rho - expected",
+             "iSogCLR (unimodal): the temperature gradient drops the negatives' weights g / u", ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "        objective = tau * (call.rule.rho + (log_u_img.mean() + log_u_txt.mean()) / 2)",
+             "        objective = tau.detach() * (call.rule.rho + (log_u_img.mean() + log_u_txt.mean()) / 2)",
+             "RGCL-g: the global temperature misses the rho + log u part of its gradient", ("tests/losses/test_global_contrastive.py",)),
 ]
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch_contrastive as tc
 from device import DEVICE
 from peers import libauc_contrastive
+from torch_contrastive.losses.global_contrastive import GlobalState, TemperatureRule
 
 B, D, SAMPLES = 6, 5, 18
 
@@ -144,15 +145,15 @@ def test_the_engine_path_equals_the_float64_formulas(mode, dtype, tau, chunk):
     if mode == "unimodal":
         log_u[:, 1] = -math.inf
     x, y = a.clone().to(DEVICE).requires_grad_(), b.clone().to(DEVICE).requires_grad_()
-    loss, new = tc.global_contrastive_loss(x, y, log_u.to(DEVICE), tau, 0.6, mode=mode, chunk_size=chunk)
+    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u.to(DEVICE)), tau, 0.6, mode=mode, chunk_size=chunk)
     loss.backward()
     xr, yr = a.double().requires_grad_(), b.double().requires_grad_()
     estimate, surrogate, state = _reference(xr, yr, log_u, tau, 0.6, mode)
     surrogate.backward()
     tol = TOLS[dtype]
-    assert torch.isfinite(loss) and torch.isfinite(new[:, 0]).all()
+    assert torch.isfinite(loss) and torch.isfinite(new.log_u[:, 0]).all()
     torch.testing.assert_close(loss.double().cpu(), estimate.detach(), rtol=tol, atol=tol)
-    torch.testing.assert_close(new.double().cpu(), state, rtol=tol, atol=tol)
+    torch.testing.assert_close(new.log_u.double().cpu(), state, rtol=tol, atol=tol)
     torch.testing.assert_close(x.grad.double().cpu(), xr.grad, rtol=tol, atol=tol * max(1.0, xr.grad.abs().max().item()))
     torch.testing.assert_close(y.grad.double().cpu(), yr.grad, rtol=tol, atol=tol * max(1.0, yr.grad.abs().max().item()))
 
@@ -189,9 +190,17 @@ def test_the_module_refuses_bad_indices_and_options():
         with pytest.raises((ValueError, TypeError), match=words):
             tc.GlobalContrastiveLoss(**kwargs)
     with pytest.raises(ValueError, match="at least 2 samples"):
-        tc.global_contrastive_loss(a[:1], b[:1], torch.zeros(1, 2))
-    with pytest.raises(ValueError, match="log_u"):
-        tc.global_contrastive_loss(a, b, torch.zeros(3, 2))
+        tc.global_contrastive_loss(a[:1], b[:1], GlobalState(torch.zeros(1, 2)))
+    with pytest.raises(ValueError, match=r"state\.log_u"):
+        tc.global_contrastive_loss(a, b, GlobalState(torch.zeros(3, 2)))
+    with pytest.raises(TypeError, match=r"state\.tau"):
+        tc.global_contrastive_loss(a, b, GlobalState(torch.zeros(4, 2)), temperature_mode="individual")
+    with pytest.raises(TypeError, match="state must be a GlobalState"):
+        tc.global_contrastive_loss(a, b, torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="bimodal"):
+        tc.GlobalContrastiveLoss(8, "unimodal", temperature_mode="global")
+    with pytest.raises(ValueError, match="tau_min, tau_max"):
+        tc.GlobalContrastiveLoss(8, "bimodal", 0.1, temperature_mode="individual")
 
 
 def test_half_inputs_keep_an_fp32_state():
@@ -201,3 +210,101 @@ def test_half_inputs_keep_an_fp32_state():
     loss.backward()
     assert loss.dtype == torch.float32 and loss_fn.log_u.dtype == torch.float32 and torch.isfinite(loss_fn.log_u[:6]).all()
     assert a.grad.dtype == torch.bfloat16 and torch.isfinite(a.grad.float()).all()
+
+
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+def test_individual_temperatures_equal_libauc_isogclr(mode):
+    """iSogCLR: each sample's tau stepped inside the loss (momentum, step, clamp) as LibAUC's
+    ``enable_isogclr`` (GCLoss_v1) and ``individual_learnable`` (GCLoss_v2)."""
+    lib = libauc_contrastive()
+    rule = TemperatureRule(rho=0.4 if mode == "unimodal" else 5.0, lr=0.05, beta=0.7, tau_min=0.05, tau_max=0.6)
+    common = dict(N=SAMPLES, tau=0.2, gamma=0.8, tau_min=rule.tau_min, tau_max=rule.tau_max, rho=rule.rho, eta=rule.lr,
+                  beta=rule.beta)
+    if mode == "unimodal":
+        theirs = _quiet(lib.GCLoss_v1, device=torch.device("cpu"), enable_isogclr=True, **common)
+        names = ("u", "learnable_tau", "grad_tau")
+    else:
+        theirs = _quiet(lib.GCLoss_v2, temperature_scheme="individual_learnable", **common)
+        names = ("u1", "u2", "b1", "b2", "learnable_tau_img", "learnable_tau_txt", "grad_tau_img", "grad_tau_txt")
+    for name in names:  # fp64 state (LibAUC starts its temperatures at fp32's 0.2)
+        setattr(theirs, name, getattr(theirs, name).double().fill_(0.2) if "learnable" in name else getattr(theirs, name).double())
+    ours = tc.GlobalContrastiveLoss(SAMPLES, mode, 0.2, 0.8, temperature_mode="individual", rule=rule, state_dtype=torch.float64)
+
+    def same_state(index):
+        if mode == "unimodal":
+            torch.testing.assert_close(ours.tau_state[index, 0], theirs.learnable_tau[index, 0], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(ours.tau_grad[index, 0], theirs.grad_tau[index, 0], rtol=1e-9, atol=1e-12)
+        else:
+            for col, (tau, grad) in enumerate(((theirs.learnable_tau_img, theirs.grad_tau_img),
+                                               (theirs.learnable_tau_txt, theirs.grad_tau_txt))):
+                torch.testing.assert_close(ours.tau_state[index, col], tau[index, 0], rtol=1e-9, atol=1e-12)
+                torch.testing.assert_close(ours.tau_grad[index, col], grad[index, 0], rtol=1e-9, atol=1e-12)
+        assert (ours.tau_state[index] != 0.2).any()  # the temperatures moved
+
+    call = theirs if mode == "unimodal" else \
+        (lambda x, y, i: theirs(F.normalize(x, dim=1), F.normalize(y, dim=1), i))
+    _side_by_side(ours, theirs, 4, call, same_state)
+
+
+def test_the_global_temperature_has_fastclip_v3s_gradient():
+    """RGCL-g (FastCLIP-v3): ``tau_det mean(g^I / u^I + g^T / u^T) + tau (rho + mean(log u^I + log u^T) / 2)``,
+    u detached: the features' and tau's gradients and the state, against float64 from that formula."""
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 5, generator=g, dtype=torch.float64)
+    log_u = torch.randn(7, 2, generator=g, dtype=torch.float64)
+    log_u[3] = -math.inf
+    tau = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u), tau, 0.6, mode="bimodal", temperature_mode="global",
+                                           rule=TemperatureRule(rho=7.0))
+    loss.backward()
+    xr, yr, tr = a.clone().requires_grad_(), b.clone().requires_grad_(), torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+    img, txt = F.normalize(xr, dim=1), F.normalize(yr, dim=1)
+    eye = torch.eye(7, dtype=torch.bool)
+    total, logs = 0.0, []
+    for p, q, col in ((img, txt, 0), (txt, img, 1)):
+        logits = p @ q.T
+        e = torch.where(eye, 0.0, ((logits - logits.diagonal()[:, None]) / tr).exp())
+        g_i = e.sum(1) / 6
+        old = log_u[:, col]
+        u = torch.where(torch.isinf(old), g_i.detach(), 0.4 * old.exp() + 0.6 * g_i.detach())
+        total = total + (g_i / u).mean()
+        logs.append(u.log())
+    reference = tr.detach() * total + tr * (7.0 + (logs[0].mean() + logs[1].mean()) / 2)
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach() - tr.detach() * total.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(new.log_u, torch.stack(logs, 1).detach(), rtol=1e-10, atol=1e-12)
+    for got, want in ((x.grad, xr.grad), (y.grad, yr.grad), (tau.grad, tr.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_the_global_temperature_is_a_parameter_the_optimizer_sees():
+    loss_fn = tc.GlobalContrastiveLoss(12, "bimodal", 0.05, temperature_mode="global")
+    assert [name for name, _ in loss_fn.named_parameters()] == ["tau"]
+    a, b = torch.randn(6, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    loss_fn(a, b, torch.arange(6)).backward()
+    assert loss_fn.tau.grad is not None and torch.isfinite(loss_fn.tau.grad)
+
+
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+def test_individual_temperatures_tiled_and_in_fp32_equal_one_fp64_tile(mode):
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(9, 6, generator=g, dtype=torch.float64), torch.randn(9, 6, generator=g, dtype=torch.float64)
+    tau = 0.02 + 0.3 * torch.rand(9, 2, generator=g, dtype=torch.float64)
+    state = GlobalState(torch.randn(9, 2, generator=g, dtype=torch.float64) * 2 + 5, tau,
+                        torch.randn(9, 2, generator=g, dtype=torch.float64))
+    rule = TemperatureRule(rho=1.0, lr=0.1, beta=0.5, tau_min=0.01, tau_max=0.5)
+
+    def run(dtype, chunk):
+        x = a.to(dtype=dtype, device=DEVICE).clone().requires_grad_()
+        y = b.to(dtype=dtype, device=DEVICE).clone().requires_grad_()
+        moved = GlobalState(*(t.to(dtype).to(DEVICE) for t in state))
+        loss, new = tc.global_contrastive_loss(x, y, moved, 0.1, 0.7, mode=mode, temperature_mode="individual", rule=rule,
+                                               chunk_size=chunk)
+        loss.backward()
+        return [loss.detach(), *(t[:, : 1 if mode == "unimodal" else 2] for t in new), x.grad, y.grad]
+
+    want = run(torch.float64, None)
+    for dtype, chunk, tol in ((torch.float64, 4, 1e-10), (torch.float32, None, 1e-4), (torch.float32, 4, 1e-4)):
+        for got, ref in zip(run(dtype, chunk), want):
+            torch.testing.assert_close(got.double().cpu(), ref.cpu(), rtol=tol, atol=tol * max(1.0, ref.abs().max().item()))

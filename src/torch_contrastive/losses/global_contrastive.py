@@ -35,7 +35,8 @@ left out of the denominators as in DCL), O(N·D + tile²) memory, no host read w
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -43,64 +44,136 @@ from torch import Tensor, nn
 from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Options, Problem, Softmax, compute_dtype, solve
-from ..positives import Exclusion
-from ._pairing import image_text_positives
+from ..positives import Exclusion, Positives
+from ._pairing import partner_positives
 from ._prologue import begin, finish_checks
-from .nt_xent import nt_xent_loss
 
-__all__ = ["GlobalContrastiveLoss", "global_contrastive_loss"]
+__all__ = ["GlobalContrastiveLoss", "GlobalState", "TemperatureRule", "global_contrastive_loss"]
 
 MODES = ("unimodal", "bimodal")
+TEMPERATURE_MODES = ("fixed", "global", "individual")
 GAMMA_SCHEDULES = ("constant", "cosine")
+
+
+class GlobalState(NamedTuple):
+    """A batch's rows of the per-sample state (B rows, one column per direction: the unimodal state in
+    column 0, column 1 unused and ``-inf``; bimodal image anchors in column 0, text anchors in 1).
+
+    Attributes:
+        log_u: (B, 2) ``log u``; ``-inf`` where a sample was not visited yet (then ``gamma`` is 1).
+        tau: (B, 2) the individual temperatures (``temperature_mode="individual"``), else None.
+        tau_grad: (B, 2) their moving gradients (iSogCLR's ``beta`` average), else None.
+    """
+
+    log_u: Tensor
+    tau: Tensor | None = None
+    tau_grad: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TemperatureRule:
+    """iSogCLR's per-sample temperature step (LibAUC's ``individual_learnable``): ``m <- (1 - beta) m +
+    beta * grad``, ``tau <- clamp(tau - lr * m, tau_min, tau_max)`` with ``grad = log u + rho - T`` and
+    ``T`` the negatives' ``exp(h / tau) / u * h / tau`` averaged (see :func:`global_contrastive_loss`)."""
+
+    rho: float
+    lr: float = 0.01
+    beta: float = 0.9
+    tau_min: float = 0.05
+    tau_max: float = 0.7
+
+
+#: LibAUC's defaults per mode: GCLoss_v1 (unimodal) and GCLoss_v2 (bimodal).
+INDIVIDUAL_DEFAULTS = {"unimodal": TemperatureRule(rho=0.3, tau_min=0.05, tau_max=0.7),
+                       "bimodal": TemperatureRule(rho=6.0, tau_min=0.005, tau_max=0.05)}
+#: FastCLIP-v3's rho for the learnable global temperature.
+GLOBAL_RHO = 8.0
 
 
 def global_contrastive_loss(
     a: Tensor,
     b: Tensor,
-    log_u: Tensor,
-    temperature: float = 0.1,
+    state: GlobalState,
+    temperature: float | Tensor = 0.1,
     gamma: float = 0.9,
     *,
     mode: str = "unimodal",
+    temperature_mode: str = "fixed",
+    rule: TemperatureRule | None = None,
     normalize: bool = True,
     chunk_size: int | None = None,
     eps: float = 1e-12,
     validate: bool = True,
     backend: str = "auto",
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, GlobalState]:
     """The global contrastive loss of one batch, and the batch's new state (see the module docstring).
 
     Args:
         a: (B, D) first view (unimodal) or image features (bimodal).
         b: (B, D) second view, or text features; row i pairs with ``a[i]``.
-        log_u: (B, 2) the batch's state rows ``log u`` in fp32 (fp64 for fp64 inputs): column 0 the
-            unimodal sample state (column 1 unused, kept ``-inf``), or the bimodal image and text
-            states; ``-inf`` where a sample was not visited yet (then ``gamma`` is 1 for it).
-        temperature: tau > 0 (a float: the fixed temperature).
+        state: the batch's state rows (:class:`GlobalState`), fp32 (fp64 for fp64 inputs).
+        temperature: ``"fixed"``: tau > 0; ``"global"``: the learnable 0-dim tau tensor (bimodal:
+            FastCLIP-v3's RGCL-g, whose objective ``tau (mean log u + rho)`` gives tau FastCLIP's
+            gradient); ``"individual"``: unused (the temperatures are ``state.tau``).
         gamma: the moving average's weight of the batch, in (0, 1].
         mode: ``"unimodal"`` (SogCLR) or ``"bimodal"`` (FastCLIP's GCL).
+        temperature_mode: ``"fixed"``, ``"global"`` (bimodal) or ``"individual"`` (iSogCLR: each
+            sample's tau updated here by ``rule``, one more engine pass per call).
+        rule: the individual temperatures' step and rho (default :data:`INDIVIDUAL_DEFAULTS` of the
+            mode), or ``TemperatureRule(rho=...)`` whose ``rho`` the global mode reads (default 8).
 
     The shared options ``normalize``, ``chunk_size``, ``eps``, ``validate``, ``backend`` are documented once
     in :mod:`torch_contrastive.options`.
 
     Returns:
-        ``(loss, new_log_u)``: the 0-dim estimate of the global objective with the algorithm's
-        gradient, and the (B, 2) updated state rows (new tensors: ``log_u`` is not modified).
+        ``(loss, new_state)``: the 0-dim estimate of the global objective with the algorithm's
+        gradient, and the batch's updated state rows (new tensors: ``state`` is not modified).
 
-    Memory: O(B·D + tile²); one engine call (about four B x B x D products, unimodal over 2B rows).
+    Memory: O(B·D + tile²); one engine call (two with individual temperatures, three bimodal).
     """
     v.check_embeddings(a, "a")
     v.check_embeddings(b, "b")
     v.check_same_rows(a, "a", b, "b")
     v.check_choice(mode, "mode", MODES)
+    v.check_choice(temperature_mode, "temperature_mode", TEMPERATURE_MODES)
     if a.shape[0] < 2:
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {a.shape[0]}")
-    _check_state_rows(log_u, a.shape[0], compute_dtype(a.dtype))
+    _check_state(state, a.shape[0], compute_dtype(a.dtype), temperature_mode == "individual")
     gamma = _check_gamma(gamma)
-    tau = _check_temperature(temperature)
+    rule = rule if rule is not None else INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else \
+        TemperatureRule(rho=GLOBAL_RHO)
+    tau: float | Tensor | None = None
+    if temperature_mode == "global":
+        if mode != "bimodal":
+            raise ValueError("temperature_mode='global' is FastCLIP's RGCL-g, defined for mode='bimodal'; "
+                             "use 'fixed' or 'individual' for two views")
+        if not isinstance(temperature, Tensor) or temperature.ndim != 0 or not temperature.is_floating_point():
+            raise TypeError("temperature must be a 0-dim floating tensor (the learnable tau) with temperature_mode='global'")
+        tau = temperature
+    elif temperature_mode == "fixed":
+        tau = _check_temperature(temperature)
+    _, checks = begin(reduction="mean", chunk_size=chunk_size, grad_reduction="mean", eps=eps, backend=backend, gather=False,
+                      validate=validate)
+    checks.finite(a, "a", deferred=True)
+    checks.finite(b, "b", deferred=True)
+    call = _Call(gamma, rule, Options(normalize, eps, chunk_size, backend), validate)
     if mode == "unimodal":
-        return _unimodal(a, b, log_u, tau, gamma, normalize, chunk_size, eps, validate, backend)
-    return _bimodal(a, b, log_u, tau, gamma, normalize, chunk_size, eps, validate, backend)
+        if isinstance(tau, Tensor):
+            raise RuntimeError("internal: a learnable tau reached the unimodal loss")
+        loss, new = _unimodal(a, b, state, tau, call)
+    else:
+        loss, new = _bimodal(a, b, state, tau, call)
+    # normalised rows: a non-finite input makes the loss non-finite, and its value answers the finite checks
+    finish_checks(loss, checks, not normalize, covers=normalize)
+    return loss, new
+
+
+@dataclass(frozen=True)
+class _Call:
+    gamma: float
+    rule: TemperatureRule
+    options: Options
+    validate: bool
 
 
 def _mixed(old: Tensor, log_g: Tensor, gamma: float) -> Tensor:
@@ -116,52 +189,115 @@ def _straight(estimate: Tensor, surrogate: Tensor) -> Tensor:
     return estimate.detach() + (surrogate - surrogate.detach())
 
 
-def _unimodal(a: Tensor, b: Tensor, log_u: Tensor, tau: float, gamma: float, normalize: bool, chunk_size: int | None,
-              eps: float, validate: bool, backend: str) -> tuple[Tensor, Tensor]:
+def _row_terms(anchors: Tensor, candidates: Tensor, scale: float | Tensor, relation: Any, self_offset: int | None,
+               options: Options, symmetric: bool = False, bound: float | None = None) -> Tensor:
+    """``d_r = LSE over row r's negatives of S - S_r,pos`` (the positive and the self pair left out, as DCL)."""
+    statistic = Softmax(exclude=Exclusion(relation=relation, symmetric=True))
+    return solve(Problem(anchors, candidates, scale, statistic, positives=relation, self_offset=self_offset, symmetric=symmetric,
+                         bound=bound, options=options))[0]
+
+
+def _expected(anchors: Tensor, candidates: Tensor, relation: Any, self_offset: int | None, options: Options) -> Tensor:
+    """``<x_r, grad_x_r sum d>`` = the soft-max mean over row r's negatives of ``S`` minus ``S_r,pos``
+    (rows ``x`` already scaled, ``S = <x_r, c>``): one more engine pass, detached from the caller's graph."""
+    with torch.enable_grad():
+        x = anchors.detach().requires_grad_()
+        d = _row_terms(x, candidates.detach(), 1.0, relation, self_offset, replace(options, normalize=False))
+        (grad,) = torch.autograd.grad(d.sum(), x)
+    return (x.detach() * grad).sum(1)
+
+
+def _stepped(state_tau: Tensor, state_grad: Tensor, grad: Tensor, rule: TemperatureRule) -> tuple[Tensor, Tensor]:
+    """iSogCLR's (LibAUC's) step of the individual temperatures: new ``(tau, moving gradient)``."""
+    moving = (1.0 - rule.beta) * state_grad + rule.beta * grad
+    return (state_tau - rule.lr * moving).clamp(rule.tau_min, rule.tau_max), moving
+
+
+def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | None, call: _Call) -> tuple[Tensor, GlobalState]:
     n = a.shape[0]
-    z = torch.cat([a, b.to(a.dtype)])
-    # d_r = LSE_r - S_r,pos over the 2B - 2 negatives of row r (DCL: self and positive left out), S = <., .> / tau
-    d = nt_xent_loss(z, tau, pairing="halves", decoupled=True, reduction="none", normalize=normalize, chunk_size=chunk_size,
-                     eps=eps, validate=validate, backend=backend)
-    rows = prepare(z, normalize, eps)
-    s_pos = (rows[:n] * rows[n:]).sum(1) / tau  # S of each sample's positive pair (both views: the same number)
-    s_pos = torch.cat([s_pos, s_pos])
+    opts = call.options
+    rows = prepare(torch.cat([a, b.to(a.dtype)]), opts.normalize, opts.eps)
+    relation = partner_positives(2 * n, "halves", 0, rows.device, 2 * n, 0, "halves")
+    l_pos = (rows[:n] * rows[n:]).sum(1)
+    l_pos = torch.cat([l_pos, l_pos])  # each sample's positive similarity, both views
+    if tau is not None:  # one single-set engine call over the 2B rows (S = <., .> / tau)
+        taus: float | Tensor = tau
+        d = _row_terms(rows, rows, 1.0 / tau, relation, 0, replace(opts, normalize=False), symmetric=True, bound=1.0 / tau)
+    else:  # every sample its own tau (both views): the rows scaled, the candidates as they are
+        if state.tau is None:
+            raise RuntimeError("internal: individual temperatures without their state")
+        taus = torch.cat([state.tau[:, 0], state.tau[:, 0]]).to(rows.dtype)
+        scaled = rows / taus[:, None]
+        d = _row_terms(scaled, rows, 1.0, relation, 0, replace(opts, normalize=False))
+    s_pos = l_pos / taus
     lse = d.detach() + s_pos.detach()  # log sum over the negatives of exp(S)
     log_g = lse - math.log(2 * (n - 1))
-    old = log_u[:, 0].to(lse.dtype)
-    log_u1, log_u2 = _mixed(old, log_g[:n], gamma), _mixed(old, log_g[n:], gamma)
+    old = state.log_u[:, 0].to(lse.dtype)
+    log_u1, log_u2 = _mixed(old, log_g[:n], call.gamma), _mixed(old, log_g[n:], call.gamma)
     log_ur = torch.cat([log_u1, log_u2])
-    # gradient: -grad <., pos> + tau * (g / u) * grad LSE per row, summed over both views, mean over samples
-    c = torch.exp(log_g - log_ur)
-    surrogate = tau * (c * d + (c - 1.0) * s_pos).sum() / n
-    estimate = (tau * (log_ur - s_pos)).sum() / n
-    new = torch.stack([torch.logaddexp(log_u1, log_u2) - math.log(2.0), torch.full_like(log_u1, -math.inf)], 1)
-    return _straight(estimate, surrogate), new.to(log_u.dtype)
+    c = torch.exp(log_g - log_ur)  # g / u per row
+    # gradient: -grad <., pos> + tau (g / u) grad LSE per row, both views summed, the mean over samples
+    surrogate = (taus * (c * d + (c - 1.0) * s_pos)).sum() / n
+    new_log_u = torch.stack([torch.logaddexp(log_u1, log_u2) - math.log(2.0), torch.full_like(log_u1, -math.inf)], 1)
+    if tau is not None:
+        estimate = (tau * log_ur - l_pos).sum() / n
+        return _straight(estimate, surrogate), GlobalState(new_log_u.to(state.log_u.dtype))
+    assert isinstance(taus, Tensor) and state.tau is not None and state.tau_grad is not None
+    expected = _expected(rows / taus[:, None], rows, relation, 0, opts) + s_pos.detach()  # soft-max mean of S
+    grad = log_ur + call.rule.rho - c * expected
+    new_tau, moving = _stepped(state.tau[:, 0], state.tau_grad[:, 0], (grad[:n] + grad[n:]) / 2, call.rule)
+    estimate = (taus.detach() * (log_ur + call.rule.rho) - l_pos).sum() / n
+    blank = torch.full_like(new_tau, math.nan)
+    return _straight(estimate, surrogate), GlobalState(new_log_u.to(state.log_u.dtype), torch.stack([new_tau, blank], 1),
+                                                       torch.stack([moving, blank], 1))
 
 
-def _bimodal(a: Tensor, b: Tensor, log_u: Tensor, tau: float, gamma: float, normalize: bool, chunk_size: int | None,
-             eps: float, validate: bool, backend: str) -> tuple[Tensor, Tensor]:
+def _bimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call) -> tuple[Tensor, GlobalState]:
     n = a.shape[0]
-    scope, checks = begin(reduction="none", chunk_size=chunk_size, grad_reduction="mean", eps=eps, backend=backend,
-                          gather=False, validate=validate)
-    checks.finite(a, "a", deferred=True)
-    checks.finite(b, "b", deferred=True)
-    pos = image_text_positives(None, None, n, n, scope, a.device)
-    # d^I_i = LSE_{j != i} S_ij - S_ii and d^T_i likewise over the columns: log of (B - 1) g_i
-    statistic = Softmax(columns=True, columns_share_alpha=True, exclude=Exclusion(relation=pos, symmetric=True))
-    d_img, d_txt = solve(Problem(a, b.to(a.dtype), 1.0 / tau, statistic, positives=pos, bound=1.0 / tau if normalize else None,
-                                 options=Options(normalize, eps, chunk_size, backend)))
-    if d_txt is None:
-        raise RuntimeError("internal: columns=True returns the column terms")
-    finish_checks((d_img, d_txt), checks, v.output_needs_check(normalize, 1.0 / tau))
+    opts = call.options
+    img, txt = prepare(a, opts.normalize, opts.eps), prepare(b.to(a.dtype), opts.normalize, opts.eps)
+    pos = Positives.from_partner(torch.arange(n, device=img.device), n, self_offset=None)
+    plain = replace(opts, normalize=False)
+    if tau is None:  # individual temperatures: each direction's rows scaled by their own 1 / tau
+        if state.tau is None or state.tau_grad is None:
+            raise RuntimeError("internal: individual temperatures without their state")
+        taus = state.tau.to(img.dtype)
+        d_img = _row_terms(img / taus[:, :1], txt, 1.0, pos, None, plain)
+        d_txt = _row_terms(txt / taus[:, 1:], img, 1.0, pos, None, plain)
+        t_img: float | Tensor = taus[:, 0]
+        t_txt: float | Tensor = taus[:, 1]
+    else:  # d^I_i = LSE_{j != i} S_ij - S_ii and d^T over the columns, one call
+        statistic = Softmax(columns=True, columns_share_alpha=True, exclude=Exclusion(relation=pos, symmetric=True))
+        scale = 1.0 / tau
+        both = solve(Problem(img, txt, scale, statistic, positives=pos, bound=scale if isinstance(scale, float) else None,
+                             options=plain))
+        if both[1] is None:
+            raise RuntimeError("internal: columns=True returns the column terms")
+        d_img, d_txt = both[0], both[1]
+        t_img = t_txt = tau.detach() if isinstance(tau, Tensor) else tau
     log_norm = math.log(n - 1)
-    log_u_img = _mixed(log_u[:, 0].to(d_img.dtype), d_img.detach() - log_norm, gamma)
-    log_u_txt = _mixed(log_u[:, 1].to(d_txt.dtype), d_txt.detach() - log_norm, gamma)
+    log_u_img = _mixed(state.log_u[:, 0].to(d_img.dtype), d_img.detach() - log_norm, call.gamma)
+    log_u_txt = _mixed(state.log_u[:, 1].to(d_txt.dtype), d_txt.detach() - log_norm, call.gamma)
+    new_log_u = torch.stack([log_u_img, log_u_txt], 1).to(state.log_u.dtype)
     # LibAUC's gradient: sum_j exp(h_ij / tau) / u_i grad h_ij = tau exp(d_i) / u_i grad d_i, mean over i and directions
     w_img, w_txt = torch.exp(d_img.detach() - log_u_img), torch.exp(d_txt.detach() - log_u_txt)
-    surrogate = tau * ((w_img * d_img).mean() + (w_txt * d_txt).mean()) / 2
-    estimate = tau * (log_u_img.mean() + log_u_txt.mean()) / 2
-    return _straight(estimate, surrogate), torch.stack([log_u_img, log_u_txt], 1).to(log_u.dtype)
+    if isinstance(tau, Tensor):  # FastCLIP-v3 (RGCL-g): tau_det mean(g^I / u^I + g^T / u^T) + tau (rho + mean log u)
+        # g / u = exp(d - log u) / (B - 1), differentiable in d (features and tau): w exp(d - d_det), value w
+        surrogate = t_img * ((w_img * torch.exp(d_img - d_img.detach())).mean() + (w_txt * torch.exp(d_txt - d_txt.detach())).mean()) \
+            / (n - 1)
+        objective = tau * (call.rule.rho + (log_u_img.mean() + log_u_txt.mean()) / 2)
+        return _straight(objective, surrogate + objective), GlobalState(new_log_u)
+    surrogate = ((t_img * w_img * d_img).mean() + (t_txt * w_txt * d_txt).mean()) / 2
+    if tau is not None:
+        estimate = tau * (log_u_img.mean() + log_u_txt.mean()) / 2
+        return _straight(estimate, surrogate), GlobalState(new_log_u)
+    assert isinstance(t_img, Tensor) and isinstance(t_txt, Tensor) and state.tau is not None and state.tau_grad is not None
+    e_img = _expected(img / t_img[:, None], txt, pos, None, opts)  # soft-max mean of h / tau over the negatives
+    e_txt = _expected(txt / t_txt[:, None], img, pos, None, opts)
+    new_img, m_img = _stepped(state.tau[:, 0], state.tau_grad[:, 0], log_u_img + call.rule.rho - w_img / (n - 1) * e_img, call.rule)
+    new_txt, m_txt = _stepped(state.tau[:, 1], state.tau_grad[:, 1], log_u_txt + call.rule.rho - w_txt / (n - 1) * e_txt, call.rule)
+    estimate = ((t_img * (log_u_img + call.rule.rho)).mean() + (t_txt * (log_u_txt + call.rule.rho)).mean()) / 2
+    return _straight(estimate, surrogate), GlobalState(new_log_u, torch.stack([new_img, new_txt], 1), torch.stack([m_img, m_txt], 1))
 
 
 def _check_temperature(temperature: object) -> float:
@@ -176,17 +312,23 @@ def _check_gamma(gamma: object) -> float:
     return float(gamma)
 
 
-def _check_state_rows(log_u: object, n: int, dtype: torch.dtype) -> None:
-    if not isinstance(log_u, Tensor):
-        raise TypeError(f"log_u must be a torch.Tensor, got {type(log_u).__name__}")
-    if log_u.shape != (n, 2):
-        raise ValueError(f"log_u must hold the batch's state rows, shape ({n}, 2), got {tuple(log_u.shape)}")
-    if log_u.dtype != dtype:
-        raise TypeError(f"log_u must be {dtype} for {dtype} rows (the state's precision), got {log_u.dtype}")
+def _check_state(state: object, n: int, dtype: torch.dtype, individual: bool) -> None:
+    if not isinstance(state, GlobalState):
+        raise TypeError(f"state must be a GlobalState (the batch's state rows), got {type(state).__name__}")
+    fields = ("log_u", "tau", "tau_grad") if individual else ("log_u",)
+    for name in fields:
+        rows = getattr(state, name)
+        if not isinstance(rows, Tensor):
+            raise TypeError(f"state.{name} must be a torch.Tensor (temperature_mode='individual' needs tau and tau_grad), "
+                            f"got {type(rows).__name__}")
+        if rows.shape != (n, 2):
+            raise ValueError(f"state.{name} must hold the batch's state rows, shape ({n}, 2), got {tuple(rows.shape)}")
+        if rows.dtype != dtype:
+            raise TypeError(f"state.{name} must be {dtype} for {dtype} rows (the state's precision), got {rows.dtype}")
 
 
 class GlobalContrastiveLoss(nn.Module):
-    """Global contrastive loss with its per-sample state (SogCLR / FastCLIP's GCL; SPEC §17).
+    """Global contrastive loss with its per-sample state (SogCLR, iSogCLR, FastCLIP; SPEC §17).
 
     Called as ``loss_fn(a, b, index)`` with ``index`` (B,) the batch's dataset indices (from the
     data loader); it refreshes the visited samples' states and returns the running estimate of the
@@ -196,48 +338,75 @@ class GlobalContrastiveLoss(nn.Module):
     Args:
         num_samples: the data set's size (indices lie in ``[0, num_samples)``).
         mode: ``"unimodal"`` (two views of each sample, SogCLR) or ``"bimodal"`` (image-text).
-        temperature: the fixed tau (default 0.1).
+        temperature: tau (default 0.1): the fixed one, the learnable one's start (``"global"``) or
+            every sample's start (``"individual"``).
         gamma: the moving average's weight of a batch (default 0.9); 1 on a sample's first visit.
+        temperature_mode: ``"fixed"``; ``"global"`` (bimodal): ``self.tau`` is an ``nn.Parameter`` the
+            optimizer sees, with FastCLIP-v3's (RGCL-g) gradient; ``"individual"``: iSogCLR's per-sample
+            temperatures, buffers updated inside the loss by ``rule``.
+        rule: the individual temperatures' step and rho (:class:`TemperatureRule`; default LibAUC's
+            for the mode), or the global mode's rho (default 8, FastCLIP-v3's).
         gamma_schedule: ``"constant"`` or ``"cosine"`` (from 1 at epoch 0 to ``gamma`` at
             ``gamma_decay_epochs``, FastCLIP's and LibAUC's formula).
         gamma_decay_epochs: the cosine schedule's length in epochs.
         state_dtype: the state's dtype, fp32 (default) or fp64 (for fp64 inputs).
-        device: where the state lives (default CPU: two floats per sample).
+        device: where the state lives (default CPU: two floats per sample, four more with
+            individual temperatures).
 
     The shared options ``normalize``, ``chunk_size``, ``eps``, ``validate``, ``backend`` are documented once
     in :mod:`torch_contrastive.options`.
 
-    The state is two buffers, ``log_u`` (num_samples, 2) and ``epoch``: saved and restored with the
-    module's ``state_dict``. A batch's indices must be distinct and inside ``[0, num_samples)``
-    (checked with ``validate=True``, in the call's one host read).
+    The state is in buffers (``log_u`` (num_samples, 2), ``epoch``, and with individual temperatures
+    ``tau_state`` and ``tau_grad``): saved and restored with the module's ``state_dict``. A batch's
+    indices must be distinct and inside ``[0, num_samples)`` (checked with ``validate=True``, in one
+    host read).
     """
 
     log_u: Tensor
     epoch: Tensor
+    tau_state: Tensor
+    tau_grad: Tensor
 
     def __init__(self, num_samples: int, mode: str = "unimodal", temperature: float = 0.1, gamma: float = 0.9, *,
-                 gamma_schedule: str = "constant", gamma_decay_epochs: int | None = None,
-                 state_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 normalize: bool = True, chunk_size: int | None = None, eps: float = 1e-12, validate: bool = True,
-                 backend: str = "auto") -> None:
+                 temperature_mode: str = "fixed", rule: TemperatureRule | None = None, gamma_schedule: str = "constant",
+                 gamma_decay_epochs: int | None = None, state_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, normalize: bool = True, chunk_size: int | None = None,
+                 eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> None:
         super().__init__()
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
             raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}")
         v.check_choice(mode, "mode", MODES)
+        v.check_choice(temperature_mode, "temperature_mode", TEMPERATURE_MODES)
+        if temperature_mode == "global" and mode != "bimodal":
+            raise ValueError("temperature_mode='global' is FastCLIP's RGCL-g, defined for mode='bimodal'")
         v.check_choice(gamma_schedule, "gamma_schedule", GAMMA_SCHEDULES)
         if gamma_schedule == "cosine" and (isinstance(gamma_decay_epochs, bool) or not isinstance(gamma_decay_epochs, int)
                                            or gamma_decay_epochs < 1):
             raise ValueError(f"gamma_decay_epochs must be a positive int with gamma_schedule='cosine', got {gamma_decay_epochs!r}")
         if state_dtype not in (torch.float32, torch.float64):
             raise TypeError(f"state_dtype must be torch.float32 or torch.float64, got {state_dtype}")
+        if rule is not None and not isinstance(rule, TemperatureRule):
+            raise TypeError(f"rule must be a TemperatureRule, got {type(rule).__name__}")
         v.check_options(reduction="mean", chunk_size=chunk_size, grad_reduction="mean", eps=eps, backend=backend)
-        self.num_samples, self.mode = num_samples, mode
-        self.temperature, self.gamma_min = _check_temperature(temperature), _check_gamma(gamma)
+        self.num_samples, self.mode, self.temperature_mode = num_samples, mode, temperature_mode
+        self.gamma_min = _check_gamma(gamma)
         self.gamma_schedule, self.gamma_decay_epochs = gamma_schedule, gamma_decay_epochs
+        self.rule = rule if rule is not None else INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else \
+            TemperatureRule(rho=GLOBAL_RHO)
+        start = _check_temperature(temperature)
+        if temperature_mode == "individual" and not self.rule.tau_min <= start <= self.rule.tau_max:
+            raise ValueError(f"temperature must start inside [tau_min, tau_max] = [{self.rule.tau_min}, {self.rule.tau_max}] "
+                             f"with temperature_mode='individual', got {start}")
         self.options: dict[str, Any] = {"normalize": v.check_flag(normalize, "normalize"), "chunk_size": chunk_size,
                                         "eps": float(eps), "validate": v.check_flag(validate, "validate"), "backend": backend}
         self.register_buffer("log_u", torch.full((num_samples, 2), -math.inf, dtype=state_dtype, device=device))
         self.register_buffer("epoch", torch.zeros((), dtype=torch.int64))
+        self.fixed_temperature = start
+        if temperature_mode == "global":
+            self.tau = nn.Parameter(torch.tensor(start, dtype=state_dtype, device=device))
+        if temperature_mode == "individual":
+            self.register_buffer("tau_state", torch.full((num_samples, 2), start, dtype=state_dtype, device=device))
+            self.register_buffer("tau_grad", torch.zeros((num_samples, 2), dtype=state_dtype, device=device))
 
     @property
     def gamma(self) -> float:
@@ -258,14 +427,25 @@ class GlobalContrastiveLoss(nn.Module):
         v.check_embeddings(a, "a")
         v.check_embeddings(b, "b")
         index = self._checked_index(index, a)
-        rows = self.log_u.index_select(0, index.to(self.log_u.device)).to(a.device)
-        if rows.dtype != compute_dtype(a.dtype):
-            rows = rows.to(compute_dtype(a.dtype))
-        loss, new = global_contrastive_loss(a, b, rows, self.temperature, self.gamma, mode=self.mode, **self.options)
-        with torch.no_grad():
-            self.log_u.index_copy_(0, index.to(self.log_u.device), new.to(self.log_u.device, self.log_u.dtype))
-        return loss
+        at = index.to(self.log_u.device)
+        cdtype = compute_dtype(a.dtype)
+        individual = self.temperature_mode == "individual"
 
+        def rows(t: Tensor) -> Tensor:
+            return t.index_select(0, at).to(a.device, cdtype)
+
+        state = GlobalState(rows(self.log_u), rows(self.tau_state) if individual else None,
+                            rows(self.tau_grad) if individual else None)
+        temperature: float | Tensor = self.tau if self.temperature_mode == "global" else self.fixed_temperature
+        loss, new = global_contrastive_loss(a, b, state, temperature, self.gamma, mode=self.mode,
+                                            temperature_mode=self.temperature_mode, rule=self.rule, **self.options)
+        with torch.no_grad():
+            self.log_u.index_copy_(0, at, new.log_u.to(self.log_u.device, self.log_u.dtype))
+            if individual and new.tau is not None and new.tau_grad is not None:
+                kept = slice(0, 1) if self.mode == "unimodal" else slice(0, 2)  # unimodal: one temperature per sample
+                self.tau_state[:, kept].index_copy_(0, at, new.tau[:, kept].to(self.tau_state.device, self.tau_state.dtype))
+                self.tau_grad[:, kept].index_copy_(0, at, new.tau_grad[:, kept].to(self.tau_grad.device, self.tau_grad.dtype))
+        return loss
     def _checked_index(self, index: object, a: object) -> Tensor:
         if not isinstance(index, Tensor) or index.dtype not in v.INDEX_DTYPES or index.ndim != 1:
             what = f"{tuple(index.shape)} {index.dtype}" if isinstance(index, Tensor) else type(index).__name__
@@ -287,5 +467,5 @@ class GlobalContrastiveLoss(nn.Module):
         return index
 
     def extra_repr(self) -> str:
-        return (f"num_samples={self.num_samples}, mode={self.mode!r}, temperature={self.temperature}, gamma={self.gamma_min}, "
-                f"gamma_schedule={self.gamma_schedule!r}")
+        return (f"num_samples={self.num_samples}, mode={self.mode!r}, temperature_mode={self.temperature_mode!r}, "
+                f"temperature={self.fixed_temperature}, gamma={self.gamma_min}, gamma_schedule={self.gamma_schedule!r}")
