@@ -308,3 +308,45 @@ def test_individual_temperatures_tiled_and_in_fp32_equal_one_fp64_tile(mode):
     for dtype, chunk, tol in ((torch.float64, 4, 1e-10), (torch.float32, None, 1e-4), (torch.float32, 4, 1e-4)):
         for got, ref in zip(run(dtype, chunk), want):
             torch.testing.assert_close(got.double().cpu(), ref.cpu(), rtol=tol, atol=tol * max(1.0, ref.abs().max().item()))
+
+
+def _ranks_global(rank, world, sizes, mode, temperature_mode):
+    """One rank of the gathered loss against the single-process loss on the concatenated batch, three
+    steps with recurring indices: values, this rank's rows' gradients, and every rank's whole state."""
+    import torch.distributed as dist
+
+    total, lo = sum(sizes), sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    index = torch.randperm(2 * total, generator=torch.Generator().manual_seed(5))[:total]
+    kwargs = dict(temperature_mode=temperature_mode, state_dtype=torch.float64, grad_reduction="sum")
+    start = 0.2 if temperature_mode != "individual" or mode == "unimodal" else 0.03
+    single = tc.GlobalContrastiveLoss(2 * total, mode, start, 0.8, **kwargs)
+    ranked = tc.GlobalContrastiveLoss(2 * total, mode, start, 0.8, gather=True, **kwargs)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        a, b = torch.randn(total, 5, generator=g, dtype=torch.float64), torch.randn(total, 5, generator=g, dtype=torch.float64)
+        full = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        want = single(*full, index)
+        want.backward()
+        mine = [a[lo:hi].clone().requires_grad_(), b[lo:hi].clone().requires_grad_()]
+        got = ranked(*mine, index[lo:hi])
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        for x, y in zip(mine, full):
+            torch.testing.assert_close(x.grad, y.grad[lo:hi], rtol=1e-9, atol=1e-12)
+        for buffer, reference in zip(ranked._state_buffers(), single._state_buffers()):
+            torch.testing.assert_close(buffer, reference, rtol=1e-10, atol=1e-12, equal_nan=True)
+        if temperature_mode == "global":
+            summed = ranked.tau.grad.clone()
+            dist.all_reduce(summed)  # DDP's job: the ranks' shares of tau's gradient add up
+            torch.testing.assert_close(summed, single.tau.grad, rtol=1e-9, atol=1e-12)
+            ranked.tau.grad = single.tau.grad = None
+
+
+@pytest.mark.parametrize("world,mode,temperature_mode", [(2, "unimodal", "fixed"), (2, "bimodal", "global"),
+                                                         (2, "unimodal", "individual"), (4, "bimodal", "individual"),
+                                                         (4, "unimodal", "fixed")])
+def test_gathered_ranks_equal_one_process_state_included(world, mode, temperature_mode):
+    from dist_helpers import run_ranks
+
+    run_ranks(_ranks_global, world, [3 + r for r in range(world)], mode, temperature_mode, timeout=300)

@@ -35,7 +35,7 @@ left out of the denominators as in DCL), O(N·D + tile²) memory, no host read w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from .. import _validation as v
 from .._normalize import prepare
+from ..distributed import Scope, gather_padded, gather_sizes, is_active
 from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
 from ._pairing import partner_positives
@@ -102,6 +103,8 @@ def global_contrastive_loss(
     rule: TemperatureRule | None = None,
     normalize: bool = True,
     chunk_size: int | None = None,
+    gather: bool = False,
+    grad_reduction: str = "mean",
     eps: float = 1e-12,
     validate: bool = True,
     backend: str = "auto",
@@ -122,8 +125,10 @@ def global_contrastive_loss(
         rule: the individual temperatures' step and rho (default :data:`INDIVIDUAL_DEFAULTS` of the
             mode), or ``TemperatureRule(rho=...)`` whose ``rho`` the global mode reads (default 8).
 
-    The shared options ``normalize``, ``chunk_size``, ``eps``, ``validate``, ``backend`` are documented once
-    in :mod:`torch_contrastive.options`.
+    The shared options ``normalize``, ``chunk_size``, ``gather``, ``grad_reduction``, ``eps``, ``validate``,
+    ``backend`` are documented once in :mod:`torch_contrastive.options`. With ``gather=True`` each rank's
+    rows meet every rank's samples as negatives (gathered with their gradient); ``state`` and the
+    result are this rank's rows (:class:`GlobalContrastiveLoss` shares them with every rank).
 
     Returns:
         ``(loss, new_state)``: the 0-dim estimate of the global objective with the algorithm's
@@ -136,8 +141,6 @@ def global_contrastive_loss(
     v.check_same_rows(a, "a", b, "b")
     v.check_choice(mode, "mode", MODES)
     v.check_choice(temperature_mode, "temperature_mode", TEMPERATURE_MODES)
-    if a.shape[0] < 2:
-        raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {a.shape[0]}")
     _check_state(state, a.shape[0], compute_dtype(a.dtype), temperature_mode == "individual")
     gamma = _check_gamma(gamma)
     rule = rule if rule is not None else INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else \
@@ -152,17 +155,21 @@ def global_contrastive_loss(
         tau = temperature
     elif temperature_mode == "fixed":
         tau = _check_temperature(temperature)
-    _, checks = begin(reduction="mean", chunk_size=chunk_size, grad_reduction="mean", eps=eps, backend=backend, gather=False,
-                      validate=validate)
+    scope, checks = begin(reduction="mean", chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+                          gather=gather, validate=validate)
+    if a.shape[0] < 2 and not scope.distributed:
+        raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {a.shape[0]}")
     checks.finite(a, "a", deferred=True)
     checks.finite(b, "b", deferred=True)
-    call = _Call(gamma, rule, Options(normalize, eps, chunk_size, backend), validate)
+    call = _Call(gamma, rule, Options(False, eps, chunk_size, backend), scope)
+    img, txt = prepare(a, normalize, eps), prepare(b.to(a.dtype), normalize, eps)
     if mode == "unimodal":
         if isinstance(tau, Tensor):
             raise RuntimeError("internal: a learnable tau reached the unimodal loss")
-        loss, new = _unimodal(a, b, state, tau, call)
+        (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call)
     else:
-        loss, new = _bimodal(a, b, state, tau, call)
+        (estimate, surrogate, count), new = _bimodal(img, txt, state, tau, call)
+    loss = _straight(scope.finish(estimate, count), scope.finish(surrogate, count))
     # normalised rows: a non-finite input makes the loss non-finite, and its value answers the finite checks
     finish_checks(loss, checks, not normalize, covers=normalize)
     return loss, new
@@ -172,8 +179,8 @@ def global_contrastive_loss(
 class _Call:
     gamma: float
     rule: TemperatureRule
-    options: Options
-    validate: bool
+    options: Options  # the engine's: the rows come normalised
+    scope: Scope
 
 
 def _mixed(old: Tensor, log_g: Tensor, gamma: float) -> Tensor:
@@ -189,21 +196,31 @@ def _straight(estimate: Tensor, surrogate: Tensor) -> Tensor:
     return estimate.detach() + (surrogate - surrogate.detach())
 
 
-def _row_terms(anchors: Tensor, candidates: Tensor, scale: float | Tensor, relation: Any, self_offset: int | None,
-               options: Options, symmetric: bool = False, bound: float | None = None) -> Tensor:
-    """``d_r = LSE over row r's negatives of S - S_r,pos`` (the positive and the self pair left out, as DCL)."""
-    statistic = Softmax(exclude=Exclusion(relation=relation, symmetric=True))
-    return solve(Problem(anchors, candidates, scale, statistic, positives=relation, self_offset=self_offset, symmetric=symmetric,
-                         bound=bound, options=options))[0]
+class _Negatives(NamedTuple):
+    """Who row r's negatives are: the candidates, and the relation (self and positive) left out."""
+
+    candidates: Tensor
+    relation: Positives
+    self_offset: int | None
+    symmetric: bool = False  # one set on one process: the engine visits the upper triangle only
 
 
-def _expected(anchors: Tensor, candidates: Tensor, relation: Any, self_offset: int | None, options: Options) -> Tensor:
-    """``<x_r, grad_x_r sum d>`` = the soft-max mean over row r's negatives of ``S`` minus ``S_r,pos``
-    (rows ``x`` already scaled, ``S = <x_r, c>``): one more engine pass, detached from the caller's graph."""
+def _lse(anchors: Tensor, negatives: _Negatives, scale: float | Tensor, options: Options, bound: float | None = None,
+         columns: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Row r's ``log sum exp(S)`` over its negatives, ``S = scale <anchor_r, candidate>`` (and the columns')."""
+    statistic = Softmax(columns=columns, columns_share_alpha=columns, exclude=Exclusion(relation=negatives.relation,
+                                                                                          symmetric=True))
+    return solve(Problem(anchors, negatives.candidates, scale, statistic, self_offset=negatives.self_offset,
+                         symmetric=negatives.symmetric, bound=bound, options=options))
+
+
+def _expected(anchors: Tensor, negatives: _Negatives, options: Options) -> Tensor:
+    """Row r's soft-max mean of ``S = <x_r, c>`` over its negatives, as ``<x_r, d LSE_r / d x_r>``
+    (rows ``x`` already scaled): one more engine pass, detached from the caller's graph."""
     with torch.enable_grad():
         x = anchors.detach().requires_grad_()
-        d = _row_terms(x, candidates.detach(), 1.0, relation, self_offset, replace(options, normalize=False))
-        (grad,) = torch.autograd.grad(d.sum(), x)
+        lse = _lse(x, negatives._replace(candidates=negatives.candidates.detach(), symmetric=False), 1.0, options)[0]
+        (grad,) = torch.autograd.grad(lse.sum(), x)
     return (x.detach() * grad).sum(1)
 
 
@@ -213,91 +230,118 @@ def _stepped(state_tau: Tensor, state_grad: Tensor, grad: Tensor, rule: Temperat
     return (state_tau - rule.lr * moving).clamp(rule.tau_min, rule.tau_max), moving
 
 
-def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | None, call: _Call) -> tuple[Tensor, GlobalState]:
-    n = a.shape[0]
-    opts = call.options
-    rows = prepare(torch.cat([a, b.to(a.dtype)]), opts.normalize, opts.eps)
-    relation = partner_positives(2 * n, "halves", 0, rows.device, 2 * n, 0, "halves")
-    l_pos = (rows[:n] * rows[n:]).sum(1)
+def _negatives_by_sample(rows_from: Tensor, candidates: Tensor, repeats: int, scope: Scope) -> _Negatives:
+    """Negatives gathered from every rank: every candidate but the anchor's own sample's (self and positive),
+    told apart by the sample's position in the global batch (``repeats`` views per sample)."""
+    n, total = rows_from.shape[0], candidates.shape[0] // repeats
+    own = scope.offset + torch.arange(n, device=rows_from.device)
+    every = torch.arange(total, device=rows_from.device)
+    return _Negatives(candidates, Positives.from_keys(own.repeat(repeats), every.repeat(repeats), self_offset=None), None)
+
+
+Parts = tuple[Tensor, Tensor, float]  # (this rank's estimate sum, surrogate sum, its samples)
+
+
+def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | None, call: _Call) -> tuple[Parts, GlobalState]:
+    n, opts, scope = a.shape[0], call.options, call.scope
+    rows = torch.cat([a, b])
+    l_pos = (a * b).sum(1)
     l_pos = torch.cat([l_pos, l_pos])  # each sample's positive similarity, both views
-    if tau is not None:  # one single-set engine call over the 2B rows (S = <., .> / tau)
+    if scope.distributed:
+        negatives = _negatives_by_sample(a, torch.cat([scope.rows(a), scope.rows(b)]), 2, scope)
+    else:
+        negatives = _Negatives(rows, partner_positives(2 * n, "halves", 0, rows.device, 2 * n, 0, "halves"), 0, tau is not None)
+    total = negatives.candidates.shape[0] // 2
+    if total < 2:
+        raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
+    if tau is not None:  # S = <., .> / tau
         taus: float | Tensor = tau
-        d = _row_terms(rows, rows, 1.0 / tau, relation, 0, replace(opts, normalize=False), symmetric=True, bound=1.0 / tau)
+        lse = _lse(rows, negatives, 1.0 / tau, opts, bound=1.0 / tau)[0]
     else:  # every sample its own tau (both views): the rows scaled, the candidates as they are
         if state.tau is None:
             raise RuntimeError("internal: individual temperatures without their state")
         taus = torch.cat([state.tau[:, 0], state.tau[:, 0]]).to(rows.dtype)
-        scaled = rows / taus[:, None]
-        d = _row_terms(scaled, rows, 1.0, relation, 0, replace(opts, normalize=False))
-    s_pos = l_pos / taus
-    lse = d.detach() + s_pos.detach()  # log sum over the negatives of exp(S)
-    log_g = lse - math.log(2 * (n - 1))
+        lse = _lse(rows / taus[:, None], negatives._replace(symmetric=False), 1.0, opts)[0]
+    log_g = lse.detach() - math.log(2 * (total - 1))
     old = state.log_u[:, 0].to(lse.dtype)
     log_u1, log_u2 = _mixed(old, log_g[:n], call.gamma), _mixed(old, log_g[n:], call.gamma)
     log_ur = torch.cat([log_u1, log_u2])
     c = torch.exp(log_g - log_ur)  # g / u per row
     # gradient: -grad <., pos> + tau (g / u) grad LSE per row, both views summed, the mean over samples
-    surrogate = (taus * (c * d + (c - 1.0) * s_pos)).sum() / n
+    surrogate = (taus * c * lse).sum() - l_pos.sum()
     new_log_u = torch.stack([torch.logaddexp(log_u1, log_u2) - math.log(2.0), torch.full_like(log_u1, -math.inf)], 1)
     if tau is not None:
-        estimate = (tau * log_ur - l_pos).sum() / n
-        return _straight(estimate, surrogate), GlobalState(new_log_u.to(state.log_u.dtype))
+        return ((tau * log_ur - l_pos).sum(), surrogate, float(n)), GlobalState(new_log_u.to(state.log_u.dtype))
     assert isinstance(taus, Tensor) and state.tau is not None and state.tau_grad is not None
-    expected = _expected(rows / taus[:, None], rows, relation, 0, opts) + s_pos.detach()  # soft-max mean of S
+    expected = _expected(rows / taus[:, None], negatives, opts)  # soft-max mean of S
     grad = log_ur + call.rule.rho - c * expected
     new_tau, moving = _stepped(state.tau[:, 0], state.tau_grad[:, 0], (grad[:n] + grad[n:]) / 2, call.rule)
-    estimate = (taus.detach() * (log_ur + call.rule.rho) - l_pos).sum() / n
+    estimate = (taus.detach() * (log_ur + call.rule.rho) - l_pos).sum()
     blank = torch.full_like(new_tau, math.nan)
-    return _straight(estimate, surrogate), GlobalState(new_log_u.to(state.log_u.dtype), torch.stack([new_tau, blank], 1),
-                                                       torch.stack([moving, blank], 1))
+    return (estimate, surrogate, float(n)), GlobalState(new_log_u.to(state.log_u.dtype), torch.stack([new_tau, blank], 1),
+                                                        torch.stack([moving, blank], 1))
 
 
-def _bimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call) -> tuple[Tensor, GlobalState]:
-    n = a.shape[0]
-    opts = call.options
-    img, txt = prepare(a, opts.normalize, opts.eps), prepare(b.to(a.dtype), opts.normalize, opts.eps)
-    pos = Positives.from_partner(torch.arange(n, device=img.device), n, self_offset=None)
-    plain = replace(opts, normalize=False)
+def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call) -> tuple[Parts, GlobalState]:
+    n, opts, scope = img.shape[0], call.options, call.scope
+    l_pos = (img * txt).sum(1)
+    if scope.distributed:
+        by_img = _negatives_by_sample(img, scope.rows(txt), 1, scope)
+        by_txt = _negatives_by_sample(txt, scope.rows(img), 1, scope)
+    else:
+        pos = Positives.from_partner(torch.arange(n, device=img.device), n, self_offset=None)
+        by_img, by_txt = _Negatives(txt, pos, None), _Negatives(img, pos, None)
+    total = by_img.candidates.shape[0]
+    if total < 2:
+        raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
     if tau is None:  # individual temperatures: each direction's rows scaled by their own 1 / tau
         if state.tau is None or state.tau_grad is None:
             raise RuntimeError("internal: individual temperatures without their state")
         taus = state.tau.to(img.dtype)
-        d_img = _row_terms(img / taus[:, :1], txt, 1.0, pos, None, plain)
-        d_txt = _row_terms(txt / taus[:, 1:], img, 1.0, pos, None, plain)
         t_img: float | Tensor = taus[:, 0]
         t_txt: float | Tensor = taus[:, 1]
-    else:  # d^I_i = LSE_{j != i} S_ij - S_ii and d^T over the columns, one call
-        statistic = Softmax(columns=True, columns_share_alpha=True, exclude=Exclusion(relation=pos, symmetric=True))
+        lse_img = _lse(img / taus[:, :1], by_img, 1.0, opts)[0]
+        lse_txt = _lse(txt / taus[:, 1:], by_txt, 1.0, opts)[0]
+    else:
         scale = 1.0 / tau
-        both = solve(Problem(img, txt, scale, statistic, positives=pos, bound=scale if isinstance(scale, float) else None,
-                             options=plain))
-        if both[1] is None:
-            raise RuntimeError("internal: columns=True returns the column terms")
-        d_img, d_txt = both[0], both[1]
+        bound = scale if isinstance(scale, float) else None
         t_img = t_txt = tau.detach() if isinstance(tau, Tensor) else tau
-    log_norm = math.log(n - 1)
+        if scope.distributed:
+            lse_img, lse_txt = _lse(img, by_img, scale, opts, bound)[0], _lse(txt, by_txt, scale, opts, bound)[0]
+        else:  # both directions in one call: the texts' log-sum-exps are the column statistics
+            both = _lse(img, by_img, scale, opts, bound, columns=True)
+            if both[1] is None:
+                raise RuntimeError("internal: columns=True returns the column terms")
+            lse_img, lse_txt = both[0], both[1]
+    # d_i = log sum_{j != i} exp(h_ij / tau) = log (B - 1) g_i, with h_ij = <x_i, t_j> - <x_i, t_i>
+    d_img, d_txt = lse_img - l_pos / t_img if tau is None else lse_img - l_pos * (1.0 / tau), \
+        lse_txt - l_pos / t_txt if tau is None else lse_txt - l_pos * (1.0 / tau)
+    log_norm = math.log(total - 1)
     log_u_img = _mixed(state.log_u[:, 0].to(d_img.dtype), d_img.detach() - log_norm, call.gamma)
     log_u_txt = _mixed(state.log_u[:, 1].to(d_txt.dtype), d_txt.detach() - log_norm, call.gamma)
     new_log_u = torch.stack([log_u_img, log_u_txt], 1).to(state.log_u.dtype)
-    # LibAUC's gradient: sum_j exp(h_ij / tau) / u_i grad h_ij = tau exp(d_i) / u_i grad d_i, mean over i and directions
     w_img, w_txt = torch.exp(d_img.detach() - log_u_img), torch.exp(d_txt.detach() - log_u_txt)
     if isinstance(tau, Tensor):  # FastCLIP-v3 (RGCL-g): tau_det mean(g^I / u^I + g^T / u^T) + tau (rho + mean log u)
         # g / u = exp(d - log u) / (B - 1), differentiable in d (features and tau): w exp(d - d_det), value w
-        surrogate = t_img * ((w_img * torch.exp(d_img - d_img.detach())).mean() + (w_txt * torch.exp(d_txt - d_txt.detach())).mean()) \
-            / (n - 1)
-        objective = tau * (call.rule.rho + (log_u_img.mean() + log_u_txt.mean()) / 2)
-        return _straight(objective, surrogate + objective), GlobalState(new_log_u)
-    surrogate = ((t_img * w_img * d_img).mean() + (t_txt * w_txt * d_txt).mean()) / 2
+        surrogate = t_img * ((w_img * torch.exp(d_img - d_img.detach())).sum() + (w_txt * torch.exp(d_txt - d_txt.detach())).sum()) \
+            / (total - 1)
+        objective = tau * (call.rule.rho * n + (log_u_img.sum() + log_u_txt.sum()) / 2)
+        return (objective, surrogate + objective, float(n)), GlobalState(new_log_u)
+    # LibAUC's gradient: sum_j exp(h_ij / tau) / u_i grad h_ij = tau exp(d_i) / u_i grad d_i, mean over i and directions
+    surrogate = ((t_img * w_img * d_img).sum() + (t_txt * w_txt * d_txt).sum()) / 2
     if tau is not None:
-        estimate = tau * (log_u_img.mean() + log_u_txt.mean()) / 2
-        return _straight(estimate, surrogate), GlobalState(new_log_u)
+        return (tau * (log_u_img.sum() + log_u_txt.sum()) / 2, surrogate, float(n)), GlobalState(new_log_u)
     assert isinstance(t_img, Tensor) and isinstance(t_txt, Tensor) and state.tau is not None and state.tau_grad is not None
-    e_img = _expected(img / t_img[:, None], txt, pos, None, opts)  # soft-max mean of h / tau over the negatives
-    e_txt = _expected(txt / t_txt[:, None], img, pos, None, opts)
-    new_img, m_img = _stepped(state.tau[:, 0], state.tau_grad[:, 0], log_u_img + call.rule.rho - w_img / (n - 1) * e_img, call.rule)
-    new_txt, m_txt = _stepped(state.tau[:, 1], state.tau_grad[:, 1], log_u_txt + call.rule.rho - w_txt / (n - 1) * e_txt, call.rule)
-    estimate = ((t_img * (log_u_img + call.rule.rho)).mean() + (t_txt * (log_u_txt + call.rule.rho)).mean()) / 2
-    return _straight(estimate, surrogate), GlobalState(new_log_u, torch.stack([new_img, new_txt], 1), torch.stack([m_img, m_txt], 1))
+    # the soft-max mean of h / tau over the negatives: of S, less S_ii
+    e_img = _expected(img / t_img[:, None], by_img, opts) - (l_pos / t_img).detach()
+    e_txt = _expected(txt / t_txt[:, None], by_txt, opts) - (l_pos / t_txt).detach()
+    new_img, m_img = _stepped(state.tau[:, 0], state.tau_grad[:, 0], log_u_img + call.rule.rho - w_img / (total - 1) * e_img,
+                              call.rule)
+    new_txt, m_txt = _stepped(state.tau[:, 1], state.tau_grad[:, 1], log_u_txt + call.rule.rho - w_txt / (total - 1) * e_txt,
+                              call.rule)
+    estimate = ((t_img * (log_u_img + call.rule.rho)).sum() + (t_txt * (log_u_txt + call.rule.rho)).sum()) / 2
+    return (estimate, surrogate, float(n)), GlobalState(new_log_u, torch.stack([new_img, new_txt], 1),
+                                                        torch.stack([m_img, m_txt], 1))
 
 
 def _check_temperature(temperature: object) -> float:
@@ -371,7 +415,8 @@ class GlobalContrastiveLoss(nn.Module):
                  temperature_mode: str = "fixed", rule: TemperatureRule | None = None, gamma_schedule: str = "constant",
                  gamma_decay_epochs: int | None = None, state_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, normalize: bool = True, chunk_size: int | None = None,
-                 eps: float = 1e-12, validate: bool = True, backend: str = "auto") -> None:
+                 gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True,
+                 backend: str = "auto") -> None:
         super().__init__()
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
             raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}")
@@ -387,7 +432,7 @@ class GlobalContrastiveLoss(nn.Module):
             raise TypeError(f"state_dtype must be torch.float32 or torch.float64, got {state_dtype}")
         if rule is not None and not isinstance(rule, TemperatureRule):
             raise TypeError(f"rule must be a TemperatureRule, got {type(rule).__name__}")
-        v.check_options(reduction="mean", chunk_size=chunk_size, grad_reduction="mean", eps=eps, backend=backend)
+        v.check_options(reduction="mean", chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend)
         self.num_samples, self.mode, self.temperature_mode = num_samples, mode, temperature_mode
         self.gamma_min = _check_gamma(gamma)
         self.gamma_schedule, self.gamma_decay_epochs = gamma_schedule, gamma_decay_epochs
@@ -398,6 +443,7 @@ class GlobalContrastiveLoss(nn.Module):
             raise ValueError(f"temperature must start inside [tau_min, tau_max] = [{self.rule.tau_min}, {self.rule.tau_max}] "
                              f"with temperature_mode='individual', got {start}")
         self.options: dict[str, Any] = {"normalize": v.check_flag(normalize, "normalize"), "chunk_size": chunk_size,
+                                        "gather": v.check_flag(gather, "gather"), "grad_reduction": grad_reduction,
                                         "eps": float(eps), "validate": v.check_flag(validate, "validate"), "backend": backend}
         self.register_buffer("log_u", torch.full((num_samples, 2), -math.inf, dtype=state_dtype, device=device))
         self.register_buffer("epoch", torch.zeros((), dtype=torch.int64))
@@ -440,12 +486,22 @@ class GlobalContrastiveLoss(nn.Module):
         loss, new = global_contrastive_loss(a, b, state, temperature, self.gamma, mode=self.mode,
                                             temperature_mode=self.temperature_mode, rule=self.rule, **self.options)
         with torch.no_grad():
-            self.log_u.index_copy_(0, at, new.log_u.to(self.log_u.device, self.log_u.dtype))
-            if individual and new.tau is not None and new.tau_grad is not None:
-                kept = slice(0, 1) if self.mode == "unimodal" else slice(0, 2)  # unimodal: one temperature per sample
-                self.tau_state[:, kept].index_copy_(0, at, new.tau[:, kept].to(self.tau_state.device, self.tau_state.dtype))
-                self.tau_grad[:, kept].index_copy_(0, at, new.tau_grad[:, kept].to(self.tau_grad.device, self.tau_grad.dtype))
+            parts = [new.log_u] + ([new.tau, new.tau_grad] if individual else [])
+            if self.options["gather"] and is_active():
+                # every rank keeps the whole state: each writes every rank's samples (the same values everywhere)
+                sizes = gather_sizes(index.shape[0], a.device)
+                at = gather_padded(index.to(a.device), sizes).to(self.log_u.device)
+                if self.options["validate"] and torch.unique(at).numel() != at.numel():
+                    raise ValueError("index must not repeat across ranks within a step (one state update per sample)")
+                parts = [gather_padded(t.contiguous(), sizes) for t in parts if t is not None]
+            kept = slice(0, 1) if self.mode == "unimodal" else slice(0, 2)  # unimodal: column 1 stays unused
+            for buffer, rows_new in zip(self._state_buffers(), parts):
+                if rows_new is not None:
+                    buffer[:, kept].index_copy_(0, at, rows_new[:, kept].to(buffer.device, buffer.dtype))
         return loss
+
+    def _state_buffers(self) -> list[Tensor]:
+        return [self.log_u, self.tau_state, self.tau_grad] if self.temperature_mode == "individual" else [self.log_u]
     def _checked_index(self, index: object, a: object) -> Tensor:
         if not isinstance(index, Tensor) or index.dtype not in v.INDEX_DTYPES or index.ndim != 1:
             what = f"{tuple(index.shape)} {index.dtype}" if isinstance(index, Tensor) else type(index).__name__
