@@ -558,6 +558,13 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/global_contrastive.py", "        objective = tau * (call.rule.rho + (log_u_img.mean() + log_u_txt.mean()) / 2)",
              "        objective = tau.detach() * (call.rule.rho + (log_u_img.mean() + log_u_txt.mean()) / 2)",
              "RGCL-g: the global temperature misses the rho + log u part of its gradient", ("tests/losses/test_global_contrastive.py",)),
+    Mutation(f"{PKG}/cli/train.py",
+             "                      image_index * CAPTIONS_PER_IMAGE + torch.arange(CAPTIONS_PER_IMAGE).repeat_interleave(len(batch)))",
+             "                      image_index)",
+             "fastclip on digits: an image's two captions share one state row", ("tests/cli/test_train.py",)),
+    Mutation(f"{PKG}/cli/train.py", "    if cfg.temperature_mode == \"global\" and cfg.loss != \"fastclip\":",
+             "    if False:", "sogclr with a global temperature fails inside training instead of before it",
+             ("tests/cli/test_train.py",)),
 ]
 
 

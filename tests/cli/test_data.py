@@ -155,7 +155,7 @@ def test_train_and_embed_on_a_folder_and_a_csv(digit_files, tmp_path):
     assert main(["train", "--loss", "supcon", "--data", str(folder), "--image-size", "8", "--channels", "1", "--epochs", "2",
                  "--out", str(run_f), "--quiet"]) == 0
     metrics = json.loads((run_f / "metrics.json").read_text())
-    assert set(metrics["trained"]) == {"knn_accuracy", "linear_probe_accuracy"}
+    assert set(metrics["trained"]) == {"knn_accuracy", "linear_probe_accuracy", "few_shot_accuracy"}
     run_c = tmp_path / "csv-run"
     assert main(["train", "--loss", "clip", "--data", str(table), "--image-size", "12", "--epochs", "12", "--batch-size", "32",
                  "--out", str(run_c), "--quiet"]) == 0

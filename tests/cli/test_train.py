@@ -243,3 +243,34 @@ def test_prefetching_the_next_batch_changes_nothing(loss, tmp_path):
     runs = [train(Config(loss=loss, epochs=2, out=str(tmp_path / mode), device="cpu", prefetch=mode), progress=False)
             for mode in ("off", "on")]
     assert runs[0]["loss_history"] == runs[1]["loss_history"] and runs[0]["trained"] == runs[1]["trained"]
+
+
+@pytest.mark.parametrize("loss", ["sogclr", "fastclip"])
+def test_the_global_recipes_resume_bit_for_bit_with_their_state(loss, tmp_path):
+    """The global losses' per-sample state (and fastclip's learnable temperature) live in the loss
+    module: a run resumed from its checkpoint equals an uninterrupted one, state included."""
+    common = ["train", "--loss", loss, "--schedule", "constant", "--device", "cpu", "--quiet", "--batch-size", "64"]
+    assert main([*common, "--epochs", "1", "--out", str(tmp_path / "short")]) == 0
+    assert main(["train", "--resume", str(tmp_path / "short"), "--epochs", "2", "--quiet"]) == 0
+    assert main([*common, "--epochs", "2", "--out", str(tmp_path / "whole")]) == 0
+    extended = json.loads((tmp_path / "short" / "metrics.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert extended["loss_history"] == whole["loss_history"] and extended["trained"] == whole["trained"]
+    a = torch.load(tmp_path / "short" / "checkpoint.pt", weights_only=False)["modules"]
+    b = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["modules"]
+    state = a[-1]["log_u"]  # the loss module comes last
+    assert torch.isfinite(state[:, 0]).sum() > 100  # the training samples' states were written
+    assert all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa.values(), sb.values()))
+    if loss == "fastclip":
+        assert "tau" in a[-1] and whole["final_temperature"] != 0.07  # the global temperature was learned
+
+
+def test_the_global_recipes_refuse_bad_options_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--loss", "sogclr", "--gamma", "0", "--out", str(tmp_path / "a")])
+    assert info.value.code == 2 and "--gamma" in capsys.readouterr().err
+    assert main(["train", "--loss", "sogclr", "--temperature-mode", "global", "--epochs", "1", "--quiet",
+                 "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--temperature-mode global" in err and "fastclip" in err and "\n" not in err
+    assert not (tmp_path / "b").exists()

@@ -186,7 +186,8 @@ def test_the_module_refuses_bad_indices_and_options():
     for kwargs, words in ((dict(num_samples=1), "num_samples"), (dict(num_samples=8, mode="x"), "mode"),
                           (dict(num_samples=8, gamma=0.0), "gamma"), (dict(num_samples=8, temperature=-1.0), "temperature"),
                           (dict(num_samples=8, gamma_schedule="cosine"), "gamma_decay_epochs"),
-                          (dict(num_samples=8, state_dtype=torch.float16), "state_dtype")):
+                          (dict(num_samples=8, state_dtype=torch.float16), "state_dtype"),
+                          (dict(num_samples=8, rho=float("nan")), "rho")):
         with pytest.raises((ValueError, TypeError), match=words):
             tc.GlobalContrastiveLoss(**kwargs)
     with pytest.raises(ValueError, match="at least 2 samples"):
@@ -280,7 +281,8 @@ def test_the_global_temperature_has_fastclip_v3s_gradient():
 
 def test_the_global_temperature_is_a_parameter_the_optimizer_sees():
     loss_fn = tc.GlobalContrastiveLoss(12, "bimodal", 0.05, temperature_mode="global")
-    assert [name for name, _ in loss_fn.named_parameters()] == ["tau"]
+    assert [name for name, _ in loss_fn.named_parameters()] == ["tau"] and loss_fn.rule.rho == 8.0
+    assert tc.GlobalContrastiveLoss(12, "bimodal", temperature_mode="global", rho=3.0).rule.rho == 3.0
     a, b = torch.randn(6, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
     loss_fn(a, b, torch.arange(6)).backward()
     assert loss_fn.tau.grad is not None and torch.isfinite(loss_fn.tau.grad)
@@ -350,3 +352,46 @@ def test_gathered_ranks_equal_one_process_state_included(world, mode, temperatur
     from dist_helpers import run_ranks
 
     run_ranks(_ranks_global, world, [3 + r for r in range(world)], mode, temperature_mode, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+def test_bf16_rows_against_the_float64_formulas(mode):
+    """Half rows: an fp32 state and fp32 logits, within bf16's rounding of the inputs."""
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(8, 16, generator=g).bfloat16()
+    log_u = torch.randn(8, 2, generator=g) + (10.0 if mode == "unimodal" else 0.0)
+    if mode == "unimodal":
+        log_u[:, 1] = -math.inf
+    x, y = a.clone().to(DEVICE).requires_grad_(), b.clone().to(DEVICE).requires_grad_()
+    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u.to(DEVICE)), 0.1, 0.6, mode=mode)
+    loss.backward()
+    xr, yr = a.double().requires_grad_(), b.double().requires_grad_()
+    estimate, surrogate, state = _reference(xr, yr, log_u.double(), 0.1, 0.6, mode)
+    surrogate.backward()
+    assert loss.dtype == torch.float32 and new.log_u.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double().cpu(), estimate.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new.log_u.double().cpu(), state, rtol=1e-5, atol=1e-5)
+    for got, want in ((x.grad, xr.grad), (y.grad, yr.grad)):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_libaucs_global_learnable_temperature_differs_on_purpose():
+    """LibAUC's ``global_learnable`` keeps tau as a bare tensor (no optimizer sees it) whose gradient is
+    ``rho + mean(u1 + u2) / 2`` of its *shifted* states (``u exp(-b)``): pinned here, so a change in the
+    peer shows. Ours is FastCLIP-v3's (``rho + mean log u`` minus the negatives' term, see above), an
+    ``nn.Parameter``; the features' state update is the same."""
+    lib = libauc_contrastive()
+    theirs = _quiet(lib.GCLoss_v2, N=SAMPLES, tau=0.1, gamma=0.7, temperature_scheme="global_learnable", rho=6.0)
+    for name in ("u1", "u2", "b1", "b2"):
+        setattr(theirs, name, getattr(theirs, name).double())
+    theirs.tau = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    ours = tc.GlobalContrastiveLoss(SAMPLES, "bimodal", 0.1, 0.7, temperature_mode="global", rho=6.0, state_dtype=torch.float64)
+    _, index, a, b = next(_batches(13, 1))
+    x, y = F.normalize(a, dim=1), F.normalize(b, dim=1)
+    loss, _ = theirs(x, y, index)
+    loss.backward()
+    shifted = (theirs.u1[index] + theirs.u2[index]).mean() / 2
+    assert theirs.tau.grad == pytest.approx(6.0 + float(shifted), rel=1e-12)
+    ours(a, b, index).backward()
+    assert not ours.tau.grad == pytest.approx(float(theirs.tau.grad), rel=1e-3)
+    torch.testing.assert_close(ours.log_u[index, 0], theirs.u1[index, 0].log() + theirs.b1[index, 0], rtol=1e-10, atol=1e-10)

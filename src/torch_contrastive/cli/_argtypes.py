@@ -57,6 +57,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (a random seed)."""
     return _int_from(text, 0, "an integer >= 0")

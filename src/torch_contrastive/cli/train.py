@@ -3,7 +3,7 @@
 Without ``--data`` nothing is downloaded: the 1,797 8x8 handwritten digits ship with
 scikit-learn. ``--data PATH`` trains on a folder of class subfolders (``nt_xent``,
 ``nt_bxent``, ``supcon``) or a caption CSV (``clip``, ``siglip``); see :mod:`.data`.
-Five recipes (``--loss``):
+Seven recipes (``--loss``):
 
 * ``clip`` (default): images <-> captions, a learned bag-of-words text encoder, a
   learnable temperature. On digits the captions are class templates such as "a
@@ -15,6 +15,11 @@ Five recipes (``--loss``):
 * ``nt_xent``: SimCLR, two augmented views per image (``pairing="halves"``).
 * ``nt_bxent``: four views per image, positives given as ``pos_indices``.
 * ``supcon``: two views per image, class labels as positives.
+* ``sogclr``: two views per image, the global contrastive loss (SogCLR): each image's normaliser is
+  a moving average over the epochs (``--gamma``, ``--gamma-schedule``, ``--temperature-mode``), so a
+  small batch trains like a large one; the dataset index of every image flows to the loss.
+* ``fastclip``: images <-> captions with the bimodal global loss (FastCLIP; a learnable global
+  temperature by default); one state per (image, caption) pair.
 
 After training, the held-out split is scored, each metric also for the untrained
 encoder: kNN accuracy (k = 5, cosine) and a linear probe for labelled data, zero-shot
@@ -36,7 +41,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,29 +50,33 @@ from torch import Tensor, nn
 
 from .. import losses
 from ..grad_cache import grad_cache
+from ..losses.global_contrastive import GAMMA_SCHEDULES, INDIVIDUAL_DEFAULTS, TEMPERATURE_MODES, GlobalContrastiveLoss
 from ..modules import ClipLoss, SigLipLoss
 from . import checkpoint as ckpt
-from ._argtypes import batch_size, finite_float, non_negative_int, positive_float, positive_int
+from ._argtypes import batch_size, finite_float, non_negative_int, positive_float, positive_int, unit_fraction
 from ._paths import cannot_write
 from .data import Data, DataError, load
 from .device import DEVICES, PRECISIONS, DeviceError, autocast, resolve_device, resolve_precision
 from .evaluate import caption_metrics, labelled_metrics, tracked_metric
 from .models import TEMPLATES, ImageEncoder, TextEncoder, Vocabulary, augment, embed
 
-RECIPES = ("clip", "siglip", "nt_xent", "nt_bxent", "supcon")
-IMAGE_TEXT = ("clip", "siglip")
+RECIPES = ("clip", "siglip", "nt_xent", "nt_bxent", "supcon", "sogclr", "fastclip")
+IMAGE_TEXT = ("clip", "siglip", "fastclip")
+#: The recipes of the global contrastive loss (per-sample state carried across steps).
+GLOBAL = ("sogclr", "fastclip")
 CAPTIONS_PER_IMAGE = 2
 #: Default temperature per recipe (clip: the initial value of its learnable temperature).
 #: NT-BXent scores pairs with independent sigmoids and did best at 0.3 on this data.
 #: siglip: 1 / the initial logit scale (the paper's t = 10; its bias starts at -10).
-DEFAULT_TEMPERATURE = {"clip": 0.07, "siglip": 0.1, "nt_xent": 0.1, "nt_bxent": 0.3, "supcon": 0.1}
+DEFAULT_TEMPERATURE = {"clip": 0.07, "siglip": 0.1, "nt_xent": 0.1, "nt_bxent": 0.3, "supcon": 0.1, "sogclr": 0.1,
+                       "fastclip": 0.07}
 #: Default images per step. CLIP is trained with large batches (and that is where duplicate
 #: captions matter); NT-BXent's four views per image make its batches 4x longer already.
 #: SigLIP scores every pair on its own, so the ~25 same-class images per class in a
 #: 256-image batch (negatives unless their caption is identical) weigh on it more than on
 #: CLIP's soft-max: 128 images (256 rows with two captions each) train it reliably.
 DEFAULT_EPOCHS = 30
-DEFAULT_BATCH_SIZE = {"clip": 256, "siglip": 128, "nt_xent": 128, "nt_bxent": 128, "supcon": 128}
+DEFAULT_BATCH_SIZE = {"clip": 256, "siglip": 128, "nt_xent": 128, "nt_bxent": 128, "supcon": 128, "sogclr": 128, "fastclip": 128}
 
 
 @dataclass
@@ -92,6 +101,10 @@ class Config:
     precision: str = "auto"  # autocast for the encoders: auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16, fp16
     schedule: str = "onecycle"  # onecycle (length-dependent) or constant (warm-up epoch, then flat: extendable)
     prefetch: str = "auto"  # prepare the next batch on a background thread: auto (on a GPU), on, off
+    gamma: float = 0.9  # sogclr, fastclip: the moving average's weight of a batch
+    gamma_schedule: str = "constant"  # sogclr, fastclip: constant, or cosine from 1 to gamma
+    gamma_decay_epochs: int | None = None  # the cosine schedule's length (default: half the epochs)
+    temperature_mode: str = "auto"  # sogclr, fastclip: fixed, global (fastclip), individual; auto: fastclip global
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
@@ -127,7 +140,7 @@ def check_recipe_data(cfg: Config, data: Data) -> None:
 class Models:
     enc: nn.Module
     text: nn.Module | None
-    loss: ClipLoss | SigLipLoss | None
+    loss: ClipLoss | SigLipLoss | GlobalContrastiveLoss | None
     vocab: Vocabulary | None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     precision: str = "fp32"
@@ -211,6 +224,11 @@ def _view_parts(cfg: Config, data: Data, batch: Tensor, models: Models,
         views = torch.cat([augment(images, gen), augment(images, gen)])
         return [enc], [views], losses.nt_xent_loss, dict(temperature=cfg.temperature, pairing="halves", chunk_size=cfg.chunk_size,
                                                          gather=gather)
+    if cfg.loss == "sogclr":
+        if models.loss is None:
+            raise RuntimeError("internal: the sogclr recipe needs its loss module")
+        index = batch.to(models.device)  # the images' positions in the data set: their state rows
+        return [enc, enc], [augment(images, gen), augment(images, gen)], models.loss, dict(index=index)
     if cfg.loss == "supcon":
         first, second = augment(images, gen), augment(images, gen)
 
@@ -249,6 +267,9 @@ def _image_text_parts(cfg: Config, data: Data, batch: Tensor, models: Models, te
     tokens, offsets = models.vocab.encode(captions)
     views = augment(data.images[image_index], gen)
     kwargs = dict(image_id=image_index, text_id=caption_index) if cfg.dedupe_ids else {}
+    if cfg.loss == "fastclip":  # one state per (image, caption) pair: a caption row, or a digit image's k-th caption
+        kwargs = dict(index=batch if data.row_image is not None else
+                      image_index * CAPTIONS_PER_IMAGE + torch.arange(CAPTIONS_PER_IMAGE).repeat_interleave(len(batch)))
     return [models.enc, PaddedText(models.text)], [views, PaddedText.pad(tokens, offsets)], models.loss, kwargs
 
 
@@ -348,8 +369,21 @@ def _average_gradient(params: Any, world: int) -> None:
             p.grad /= world
 
 
-def _image_text_loss(cfg: Config) -> ClipLoss | SigLipLoss | None:
-    """The loss module (with its learnable parameters) of an image-text recipe, else None."""
+def _loss_module(cfg: Config, data: Data) -> ClipLoss | SigLipLoss | GlobalContrastiveLoss | None:
+    """The loss module (with its learnable parameters or state) of a recipe, else None."""
+    if cfg.loss in GLOBAL:
+        mode = "unimodal" if cfg.loss == "sogclr" else "bimodal"
+        samples = len(data.images) if mode == "unimodal" else \
+            len(data.captions) if data.row_image is not None else CAPTIONS_PER_IMAGE * len(data.images)
+        temperature_mode = cfg.temperature_mode if cfg.temperature_mode != "auto" else "global" if mode == "bimodal" else "fixed"
+        decay = cfg.gamma_decay_epochs or max(1, cfg.epochs // 2)
+        rule = INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else None
+        if rule is not None and not rule.tau_min <= cfg.temperature <= rule.tau_max:  # start inside the clamp
+            rule = replace(rule, tau_min=min(rule.tau_min, cfg.temperature), tau_max=max(rule.tau_max, cfg.temperature))
+        return GlobalContrastiveLoss(max(samples, 2), mode, cfg.temperature, cfg.gamma, temperature_mode=temperature_mode,
+                                     rule=rule, gamma_schedule=cfg.gamma_schedule,
+                                     gamma_decay_epochs=decay if cfg.gamma_schedule == "cosine" else None,
+                                     chunk_size=cfg.chunk_size, gather=cfg.distributed)
     if cfg.loss == "clip":
         return ClipLoss(cfg.temperature, learnable_temperature=True, chunk_size=cfg.chunk_size, gather=cfg.distributed)
     if cfg.loss == "siglip":
@@ -358,6 +392,8 @@ def _image_text_loss(cfg: Config) -> ClipLoss | SigLipLoss | None:
 
 
 def _learned_loss_parameters(loss: nn.Module | None) -> dict[str, float]:
+    if isinstance(loss, GlobalContrastiveLoss) and loss.temperature_mode == "global":
+        return {"final_temperature": float(loss.tau.detach())}
     if isinstance(loss, ClipLoss):
         return {"final_temperature": float(torch.as_tensor(loss.temperature).detach())}
     if isinstance(loss, SigLipLoss):
@@ -374,7 +410,7 @@ def build_models(cfg: Config, data: Data, device: torch.device | None = None, pr
         vocab = Vocabulary(data.captions) if data.source == "csv" else Vocabulary.digits()
     enc = ImageEncoder(cfg.dim, data.channels, data.size).to(device)
     text = TextEncoder(len(vocab.words), cfg.dim).to(device) if vocab is not None else None
-    loss = _image_text_loss(cfg)
+    loss = _loss_module(cfg, data)
     return Models(enc, text, None if loss is None else loss.to(device), vocab, device, precision)
 
 
@@ -473,6 +509,8 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
                         models.loss, models.vocab, device, precision)
     start = time.perf_counter()
     for epoch in range(first_epoch, cfg.epochs):
+        if isinstance(plain.loss, GlobalContrastiveLoss):
+            plain.loss.set_epoch(epoch)  # gamma's schedule
         perm = units[torch.randperm(len(units), generator=order_gen)]
         batches = [perm[i : i + cfg.batch_size] for i in range(0, len(perm), cfg.batch_size)]
         show = None if progress and rank == 0 else True  # tqdm's None: shown only on a terminal
@@ -587,7 +625,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
                   seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
                   distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
                   micro_batch=args.micro_batch, device=args.device, precision=args.precision, schedule=args.schedule,
-                  prefetch=args.prefetch,
+                  prefetch=args.prefetch, gamma=args.gamma, gamma_schedule=args.gamma_schedule,
+                  gamma_decay_epochs=args.gamma_decay_epochs, temperature_mode=args.temperature_mode,
                   out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
@@ -653,6 +692,10 @@ def _check_run(cfg: Config, args: argparse.Namespace, resuming: bool) -> str | N
         found = [f for f in RUN_FILES if (out / f).exists()]
         if found and not getattr(args, "overwrite", False):
             return f"--out {out} already holds a run ({', '.join(found)}); pass --overwrite to replace it, or choose another --out"
+    if cfg.temperature_mode == "global" and cfg.loss != "fastclip":
+        return "--temperature-mode global is FastCLIP's learnable temperature: --loss fastclip only (sogclr: fixed or individual)"
+    if cfg.loss not in GLOBAL and (cfg.temperature_mode != "auto" or cfg.gamma_schedule != "constant"):
+        return f"--temperature-mode and --gamma-schedule apply to --loss sogclr and fastclip, not {cfg.loss}"
     try:
         device = resolve_device(cfg.device, cfg.distributed)
         precision = resolve_precision(cfg.precision, device)
@@ -685,6 +728,14 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--dedupe-ids", action=argparse.BooleanOptionalAction, default=True,
                    help="clip, siglip: pass image/caption ids so duplicate captions are positives (default on)")
     p.add_argument("--logit-bias", type=finite_float, default=-3.0, help="siglip: initial logit bias (the paper's -10 is for 32k batches)")
+    p.add_argument("--gamma", type=unit_fraction, default=0.9, help="sogclr, fastclip: a batch's weight in each sample's moving "
+                   "average (0, 1] (default 0.9)")
+    p.add_argument("--gamma-schedule", choices=GAMMA_SCHEDULES, default="constant",
+                   help="sogclr, fastclip: constant, or cosine from 1 to --gamma over --gamma-decay-epochs")
+    p.add_argument("--gamma-decay-epochs", type=positive_int, default=None, help="the cosine schedule's length (default: half the epochs)")
+    p.add_argument("--temperature-mode", choices=("auto", *TEMPERATURE_MODES), default="auto",
+                   help="sogclr, fastclip: fixed, global (fastclip: a learnable tau), individual (iSogCLR); auto: fastclip global, "
+                        "sogclr fixed")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
     p.add_argument("--micro-batch", type=positive_int, default=None,

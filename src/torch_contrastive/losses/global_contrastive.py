@@ -35,7 +35,7 @@ left out of the denominators as in DCL), O(N·D + tile²) memory, no host read w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -388,8 +388,10 @@ class GlobalContrastiveLoss(nn.Module):
         temperature_mode: ``"fixed"``; ``"global"`` (bimodal): ``self.tau`` is an ``nn.Parameter`` the
             optimizer sees, with FastCLIP-v3's (RGCL-g) gradient; ``"individual"``: iSogCLR's per-sample
             temperatures, buffers updated inside the loss by ``rule``.
-        rule: the individual temperatures' step and rho (:class:`TemperatureRule`; default LibAUC's
-            for the mode), or the global mode's rho (default 8, FastCLIP-v3's).
+        rho: the robust objective's rho (individual temperatures: LibAUC's 0.3 unimodal, 6 bimodal by
+            default; global: FastCLIP-v3's 8); overrides ``rule.rho``.
+        rule: the individual temperatures' step, clamp and rho (:class:`TemperatureRule`; default
+            LibAUC's for the mode).
         gamma_schedule: ``"constant"`` or ``"cosine"`` (from 1 at epoch 0 to ``gamma`` at
             ``gamma_decay_epochs``, FastCLIP's and LibAUC's formula).
         gamma_decay_epochs: the cosine schedule's length in epochs.
@@ -412,7 +414,8 @@ class GlobalContrastiveLoss(nn.Module):
     tau_grad: Tensor
 
     def __init__(self, num_samples: int, mode: str = "unimodal", temperature: float = 0.1, gamma: float = 0.9, *,
-                 temperature_mode: str = "fixed", rule: TemperatureRule | None = None, gamma_schedule: str = "constant",
+                 temperature_mode: str = "fixed", rho: float | None = None, rule: TemperatureRule | None = None,
+                 gamma_schedule: str = "constant",
                  gamma_decay_epochs: int | None = None, state_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, normalize: bool = True, chunk_size: int | None = None,
                  gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12, validate: bool = True,
@@ -438,6 +441,10 @@ class GlobalContrastiveLoss(nn.Module):
         self.gamma_schedule, self.gamma_decay_epochs = gamma_schedule, gamma_decay_epochs
         self.rule = rule if rule is not None else INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else \
             TemperatureRule(rho=GLOBAL_RHO)
+        if rho is not None:
+            if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho):
+                raise ValueError(f"rho must be a finite float, got {rho!r}")
+            self.rule = replace(self.rule, rho=float(rho))
         start = _check_temperature(temperature)
         if temperature_mode == "individual" and not self.rule.tau_min <= start <= self.rule.tau_max:
             raise ValueError(f"temperature must start inside [tau_min, tau_max] = [{self.rule.tau_min}, {self.rule.tau_max}] "
