@@ -282,7 +282,7 @@ CLI: dict[str, list[list[str]]] = {
                 ["--labels", "0,1"], ["--labels", "a,b"], ["--loss", "bogus"]],
     "train": [["--epochs", "0"], ["--batch-size", "1"], ["--lr", "nan"], ["--loss", "bogus"], ["--seed", "-1"],
               ["--data", "/no/such/folder"], ["--resume", "/no/such/run"], ["--out", "/proc/x/run"], ["--chunk-size", "0"],
-              ["--loss", "sogclr", "--gamma", "1.5"], ["--loss", "sogclr", "--temperature-mode", "global"],
+              ["--loss", "sogclr", "--gamma", "1.5"], ["--loss", "supcon", "--temperature-mode", "global"],
               ["--loss", "nt_xent", "--gamma-schedule", "cosine"]],
     "embed": [["--run", "/no/such/run"], ["--run", "x", "--out", "/proc/x/emb.npy"]],
     "bench": [["--sizes", "0"], ["--small", "--sizes", "3"], ["--dim", "0"], ["--calibrate"], ["--out", "/proc/x/bench"],

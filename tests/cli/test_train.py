@@ -269,8 +269,8 @@ def test_the_global_recipes_refuse_bad_options_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--loss", "sogclr", "--gamma", "0", "--out", str(tmp_path / "a")])
     assert info.value.code == 2 and "--gamma" in capsys.readouterr().err
-    assert main(["train", "--loss", "sogclr", "--temperature-mode", "global", "--epochs", "1", "--quiet",
+    assert main(["train", "--loss", "supcon", "--temperature-mode", "individual", "--epochs", "1", "--quiet",
                  "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--temperature-mode global" in err and "fastclip" in err and "\n" not in err
+    assert "--temperature-mode and --gamma-schedule apply to --loss sogclr and fastclip" in err and "\n" not in err
     assert not (tmp_path / "b").exists()

@@ -198,8 +198,6 @@ def test_the_module_refuses_bad_indices_and_options():
         tc.global_contrastive_loss(a, b, GlobalState(torch.zeros(4, 2)), temperature_mode="individual")
     with pytest.raises(TypeError, match="state must be a GlobalState"):
         tc.global_contrastive_loss(a, b, torch.zeros(4, 2))
-    with pytest.raises(ValueError, match="bimodal"):
-        tc.GlobalContrastiveLoss(8, "unimodal", temperature_mode="global")
     with pytest.raises(ValueError, match="tau_min, tau_max"):
         tc.GlobalContrastiveLoss(8, "bimodal", 0.1, temperature_mode="individual")
 
@@ -395,3 +393,64 @@ def test_libaucs_global_learnable_temperature_differs_on_purpose():
     ours(a, b, index).backward()
     assert not ours.tau.grad == pytest.approx(float(theirs.tau.grad), rel=1e-3)
     torch.testing.assert_close(ours.log_u[index, 0], theirs.u1[index, 0].log() + theirs.b1[index, 0], rtol=1e-10, atol=1e-10)
+
+
+def test_the_global_temperature_on_two_views_is_rgcl_g():
+    """Two views with a learnable tau: ``sum_r tau_det g_r / u_r - <., pos> + tau (rho + log u_r)`` per
+    view, u detached -- the features' gradient SogCLR's, tau's ``rho + log u - (g / u) E_softmax[S]``."""
+    g = torch.Generator().manual_seed(14)
+    a, b = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 5, generator=g, dtype=torch.float64)
+    log_u = torch.randn(6, 2, generator=g, dtype=torch.float64) + 8.0
+    log_u[:, 1] = -math.inf
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u), tau, 0.5, mode="unimodal", temperature_mode="global",
+                                           rule=TemperatureRule(rho=0.7))
+    loss.backward()
+    xr, yr, tr = a.clone().requires_grad_(), b.clone().requires_grad_(), torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    z = F.normalize(torch.cat([xr, yr]), dim=1)
+    logits = z @ z.T
+    pos = torch.cat([torch.arange(6, 12), torch.arange(6)])
+    neg = ~torch.eye(12, dtype=torch.bool)
+    neg[torch.arange(12), pos] = False
+    g_r = torch.where(neg, (logits / tr).exp(), 0.0).sum(1) / 10
+    u = 0.5 * torch.cat([log_u[:, 0], log_u[:, 0]]).exp() + 0.5 * g_r.detach()
+    reference = (tr.detach() * g_r / u - logits[torch.arange(12), pos] + tr * (0.7 + u.log())).sum() / 6
+    reference.backward()
+    for got, want in ((x.grad, xr.grad), (y.grad, yr.grad), (tau.grad, tr.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(new.log_u[:, 0], ((u[:6] + u[6:]) / 2).log().detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_fastclip_v1s_gradient_is_ours_times_a_constant():
+    """FastCLIP-v1 (a fixed tau, ``mean_i(g^I_i / u^I_i + g^T_i / u^T_i)``, u detached) takes the same
+    direction as LibAUC's GCLoss_v2, which we follow: its gradient is ours times ``2 / (tau (B - 1))``."""
+    g = torch.Generator().manual_seed(15)
+    a, b = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 5, generator=g, dtype=torch.float64)
+    log_u = torch.randn(7, 2, generator=g, dtype=torch.float64)
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    tc.global_contrastive_loss(x, y, GlobalState(log_u), 0.1, 0.8, mode="bimodal")[0].backward()
+    xr, yr = a.clone().requires_grad_(), b.clone().requires_grad_()
+    img, txt = F.normalize(xr, dim=1), F.normalize(yr, dim=1)
+    eye = torch.eye(7, dtype=torch.bool)
+    total = 0.0
+    for p, q, col in ((img, txt, 0), (txt, img, 1)):
+        logits = p @ q.T
+        g_i = torch.where(eye, 0.0, ((logits - logits.diagonal()[:, None]) / 0.1).exp()).sum(1) / 6
+        u = 0.2 * log_u[:, col].exp() + 0.8 * g_i.detach()
+        total = total + (g_i / u).mean()
+    total.backward()
+    factor = 2 / (0.1 * 6)
+    torch.testing.assert_close(x.grad * factor, xr.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(y.grad * factor, yr.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode,temperature_mode", [("unimodal", "fixed"), ("bimodal", "global"), ("unimodal", "individual")])
+def test_no_host_sync_without_validation(mode, temperature_mode):
+    from torch_contrastive.cli.synccount import count_host_syncs
+
+    loss_fn = tc.GlobalContrastiveLoss(40, mode, 0.1, temperature_mode=temperature_mode, validate=False)
+    a, b = torch.randn(8, 6, requires_grad=True), torch.randn(8, 6, requires_grad=True)
+    index = torch.arange(8) * 3
+    loss_fn(a, b, index).backward()  # the first call builds what later calls reuse
+    assert count_host_syncs(lambda: loss_fn(a, b, index).backward()) == 0

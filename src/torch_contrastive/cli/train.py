@@ -692,8 +692,6 @@ def _check_run(cfg: Config, args: argparse.Namespace, resuming: bool) -> str | N
         found = [f for f in RUN_FILES if (out / f).exists()]
         if found and not getattr(args, "overwrite", False):
             return f"--out {out} already holds a run ({', '.join(found)}); pass --overwrite to replace it, or choose another --out"
-    if cfg.temperature_mode == "global" and cfg.loss != "fastclip":
-        return "--temperature-mode global is FastCLIP's learnable temperature: --loss fastclip only (sogclr: fixed or individual)"
     if cfg.loss not in GLOBAL and (cfg.temperature_mode != "auto" or cfg.gamma_schedule != "constant"):
         return f"--temperature-mode and --gamma-schedule apply to --loss sogclr and fastclip, not {cfg.loss}"
     try:
@@ -734,7 +732,7 @@ def add_train_parser(sub: Any) -> None:
                    help="sogclr, fastclip: constant, or cosine from 1 to --gamma over --gamma-decay-epochs")
     p.add_argument("--gamma-decay-epochs", type=positive_int, default=None, help="the cosine schedule's length (default: half the epochs)")
     p.add_argument("--temperature-mode", choices=("auto", *TEMPERATURE_MODES), default="auto",
-                   help="sogclr, fastclip: fixed, global (fastclip: a learnable tau), individual (iSogCLR); auto: fastclip global, "
+                   help="sogclr, fastclip: fixed, global (a learnable tau, RGCL-g), individual (iSogCLR); auto: fastclip global, "
                         "sogclr fixed")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
     p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")

@@ -120,7 +120,7 @@ def global_contrastive_loss(
             gradient); ``"individual"``: unused (the temperatures are ``state.tau``).
         gamma: the moving average's weight of the batch, in (0, 1].
         mode: ``"unimodal"`` (SogCLR) or ``"bimodal"`` (FastCLIP's GCL).
-        temperature_mode: ``"fixed"``, ``"global"`` (bimodal) or ``"individual"`` (iSogCLR: each
+        temperature_mode: ``"fixed"``, ``"global"`` (RGCL-g) or ``"individual"`` (iSogCLR: each
             sample's tau updated here by ``rule``, one more engine pass per call).
         rule: the individual temperatures' step and rho (default :data:`INDIVIDUAL_DEFAULTS` of the
             mode), or ``TemperatureRule(rho=...)`` whose ``rho`` the global mode reads (default 8).
@@ -147,9 +147,6 @@ def global_contrastive_loss(
         TemperatureRule(rho=GLOBAL_RHO)
     tau: float | Tensor | None = None
     if temperature_mode == "global":
-        if mode != "bimodal":
-            raise ValueError("temperature_mode='global' is FastCLIP's RGCL-g, defined for mode='bimodal'; "
-                             "use 'fixed' or 'individual' for two views")
         if not isinstance(temperature, Tensor) or temperature.ndim != 0 or not temperature.is_floating_point():
             raise TypeError("temperature must be a 0-dim floating tensor (the learnable tau) with temperature_mode='global'")
         tau = temperature
@@ -164,8 +161,6 @@ def global_contrastive_loss(
     call = _Call(gamma, rule, Options(False, eps, chunk_size, backend), scope)
     img, txt = prepare(a, normalize, eps), prepare(b.to(a.dtype), normalize, eps)
     if mode == "unimodal":
-        if isinstance(tau, Tensor):
-            raise RuntimeError("internal: a learnable tau reached the unimodal loss")
         (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call)
     else:
         (estimate, surrogate, count), new = _bimodal(img, txt, state, tau, call)
@@ -242,7 +237,7 @@ def _negatives_by_sample(rows_from: Tensor, candidates: Tensor, repeats: int, sc
 Parts = tuple[Tensor, Tensor, float]  # (this rank's estimate sum, surrogate sum, its samples)
 
 
-def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | None, call: _Call) -> tuple[Parts, GlobalState]:
+def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call) -> tuple[Parts, GlobalState]:
     n, opts, scope = a.shape[0], call.options, call.scope
     rows = torch.cat([a, b])
     l_pos = (a * b).sum(1)
@@ -254,9 +249,9 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | None, call:
     total = negatives.candidates.shape[0] // 2
     if total < 2:
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
-    if tau is not None:  # S = <., .> / tau
-        taus: float | Tensor = tau
-        lse = _lse(rows, negatives, 1.0 / tau, opts, bound=1.0 / tau)[0]
+    if tau is not None:  # S = <., .> / tau (a learnable tau: the engine's scale gets its gradient)
+        taus: float | Tensor = tau.detach() if isinstance(tau, Tensor) else tau
+        lse = _lse(rows, negatives, 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
     else:  # every sample its own tau (both views): the rows scaled, the candidates as they are
         if state.tau is None:
             raise RuntimeError("internal: individual temperatures without their state")
@@ -270,6 +265,9 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | None, call:
     # gradient: -grad <., pos> + tau (g / u) grad LSE per row, both views summed, the mean over samples
     surrogate = (taus * c * lse).sum() - l_pos.sum()
     new_log_u = torch.stack([torch.logaddexp(log_u1, log_u2) - math.log(2.0), torch.full_like(log_u1, -math.inf)], 1)
+    if isinstance(tau, Tensor):  # RGCL-g on two views: tau's gradient sum_r (rho + log u_r - (g / u) E_softmax[S]_r)
+        objective = tau * (call.rule.rho + log_ur).sum() - l_pos.detach().sum()
+        return (objective, surrogate + objective, float(n)), GlobalState(new_log_u.to(state.log_u.dtype))
     if tau is not None:
         return ((tau * log_ur - l_pos).sum(), surrogate, float(n)), GlobalState(new_log_u.to(state.log_u.dtype))
     assert isinstance(taus, Tensor) and state.tau is not None and state.tau_grad is not None
@@ -385,8 +383,8 @@ class GlobalContrastiveLoss(nn.Module):
         temperature: tau (default 0.1): the fixed one, the learnable one's start (``"global"``) or
             every sample's start (``"individual"``).
         gamma: the moving average's weight of a batch (default 0.9); 1 on a sample's first visit.
-        temperature_mode: ``"fixed"``; ``"global"`` (bimodal): ``self.tau`` is an ``nn.Parameter`` the
-            optimizer sees, with FastCLIP-v3's (RGCL-g) gradient; ``"individual"``: iSogCLR's per-sample
+        temperature_mode: ``"fixed"``; ``"global"``: ``self.tau`` is an ``nn.Parameter`` the
+            optimizer sees, with RGCL-g's gradient (bimodal: FastCLIP-v3's); ``"individual"``: iSogCLR's per-sample
             temperatures, buffers updated inside the loss by ``rule``.
         rho: the robust objective's rho (individual temperatures: LibAUC's 0.3 unimodal, 6 bimodal by
             default; global: FastCLIP-v3's 8); overrides ``rule.rho``.
@@ -425,8 +423,6 @@ class GlobalContrastiveLoss(nn.Module):
             raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}")
         v.check_choice(mode, "mode", MODES)
         v.check_choice(temperature_mode, "temperature_mode", TEMPERATURE_MODES)
-        if temperature_mode == "global" and mode != "bimodal":
-            raise ValueError("temperature_mode='global' is FastCLIP's RGCL-g, defined for mode='bimodal'")
         v.check_choice(gamma_schedule, "gamma_schedule", GAMMA_SCHEDULES)
         if gamma_schedule == "cosine" and (isinstance(gamma_decay_epochs, bool) or not isinstance(gamma_decay_epochs, int)
                                            or gamma_decay_epochs < 1):
@@ -454,6 +450,8 @@ class GlobalContrastiveLoss(nn.Module):
                                         "eps": float(eps), "validate": v.check_flag(validate, "validate"), "backend": backend}
         self.register_buffer("log_u", torch.full((num_samples, 2), -math.inf, dtype=state_dtype, device=device))
         self.register_buffer("epoch", torch.zeros((), dtype=torch.int64))
+        self._epoch = 0
+        self.register_load_state_dict_post_hook(self._reload_epoch)
         self.fixed_temperature = start
         if temperature_mode == "global":
             self.tau = nn.Parameter(torch.tensor(start, dtype=state_dtype, device=device))
@@ -465,7 +463,7 @@ class GlobalContrastiveLoss(nn.Module):
     def gamma(self) -> float:
         """This epoch's gamma: constant, or cosine from 1 (epoch 0) to ``gamma`` at ``gamma_decay_epochs``.
         A sample's first visit uses 1 whatever the schedule."""
-        epoch = int(self.epoch)
+        epoch = self._epoch  # a host copy of the buffer: reading the buffer in every call would be a sync
         if self.gamma_schedule == "constant" or epoch >= (self.gamma_decay_epochs or 0):
             return self.gamma_min
         return (1 - self.gamma_min) * 0.5 * (1 + math.cos(math.pi * epoch / (self.gamma_decay_epochs or 1))) + self.gamma_min
@@ -475,6 +473,11 @@ class GlobalContrastiveLoss(nn.Module):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self.epoch.fill_(epoch)
+        self._epoch = epoch
+
+    def _reload_epoch(self, module: nn.Module, incompatible: Any) -> None:
+        """After ``load_state_dict``: the host copy of the restored epoch."""
+        self._epoch = int(self.epoch)
 
     def forward(self, a: Tensor, b: Tensor, index: Tensor) -> Tensor:
         v.check_embeddings(a, "a")
