@@ -245,18 +245,30 @@ def test_individual_temperatures_equal_libauc_isogclr(mode):
     _side_by_side(ours, theirs, 4, call, same_state)
 
 
+def _learnable_tau_run(seed, n, mode, shift, gamma, rho, start, fresh=None):
+    """Our loss with a learnable tau on seeded fp64 rows, backward done: ``(a, b, log_u, x, y, tau, loss, new state)``
+    (unimodal: the state's unused column -inf; ``fresh``: a sample not visited yet)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 5, generator=g, dtype=torch.float64)
+    log_u = torch.randn(n, 2, generator=g, dtype=torch.float64) + shift
+    if mode == "unimodal":
+        log_u[:, 1] = -math.inf
+    if fresh is not None:
+        log_u[fresh] = -math.inf
+    tau = torch.tensor(start, dtype=torch.float64, requires_grad=True)
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u), tau, gamma, mode=mode, temperature_mode="global",
+                                           rule=TemperatureRule(rho=rho))
+    loss.backward()
+    return a, b, log_u, x, y, tau, loss, new
+
+
+
+
 def test_the_global_temperature_has_fastclip_v3s_gradient():
     """RGCL-g (FastCLIP-v3): ``tau_det mean(g^I / u^I + g^T / u^T) + tau (rho + mean(log u^I + log u^T) / 2)``,
     u detached: the features' and tau's gradients and the state, against float64 from that formula."""
-    g = torch.Generator().manual_seed(6)
-    a, b = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 5, generator=g, dtype=torch.float64)
-    log_u = torch.randn(7, 2, generator=g, dtype=torch.float64)
-    log_u[3] = -math.inf
-    tau = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
-    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
-    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u), tau, 0.6, mode="bimodal", temperature_mode="global",
-                                           rule=TemperatureRule(rho=7.0))
-    loss.backward()
+    a, b, log_u, x, y, tau, loss, new = _learnable_tau_run(6, 7, "bimodal", 0.0, 0.6, 7.0, 0.07, fresh=3)
     xr, yr, tr = a.clone().requires_grad_(), b.clone().requires_grad_(), torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
     img, txt = F.normalize(xr, dim=1), F.normalize(yr, dim=1)
     eye = torch.eye(7, dtype=torch.bool)
@@ -398,15 +410,7 @@ def test_libaucs_global_learnable_temperature_differs_on_purpose():
 def test_the_global_temperature_on_two_views_is_rgcl_g():
     """Two views with a learnable tau: ``sum_r tau_det g_r / u_r - <., pos> + tau (rho + log u_r)`` per
     view, u detached -- the features' gradient SogCLR's, tau's ``rho + log u - (g / u) E_softmax[S]``."""
-    g = torch.Generator().manual_seed(14)
-    a, b = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 5, generator=g, dtype=torch.float64)
-    log_u = torch.randn(6, 2, generator=g, dtype=torch.float64) + 8.0
-    log_u[:, 1] = -math.inf
-    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
-    loss, new = tc.global_contrastive_loss(x, y, GlobalState(log_u), tau, 0.5, mode="unimodal", temperature_mode="global",
-                                           rule=TemperatureRule(rho=0.7))
-    loss.backward()
+    a, b, log_u, x, y, tau, _, new = _learnable_tau_run(14, 6, "unimodal", 8.0, 0.5, 0.7, 0.2)
     xr, yr, tr = a.clone().requires_grad_(), b.clone().requires_grad_(), torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     z = F.normalize(torch.cat([xr, yr]), dim=1)
     logits = z @ z.T
