@@ -458,3 +458,25 @@ def test_no_host_sync_without_validation(mode, temperature_mode):
     index = torch.arange(8) * 3
     loss_fn(a, b, index).backward()  # the first call builds what later calls reuse
     assert count_host_syncs(lambda: loss_fn(a, b, index).backward()) == 0
+
+
+@pytest.mark.parametrize("backend", ["epilogue", "triton"])
+@pytest.mark.parametrize("mode,temperature_mode", [("unimodal", "individual"), ("bimodal", "global"), ("bimodal", "fixed")])
+def test_the_kernel_backends_equal_the_torch_backend(backend, mode, temperature_mode):
+    """The engine's GPU paths (through Triton's interpreter without CUDA) give the torch backend's values,
+    gradients and states."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(16)
+    a0, b0 = torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g)
+    log_u = torch.randn(10, 2, generator=g) + (5.0 if mode == "unimodal" else 0.0)
+    state = GlobalState(log_u, torch.full((10, 2), 0.1), torch.zeros(10, 2)) if temperature_mode == "individual" else GlobalState(log_u)
+    out = {}
+    for name in ("torch", backend):
+        a, b = a0.clone().to(DEVICE).requires_grad_(), b0.clone().to(DEVICE).requires_grad_()
+        tau = torch.tensor(0.1, device=DEVICE, requires_grad=True) if temperature_mode == "global" else 0.1
+        rows = GlobalState(*(None if t is None else t.to(DEVICE) for t in state))
+        loss, new = tc.global_contrastive_loss(a, b, rows, tau, 0.7, mode=mode, temperature_mode=temperature_mode, backend=name)
+        loss.backward()
+        out[name] = [loss.detach(), a.grad, b.grad, *(t for t in new if t is not None)]
+    for got, want in zip(out[backend], out["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.nan_to_num().abs().max().item()), equal_nan=True)
