@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import add_bench_parser
     from .embed import add_embed_parser
-    from .train import add_train_parser
+    from .train_command import add_train_parser
 
     add_train_parser(sub)
     add_embed_parser(sub)

@@ -34,12 +34,8 @@ batch with ``gather=True`` and DDP.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -50,15 +46,14 @@ from torch import Tensor, nn
 
 from .. import losses
 from ..grad_cache import grad_cache
-from ..losses.global_contrastive import GAMMA_SCHEDULES, INDIVIDUAL_DEFAULTS, TEMPERATURE_MODES, GlobalContrastiveLoss
+from ..losses.global_contrastive import INDIVIDUAL_DEFAULTS, GlobalContrastiveLoss
 from ..modules import ClipLoss, SigLipLoss
 from . import checkpoint as ckpt
-from ._argtypes import batch_size, finite_float, non_negative_int, positive_float, positive_int, unit_fraction
-from ._paths import cannot_write
 from .data import Data, DataError, load
-from .device import DEVICES, PRECISIONS, DeviceError, autocast, resolve_device, resolve_precision
+from .device import autocast, resolve_device, resolve_precision
 from .evaluate import caption_metrics, labelled_metrics, tracked_metric
-from .models import TEMPLATES, ImageEncoder, TextEncoder, Vocabulary, augment, embed
+from .models import TEMPLATES, ImageEncoder, TextEncoder, Vocabulary, augment
+from .report import plots, table
 
 RECIPES = ("clip", "siglip", "nt_xent", "nt_bxent", "supcon", "sogclr", "fastclip")
 IMAGE_TEXT = ("clip", "siglip", "fastclip")
@@ -281,83 +276,6 @@ def evaluate(cfg: Config, data: Data, models: Models) -> dict[str, float]:
     return labelled_metrics(models.enc, models.text, models.vocab, data)
 
 
-# ------------------------------------------------------------------------ reporting
-def _plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: str,
-           tracked: tuple[str, list[tuple[int, float]]] | None = None, pairs: tuple[nn.Module, Vocabulary] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.6, 3.4))
-    ax.plot(range(1, len(history) + 1), history, "-o", ms=3, color="tab:blue", label="training loss")
-    ax.set(xlabel="epoch", ylabel="mean training loss", title=title)
-    if tracked is not None and tracked[1]:
-        name, points = tracked
-        right = ax.twinx()  # the held-out metric beside the loss: is the loss buying anything?
-        right.plot([e for e, _ in points], [100 * m for _, m in points], "-s", ms=3, color="tab:orange", label=f"test {name}")
-        right.set_ylabel(f"test {name} (%)", color="tab:orange")
-        right.tick_params(axis="y", colors="tab:orange")
-        ax.legend(handles=ax.get_lines() + right.get_lines(), fontsize=7, loc="center right")
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    plt.close(fig)
-    e = embed(enc, data.images[data.test_idx])
-    centred = e - e.mean(0)
-    _, _, v = torch.pca_lowrank(centred, q=2, center=False)
-    xy = (centred @ v[:, :2]).numpy()
-    fig, ax = plt.subplots(figsize=(5, 4.4))
-    if data.labels is not None:
-        # categorical colours with the class names in a legend (a colour bar suggests an order)
-        labels = data.labels[data.test_idx].numpy()
-        cmap = plt.get_cmap("tab10" if len(data.class_names) <= 10 else "tab20")
-        for k, name in enumerate(data.class_names or [str(c) for c in sorted(set(labels.tolist()))]):
-            keep = labels == k
-            if keep.any():
-                ax.scatter(xy[keep, 0], xy[keep, 1], s=8, color=cmap(k % cmap.N), label=name)
-        if len(data.class_names) <= 20:
-            ax.legend(fontsize=7, markerscale=2, loc="best", ncol=2 if len(data.class_names) > 10 else 1, title="class")
-    else:
-        ax.scatter(xy[:, 0], xy[:, 1], s=8, label="test images")
-        if pairs is not None:
-            _join_pairs(ax, data, e.mean(0), v[:, :2], xy, *pairs)
-    ax.set(title=f"{title}: test embeddings (PCA)", xticks=[], yticks=[])
-    fig.tight_layout()
-    fig.savefig(out / "embedding.png", dpi=110)
-    plt.close(fig)
-
-
-def _join_pairs(ax: Any, data: Data, mean: Tensor, basis: Tensor, xy: Any, text: nn.Module, vocab: Vocabulary,
-                shown: int = 5) -> None:
-    """A caption CSV's map: a few test images drawn as thumbnails, each joined to its caption's
-    embedding (same projection) and labelled with the caption."""
-    from matplotlib.offsetbox import AnnotationBbox, OffsetImage
-
-    from .models import embed_text
-
-    if data.row_image is None:
-        return
-    spread = torch.linspace(0, len(data.test_idx) - 1, min(shown, len(data.test_idx))).long().tolist()  # across the split
-    for k in spread:
-        image = int(data.test_idx[k])
-        row = int((data.row_image == image).nonzero()[0, 0])
-        caption = data.captions[row]
-        t = ((embed_text(text, vocab, [caption]) - mean) @ basis).numpy()[0]
-        ax.plot([xy[k, 0], t[0]], [xy[k, 1], t[1]], color="0.5", lw=0.8)
-        ax.scatter([t[0]], [t[1]], marker="x", color="tab:red", s=20, label="caption" if k == spread[0] else None)
-        ax.annotate(caption[:28], (t[0], t[1]), fontsize=6, color="tab:red", xytext=(3, 3), textcoords="offset points")
-        thumb = data.images[image].permute(1, 2, 0).squeeze(-1).numpy()
-        ax.add_artist(AnnotationBbox(OffsetImage(thumb, zoom=0.8, cmap="gray"), (xy[k, 0], xy[k, 1]), frameon=False))
-    ax.legend(fontsize=7, loc="best")
-
-
-def _table(before: dict[str, float], after: dict[str, float]) -> str:
-    lines = [f"{'metric (test split)':<28} {'untrained':>10} {'trained':>10}"]
-    for key in after:
-        lines.append(f"{key:<28} {before[key] * 100:>9.1f}% {after[key] * 100:>9.1f}%")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------- driver
 def _average_gradient(params: Any, world: int) -> None:
     """Average gradients over ranks, as DDP does for the modules it wraps."""
@@ -560,10 +478,10 @@ def _finish(result: dict[str, Any], cfg: Config, data: Data, plain: Models, loss
     ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
     start_point = [(0, before[name])] if name in before else []  # the untrained encoder, scored before training
     pairs = (plain.text, plain.vocab) if data.source == "csv" and plain.text is not None and plain.vocab is not None else None
-    _plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked), pairs)
+    plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked), pairs)
     if progress:
         print(f"\n{cfg.loss}: {cfg.epochs} epochs ({where}) in {seconds:.1f}s, loss {history[0]:.4f} -> {history[-1]:.4f}")
-        print(_table(before, after))
+        print(table(before, after))
         print(f"wrote {out}/metrics.json, checkpoint.pt, loss.png, embedding.png, config.json")
 
 
@@ -616,137 +534,3 @@ def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor 
         total, count = total + loss.item(), count + 1
         bar.set_postfix(loss=f"{total / count:.4f}")
     return total / max(count, 1)
-
-
-def _config_from_args(args: argparse.Namespace) -> Config:
-    channels = args.channels if args.channels is not None else (3 if args.data else 1)
-    return Config(loss=args.loss, epochs=args.epochs or DEFAULT_EPOCHS, batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.loss], dim=args.dim,
-                  lr=args.lr, temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE[args.loss],
-                  seed=args.seed, dedupe_ids=args.dedupe_ids, logit_bias=args.logit_bias, chunk_size=args.chunk_size,
-                  distributed=args.distributed, data=args.data, channels=channels, image_size=args.image_size,
-                  micro_batch=args.micro_batch, device=args.device, precision=args.precision, schedule=args.schedule,
-                  prefetch=args.prefetch, gamma=args.gamma, gamma_schedule=args.gamma_schedule,
-                  gamma_decay_epochs=args.gamma_decay_epochs, temperature_mode=args.temperature_mode,
-                  out=args.out or os.path.join("runs", f"{args.loss}-{time.strftime('%Y%m%d-%H%M%S')}"))
-
-
-def run(args: argparse.Namespace) -> int:
-    resume = None
-    if args.resume is not None:
-        try:
-            cfg, resume = ckpt.open_run(args.resume, args.epochs)
-        except ckpt.ResumeError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        if resume is None:
-            print(f"{args.resume}: this run already finished ({cfg.epochs} epochs; metrics.json is there); nothing to resume "
-                  "(--epochs M extends a --schedule constant run)")
-            return 0
-    else:
-        cfg = _config_from_args(args)
-    problem = _check_run(cfg, args, resume is not None)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    if cfg.distributed and "RANK" not in os.environ:
-        print("error: --distributed must run under torchrun, e.g. "
-              "torchrun --nproc_per_node=2 -m torch_contrastive train --distributed", file=sys.stderr)
-        return 2
-    try:
-        # read and check the data before anything is written
-        data = load(cfg.data, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
-        check_recipe_data(cfg, data)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    created = not Path(cfg.out).exists()
-    try:
-        train(cfg, progress=not args.quiet, resume=resume, data=data)
-    except Exception:
-        if created:  # a run that fails leaves no half-written folder behind (an interrupted one keeps its checkpoint)
-            shutil.rmtree(cfg.out, ignore_errors=True)
-        raise
-    if cfg.distributed:
-        import torch.distributed as dist
-
-        # Tear down together, then skip interpreter finalisation: gloo worker threads can still
-        # hold tensors then and abort the process (a known PyTorch/gloo teardown race).
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
-
-RUN_FILES = ("metrics.json", "checkpoint.pt", "config.json")
-
-
-def _check_run(cfg: Config, args: argparse.Namespace, resuming: bool) -> str | None:
-    """Why this run cannot start (one line), or None: the output folder, device and precision."""
-    out = Path(cfg.out)
-    unwritable = cannot_write(out, "--resume" if resuming else "--out", folder=True)
-    if unwritable:
-        return unwritable
-    if not resuming:
-        found = [f for f in RUN_FILES if (out / f).exists()]
-        if found and not getattr(args, "overwrite", False):
-            return f"--out {out} already holds a run ({', '.join(found)}); pass --overwrite to replace it, or choose another --out"
-    if cfg.loss not in GLOBAL and (cfg.temperature_mode != "auto" or cfg.gamma_schedule != "constant"):
-        return f"--temperature-mode and --gamma-schedule apply to --loss sogclr and fastclip, not {cfg.loss}"
-    try:
-        device = resolve_device(cfg.device, cfg.distributed)
-        precision = resolve_precision(cfg.precision, device)
-    except DeviceError as err:
-        return str(err)
-    if precision == "fp16" and cfg.micro_batch is not None:
-        return "--precision fp16 does not combine with --micro-batch (the cached gradients are not loss-scaled); use bf16 or fp32"
-    return None
-
-
-def add_train_parser(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a contrastive model (bundled digits, or --data: your images) and evaluate it",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--loss", choices=RECIPES, default="clip", help="recipe (default clip)")
-    p.add_argument("--data", default=None,
-                   help="a folder of class subfolders (nt_xent, nt_bxent, supcon) or a CSV with columns image, caption "
-                        "[, image_id] (clip, siglip); default: scikit-learn's digits")
-    p.add_argument("--channels", type=int, choices=(1, 3), default=None, help="--data: 1 grayscale or 3 RGB (default 3)")
-    p.add_argument("--image-size", type=positive_int, default=32, help="--data: images are resized to this square (default 32)")
-    p.add_argument("--epochs", type=positive_int, default=None,
-                   help=f"passes over the training split (default {DEFAULT_EPOCHS}); with --resume: extend the run to this many")
-    p.add_argument("--schedule", choices=SCHEDULES, default="onecycle",
-                   help="learning rate: onecycle, or constant after a warm-up epoch (a constant run can be extended exactly)")
-    p.add_argument("--batch-size", type=batch_size, default=None, help="images per step (default: clip 256, others 128)")
-    p.add_argument("--dim", type=positive_int, default=16, help="embedding size (default 16)")
-    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (AdamW, one-cycle schedule)")
-    p.add_argument("--temperature", type=positive_float, default=None,
-                   help="tau (default: clip 0.07, its learnable initial value; nt_xent 0.1; nt_bxent 0.3; supcon 0.1)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the split, initialisation and augmentations")
-    p.add_argument("--dedupe-ids", action=argparse.BooleanOptionalAction, default=True,
-                   help="clip, siglip: pass image/caption ids so duplicate captions are positives (default on)")
-    p.add_argument("--logit-bias", type=finite_float, default=-3.0, help="siglip: initial logit bias (the paper's -10 is for 32k batches)")
-    p.add_argument("--gamma", type=unit_fraction, default=0.9, help="sogclr, fastclip: a batch's weight in each sample's moving "
-                   "average (0, 1] (default 0.9)")
-    p.add_argument("--gamma-schedule", choices=GAMMA_SCHEDULES, default="constant",
-                   help="sogclr, fastclip: constant, or cosine from 1 to --gamma over --gamma-decay-epochs")
-    p.add_argument("--gamma-decay-epochs", type=positive_int, default=None, help="the cosine schedule's length (default: half the epochs)")
-    p.add_argument("--temperature-mode", choices=("auto", *TEMPERATURE_MODES), default="auto",
-                   help="sogclr, fastclip: fixed, global (a learnable tau, RGCL-g), individual (iSogCLR); auto: fastclip global, "
-                        "sogclr fixed")
-    p.add_argument("--chunk-size", type=positive_int, default=None, help="tile rows for the loss (default automatic)")
-    p.add_argument("--distributed", action="store_true", help="run under torchrun with gather=True and DDP")
-    p.add_argument("--micro-batch", type=positive_int, default=None,
-                   help="gradient caching: encode this many rows at a time (same gradients, less activation memory)")
-    p.add_argument("--out", default=None, help="output folder (default runs/<loss>-<timestamp>); an existing run is refused")
-    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
-                   help="augment, pin and copy the next batch on a background thread while the GPU trains (auto: on a GPU)")
-    p.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when a GPU is visible (each torchrun rank its own)")
-    p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="autocast of the encoders: auto = bf16 on a GPU, fp32 on a CPU; the loss accumulates in fp32")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue an interrupted run from RUN_DIR/checkpoint.pt (its config.json; other options but --epochs are "
-                        "ignored)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or table")
-    p.set_defaults(func=run)
