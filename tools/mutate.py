@@ -562,7 +562,8 @@ MUTATIONS = [
              "                      image_index * CAPTIONS_PER_IMAGE + torch.arange(CAPTIONS_PER_IMAGE).repeat_interleave(len(batch)))",
              "                      image_index)",
              "fastclip on digits: an image's two captions share one state row", ("tests/cli/test_train.py",)),
-    Mutation(f"{PKG}/cli/train_command.py", "    if cfg.loss not in GLOBAL and (cfg.temperature_mode != \"auto\" or cfg.gamma_schedule != \"constant\"):",
+    Mutation(f"{PKG}/cli/train_command.py",
+             "    if cfg.loss not in GLOBAL and (cfg.temperature_mode != \"auto\" or cfg.gamma_schedule != \"constant\"):",
              "    if False:", "a global-loss option on another recipe is silently ignored",
              ("tests/cli/test_train.py",)),
 ]
