@@ -121,6 +121,8 @@ DOORS: dict[str, Door] = {
     "sentence_transformers.MultipleNegativesRankingLoss": Door(None, note="CASES: model, scale, similarity_fct; its rows go through mnrl_loss"),
     "sentence_transformers.CachedMultipleNegativesRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
     "sentence_transformers.GISTEmbedLoss": Door(None, note="CASES: model, guide, temperature, margin_strategy"),
+    "sentence_transformers.MultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, scale"),
+    "sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
 }
 
 
@@ -250,6 +252,12 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("sentence_transformers.CachedMultipleNegativesRankingLoss", lambda: st.CachedMultipleNegativesRankingLoss(3), TypeError, "model"),
     ("sentence_transformers.CachedMultipleNegativesRankingLoss",
      lambda: st.CachedMultipleNegativesRankingLoss(_Tower(), mini_batch_size=0), ValueError, "mini_batch_size"),
+    ("sentence_transformers.MultipleNegativesSymmetricRankingLoss", lambda: st.MultipleNegativesSymmetricRankingLoss(3), TypeError,
+     "model"),
+    ("sentence_transformers.MultipleNegativesSymmetricRankingLoss",
+     lambda: st.MultipleNegativesSymmetricRankingLoss(_Tower(), scale=float("nan")), ValueError, "scale"),
+    ("sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss",
+     lambda: st.CachedMultipleNegativesSymmetricRankingLoss(_Tower(), mini_batch_size=0), ValueError, "mini_batch_size"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), 3), TypeError, "guide"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), _Tower(), temperature=0.0), ValueError, "temperature"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), _Tower(), margin_strategy="x"), ValueError,

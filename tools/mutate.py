@@ -566,6 +566,10 @@ MUTATIONS = [
              "    if cfg.loss not in GLOBAL and (cfg.temperature_mode != \"auto\" or cfg.gamma_schedule != \"constant\"):",
              "    if False:", "a global-loss option on another recipe is silently ignored",
              ("tests/cli/test_train.py",)),
+    Mutation(f"{PKG}/integrations/sentence_transformers.py",
+             'SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION = ("query_to_doc", "doc_to_query"), "per_direction"',
+             'SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION = ("query_to_doc", "doc_to_query"), "joint"',
+             "the symmetric ranking loss takes one log-sum over both directions", ("tests/integrations/test_integrations.py",)),
 ]
 
 

@@ -116,6 +116,29 @@ def test_cached_mnrl_matches_sentence_transformers(st_models, budget):
             torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_symmetric_ranking_losses_match_sentence_transformers(st_models, cached):
+    """``MultipleNegativesSymmetricRankingLoss`` and its cached form: values and parameter gradients equal
+    to the installed peer's (which is itself MNRL over both directions, per direction)."""
+    import warnings
+
+    model, _, words = st_models
+    _, features = _features(model, words, 6, 3, seed=4)
+    name = "CachedMultipleNegativesSymmetricRankingLoss" if cached else "MultipleNegativesSymmetricRankingLoss"
+    budget = {"mini_batch_size": 2} if cached else {}
+    results = []
+    for module in (st_losses, ours_st):
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the peer's class is deprecated in favour of MNRL's options
+            value = getattr(module, name)(model, **budget)(features, None)
+        value.backward()
+        results.append((value.detach(), _param_grads(model)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-10, atol=1e-12)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+
 def test_token_budget_ranges():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]])
     features = {"input_ids": torch.zeros_like(mask), "attention_mask": mask}

@@ -38,7 +38,12 @@ from ..grad_cache import RngSnapshot
 from ..losses import info_nce_loss
 from ._strips import per_row_losses
 
-__all__ = ["CachedMultipleNegativesRankingLoss", "GISTEmbedLoss", "MultipleNegativesRankingLoss", "mnrl_loss"]
+__all__ = ["CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
+           "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "mnrl_loss"]
+
+#: The symmetric losses' terms: sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` is its
+#: ranking loss over both directions, each direction's log-sum-exp on its own, averaged.
+SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION = ("query_to_doc", "doc_to_query"), "per_direction"
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
@@ -419,6 +424,50 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         # A fresh leaf makes the output require grad; the loss's own graph is spent already.
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return _ReplayBackward.apply(loss.detach(), anchor, replay)
+
+
+class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``: each query finds its document
+    among the batch's documents and each (positive) document its query among the batch's queries, the
+    two cross-entropies averaged -- :class:`MultipleNegativesRankingLoss` with
+    ``directions=("query_to_doc", "doc_to_query")`` and ``partition_mode="per_direction"``, as the
+    peer itself is now. Hard-negative columns take part in the first direction only.
+
+    Args:
+        model: the encoder (a SentenceTransformer).
+        scale: inverse temperature (default 20).
+        similarity_fct: ``util.cos_sim`` / ``"cosine"`` or ``util.dot_score`` / ``"dot"``.
+        gather_across_devices: every rank's rows are candidates (gradients flow back to their ranks).
+        chunk_size: rows per strip of the engine (None: automatic).
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
+                 gather_across_devices: bool = False, *, chunk_size: int | None = None) -> None:
+        super().__init__(model, scale, similarity_fct, gather_across_devices, SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION,
+                         chunk_size=chunk_size)
+
+
+class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss):
+    """sentence-transformers' ``CachedMultipleNegativesSymmetricRankingLoss``: the symmetric ranking loss
+    (:class:`MultipleNegativesSymmetricRankingLoss`) with gradient caching (mini-batches of
+    ``mini_batch_size`` rows or ``mini_batch_num_tokens`` tokens; see :class:`CachedMultipleNegativesRankingLoss`).
+
+    Args:
+        model: the encoder (a SentenceTransformer).
+        scale: inverse temperature (default 20).
+        similarity_fct: ``util.cos_sim`` / ``"cosine"`` or ``util.dot_score`` / ``"dot"``.
+        mini_batch_size: rows per mini-batch (default 32).
+        mini_batch_num_tokens: instead, a budget of real tokens per mini-batch.
+        gather_across_devices: every rank's rows are candidates.
+        show_progress_bar: accepted for compatibility; no bar is drawn.
+        chunk_size: rows per strip of the engine (None: automatic).
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
+                 mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
+                 show_progress_bar: bool = False, *, chunk_size: int | None = None) -> None:
+        super().__init__(model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens, gather_across_devices,
+                         SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION, show_progress_bar, chunk_size=chunk_size)
 
 
 class GISTEmbedLoss(nn.Module):
