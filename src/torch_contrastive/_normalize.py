@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .engine.driver import first_order_only
-from .engine.normalization import l2_normalize, l2_normalize_backward
+from .engine.normalization import KERNEL_DTYPES, l2_normalize, l2_normalize_backward
 from .engine.precision import compute_dtype
 
 __all__ = ["prepare"]
@@ -55,7 +55,7 @@ def by_kernel(backend: str, x: Tensor) -> bool:
     """Whether rows normalised before a gather go through the Triton row kernels: on the kernel
     backends, and for ``"auto"`` on a CUDA device with triton installed (the call is launch-bound at
     a few thousand rows: one launch each way instead of five and ten); fp64 keeps the torch form."""
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in KERNEL_DTYPES:
         return False
     if backend in ("epilogue", "triton"):
         return True

@@ -299,6 +299,15 @@ def check_flag(value: object, name: str) -> bool:
     return value
 
 
+def check_positive(value: object, name: str) -> float:
+    """A finite number > 0 (a temperature, a scale's start): ``TypeError`` for another kind of object."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive float, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return float(value)
+
+
 def check_fraction(value: object, name: str) -> float:
     """A float in [0, 1) (label smoothing)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

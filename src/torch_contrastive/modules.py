@@ -37,14 +37,6 @@ MAX_LOGIT_SCALE = math.log(100.0)
 MIN_LEARNABLE_TEMPERATURE = 0.01
 
 
-def _check_temperature(temperature: object, name: str = "temperature") -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"{name} must be a positive float, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {temperature}")
-    return float(temperature)
-
-
 _shared_options = options.check  # the options every loss takes, checked once (at construction)
 
 
@@ -56,7 +48,7 @@ class _Loss(nn.Module):
                  chunk_size: int | None = None, gather: bool = False, grad_reduction: str = "mean", eps: float = 1e-12,
                  validate: bool = True, backend: str = "auto") -> None:
         super().__init__()
-        temperature = _check_temperature(temperature)
+        temperature = v.check_positive(temperature, "temperature")
         self.options = _shared_options(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,
                                        grad_reduction=grad_reduction, eps=eps, validate=validate, backend=backend)
         self.learnable = v.check_flag(learnable_temperature, "learnable_temperature")
@@ -179,7 +171,7 @@ class SupConLoss(_Loss):
         super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
                          chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
                          backend=backend)
-        self.base_temperature = None if base_temperature is None else _check_temperature(base_temperature, "base_temperature")
+        self.base_temperature = None if base_temperature is None else v.check_positive(base_temperature, "base_temperature")
         self.contrast_mode = v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
         self.single_class = v.check_choice(single_class, "single_class", ("keep", "zero"))
 
@@ -304,7 +296,7 @@ class DCLWLoss(DCLLoss):
         super().__init__(temperature, None, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
                          chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
                          backend=backend)
-        self.sigma = _check_temperature(sigma, "sigma")
+        self.sigma = v.check_positive(sigma, "sigma")
 
     def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
         with torch.no_grad():
@@ -334,7 +326,7 @@ class SigLipLoss(nn.Module):
                  grad_reduction: str = "mean", eps: float = 1e-12,
                  validate: bool = True, backend: str = "auto") -> None:
         super().__init__()
-        scale = _check_temperature(init_logit_scale, "init_logit_scale")
+        scale = v.check_positive(init_logit_scale, "init_logit_scale")
         if isinstance(init_logit_bias, bool) or not isinstance(init_logit_bias, (int, float)) or not math.isfinite(init_logit_bias):
             raise ValueError(f"init_logit_bias must be a finite float, got {init_logit_bias!r}")
         self.options = _shared_options(normalize=normalize, reduction=reduction, chunk_size=chunk_size, gather=gather,

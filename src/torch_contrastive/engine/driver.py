@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import as_dtype
-from .normalization import l2_normalize, l2_normalize_backward
+from .normalization import KERNEL_DTYPES, l2_normalize, l2_normalize_backward
 from .precision import Scale, autocast_enabled, compute_dtype
 
 
@@ -56,8 +56,8 @@ def _compute_scale(scale: Scale, device: torch.device, cdtype: torch.dtype) -> S
 def by_kernel(plan: Any, a: Tensor, b: Tensor | None = None) -> bool:
     """Whether the rows are normalised (and their gradients finished) by the Triton row kernels:
     the plan says so and neither set is fp64 (fp64 keeps the torch form)."""
-    return bool(getattr(plan, "rows_by_kernel", False)) and a.dtype != torch.float64 and \
-        (b is None or b.dtype != torch.float64)
+    return bool(getattr(plan, "rows_by_kernel", False)) and a.dtype in KERNEL_DTYPES and \
+        (b is None or b.dtype in KERNEL_DTYPES)
 
 
 def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,

@@ -7,6 +7,9 @@ from torch import Tensor
 
 from .precision import Scale
 
+#: The row dtypes the Triton row kernels (``triton_backend.normalize_rows``) take; fp64 rows keep the torch form.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 #: Elements per block of the fp64 norm accumulation (a 4 MiB fp64 copy at most).
 _NORM_BLOCK = 1 << 19
 

@@ -91,6 +91,12 @@ INDIVIDUAL_DEFAULTS = {"unimodal": TemperatureRule(rho=0.3, tau_min=0.05, tau_ma
 GLOBAL_RHO = 8.0
 
 
+def default_rule(mode: str, temperature_mode: str) -> TemperatureRule:
+    """The temperatures' rule when none is given: LibAUC's per mode for individual temperatures,
+    FastCLIP-v3's rho otherwise."""
+    return INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else TemperatureRule(rho=GLOBAL_RHO)
+
+
 def global_contrastive_loss(
     a: Tensor,
     b: Tensor,
@@ -143,15 +149,14 @@ def global_contrastive_loss(
     v.check_choice(temperature_mode, "temperature_mode", TEMPERATURE_MODES)
     _check_state(state, a.shape[0], compute_dtype(a.dtype), temperature_mode == "individual")
     gamma = _check_gamma(gamma)
-    rule = rule if rule is not None else INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else \
-        TemperatureRule(rho=GLOBAL_RHO)
+    rule = rule if rule is not None else default_rule(mode, temperature_mode)
     tau: float | Tensor | None = None
     if temperature_mode == "global":
         if not isinstance(temperature, Tensor) or temperature.ndim != 0 or not temperature.is_floating_point():
             raise TypeError("temperature must be a 0-dim floating tensor (the learnable tau) with temperature_mode='global'")
         tau = temperature
     elif temperature_mode == "fixed":
-        tau = _check_temperature(temperature)
+        tau = v.check_positive(temperature, "temperature")
     scope, checks = begin(reduction="mean", chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
                           gather=gather, validate=validate)
     if a.shape[0] < 2 and not scope.distributed:
@@ -256,7 +261,8 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
         if state.tau is None:
             raise RuntimeError("internal: individual temperatures without their state")
         taus = torch.cat([state.tau[:, 0], state.tau[:, 0]]).to(rows.dtype)
-        lse = _lse(rows / taus[:, None], negatives._replace(symmetric=False), 1.0, opts)[0]
+        scaled = rows / taus[:, None]
+        lse = _lse(scaled, negatives._replace(symmetric=False), 1.0, opts)[0]
     log_g = lse.detach() - math.log(2 * (total - 1))
     old = state.log_u[:, 0].to(lse.dtype)
     log_u1, log_u2 = _mixed(old, log_g[:n], call.gamma), _mixed(old, log_g[n:], call.gamma)
@@ -271,7 +277,7 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
     if tau is not None:
         return ((tau * log_ur - l_pos).sum(), surrogate, float(n)), GlobalState(new_log_u.to(state.log_u.dtype))
     assert isinstance(taus, Tensor) and state.tau is not None and state.tau_grad is not None
-    expected = _expected(rows / taus[:, None], negatives, opts)  # soft-max mean of S
+    expected = _expected(scaled, negatives, opts)  # soft-max mean of S
     grad = log_ur + call.rule.rho - c * expected
     new_tau, moving = _stepped(state.tau[:, 0], state.tau_grad[:, 0], (grad[:n] + grad[n:]) / 2, call.rule)
     estimate = (taus.detach() * (log_ur + call.rule.rho) - l_pos).sum()
@@ -298,8 +304,8 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         taus = state.tau.to(img.dtype)
         t_img: float | Tensor = taus[:, 0]
         t_txt: float | Tensor = taus[:, 1]
-        lse_img = _lse(img / taus[:, :1], by_img, 1.0, opts)[0]
-        lse_txt = _lse(txt / taus[:, 1:], by_txt, 1.0, opts)[0]
+        img_s, txt_s = img / taus[:, :1], txt / taus[:, 1:]
+        lse_img, lse_txt = _lse(img_s, by_img, 1.0, opts)[0], _lse(txt_s, by_txt, 1.0, opts)[0]
     else:
         scale = 1.0 / tau
         bound = scale if isinstance(scale, float) else None
@@ -312,8 +318,8 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
                 raise RuntimeError("internal: columns=True returns the column terms")
             lse_img, lse_txt = both[0], both[1]
     # d_i = log sum_{j != i} exp(h_ij / tau) = log (B - 1) g_i, with h_ij = <x_i, t_j> - <x_i, t_i>
-    d_img, d_txt = lse_img - l_pos / t_img if tau is None else lse_img - l_pos * (1.0 / tau), \
-        lse_txt - l_pos / t_txt if tau is None else lse_txt - l_pos * (1.0 / tau)
+    s_img, s_txt = (l_pos / t_img, l_pos / t_txt) if tau is None else (l_pos * (1.0 / tau),) * 2
+    d_img, d_txt = lse_img - s_img, lse_txt - s_txt
     log_norm = math.log(total - 1)
     log_u_img = _mixed(state.log_u[:, 0].to(d_img.dtype), d_img.detach() - log_norm, call.gamma)
     log_u_txt = _mixed(state.log_u[:, 1].to(d_txt.dtype), d_txt.detach() - log_norm, call.gamma)
@@ -331,8 +337,8 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         return (tau * (log_u_img.sum() + log_u_txt.sum()) / 2, surrogate, float(n)), GlobalState(new_log_u)
     assert isinstance(t_img, Tensor) and isinstance(t_txt, Tensor) and state.tau is not None and state.tau_grad is not None
     # the soft-max mean of h / tau over the negatives: of S, less S_ii
-    e_img = _expected(img / t_img[:, None], by_img, opts) - (l_pos / t_img).detach()
-    e_txt = _expected(txt / t_txt[:, None], by_txt, opts) - (l_pos / t_txt).detach()
+    e_img = _expected(img_s, by_img, opts) - s_img.detach()
+    e_txt = _expected(txt_s, by_txt, opts) - s_txt.detach()
     new_img, m_img = _stepped(state.tau[:, 0], state.tau_grad[:, 0], log_u_img + call.rule.rho - w_img / (total - 1) * e_img,
                               call.rule)
     new_txt, m_txt = _stepped(state.tau[:, 1], state.tau_grad[:, 1], log_u_txt + call.rule.rho - w_txt / (total - 1) * e_txt,
@@ -340,12 +346,6 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
     estimate = ((t_img * (log_u_img + call.rule.rho)).sum() + (t_txt * (log_u_txt + call.rule.rho)).sum()) / 2
     return (estimate, surrogate, float(n)), GlobalState(new_log_u, torch.stack([new_img, new_txt], 1),
                                                         torch.stack([m_img, m_txt], 1))
-
-
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
-        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
-    return float(temperature)
 
 
 def _check_gamma(gamma: object) -> float:
@@ -435,13 +435,12 @@ class GlobalContrastiveLoss(nn.Module):
         self.num_samples, self.mode, self.temperature_mode = num_samples, mode, temperature_mode
         self.gamma_min = _check_gamma(gamma)
         self.gamma_schedule, self.gamma_decay_epochs = gamma_schedule, gamma_decay_epochs
-        self.rule = rule if rule is not None else INDIVIDUAL_DEFAULTS[mode] if temperature_mode == "individual" else \
-            TemperatureRule(rho=GLOBAL_RHO)
+        self.rule = rule if rule is not None else default_rule(mode, temperature_mode)
         if rho is not None:
             if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho):
                 raise ValueError(f"rho must be a finite float, got {rho!r}")
             self.rule = replace(self.rule, rho=float(rho))
-        start = _check_temperature(temperature)
+        start = v.check_positive(temperature, "temperature")
         if temperature_mode == "individual" and not self.rule.tau_min <= start <= self.rule.tau_max:
             raise ValueError(f"temperature must start inside [tau_min, tau_max] = [{self.rule.tau_min}, {self.rule.tau_max}] "
                              f"with temperature_mode='individual', got {start}")

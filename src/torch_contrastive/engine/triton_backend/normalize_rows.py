@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..normalization import KERNEL_DTYPES
 from ._configs import autotune, bucket, feature_rows
 from ._host import announced, check_device, interpreting, tl, triton
 
@@ -55,7 +56,7 @@ def normalize_rows(x: Tensor, eps: float, denom: Tensor | None = None) -> tuple[
     :func:`~torch_contrastive.engine.normalization.l2_normalize`'s. Given ``denom`` (N, 1), only
     ``y`` is formed (``norm`` comes back None). One launch."""
     check_device(x)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"normalize_rows takes fp32 or half rows, got {x.dtype}")
     n, d = x.shape
     y = torch.empty((n, d), device=x.device, dtype=torch.float32)
