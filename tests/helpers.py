@@ -19,7 +19,12 @@ def rand_rows(n, d=5, seed=0, dtype=torch.float64):
     return torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
 
 
-TAU_TOLS = {torch.bfloat16: 2e-3, torch.float16: 5e-4}
+#: On a GPU the half inputs' products run on tensor cores and the gradient tile is rounded to the input
+#: dtype for the two backward products (docs/gpu.md): its rounding adds to the gradients' own, twice
+#: the CPU's bound for bf16 (seen on an H100: 1.02e-2 against 1e-2 at an entry whose terms cancel).
+_GPU_ROUNDING = 2.0 if DEVICE.type == "cuda" else 1.0
+
+TAU_TOLS = {torch.bfloat16: 2e-3 * _GPU_ROUNDING, torch.float16: 5e-4 * _GPU_ROUNDING}
 
 
 def compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
@@ -55,8 +60,8 @@ def compare(fn_ours, fn_ref, inputs, tau, dtype, tols):
 DTYPES = [
     (torch.float64, (1e-9, 1e-9)),
     (torch.float32, (1e-5, 1e-5)),
-    (torch.float16, (2e-5, 2e-3)),  # computed in fp32; gradients rounded to fp16
-    (torch.bfloat16, (2e-5, 1e-2)),  # computed in fp32; gradients rounded to bf16
+    (torch.float16, (2e-5, 2e-3 * _GPU_ROUNDING)),  # computed in fp32; gradients rounded to fp16
+    (torch.bfloat16, (2e-5, 1e-2 * _GPU_ROUNDING)),  # computed in fp32; gradients rounded to bf16
 ]
 
 

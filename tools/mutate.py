@@ -570,6 +570,22 @@ MUTATIONS = [
              'SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION = ("query_to_doc", "doc_to_query"), "per_direction"',
              'SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION = ("query_to_doc", "doc_to_query"), "joint"',
              "the symmetric ranking loss takes one log-sum over both directions", ("tests/integrations/test_integrations.py",)),
+    Mutation(f"{E}/cost.py", "    return max(sum(terms(counts, gpu)), host_time(counts, gpu, ours))",
+             "    return sum(terms(counts, gpu)) + host_time(counts, gpu, ours)",
+             "a call costs device and host time added, not the longer of the two", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/cost.py", "    return (g.host_call if ours else 0.0) + (counts.launches - k) * g.host_op + k * g.host_kernel",
+             "    return (g.host_call if ours else 0.0) + counts.launches * g.host_op",
+             "a Triton launch costs the host what an eager op does", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{E}/cost.py", "    return max(device, g.host_call + (launches - launched) * g.host_op + launched * g.host_kernel)",
+             "    return device",
+             "the planner prices the device alone (no host terms)", ("tests/engine/test_planner.py",)),
+    Mutation(f"{E}/cost.py", "    call, kernel = (b1 * skk - bk * s1k) / det, (s11 * bk - s1k * b1) / det",
+             "    kernel, call = (b1 * skk - bk * s1k) / det, (s11 * bk - s1k * b1) / det",
+             "the host fit swaps the per-call and the per-Triton-launch costs", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{PKG}/_validation.py", '    check_same_device(emb, "memory_emb", device)\n', "",
+             "a memory on another device than the batch is not refused", ("tests/test_validation.py",)),
+    Mutation(f"{E}/triton_backend/_configs.py", "    if not tuning():\n        return [min(configs, key=lambda c: (_side(c), c.num_stages))]\n", "",
+             "TORCH_CONTRASTIVE_AUTOTUNE=0 still times every config", ("tests/engine/test_triton.py",)),
 ]
 
 

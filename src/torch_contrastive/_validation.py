@@ -341,6 +341,7 @@ def check_memory(memory_emb: object, memory_labels: object, width: int, device: 
     emb = check_embeddings(memory_emb, "memory_emb", empty_rows=True)
     if emb.shape[1] != width:
         raise ValueError(f"memory_emb must have feature size {width} (as the batch), got {emb.shape[1]}")
+    check_same_device(emb, "memory_emb", device)
     labels = check_labels(memory_labels, "memory_labels", emb.shape[0], device)
     checks.finite(emb, "memory_emb")
     return emb, labels
@@ -462,8 +463,16 @@ def check_options(*, reduction: object, chunk_size: object, grad_reduction: obje
     check_chunk_size(chunk_size)
 
 
+def check_same_device(t: Tensor, name: str, device: torch.device, of: str = "the batch") -> None:
+    """``t`` on ``device``: an embedding on another device would fail deep inside a product (or copy
+    across devices on every call), so it is refused here, by name."""
+    if t.device != device:
+        raise ValueError(f"{name} must be on the same device as {of} ({device}), got {t.device}")
+
+
 def check_same_rows(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
-    """Equal batch sizes and feature shapes."""
+    """Equal batch sizes and feature shapes, on one device."""
+    check_same_device(b, b_name, a.device, a_name)
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"{a_name} and {b_name} must have the same batch size, got {a.shape[0]} and {b.shape[0]}")
     if a.shape[1:] != b.shape[1:]:

@@ -175,10 +175,13 @@ def test_missing_cli_extra_names_the_extra(monkeypatch, capsys):
 
 @pytest.mark.parametrize("loss", ["nt_xent", "supcon", "nt_bxent", "clip"])
 def test_micro_batch_gives_the_results_of_whole_batches(loss, tmp_path):
-    """--micro-batch K (gradient caching) trains the same model: equal loss history to round-off."""
+    """--micro-batch K (gradient caching) trains the same model: equal loss history to round-off.
+    In fp32: under bf16 autocast (the GPU's "auto") a micro-batch rounds other partial sums than the
+    whole batch, and two epochs carry that apart by about 1 %, which is precision, not caching."""
     results = []
     for micro in (None, 48):
-        cfg = Config(loss=loss, epochs=2, batch_size=128, dim=16, temperature=0.1, micro_batch=micro, out=str(tmp_path / str(micro)))
+        cfg = Config(loss=loss, epochs=2, batch_size=128, dim=16, temperature=0.1, micro_batch=micro, out=str(tmp_path / str(micro)),
+                     precision="fp32")
         results.append(train(cfg, progress=False))
     whole, cached = results
     assert cached["loss_history"] == pytest.approx(whole["loss_history"], rel=1e-4)

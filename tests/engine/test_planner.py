@@ -145,12 +145,13 @@ def test_the_plan_holds_every_statistic_decision():
     w = torch.rand(8, device=DEVICE)
     identity = Positives.from_partner(torch.arange(8, device=DEVICE), 8, self_offset=None, layout="identity")
     clip = Softmax(row_weights=(w, None), columns=True, columns_share_alpha=True)
-    one_tile = plan(Problem(x, y, 2.0, clip, positives=identity, grad_columns=5, options=Options(True)))
+    one_tile = plan(Problem(x, y, 2.0, clip, positives=identity, grad_columns=5, options=Options(True, backend="torch")))
     assert one_tile.tile_positives and one_tile.shared_alpha and one_tile.columns and one_tile.column_positives
     assert one_tile.grad_columns == 5 and one_tile.apart is not None and one_tile.apart.kind == "shift"
-    tiled = plan(Problem(x, y, 2.0, clip, positives=identity, grad_columns=99, options=Options(True, chunk_size=3)))
+    tiled = plan(Problem(x, y, 2.0, clip, positives=identity, grad_columns=99, options=Options(True, chunk_size=3, backend="torch")))
     assert not tiled.tile_positives and tiled.tile == 3 and tiled.grad_columns == 8  # clamped to the candidates
-    unweighted = plan(Problem(x, y, 2.0, Softmax(columns=True, columns_share_alpha=True), positives=identity))
+    unweighted = plan(Problem(x, y, 2.0, Softmax(columns=True, columns_share_alpha=True), positives=identity,
+                               options=Options(backend="torch")))
     assert not unweighted.shared_alpha and unweighted.grad_columns == 8
 
     labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2], device=DEVICE)
@@ -217,20 +218,23 @@ def test_explain_reports_what_a_call_does():
     assert tc.explain(tc.siglip_loss, x, x, 10.0, -10.0)[0].kernel == "sigmoid"
 
 
+#: The torch tile loops' tensor-core products (backend pinned: "auto" on a GPU may take the kernels,
+#: which tests/engine/test_epilogue.py and test_triton.py check).
 LOSSES = {
-    "clip": (lambda a, b, t, c: tc.image_text_contrastive_loss(a, b, t, chunk_size=c), lambda a, b, t: image_text(a, b, t), 2),
+    "clip": (lambda a, b, t, c: tc.image_text_contrastive_loss(a, b, t, chunk_size=c, backend="torch"), lambda a, b, t: image_text(a, b, t), 2),
     "clip_ids": (lambda a, b, t, c: tc.image_text_contrastive_loss(a, b, t, torch.arange(a.shape[0], device=a.device) % 4,
-                                                                   chunk_size=c),
+                                                                   chunk_size=c, backend="torch"),
                  lambda a, b, t: image_text(a, b, t, torch.arange(a.shape[0]) % 4), 2),
-    "nt_xent": (lambda a, b, t, c: tc.nt_xent_loss(a, t, pairing="halves", chunk_size=c), lambda a, b, t: nt_xent(a, t, "halves"), 1),
-    "supcon": (lambda a, b, t, c: tc.supcon_loss(a, torch.arange(a.shape[0], device=a.device) % 3, temperature=t, chunk_size=c),
+    "nt_xent": (lambda a, b, t, c: tc.nt_xent_loss(a, t, pairing="halves", chunk_size=c, backend="torch"),
+                lambda a, b, t: nt_xent(a, t, "halves"), 1),
+    "supcon": (lambda a, b, t, c: tc.supcon_loss(a, torch.arange(a.shape[0], device=a.device) % 3, temperature=t, chunk_size=c, backend="torch"),
                lambda a, b, t: supcon(a, t, labels=torch.arange(a.shape[0]) % 3), 1),
-    "info_nce": (lambda a, b, t, c: tc.info_nce_loss(a, b, None, t, chunk_size=c), lambda a, b, t: info_nce(a, b, None, t), 2),
+    "info_nce": (lambda a, b, t, c: tc.info_nce_loss(a, b, None, t, chunk_size=c, backend="torch"), lambda a, b, t: info_nce(a, b, None, t), 2),
     # the pair terms (PML NT-Xent, NT-BXent) take the same products
-    "nt_xent_pml": (lambda a, b, t, c: tc.nt_xent_loss(a, t, labels=torch.arange(a.shape[0], device=a.device) % 3, chunk_size=c),
+    "nt_xent_pml": (lambda a, b, t, c: tc.nt_xent_loss(a, t, labels=torch.arange(a.shape[0], device=a.device) % 3, chunk_size=c, backend="torch"),
                     lambda a, b, t: nt_xent_pml(a, torch.arange(a.shape[0]) % 3, t), 1),
     "nt_bxent": (lambda a, b, t, c: tc.nt_bxent_loss(a, labels=torch.arange(a.shape[0], device=a.device) % 3, temperature=t,
-                                                     chunk_size=c),
+                                                     chunk_size=c, backend="torch"),
                  lambda a, b, t: nt_bxent(a, t, labels=torch.arange(a.shape[0]) % 3), 1),
 }
 
@@ -268,10 +272,10 @@ def test_auto_on_a_gpu_takes_the_backend_the_model_predicts_fastest():
         assert [name for name, _ in d.predicted] == ["torch", "epilogue", "triton"]
         assert d.backend == min((t, name) for name, t in d.predicted)[1]
         assert "predicted (H100 cost model, not a measurement)" in str(d)
-    # 1,024 rows, one tile: the epilogue's launches (the rows normalised by one kernel each way) are fewer
-    # than the torch loops' and its passes a third
-    assert small.backend == "epilogue" and small.tile == 0
-    assert dict(small.predicted)["epilogue"] < dict(small.predicted)["torch"]
+    # 1,024 rows, one tile: host-bound, and a Triton launch costs the host several eager ops (measured on
+    # the H100: the torch loops 3.6 ms, the epilogue 6.2), so the torch loops, whose device work is as hidden
+    assert small.backend == "torch" and small.tile == 0 and small.half
+    assert dict(small.predicted)["torch"] < dict(small.predicted)["epilogue"]
     assert big.backend == "epilogue" and big.operand_dtype == torch.bfloat16 and not big.half
     torch_65k = dict(big.predicted)["torch"]
     tile = big.tile  # the epilogue's tiles hold 8 bytes per logit: larger than the torch loops' 12

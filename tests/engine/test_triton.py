@@ -220,6 +220,7 @@ def test_autotuning_configs_are_pruned_per_device_dtype_and_size(monkeypatch):
     from torch_contrastive.engine.triton_backend import _configs
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # prune reads the switch per call: on a GPU too
+    monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "1")  # the GPU suite turns timing off
     for configs in (_configs.square_tiles(), _configs.row_blocks(), _configs.row_output_blocks()):
         assert max(_configs._side(c) for c in configs) == 128
         (only,) = _configs.prune(configs, {"x_ptr": torch.empty(1), "bucket": 4096})
@@ -231,6 +232,10 @@ def test_autotuning_configs_are_pruned_per_device_dtype_and_size(monkeypatch):
         assert small and all(_configs._side(c) <= 64 for c in small)
         fp64 = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.float64), "bucket": 65536})
         assert fp64 and all(_configs._side(c) <= 64 and c.num_stages <= 2 for c in fp64)
+        monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "0")  # one config, the smallest tile: nothing timed
+        (untimed,) = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "bucket": 65536})
+        assert _configs._side(untimed) == min(_configs._side(c) for c in configs) == 64
+        monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "1")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _configs.bucket(1000, 70) == 1024 and _configs.bucket(1024) == 1024 and _configs.bucket(0) == 1
 

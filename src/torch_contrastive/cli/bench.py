@@ -342,11 +342,13 @@ def infcl_installed() -> bool:
     return importlib.util.find_spec("inf_cl") is not None
 
 
-def gpu_plan(backends: list[str]) -> list[dict[str, Any]]:
+def gpu_plan(backends: list[str], sizes: list[int] | None = None) -> list[dict[str, Any]]:
     """The ``--gpu`` cases, bf16: ours per backend beside dense-compiled (the anchor) and dense,
-    and Inf-CL's kernels for CLIP when the package is installed."""
+    and Inf-CL's kernels for CLIP when the package is installed; only the rows of ``sizes`` if given."""
     cases = []
     for loss, n, d in GPU_GRID:
+        if sizes and n not in sizes:
+            continue
         peers = ["dense-compiled", "dense-baseline"] if n <= GPU_DENSE_MAX else []
         if loss == "clip" and infcl_installed():
             peers.append("inf_cl")
@@ -552,7 +554,7 @@ def _grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
     backends, problem = _backends(args)
     if problem:
         return [], problem
-    cases = gpu_plan(backends) if args.gpu else _per_backend(cases, backends)
+    cases = gpu_plan(backends, args.sizes) if args.gpu else _per_backend(cases, backends)
     for case in cases:
         case["device"] = args.device
         case["dtype"] = args.dtype

@@ -26,6 +26,7 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +34,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..engine import products
-from ..engine.cost import GPUS, MEASURED, PATHS, PEAK_BANDWIDTH, Counts, Fused, Gpu, Measured, fit, fit_fused
+from ..engine.cost import (
+    DEVICE_ROWS,
+    GPUS,
+    HOST_ROWS,
+    MEASURED,
+    PATHS,
+    PEAK_BANDWIDTH,
+    Counts,
+    Fused,
+    Gpu,
+    Measured,
+    fit,
+    fit_fused,
+    fit_host,
+    predict,
+)
 from ..engine.planner import Traits, predictions, simulate
 from .synccount import SYNC_OPERATORS, host_sync_events
 
@@ -178,6 +194,13 @@ def _launch_listeners() -> list[Any]:
 
 
 # ------------------------------------------------------------------------ the losses, counted
+def count_device() -> torch.device:
+    """Where :func:`cases` puts its tensors: a GPU's own plan where there is one (its kernels compiled,
+    nothing simulated but the tile budget), else this CPU running the GPU's plan (the kernels in
+    Triton's interpreter, which a process chooses once, before its kernels are defined)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None = None,
           seed: int = 0, backend: str = "auto") -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]:
     """name -> (our call, the dense formula it replaces), fwd+bwd ready, at ``n`` rows of ``d``
@@ -189,9 +212,10 @@ def cases(n: int, d: int, dtype: torch.dtype = torch.bfloat16, chunk: int | None
     from .bench_small import CLASSES, plain_nt_bxent, plain_nt_xent_pml, plain_supcon
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    y = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    labels = torch.randint(0, CLASSES, (n,), generator=g)
+    device = count_device()
+    x = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
+    y = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, CLASSES, (n,), generator=g).to(device)
     opts: dict[str, Any] = {"validate": False, "chunk_size": chunk, "backend": backend}
     return {
         "clip": (lambda: tc.image_text_contrastive_loss(x, y, 0.07, **opts), lambda: dense_clip(x, y, 0.07)),
@@ -232,16 +256,24 @@ def gpu_tiles(n: int, impl: str = "torch") -> int:
     return 1 if tile == 0 else -(-n // tile)
 
 
-def calibration(at: int = 1024) -> tuple[Gpu, float, list[tuple[Measured, Counts]]]:
-    """The H100 constants fitted to :data:`~torch_contrastive.engine.cost.MEASURED`, and each row's
-    counts (counted at ``at`` rows with the row's tile structure, scaled to its size)."""
+def calibration(at: int = 256) -> tuple[Gpu, float, list[tuple[Measured, Counts]]]:
+    """The H100 constants fitted to :data:`~torch_contrastive.engine.cost.MEASURED` -- the host's on the
+    host-bound rows (up to :data:`~torch_contrastive.engine.cost.HOST_ROWS`), the device's on the
+    device-bound ones (from :data:`~torch_contrastive.engine.cost.DEVICE_ROWS`) -- the RMS relative
+    error of the whole model over every counted row, and each row's counts (counted at ``at`` rows with
+    the row's tile structure, scaled to its size; the epilogue's rows where its kernels can run)."""
+    impls = ("torch", "dense", "epilogue") if epilogue_countable() else ("torch", "dense")
     counted = []
     for row in MEASURED:
-        if row.impl not in ("torch", "dense"):  # the fused kernels' own GEMMs are not counted: fit_fused prices them
+        if row.impl not in impls:  # the fused kernels' own GEMMs are not counted: fit_fused prices them
             continue
-        tiles = gpu_tiles(row.n) if row.impl == "torch" else 1
+        tiles = 1 if row.impl == "dense" else gpu_tiles(row.n, row.impl)
         counted.append((row, count_loss(row.loss, row.impl, row.n, row.d, at=min(at, row.n), tiles=tiles)))
-    fitted, rms = fit([(c, row.ms / 1e3) for row, c in counted], GPUS["H100"], PEAK_BANDWIDTH["H100"])
+    host_rows = [(c, row.ms / 1e3, row.impl != "dense") for row, c in counted if row.n <= HOST_ROWS]
+    fitted, _ = fit_host(host_rows, GPUS["H100"])
+    fitted, _ = fit([(c, row.ms / 1e3) for row, c in counted if row.n >= DEVICE_ROWS], fitted, PEAK_BANDWIDTH["H100"])
+    fitted = replace(fitted, source=f"fitted to {len(counted)} measured rows")
+    rms = (sum((predict(c, fitted, row.impl != "dense") / (row.ms / 1e3) - 1.0) ** 2 for row, c in counted) / len(counted)) ** 0.5
     return fitted, rms, counted
 
 
@@ -275,26 +307,31 @@ def fused_calibration() -> tuple[Fused, float]:
 
 # ------------------------------------------------------------------------------------ the CLI
 def epilogue_countable() -> bool:
-    """Whether the epilogue path can be counted here: triton installed, its kernels run by the
-    interpreter on the CPU tensors a count uses (switched on here when triton is not yet imported:
-    the interpreter is chosen when the kernels are defined)."""
+    """Whether the epilogue path can be counted here: triton installed, and a GPU, or the kernels run
+    by the interpreter on the CPU tensors a count uses (switched on here when triton is not yet
+    imported: the interpreter is chosen when the kernels are defined)."""
     import importlib.util
     import os
     import sys
 
     if importlib.util.find_spec("triton") is None:
         return False
+    if count_device().type == "cuda":  # counted on the GPU itself, the kernels compiled
+        return True
     if os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"  # this process only counts: nothing runs on a GPU
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _constants(g: Gpu) -> str:
+    return (f"bandwidth {g.bandwidth / 1e12:.2f} TB/s, device per-op {g.launch * 1e6:.1f} us, host per eager op "
+            f"{g.host_op * 1e6:.1f} us, per Triton launch {g.host_kernel * 1e6:.0f} us, per call {g.host_call * 1e6:.0f} us")
 
 
 def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any, machine: str) -> int:
     """``torch-contrastive bench --traffic``: every loss's counts on the simulated GPU plan beside
     the dense formula's, with the model's predicted H100 time; ``--calibrate`` adds the fit."""
     import csv
-
-    from ..engine.cost import predict
 
     gpu = GPUS["H100"]
     sizes = sizes or [1024]
@@ -318,7 +355,8 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
                 c = count_loss(name, impl, n, dim, at=at, tiles=tiles)
                 row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles,
                        "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
-                       "syncs": c.syncs, "predicted_ms": round(predict(c, gpu) * 1e3, 4), "default": impl == picks}
+                       "syncs": c.syncs, "predicted_ms": round(predict(c, gpu, impl != "dense") * 1e3, 4),
+                       "default": impl == picks}
                 rows.append(row)
                 print(f"{name:<12} {n:>6} {impl + ('*' if impl == picks else ''):<9} {row['tiles']:>4} {c.launches:>8} "
                       f"{c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {row['predicted_ms']:>13.3f}", flush=True)
@@ -335,12 +373,12 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
         print(f"\nthe fused Triton kernels fitted to the measured rows: {fused.rate / 1e12:.1f} TFLOP/s and "
               f"{fused.overhead * 1e3:.2f} ms per call, RMS relative error {100 * fused_rms:.1f} %")
         fitted, rms, counted = calibration()
-        print(f"\nfit to the measured H100 rows: bandwidth {fitted.bandwidth / 1e12:.2f} TB/s, per-op {fitted.launch * 1e6:.1f} us, "
-              f"RMS relative error {100 * rms:.0f} % (table: bandwidth {gpu.bandwidth / 1e12:.2f} TB/s, per-op "
-              f"{gpu.launch * 1e6:.1f} us)")
-        print(f"{'loss':<10} {'impl':<6} {'N':>6} {'D':>4} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+        print(f"\nfit to the measured H100 rows: {_constants(fitted)}; RMS relative error {100 * rms:.0f} %\n"
+              f"(the table in engine/cost.py: {_constants(gpu)})")
+        print(f"{'loss':<10} {'impl':<9} {'N':>6} {'D':>4} {'measured ms':>12} {'predicted ms':>13} {'error':>7}  bound")
         for measured, c in counted:
-            p = predict(c, gpu) * 1e3
-            print(f"{measured.loss:<10} {measured.impl:<6} {measured.n:>6} {measured.d:>4} {measured.ms:>12.2f} {p:>13.2f} "
-                  f"{100 * (p / measured.ms - 1):>+6.0f}%")
+            p = predict(c, gpu, measured.impl != "dense") * 1e3
+            bound = "host" if measured.n <= HOST_ROWS else "device" if measured.n >= DEVICE_ROWS else "(not fitted)"
+            print(f"{measured.loss:<10} {measured.impl:<9} {measured.n:>6} {measured.d:>4} {measured.ms:>12.2f} {p:>13.2f} "
+                  f"{100 * (p / measured.ms - 1):>+6.0f}%  {bound}")
     return 0

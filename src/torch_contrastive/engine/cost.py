@@ -5,19 +5,27 @@ Between the GEMMs a contrastive loss is memory-bound: every pass over the logit 
 pays a launch. The model prices a call's counts (:class:`Counts`, measured on any machine by
 :func:`torch_contrastive.cli.traffic.count`) on a named GPU:
 
-    ``time = sum over GEMMs of FLOPs / rate(dtype) + logit bytes / bandwidth + launches * launch``
+    ``device = sum over GEMMs of FLOPs / rate(dtype) + logit bytes / bandwidth + launches * launch``
 
-The constants of each GPU live in one table, :data:`GPUS`: a session on a GPU re-measures them
+A call is also work for the CPU that drives the GPU: each eager op costs it dispatch and autograd
+time, each Triton launch more (argument binding, the autotuner's lookup), and our own Python
+(arguments checked, the problem built, the plan looked up) once per call. The GPU runs behind the
+host, so a call takes whichever is longer:
+
+    ``host = call + eager ops * host_op + Triton launches * host_kernel``;  ``time = max(device, host)``
+
+Small calls are host-bound (on the H100 measured, every call up to about 8,192 rows: the eager dense
+formula too), large ones device-bound. The constants of each GPU live in one table, :data:`GPUS`: a session on a GPU re-measures them
 and changes numbers, not code (docs/gpu.md, "Counting GPU time on a CPU", says how well they fit
 the measured rows). Every figure the model gives is a prediction, and is labelled as one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = ["FUSED", "GPUS", "MEASURED", "PATHS", "PEAK_BANDWIDTH", "Counts", "Fused", "Gpu", "Measured", "PathCost", "fit",
-           "fit_fused", "predict", "predict_path", "terms"]
+           "fit_fused", "fit_host", "host_time", "kernels", "predict", "predict_path", "terms"]
 
 
 @dataclass(frozen=True)
@@ -29,9 +37,13 @@ class Gpu:
         gemm_flops: sustained GEMM FLOP/s by operand dtype name (``"bfloat16"``, ``"float16"``,
             ``"float32"``): cuBLAS at large square shapes.
         bandwidth: sustained bytes/s of an elementwise pass over a large tensor.
-        launch: seconds per op between GEMMs (launch, the tail of a small kernel, and what the
+        launch: device seconds per op between GEMMs (the tail of a small kernel, and what the
             byte count misses: a reduction that reads its input twice).
         source: where the numbers come from (a measurement, or the fit to measured rows).
+        host_op: host seconds per eager op (dispatch and autograd) on the CPU that drove the GPU
+            measured -- a property of that machine's CPU as much as of the GPU.
+        host_kernel: host seconds per Triton launch.
+        host_call: host seconds of our own Python per loss call (not paid by a plain formula).
     """
 
     name: str
@@ -39,20 +51,27 @@ class Gpu:
     bandwidth: float
     launch: float
     source: str
+    host_op: float = 0.0
+    host_kernel: float = 0.0
+    host_call: float = 0.0
 
 
 #: The GPUs the model knows. H100 (SXM, 80 GB): bf16 GEMM 645 TFLOP/s as cuBLAS measured
 #: (docs/gpu.md, 2026-11-23); fp32 without TF32 at the data sheet's non-tensor rate; bandwidth
-#: and the per-op cost fitted to :data:`MEASURED` by :func:`fit` (``torch-contrastive bench
-#: --traffic --calibrate`` prints the fit and each row's error; docs/gpu.md has the table).
+#: and the device per-op cost fitted to the device-bound rows of :data:`MEASURED` by :func:`fit`, the
+#: host constants to its host-bound rows by :func:`fit_host` (``torch-contrastive bench --traffic
+#: --calibrate`` prints the fit and each row's error; docs/gpu.md has the table).
 GPUS: dict[str, Gpu] = {
     "H100": Gpu(
         name="H100",
         gemm_flops={"bfloat16": 645e12, "float16": 645e12, "float32": 51e12},
-        bandwidth=2.56e12,
-        launch=24.3e-6,
-        source="bf16 GEMM rate measured 2026-11-23; bandwidth and per-op cost fitted 2026-11-24 to docs/gpu.md's rows "
-               "(RMS relative error 11 %, worst -24 %)",
+        bandwidth=2.28e12,
+        launch=14.7e-6,
+        source="bf16 GEMM rate measured 2026-11-23; the rest fitted 2026-11-24 to the 30 measured rows of docs/gpu.md "
+               "(RMS relative error 15 %); the host constants are those of the machine's CPU that drove the H100 measured",
+        host_op=38.9e-6,
+        host_kernel=295e-6,
+        host_call=1252e-6,
     ),
 }
 
@@ -76,9 +95,12 @@ class Measured:
     source: str
 
 
-#: The measured rows (docs/gpu.md, "Where we stand on an H100", 2026-11-23, bf16, fwd+bwd). Ours
-#: was measured at that day's commit; the fit compares today's counts with it (docs/gpu.md says so).
-#: ``impl`` ``"triton"``: the fused Triton kernels, which :func:`fit_fused` prices.
+#: The measured rows (docs/gpu.md, bf16, fwd+bwd, one H100 80GB HBM3). 2026-11-23: ``torch-contrastive bench
+#: --gpu`` at that day's commit (the fit compares today's counts with it). 2026-11-24 (torch 2.11.0+cu130,
+#: triton 3.6.0): ``tools/gpu_profile.py`` (device time of 20 calls queued back to back) at 1,024-8,192
+#: rows and ``bench --gpu`` (best of 5) from 16,384. ``impl`` ``"triton"``: the fused Triton kernels,
+#: which :func:`fit_fused` prices. Rows up to :data:`HOST_ROWS` fit the host constants, rows from
+#: :data:`DEVICE_ROWS` the device's; those between are predicted, not fitted.
 MEASURED: tuple[Measured, ...] = (
     Measured("H100", "clip", "dense", 8192, 512, 2.96, "docs/gpu.md 2026-11-23"),
     Measured("H100", "clip", "torch", 8192, 512, 4.03, "docs/gpu.md 2026-11-23"),
@@ -89,7 +111,33 @@ MEASURED: tuple[Measured, ...] = (
     Measured("H100", "clip", "triton", 8192, 512, 4.09, "docs/gpu.md 2026-11-23"),
     Measured("H100", "clip", "triton", 65536, 768, 186.0, "docs/gpu.md 2026-11-23"),
     Measured("H100", "nt_xent", "triton", 65536, 768, 94.6, "docs/gpu.md 2026-11-23"),
+    Measured("H100", "clip", "dense", 1024, 512, 1.872, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "torch", 1024, 512, 3.626, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "epilogue", 1024, 512, 6.186, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "dense", 4096, 512, 2.525, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "torch", 4096, 512, 3.821, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "epilogue", 4096, 512, 5.004, "gpu_profile 2026-11-24"),
+    Measured("H100", "nt_xent", "dense", 4096, 512, 1.415, "gpu_profile 2026-11-24"),
+    Measured("H100", "nt_xent", "torch", 4096, 512, 3.119, "gpu_profile 2026-11-24"),
+    Measured("H100", "nt_xent", "epilogue", 4096, 512, 4.074, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "dense", 8192, 512, 2.724, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "torch", 8192, 512, 5.246, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "epilogue", 8192, 512, 4.873, "gpu_profile 2026-11-24"),
+    Measured("H100", "nt_xent", "dense", 8192, 512, 1.524, "gpu_profile 2026-11-24"),
+    Measured("H100", "nt_xent", "torch", 8192, 512, 3.651, "gpu_profile 2026-11-24"),
+    Measured("H100", "nt_xent", "epilogue", 8192, 512, 3.152, "gpu_profile 2026-11-24"),
+    Measured("H100", "clip", "dense", 16384, 768, 10.1, "bench --gpu 2026-11-24"),
+    Measured("H100", "clip", "epilogue", 16384, 768, 7.6, "bench --gpu 2026-11-24"),
+    Measured("H100", "clip", "dense", 32768, 768, 38.2, "bench --gpu 2026-11-24"),
+    Measured("H100", "clip", "epilogue", 32768, 768, 21.8, "bench --gpu 2026-11-24"),
+    Measured("H100", "clip", "dense", 65536, 768, 156.0, "bench --gpu 2026-11-24"),
+    Measured("H100", "clip", "epilogue", 65536, 768, 77.3, "bench --gpu 2026-11-24"),
 )
+
+#: Measured rows up to this many rows are host-bound (their device work is a small part of the time).
+HOST_ROWS = 4096
+#: Measured rows from this many rows are device-bound.
+DEVICE_ROWS = 16384
 
 
 @dataclass(frozen=True)
@@ -105,6 +153,8 @@ class PathCost:
         passes_strips: the same when the problem spans tiles (recomputed in backward).
         gemms_one: GEMM-equivalents (``2 R C D`` FLOPs each), one tile.
         gemms_strips: the same, strips.
+        kernels: how many of ``launches`` are Triton launches (the host pays more for them), one tile.
+        kernels_per_tile: the Triton launches each further tile adds.
     """
 
     launches: int
@@ -113,6 +163,8 @@ class PathCost:
     passes_strips: float
     gemms_one: float
     gemms_strips: float
+    kernels: int = 0
+    kernels_per_tile: float = 0.0
 
 
 #: The counts of each (problem kind, backend, operands): ``"columns"`` two sets with column terms (CLIP),
@@ -123,19 +175,19 @@ class PathCost:
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "torch", "half"): PathCost(69, 24.8, 17.0, 24.0, 3.0, 4.0),
-    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0),
-    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0),
+    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0),
+    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8),
     ("rows", "torch", "half"): PathCost(42, 24.0, 14.0, 14.25, 2.0, 2.25),
-    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25),
-    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0),
+    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67),
+    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5),
     ("columns", "torch", "fp32"): PathCost(55, 16.6, 11.0, 14.0, 3.0, 4.0),
-    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0),
+    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0),
     ("rows", "torch", "fp32"): PathCost(33, 16.4, 9.0, 8.25, 2.0, 2.25),
-    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.1, 2.0, 2.25),
+    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.1, 2.0, 2.25, 4, 2.67),
     ("pair_softplus", "torch", "half"): PathCost(63, 61.7, 46.75, 66.5, 2.0, 5.0),
-    ("pair_softplus", "epilogue", "half"): PathCost(40, 10.1, 6.5, 8.5, 3.0, 5.0),
+    ("pair_softplus", "epilogue", "half"): PathCost(40, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0),
     ("binary", "torch", "half"): PathCost(62, 37.9, 41.75, 45.5, 2.0, 4.0),
-    ("binary", "epilogue", "half"): PathCost(39, 8.1, 5.5, 6.5, 3.0, 4.0),
+    ("binary", "epilogue", "half"): PathCost(39, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0),
 }
 
 
@@ -180,6 +232,7 @@ RELATION_FORMS = RelationForms(dense_passes=11.6, grouped_launches=44)
 def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100") -> bool:
     """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    # priced on the device: the form matters to large, device-bound calls (a host-bound call hides both)
     return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * g.launch
 
 
@@ -221,23 +274,37 @@ class Counts:
                       {k: round(v * f) for k, v in self.gemm_flops.items()}, self.syncs, dict(self.ops))
 
 
-def predict(counts: Counts, gpu: Gpu | str = "H100") -> float:
-    """The model's time (seconds) of ``counts`` on ``gpu``: a prediction, not a measurement."""
-    return sum(terms(counts, gpu))
+def predict(counts: Counts, gpu: Gpu | str = "H100", ours: bool = False) -> float:
+    """The model's time (seconds) of ``counts`` on ``gpu``, the longer of the device's and the host's
+    (``ours``: a call of this library, which pays :attr:`Gpu.host_call`): a prediction, not a measurement."""
+    return max(sum(terms(counts, gpu)), host_time(counts, gpu, ours))
+
+
+def kernels(counts: Counts) -> int:
+    """The Triton launches among ``counts.launches``."""
+    return sum(n for op, n in counts.ops.items() if op.startswith("triton:"))
+
+
+def host_time(counts: Counts, gpu: Gpu | str = "H100", ours: bool = False) -> float:
+    """Seconds the host spends issuing ``counts`` (see the module docstring)."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    k = kernels(counts)
+    return (g.host_call if ours else 0.0) + (counts.launches - k) * g.host_op + k * g.host_kernel
 
 
 def terms(counts: Counts, gpu: Gpu | str = "H100") -> tuple[float, float, float]:
-    """``(GEMM, traffic, launch)`` seconds of :func:`predict`, in that order."""
+    """``(GEMM, traffic, launch)`` seconds of the device's time, in that order."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     gemm = sum(flops / g.gemm_flops[dtype] for dtype, flops in counts.gemm_flops.items())
     return gemm, counts.logit_bytes / g.bandwidth, counts.launches * g.launch
 
 
 def fit(rows: list[tuple[Counts, float]], gpu: Gpu, peak_bandwidth: float) -> tuple[Gpu, float]:
-    """``gpu`` with its bandwidth and launch cost fitted to measured ``(counts, seconds)`` rows: least
-    squares on the relative error, the bandwidth kept physical (at most ``peak_bandwidth``, the
-    memory's data-sheet rate), the launch cost at least 1 µs; the GEMM rates stay as measured.
-    Returns the fitted GPU and the root-mean-square relative error of the fit."""
+    """``gpu`` with its bandwidth and device launch cost fitted to measured ``(counts, seconds)`` rows of
+    device-bound calls: least squares on the relative error of the device time, the bandwidth kept
+    physical (at most ``peak_bandwidth``, the memory's data-sheet rate), the launch cost at least
+    1 µs; the GEMM rates and the host constants stay. Returns the fitted GPU and the
+    root-mean-square relative error of the fit."""
     best: tuple[float, float, float] | None = None
     for step in range(1, 201):  # the bandwidth on a grid; for each, the launch cost in closed form
         bandwidth = peak_bandwidth * step / 200
@@ -249,13 +316,39 @@ def fit(rows: list[tuple[Counts, float]], gpu: Gpu, peak_bandwidth: float) -> tu
             num, den = num + weight * rest, den + weight * weight
         launch = max(1e-6, num / den if den else gpu.launch)
         trial = Gpu(gpu.name, dict(gpu.gemm_flops), bandwidth, launch, gpu.source)
-        rms = (sum((predict(c, trial) / t - 1.0) ** 2 for c, t in rows) / len(rows)) ** 0.5
+        rms = (sum((sum(terms(c, trial)) / t - 1.0) ** 2 for c, t in rows) / len(rows)) ** 0.5
         if best is None or rms < best[0]:
             best = (rms, bandwidth, launch)
     if best is None:
         raise ValueError("fit needs at least one measured row")
     rms, bandwidth, launch = best
-    return Gpu(gpu.name, dict(gpu.gemm_flops), bandwidth, launch, f"fitted to {len(rows)} measured rows"), rms
+    return replace(gpu, bandwidth=bandwidth, launch=launch, source=f"fitted to {len(rows)} measured rows"), rms
+
+
+def fit_host(rows: list[tuple[Counts, float, bool]], gpu: Gpu) -> tuple[Gpu, float]:
+    """``gpu`` with its host constants fitted to measured ``(counts, seconds, ours)`` rows of host-bound
+    calls (small problems, whose device time is a small part): ``host_op`` from the plain formula's rows
+    (``ours`` False: eager ops only), then ``host_call`` and ``host_kernel`` from ours (the torch loops
+    launch no Triton kernel, the epilogue a few) -- least squares on the relative error, each at least 0.
+    Returns the fitted GPU and the RMS relative error of the host time over all rows."""
+    plain = [(c.launches, t) for c, t, ours in rows if not ours]
+    if not plain:
+        raise ValueError("fit_host needs rows of the plain formula (ours=False)")
+    host_op = sum(n / t for n, t in plain) / sum((n / t) ** 2 for n, t in plain)
+    # ours: t - eager ops * host_op = call + k * host_kernel, solved by its 2 x 2 normal equations
+    own = [(kernels(c), t - (c.launches - kernels(c)) * host_op, t) for c, t, ours in rows if ours]
+    s11 = sum(1 / t**2 for _, _, t in own)
+    s1k = sum(k / t**2 for k, _, t in own)
+    skk = sum(k * k / t**2 for k, _, t in own)
+    b1 = sum(y / t**2 for _, y, t in own)
+    bk = sum(k * y / t**2 for k, y, t in own)
+    det = s11 * skk - s1k * s1k
+    if det <= 0:
+        raise ValueError("fit_host needs our rows with and without Triton launches")
+    call, kernel = (b1 * skk - bk * s1k) / det, (s11 * bk - s1k * b1) / det
+    fitted = replace(gpu, host_op=host_op, host_kernel=max(0.0, kernel), host_call=max(0.0, call))
+    rms = (sum((host_time(c, fitted, ours) / t - 1.0) ** 2 for c, t, ours in rows) / len(rows)) ** 0.5
+    return fitted, rms
 
 
 def fit_fused(rows: list[tuple[float, float]]) -> tuple[Fused, float]:
@@ -283,15 +376,18 @@ def predict_path(path: PathCost, backend: str, rows: int, cols: int, dim: int, d
                  gpu: Gpu | str = "H100") -> float:
     """The model's time (seconds) of one call on ``backend`` with the counts ``path``, at ``rows x cols``
     logits of ``dim`` features in operand dtype ``dtype`` (``"bfloat16"``, ``"float32"``), ``tiles``
-    tiles visited (1: one tile) -- a prediction, not a measurement."""
+    tiles visited (1: one tile): the longer of the device's time and the host's -- a prediction, not a
+    measurement."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     one = tiles <= 1
     flops = (path.gemms_one if one else path.gemms_strips) * 2.0 * rows * cols * dim
     passes = path.passes_one if one else path.passes_strips
     launches = path.launches + path.per_tile * max(0, tiles - 1)
+    launched = path.kernels + path.kernels_per_tile * max(0, tiles - 1)
     if backend == "triton":
         fused = FUSED[g.name]
         gemm = flops / fused.rate + fused.overhead
     else:
         gemm = flops / g.gemm_flops[dtype]
-    return gemm + passes * 4.0 * rows * cols / g.bandwidth + launches * g.launch
+    device = gemm + passes * 4.0 * rows * cols / g.bandwidth + launches * g.launch
+    return max(device, g.host_call + (launches - launched) * g.host_op + launched * g.host_kernel)

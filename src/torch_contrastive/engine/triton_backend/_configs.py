@@ -9,7 +9,10 @@ shared memory. :func:`prune` narrows a list before timing:
 * under ``TRITON_INTERPRET=1`` (the CPU tests) to one 32-wide config, so small test problems
   still span several tiles and nothing is timed;
 * for fp64 operands (no tensor cores, twice the registers) to the small configs;
-* to configs whose tile is not larger than the problem (a 64-row problem gets no 128-row tile).
+* to configs whose tile is not larger than the problem (a 64-row problem gets no 128-row tile);
+* with ``TORCH_CONTRASTIVE_AUTOTUNE=0`` to the config with the smallest tile, timed nothing: the
+  suite on a GPU checks values, not speed, and compiles one variant per kernel instead of four
+  (small test problems then still span several tiles, as under the interpreter).
 
 The key holds ``bucket`` -- the next power of two of the larger side -- rather than the sizes
 themselves, so the last, smaller batch of an epoch does not trigger another round of timing.
@@ -17,6 +20,7 @@ themselves, so the last, smaller batch of an epoch does not trigger another roun
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -158,10 +162,17 @@ def _side(config: Any) -> int:
 _DTYPE_ARGS = ("x_ptr", "s_ptr", "part_sum_ptr")
 
 
+def tuning() -> bool:
+    """Whether the kernels time their configs (``TORCH_CONTRASTIVE_AUTOTUNE=0`` turns it off)."""
+    return os.environ.get("TORCH_CONTRASTIVE_AUTOTUNE", "1") != "0"
+
+
 def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """``early_config_prune`` of every kernel: see the module docstring."""
     if interpreting():
         return [_interpreter_config(configs)]
+    if not tuning():
+        return [min(configs, key=lambda c: (_side(c), c.num_stages))]
     x = next(named_args[name] for name in _DTYPE_ARGS if name in named_args)
     if x.dtype == torch.float64:
         small = [c for c in configs if _side(c) <= 64 and c.num_stages <= 2]
