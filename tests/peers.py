@@ -11,6 +11,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +84,29 @@ def tiny_sentence_transformer(folder: Path, seed: int = 0, hidden: int = 16):
                         max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     BertModel(config).save_pretrained(str(folder))
     return SentenceTransformer(str(folder), device="cpu"), words
+
+
+def tiny_st_pair(tmp_path_factory: Any) -> tuple[Any, Any, list[str]]:
+    """A tiny SentenceTransformer, a second one as a guide, both float64 (the comparisons are exact to
+    rounding), and their vocabulary words."""
+    model, words = tiny_sentence_transformer(tmp_path_factory.mktemp("bert_model"), seed=0)
+    guide, _ = tiny_sentence_transformer(tmp_path_factory.mktemp("bert_guide"), seed=1)
+    return model.double(), guide.double(), words
+
+
+def st_features(model: Any, words: list[str], rows: int, columns: int, seed: int) -> tuple[list[list[str]], list[Any]]:
+    """``columns`` columns of ``rows`` random texts of 1 to 6 words, and their features for ``model``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    texts = [[" ".join(words[j] for j in torch.randint(0, len(words), (int(torch.randint(1, 7, (1,), generator=gen)),),
+                                                       generator=gen).tolist()) for _ in range(rows)] for _ in range(columns)]
+    prepare = getattr(model, "preprocess", None) or model.tokenize
+    return texts, [prepare(t) for t in texts]
+
+
+def param_grads(model: Any) -> list[Any]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 def libauc_contrastive() -> types.ModuleType:

@@ -77,6 +77,9 @@ DOORS: dict[str, Door] = {
     "info_nce_loss": Door(lambda query, key, negatives: tc.info_nce_loss(query, key, negatives),
                           {"query": X, "key": Y, "negatives": N5},
                           skip={("negatives", "no rows"): "an empty pool beside the in-batch negatives is a loss"}),
+    "matryoshka_info_nce_loss": Door(lambda query, key, negatives: tc.matryoshka_info_nce_loss(query, key, [6, 3], negatives=negatives),
+                                     {"query": X, "key": Y, "negatives": N5},
+                                     skip={("negatives", "no rows"): "an empty pool beside the in-batch negatives is a loss"}),
     "nt_bxent_loss": Door(lambda embeddings: tc.nt_bxent_loss(embeddings, labels=L), {"embeddings": X}),
     "nt_xent_loss": Door(lambda embeddings: tc.nt_xent_loss(embeddings), {"embeddings": X}),
     "siglip_loss": Door(lambda image_feat, text_feat: tc.siglip_loss(image_feat, text_feat, 10.0, -10.0),
@@ -123,6 +126,8 @@ DOORS: dict[str, Door] = {
     "sentence_transformers.GISTEmbedLoss": Door(None, note="CASES: model, guide, temperature, margin_strategy"),
     "sentence_transformers.MultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, scale"),
     "sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
+    "sentence_transformers.MatryoshkaLoss": Door(None, note="CASES: model, loss, matryoshka_dims, n_dims_per_step; its rows go through "
+                                                            "matryoshka_info_nce_loss"),
 }
 
 
@@ -259,6 +264,12 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss",
      lambda: st.CachedMultipleNegativesSymmetricRankingLoss(_Tower(), mini_batch_size=0), ValueError, "mini_batch_size"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), 3), TypeError, "guide"),
+    ("sentence_transformers.MatryoshkaLoss", lambda: st.MatryoshkaLoss(3, st.MultipleNegativesRankingLoss(_Tower()), [4]), TypeError,
+     "model"),
+    ("sentence_transformers.MatryoshkaLoss", lambda: st.MatryoshkaLoss(_Tower(), "mnrl", [4]), TypeError, "loss"),
+    ("sentence_transformers.MatryoshkaLoss", lambda: st.MatryoshkaLoss(_Tower(), _Tower(), [4, -2]), ValueError, "matryoshka_dims"),
+    ("sentence_transformers.MatryoshkaLoss", lambda: st.MatryoshkaLoss(_Tower(), _Tower(), [4], n_dims_per_step=-3), ValueError,
+     "n_dims_per_step"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), _Tower(), temperature=0.0), ValueError, "temperature"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), _Tower(), margin_strategy="x"), ValueError,
      "margin_strategy"),

@@ -38,13 +38,15 @@ def test_grad_cache_memory_example_reports_less_memory(tmp_path):
     assert 0 < ratio < 0.5, out
 
 
-@pytest.mark.parametrize(("name", "needs"), [("sentence_transformers_trainer", ("sentence_transformers", "datasets")),
-                                             ("lightning_simclr", ("lightning",)),
-                                             ("hf_trainer_clip", ("transformers", "accelerate"))])
-def test_framework_examples_learn(name, needs):
-    """The sentence-transformers trainer, Lightning and HF Trainer examples train with our losses
-    on tiny data: the held-out loss drops by half."""
+@pytest.mark.parametrize(("name", "needs", "kwargs"), [("sentence_transformers_trainer", ("sentence_transformers", "datasets"), {}),
+                                                       ("sentence_transformers_trainer", ("sentence_transformers", "datasets"),
+                                                        {"matryoshka": True}),
+                                                       ("lightning_simclr", ("lightning",), {}),
+                                                       ("hf_trainer_clip", ("transformers", "accelerate"), {})])
+def test_framework_examples_learn(name, needs, kwargs):
+    """The sentence-transformers trainer (with and without Matryoshka), Lightning and HF Trainer examples
+    train with our losses on tiny data: the held-out loss drops by half."""
     for module in needs:
         pytest.importorskip(module)
-    result = _load(name).run(steps=20)
+    result = _load(name).run(steps=20, **kwargs)
     assert result["held_loss_after"] < 0.5 * result["held_loss_before"], result

@@ -586,6 +586,18 @@ MUTATIONS = [
              "a memory on another device than the batch is not refused", ("tests/test_validation.py",)),
     Mutation(f"{E}/triton_backend/_configs.py", "    if not tuning():\n        return [min(configs, key=lambda c: (_side(c), c.num_stages))]\n", "",
              "TORCH_CONTRASTIVE_AUTOTUNE=0 still times every config", ("tests/engine/test_triton.py",)),
+    Mutation(f"{E}/prefixes.py", "                if k < len(cuts) - 1:\n                    folded.add_(d_raw[k])\n", "",
+             "a band's gradient takes only the widest prefix's tile", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "    covering = coeff.flip(1).cumsum(1).flip(1)", "    covering = coeff",
+             "a band's norm gradient takes only the prefix that ends there", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "    return sum(w for w, k in zip(plan.weights, plan.which) if k == cut)",
+             "    return 1.0 if cut in plan.which else 0.0",
+             "the prefixes' weights (and a prefix listed twice) are ignored", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/integrations/_matryoshka.py", "            self.kept.append(dict(out))", "            self.kept.append(out)",
+             "the kept outputs are the model's own dicts, which a guide's call overwrites",
+             ("tests/integrations/test_st_matryoshka.py",)),
+    Mutation(f"{PKG}/integrations/_matryoshka.py", "    return forms and not hard and not (loss.gather_across_devices and is_active())",
+             "    return False", "the ranking losses' prefixes are computed one by one", ("tests/integrations/test_st_matryoshka.py",)),
 ]
 
 

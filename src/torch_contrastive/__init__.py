@@ -2,7 +2,7 @@
 
 Functional API: :func:`nt_xent_loss`, :func:`nt_bxent_loss`,
 :func:`image_text_contrastive_loss` (alias :func:`clip_loss`), :func:`supcon_loss`,
-:func:`siglip_loss`, :func:`info_nce_loss`.
+:func:`siglip_loss`, :func:`info_nce_loss`; over embedding prefixes in one pass: :func:`matryoshka_info_nce_loss`.
 Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
 :class:`SigLipLoss`, :class:`InfoNCELoss`, :class:`DCLLoss`, :class:`DCLWLoss`. Candidates beyond the batch:
@@ -20,6 +20,7 @@ from .losses import (
     global_contrastive_loss,
     image_text_contrastive_loss,
     info_nce_loss,
+    matryoshka_info_nce_loss,
     nt_bxent_loss,
     nt_xent_loss,
     pair_keys,
@@ -65,6 +66,7 @@ __all__ = [
     "grad_cache",
     "image_text_contrastive_loss",
     "info_nce_loss",
+    "matryoshka_info_nce_loss",
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",

@@ -58,6 +58,18 @@ def test_queue_case_values_agree_and_reference_has_the_queue_shape():
     assert all(math.isfinite(r["R"]) for r in rows.values())
 
 
+def test_matryoshka_case_values_agree_over_the_five_prefixes():
+    """matryoshka: ours in one pass equals the peer's per-prefix computation (768/512/256/128/64 up to D)."""
+    pytest.importorskip("sentence_transformers")
+    from torch_contrastive.cli.bench_matryoshka import prefixes
+
+    assert prefixes(768) == [768, 512, 256, 128, 64] and prefixes(96) == [96, 64]
+    spec = {"loss": "matryoshka", "n": 64, "d": 768, "tau": 0.05, "reps": 1}
+    rows = {impl: worker({**spec, "impl": impl}) for impl in ("ours", "sentence-transformers")}
+    assert rows["ours"]["value"] == pytest.approx(rows["sentence-transformers"]["value"], rel=1e-5)
+    assert all(math.isfinite(r["R"]) for r in rows.values())
+
+
 def test_backend_and_device_options_are_checked(capsys):
     assert main(["bench", "--loss", "clip", "--sizes", "64", "--backend", "triton"]) == 2
     assert "needs --device cuda" in capsys.readouterr().err

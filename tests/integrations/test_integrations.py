@@ -10,7 +10,9 @@ import torch
 
 import torch_contrastive as tc
 from dist_helpers import run_ranks
-from peers import lightly_files, open_clip_loss, tiny_sentence_transformer
+from peers import lightly_files, open_clip_loss, tiny_st_pair
+from peers import param_grads as _param_grads
+from peers import st_features as _features
 from torch_contrastive.integrations import open_clip as oc
 from torch_contrastive.integrations import sentence_transformers as ours_st
 
@@ -66,21 +68,7 @@ def test_mnrl_fp32_strips_match_float64():
 
 @pytest.fixture(scope="module")
 def st_models(tmp_path_factory):
-    model, words = tiny_sentence_transformer(tmp_path_factory.mktemp("bert_model"), seed=0)
-    guide, _ = tiny_sentence_transformer(tmp_path_factory.mktemp("bert_guide"), seed=1)
-    return model.double(), guide.double(), words  # float64: the comparisons are exact to rounding
-
-
-def _features(model, words, rows, columns, seed):
-    gen = torch.Generator().manual_seed(seed)
-    texts = [[" ".join(words[j] for j in torch.randint(0, len(words), (int(torch.randint(1, 7, (1,), generator=gen)),),
-                                                       generator=gen).tolist()) for _ in range(rows)] for _ in range(columns)]
-    prepare = getattr(model, "preprocess", None) or model.tokenize
-    return texts, [prepare(t) for t in texts]
-
-
-def _param_grads(model):
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return tiny_st_pair(tmp_path_factory)
 
 
 @pytest.mark.parametrize("directions", [("query_to_doc",), ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")])

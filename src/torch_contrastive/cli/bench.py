@@ -56,6 +56,8 @@ IMPLEMENTATIONS = {
     "info_nce_queue": ["ours", "dense-baseline", "ours-moco", "info_nce"],
     # in-batch InfoNCE whose false negatives a guide model removes (GISTEmbed), guide size D / 2
     "info_nce_guide": ["ours", "dense-baseline"],
+    # MNRL over five embedding prefixes (768, 512, 256, 128, 64 up to D): ours in one pass, the peer's per prefix
+    "matryoshka": ["ours", "sentence-transformers"],
 }
 
 #: The engine backend of "ours" in this worker process (one case per process).
@@ -68,7 +70,7 @@ EPILOGUE_LOSSES = ("clip", "nt_xent", "supcon", "info_nce_queue", "info_nce_guid
 COVERED = {"triton": TRITON_LOSSES, "epilogue": EPILOGUE_LOSSES}
 
 #: Cases run only with --loss NAME --sizes N.
-ON_REQUEST = ("nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide")
+ON_REQUEST = ("nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide", "matryoshka")
 
 #: Queue rows of the info_nce_queue case unless --queue.
 DEFAULT_QUEUE = 65536
@@ -268,6 +270,10 @@ def _build(loss: str, impl: str, n: int, d: int, tau: float, device: torch.devic
         return _build_queue(impl, x, gen, queue_rows, tau)
     if loss == "info_nce_guide":
         return _build_guide(impl, x, gen, tau)
+    if loss == "matryoshka":
+        from .bench_matryoshka import build
+
+        return build(impl, x, gen)
     if loss in ("clip", "siglip"):
         y = torch.randn(n, d, generator=gen).to(device, dtype).requires_grad_()
         return _build_image_text(loss, impl, x, y, tau, dense_chunk), [x, y]
@@ -448,7 +454,7 @@ def plan(quick: bool, sizes: list[int] | None, dim: int | list[int], tau: float,
     reps = 1 if quick else 3
     dims = [dim] if isinstance(dim, int) else list(dim)
     grid = [(n, d) for n in (sizes or []) for d in dims]
-    for loss in ("clip", "siglip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent", "info_nce_queue", "info_nce_guide"):
+    for loss in ("clip", "siglip", "nt_xent", "supcon", *ON_REQUEST):
         if loss in ON_REQUEST and not sizes:
             continue  # on request only: --loss nt_xent_pml|nt_bxent|info_nce_queue --sizes N [--classes C] [--queue Q]
         default = [2048, 8192] if loss in ("clip", "siglip") else [4096, 16384]
@@ -632,8 +638,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--calibrate", action="store_true", help="with --traffic: fit the model to the measured H100 rows")
     p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", *ON_REQUEST],
                    default="all", help="nt_xent_pml (labels, pytorch-metric-learning convention), nt_bxent (labels), "
-                                       "info_nce_queue (N queries, their keys and a queue of --queue negatives) and "
-                                       "info_nce_guide (guide-model masking, guide size D/2) need --sizes")
+                                       "info_nce_queue (N queries, their keys and a queue of --queue negatives), "
+                                       "info_nce_guide (guide-model masking, guide size D/2) and matryoshka (MNRL over the "
+                                       "prefixes 768/512/256/128/64 up to D, ours vs sentence-transformers') need --sizes")
     p.add_argument("--queue", type=positive_int, default=DEFAULT_QUEUE,
                    help=f"queue rows of info_nce_queue (default {DEFAULT_QUEUE})")
     p.add_argument("--classes", type=positive_int, default=100, help="random classes for nt_xent_pml / nt_bxent (default 100)")

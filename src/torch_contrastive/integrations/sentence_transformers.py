@@ -12,7 +12,9 @@ Drop-in classes with sentence-transformers' names, arguments and call form
   al. 2021), mini-batches by rows or by a token budget (``mini_batch_num_tokens``);
 * :class:`GISTEmbedLoss` (Solatorio 2024): a guide model's similarities remove false
   negatives (absolute or relative margin) from the anchor-positive, anchor-anchor,
-  positive-positive and anchor-negative blocks.
+  positive-positive and anchor-negative blocks;
+* :class:`MatryoshkaLoss` (Kusupati et al. 2022): any of these summed over embedding prefixes,
+  the ranking losses' prefixes in one pass (:func:`~torch_contrastive.matryoshka_info_nce_loss`).
 
 Values and gradients equal sentence-transformers' own (tested against the installed
 package). Memory is O(N * D): the plain MNRL (``query_to_doc`` only, no hardness, one
@@ -38,7 +40,7 @@ from ..grad_cache import RngSnapshot
 from ..losses import info_nce_loss
 from ._strips import per_row_losses
 
-__all__ = ["CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
+__all__ = ["CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss", "MatryoshkaLoss",
            "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "mnrl_loss"]
 
 #: The symmetric losses' terms: sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` is its
@@ -396,6 +398,12 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                 yield k, _rows_of(features, start, stop, n)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        return self.cached_forward(sentence_features, labels, self.compute_loss_from_embeddings)
+
+    def cached_forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None,
+                       compute: Callable[[list[Tensor], Tensor | None], Tensor]) -> Tensor:
+        """The gradient-cached call with ``compute(embeddings, labels)`` as the loss of the whole batch's
+        embeddings (:class:`MatryoshkaLoss` passes every prefix's loss at once)."""
         columns = list(sentence_features)
         if len(columns) < 2:
             raise ValueError(f"expected at least 2 feature columns (queries, positives), got {len(columns)}")
@@ -407,7 +415,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                 parts[k].append(_embed(self.model, features))
         leaves = [torch.cat(p).detach().requires_grad_() for p in parts]
         with torch.enable_grad():
-            loss = self.compute_loss_from_embeddings(leaves, labels)
+            loss = compute(leaves, labels)
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         cached = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
 
@@ -594,3 +602,6 @@ def gist_loss(anchor: Tensor, positive: Tensor, guide_anchor: Tensor, guide_posi
 
     width = p_all.shape[0] * (1 + contrast_positives) + batch * contrast_anchors + n_all.shape[0]
     return per_row_losses(row_loss, batch, width, (a, ga, p_all, gp_all, n_all, gn_all), chunk_size).mean()
+
+
+from ._matryoshka import MatryoshkaLoss  # noqa: E402 -- it wraps the classes above

@@ -7,6 +7,7 @@
 * :mod:`.siglip` -- SigLIP, the sigmoid image-text loss (Zhai et al. 2023)
 * :mod:`.info_nce` -- InfoNCE with hard negatives and queues (MNRL, info-nce-pytorch, MoCo)
 * :mod:`.global_contrastive` -- global contrastive losses with per-sample state (SogCLR, FastCLIP's GCL)
+* :mod:`.matryoshka` -- InfoNCE summed over embedding prefixes in one pass (Matryoshka, Kusupati et al. 2022)
 
 Shared pieces: every call's set-up and finish (options, scope, checks, reduction) in
 :mod:`._prologue`, relations by pairing rules and ids in :mod:`._pairing`, the labelled losses'
@@ -19,6 +20,7 @@ from ._pairing import pair_keys
 from .global_contrastive import GlobalContrastiveLoss, global_contrastive_loss
 from .image_text import clip_loss, image_text_contrastive_loss, text_ids
 from .info_nce import info_nce_loss
+from .matryoshka import matryoshka_info_nce_loss
 from .nt_bxent import nt_bxent_loss
 from .nt_xent import nt_xent_loss
 from .siglip import siglip_loss
@@ -30,6 +32,7 @@ __all__ = [
     "global_contrastive_loss",
     "image_text_contrastive_loss",
     "info_nce_loss",
+    "matryoshka_info_nce_loss",
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",

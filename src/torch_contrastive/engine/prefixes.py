@@ -1,0 +1,179 @@
+"""Soft-max cross-entropy over every prefix of the features in one pass (Matryoshka representations).
+
+A Matryoshka loss (Kusupati et al. 2022) sums a contrastive loss over prefixes of the embedding --
+the first ``d_1 < d_2 < ... <= D`` features, each prefix normalised on its own. Each prefix's dot
+products are partial sums of the full one: cut the features into bands at the prefix ends, multiply
+band by band, and the running sum *is* the raw dot product of each prefix in turn. The products
+then cost ``D`` per pair, not ``sum(d_p)`` (768 against 1,728 for 768/512/256/128/64), and each
+prefix's logits are its running sum times its own inverse norms.
+
+:class:`PrefixSoftmax` computes, for row ``i`` of anchors ``A`` against candidates ``C`` (row i's
+positive is candidate ``i``) and every prefix ``p``::
+
+    loss_p(i) = logsumexp_j(s * A_p(i) . C_p(j)) - s * A_p(i) . C_p(i),   X_p = X[:, :d_p] / max(||X[:, :d_p]||, eps)
+
+and returns ``sum_p w_p * mean_i loss_p(i)``. Rows are taken in strips of ``T``: forward keeps only
+each prefix's per-row log-sum-exp; backward recomputes a strip's band products, forms each prefix's
+gradient tile, folds the tiles of the prefixes that cover a band (a reverse running sum) and multiplies
+once per band -- so backward's products cost ``D`` per pair too. Memory: O((N + M) D + T M P + N P).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """What one call computes.
+
+    Attributes:
+        cuts: the distinct prefix ends, ascending (the bands are ``[cuts[k-1], cuts[k])``).
+        which: for each prefix (in the caller's order), its index in ``cuts``.
+        weights: each prefix's weight.
+        scale: the inverse temperature ``s``.
+        normalize: each prefix normalised on its own (cosine similarity); False: raw dot products.
+        eps: the normalisation floor.
+        strip: anchor rows per strip.
+    """
+
+    cuts: tuple[int, ...]
+    which: tuple[int, ...]
+    weights: tuple[float, ...]
+    scale: float
+    normalize: bool
+    eps: float
+    strip: int
+
+
+def _inverse_norms(x: Tensor, cuts: tuple[int, ...], eps: float) -> Tensor:
+    """(rows, len(cuts)): ``1 / max(||x[:, :cut]||, eps)`` for every cut, from band sums of squares."""
+    bands = [x[:, lo:hi].pow(2).sum(1) for lo, hi in zip((0, *cuts[:-1]), cuts)]
+    return torch.stack(bands, 1).cumsum(1).sqrt().clamp_min(eps).reciprocal()
+
+
+def _prefix_products(a: Tensor, c: Tensor, cuts: tuple[int, ...]) -> Iterator[Tensor]:
+    """The raw dot products ``a[:, :cut] @ c[:, :cut].T`` of each cut in turn, as one running sum over
+    the bands accumulated in place by the GEMMs: each yielded tile is overwritten by the next band, so
+    a caller uses it before asking for the next."""
+    running = a.new_zeros(a.shape[0], c.shape[0])
+    for lo, hi in zip((0, *cuts[:-1]), cuts):
+        running.addmm_(a[:, lo:hi], c[:, lo:hi].T)
+        yield running
+
+
+class PrefixSoftmax(torch.autograd.Function):
+    """The autograd node of :func:`prefix_softmax_loss` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan) -> Tensor:  # type: ignore[override]
+        a, c = _compute(anchors), _compute(candidates)
+        n, cuts = a.shape[0], plan.cuts
+        inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
+        inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
+        lse = a.new_empty(n, len(cuts))
+        total = a.new_zeros(())
+        for start in range(0, n, plan.strip):
+            stop = min(start + plan.strip, n)
+            rows = torch.arange(stop - start, device=a.device)
+            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
+                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                lse[start:stop, k] = torch.logsumexp(logits, 1)
+                per_row = lse[start:stop, k] - logits[rows, rows + start]
+                total = total + _weight_of(plan, k) * per_row.sum()
+        ctx.save_for_backward(anchors, candidates, lse)
+        ctx.plan = plan
+        return (total / n).to(torch.promote_types(anchors.dtype, torch.float32))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        anchors, candidates, lse = ctx.saved_tensors
+        plan: PrefixPlan = ctx.plan
+        a, c = _compute(anchors), _compute(candidates)
+        n, cuts = a.shape[0], plan.cuts
+        inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
+        inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
+        g = grad.to(a.dtype) / n
+        da, dc = torch.zeros_like(a), torch.zeros_like(c)
+        # d loss / d (inverse norm) of each row and cut, for the normalisation's chain rule at the end
+        d_inv_a = a.new_zeros(n, len(cuts)) if plan.normalize else None
+        d_inv_c = c.new_zeros(c.shape[0], len(cuts)) if plan.normalize else None
+        bounds = list(zip((0, *cuts[:-1]), cuts))
+        for start in range(0, n, plan.strip):
+            stop = min(start + plan.strip, n)
+            rows = torch.arange(stop - start, device=a.device)
+            d_raw = []
+            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
+                coeff = float(_weight_of(plan, k) * plan.scale) * g  # d loss / d (raw * inverse norms), per tile entry
+                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                tile = logits.sub(lse[start:stop, k, None]).exp_()
+                tile[rows, rows + start] -= 1.0
+                if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
+                    # d / d inv_a[i] = sum_j tile * s * raw * inv_c = sum_j tile * logits / inv_a[i] (and so for columns)
+                    weighted = logits.mul_(tile)  # the logits are spent: their buffer takes the product
+                    d_inv_a[start:stop, k] += weighted.sum(1) * coeff / (plan.scale * inv_a[start:stop, k])
+                    d_inv_c[:, k] += weighted.sum(0) * coeff / (plan.scale * inv_c[:, k])
+                    tile.mul_((coeff * inv_a[start:stop, k])[:, None]).mul_(inv_c[None, :, k])
+                else:
+                    tile.mul_(coeff)
+                d_raw.append(tile)
+            # band k is in every prefix from cut k on: fold those tiles from the widest down, one product per band
+            folded = d_raw[-1]
+            for k in range(len(cuts) - 1, -1, -1):
+                if k < len(cuts) - 1:
+                    folded.add_(d_raw[k])
+                lo, hi = bounds[k]
+                da[start:stop, lo:hi].addmm_(folded, c[:, lo:hi])
+                dc[:, lo:hi].addmm_(folded.T, a[start:stop, lo:hi])
+        if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
+            _norm_chain(da, a, inv_a, d_inv_a, bounds, plan.eps)
+            _norm_chain(dc, c, inv_c, d_inv_c, bounds, plan.eps)
+        return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None)
+
+
+def _compute(x: Tensor) -> Tensor:
+    """Half inputs compute in fp32; fp32 and fp64 in their own precision."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _weight_of(plan: PrefixPlan, cut: int) -> float:
+    """The summed weight of the prefixes ending at ``cut`` (a prefix listed twice counts twice)."""
+    return sum(w for w, k in zip(plan.weights, plan.which) if k == cut)
+
+
+def _scaled(raw: Tensor, plan: PrefixPlan, inv_a: Tensor | None, inv_c: Tensor | None, k: int, start: int, stop: int) -> Tensor:
+    """A new tile: the prefix's logits ``s * raw * inv_a[i] * inv_c[j]`` (raw is the running sum, kept)."""
+    if inv_a is None or inv_c is None:
+        return raw * plan.scale
+    return torch.mul(raw, inv_c[None, :, k]).mul_((plan.scale * inv_a[start:stop, k])[:, None])
+
+
+def _norm_chain(dx: Tensor, x: Tensor, inv: Tensor, d_inv: Tensor, bounds: list[tuple[int, int]], eps: float) -> None:
+    """Add the inverse norms' gradient: ``d(1 / ||x_p||) / dx_p = -x_p / ||x_p||^3`` below the floor's
+    reach (a floored norm is a constant), summed over the prefixes that cover each band."""
+    live = inv < 1.0 / eps  # the floor max(||x||, eps) took the norm itself
+    coeff = torch.where(live, -d_inv * inv.pow(3), torch.zeros_like(inv))  # (rows, cuts)
+    covering = coeff.flip(1).cumsum(1).flip(1)  # band k: the prefixes from cut k on
+    for k, (lo, hi) in enumerate(bounds):
+        dx[:, lo:hi] += covering[:, k, None] * x[:, lo:hi]
+
+
+def prefix_plan(dims: list[int], weights: list[float], width: int, scale: float, normalize: bool, eps: float,
+                rows: int, cols: int, strip: int | None) -> PrefixPlan:
+    """The plan of one call: the distinct prefix ends and each prefix's place among them, and the strip
+    height (``strip``, or as many rows as keep one strip's tiles -- a running sum, a tile per prefix --
+    near 64 MiB)."""
+    cuts = tuple(sorted(set(dims)))
+    if cuts[-1] > width:
+        raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {cuts[-1]}")
+    if strip is None:
+        per_row = max(1, cols * 4 * (len(cuts) + 2))
+        strip = int(max(1, min(rows, (64 << 20) // per_row)))
+    return PrefixPlan(cuts, tuple(cuts.index(d) for d in dims), tuple(float(w) for w in weights), float(scale), normalize,
+                      float(eps), strip)

@@ -1,0 +1,172 @@
+"""sentence-transformers' ``MatryoshkaLoss`` with its arguments and values, the ranking losses' prefixes in one pass.
+
+The peer embeds once and calls its inner loss once per prefix (each prefix cut and L2-normalised). Here
+the ranking losses of :mod:`.sentence_transformers` -- ``MultipleNegativesRankingLoss``, its cached and
+symmetric forms -- take every prefix from one pass over the feature bands
+(:func:`~torch_contrastive.matryoshka_info_nce_loss`), and the cached form embeds once and replays once
+for all prefixes. Any other loss (ours with options the one pass does not cover, or a foreign module)
+is called once per prefix on the once-computed embeddings, as the peer does.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..distributed import is_active
+from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss
+from .sentence_transformers import (
+    SYMMETRIC_DIRECTIONS,
+    SYMMETRIC_PARTITION,
+    CachedMultipleNegativesRankingLoss,
+    MultipleNegativesRankingLoss,
+    _embed,
+    _module,
+)
+
+
+def shrink(x: Tensor, dim: int) -> Tensor:
+    """The first ``dim`` features of each row, L2-normalised (the peer's ``shrink``)."""
+    return F.normalize(x[..., :dim], p=2, dim=-1)
+
+
+def one_pass(loss: nn.Module) -> bool:
+    """Whether ``loss`` is a ranking loss whose prefixes :func:`matryoshka_info_nce_loss` computes in one pass:
+    query-to-doc alone, or the symmetric pair per direction; no hardness term; one process."""
+    if not isinstance(loss, MultipleNegativesRankingLoss):
+        return False
+    forms = loss.directions == ("query_to_doc",) or (loss.directions == SYMMETRIC_DIRECTIONS and loss.partition_mode == SYMMETRIC_PARTITION)
+    hard = loss.hardness_mode is not None and loss.hardness_strength > 0
+    return forms and not hard and not (loss.gather_across_devices and is_active())
+
+
+class _Shrunk:
+    """The model's forward during a foreign loss's calls: the first prefix runs the model and keeps each
+    output; later prefixes reuse them in call order; every call returns the output with its embedding cut
+    to the current prefix and normalised (a new dict: the model's own output is left as it was)."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward, self.dim, self.calls, self.first = forward, 0, 0, True
+        self.kept: list[dict[str, Tensor]] = []
+
+    def prefix(self, dim: int, first: bool) -> None:
+        self.dim, self.calls, self.first = dim, 0, first
+
+    def __call__(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.first:
+            out = self.forward(features)
+            # a copy: a SentenceTransformer returns its input dict, which a later call (a guide model's, on
+            # the same features) overwrites in place
+            self.kept.append(dict(out))
+        out = self.kept[self.calls]
+        self.calls += 1
+        return {**out, "sentence_embedding": shrink(out["sentence_embedding"], self.dim)}
+
+
+class MatryoshkaLoss(nn.Module):
+    """sentence-transformers' ``MatryoshkaLoss``: ``loss`` summed over embedding prefixes, same arguments
+    and values.
+
+    Example:
+        >>> from torch_contrastive.integrations.sentence_transformers import MatryoshkaLoss, MultipleNegativesRankingLoss
+        >>> loss = MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [768, 512, 256, 128, 64])
+        >>> trainer = SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss)
+
+    Args:
+        model: the SentenceTransformer being trained.
+        loss: the inner loss; the ranking losses of this module run every prefix in one pass.
+        matryoshka_dims: prefix sizes (sorted largest first, with their weights, as the peer does).
+        matryoshka_weights: one weight per dim (None: all 1).
+        n_dims_per_step: the prefixes per call: -1 all, else a random sample of that many (Python's
+            ``random``, as the peer draws them).
+
+    Memory and products: the ranking losses take ``D`` products per pair for all prefixes together
+    (the peer ``sum(d_p)``) and one strip of tiles per distinct prefix; other losses as the peer.
+    """
+
+    def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
+                 matryoshka_weights: Sequence[float] | None = None, n_dims_per_step: int = -1) -> None:
+        super().__init__()
+        self.model = _module(model, "model")
+        self.loss = _module(loss, "loss")
+        width = getattr(model, "get_embedding_dimension", None)
+        dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width() if callable(width) else None)
+        if isinstance(n_dims_per_step, bool) or not isinstance(n_dims_per_step, int) or n_dims_per_step == 0 or n_dims_per_step < -1:
+            raise ValueError(f"n_dims_per_step must be -1 (every dim) or a positive int, got {n_dims_per_step!r}")
+        if hasattr(loss, "calculate_loss") and not isinstance(loss, MultipleNegativesRankingLoss):
+            raise TypeError("a foreign gradient-caching loss cannot be wrapped here: use "
+                            "torch_contrastive's CachedMultipleNegativesRankingLoss")
+        pairs = sorted(zip(dims, weights), key=lambda p: p[0], reverse=True)
+        self.matryoshka_dims = tuple(d for d, _ in pairs)
+        self.matryoshka_weights = tuple(w for _, w in pairs)
+        self.n_dims_per_step = n_dims_per_step
+
+    def _prefixes(self, cached: bool) -> tuple[list[int], list[float]]:
+        chosen = list(range(len(self.matryoshka_dims)))
+        if 0 < self.n_dims_per_step < len(chosen):
+            chosen = random.sample(chosen, self.n_dims_per_step)
+            if not cached:  # the peer sorts its sample for the plain losses only
+                chosen.sort()
+        return [self.matryoshka_dims[i] for i in chosen], [self.matryoshka_weights[i] for i in chosen]
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        features = list(sentence_features)
+        cached = isinstance(self.loss, CachedMultipleNegativesRankingLoss)
+        dims, weights = self._prefixes(cached)
+        if isinstance(self.loss, MultipleNegativesRankingLoss):
+            def compute(embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
+                return self.loss_from_embeddings(embeddings, labels, dims, weights)
+
+            if isinstance(self.loss, CachedMultipleNegativesRankingLoss):
+                return self.loss.cached_forward(features, labels, compute)
+            return compute([_embed(self.loss.model, f) for f in features], labels)
+        return self._per_prefix(features, labels, dims, weights)
+
+    def loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int],
+                             weights: Sequence[float]) -> Tensor:
+        """Every prefix's loss of a ranking loss's ``embeddings = [queries, positives, *negatives]``, weighted and summed."""
+        inner = self.loss
+        if not isinstance(inner, MultipleNegativesRankingLoss):
+            raise TypeError(f"loss_from_embeddings needs one of the ranking losses, got {type(inner).__name__}")
+        if len(embeddings) < 2:
+            raise ValueError(f"expected at least 2 embedding columns (queries, positives), got {len(embeddings)}")
+        if one_pass(inner):
+            docs = embeddings[1:]
+            return matryoshka_info_nce_loss(embeddings[0], docs[0], dims, weights, 1.0 / inner.scale,
+                                            negatives=torch.cat(docs[1:]) if len(docs) > 1 else None,
+                                            symmetric=inner.directions == SYMMETRIC_DIRECTIONS, chunk_size=inner.chunk_size)
+        total: Tensor | None = None
+        for dim, weight in zip(dims, weights):
+            term = weight * inner.compute_loss_from_embeddings([shrink(e, dim) for e in embeddings], labels)
+            total = term if total is None else total + term
+        assert total is not None  # dims is never empty (checked when built)
+        return total
+
+    def _per_prefix(self, features: list[dict[str, Tensor]], labels: Tensor | None, dims: list[int],
+                    weights: list[float]) -> Tensor:
+        """A foreign loss, called once per prefix with the model's outputs computed once (the peer's way)."""
+        width = getattr(self.model, "get_embedding_dimension", None)
+        full = width() if callable(width) else None
+        shrunk = _Shrunk(self.model.forward)
+        self.model.forward = shrunk  # type: ignore[method-assign]
+        total: Tensor | None = None
+        try:
+            for k, (dim, weight) in enumerate(zip(dims, weights)):
+                shrunk.prefix(dim, first=k == 0)
+                # distillation labels of the embedding's width are cut with it, as the peer does
+                cut = labels[..., :dim] if isinstance(labels, Tensor) and labels.ndim in (2, 3) and labels.shape[-1] == full else labels
+                term = weight * self.loss(features, cut)
+                total = term if total is None else total + term
+        finally:
+            del self.model.forward  # the instance attribute: the class's forward again
+        assert total is not None
+        return total
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"loss": type(self.loss).__name__, "matryoshka_dims": self.matryoshka_dims,
+                "matryoshka_weights": self.matryoshka_weights, "n_dims_per_step": self.n_dims_per_step}

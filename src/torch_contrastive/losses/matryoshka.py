@@ -1,0 +1,97 @@
+"""Matryoshka InfoNCE: the in-batch soft-max loss summed over prefixes of the embedding, in one pass.
+
+Matryoshka Representation Learning (Kusupati et al. 2022, arXiv:2205.13147) trains an embedding whose
+first ``d`` features are themselves a good embedding, for every ``d`` in a list (768, 512, 256, 128, 64):
+the loss is ``sum_p w_p * L(X[:, :d_p] normalised, ...)``. sentence-transformers' ``MatryoshkaLoss``
+calls its inner loss once per prefix; here every prefix comes out of one pass over the feature bands
+(:mod:`torch_contrastive.engine.prefixes`): the products cost ``D`` per pair, not ``sum(d_p)``.
+
+The loss is MultipleNegativesRankingLoss's (InfoNCE with in-batch negatives, van den Oord et al. 2018):
+row ``i`` of ``query`` has ``key[i]`` as its positive and every other key and every row of
+``negatives`` as negatives; ``symmetric=True`` averages it with the reverse direction (key ``i``
+against every query: sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from ..engine.prefixes import PrefixSoftmax, prefix_plan
+
+
+def check_prefixes(dims: object, weights: object, width: int | None = None) -> tuple[list[int], list[float]]:
+    """``matryoshka_dims`` (positive ints, at most ``width``) and ``matryoshka_weights`` (one finite
+    number per dim; None: all 1), as lists."""
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or len(dims) == 0:
+        raise ValueError(f"matryoshka_dims must be a non-empty sequence of positive ints, got {dims!r}")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
+        raise ValueError(f"matryoshka_dims must hold positive ints, got {list(dims)!r}")
+    if width is not None and max(dims) > width:
+        raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {max(dims)}")
+    if weights is None:
+        return list(dims), [1.0] * len(dims)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != len(dims):
+        raise ValueError(f"matryoshka_weights must hold one number per dim ({len(dims)}), got {weights!r}")
+    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or abs(w) == float("inf") for w in weights):
+        raise ValueError(f"matryoshka_weights must be finite numbers, got {list(weights)!r}")
+    return list(dims), [float(w) for w in weights]
+
+
+def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequence[int],
+                             matryoshka_weights: Sequence[float] | None = None, temperature: float = 0.05, *,
+                             negatives: Tensor | None = None, symmetric: bool = False, eps: float = 1e-12,
+                             chunk_size: int | None = None, validate: bool = True) -> Tensor:
+    """``sum_p w_p * InfoNCE(query[:, :d_p], key[:, :d_p], negatives[:, :d_p])``, each prefix L2-normalised
+    on its own, from one pass over the features.
+
+    Args:
+        query: (N, D) anchors.
+        key: (N, D) positives: row ``i`` is query ``i``'s.
+        matryoshka_dims: prefix sizes ``d_p <= D`` (any order; a size listed twice counts twice).
+        matryoshka_weights: one weight per dim (None: all 1).
+        temperature: tau of every prefix (sentence-transformers' scale 20 is tau 0.05).
+        negatives: (K, D) hard negatives shared by every query (sentence-transformers' negative
+            columns, stacked), or None.
+        symmetric: average with the key-to-query direction (each key against every query).
+        eps: the normalisation floor, ``x / max(||x||, eps)`` per prefix.
+        chunk_size: anchor rows per strip (None: strips of about 64 MiB of tiles).
+        validate: read the loss once on the host and raise ``ValueError`` naming a non-finite input
+            (False: no host sync; a non-finite input gives a non-finite loss).
+
+    Returns:
+        0-dim loss (fp32 for half inputs), the mean over rows of each prefix's loss, weighted and summed.
+
+    Memory: O((N + K) D) plus one strip's tiles (a running sum and one tile per distinct prefix);
+    the products cost ``D`` per pair forward and backward, whatever the number of prefixes.
+    """
+    q = v.check_embeddings(query, "query")
+    k = v.check_embeddings(key, "key")
+    v.check_same_rows(q, "query", k, "key")
+    candidates = k
+    if negatives is not None:
+        neg = v.check_embeddings(negatives, "negatives", empty_rows=True)
+        v.check_same_device(neg, "negatives", q.device, "query")
+        if neg.shape[1] != q.shape[1]:
+            raise ValueError(f"negatives must have feature size {q.shape[1]} (as query), got {neg.shape[1]}")
+        candidates = torch.cat([k, neg.to(k.dtype)])
+    dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, q.shape[1])
+    tau = v.check_positive(temperature, "temperature")
+    symmetric = v.check_flag(symmetric, "symmetric")
+    validate = v.check_flag(validate, "validate")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    chunk = v.check_chunk_size(chunk_size)
+    plan = prefix_plan(dims, weights, q.shape[1], 1.0 / tau, True, float(eps), q.shape[0], candidates.shape[0], chunk)
+    loss = PrefixSoftmax.apply(q, candidates.to(q.dtype), plan)
+    if symmetric:
+        back = prefix_plan(dims, weights, q.shape[1], 1.0 / tau, True, float(eps), q.shape[0], q.shape[0], chunk)
+        loss = 0.5 * (loss + PrefixSoftmax.apply(k.to(q.dtype), q, back))
+    if validate and not torch.compiler.is_compiling() and not bool(torch.isfinite(loss.detach())):
+        for name, t in (("query", q), ("key", k), ("negatives", negatives)):
+            if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} has non-finite values (NaN or inf)")
+    return loss

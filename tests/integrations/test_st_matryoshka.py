@@ -1,0 +1,99 @@
+"""MatryoshkaLoss against the installed sentence-transformers: values and parameter gradients equal for
+the ranking losses (plain, cached, symmetric; every prefix in one pass), the GIST loss and a foreign
+loss (per prefix), with and without n_dims_per_step."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from peers import param_grads, st_features, tiny_st_pair
+from torch_contrastive.integrations import sentence_transformers as ours_st
+
+st_losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+
+DIMS, WEIGHTS = [16, 8, 4, 2], [1.0, 0.5, 2.0, 1.0]
+
+
+@pytest.fixture(scope="module")
+def st_models(tmp_path_factory):
+    return tiny_st_pair(tmp_path_factory)
+
+
+def _run(model, wrapper, inner, features, n_dims_per_step, seed):
+    model.zero_grad()
+    loss = wrapper(model, inner, DIMS, WEIGHTS, n_dims_per_step=n_dims_per_step)
+    random.seed(seed)  # both wrappers draw their prefixes from Python's random, in the same way
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the peer's symmetric classes are deprecated
+        value = loss(features, None)
+    value.backward()
+    return value.detach(), param_grads(model)
+
+
+def _assert_same(ref, got):
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-10, atol=1e-12)
+    assert len(ref[1]) == len(got[1]) > 0
+    for a, b in zip(ref[1], got[1]):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+
+RANKING = [
+    ("MultipleNegativesRankingLoss", {}, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2}, True),
+    ("MultipleNegativesSymmetricRankingLoss", {}, True),
+    ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3}, True),
+    ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "query_to_query")}, False),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2, "hardness_mode": "all_negatives", "hardness_strength": 0.5}, False),
+]
+
+
+@pytest.mark.parametrize("n_dims_per_step", [-1, 2])
+@pytest.mark.parametrize("name,kwargs,single_pass", RANKING)
+def test_matryoshka_around_the_ranking_losses_matches_sentence_transformers(st_models, name, kwargs, single_pass, n_dims_per_step):
+    model, _, words = st_models
+    _, features = st_features(model, words, 7, 3, seed=3)  # queries, positives, one hard-negative column
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the peer's symmetric classes are deprecated
+        peer_inner = getattr(st_losses, name)(model, **kwargs)
+    ref = _run(model, st_losses.MatryoshkaLoss, peer_inner, features, n_dims_per_step, seed=5)
+    inner = getattr(ours_st, name)(model, **kwargs)
+    from torch_contrastive.integrations._matryoshka import one_pass
+
+    assert one_pass(inner) == single_pass
+    _assert_same(ref, _run(model, ours_st.MatryoshkaLoss, inner, features, n_dims_per_step, seed=5))
+
+
+@pytest.mark.parametrize("n_dims_per_step", [-1, 3])
+def test_matryoshka_around_gist_and_a_foreign_loss_matches_sentence_transformers(st_models, n_dims_per_step):
+    """GIST (ours and the peer's) and a loss of the peer's own are called once per prefix on embeddings
+    computed once; the guide model keeps its full width."""
+    model, guide, words = st_models
+    _, features = st_features(model, words, 6, 3, seed=4)
+    ref = _run(model, st_losses.MatryoshkaLoss, st_losses.GISTEmbedLoss(model, guide, temperature=0.05), features,
+               n_dims_per_step, seed=7)
+    _assert_same(ref, _run(model, ours_st.MatryoshkaLoss, ours_st.GISTEmbedLoss(model, guide, temperature=0.05), features,
+                           n_dims_per_step, seed=7))
+    _assert_same(ref, _run(model, ours_st.MatryoshkaLoss, st_losses.GISTEmbedLoss(model, guide, temperature=0.05), features,
+                           n_dims_per_step, seed=7))
+    out = model(features[0])["sentence_embedding"]
+    assert out.shape[1] == 16  # the model's forward is its own again
+
+
+def test_matryoshka_checks_its_arguments(st_models):
+    model, _, _ = st_models
+    inner = ours_st.MultipleNegativesRankingLoss(model)
+    for dims, weights, n, words in (([], None, -1, "matryoshka_dims"), ([16, 0], None, -1, "positive ints"),
+                                    ([32, 8], None, -1, "cannot exceed the embedding size 16"),
+                                    ([16, 8], [1.0], -1, "one number per dim"), ([16, 8], [1.0, float("nan")], -1, "finite"),
+                                    ([16, 8], None, 0, "n_dims_per_step"), ([16, 8], None, True, "n_dims_per_step")):
+        with pytest.raises(ValueError, match=words):
+            ours_st.MatryoshkaLoss(model, inner, dims, weights, n_dims_per_step=n)
+    with pytest.raises(TypeError, match="CachedMultipleNegativesRankingLoss"):
+        ours_st.MatryoshkaLoss(model, st_losses.CachedMultipleNegativesRankingLoss(model), [16, 8])
+    loss = ours_st.MatryoshkaLoss(model, inner, [4, 16, 8], [1, 2, 3])
+    assert loss.matryoshka_dims == (16, 8, 4) and loss.matryoshka_weights == (2, 3, 1)  # sorted largest first, as the peer
+    assert loss.get_config_dict()["loss"] == "MultipleNegativesRankingLoss"

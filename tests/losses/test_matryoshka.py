@@ -1,0 +1,103 @@
+"""matryoshka_info_nce_loss: every prefix's InfoNCE from one pass, against the float64 loop over prefixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_contrastive as tc
+from device import DEVICE
+from helpers import DTYPES
+
+
+def per_prefix_reference(q, k, neg, dims, weights, tau, symmetric=False):
+    """The definition: each prefix cut, normalised on its own, InfoNCE over the keys and negatives."""
+    total = 0.0
+    for d, w in zip(dims, weights):
+        qd, kd = F.normalize(q[:, :d], dim=1), F.normalize(k[:, :d], dim=1)
+        cand = kd if neg is None else torch.cat([kd, F.normalize(neg[:, :d], dim=1)])
+        loss = F.cross_entropy(qd @ cand.T / tau, torch.arange(q.shape[0]))
+        if symmetric:
+            loss = 0.5 * (loss + F.cross_entropy(kd @ qd.T / tau, torch.arange(q.shape[0])))
+        total = total + w * loss
+    return total
+
+
+@pytest.mark.parametrize("dtype,tols", DTYPES)
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("negatives", [0, 5])
+def test_every_prefix_equals_the_float64_loop(dtype, tols, symmetric, chunk, negatives):
+    """Odd sizes, a repeated prefix (counted twice), weights, hard negatives, strips: value and gradients."""
+    rtol, grad_tol = tols
+    g = torch.Generator().manual_seed(negatives + 7 * symmetric)
+    q, k = torch.randn(11, 13, generator=g, dtype=torch.float64), torch.randn(11, 13, generator=g, dtype=torch.float64)
+    neg = torch.randn(negatives, 13, generator=g, dtype=torch.float64) if negatives else None
+    dims, weights = [13, 8, 3, 8, 1], [1.0, 0.5, 2.0, 1.0, 0.25]
+    rounded = [t.to(dtype).double().requires_grad_() for t in (q, k, *([neg] if neg is not None else []))]
+    want = per_prefix_reference(rounded[0], rounded[1], rounded[2] if neg is not None else None, dims, weights, 0.1, symmetric)
+    want_grads = torch.autograd.grad(want, rounded)
+    ours_in = [t.detach().to(DEVICE, dtype).requires_grad_() for t in rounded]
+    got = tc.matryoshka_info_nce_loss(ours_in[0], ours_in[1], dims, weights, 0.1, negatives=ours_in[2] if neg is not None else None,
+                                      symmetric=symmetric, chunk_size=chunk)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=max(rtol, 1e-6 if dtype != torch.float64 else rtol))
+    for a, b in zip(torch.autograd.grad(got, ours_in), want_grads):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double().cpu(), b, rtol=grad_tol, atol=grad_tol * max(1.0, float(b.abs().max())))
+
+
+def test_gradcheck_through_bands_strips_and_norms():
+    """float64 gradcheck through the bands, the strips and each prefix's own norms."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: tc.matryoshka_info_nce_loss(a, b, [5, 2, 3], [1, 0.3, 2], 0.5, chunk_size=4),
+                                    (q, k))
+
+
+def test_a_row_whose_prefix_is_zero_sits_on_the_floor_as_in_f_normalize():
+    """A prefix of zeros is divided by eps, not by its norm (a constant there), as F.normalize does."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 5, generator=g, dtype=torch.float64)
+    q[2, :2] = 0.0
+    q.requires_grad_()
+    k.requires_grad_()
+    got = torch.autograd.grad(tc.matryoshka_info_nce_loss(q, k, [5, 2], [1.0, 0.5], 0.5), (q, k))
+    want = torch.autograd.grad(per_prefix_reference(q, k, None, [5, 2], [1.0, 0.5], 0.5), (q, k))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_one_prefix_is_info_nce():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(9, 6, generator=g, dtype=torch.float64), torch.randn(9, 6, generator=g, dtype=torch.float64)
+    neg = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    got = tc.matryoshka_info_nce_loss(q, k, [6], None, 0.2, negatives=neg)
+    assert float(got) == pytest.approx(float(tc.info_nce_loss(q, k, neg, 0.2)), rel=1e-12)
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "words"), [
+    ({"matryoshka_dims": []}, ValueError, "matryoshka_dims"),
+    ({"matryoshka_dims": [4, 9]}, ValueError, "cannot exceed the embedding size 8"),
+    ({"matryoshka_dims": [4, 2.5]}, ValueError, "positive ints"),
+    ({"matryoshka_weights": [1.0]}, ValueError, "one number per dim"),
+    ({"temperature": 0.0}, ValueError, "temperature"),
+    ({"symmetric": "yes"}, TypeError, "symmetric"),
+    ({"negatives": torch.randn(3, 5)}, ValueError, "negatives must have feature size 8"),
+    ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ({"key": torch.randn(5, 8)}, ValueError, "batch size"),
+])
+def test_bad_input_is_refused_by_name(kwargs, exc, words):
+    args = {"query": torch.randn(6, 8), "key": torch.randn(6, 8), "matryoshka_dims": [8, 4], **kwargs}
+    with pytest.raises(exc, match=words):
+        tc.matryoshka_info_nce_loss(**args)
+
+
+def test_a_non_finite_input_is_named():
+    q = torch.randn(6, 8)
+    q[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="query has non-finite"):
+        tc.matryoshka_info_nce_loss(q, torch.randn(6, 8), [8, 4])
+    assert torch.isnan(tc.matryoshka_info_nce_loss(q, torch.randn(6, 8), [8, 4], validate=False))
