@@ -124,6 +124,7 @@ DOORS: dict[str, Door] = {
     "sentence_transformers.MultipleNegativesRankingLoss": Door(None, note="CASES: model, scale, similarity_fct; its rows go through mnrl_loss"),
     "sentence_transformers.CachedMultipleNegativesRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
     "sentence_transformers.GISTEmbedLoss": Door(None, note="CASES: model, guide, temperature, margin_strategy"),
+    "sentence_transformers.CachedGISTEmbedLoss": Door(None, note="CASES: guide, mini_batch_size"),
     "sentence_transformers.MultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, scale"),
     "sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
     "sentence_transformers.MatryoshkaLoss": Door(None, note="CASES: model, loss, matryoshka_dims, n_dims_per_step; its rows go through "
@@ -264,6 +265,9 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss",
      lambda: st.CachedMultipleNegativesSymmetricRankingLoss(_Tower(), mini_batch_size=0), ValueError, "mini_batch_size"),
     ("sentence_transformers.GISTEmbedLoss", lambda: st.GISTEmbedLoss(_Tower(), 3), TypeError, "guide"),
+    ("sentence_transformers.CachedGISTEmbedLoss", lambda: st.CachedGISTEmbedLoss(_Tower(), 3), TypeError, "guide"),
+    ("sentence_transformers.CachedGISTEmbedLoss", lambda: st.CachedGISTEmbedLoss(_Tower(), _Tower(), mini_batch_size=0), ValueError,
+     "mini_batch_size"),
     ("sentence_transformers.MatryoshkaLoss", lambda: st.MatryoshkaLoss(3, st.MultipleNegativesRankingLoss(_Tower()), [4]), TypeError,
      "model"),
     ("sentence_transformers.MatryoshkaLoss", lambda: st.MatryoshkaLoss(_Tower(), "mnrl", [4]), TypeError, "loss"),

@@ -279,7 +279,7 @@ MUTATIONS = [
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "        mine[rows, own + k * world] = True\n    return mine",
              "        mine[rows, own] = True\n    return mine", "own docs: a row's own hard negatives are not its own",
              INTEGRATION_TESTS),
-    Mutation(f"{PKG}/integrations/sentence_transformers.py", "            if keep_positive:\n                drop[rows, own] = False",
+    Mutation(f"{PKG}/integrations/_gist.py", "            if keep_positive:\n                drop[rows, own] = False",
              "            if keep_positive:\n                pass", "GIST drops the positive itself when the guide ties", INTEGRATION_TESTS),
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "out.backward(cached[k][offsets[k]:offsets[k] + rows]",
              "out.backward(cached[k][0:rows]", "cached MNRL pushes the first mini-batch's gradient slice every time", INTEGRATION_TESTS),
@@ -598,6 +598,9 @@ MUTATIONS = [
              ("tests/integrations/test_st_matryoshka.py",)),
     Mutation(f"{PKG}/integrations/_matryoshka.py", "    return forms and not hard and not (loss.gather_across_devices and is_active())",
              "    return False", "the ranking losses' prefixes are computed one by one", ("tests/integrations/test_st_matryoshka.py",)),
+    Mutation(f"{PKG}/integrations/_gist.py", "            return [_embed(self.guide, self._guide_features(f)) for f in columns]",
+             "            return [_embed(self.model, f) for f in columns]",
+             "the GIST losses take their own model as the guide", ("tests/integrations/test_integrations.py",)),
 ]
 
 

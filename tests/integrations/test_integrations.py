@@ -66,6 +66,14 @@ def test_mnrl_fp32_strips_match_float64():
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def _all_equal_the_first(results):
+    """Every (value, parameter gradients) pair equals the first (the peer's) to float64 rounding."""
+    for other in results[1:]:
+        torch.testing.assert_close(other[0], results[0][0], rtol=1e-10, atol=1e-12)
+        for a, b in zip(results[0][1], other[1]):
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+
 @pytest.fixture(scope="module")
 def st_models(tmp_path_factory):
     return tiny_st_pair(tmp_path_factory)
@@ -98,10 +106,7 @@ def test_cached_mnrl_matches_sentence_transformers(st_models, budget):
         value = loss(features, None)
         value.backward()
         results.append((value.detach(), _param_grads(model)))
-    for other in results[1:]:
-        torch.testing.assert_close(other[0], results[0][0], rtol=1e-10, atol=1e-12)
-        for a, b in zip(results[0][1], other[1]):
-            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+    _all_equal_the_first(results)
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -168,6 +173,22 @@ def test_gist_matches_sentence_transformers(st_models, anchors, positives, strat
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("budget", [{"mini_batch_size": 2}, {"mini_batch_num_tokens": 9}])
+@pytest.mark.parametrize(("strategy", "margin", "negatives"), [("absolute", 0.0, False), ("relative", 0.1, True)])
+def test_cached_gist_matches_sentence_transformers(st_models, budget, strategy, margin, negatives):
+    """CachedGISTEmbedLoss by rows and by token budget: value and every parameter gradient equal to the
+    peer's cached loss and to our uncached GISTEmbedLoss."""
+    model, guide, words = st_models
+    _, features = _features(model, words, 7, 3 if negatives else 2, seed=6)
+    results = []
+    for cls, extra in ((st_losses.CachedGISTEmbedLoss, budget), (ours_st.CachedGISTEmbedLoss, budget), (ours_st.GISTEmbedLoss, {})):
+        model.zero_grad()
+        value = cls(model, guide, temperature=0.05, margin_strategy=strategy, margin=margin, **extra)(features, None)
+        value.backward()
+        results.append((value.detach(), _param_grads(model)))
+    _all_equal_the_first(results)
+
+
 def test_sentence_transformers_bad_arguments():
     identity = torch.nn.Identity()
     with pytest.raises(ValueError, match="query_to_doc"):
@@ -182,6 +203,8 @@ def test_sentence_transformers_bad_arguments():
         ours_st.CachedMultipleNegativesRankingLoss(identity, mini_batch_size=0)
     with pytest.raises(ValueError, match="margin_strategy"):
         ours_st.GISTEmbedLoss(identity, identity, margin_strategy="both")
+    with pytest.raises(ValueError, match="mini_batch_num_tokens"):
+        ours_st.CachedGISTEmbedLoss(identity, identity, mini_batch_num_tokens=0)
 
 
 # ---------------------------------------------------------------- open_clip

@@ -83,6 +83,18 @@ def test_matryoshka_around_gist_and_a_foreign_loss_matches_sentence_transformers
     assert out.shape[1] == 16  # the model's forward is its own again
 
 
+@pytest.mark.parametrize("n_dims_per_step", [-1, 2])
+def test_matryoshka_around_cached_gist_matches_sentence_transformers(st_models, n_dims_per_step):
+    """The cached GIST loss: one embedding pass and one replay for all prefixes (the guide's embeddings
+    once, at full width); the peer decorates its loss's calculate_loss."""
+    model, guide, words = st_models
+    _, features = st_features(model, words, 7, 3, seed=8)
+    ref = _run(model, st_losses.MatryoshkaLoss, st_losses.CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=3),
+               features, n_dims_per_step, seed=9)
+    _assert_same(ref, _run(model, ours_st.MatryoshkaLoss, ours_st.CachedGISTEmbedLoss(model, guide, temperature=0.05, mini_batch_size=3),
+                           features, n_dims_per_step, seed=9))
+
+
 def test_matryoshka_checks_its_arguments(st_models):
     model, _, _ = st_models
     inner = ours_st.MultipleNegativesRankingLoss(model)

@@ -23,9 +23,9 @@ from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
     SYMMETRIC_PARTITION,
-    CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
     _embed,
+    _GradientCache,
     _module,
 )
 
@@ -98,7 +98,7 @@ class MatryoshkaLoss(nn.Module):
         dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width() if callable(width) else None)
         if isinstance(n_dims_per_step, bool) or not isinstance(n_dims_per_step, int) or n_dims_per_step == 0 or n_dims_per_step < -1:
             raise ValueError(f"n_dims_per_step must be -1 (every dim) or a positive int, got {n_dims_per_step!r}")
-        if hasattr(loss, "calculate_loss") and not isinstance(loss, MultipleNegativesRankingLoss):
+        if hasattr(loss, "calculate_loss") and not isinstance(loss, _GradientCache):
             raise TypeError("a foreign gradient-caching loss cannot be wrapped here: use "
                             "torch_contrastive's CachedMultipleNegativesRankingLoss")
         pairs = sorted(zip(dims, weights), key=lambda p: p[0], reverse=True)
@@ -116,33 +116,38 @@ class MatryoshkaLoss(nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
-        cached = isinstance(self.loss, CachedMultipleNegativesRankingLoss)
+        cached = isinstance(self.loss, _GradientCache)
         dims, weights = self._prefixes(cached)
+        if isinstance(self.loss, _GradientCache):  # ours: one embedding pass and one replay for every prefix
+            base = self.loss.embedding_loss(features, labels)
+            return self.loss.cached_forward(features, labels,
+                                            lambda embeddings, labels: self.loss_from_embeddings(embeddings, labels, dims, weights, base))
         if isinstance(self.loss, MultipleNegativesRankingLoss):
-            def compute(embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
-                return self.loss_from_embeddings(embeddings, labels, dims, weights)
-
-            if isinstance(self.loss, CachedMultipleNegativesRankingLoss):
-                return self.loss.cached_forward(features, labels, compute)
-            return compute([_embed(self.loss.model, f) for f in features], labels)
+            embeddings = [_embed(self.loss.model, f) for f in features]
+            return self.loss_from_embeddings(embeddings, labels, dims, weights, self.loss.compute_loss_from_embeddings)
         return self._per_prefix(features, labels, dims, weights)
 
-    def loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int],
-                             weights: Sequence[float]) -> Tensor:
-        """Every prefix's loss of a ranking loss's ``embeddings = [queries, positives, *negatives]``, weighted and summed."""
+    def loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int], weights: Sequence[float],
+                             base: Callable[[list[Tensor], Tensor | None], Tensor] | None = None) -> Tensor:
+        """Every prefix's loss of the whole batch's ``embeddings`` (``[queries, positives, *negatives]``),
+        weighted and summed: the ranking losses' in one pass, another's by ``base(cut embeddings, labels)``
+        (default: the inner loss's ``compute_loss_from_embeddings``) once per prefix."""
         inner = self.loss
-        if not isinstance(inner, MultipleNegativesRankingLoss):
-            raise TypeError(f"loss_from_embeddings needs one of the ranking losses, got {type(inner).__name__}")
         if len(embeddings) < 2:
             raise ValueError(f"expected at least 2 embedding columns (queries, positives), got {len(embeddings)}")
         if one_pass(inner):
+            assert isinstance(inner, MultipleNegativesRankingLoss)  # one_pass says so
             docs = embeddings[1:]
             return matryoshka_info_nce_loss(embeddings[0], docs[0], dims, weights, 1.0 / inner.scale,
                                             negatives=torch.cat(docs[1:]) if len(docs) > 1 else None,
                                             symmetric=inner.directions == SYMMETRIC_DIRECTIONS, chunk_size=inner.chunk_size)
+        if base is None:
+            base = getattr(inner, "compute_loss_from_embeddings", None)
+            if base is None:
+                raise TypeError(f"{type(inner).__name__} has no compute_loss_from_embeddings: call the MatryoshkaLoss itself")
         total: Tensor | None = None
         for dim, weight in zip(dims, weights):
-            term = weight * inner.compute_loss_from_embeddings([shrink(e, dim) for e in embeddings], labels)
+            term = weight * base([shrink(e, dim) for e in embeddings], labels)
             total = term if total is None else total + term
         assert total is not None  # dims is never empty (checked when built)
         return total

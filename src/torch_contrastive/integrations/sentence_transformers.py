@@ -12,7 +12,8 @@ Drop-in classes with sentence-transformers' names, arguments and call form
   al. 2021), mini-batches by rows or by a token budget (``mini_batch_num_tokens``);
 * :class:`GISTEmbedLoss` (Solatorio 2024): a guide model's similarities remove false
   negatives (absolute or relative margin) from the anchor-positive, anchor-anchor,
-  positive-positive and anchor-negative blocks;
+  positive-positive and anchor-negative blocks; :class:`CachedGISTEmbedLoss`, the same with
+  gradient caching;
 * :class:`MatryoshkaLoss` (Kusupati et al. 2022): any of these summed over embedding prefixes,
   the ranking losses' prefixes in one pass (:func:`~torch_contrastive.matryoshka_info_nce_loss`).
 
@@ -40,8 +41,8 @@ from ..grad_cache import RngSnapshot
 from ..losses import info_nce_loss
 from ._strips import per_row_losses
 
-__all__ = ["CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss", "MatryoshkaLoss",
-           "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "mnrl_loss"]
+__all__ = ["CachedGISTEmbedLoss", "CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
+           "MatryoshkaLoss", "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "mnrl_loss"]
 
 #: The symmetric losses' terms: sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` is its
 #: ranking loss over both directions, each direction's log-sum-exp on its own, averaged.
@@ -358,38 +359,20 @@ class _ReplayBackward(torch.autograd.Function):
         return None, None, None
 
 
-class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
-    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache): batches
-    far beyond activation memory, parameter gradients of the full batch.
+class _GradientCache:
+    """Gradient caching (Gao et al. 2021) for a loss module with ``model``, ``mini_batch_size`` and
+    ``mini_batch_num_tokens``: :meth:`cached_forward`."""
 
-    The forward embeds every column in mini-batches without a graph (recording each
-    mini-batch's random state, :class:`~torch_contrastive.grad_cache.RngSnapshot`), computes
-    the loss and its gradient with respect to the embeddings, and returns the loss; its
-    ``backward()`` re-embeds each mini-batch with the same random draws (dropout) and pushes
-    the cached gradient through. Peak activation memory is one mini-batch's.
+    model: nn.Module
+    mini_batch_size: int
+    mini_batch_num_tokens: int | None
 
-    Args:
-        mini_batch_size: rows per mini-batch (default 32).
-        mini_batch_num_tokens: instead, a budget of real tokens per mini-batch (rows are
-            taken in order while their attention-mask lengths fit; at least one row).
-        show_progress_bar: accepted for compatibility; no bar is drawn.
-
-    The other arguments are those of :class:`MultipleNegativesRankingLoss`.
-    """
-
-    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
-                 mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
-                 directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
-                 show_progress_bar: bool = False, hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
-                 chunk_size: int | None = None) -> None:
-        super().__init__(model, scale, similarity_fct, gather_across_devices, directions, partition_mode, hardness_mode,
-                         hardness_strength, chunk_size=chunk_size)
+    def _set_budget(self, mini_batch_size: object, mini_batch_num_tokens: object) -> None:
         for name, value in (("mini_batch_size", mini_batch_size), ("mini_batch_num_tokens", mini_batch_num_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.mini_batch_size = mini_batch_size
-        self.mini_batch_num_tokens = mini_batch_num_tokens
-        self.show_progress_bar = show_progress_bar
+        self.mini_batch_size = int(mini_batch_size)  # type: ignore[call-overload]
+        self.mini_batch_num_tokens = mini_batch_num_tokens  # type: ignore[assignment]
 
     def _mini_batches(self, columns: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any]]]:
         for k, features in enumerate(columns):
@@ -397,16 +380,19 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
             for start, stop in mini_batch_ranges(features, self.mini_batch_size, self.mini_batch_num_tokens):
                 yield k, _rows_of(features, start, stop, n)
 
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        return self.cached_forward(sentence_features, labels, self.compute_loss_from_embeddings)
+    def embedding_loss(self, columns: list[dict[str, Any]], labels: Tensor | None) -> Callable[[list[Tensor], Tensor | None], Tensor]:
+        """The loss of the whole batch's embeddings, for :meth:`cached_forward` (a guide's embeddings, if
+        any, computed here once)."""
+        raise NotImplementedError
 
     def cached_forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None,
-                       compute: Callable[[list[Tensor], Tensor | None], Tensor]) -> Tensor:
+                       compute: Callable[[list[Tensor], Tensor | None], Tensor] | None = None) -> Tensor:
         """The gradient-cached call with ``compute(embeddings, labels)`` as the loss of the whole batch's
-        embeddings (:class:`MatryoshkaLoss` passes every prefix's loss at once)."""
+        embeddings (default :meth:`embedding_loss`; :class:`MatryoshkaLoss` passes every prefix's loss at once)."""
         columns = list(sentence_features)
         if len(columns) < 2:
             raise ValueError(f"expected at least 2 feature columns (queries, positives), got {len(columns)}")
+        compute = compute or self.embedding_loss(columns, labels)
         snapshots: list[RngSnapshot] = []
         parts: list[list[Tensor]] = [[] for _ in columns]
         with torch.no_grad():
@@ -432,6 +418,42 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         # A fresh leaf makes the output require grad; the loss's own graph is spent already.
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return _ReplayBackward.apply(loss.detach(), anchor, replay)
+
+
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss, _GradientCache):
+    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache): batches
+    far beyond activation memory, parameter gradients of the full batch.
+
+    The forward embeds every column in mini-batches without a graph (recording each
+    mini-batch's random state, :class:`~torch_contrastive.grad_cache.RngSnapshot`), computes
+    the loss and its gradient with respect to the embeddings, and returns the loss; its
+    ``backward()`` re-embeds each mini-batch with the same random draws (dropout) and pushes
+    the cached gradient through. Peak activation memory is one mini-batch's.
+
+    Args:
+        mini_batch_size: rows per mini-batch (default 32).
+        mini_batch_num_tokens: instead, a budget of real tokens per mini-batch (rows are
+            taken in order while their attention-mask lengths fit; at least one row).
+        show_progress_bar: accepted for compatibility; no bar is drawn.
+
+    The other arguments are those of :class:`MultipleNegativesRankingLoss`.
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Callable[..., Tensor] | str = "cosine",
+                 mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
+                 directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
+                 show_progress_bar: bool = False, hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
+                 chunk_size: int | None = None) -> None:
+        super().__init__(model, scale, similarity_fct, gather_across_devices, directions, partition_mode, hardness_mode,
+                         hardness_strength, chunk_size=chunk_size)
+        self._set_budget(mini_batch_size, mini_batch_num_tokens)
+        self.show_progress_bar = show_progress_bar
+
+    def embedding_loss(self, columns: list[dict[str, Any]], labels: Tensor | None) -> Callable[[list[Tensor], Tensor | None], Tensor]:
+        return self.compute_loss_from_embeddings
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        return self.cached_forward(sentence_features, labels)
 
 
 class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
@@ -478,130 +500,5 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
                          SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION, show_progress_bar, chunk_size=chunk_size)
 
 
-class GISTEmbedLoss(nn.Module):
-    """sentence-transformers' ``GISTEmbedLoss`` (Solatorio 2024), same arguments and values.
-
-    Row i's softmax (temperature ``temperature``, cosine similarities) runs over the
-    anchor-positive block, and with ``contrast_anchors`` the anchor-anchor block, with
-    ``contrast_positives`` the positive-positive block (positive i against every positive),
-    and the anchor-negative block when a third column is given. A candidate leaves row i
-    when the guide model rates it above the row's positive: guide similarity
-    ``> g_ip - margin`` (``"absolute"``) or ``> g_ip - margin * |g_ip|`` (``"relative"``);
-    the positive itself stays.
-
-    Args:
-        model: the SentenceTransformer being trained.
-        guide: a SentenceTransformer run without gradients; when its vocabulary differs
-            from the model's (or its ``max_seq_length`` is shorter), texts are decoded
-            with the model's tokenizer and re-tokenised for the guide.
-        temperature: tau (default 0.01).
-        margin_strategy: ``"absolute"`` or ``"relative"``.
-        margin: m >= 0 (default 0).
-        contrast_anchors: add the anchor-anchor block (default True, as the peer).
-        contrast_positives: add the positive-positive block (default True, as the peer).
-        gather_across_devices: positives and negatives of every rank are candidates.
-        chunk_size: rows per strip (None: automatic).
-    """
-
-    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01, margin_strategy: str = "absolute",
-                 margin: float = 0.0, contrast_anchors: bool = True, contrast_positives: bool = True,
-                 gather_across_devices: bool = False, *, chunk_size: int | None = None) -> None:
-        super().__init__()
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
-        if margin_strategy not in ("absolute", "relative"):
-            raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
-            raise ValueError(f"margin must be a float >= 0, got {margin!r}")
-        self.model, self.guide = _module(model, "model"), _module(guide, "guide")
-        self.temperature, self.margin_strategy, self.margin = float(temperature), margin_strategy, float(margin)
-        self.contrast_anchors = v.check_flag(contrast_anchors, "contrast_anchors")
-        self.contrast_positives = v.check_flag(contrast_positives, "contrast_positives")
-        self.gather_across_devices = v.check_flag(gather_across_devices, "gather_across_devices")
-        self.chunk_size = chunk_size
-        self.must_retokenize = self._must_retokenize()
-
-    def _must_retokenize(self) -> bool:
-        mine, theirs = getattr(self.model, "tokenizer", None), getattr(self.guide, "tokenizer", None)
-        if mine is None or theirs is None:
-            return False
-        shorter = getattr(self.guide, "max_seq_length", 0) < getattr(self.model, "max_seq_length", 0)
-        return bool(mine.get_vocab() != theirs.get_vocab() or shorter)
-
-    def _guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
-        if not self.must_retokenize:
-            return features
-        tokenizer: Any = getattr(self.model, "tokenizer")  # noqa: B009 (a SentenceTransformer attribute)
-        texts = tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
-        prepare: Any = getattr(self.guide, "preprocess", None) or getattr(self.guide, "tokenize")  # noqa: B009
-        device = next(self.guide.parameters()).device
-        return {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in prepare(texts).items()}
-
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        columns = list(sentence_features)
-        embeddings = [_embed(self.model, f) for f in columns]
-        with torch.no_grad():
-            guides = [_embed(self.guide, self._guide_features(f)) for f in columns]
-        return self.compute_loss_from_embeddings(embeddings, guides)
-
-    def compute_loss_from_embeddings(self, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
-        """The loss of ``[anchor, positive(, negative)]`` and the guide's embeddings of the same rows."""
-        if len(embeddings) not in (2, 3) or len(guide_embeddings) != len(embeddings):
-            raise ValueError(f"expected 2 or 3 embedding columns and as many guide columns, got {len(embeddings)} and {len(guide_embeddings)}")
-        third = len(embeddings) == 3
-        return gist_loss(embeddings[0], embeddings[1], guide_embeddings[0], guide_embeddings[1],
-                         embeddings[2] if third else None, guide_embeddings[2] if third else None, temperature=self.temperature,
-                         margin=self.margin, margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
-                         contrast_positives=self.contrast_positives, gather=self.gather_across_devices,
-                         chunk_size=self.chunk_size)
-
-
-def gist_loss(anchor: Tensor, positive: Tensor, guide_anchor: Tensor, guide_positive: Tensor,
-              negative: Tensor | None = None, guide_negative: Tensor | None = None, *, temperature: float = 0.01,
-              margin: float = 0.0, margin_strategy: str = "absolute", contrast_anchors: bool = True,
-              contrast_positives: bool = True, gather: bool = False, chunk_size: int | None = None) -> Tensor:
-    """GISTEmbed's loss on embeddings (see :class:`GISTEmbedLoss`); the mean over this rank's anchors."""
-    unit = [F.normalize(_wide(x), dim=-1) for x in (anchor, positive)]
-    g_unit = [F.normalize(_wide(x.detach()), dim=-1) for x in (guide_anchor, guide_positive)]
-    neg = None if negative is None else F.normalize(_wide(negative), dim=-1)
-    g_neg = None if guide_negative is None else F.normalize(_wide(guide_negative.detach()), dim=-1)
-    batch, offset = anchor.shape[0], 0
-    a, p_local = unit
-    ga, gp_local = g_unit
-    p_all, gp_all = p_local, gp_local
-    if gather and is_active():
-        offset = torch.distributed.get_rank() * batch
-        p_all, gp_all = all_gather_with_grad(p_local), all_gather_with_grad(gp_local)
-        if neg is not None and g_neg is not None:
-            neg, g_neg = all_gather_with_grad(neg), all_gather_with_grad(g_neg)
-    empty = a.new_zeros(0, a.shape[1])
-    n_all, gn_all = (empty, empty) if neg is None or g_neg is None else (neg, g_neg)
-
-    def row_loss(start: int, stop: int, a: Tensor, ga: Tensor, p_all: Tensor, gp_all: Tensor, n_all: Tensor,
-                 gn_all: Tensor) -> Tensor:
-        rows = torch.arange(stop - start, device=a.device)
-        own = rows + offset + start
-        g_pos = (ga[start:stop] * gp_all[offset + start:offset + stop]).sum(1, keepdim=True)
-        limit = g_pos - (margin * g_pos.abs() if margin_strategy == "relative" else margin)
-
-        def block(x: Tensor, y: Tensor, gx: Tensor, gy: Tensor, keep_positive: bool = False) -> Tensor:
-            drop = gx @ gy.T > limit
-            if keep_positive:
-                drop[rows, own] = False
-            return (x @ y.T).masked_fill(drop, -torch.inf)
-
-        blocks = [block(a[start:stop], p_all, ga[start:stop], gp_all, keep_positive=True)]
-        if contrast_anchors:
-            blocks.append(block(a[start:stop], a, ga[start:stop], ga))
-        if contrast_positives:
-            blocks.append(block(p_all[offset + start:offset + stop], p_all, gp_all[offset + start:offset + stop], gp_all))
-        if n_all.shape[0]:
-            blocks.append(block(a[start:stop], n_all, ga[start:stop], gn_all))
-        logits = torch.cat(blocks, dim=1) / temperature
-        return torch.logsumexp(logits, dim=1) - logits[rows, own]
-
-    width = p_all.shape[0] * (1 + contrast_positives) + batch * contrast_anchors + n_all.shape[0]
-    return per_row_losses(row_loss, batch, width, (a, ga, p_all, gp_all, n_all, gn_all), chunk_size).mean()
-
-
+from ._gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402 -- they use the pieces above
 from ._matryoshka import MatryoshkaLoss  # noqa: E402 -- it wraps the classes above
