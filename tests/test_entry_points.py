@@ -80,6 +80,7 @@ DOORS: dict[str, Door] = {
     "matryoshka_info_nce_loss": Door(lambda query, key, negatives: tc.matryoshka_info_nce_loss(query, key, [6, 3], negatives=negatives),
                                      {"query": X, "key": Y, "negatives": N5},
                                      skip={("negatives", "no rows"): "an empty pool beside the in-batch negatives is a loss"}),
+    "matryoshka_loss": Door(lambda embeddings: tc.matryoshka_loss(tc.nt_xent_loss, [embeddings], [6, 3]), {"embeddings": X}),
     "nt_bxent_loss": Door(lambda embeddings: tc.nt_bxent_loss(embeddings, labels=L), {"embeddings": X}),
     "nt_xent_loss": Door(lambda embeddings: tc.nt_xent_loss(embeddings), {"embeddings": X}),
     "siglip_loss": Door(lambda image_feat, text_feat: tc.siglip_loss(image_feat, text_feat, 10.0, -10.0),

@@ -101,3 +101,27 @@ def test_a_non_finite_input_is_named():
     with pytest.raises(ValueError, match="query has non-finite"):
         tc.matryoshka_info_nce_loss(q, torch.randn(6, 8), [8, 4])
     assert torch.isnan(tc.matryoshka_info_nce_loss(q, torch.randn(6, 8), [8, 4], validate=False))
+
+
+def test_the_per_prefix_wrapper_equals_the_loop_and_clip_equals_the_one_pass_form():
+    """matryoshka_loss around CLIP, SupCon (views in a middle dimension) and NT-Xent equals the loop over
+    prefixes; around CLIP it equals the one-pass symmetric form."""
+    g = torch.Generator().manual_seed(3)
+    img, txt = torch.randn(10, 12, generator=g, dtype=torch.float64), torch.randn(10, 12, generator=g, dtype=torch.float64)
+    views = torch.randn(5, 2, 12, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0, 2, 1])
+    dims, weights = [12, 6, 3], [1.0, 0.5, 2.0]
+    clip = tc.matryoshka_loss(tc.clip_loss, [img, txt], dims, weights, temperature=0.1)
+    one_pass = tc.matryoshka_info_nce_loss(img, txt, dims, weights, 0.1, symmetric=True)
+    assert float(clip) == pytest.approx(float(one_pass), rel=1e-12)
+    loop = sum(w * tc.supcon_loss(F.normalize(views[..., :d], dim=-1), labels, temperature=0.2) for d, w in zip(dims, weights))
+    assert float(tc.matryoshka_loss(tc.supcon_loss, [views], dims, weights, labels=labels, temperature=0.2)) == pytest.approx(
+        float(loop), rel=1e-12)
+    loop = sum(w * tc.nt_xent_loss(F.normalize(img[:, :d], dim=-1), 0.3) for d, w in zip(dims, weights))
+    assert float(tc.matryoshka_loss(tc.nt_xent_loss, [img], dims, weights, temperature=0.3)) == pytest.approx(float(loop), rel=1e-12)
+    with pytest.raises(TypeError, match="embeddings"):
+        tc.matryoshka_loss(tc.nt_xent_loss, img, dims)
+    with pytest.raises(ValueError, match="share their last dimension"):
+        tc.matryoshka_loss(tc.clip_loss, [img, txt[:, :8]], [8])
+    with pytest.raises(TypeError, match="loss_fn"):
+        tc.matryoshka_loss("clip", [img], [8])

@@ -20,7 +20,7 @@ from ._pairing import pair_keys
 from .global_contrastive import GlobalContrastiveLoss, global_contrastive_loss
 from .image_text import clip_loss, image_text_contrastive_loss, text_ids
 from .info_nce import info_nce_loss
-from .matryoshka import matryoshka_info_nce_loss
+from .matryoshka import matryoshka_info_nce_loss, matryoshka_loss
 from .nt_bxent import nt_bxent_loss
 from .nt_xent import nt_xent_loss
 from .siglip import siglip_loss
@@ -33,6 +33,7 @@ __all__ = [
     "image_text_contrastive_loss",
     "info_nce_loss",
     "matryoshka_info_nce_loss",
+    "matryoshka_loss",
     "nt_bxent_loss",
     "nt_xent_loss",
     "pair_keys",

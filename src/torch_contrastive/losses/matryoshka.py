@@ -6,7 +6,9 @@ the loss is ``sum_p w_p * L(X[:, :d_p] normalised, ...)``. sentence-transformers
 calls its inner loss once per prefix; here every prefix comes out of one pass over the feature bands
 (:mod:`torch_contrastive.engine.prefixes`): the products cost ``D`` per pair, not ``sum(d_p)``.
 
-The loss is MultipleNegativesRankingLoss's (InfoNCE with in-batch negatives, van den Oord et al. 2018):
+:func:`matryoshka_loss` wraps any loss of this library (or any function of embeddings) the plain way,
+one call per prefix; :func:`matryoshka_info_nce_loss` is the one-pass form of the in-batch soft-max
+family. Its loss is MultipleNegativesRankingLoss's (InfoNCE with in-batch negatives, van den Oord et al. 2018):
 row ``i`` of ``query`` has ``key[i]`` as its positive and every other key and every row of
 ``negatives`` as negatives; ``symmetric=True`` averages it with the reverse direction (key ``i``
 against every query: sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``).
@@ -14,9 +16,11 @@ against every query: sentence-transformers' ``MultipleNegativesSymmetricRankingL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
@@ -95,3 +99,41 @@ def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequen
             if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} has non-finite values (NaN or inf)")
     return loss
+
+
+def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor], matryoshka_dims: Sequence[int],
+                    matryoshka_weights: Sequence[float] | None = None, **kwargs: Any) -> Tensor:
+    """``sum_p w_p * loss_fn(*[normalize(e[..., :d_p]) for e in embeddings], **kwargs)``: any loss over
+    embedding prefixes, one call per prefix.
+
+    Example:
+        >>> loss = tc.matryoshka_loss(tc.supcon_loss, [features], [128, 64, 32], labels=labels, temperature=0.1)
+
+    Args:
+        loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...).
+        embeddings: the tensors cut to each prefix (their last dimension), each L2-normalised on its own.
+        matryoshka_dims: prefix sizes, at most the embeddings' last dimension.
+        matryoshka_weights: one weight per dim (None: all 1).
+        **kwargs: passed to ``loss_fn`` unchanged (labels, temperature, options).
+
+    Returns:
+        the weighted sum of the prefixes' losses (``loss_fn``'s reduction).
+
+    Products cost ``sum(d_p)`` per pair, as the prefixes are separate calls; for the in-batch soft-max
+    family :func:`matryoshka_info_nce_loss` takes every prefix from one pass (CLIP is its ``symmetric=True``).
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(embeddings, Tensor) or not isinstance(embeddings, Sequence) or not embeddings:
+        raise TypeError("embeddings must be a non-empty list of tensors (the inputs cut to each prefix)")
+    tensors = [v.check_embeddings(e, f"embeddings[{i}]", max_ndim=None) for i, e in enumerate(embeddings)]
+    width = tensors[0].shape[-1]
+    if any(t.shape[-1] != width for t in tensors):
+        raise ValueError(f"embeddings must share their last dimension, got {[t.shape[-1] for t in tensors]}")
+    dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width)
+    total: Tensor | None = None
+    for dim, weight in zip(dims, weights):
+        term = weight * loss_fn(*[F.normalize(t[..., :dim], dim=-1) for t in tensors], **kwargs)
+        total = term if total is None else total + term
+    assert total is not None  # dims is never empty
+    return total
