@@ -2,7 +2,8 @@
 
 Functional API: :func:`nt_xent_loss`, :func:`nt_bxent_loss`,
 :func:`image_text_contrastive_loss` (alias :func:`clip_loss`), :func:`supcon_loss`,
-:func:`siglip_loss`, :func:`info_nce_loss`; over embedding prefixes in one pass: :func:`matryoshka_info_nce_loss` (any loss, per prefix: :func:`matryoshka_loss`).
+:func:`siglip_loss`, :func:`info_nce_loss`; over embedding prefixes in one pass:
+:func:`matryoshka_info_nce_loss` (any loss, per prefix: :func:`matryoshka_loss`).
 Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 :class:`ImageTextContrastiveLoss` (alias :class:`ClipLoss`), :class:`SupConLoss`,
 :class:`SigLipLoss`, :class:`InfoNCELoss`, :class:`DCLLoss`, :class:`DCLWLoss`. Candidates beyond the batch:
