@@ -60,20 +60,35 @@ def _pytest_knows(option: str) -> bool:
     return option in help_text
 
 
+def test_files(shard: tuple[int, int] = (1, 1)) -> list[str]:
+    """The suite's test files, shard ``k`` of ``n`` (every n-th file from the k-th, in name order): a GPU
+    session whose cold kernel compiles do not let the whole suite finish in one call runs it in shards."""
+    k, n = shard
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    return files[k - 1::n]
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return int(k), int(n)
+
+
 def commands(out: Path, stages: list[str], budget: dict[str, int], bench_sizes: str | None,
-             backends: str = "auto,epilogue,triton") -> list[tuple[str, list[str], dict[str, str]]]:
+             backends: str = "auto,epilogue,triton", shard: tuple[int, int] = (1, 1)) -> list[tuple[str, list[str], dict[str, str]]]:
     """(stage, argv, extra environment) of every run, in order."""
     py = sys.executable
     runs: list[tuple[str, list[str], dict[str, str]]] = []
     if "tests" in stages:
-        argv = [py, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rs", "--tb=short", "-v",
-                "--junitxml", str(out / "junit.xml"), str(ROOT / "tests")]
+        argv = [py, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rs", "--tb=short", "-v", "--durations", "30",
+                "--junitxml", str(out / "junit.xml"), *test_files(shard)]
         if _has("xdist"):
             argv += ["-n", str(min(16, os.cpu_count() or 1))]
         if _has("pytest_timeout"):
             argv += ["--timeout", "120"]
             if _pytest_knows("--session-timeout"):  # pytest-timeout >= 2.3: ends the run with its report written
-                argv += ["--session-timeout", str(budget["tests"] - 20)]
+                argv += ["--session-timeout", str(budget["tests"] - 60)]  # a test may take a minute to compile
         runs.append(("tests", argv, {"TORCH_CONTRASTIVE_AUTOTUNE": "0"}))
     if "profile" in stages:
         runs.append(("profile", [py, str(ROOT / "tools" / "gpu_profile.py")], {}))
@@ -120,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {','.join(STAGES)} (default all)")
     p.add_argument("--bench-sizes", default=None, help="only these N of the bench's GPU grid (comma-separated)")
     p.add_argument("--bench-backends", default="auto,epilogue,triton", help="ours' backends in the bench (default auto,epilogue,triton)")
+    p.add_argument("--shard", type=_shard, default=(1, 1), help="tests stage: shard K/N of the test files (default 1/1)")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     args = p.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     out = Path(args.out)
-    runs = commands(out, stages, BUDGET, args.bench_sizes, args.bench_backends)
+    runs = commands(out, stages, BUDGET, args.bench_sizes, args.bench_backends, args.shard)
     if args.dry_run or not torch.cuda.is_available():
         why = "--dry-run" if args.dry_run else "no CUDA device here"
         print(f"gpu-check ({why}): would run, with PYTHONPATH={ROOT / 'src'}, into {out}/:")
