@@ -601,6 +601,11 @@ MUTATIONS = [
     Mutation(f"{PKG}/integrations/_gist.py", "            return [_embed(self.guide, self._guide_features(f)) for f in columns]",
              "            return [_embed(self.model, f) for f in columns]",
              "the GIST losses take their own model as the guide", ("tests/integrations/test_integrations.py",)),
+    Mutation(f"{E}/prefixes.py", "                    tile.masked_fill_((count == 0)[:, None], 0.0)\n", "",
+             "an anchor without a positive still pushes its soft-max gradient", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", "        partner = {\"adjacent\": rows ^ 1, \"halves\": (rows + n // 2) % n}.get(pairing)",
+             "        partner = {\"adjacent\": (rows + n // 2) % n, \"halves\": rows ^ 1}.get(pairing)",
+             "NT-Xent's pairings swapped in the one pass", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

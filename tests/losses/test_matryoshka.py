@@ -125,3 +125,47 @@ def test_the_per_prefix_wrapper_equals_the_loop_and_clip_equals_the_one_pass_for
         tc.matryoshka_loss(tc.clip_loss, [img, txt[:, :8]], [8])
     with pytest.raises(TypeError, match="loss_fn"):
         tc.matryoshka_loss("clip", [img], [8])
+
+
+ONE_PASS = {
+    "clip": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)], {"temperature": 0.1}),
+    "info_nce_negatives": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (9, 9, 4)], {}),
+    "nt_xent_adjacent": (tc.nt_xent_loss, lambda g: [torch.randn(10, 12, generator=g, dtype=torch.float64)], {"temperature": 0.3}),
+    "nt_xent_halves": (tc.nt_xent_loss, lambda g: [torch.randn(10, 12, generator=g, dtype=torch.float64)], {"pairing": "halves"}),
+    "supcon_labels": (tc.supcon_loss, lambda g: [torch.randn(11, 12, generator=g, dtype=torch.float64)],
+                      {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "temperature": 0.2}),  # class 3 and 4: no positive
+    "supcon_views": (tc.supcon_loss, lambda g: [torch.randn(5, 3, 12, generator=g, dtype=torch.float64)], {}),
+    "supcon_views_labels": (tc.supcon_loss, lambda g: [torch.randn(5, 2, 12, generator=g, dtype=torch.float64)],
+                            {"labels": torch.tensor([0, 1, 0, 2, 1])}),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_PASS))
+def test_the_one_pass_forms_equal_one_call_per_prefix(name):
+    """Each loss the prefix engine covers: the one pass equals the wrapper's own per-prefix calls of the
+    library's loss (value and gradients, float64), and it is the one pass that ran."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    fn, make, kwargs = ONE_PASS[name]
+    inputs = [t.requires_grad_() for t in make(torch.Generator().manual_seed(len(name)))]
+    dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
+    assert _one_pass(fn, inputs, kwargs) is not None
+    got = tc.matryoshka_loss(fn, inputs, dims, weights, **kwargs)
+    want = tc.matryoshka_loss(fn, inputs, dims, weights, one_pass=False, **kwargs)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
+    for a, b in zip(torch.autograd.grad(got, inputs), torch.autograd.grad(want, inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_calls_the_one_pass_does_not_cover_go_per_prefix():
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    x = torch.randn(8, 6, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
+    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"labels": labels}), (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
+                                (tc.clip_loss, [x, x], {"temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
+                                (tc.supcon_loss, [x], {})):
+        assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
+    got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], labels=labels, temperature=0.2)  # PML's convention, per prefix
+    want = sum(tc.nt_xent_loss(F.normalize(x[:, :d], dim=-1), 0.2, labels=labels) for d in (6, 3))
+    assert float(got) == pytest.approx(float(want), rel=1e-12)

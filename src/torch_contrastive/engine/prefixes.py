@@ -51,6 +51,38 @@ class PrefixPlan:
     strip: int
 
 
+@dataclass(frozen=True)
+class Targets:
+    """Which candidates are an anchor's positives.
+
+    Attributes:
+        partner: (N,) the positive column of each anchor; None with no keys: column ``i`` (two sets,
+            InfoNCE / CLIP).
+        row_keys: (N,) with ``col_keys`` (M,): the positives of anchor ``i`` are the columns of its key
+            (SupCon); an anchor without a positive is left out of the mean.
+        col_keys: see ``row_keys``.
+        exclude_self: a single set (candidates are the anchors): column ``i`` is anchor ``i`` itself,
+            left out of the soft-max and of the positives.
+    """
+
+    partner: Tensor | None = None
+    row_keys: Tensor | None = None
+    col_keys: Tensor | None = None
+    exclude_self: bool = False
+
+    def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
+        the positives per row)."""
+        if self.row_keys is not None and self.col_keys is not None:
+            mask = self.row_keys[start:stop, None] == self.col_keys[None, :]
+            if self.exclude_self:
+                mask[torch.arange(stop - start, device=device), torch.arange(start, stop, device=device)] = False
+            return None, mask, mask.sum(1)
+        if self.partner is not None:
+            return self.partner[start:stop], None, None
+        return torch.arange(start, stop, device=device), None, None
+
+
 def _inverse_norms(x: Tensor, cuts: tuple[int, ...], eps: float) -> Tensor:
     """(rows, len(cuts)): ``1 / max(||x[:, :cut]||, eps)`` for every cut, from band sums of squares."""
     bands = [x[:, lo:hi].pow(2).sum(1) for lo, hi in zip((0, *cuts[:-1]), cuts)]
@@ -71,34 +103,44 @@ class PrefixSoftmax(torch.autograd.Function):
     """The autograd node of :func:`prefix_softmax_loss` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets) -> Tensor:  # type: ignore[override]
         a, c = _compute(anchors), _compute(candidates)
         n, cuts = a.shape[0], plan.cuts
         inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
         inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
         lse = a.new_empty(n, len(cuts))
         total = a.new_zeros(())
+        counted = a.new_zeros(())  # anchors in the mean (those with a positive)
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
             rows = torch.arange(stop - start, device=a.device)
+            cols, mask, count = targets.strip(start, stop, a.device)
+            counted = counted + (stop - start if count is None else (count > 0).sum())
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                if targets.exclude_self:
+                    logits[rows, rows + start] = -torch.inf
                 lse[start:stop, k] = torch.logsumexp(logits, 1)
-                per_row = lse[start:stop, k] - logits[rows, rows + start]
+                if mask is None or count is None:
+                    per_row = lse[start:stop, k] - logits[rows, cols]  # type: ignore[union-attr]
+                else:  # the mean of the positives' logits; an anchor without one is left out
+                    positive = torch.where(mask, logits, 0.0).sum(1) / count.clamp_min(1)
+                    per_row = torch.where(count > 0, lse[start:stop, k] - positive, 0.0)
                 total = total + _weight_of(plan, k) * per_row.sum()
-        ctx.save_for_backward(anchors, candidates, lse)
-        ctx.plan = plan
-        return (total / n).to(torch.promote_types(anchors.dtype, torch.float32))
+        ctx.save_for_backward(anchors, candidates, lse, counted)
+        ctx.plan, ctx.targets = plan, targets
+        return (total / counted.clamp_min(1)).to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        anchors, candidates, lse = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
+        anchors, candidates, lse, counted = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
+        targets: Targets = ctx.targets
         a, c = _compute(anchors), _compute(candidates)
         n, cuts = a.shape[0], plan.cuts
         inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
         inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
-        g = grad.to(a.dtype) / n
+        g = grad.to(a.dtype) / counted.clamp_min(1).to(a.dtype)
         da, dc = torch.zeros_like(a), torch.zeros_like(c)
         # d loss / d (inverse norm) of each row and cut, for the normalisation's chain rule at the end
         d_inv_a = a.new_zeros(n, len(cuts)) if plan.normalize else None
@@ -107,12 +149,21 @@ class PrefixSoftmax(torch.autograd.Function):
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
             rows = torch.arange(stop - start, device=a.device)
+            cols, mask, count = targets.strip(start, stop, a.device)
             d_raw = []
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 coeff = float(_weight_of(plan, k) * plan.scale) * g  # d loss / d (raw * inverse norms), per tile entry
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                if targets.exclude_self:
+                    logits[rows, rows + start] = -torch.inf
                 tile = logits.sub(lse[start:stop, k, None]).exp_()
-                tile[rows, rows + start] -= 1.0
+                if targets.exclude_self:
+                    logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the product below finite
+                if mask is None or count is None:
+                    tile[rows, cols] -= 1.0  # type: ignore[union-attr]
+                else:
+                    tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
+                    tile.masked_fill_((count == 0)[:, None], 0.0)
                 if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
                     # d / d inv_a[i] = sum_j tile * s * raw * inv_c = sum_j tile * logits / inv_a[i] (and so for columns)
                     weighted = logits.mul_(tile)  # the logits are spent: their buffer takes the product
@@ -134,7 +185,7 @@ class PrefixSoftmax(torch.autograd.Function):
             _norm_chain(da, a, inv_a, d_inv_a, bounds, plan.eps)
             _norm_chain(dc, c, inv_c, d_inv_c, bounds, plan.eps)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
-                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None)
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
 
 
 def _compute(x: Tensor) -> Tensor:

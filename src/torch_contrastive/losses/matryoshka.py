@@ -16,6 +16,7 @@ against every query: sentence-transformers' ``MultipleNegativesSymmetricRankingL
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
-from ..engine.prefixes import PrefixSoftmax, prefix_plan
+from ..engine.prefixes import PrefixSoftmax, Targets, prefix_plan
 
 
 def check_prefixes(dims: object, weights: object, width: int | None = None) -> tuple[list[int], list[float]]:
@@ -89,22 +90,73 @@ def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequen
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     chunk = v.check_chunk_size(chunk_size)
-    plan = prefix_plan(dims, weights, q.shape[1], 1.0 / tau, True, float(eps), q.shape[0], candidates.shape[0], chunk)
-    loss = PrefixSoftmax.apply(q, candidates.to(q.dtype), plan)
-    if symmetric:
-        back = prefix_plan(dims, weights, q.shape[1], 1.0 / tau, True, float(eps), q.shape[0], q.shape[0], chunk)
-        loss = 0.5 * (loss + PrefixSoftmax.apply(k.to(q.dtype), q, back))
-    if validate and not torch.compiler.is_compiling() and not bool(torch.isfinite(loss.detach())):
-        for name, t in (("query", q), ("key", k), ("negatives", negatives)):
-            if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
+    named = [("query", q), ("key", k), *((("negatives", negatives),) if negatives is not None else ())]
+    return _one_pass_loss(q, candidates, Targets(), dims, weights, tau, k if symmetric else None, float(eps), chunk,
+                          named if validate else None)
+
+
+def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float], tau: float,
+                   reverse: Tensor | None, eps: float, chunk: int | None, named: list[tuple[str, Tensor]] | None) -> Tensor:
+    """Every prefix's loss of ``anchors`` against ``candidates`` in one pass; with ``reverse``, averaged with
+    ``reverse``'s rows against the anchors (row ``i``'s positive: anchor ``i``). ``named``: the inputs to
+    name when the loss is not finite (None: no host read)."""
+    width = anchors.shape[-1]
+    plan = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, anchors.shape[0], candidates.shape[0], chunk)
+    loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets)
+    if reverse is not None:
+        back = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, reverse.shape[0], anchors.shape[0], chunk)
+        loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, Targets()))
+    if named is not None and not torch.compiler.is_compiling() and not bool(torch.isfinite(loss.detach())):
+        for name, t in named:
+            if t.numel() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} has non-finite values (NaN or inf)")
     return loss
 
 
+def _default(fn: Callable[..., Tensor], name: str) -> Any:
+    return inspect.signature(fn).parameters[name].default
+
+
+def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The one-pass form of ``loss_fn(*tensors, **kwargs)`` -- ``(anchors, candidates, targets, temperature,
+    symmetric)`` -- when the call is one the prefix engine computes exactly; None otherwise."""
+    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss
+
+    tau = kwargs.get("temperature", _default(loss_fn, "temperature")) if loss_fn in (
+        image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss) else None
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        return None  # a tensor (learnable) temperature, or not one of these losses
+    keys = set(kwargs) - {"temperature"}
+    two_d = all(t.ndim == 2 for t in tensors)
+    if loss_fn is image_text_contrastive_loss and not keys and len(tensors) == 2 and two_d:
+        return tensors[0], tensors[1], Targets(), tau, True
+    if loss_fn is info_nce_loss and not keys and len(tensors) in (2, 3) and two_d:
+        candidates = tensors[1] if len(tensors) == 2 else torch.cat([tensors[1], tensors[2].to(tensors[1].dtype)])
+        return tensors[0], candidates, Targets(), tau, False
+    if loss_fn is nt_xent_loss and keys <= {"pairing"} and len(tensors) == 1 and two_d and tensors[0].shape[0] % 2 == 0:
+        pairing, n = kwargs.get("pairing", _default(nt_xent_loss, "pairing")), tensors[0].shape[0]
+        rows = torch.arange(n, device=tensors[0].device)
+        partner = {"adjacent": rows ^ 1, "halves": (rows + n // 2) % n}.get(pairing)
+        return None if partner is None else (tensors[0], tensors[0], Targets(partner=partner, exclude_self=True), tau, False)
+    if loss_fn is supcon_loss and keys <= {"labels"} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
+        features, labels = tensors[0], kwargs.get("labels")
+        if labels is None and features.ndim == 2:
+            return None  # no positives to find: let the loss say so
+        bsz = features.shape[0]
+        if labels is not None:
+            labels = v.check_labels(labels, "labels", bsz, features.device)
+        key = labels if labels is not None else torch.arange(bsz, device=features.device)
+        views = 1 if features.ndim == 2 else features.shape[1]
+        z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
+        keys_all = key.repeat(views)
+        return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), tau, False
+    return None
+
+
 def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor], matryoshka_dims: Sequence[int],
-                    matryoshka_weights: Sequence[float] | None = None, **kwargs: Any) -> Tensor:
+                    matryoshka_weights: Sequence[float] | None = None, *, one_pass: bool = True, **kwargs: Any) -> Tensor:
     """``sum_p w_p * loss_fn(*[normalize(e[..., :d_p]) for e in embeddings], **kwargs)``: any loss over
-    embedding prefixes, one call per prefix.
+    embedding prefixes -- in one pass where the prefix engine covers the call, else one call per prefix.
 
     Example:
         >>> loss = tc.matryoshka_loss(tc.supcon_loss, [features], [128, 64, 32], labels=labels, temperature=0.1)
@@ -114,13 +166,17 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
         embeddings: the tensors cut to each prefix (their last dimension), each L2-normalised on its own.
         matryoshka_dims: prefix sizes, at most the embeddings' last dimension.
         matryoshka_weights: one weight per dim (None: all 1).
+        one_pass: take the one pass where it applies (False: always one call per prefix).
         **kwargs: passed to ``loss_fn`` unchanged (labels, temperature, options).
 
     Returns:
         the weighted sum of the prefixes' losses (``loss_fn``'s reduction).
 
-    Products cost ``sum(d_p)`` per pair, as the prefixes are separate calls; for the in-batch soft-max
-    family :func:`matryoshka_info_nce_loss` takes every prefix from one pass (CLIP is its ``symmetric=True``).
+    One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
+    image-text loss (``tc.clip_loss``), ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss``
+    (``pairing`` adjacent or halves) and ``tc.supcon_loss`` (labels, or the authors' views), each with a
+    float ``temperature`` and their other options at their defaults. Anything else -- other options, other
+    losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -131,6 +187,11 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     if any(t.shape[-1] != width for t in tensors):
         raise ValueError(f"embeddings must share their last dimension, got {[t.shape[-1] for t in tensors]}")
     dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width)
+    form = _one_pass(loss_fn, tensors, kwargs) if v.check_flag(one_pass, "one_pass") else None
+    if form is not None:
+        anchors, candidates, targets, tau, symmetric = form
+        return _one_pass_loss(anchors, candidates, targets, dims, weights, v.check_positive(tau, "temperature"),
+                              candidates if symmetric else None, 1e-12, None, [(f"embeddings[{i}]", t) for i, t in enumerate(tensors)])
     total: Tensor | None = None
     for dim, weight in zip(dims, weights):
         term = weight * loss_fn(*[F.normalize(t[..., :dim], dim=-1) for t in tensors], **kwargs)
