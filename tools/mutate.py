@@ -606,6 +606,8 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/matryoshka.py", "        partner = {\"adjacent\": rows ^ 1, \"halves\": (rows + n // 2) % n}.get(pairing)",
              "        partner = {\"adjacent\": (rows + n // 2) % n, \"halves\": rows ^ 1}.get(pairing)",
              "NT-Xent's pairings swapped in the one pass", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "            db = db + weight * tile.sum()", "            db = db + tile.sum()",
+             "the bias's gradient ignores the prefix weight and the incoming gradient", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

@@ -169,3 +169,25 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], labels=labels, temperature=0.2)  # PML's convention, per prefix
     want = sum(tc.nt_xent_loss(F.normalize(x[:, :d], dim=-1), 0.2, labels=labels) for d in (6, 3))
     assert float(got) == pytest.approx(float(want), rel=1e-12)
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
+    """The sigmoid pairs over every prefix: value and the gradients of both inputs, and of a learnable
+    logit scale and bias, equal to one siglip_loss call per prefix (float64)."""
+    from torch_contrastive.losses.matryoshka import _sigmoid_pass
+
+    g = torch.Generator().manual_seed(5)
+    img, txt = (torch.randn(9, 12, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    t = torch.tensor(4.0, dtype=torch.float64, requires_grad=learnable)
+    b = torch.tensor(-2.0, dtype=torch.float64, requires_grad=learnable)
+    scale, bias = (t, b) if learnable else (4.0, -2.0)
+    dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
+    assert _sigmoid_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias}) is not None
+    leaves = [img, txt, *([t, b] if learnable else [])]
+    got = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, logit_scale=scale, logit_bias=bias)
+    want = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, one_pass=False, logit_scale=scale, logit_bias=bias)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
+    for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
+    assert _sigmoid_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None

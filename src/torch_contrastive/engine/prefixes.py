@@ -1,4 +1,4 @@
-"""Soft-max cross-entropy over every prefix of the features in one pass (Matryoshka representations).
+"""Contrastive losses over every prefix of the features in one pass (Matryoshka representations).
 
 A Matryoshka loss (Kusupati et al. 2022) sums a contrastive loss over prefixes of the embedding --
 the first ``d_1 < d_2 < ... <= D`` features, each prefix normalised on its own. Each prefix's dot
@@ -7,8 +7,9 @@ band by band, and the running sum *is* the raw dot product of each prefix in tur
 then cost ``D`` per pair, not ``sum(d_p)`` (768 against 1,728 for 768/512/256/128/64), and each
 prefix's logits are its running sum times its own inverse norms.
 
-:class:`PrefixSoftmax` computes, for row ``i`` of anchors ``A`` against candidates ``C`` (row i's
-positive is candidate ``i``) and every prefix ``p``::
+:class:`PrefixSoftmax` computes, for row ``i`` of anchors ``A`` against candidates ``C`` and every
+prefix ``p`` (here row i's positive is candidate ``i``; :class:`Targets` also takes a partner column, or
+same-key positives, and a single set's self left out)::
 
     loss_p(i) = logsumexp_j(s * A_p(i) . C_p(j)) - s * A_p(i) . C_p(i),   X_p = X[:, :d_p] / max(||X[:, :d_p]||, eps)
 
@@ -16,11 +17,13 @@ and returns ``sum_p w_p * mean_i loss_p(i)``. Rows are taken in strips of ``T``:
 each prefix's per-row log-sum-exp; backward recomputes a strip's band products, forms each prefix's
 gradient tile, folds the tiles of the prefixes that cover a band (a reverse running sum) and multiplies
 once per band -- so backward's products cost ``D`` per pair too. Memory: O((N + M) D + T M P + N P).
+:class:`PrefixSigmoid` is SigLIP's sigmoid pairs on the same passes; :func:`prefix_backward` is the
+backward both share (each supplies its gradient tile of a prefix's logits).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +103,7 @@ def _prefix_products(a: Tensor, c: Tensor, cuts: tuple[int, ...]) -> Iterator[Te
 
 
 class PrefixSoftmax(torch.autograd.Function):
-    """The autograd node of :func:`prefix_softmax_loss` (see the module docstring)."""
+    """Soft-max cross-entropy over every prefix (see the module docstring): ``(anchors, candidates, plan, targets)``."""
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets) -> Tensor:  # type: ignore[override]
@@ -136,56 +139,132 @@ class PrefixSoftmax(torch.autograd.Function):
         anchors, candidates, lse, counted = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         targets: Targets = ctx.targets
+        device = anchors.device
+        strip: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
+
+        def grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            if start not in strip:  # the strip's positives, once for all its prefixes
+                strip.clear()
+                strip[start] = targets.strip(start, stop, device)
+            cols, mask, count = strip[start]
+            rows = torch.arange(stop - start, device=device)
+            if targets.exclude_self:
+                logits[rows, rows + start] = -torch.inf
+            tile = logits.sub(lse[start:stop, k, None]).exp_()
+            if targets.exclude_self:
+                logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
+            if mask is None or count is None:
+                tile[rows, cols] -= 1.0  # type: ignore[index]
+            else:
+                tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
+                tile.masked_fill_((count == 0)[:, None], 0.0)
+            return tile
+
+        g = grad.to(_compute(anchors).dtype) / counted.clamp_min(1).to(_compute(anchors).dtype)
+        da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
+        return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
+
+
+class PrefixSigmoid(torch.autograd.Function):
+    """SigLIP's sigmoid pairs over every prefix in one pass (Zhai et al. 2023):
+    ``sum_p w_p * sum_ij softplus(-z_ij (t * cos_p(i, j) + b)) / N``, ``z = +1`` on the diagonal (row ``i``'s
+    own candidate), -1 elsewhere; ``t`` and ``b`` 0-dim tensors (gradients when they require them). The plan's
+    scale is 1: the cosines are the engine's logits and ``t`` is applied here."""
+
+    @staticmethod
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, t: Tensor,  # type: ignore[override]
+                b: Tensor) -> Tensor:
         a, c = _compute(anchors), _compute(candidates)
         n, cuts = a.shape[0], plan.cuts
         inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
         inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
-        g = grad.to(a.dtype) / counted.clamp_min(1).to(a.dtype)
-        da, dc = torch.zeros_like(a), torch.zeros_like(c)
-        # d loss / d (inverse norm) of each row and cut, for the normalisation's chain rule at the end
-        d_inv_a = a.new_zeros(n, len(cuts)) if plan.normalize else None
-        d_inv_c = c.new_zeros(c.shape[0], len(cuts)) if plan.normalize else None
-        bounds = list(zip((0, *cuts[:-1]), cuts))
+        t_, b_ = t.to(a.dtype), b.to(a.dtype)
+        total = a.new_zeros(())
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
-            rows = torch.arange(stop - start, device=a.device)
-            cols, mask, count = targets.strip(start, stop, a.device)
-            d_raw = []
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
-                coeff = float(_weight_of(plan, k) * plan.scale) * g  # d loss / d (raw * inverse norms), per tile entry
-                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
-                if targets.exclude_self:
-                    logits[rows, rows + start] = -torch.inf
-                tile = logits.sub(lse[start:stop, k, None]).exp_()
-                if targets.exclude_self:
-                    logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the product below finite
-                if mask is None or count is None:
-                    tile[rows, cols] -= 1.0  # type: ignore[union-attr]
-                else:
-                    tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
-                    tile.masked_fill_((count == 0)[:, None], 0.0)
-                if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
-                    # d / d inv_a[i] = sum_j tile * s * raw * inv_c = sum_j tile * logits / inv_a[i] (and so for columns)
-                    weighted = logits.mul_(tile)  # the logits are spent: their buffer takes the product
-                    d_inv_a[start:stop, k] += weighted.sum(1) * coeff / (plan.scale * inv_a[start:stop, k])
-                    d_inv_c[:, k] += weighted.sum(0) * coeff / (plan.scale * inv_c[:, k])
-                    tile.mul_((coeff * inv_a[start:stop, k])[:, None]).mul_(inv_c[None, :, k])
-                else:
-                    tile.mul_(coeff)
-                d_raw.append(tile)
-            # band k is in every prefix from cut k on: fold those tiles from the widest down, one product per band
-            folded = d_raw[-1]
-            for k in range(len(cuts) - 1, -1, -1):
-                if k < len(cuts) - 1:
-                    folded.add_(d_raw[k])
-                lo, hi = bounds[k]
-                da[start:stop, lo:hi].addmm_(folded, c[:, lo:hi])
-                dc[:, lo:hi].addmm_(folded.T, a[start:stop, lo:hi])
-        if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
-            _norm_chain(da, a, inv_a, d_inv_a, bounds, plan.eps)
-            _norm_chain(dc, c, inv_c, d_inv_c, bounds, plan.eps)
+                total = total + _weight_of(plan, k) * torch.nn.functional.softplus(_signed(_scaled(raw, plan, inv_a, inv_c, k, start, stop),
+                                                                                            t_, b_, start, stop)).sum()
+        ctx.save_for_backward(anchors, candidates, t, b)
+        ctx.plan = plan
+        return (total / n).to(torch.promote_types(anchors.dtype, torch.float32))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None, Tensor | None]:  # type: ignore[override]
+        anchors, candidates, t, b = ctx.saved_tensors
+        plan: PrefixPlan = ctx.plan
+        dtype = _compute(anchors).dtype
+        t_, b_ = t.to(dtype), b.to(dtype)
+        dt, db = t_.new_zeros(()), t_.new_zeros(())
+
+        def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            nonlocal dt, db
+            rows = torch.arange(stop - start, device=cos.device)
+            tile = torch.sigmoid(_signed(cos, t_, b_, start, stop))  # d softplus(u) / du, u = -z s
+            tile[rows, rows + start] *= -1.0  # d u / d s = -z
+            dt = dt + weight * (tile * cos).sum()
+            db = db + weight * tile.sum()
+            return tile.mul_(t_)  # d value / d cos
+
+        da, dc = prefix_backward(anchors, candidates, plan, grad.to(dtype) / anchors.shape[0], grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
-                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None,
+                dt.to(t.dtype) if ctx.needs_input_grad[3] else None, db.to(b.dtype) if ctx.needs_input_grad[4] else None)
+
+
+def _signed(cos: Tensor, t: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
+    """``u = -z (t cos + b)``: the logits of the negatives as they are, the diagonal's negated (a new tile)."""
+    u = cos * t + b
+    rows = torch.arange(stop - start, device=cos.device)
+    u[rows, rows + start] *= -1.0
+    return u
+
+
+def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Tensor,
+                    grad_tile: Callable[[Tensor, int, int, int, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """The gradients of both inputs of a prefix statistic: each strip's band products recomputed, each
+    prefix's logits (``s * raw * inv_a * inv_c``) handed to ``grad_tile(logits, prefix, start, stop, w g)``,
+    which returns d value / d logits (it may write the logits, which must stay finite), then the
+    normalisation's chain rule and the band fold, one product per band."""
+    a, c = _compute(anchors), _compute(candidates)
+    n, cuts = a.shape[0], plan.cuts
+    inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
+    inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
+    da, dc = torch.zeros_like(a), torch.zeros_like(c)
+    # d loss / d (inverse norm) of each row and cut, for the normalisation's chain rule at the end
+    d_inv_a = a.new_zeros(n, len(cuts)) if plan.normalize else None
+    d_inv_c = c.new_zeros(c.shape[0], len(cuts)) if plan.normalize else None
+    bounds = list(zip((0, *cuts[:-1]), cuts))
+    for start in range(0, n, plan.strip):
+        stop = min(start + plan.strip, n)
+        d_raw = []
+        for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
+            weight = float(_weight_of(plan, k)) * g
+            coeff = weight * plan.scale  # d loss / d (raw * inverse norms), per tile entry
+            logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+            tile = grad_tile(logits, k, start, stop, weight)
+            if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
+                # d / d inv_a[i] = sum_j tile * s * raw * inv_c = sum_j tile * logits / inv_a[i] (and so for columns)
+                weighted = logits.mul_(tile)  # the logits are spent: their buffer takes the product
+                d_inv_a[start:stop, k] += weighted.sum(1) * coeff / (plan.scale * inv_a[start:stop, k])
+                d_inv_c[:, k] += weighted.sum(0) * coeff / (plan.scale * inv_c[:, k])
+                tile.mul_((coeff * inv_a[start:stop, k])[:, None]).mul_(inv_c[None, :, k])
+            else:
+                tile.mul_(coeff)
+            d_raw.append(tile)
+        # band k is in every prefix from cut k on: fold those tiles from the widest down, one product per band
+        folded = d_raw[-1]
+        for k in range(len(cuts) - 1, -1, -1):
+            if k < len(cuts) - 1:
+                folded.add_(d_raw[k])
+            lo, hi = bounds[k]
+            da[start:stop, lo:hi].addmm_(folded, c[:, lo:hi])
+            dc[:, lo:hi].addmm_(folded.T, a[start:stop, lo:hi])
+    if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
+        _norm_chain(da, a, inv_a, d_inv_a, bounds, plan.eps)
+        _norm_chain(dc, c, inv_c, d_inv_c, bounds, plan.eps)
+    return da, dc
 
 
 def _compute(x: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
-from ..engine.prefixes import PrefixSoftmax, Targets, prefix_plan
+from ..engine.prefixes import PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
 
 
 def check_prefixes(dims: object, weights: object, width: int | None = None) -> tuple[list[int], list[float]]:
@@ -106,11 +106,38 @@ def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: 
     if reverse is not None:
         back = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, reverse.shape[0], anchors.shape[0], chunk)
         loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, Targets()))
-    if named is not None and not torch.compiler.is_compiling() and not bool(torch.isfinite(loss.detach())):
+    if named is not None:
+        _name_non_finite(loss, named)
+    return loss
+
+
+def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]]) -> None:
+    """One host read: a non-finite loss raises ``ValueError`` naming the first non-finite input."""
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(loss.detach())):
         for name, t in named:
             if t.numel() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} has non-finite values (NaN or inf)")
-    return loss
+
+
+def _sigmoid_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> tuple[Tensor, Tensor] | None:
+    """SigLIP's ``(logit_scale, logit_bias)`` as 0-dim tensors when the prefix engine computes the call exactly
+    (two paired sets, the diagonal positives, the default options); None otherwise."""
+    from . import siglip_loss
+
+    if loss_fn is not siglip_loss or set(kwargs) != {"logit_scale", "logit_bias"} or len(tensors) != 2:
+        return None
+    if not all(t.ndim == 2 for t in tensors) or tensors[0].shape[0] != tensors[1].shape[0]:
+        return None
+    out = []
+    for name in ("logit_scale", "logit_bias"):
+        value = kwargs[name]
+        if isinstance(value, Tensor) and value.ndim == 0 and value.is_floating_point():
+            out.append(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append(torch.tensor(float(value), dtype=torch.float64, device=tensors[0].device))
+        else:
+            return None  # let the loss refuse it
+    return out[0], out[1]
 
 
 def _default(fn: Callable[..., Tensor], name: str) -> Any:
@@ -175,7 +202,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
     image-text loss (``tc.clip_loss``), ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss``
     (``pairing`` adjacent or halves) and ``tc.supcon_loss`` (labels, or the authors' views), each with a
-    float ``temperature`` and their other options at their defaults. Anything else -- other options, other
+    float ``temperature`` and their other options at their defaults; ``tc.siglip_loss`` with ``logit_scale``
+    and ``logit_bias`` (floats or 0-dim tensors, which get their gradients) and no ids. Anything else -- other options, other
     losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
@@ -187,7 +215,15 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     if any(t.shape[-1] != width for t in tensors):
         raise ValueError(f"embeddings must share their last dimension, got {[t.shape[-1] for t in tensors]}")
     dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width)
-    form = _one_pass(loss_fn, tensors, kwargs) if v.check_flag(one_pass, "one_pass") else None
+    use_one_pass = v.check_flag(one_pass, "one_pass")
+    sigmoid = _sigmoid_pass(loss_fn, tensors, kwargs) if use_one_pass else None
+    if sigmoid is not None:
+        t, b = sigmoid
+        plan = prefix_plan(dims, weights, width, 1.0, True, 1e-12, tensors[0].shape[0], tensors[1].shape[0], None)
+        loss = PrefixSigmoid.apply(tensors[0], tensors[1].to(tensors[0].dtype), plan, t, b)
+        _name_non_finite(loss, [(f"embeddings[{i}]", x) for i, x in enumerate(tensors)])
+        return loss
+    form = _one_pass(loss_fn, tensors, kwargs) if use_one_pass else None
     if form is not None:
         anchors, candidates, targets, tau, symmetric = form
         return _one_pass_loss(anchors, candidates, targets, dims, weights, v.check_positive(tau, "temperature"),
