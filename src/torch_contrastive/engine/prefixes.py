@@ -210,7 +210,7 @@ class PrefixSigmoid(torch.autograd.Function):
         da, dc = prefix_backward(anchors, candidates, plan, grad.to(dtype) / anchors.shape[0], grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None,
-                dt.to(t.dtype) if ctx.needs_input_grad[3] else None, db.to(b.dtype) if ctx.needs_input_grad[4] else None)
+                dt.to(t) if ctx.needs_input_grad[3] else None, db.to(b) if ctx.needs_input_grad[4] else None)
 
 
 def _signed(cos: Tensor, t: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
