@@ -147,7 +147,7 @@ def test_the_one_pass_forms_equal_one_call_per_prefix(name):
     from torch_contrastive.losses.matryoshka import _one_pass
 
     fn, make, kwargs = ONE_PASS[name]
-    inputs = [t.requires_grad_() for t in make(torch.Generator().manual_seed(len(name)))]
+    inputs = [t.to(DEVICE).requires_grad_() for t in make(torch.Generator().manual_seed(len(name)))]
     dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
     assert _one_pass(fn, inputs, kwargs) is not None
     got = tc.matryoshka_loss(fn, inputs, dims, weights, **kwargs)
@@ -155,6 +155,19 @@ def test_the_one_pass_forms_equal_one_call_per_prefix(name):
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
     for a, b in zip(torch.autograd.grad(got, inputs), torch.autograd.grad(want, inputs)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_validate_false_keeps_the_one_pass_and_reads_nothing_on_the_host():
+    """validate=False: the one pass still runs (it is not a reason to fall back) and a NaN input gives a
+    NaN loss instead of a host read and an error; validate=True names the input."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    x = torch.randn(8, 6, dtype=torch.float64, device=DEVICE)
+    x[3, 2] = float("nan")
+    assert _one_pass(tc.nt_xent_loss, [x], {"validate": False, "temperature": 0.2}) is not None
+    assert torch.isnan(tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], temperature=0.2, validate=False))
+    with pytest.raises(ValueError, match=r"embeddings\[0\] has non-finite"):
+        tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], temperature=0.2)
 
 
 def test_calls_the_one_pass_does_not_cover_go_per_prefix():
@@ -175,19 +188,19 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
 def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
     """The sigmoid pairs over every prefix: value and the gradients of both inputs, and of a learnable
     logit scale and bias, equal to one siglip_loss call per prefix (float64)."""
-    from torch_contrastive.losses.matryoshka import _sigmoid_pass
+    from torch_contrastive.losses.matryoshka import _one_pass
 
     g = torch.Generator().manual_seed(5)
-    img, txt = (torch.randn(9, 12, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
-    t = torch.tensor(4.0, dtype=torch.float64, requires_grad=learnable)
-    b = torch.tensor(-2.0, dtype=torch.float64, requires_grad=learnable)
+    img, txt = (torch.randn(9, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    t = torch.tensor(4.0, dtype=torch.float64, device=DEVICE, requires_grad=learnable)
+    b = torch.tensor(-2.0, dtype=torch.float64, device=DEVICE, requires_grad=learnable)
     scale, bias = (t, b) if learnable else (4.0, -2.0)
     dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
-    assert _sigmoid_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias}) is not None
+    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias}) is not None
     leaves = [img, txt, *([t, b] if learnable else [])]
     got = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, logit_scale=scale, logit_bias=bias)
     want = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, one_pass=False, logit_scale=scale, logit_bias=bias)
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
     for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
-    assert _sigmoid_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None
+    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None

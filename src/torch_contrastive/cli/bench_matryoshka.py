@@ -22,9 +22,8 @@ def prefixes(d: int) -> list[int]:
 
 def build(impl: str, x: torch.Tensor, gen: torch.Generator) -> tuple[Any, list[torch.Tensor]]:
     """``impl`` ``"ours"`` or ``"sentence-transformers"``: the closure and its leaves (queries, positives)."""
-    import torch.nn.functional as F
-
     import torch_contrastive as tc
+    from torch_contrastive.losses.matryoshka import prefix_sum, shrink
 
     n, d = x.shape
     k = torch.randn(n, d, generator=gen).to(x).requires_grad_()
@@ -35,10 +34,8 @@ def build(impl: str, x: torch.Tensor, gen: torch.Generator) -> tuple[Any, list[t
 
     peer = MultipleNegativesRankingLoss(torch.nn.Identity())  # type: ignore[arg-type]  # the model is not used on embeddings
 
-    def per_prefix() -> torch.Tensor:
-        total = torch.zeros(())
-        for p in dims:
-            total = total + peer.compute_loss_from_embeddings([F.normalize(e[:, :p], dim=-1) for e in (x, k)], None)  # type: ignore[arg-type]
-        return total
+    def per_prefix() -> torch.Tensor:  # what the peer's wrapper computes after its one forward
+        return prefix_sum(dims, [1.0] * len(dims),
+                          lambda p: peer.compute_loss_from_embeddings([shrink(e, p) for e in (x, k)], None))  # type: ignore[arg-type]
 
     return per_prefix, [x, k]

@@ -107,10 +107,8 @@ class PrefixSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets) -> Tensor:  # type: ignore[override]
-        a, c = _compute(anchors), _compute(candidates)
+        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
         n, cuts = a.shape[0], plan.cuts
-        inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
-        inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
         lse = a.new_empty(n, len(cuts))
         total = a.new_zeros(())
         counted = a.new_zeros(())  # anchors in the mean (those with a positive)
@@ -160,7 +158,8 @@ class PrefixSoftmax(torch.autograd.Function):
                 tile.masked_fill_((count == 0)[:, None], 0.0)
             return tile
 
-        g = grad.to(_compute(anchors).dtype) / counted.clamp_min(1).to(_compute(anchors).dtype)
+        dtype = _compute_dtype(anchors)
+        g = grad.to(dtype) / counted.clamp_min(1).to(dtype)
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
@@ -175,10 +174,8 @@ class PrefixSigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, t: Tensor,  # type: ignore[override]
                 b: Tensor) -> Tensor:
-        a, c = _compute(anchors), _compute(candidates)
+        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
         n, cuts = a.shape[0], plan.cuts
-        inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
-        inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
         t_, b_ = t.to(a.dtype), b.to(a.dtype)
         total = a.new_zeros(())
         for start in range(0, n, plan.strip):
@@ -194,7 +191,7 @@ class PrefixSigmoid(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None, Tensor | None]:  # type: ignore[override]
         anchors, candidates, t, b = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
-        dtype = _compute(anchors).dtype
+        dtype = _compute_dtype(anchors)
         t_, b_ = t.to(dtype), b.to(dtype)
         dt, db = t_.new_zeros(()), t_.new_zeros(())
 
@@ -227,10 +224,8 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
     prefix's logits (``s * raw * inv_a * inv_c``) handed to ``grad_tile(logits, prefix, start, stop, w g)``,
     which returns d value / d logits (it may write the logits, which must stay finite), then the
     normalisation's chain rule and the band fold, one product per band."""
-    a, c = _compute(anchors), _compute(candidates)
+    a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
     n, cuts = a.shape[0], plan.cuts
-    inv_a = _inverse_norms(a, cuts, plan.eps) if plan.normalize else None
-    inv_c = _inverse_norms(c, cuts, plan.eps) if plan.normalize else None
     da, dc = torch.zeros_like(a), torch.zeros_like(c)
     # d loss / d (inverse norm) of each row and cut, for the normalisation's chain rule at the end
     d_inv_a = a.new_zeros(n, len(cuts)) if plan.normalize else None
@@ -267,9 +262,17 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
     return da, dc
 
 
-def _compute(x: Tensor) -> Tensor:
+def _compute_dtype(x: Tensor) -> torch.dtype:
     """Half inputs compute in fp32; fp32 and fp64 in their own precision."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _operands(anchors: Tensor, candidates: Tensor, plan: PrefixPlan) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Both inputs in the compute dtype and, when the plan normalises, their inverse norms at every cut."""
+    a, c = anchors.to(_compute_dtype(anchors)), candidates.to(_compute_dtype(candidates))
+    if not plan.normalize:
+        return a, c, None, None
+    return a, c, _inverse_norms(a, plan.cuts, plan.eps), _inverse_norms(c, plan.cuts, plan.eps)
 
 
 def _weight_of(plan: PrefixPlan, cut: int) -> float:

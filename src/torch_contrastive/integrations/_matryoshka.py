@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..distributed import is_active
-from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss
+from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss, prefix_sum, shrink
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
     SYMMETRIC_PARTITION,
@@ -28,11 +27,6 @@ from .sentence_transformers import (
     _GradientCache,
     _module,
 )
-
-
-def shrink(x: Tensor, dim: int) -> Tensor:
-    """The first ``dim`` features of each row, L2-normalised (the peer's ``shrink``)."""
-    return F.normalize(x[..., :dim], p=2, dim=-1)
 
 
 def one_pass(loss: nn.Module) -> bool:
@@ -95,7 +89,8 @@ class MatryoshkaLoss(nn.Module):
         self.model = _module(model, "model")
         self.loss = _module(loss, "loss")
         width = getattr(model, "get_embedding_dimension", None)
-        dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width() if callable(width) else None)
+        self.width: int | None = width() if callable(width) else None
+        dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, self.width)
         if isinstance(n_dims_per_step, bool) or not isinstance(n_dims_per_step, int) or n_dims_per_step == 0 or n_dims_per_step < -1:
             raise ValueError(f"n_dims_per_step must be -1 (every dim) or a positive int, got {n_dims_per_step!r}")
         if hasattr(loss, "calculate_loss") and not isinstance(loss, _GradientCache):
@@ -116,8 +111,7 @@ class MatryoshkaLoss(nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
-        cached = isinstance(self.loss, _GradientCache)
-        dims, weights = self._prefixes(cached)
+        dims, weights = self._prefixes(isinstance(self.loss, _GradientCache))
         if isinstance(self.loss, _GradientCache):  # ours: one embedding pass and one replay for every prefix
             base = self.loss.embedding_loss(features, labels)
             return self.loss.cached_forward(features, labels,
@@ -145,32 +139,26 @@ class MatryoshkaLoss(nn.Module):
             base = getattr(inner, "compute_loss_from_embeddings", None)
             if base is None:
                 raise TypeError(f"{type(inner).__name__} has no compute_loss_from_embeddings: call the MatryoshkaLoss itself")
-        total: Tensor | None = None
-        for dim, weight in zip(dims, weights):
-            term = weight * base([shrink(e, dim) for e in embeddings], labels)
-            total = term if total is None else total + term
-        assert total is not None  # dims is never empty (checked when built)
-        return total
+        per_prefix = base
+        return prefix_sum(dims, weights, lambda dim: per_prefix([shrink(e, dim) for e in embeddings], labels))
 
     def _per_prefix(self, features: list[dict[str, Tensor]], labels: Tensor | None, dims: list[int],
                     weights: list[float]) -> Tensor:
         """A foreign loss, called once per prefix with the model's outputs computed once (the peer's way)."""
-        width = getattr(self.model, "get_embedding_dimension", None)
-        full = width() if callable(width) else None
         shrunk = _Shrunk(self.model.forward)
         self.model.forward = shrunk  # type: ignore[method-assign]
-        total: Tensor | None = None
+        calls = iter(range(len(dims)))
+
+        def term(dim: int) -> Tensor:
+            shrunk.prefix(dim, first=next(calls) == 0)  # the first prefix runs the model, the others reuse it
+            # distillation labels of the embedding's width are cut with it, as the peer does
+            wide = isinstance(labels, Tensor) and labels.ndim in (2, 3) and labels.shape[-1] == self.width
+            return self.loss(features, labels[..., :dim] if wide else labels)  # type: ignore[index]
+
         try:
-            for k, (dim, weight) in enumerate(zip(dims, weights)):
-                shrunk.prefix(dim, first=k == 0)
-                # distillation labels of the embedding's width are cut with it, as the peer does
-                cut = labels[..., :dim] if isinstance(labels, Tensor) and labels.ndim in (2, 3) and labels.shape[-1] == full else labels
-                term = weight * self.loss(features, cut)
-                total = term if total is None else total + term
+            return prefix_sum(dims, weights, term)
         finally:
             del self.model.forward  # the instance attribute: the class's forward again
-        assert total is not None
-        return total
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"loss": type(self.loss).__name__, "matryoshka_dims": self.matryoshka_dims,

@@ -46,6 +46,22 @@ def check_prefixes(dims: object, weights: object, width: int | None = None) -> t
     return list(dims), [float(w) for w in weights]
 
 
+def shrink(x: Tensor, dim: int) -> Tensor:
+    """The first ``dim`` features of each row (the last dimension), L2-normalised on their own."""
+    return F.normalize(x[..., :dim], p=2, dim=-1)
+
+
+def prefix_sum(dims: Sequence[int], weights: Sequence[float], term: Callable[[int], Tensor]) -> Tensor:
+    """``sum_p w_p * term(d_p)``: the per-prefix form, one call of ``term`` per prefix."""
+    total: Tensor | None = None
+    for dim, weight in zip(dims, weights):
+        value = weight * term(dim)
+        total = value if total is None else total + value
+    if total is None:
+        raise ValueError("matryoshka_dims must not be empty")
+    return total
+
+
 def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequence[int],
                              matryoshka_weights: Sequence[float] | None = None, temperature: float = 0.05, *,
                              negatives: Tensor | None = None, symmetric: bool = False, eps: float = 1e-12,
@@ -119,64 +135,91 @@ def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]]) -> None:
                 raise ValueError(f"{name} has non-finite values (NaN or inf)")
 
 
-def _sigmoid_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> tuple[Tensor, Tensor] | None:
-    """SigLIP's ``(logit_scale, logit_bias)`` as 0-dim tensors when the prefix engine computes the call exactly
-    (two paired sets, the diagonal positives, the default options); None otherwise."""
-    from . import siglip_loss
-
-    if loss_fn is not siglip_loss or set(kwargs) != {"logit_scale", "logit_bias"} or len(tensors) != 2:
-        return None
-    if not all(t.ndim == 2 for t in tensors) or tensors[0].shape[0] != tensors[1].shape[0]:
-        return None
-    out = []
-    for name in ("logit_scale", "logit_bias"):
-        value = kwargs[name]
-        if isinstance(value, Tensor) and value.ndim == 0 and value.is_floating_point():
-            out.append(value)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out.append(torch.tensor(float(value), dtype=torch.float64, device=tensors[0].device))
-        else:
-            return None  # let the loss refuse it
-    return out[0], out[1]
-
-
 def _default(fn: Callable[..., Tensor], name: str) -> Any:
     return inspect.signature(fn).parameters[name].default
 
 
-def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The one-pass form of ``loss_fn(*tensors, **kwargs)`` -- ``(anchors, candidates, targets, temperature,
-    symmetric)`` -- when the call is one the prefix engine computes exactly; None otherwise."""
+def _scalar(value: object, device: torch.device) -> Tensor | None:
+    """A float or 0-dim floating tensor as a 0-dim tensor (kept as given when a tensor); None otherwise."""
+    if isinstance(value, Tensor):
+        return value if value.ndim == 0 and value.is_floating_point() else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64, device=device)
+    return None
+
+
+#: Runs a one-pass form: ``(dims, weights, inputs to name when the loss is not finite, or None)`` -> the loss.
+OnePass = Callable[[list[int], list[float], "list[tuple[str, Tensor]] | None"], Tensor]
+
+
+def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> OnePass | None:
+    """The one-pass form of ``loss_fn(*tensors, **kwargs)`` when the prefix engine computes the call exactly
+    (``validate`` is honoured by the caller); None otherwise."""
+    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss, siglip_loss, supcon_loss
+
+    keys = set(kwargs) - {"validate"}
+    if loss_fn is siglip_loss:
+        return _sigmoid_form(tensors, kwargs, keys)
+    if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss):
+        return None
+    tau = kwargs.get("temperature", _default(loss_fn, "temperature"))
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        return None  # a tensor (learnable) temperature
+    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"temperature"})
+    if form is None:
+        return None
+    anchors, candidates, targets, symmetric = form
+    tau = v.check_positive(tau, "temperature")
+    return lambda dims, weights, named: _one_pass_loss(anchors, candidates, targets, dims, weights, tau,
+                                                       candidates if symmetric else None, 1e-12, None, named)
+
+
+def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
+    """SigLIP's sigmoid pairs: two paired sets, the diagonal positives, a float or 0-dim tensor scale and bias."""
+    if keys != {"logit_scale", "logit_bias"} or len(tensors) != 2 or any(t.ndim != 2 for t in tensors) \
+            or tensors[0].shape[0] != tensors[1].shape[0]:
+        return None
+    t, b = (_scalar(kwargs[name], tensors[0].device) for name in ("logit_scale", "logit_bias"))
+    if t is None or b is None:
+        return None  # let the loss refuse it
+    scale, bias = t, b
+
+    def sigmoid(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
+        plan = prefix_plan(dims, weights, tensors[0].shape[-1], 1.0, True, 1e-12, tensors[0].shape[0], tensors[1].shape[0], None)
+        loss = PrefixSigmoid.apply(tensors[0], tensors[1].to(tensors[0].dtype), plan, scale, bias)
+        if named is not None:
+            _name_non_finite(loss, named)
+        return loss
+
+    return sigmoid
+
+
+def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any],
+                  keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
+    """``(anchors, candidates, targets, symmetric)`` of a soft-max loss's call at its default options, or None."""
     from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss
 
-    tau = kwargs.get("temperature", _default(loss_fn, "temperature")) if loss_fn in (
-        image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss) else None
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-        return None  # a tensor (learnable) temperature, or not one of these losses
-    keys = set(kwargs) - {"temperature"}
     two_d = all(t.ndim == 2 for t in tensors)
     if loss_fn is image_text_contrastive_loss and not keys and len(tensors) == 2 and two_d:
-        return tensors[0], tensors[1], Targets(), tau, True
+        return tensors[0], tensors[1], Targets(), True
     if loss_fn is info_nce_loss and not keys and len(tensors) in (2, 3) and two_d:
         candidates = tensors[1] if len(tensors) == 2 else torch.cat([tensors[1], tensors[2].to(tensors[1].dtype)])
-        return tensors[0], candidates, Targets(), tau, False
+        return tensors[0], candidates, Targets(), False
     if loss_fn is nt_xent_loss and keys <= {"pairing"} and len(tensors) == 1 and two_d and tensors[0].shape[0] % 2 == 0:
         pairing, n = kwargs.get("pairing", _default(nt_xent_loss, "pairing")), tensors[0].shape[0]
         rows = torch.arange(n, device=tensors[0].device)
         partner = {"adjacent": rows ^ 1, "halves": (rows + n // 2) % n}.get(pairing)
-        return None if partner is None else (tensors[0], tensors[0], Targets(partner=partner, exclude_self=True), tau, False)
+        return None if partner is None else (tensors[0], tensors[0], Targets(partner=partner, exclude_self=True), False)
     if loss_fn is supcon_loss and keys <= {"labels"} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
         features, labels = tensors[0], kwargs.get("labels")
         if labels is None and features.ndim == 2:
             return None  # no positives to find: let the loss say so
         bsz = features.shape[0]
-        if labels is not None:
-            labels = v.check_labels(labels, "labels", bsz, features.device)
-        key = labels if labels is not None else torch.arange(bsz, device=features.device)
+        key = v.check_labels(labels, "labels", bsz, features.device) if labels is not None else torch.arange(bsz, device=features.device)
         views = 1 if features.ndim == 2 else features.shape[1]
         z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
         keys_all = key.repeat(views)
-        return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), tau, False
+        return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), False
     return None
 
 
@@ -203,7 +246,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     image-text loss (``tc.clip_loss``), ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss``
     (``pairing`` adjacent or halves) and ``tc.supcon_loss`` (labels, or the authors' views), each with a
     float ``temperature`` and their other options at their defaults; ``tc.siglip_loss`` with ``logit_scale``
-    and ``logit_bias`` (floats or 0-dim tensors, which get their gradients) and no ids. Anything else -- other options, other
+    and ``logit_bias`` (floats or 0-dim tensors, which get their gradients) and no ids. ``validate`` is
+    honoured on either path (False: no host read). Anything else -- other options, other
     losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
@@ -215,22 +259,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     if any(t.shape[-1] != width for t in tensors):
         raise ValueError(f"embeddings must share their last dimension, got {[t.shape[-1] for t in tensors]}")
     dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width)
-    use_one_pass = v.check_flag(one_pass, "one_pass")
-    sigmoid = _sigmoid_pass(loss_fn, tensors, kwargs) if use_one_pass else None
-    if sigmoid is not None:
-        t, b = sigmoid
-        plan = prefix_plan(dims, weights, width, 1.0, True, 1e-12, tensors[0].shape[0], tensors[1].shape[0], None)
-        loss = PrefixSigmoid.apply(tensors[0], tensors[1].to(tensors[0].dtype), plan, t, b)
-        _name_non_finite(loss, [(f"embeddings[{i}]", x) for i, x in enumerate(tensors)])
-        return loss
-    form = _one_pass(loss_fn, tensors, kwargs) if use_one_pass else None
+    form = _one_pass(loss_fn, tensors, kwargs) if v.check_flag(one_pass, "one_pass") else None
     if form is not None:
-        anchors, candidates, targets, tau, symmetric = form
-        return _one_pass_loss(anchors, candidates, targets, dims, weights, v.check_positive(tau, "temperature"),
-                              candidates if symmetric else None, 1e-12, None, [(f"embeddings[{i}]", t) for i, t in enumerate(tensors)])
-    total: Tensor | None = None
-    for dim, weight in zip(dims, weights):
-        term = weight * loss_fn(*[F.normalize(t[..., :dim], dim=-1) for t in tensors], **kwargs)
-        total = term if total is None else total + term
-    assert total is not None  # dims is never empty
-    return total
+        named = [(f"embeddings[{i}]", t) for i, t in enumerate(tensors)] if v.check_flag(kwargs.get("validate", True), "validate") else None
+        return form(dims, weights, named)
+    return prefix_sum(dims, weights, lambda dim: loss_fn(*[shrink(t, dim) for t in tensors], **kwargs))
