@@ -30,9 +30,13 @@ from torch import Tensor
 __all__ = ["Scope", "all_gather_with_grad", "gather_padded", "gather_sizes", "is_active", "make_scope"]
 
 
+#: torch built with distributed support (a property of the build, asked once, not on every loss call).
+_DIST_BUILT = dist.is_available()
+
+
 def is_active() -> bool:
     """Whether a process group of more than one rank is running."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _DIST_BUILT and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def gather_sizes(n: int, device: torch.device) -> list[int]:

@@ -318,6 +318,30 @@ def test_a_kept_plan_is_never_another_problems():
     assert make(grad_columns=4).grad_columns == 4 and first.grad_columns == 12
     assert make(options=Options(False, 1e-12, None, "torch")).normalize is False
     assert make(positives=None, self_offset=0).positives is None
+    # what the device decision is made of is part of the key too (a kept plan skips decide())
+    assert make(bound=None).fixed is False and first.fixed is True
+    assert make(options=Options(True, 1e-12, 4, "torch")).tile == 4 and first.tile == 0
+    assert make(options=Options(True, 1e-12, None, "auto")).decision.backend == "torch"
+    assert planner.plan(Problem(x[:10], x[:10], 10.0, Softmax(), self_offset=0, symmetric=True, bound=10.0,
+                                options=Options(True, 1e-12, None, "torch"))).decision.rows == 10
+    assert make(bound=100.0).fixed is False  # |S| <= 100 overflows fp32's exp, not fp64's
+    assert planner.plan(Problem(x.double(), x.double(), 10.0, Softmax(), positives=pos, self_offset=0, symmetric=True,
+                                bound=100.0, options=Options(True, 1e-12, None, "torch"))).fixed is True
+
+
+def test_a_relation_built_per_call_is_planned_afresh_and_not_held():
+    """Labels and ids give a new relation object every call: its plan is built afresh (its id() would
+    never be asked again) and the planner keeps no reference to it -- a kept plan would hold the
+    relation's N x N mask until the cache is cleared."""
+    x = torch.randn(16, 8, device=DEVICE)
+    labels = torch.arange(16, device=DEVICE) % 4
+    planner._SOFTMAX_PLANS.clear()
+    for _ in range(3):
+        tc.supcon_loss(x, labels, temperature=0.1)
+    assert not planner._SOFTMAX_PLANS
+    tc.nt_xent_loss(x, 0.1, pairing="halves")
+    tc.nt_xent_loss(x, 0.1, pairing="halves")
+    assert len(planner._SOFTMAX_PLANS) == 1  # a pairing rule's relation is built once per shape: its plan is kept
 
 
 @pytest.mark.parametrize("name", ["clip", "nt_xent", "info_nce", "nt_xent_pml", "nt_bxent"])

@@ -184,10 +184,10 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0),
     ("rows", "torch", "fp32"): PathCost(33, 16.4, 9.0, 8.25, 2.0, 2.25),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.1, 2.0, 2.25, 4, 2.67),
-    ("pair_softplus", "torch", "half"): PathCost(63, 61.7, 46.75, 66.5, 2.0, 5.0),
-    ("pair_softplus", "epilogue", "half"): PathCost(40, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0),
-    ("binary", "torch", "half"): PathCost(62, 37.9, 41.75, 45.5, 2.0, 4.0),
-    ("binary", "epilogue", "half"): PathCost(39, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0),
+    ("pair_softplus", "torch", "half"): PathCost(59, 61.7, 46.75, 66.5, 2.0, 5.0),
+    ("pair_softplus", "epilogue", "half"): PathCost(36, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0),
+    ("binary", "torch", "half"): PathCost(60, 37.9, 41.75, 45.5, 2.0, 4.0),
+    ("binary", "epilogue", "half"): PathCost(37, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0),
 }
 
 

@@ -9,7 +9,7 @@ for its block of the mask. Forward keeps O(N) statistics, backward recomputes ea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -330,16 +330,28 @@ class PairExecutor:
         ctx.combine = combine
         if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
             weights, total = combine
-            loss = sum(w * out for w, out in zip(weights, outputs)).sum() * total  # type: ignore[union-attr]
-            outputs = (loss,)
+            rows: Tensor | None = None
+            for w, out in zip(weights, outputs):  # a weight of 1.0 (PML's mean over pairs) costs no op
+                term = out if _unit(w) else w * out
+                rows = term if rows is None else rows + term
+            if rows is None:
+                raise RuntimeError("internal: combine without outputs")
+            outputs = (rows.sum() if _unit(total) else rows.sum() * total,)
         return tuple(outputs), keep
 
     def backward(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a = saved.a
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
             weights, total = ctx.combine
-            grads = tuple((grads[0] * total * w).expand(a.shape[0]) for w in weights)  # type: ignore[operator]
+            g = cast(Tensor, grads[0] if _unit(total) else grads[0] * total)  # type: ignore[operator]
+            grads = tuple((g if _unit(w) else g * w).expand(a.shape[0]) for w in weights)
         return self.gradients(ctx, plan, saved, tuple(as_dtype(g, a.dtype) for g in grads))  # type: ignore[arg-type]
+
+
+def _unit(w: object) -> bool:
+    """A float weight of exactly 1 (multiplying by it would be an op that changes nothing; a tensor
+    is never compared: that would read it on the host)."""
+    return isinstance(w, float) and w == 1.0
 
 
 class TorchPairs(PairExecutor):

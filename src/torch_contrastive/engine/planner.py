@@ -349,53 +349,72 @@ def plan(problem: Problem) -> AnyPlan:
     terms may move to the Triton kernels under ``"auto"``, the pair and sigmoid kernels stay on
     torch under ``"auto"`` until measured faster on a GPU. :func:`triton_refusal` says whether the Triton
     kernels serve the problem.
+
+    A soft-max plan is kept per key (:func:`_softmax_key`): a training loop asks the same question
+    every step, and the answer costs one dictionary look-up instead of a decision and a plan.
     """
     stat = problem.statistic
-    rows, cols = problem.shape
-    anchors, opts = problem.anchors, problem.options
-    softmax = isinstance(stat, Softmax)
-    kernel = "softmax" if softmax else "pairwise" if isinstance(stat, PairTerms) else "sigmoid"
-    fixed = stat.fixed if isinstance(stat, (Softmax, PairTerms)) else False
-    decision = decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
-                      other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
-                      bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
-                      half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),
-                      traits=Traits(int(anchors.shape[-1]), softmax and stat.columns, problem.symmetric,
-                                    stat.kernel if isinstance(stat, PairTerms) else None),
-                      triton_serves=lambda: triton_refusal(problem),
-                      epilogue_serves=lambda: epilogue_refusal(problem))
-    if softmax:
-        return _cached_softmax_plan(problem, stat, decision)
+    key = _softmax_key(problem, stat) if type(stat) is Softmax else None
+    if key is not None:
+        found = _SOFTMAX_PLANS.get(key)
+        # the kept plan holds its relation, so the relation's id() in the key is still its own
+        if found is not None and found.positives is problem.positives:
+            _record(found.decision)
+            return found
+    decision = _decision(problem, stat)
+    if isinstance(stat, Softmax):
+        chosen = _softmax_plan(problem, stat, decision)
+        if key is not None:
+            if len(_SOFTMAX_PLANS) > 256:  # many distinct problems: keep the cache small
+                _SOFTMAX_PLANS.clear()
+            _SOFTMAX_PLANS[key] = chosen
+        return chosen
     if isinstance(stat, PairTerms):
         return _pair_plan(problem, stat, decision)
     if problem.positives is None:  # Problem refuses it when built
         raise ValueError("SigmoidPairs needs positives")
     return SigmoidPlan(decision=decision, positives=problem.positives, diagonal_offset=stat.diagonal_offset,
-                       normalize=opts.normalize, eps=float(opts.eps))
+                       normalize=problem.options.normalize, eps=float(problem.options.eps))
 
 
-def _cached_softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> SoftmaxPlan:
-    """:func:`_softmax_plan`, kept per key: a training loop asks the same question every step. Only
-    problems whose every input to the plan is a plain value (or a relation built once per shape,
-    which the kept plan holds, so its ``id`` stays its own) are kept; per-call objects (an
-    exclusion, a distributed column reduction) are planned afresh."""
-    # (under torch.compile the plan is traced once anyway, and an id() of a traced object is not)
-    if stat.exclude is not None or stat.column_comm is not None or torch.compiler.is_compiling():
-        return _softmax_plan(problem, stat, decision)
+def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Decision:
+    """:func:`decide` asked about ``problem``."""
+    rows, cols = problem.shape
+    anchors, opts = problem.anchors, problem.options
+    kernel = "softmax" if isinstance(stat, Softmax) else "pairwise" if isinstance(stat, PairTerms) else "sigmoid"
+    fixed = stat.fixed if isinstance(stat, (Softmax, PairTerms)) else False
+    return decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
+                  other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
+                  bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
+                  half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),
+                  traits=Traits(int(anchors.shape[-1]), isinstance(stat, Softmax) and stat.columns, problem.symmetric,
+                                stat.kernel if isinstance(stat, PairTerms) else None),
+                  triton_serves=lambda: triton_refusal(problem),
+                  epilogue_serves=lambda: epilogue_refusal(problem))
+
+
+def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
+    """Everything a soft-max plan is decided from, as a dictionary key; None for a problem that
+    is planned afresh every call: a per-call object in it (an exclusion, a distributed column
+    reduction, a relation other than a partner -- labels and ids give a new relation every call,
+    which a kept plan would only hold on to), an explicit kernel backend (its refusal depends on more than the key), a
+    simulated device (:func:`simulate`: counting, not a hot path) or a traced call (under
+    ``torch.compile`` the plan is traced once anyway, and an ``id()`` of a traced object is not
+    its own)."""
     opts = problem.options
-    key = (decision, id(problem.positives), problem.self_offset, problem.symmetric, problem.grad_columns, problem.shape[1],
-           opts.normalize, opts.eps, stat.columns, stat.column_positives, stat.columns_share_alpha,
-           stat.row_weights[0] is not None)
-    found = _SOFTMAX_PLANS.get(key)
-    if found is None or found.positives is not problem.positives:
-        found = _softmax_plan(problem, stat, decision)
-        if len(_SOFTMAX_PLANS) > 256:  # many distinct problems: keep the cache small
-            _SOFTMAX_PLANS.clear()
-        _SOFTMAX_PLANS[key] = found
-    return found
+    positives = problem.positives
+    if stat.exclude is not None or stat.column_comm is not None or opts.backend not in ("auto", "torch") \
+            or not (positives is None or isinstance(positives, PartnerPositives)) or _SIMULATED is not None \
+            or torch.compiler.is_compiling():
+        return None
+    a, c = problem.anchors, problem.candidates
+    return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,
+            problem.bound, GPU_BUDGET, PRODUCTS, id(positives), problem.self_offset,
+            problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
+            stat.columns_share_alpha, stat.row_weights[0] is not None)
 
 
-#: :func:`_cached_softmax_plan`'s plans by their key.
+#: :func:`plan`'s soft-max plans by :func:`_softmax_key`.
 _SOFTMAX_PLANS: dict[tuple[Any, ...], SoftmaxPlan] = {}
 
 

@@ -208,6 +208,7 @@ def _constant_weights(stat: Statistic) -> None:
         weights = (*stat.combine[0], stat.combine[1])
     else:
         return
-    if any(isinstance(w, Tensor) and w.requires_grad for w in weights):
-        raise ValueError(f"{type(stat).__name__}: weights must not require grad (the engine treats them as constants; "
-                         "the loss adds a learnable weight's gradient itself)")
+    for w in weights:  # a loop, not any() over a generator: this runs on every loss call
+        if isinstance(w, Tensor) and w.requires_grad:
+            raise ValueError(f"{type(stat).__name__}: weights must not require grad (the engine treats them as constants; "
+                             "the loss adds a learnable weight's gradient itself)")

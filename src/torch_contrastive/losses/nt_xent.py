@@ -138,8 +138,9 @@ def nt_xent_loss(
                                   combine=None if reduction == "none" or scope.distributed else per_pair_mean, reference=reference,
                                   backend=backend)
     check_output = v.output_needs_check(normalize, rows.scale_bound)
-    return reduce(rows.outputs[0], rows.counts.sum(), reduction, scope, checks, check_output,
-                  inside=rows.outputs[0].ndim == 0)
+    inside_total = rows.outputs[0].ndim == 0  # reduced inside: the pair count is not needed again
+    return reduce(rows.outputs[0], 1.0 if inside_total else rows.counts.sum(), reduction, scope, checks, check_output,
+                  inside=inside_total)
 
 
 def _check_dcl(decoupled: object, positive_weight: object, labels: Tensor | None, n: int,
