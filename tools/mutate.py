@@ -608,6 +608,15 @@ MUTATIONS = [
              "NT-Xent's pairings swapped in the one pass", ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{E}/prefixes.py", "            db = db + weight * tile.sum()", "            db = db + tile.sum()",
              "the bias's gradient ignores the prefix weight and the incoming gradient", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/planner.py", "    return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,\n"
+             "            problem.bound,", "    return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,\n"
+             "            None,", "a kept plan answers a problem with another bound (the regime decided for the first)",
+             ("tests/engine/test_planner.py",)),
+    Mutation(f"{E}/planner.py", "            or not (positives is None or isinstance(positives, PartnerPositives)) or _SIMULATED is not None \\\n",
+             "            or _SIMULATED is not None \\\n", "the planner's cache holds every per-call relation",
+             ("tests/engine/test_planner.py",)),
+    Mutation(f"{E}/pairwise.py", "    return isinstance(w, float) and w == 1.0", "    return isinstance(w, float)",
+             "a pair-term weight other than 1.0 is skipped as if it were 1.0", ("tests/engine/test_engine.py", "tests/losses")),
 ]
 
 
