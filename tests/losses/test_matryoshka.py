@@ -137,6 +137,27 @@ ONE_PASS = {
     "supcon_views": (tc.supcon_loss, lambda g: [torch.randn(5, 3, 12, generator=g, dtype=torch.float64)], {}),
     "supcon_views_labels": (tc.supcon_loss, lambda g: [torch.randn(5, 2, 12, generator=g, dtype=torch.float64)],
                             {"labels": torch.tensor([0, 1, 0, 2, 1])}),
+    # the options the one pass honours: sums, strips, a floor, validate off, normalize (a no-op on unit prefixes)
+    "supcon_sum_strips": (tc.supcon_loss, lambda g: [torch.randn(11, 12, generator=g, dtype=torch.float64)],
+                          {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "reduction": "sum", "chunk_size": 4}),
+    "nt_xent_options": (tc.nt_xent_loss, lambda g: [torch.randn(10, 12, generator=g, dtype=torch.float64)],
+                        {"reduction": "sum", "chunk_size": 3, "eps": 1e-8, "normalize": False, "validate": False, "backend": "torch"}),
+    "info_nce_sum": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (9, 9, 4)],
+                     {"reduction": "sum"}),
+    # DCL: the positive leaves the soft-max (one pair alone in its batch: no candidate left, 0)
+    "nt_xent_decoupled": (tc.nt_xent_loss, lambda g: [torch.randn(10, 12, generator=g, dtype=torch.float64)],
+                          {"decoupled": True, "pairing": "halves", "temperature": 0.2}),
+    "nt_xent_decoupled_alone": (tc.nt_xent_loss, lambda g: [torch.randn(2, 12, generator=g, dtype=torch.float64)],
+                                {"decoupled": True}),
+    "clip_decoupled": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                       {"decoupled": True, "temperature": 0.1}),
+    # CLIP's duplicates by ids, normalised by the positive pairs; one id tensor, both, and "sum" (N times the mean)
+    "clip_ids": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                 {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "text_id": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 1])}),
+    "clip_image_ids_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                           {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "reduction": "sum", "chunk_size": 2}),
+    "clip_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                 {"reduction": "sum", "label_smoothing": 0.0}),
 }
 
 
@@ -177,7 +198,9 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
     for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"labels": labels}), (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
                                 (tc.clip_loss, [x, x], {"temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
-                                (tc.supcon_loss, [x], {})):
+                                (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"reduction": "none"}),
+                                (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1}),
+                                (tc.clip_loss, [x, x], {"decoupled": True, "image_id": labels}), (tc.nt_xent_loss, [x], {"eps": 2.0})):
         assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
     got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], labels=labels, temperature=0.2)  # PML's convention, per prefix
     want = sum(tc.nt_xent_loss(F.normalize(x[:, :d], dim=-1), 0.2, labels=labels) for d in (6, 3))

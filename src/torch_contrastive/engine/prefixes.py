@@ -43,6 +43,7 @@ class PrefixPlan:
         normalize: each prefix normalised on its own (cosine similarity); False: raw dot products.
         eps: the normalisation floor.
         strip: anchor rows per strip.
+        mean: each prefix's loss is the mean over the counted anchors (False: their sum).
     """
 
     cuts: tuple[int, ...]
@@ -52,6 +53,7 @@ class PrefixPlan:
     normalize: bool
     eps: float
     strip: int
+    mean: bool = True
 
 
 @dataclass(frozen=True)
@@ -62,22 +64,33 @@ class Targets:
         partner: (N,) the positive column of each anchor; None with no keys: column ``i`` (two sets,
             InfoNCE / CLIP).
         row_keys: (N,) with ``col_keys`` (M,): the positives of anchor ``i`` are the columns of its key
-            (SupCon); an anchor without a positive is left out of the mean.
+            (SupCon); an anchor without a positive is left out of the mean. A tuple of keys on each side:
+            a column is a positive when any key matches (CLIP's image ids or text ids).
         col_keys: see ``row_keys``.
         exclude_self: a single set (candidates are the anchors): column ``i`` is anchor ``i`` itself,
             left out of the soft-max and of the positives.
+        exclude_positive: DCL (one positive per anchor): the positive leaves the soft-max too; an anchor
+            left without a candidate contributes 0.
+        by_pairs: with keys, every positive pair weighs alike -- ``sum_ij gt_ij (LSE_i - S_ij) / sum gt``,
+            CLIP's normalisation with ids -- instead of every anchor alike (SupCon's mean over anchors).
     """
 
     partner: Tensor | None = None
-    row_keys: Tensor | None = None
-    col_keys: Tensor | None = None
+    row_keys: Tensor | tuple[Tensor, ...] | None = None
+    col_keys: Tensor | tuple[Tensor, ...] | None = None
     exclude_self: bool = False
+    exclude_positive: bool = False
+    by_pairs: bool = False
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
         the positives per row)."""
         if self.row_keys is not None and self.col_keys is not None:
-            mask = self.row_keys[start:stop, None] == self.col_keys[None, :]
+            rows = self.row_keys if isinstance(self.row_keys, tuple) else (self.row_keys,)
+            cols = self.col_keys if isinstance(self.col_keys, tuple) else (self.col_keys,)
+            mask = rows[0][start:stop, None] == cols[0][None, :]
+            for r, c in zip(rows[1:], cols[1:]):
+                mask |= r[start:stop, None] == c[None, :]
             if self.exclude_self:
                 mask[torch.arange(stop - start, device=device), torch.arange(start, stop, device=device)] = False
             return None, mask, mask.sum(1)
@@ -116,21 +129,31 @@ class PrefixSoftmax(torch.autograd.Function):
             stop = min(start + plan.strip, n)
             rows = torch.arange(stop - start, device=a.device)
             cols, mask, count = targets.strip(start, stop, a.device)
-            counted = counted + (stop - start if count is None else (count > 0).sum())
+            counted = counted + (stop - start if count is None else count.sum() if targets.by_pairs else (count > 0).sum())
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
                 if targets.exclude_self:
                     logits[rows, rows + start] = -torch.inf
-                lse[start:stop, k] = torch.logsumexp(logits, 1)
                 if mask is None or count is None:
-                    per_row = lse[start:stop, k] - logits[rows, cols]  # type: ignore[union-attr]
+                    positive = logits[rows, cols]  # type: ignore[index]  # a copy: DCL then leaves the entry out
+                    if targets.exclude_positive:
+                        logits[rows, cols] = -torch.inf  # type: ignore[index]
+                    lse[start:stop, k] = torch.logsumexp(logits, 1)
+                    per_row = lse[start:stop, k] - positive
+                    if targets.exclude_positive:  # an anchor without a candidate left: 0
+                        per_row = torch.where(torch.isneginf(lse[start:stop, k]), 0.0, per_row)
+                elif targets.by_pairs:  # |P(i)| LSE_i - sum of the positives' logits
+                    lse[start:stop, k] = torch.logsumexp(logits, 1)
+                    per_row = count * lse[start:stop, k] - torch.where(mask, logits, 0.0).sum(1)
                 else:  # the mean of the positives' logits; an anchor without one is left out
+                    lse[start:stop, k] = torch.logsumexp(logits, 1)
                     positive = torch.where(mask, logits, 0.0).sum(1) / count.clamp_min(1)
                     per_row = torch.where(count > 0, lse[start:stop, k] - positive, 0.0)
                 total = total + _weight_of(plan, k) * per_row.sum()
         ctx.save_for_backward(anchors, candidates, lse, counted)
         ctx.plan, ctx.targets = plan, targets
-        return (total / counted.clamp_min(1)).to(torch.promote_types(anchors.dtype, torch.float32))
+        value = total / counted.clamp_min(1) if plan.mean else total
+        return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
@@ -146,20 +169,30 @@ class PrefixSoftmax(torch.autograd.Function):
                 strip[start] = targets.strip(start, stop, device)
             cols, mask, count = strip[start]
             rows = torch.arange(stop - start, device=device)
+            apart = targets.exclude_positive and (mask is None or count is None)
             if targets.exclude_self:
                 logits[rows, rows + start] = -torch.inf
+            positive = logits[rows, cols] if apart else None  # type: ignore[index]
+            if apart:
+                logits[rows, cols] = -torch.inf  # type: ignore[index]
             tile = logits.sub(lse[start:stop, k, None]).exp_()
             if targets.exclude_self:
                 logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
+            if positive is not None:
+                logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back
             if mask is None or count is None:
                 tile[rows, cols] -= 1.0  # type: ignore[index]
+                if apart:  # an anchor left without a candidate contributed 0: no gradient (its tile is inf / NaN)
+                    tile.masked_fill_(torch.isneginf(lse[start:stop, k])[:, None], 0.0)
+            elif targets.by_pairs:
+                tile.mul_(count[:, None].to(tile.dtype)).sub_(mask.to(tile.dtype))
             else:
                 tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
                 tile.masked_fill_((count == 0)[:, None], 0.0)
             return tile
 
         dtype = _compute_dtype(anchors)
-        g = grad.to(dtype) / counted.clamp_min(1).to(dtype)
+        g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
@@ -298,7 +331,7 @@ def _norm_chain(dx: Tensor, x: Tensor, inv: Tensor, d_inv: Tensor, bounds: list[
 
 
 def prefix_plan(dims: list[int], weights: list[float], width: int, scale: float, normalize: bool, eps: float,
-                rows: int, cols: int, strip: int | None) -> PrefixPlan:
+                rows: int, cols: int, strip: int | None, mean: bool = True) -> PrefixPlan:
     """The plan of one call: the distinct prefix ends and each prefix's place among them, and the strip
     height (``strip``, or as many rows as keep one strip's tiles -- a running sum, a tile per prefix --
     near 64 MiB)."""
@@ -309,4 +342,4 @@ def prefix_plan(dims: list[int], weights: list[float], width: int, scale: float,
         per_row = max(1, cols * 4 * (len(cuts) + 2))
         strip = int(max(1, min(rows, (64 << 20) // per_row)))
     return PrefixPlan(cuts, tuple(cuts.index(d) for d in dims), tuple(float(w) for w in weights), float(scale), normalize,
-                      float(eps), strip)
+                      float(eps), strip, mean)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..engine.prefixes import PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
+from ..options import shared
 
 
 def check_prefixes(dims: object, weights: object, width: int | None = None) -> tuple[list[int], list[float]]:
@@ -112,16 +113,20 @@ def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequen
 
 
 def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float], tau: float,
-                   reverse: Tensor | None, eps: float, chunk: int | None, named: list[tuple[str, Tensor]] | None) -> Tensor:
+                   reverse: Tensor | None, eps: float, chunk: int | None, named: list[tuple[str, Tensor]] | None, *,
+                   mean: bool = True, factor: float = 1.0) -> Tensor:
     """Every prefix's loss of ``anchors`` against ``candidates`` in one pass; with ``reverse``, averaged with
-    ``reverse``'s rows against the anchors (row ``i``'s positive: anchor ``i``). ``named``: the inputs to
-    name when the loss is not finite (None: no host read)."""
+    ``reverse``'s rows against the anchors (row ``i``'s positives: as anchor ``i``'s, the relation being
+    symmetric). ``named``: the inputs to name when the loss is not finite (None: no host read). ``mean``:
+    each prefix's mean over its counted anchors (False: their sum), times ``factor``."""
     width = anchors.shape[-1]
-    plan = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, anchors.shape[0], candidates.shape[0], chunk)
+    plan = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean)
     loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets)
     if reverse is not None:
-        back = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, reverse.shape[0], anchors.shape[0], chunk)
-        loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, Targets()))
+        back = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean)
+        loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, targets))
+    if factor != 1.0:
+        loss = loss * factor
     if named is not None:
         _name_non_finite(loss, named)
     return loss
@@ -152,26 +157,49 @@ def _scalar(value: object, device: torch.device) -> Tensor | None:
 OnePass = Callable[[list[int], list[float], "list[tuple[str, Tensor]] | None"], Tensor]
 
 
+#: The shared options (:mod:`torch_contrastive.options`) the soft-max one pass honours itself.
+_SHARED = ("normalize", "reduction", "chunk_size", "gather", "grad_reduction", "eps", "validate", "backend")
+
+
 def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> OnePass | None:
     """The one-pass form of ``loss_fn(*tensors, **kwargs)`` when the prefix engine computes the call exactly
     (``validate`` is honoured by the caller); None otherwise."""
     from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss, siglip_loss, supcon_loss
 
-    keys = set(kwargs) - {"validate"}
     if loss_fn is siglip_loss:
-        return _sigmoid_form(tensors, kwargs, keys)
+        return _sigmoid_form(tensors, kwargs, set(kwargs) - {"validate"})
     if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss):
         return None
     tau = kwargs.get("temperature", _default(loss_fn, "temperature"))
     if isinstance(tau, bool) or not isinstance(tau, (int, float)):
         return None  # a tensor (learnable) temperature
-    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"temperature"})
+    options = _shared_options(kwargs)
+    if options is None:
+        return None
+    chunk, mean = options
+    form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
     if form is None:
         return None
     anchors, candidates, targets, symmetric = form
     tau = v.check_positive(tau, "temperature")
+    # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
+    times_rows = loss_fn is image_text_contrastive_loss and not mean
     return lambda dims, weights, named: _one_pass_loss(anchors, candidates, targets, dims, weights, tau,
-                                                       candidates if symmetric else None, 1e-12, None, named)
+                                                       candidates if symmetric else None, 1e-12, chunk, named,
+                                                       mean=mean or times_rows,
+                                                       factor=float(anchors.shape[0]) if times_rows else 1.0)
+
+
+def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, bool] | None:
+    """``(strip rows, mean)`` from the shared options of a soft-max loss's call, checked as the loss checks
+    them (the same errors); None where the one pass does not compute that call: ``reduction="none"``,
+    ``gather=True``, a kernel backend, or a floor ``eps >= 1`` (which would shrink the unit prefixes).
+    ``normalize`` changes nothing here: every prefix arrives normalised (as :func:`shrink` gives it)."""
+    given = {name: kwargs[name] for name in _SHARED if name in kwargs}
+    options = shared(**given)
+    if options.reduction == "none" or options.gather or options.backend not in ("auto", "torch") or options.eps >= 1.0:
+        return None
+    return options.chunk_size, options.reduction == "mean"
 
 
 def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
@@ -196,20 +224,24 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
 
 def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any],
                   keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
-    """``(anchors, candidates, targets, symmetric)`` of a soft-max loss's call at its default options, or None."""
+    """``(anchors, candidates, targets, symmetric)`` of a soft-max loss's call (``keys``: its arguments
+    besides the temperature and the shared options), or None."""
     from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss
 
     two_d = all(t.ndim == 2 for t in tensors)
-    if loss_fn is image_text_contrastive_loss and not keys and len(tensors) == 2 and two_d:
-        return tensors[0], tensors[1], Targets(), True
+    if loss_fn is image_text_contrastive_loss and len(tensors) == 2 and two_d:
+        return _image_text_form(tensors, kwargs, keys)
     if loss_fn is info_nce_loss and not keys and len(tensors) in (2, 3) and two_d:
         candidates = tensors[1] if len(tensors) == 2 else torch.cat([tensors[1], tensors[2].to(tensors[1].dtype)])
         return tensors[0], candidates, Targets(), False
-    if loss_fn is nt_xent_loss and keys <= {"pairing"} and len(tensors) == 1 and two_d and tensors[0].shape[0] % 2 == 0:
+    if loss_fn is nt_xent_loss and keys <= {"pairing", "decoupled"} and len(tensors) == 1 and two_d and tensors[0].shape[0] % 2 == 0:
         pairing, n = kwargs.get("pairing", _default(nt_xent_loss, "pairing")), tensors[0].shape[0]
+        decoupled = kwargs.get("decoupled", False)
         rows = torch.arange(n, device=tensors[0].device)
         partner = {"adjacent": rows ^ 1, "halves": (rows + n // 2) % n}.get(pairing)
-        return None if partner is None else (tensors[0], tensors[0], Targets(partner=partner, exclude_self=True), False)
+        if partner is None or not isinstance(decoupled, bool):
+            return None  # let the loss refuse it
+        return tensors[0], tensors[0], Targets(partner=partner, exclude_self=True, exclude_positive=decoupled), False
     if loss_fn is supcon_loss and keys <= {"labels"} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
         features, labels = tensors[0], kwargs.get("labels")
         if labels is None and features.ndim == 2:
@@ -221,6 +253,27 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
         keys_all = key.repeat(views)
         return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), False
     return None
+
+
+def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
+    """CLIP's two directions: the diagonal positives, DCL's excluded diagonal, or duplicates by ids (an image
+    and a text are positives when their image ids or their text ids match; a missing id tensor: every image,
+    or text, distinct) with the loss normalised by the positive pairs."""
+    if not keys <= {"image_id", "text_id", "decoupled", "label_smoothing"} or kwargs.get("label_smoothing", 0.0) != 0.0:
+        return None
+    images, texts = tensors
+    if images.shape[0] != texts.shape[0]:
+        return None  # let the loss say so
+    n, device = images.shape[0], images.device
+    decoupled = kwargs.get("decoupled", False)
+    ids = [kwargs.get(name) for name in ("image_id", "text_id")]
+    if not isinstance(decoupled, bool) or (decoupled and any(i is not None for i in ids)):
+        return None
+    if all(i is None for i in ids):
+        return images, texts, Targets(exclude_positive=decoupled), True
+    own = torch.arange(n, device=device)  # a missing id tensor: every row its own id
+    keys_given = tuple(own if i is None else v.check_labels(i, name, n, device) for i, name in zip(ids, ("image_id", "text_id")))
+    return images, texts, Targets(row_keys=keys_given, col_keys=keys_given, by_pairs=True), True
 
 
 def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor], matryoshka_dims: Sequence[int],
@@ -243,12 +296,15 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
         the weighted sum of the prefixes' losses (``loss_fn``'s reduction).
 
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
-    image-text loss (``tc.clip_loss``), ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss``
-    (``pairing`` adjacent or halves) and ``tc.supcon_loss`` (labels, or the authors' views), each with a
-    float ``temperature`` and their other options at their defaults; ``tc.siglip_loss`` with ``logit_scale``
-    and ``logit_bias`` (floats or 0-dim tensors, which get their gradients) and no ids. ``validate`` is
-    honoured on either path (False: no host read). Anything else -- other options, other
-    losses -- is one call per prefix (``sum(d_p)`` products per pair).
+    image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates or ``decoupled=True``),
+    ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
+    ``decoupled=True``) and ``tc.supcon_loss`` (labels, or the authors' views), each with a float
+    ``temperature`` and the shared options ``reduction`` (``"mean"`` or ``"sum"``), ``chunk_size`` (the
+    strip), ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
+    ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
+    gradients) and no ids. ``validate`` is honoured on either path (False: no host read). Anything else --
+    ``reduction="none"``, ``gather=True``, label smoothing, a learnable soft-max temperature, the PML and
+    NT-BXent label conventions, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
