@@ -156,6 +156,17 @@ ONE_PASS = {
                  {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "text_id": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 1])}),
     "clip_image_ids_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                            {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "reduction": "sum", "chunk_size": 2}),
+    # the label conventions scored pair by pair: PML's NT-Xent (a class alone: no pair; one class: no negative) and NT-BXent
+    "nt_xent_pml": (tc.nt_xent_loss, lambda g: [torch.randn(11, 12, generator=g, dtype=torch.float64)],
+                    {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "temperature": 0.2}),
+    "nt_xent_pml_sum_strips": (tc.nt_xent_loss, lambda g: [torch.randn(11, 12, generator=g, dtype=torch.float64)],
+                               {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "reduction": "sum", "chunk_size": 4}),
+    "nt_xent_pml_one_class": (tc.nt_xent_loss, lambda g: [torch.randn(6, 12, generator=g, dtype=torch.float64)],
+                              {"labels": torch.tensor([1, 1, 1, 0, 1, 1])}),
+    "nt_bxent": (tc.nt_bxent_loss, lambda g: [torch.randn(11, 12, generator=g, dtype=torch.float64)],
+                 {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "temperature": 0.3}),
+    "nt_bxent_sum_strips": (tc.nt_bxent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                            {"labels": torch.tensor([2, 2, 2, 2, 2, 2, 2]), "reduction": "sum", "chunk_size": 3}),
     "clip_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                  {"reduction": "sum", "label_smoothing": 0.0}),
 }
@@ -196,15 +207,17 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
 
     x = torch.randn(8, 6, dtype=torch.float64)
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
-    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"labels": labels}), (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
+    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"labels": labels, "memory_emb": x, "memory_labels": labels}),
+                                (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
+                                (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.clip_loss, [x, x], {"temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
                                 (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"reduction": "none"}),
                                 (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1}),
                                 (tc.clip_loss, [x, x], {"decoupled": True, "image_id": labels}), (tc.nt_xent_loss, [x], {"eps": 2.0})):
         assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
-    got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], labels=labels, temperature=0.2)  # PML's convention, per prefix
-    want = sum(tc.nt_xent_loss(F.normalize(x[:, :d], dim=-1), 0.2, labels=labels) for d in (6, 3))
-    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], labels=labels, temperature=0.2, reduction="none")  # per prefix
+    want = sum(tc.nt_xent_loss(F.normalize(x[:, :d], dim=-1), 0.2, labels=labels, reduction="none") for d in (6, 3))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("learnable", [False, True])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
-from ..engine.prefixes import PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
+from ..engine.prefixes import PrefixPairs, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
 
 
@@ -164,11 +164,11 @@ _SHARED = ("normalize", "reduction", "chunk_size", "gather", "grad_reduction", "
 def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any]) -> OnePass | None:
     """The one-pass form of ``loss_fn(*tensors, **kwargs)`` when the prefix engine computes the call exactly
     (``validate`` is honoured by the caller); None otherwise."""
-    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss, siglip_loss, supcon_loss
+    from . import image_text_contrastive_loss, info_nce_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
     if loss_fn is siglip_loss:
         return _sigmoid_form(tensors, kwargs, set(kwargs) - {"validate"})
-    if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss):
+    if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss, nt_bxent_loss):
         return None
     tau = kwargs.get("temperature", _default(loss_fn, "temperature"))
     if isinstance(tau, bool) or not isinstance(tau, (int, float)):
@@ -177,6 +177,9 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     if options is None:
         return None
     chunk, mean = options
+    if loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss):
+        return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
+                          v.check_positive(tau, "temperature"), chunk, mean)
     form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
     if form is None:
         return None
@@ -188,6 +191,27 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
                                                        candidates if symmetric else None, 1e-12, chunk, named,
                                                        mean=mean or times_rows,
                                                        factor=float(anchors.shape[0]) if times_rows else 1.0)
+
+
+def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float, chunk: int | None,
+               mean: bool) -> OnePass | None:
+    """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefixes.PrefixPairs`):
+    pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
+    a single (N, D) set; None for anything else (memory, references, index pairs: one call per prefix)."""
+    if keys != {"labels"} or len(tensors) != 1 or tensors[0].ndim != 2:
+        return None
+    x = tensors[0]
+    labels = v.check_labels(kwargs["labels"], "labels", x.shape[0], x.device)
+    kernel = "binary" if binary else "pair_softplus"
+
+    def pairs(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
+        plan = prefix_plan(dims, weights, x.shape[-1], 1.0 / tau, True, 1e-12, x.shape[0], x.shape[0], chunk, mean)
+        loss = PrefixPairs.apply(x, x, plan, labels, kernel)
+        if named is not None:
+            _name_non_finite(loss, named)
+        return loss
+
+    return pairs
 
 
 def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, bool] | None:
@@ -298,7 +322,9 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
     image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates or ``decoupled=True``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
-    ``decoupled=True``) and ``tc.supcon_loss`` (labels, or the authors' views), each with a float
+    ``decoupled=True``), ``tc.supcon_loss`` (labels, or the authors' views) and the label conventions scored
+    pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
+    each with a float
     ``temperature`` and the shared options ``reduction`` (``"mean"`` or ``"sum"``), ``chunk_size`` (the
     strip), ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
