@@ -608,15 +608,25 @@ MUTATIONS = [
              "NT-Xent's pairings swapped in the one pass", ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{E}/prefixes.py", "            db = db + weight * tile.sum()", "            db = db + tile.sum()",
              "the bias's gradient ignores the prefix weight and the incoming gradient", ("tests/losses/test_matryoshka.py",)),
-    Mutation(f"{E}/planner.py", "    return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,\n"
-             "            problem.bound,", "    return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,\n"
-             "            None,", "a kept plan answers a problem with another bound (the regime decided for the first)",
+    Mutation(f"{E}/planner.py", "            problem.bound, GPU_BUDGET,", "            None, GPU_BUDGET,",
+             "a kept plan answers a problem with another bound (the regime decided for the first)",
              ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/planner.py", "            or not (positives is None or isinstance(positives, PartnerPositives)) or _SIMULATED is not None \\\n",
              "            or _SIMULATED is not None \\\n", "the planner's cache holds every per-call relation",
              ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/pairwise.py", "    return isinstance(w, float) and w == 1.0", "    return isinstance(w, float)",
              "a pair-term weight other than 1.0 is skipped as if it were 1.0", ("tests/engine/test_engine.py", "tests/losses")),
+    Mutation(f"{E}/prefixes.py", "            return tile.add_(col_tile).mul_(0.5)", "            return tile.add_(col_tile)",
+             "CLIP's column pass counts both directions in full in the gradient", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        self.sums[:, k] += torch.exp(logits - scale).sum(0)", "        self.sums[:, k] += torch.exp(logits).sum(0)",
+             "the column exp-sums lose their fixed shift", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "                logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back\n",
+             "                logits[rows, cols] = 0.0  # type: ignore[index]\n",
+             "DCL's positive is read back as 0 by the normalisation's chain rule", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "                share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)",
+             "                share = torch.where(neg, torch.exp(logits - row_lse), 0.0)",
+             "PML's one pass gives each negative its soft-max share unweighted by the row's positives",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

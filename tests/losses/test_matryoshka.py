@@ -167,6 +167,11 @@ ONE_PASS = {
                  {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "temperature": 0.3}),
     "nt_bxent_sum_strips": (tc.nt_bxent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
                             {"labels": torch.tensor([2, 2, 2, 2, 2, 2, 2]), "reduction": "sum", "chunk_size": 3}),
+    # beyond the column pass's fixed shift (1 / tau > 340 in fp64): the two directions as two passes
+    "clip_ids_cold": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                      {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "temperature": 0.002}),
+    "clip_decoupled_one_row": (tc.clip_loss, lambda g: [torch.randn(1, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                               {"decoupled": True}),
     "clip_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                  {"reduction": "sum", "label_smoothing": 0.0}),
 }

@@ -73,6 +73,9 @@ class Targets:
             left without a candidate contributes 0.
         by_pairs: with keys, every positive pair weighs alike -- ``sum_ij gt_ij (LSE_i - S_ij) / sum gt``,
             CLIP's normalisation with ids -- instead of every anchor alike (SupCon's mean over anchors).
+        columns: CLIP's second direction too (two sets of the same rows, a symmetric relation: one
+            positive per row on the diagonal, or keys by pairs): each candidate's soft-max over the
+            anchors, the loss the mean of both directions.
     """
 
     partner: Tensor | None = None
@@ -81,6 +84,7 @@ class Targets:
     exclude_self: bool = False
     exclude_positive: bool = False
     by_pairs: bool = False
+    columns: bool = False
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
@@ -116,48 +120,44 @@ def _prefix_products(a: Tensor, c: Tensor, cuts: tuple[int, ...]) -> Iterator[Te
 
 
 class PrefixSoftmax(torch.autograd.Function):
-    """Soft-max cross-entropy over every prefix (see the module docstring): ``(anchors, candidates, plan, targets)``."""
+    """Soft-max cross-entropy over every prefix (see the module docstring): ``(anchors, candidates, plan, targets)``.
+
+    With ``targets.columns`` (two sets of the same rows, CLIP's both directions) each tile also feeds its
+    columns' soft-max: their exp-sums accumulate over the strips under the fixed shift ``s`` (unit rows
+    bound every logit by ``s``, so ``exp(S - s)`` neither overflows nor -- for ``s`` within
+    :data:`COLUMN_SCALE_LIMIT` -- underflows to nothing), and the loss is the mean of both directions:
+    one product pass for the two, forward and backward."""
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets) -> Tensor:  # type: ignore[override]
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
+        columns = _Columns(c.shape[0], len(cuts), a) if targets.columns else None
         total = a.new_zeros(())
-        counted = a.new_zeros(())  # anchors in the mean (those with a positive)
+        counted = a.new_zeros(())  # anchors in the mean (those with a positive), or positive pairs
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
-            rows = torch.arange(stop - start, device=a.device)
             cols, mask, count = targets.strip(start, stop, a.device)
             counted = counted + (stop - start if count is None else count.sum() if targets.by_pairs else (count > 0).sum())
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
-                if targets.exclude_self:
-                    logits[rows, rows + start] = -torch.inf
-                if mask is None or count is None:
-                    positive = logits[rows, cols]  # type: ignore[index]  # a copy: DCL then leaves the entry out
-                    if targets.exclude_positive:
-                        logits[rows, cols] = -torch.inf  # type: ignore[index]
-                    lse[start:stop, k] = torch.logsumexp(logits, 1)
-                    per_row = lse[start:stop, k] - positive
-                    if targets.exclude_positive:  # an anchor without a candidate left: 0
-                        per_row = torch.where(torch.isneginf(lse[start:stop, k]), 0.0, per_row)
-                elif targets.by_pairs:  # |P(i)| LSE_i - sum of the positives' logits
-                    lse[start:stop, k] = torch.logsumexp(logits, 1)
-                    per_row = count * lse[start:stop, k] - torch.where(mask, logits, 0.0).sum(1)
-                else:  # the mean of the positives' logits; an anchor without one is left out
-                    lse[start:stop, k] = torch.logsumexp(logits, 1)
-                    positive = torch.where(mask, logits, 0.0).sum(1) / count.clamp_min(1)
-                    per_row = torch.where(count > 0, lse[start:stop, k] - positive, 0.0)
+                per_row, positive = _row_terms(logits, lse, k, start, stop, targets, cols, mask, count)
                 total = total + _weight_of(plan, k) * per_row.sum()
-        ctx.save_for_backward(anchors, candidates, lse, counted)
+                if columns is not None:
+                    columns.add(logits, k, plan.scale, cols, positive, mask, first=k == 0)
+        col_lse = col_count = a.new_empty(0)
+        if columns is not None:
+            col_lse, col_count, col_total = columns.finish(plan, targets)
+            total = 0.5 * (total + col_total)
+        ctx.save_for_backward(anchors, candidates, lse, counted, col_lse, col_count)
         ctx.plan, ctx.targets = plan, targets
         value = total / counted.clamp_min(1) if plan.mean else total
         return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
-        anchors, candidates, lse, counted = ctx.saved_tensors
+        anchors, candidates, lse, counted, col_lse, col_count = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         targets: Targets = ctx.targets
         device = anchors.device
@@ -176,26 +176,110 @@ class PrefixSoftmax(torch.autograd.Function):
             if apart:
                 logits[rows, cols] = -torch.inf  # type: ignore[index]
             tile = logits.sub(lse[start:stop, k, None]).exp_()
+            col_tile = logits.sub(col_lse[None, :, k]).exp_() if targets.columns else None
             if targets.exclude_self:
                 logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
             if positive is not None:
                 logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back
-            if mask is None or count is None:
-                tile[rows, cols] -= 1.0  # type: ignore[index]
-                if apart:  # an anchor left without a candidate contributed 0: no gradient (its tile is inf / NaN)
-                    tile.masked_fill_(torch.isneginf(lse[start:stop, k])[:, None], 0.0)
-            elif targets.by_pairs:
-                tile.mul_(count[:, None].to(tile.dtype)).sub_(mask.to(tile.dtype))
-            else:
-                tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
-                tile.masked_fill_((count == 0)[:, None], 0.0)
-            return tile
+            _positive_part(tile, rows, cols, mask, count, targets, lse[start:stop, k])
+            if col_tile is None:
+                return tile
+            _column_positive_part(col_tile, rows, cols, mask, targets, col_lse[:, k], col_count)
+            return tile.add_(col_tile).mul_(0.5)
 
         dtype = _compute_dtype(anchors)
         g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
+
+
+#: The largest scale for which :class:`PrefixSoftmax` folds CLIP's column direction into the row pass (its
+#: fixed shift: ``exp(S - s) >= exp(-2 s)`` stays a normal number), per compute dtype.
+COLUMN_SCALE_LIMIT = {torch.float32: 40.0, torch.float64: 340.0}
+
+
+def _row_terms(logits: Tensor, lse: Tensor, k: int, start: int, stop: int, targets: Targets, cols: Tensor | None,
+               mask: Tensor | None, count: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Each row's term of one prefix (its log-sum-exp written into ``lse``) and, for one positive per row,
+    the positives' logits. The left-out entries (self, DCL's positive) are left at ``-inf`` in ``logits``."""
+    rows = torch.arange(stop - start, device=logits.device)
+    if targets.exclude_self:
+        logits[rows, rows + start] = -torch.inf
+    if mask is None or count is None:
+        positive = logits[rows, cols]  # type: ignore[index]  # a copy: DCL then leaves the entry out
+        if targets.exclude_positive:
+            logits[rows, cols] = -torch.inf  # type: ignore[index]
+        lse[start:stop, k] = torch.logsumexp(logits, 1)
+        per_row = lse[start:stop, k] - positive
+        if targets.exclude_positive:  # an anchor without a candidate left: 0
+            per_row = torch.where(torch.isneginf(lse[start:stop, k]), 0.0, per_row)
+        return per_row, positive
+    lse[start:stop, k] = torch.logsumexp(logits, 1)
+    if targets.by_pairs:  # |P(i)| LSE_i - sum of the positives' logits
+        return count * lse[start:stop, k] - torch.where(mask, logits, 0.0).sum(1), None
+    # the mean of the positives' logits; an anchor without one is left out
+    positive = torch.where(mask, logits, 0.0).sum(1) / count.clamp_min(1)
+    return torch.where(count > 0, lse[start:stop, k] - positive, 0.0), None
+
+
+def _positive_part(tile: Tensor, rows: Tensor, cols: Tensor | None, mask: Tensor | None, count: Tensor | None,
+                   targets: Targets, row_lse: Tensor) -> None:
+    """The row direction's gradient tile from its soft-max ``tile``, in place: minus the positive part."""
+    if mask is None or count is None:
+        tile[rows, cols] -= 1.0  # type: ignore[index]
+        if targets.exclude_positive:  # an anchor left without a candidate contributed 0: no gradient (its tile is inf / NaN)
+            tile.masked_fill_(torch.isneginf(row_lse)[:, None], 0.0)
+    elif targets.by_pairs:
+        tile.mul_(count[:, None].to(tile.dtype)).sub_(mask.to(tile.dtype))
+    else:
+        tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
+        tile.masked_fill_((count == 0)[:, None], 0.0)
+
+
+def _column_positive_part(tile: Tensor, rows: Tensor, cols: Tensor | None, mask: Tensor | None, targets: Targets,
+                          col_lse: Tensor, col_count: Tensor) -> None:
+    """The column direction's gradient tile from its soft-max ``tile`` (``exp(S_ij - LSE'_j)``), in place."""
+    if mask is None:
+        tile[rows, cols] -= 1.0  # type: ignore[index]  # column p(i)'s positive is row i
+    else:  # by pairs: |P'(j)| softmax - P
+        tile.mul_(col_count[None, :].to(tile.dtype)).sub_(mask.to(tile.dtype))
+    if targets.exclude_positive:  # a column left without a candidate contributed 0
+        tile.masked_fill_(torch.isneginf(col_lse)[None, :], 0.0)
+
+
+class _Columns:
+    """CLIP's column direction gathered over the strips of one pass: per column and prefix the exp-sum under
+    the fixed shift, the positives' logits and (by pairs) the positives per column."""
+
+    def __init__(self, m: int, prefixes: int, like: Tensor) -> None:
+        self.sums = like.new_zeros(m, prefixes)
+        self.positive = like.new_zeros(m, prefixes)
+        self.count = like.new_zeros(m)
+
+    def add(self, logits: Tensor, k: int, scale: float, cols: Tensor | None, positive: Tensor | None,
+            mask: Tensor | None, first: bool) -> None:
+        self.sums[:, k] += torch.exp(logits - scale).sum(0)  # left-out entries are -inf: 0
+        if mask is None:
+            if cols is None or positive is None:
+                raise RuntimeError("internal: a partner relation without its positives")
+            self.positive[:, k].index_add_(0, cols, positive)
+        else:
+            self.positive[:, k] += torch.where(mask, logits, 0.0).sum(0)
+            if first:
+                self.count += mask.sum(0).to(self.count.dtype)
+
+    def finish(self, plan: PrefixPlan, targets: Targets) -> tuple[Tensor, Tensor, Tensor]:
+        """``(LSE' per column and prefix, positives per column, the weighted sum of the column terms)``."""
+        col_lse = self.sums.log() + plan.scale
+        if targets.by_pairs:
+            per_col = self.count[:, None] * col_lse - self.positive
+        else:
+            per_col = col_lse - self.positive
+            if targets.exclude_positive:
+                per_col = torch.where(torch.isneginf(col_lse), 0.0, per_col)
+        weights = torch.tensor([_weight_of(plan, k) for k in range(len(plan.cuts))], dtype=per_col.dtype, device=per_col.device)
+        return col_lse, self.count, (per_col.sum(0) * weights).sum()
 
 
 class PrefixSigmoid(torch.autograd.Function):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
-from ..engine.prefixes import PrefixPairs, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
+from ..engine.precision import compute_dtype
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixPairs, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
 
 
@@ -121,7 +123,12 @@ def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: 
     each prefix's mean over its counted anchors (False: their sum), times ``factor``."""
     width = anchors.shape[-1]
     plan = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean)
-    loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets)
+    if reverse is candidates and 1.0 / tau <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
+        # the candidates' direction from the same tiles (CLIP): one product pass for both directions
+        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True))
+        reverse = None
+    else:
+        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets)
     if reverse is not None:
         back = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean)
         loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, targets))
@@ -329,8 +336,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     strip), ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients) and no ids. ``validate`` is honoured on either path (False: no host read). Anything else --
-    ``reduction="none"``, ``gather=True``, label smoothing, a learnable soft-max temperature, the PML and
-    NT-BXent label conventions, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
+    ``reduction="none"``, ``gather=True``, label smoothing, a learnable soft-max temperature, memories,
+    reference sets, index pairs, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
