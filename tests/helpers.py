@@ -6,6 +6,11 @@ independent float64 reference (``reference.py``) through :func:`compare`.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,3 +99,18 @@ def queue_problem():
     k = torch.randn(11, 6, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
     queue = torch.randn(40, 6, generator=g, dtype=torch.float64).to(DEVICE)
     return q, k, queue, Positives.from_partner(torch.arange(11, device=DEVICE), 51, self_offset=None)
+
+
+#: The repository root (tools/, examples/).
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_file(name: str, path: Path) -> types.ModuleType:
+    """A script that is not a package module (``tools/*.py``, a peer's single file) imported by path as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

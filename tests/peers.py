@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from helpers import load_file
+
 
 def _root(package: str, hint: str) -> Path:
     spec = importlib.util.find_spec(package)
@@ -24,12 +26,7 @@ def _root(package: str, hint: str) -> Path:
 
 
 def _load(name: str, path: Path) -> types.ModuleType:
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    module_spec.loader.exec_module(module)
-    return module
+    return load_file(name, path)
 
 
 @contextlib.contextmanager

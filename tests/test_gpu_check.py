@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, load_file
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file("gpu_check", ROOT / "tools" / "gpu_check.py")
 
 
 def test_the_dry_run_names_every_stage_with_its_budget(gpu_check, tmp_path, capsys):

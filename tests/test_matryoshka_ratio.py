@@ -3,22 +3,16 @@ run at a tiny size, so the command behind the figures never rots."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, load_file
 
 
 @pytest.fixture(scope="module")
 def ratio_tool():
-    spec = importlib.util.spec_from_file_location("matryoshka_ratio", ROOT / "tools" / "matryoshka_ratio.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["matryoshka_ratio"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file("matryoshka_ratio", ROOT / "tools" / "matryoshka_ratio.py")
 
 
 def test_wrapped_prints_one_ratio_per_one_pass_form(ratio_tool, monkeypatch, capsys):
