@@ -627,6 +627,9 @@ MUTATIONS = [
              "                share = torch.where(neg, torch.exp(logits - row_lse), 0.0)",
              "PML's one pass gives each negative its soft-max share unweighted by the row's positives",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos",
+             "            ds = ds + weight * tile.sum()", "a learnable temperature's gradient in the one pass forgets the cosines",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

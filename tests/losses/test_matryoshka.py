@@ -215,7 +215,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"labels": labels, "memory_emb": x, "memory_labels": labels}),
                                 (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
-                                (tc.clip_loss, [x, x], {"temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
+                                (tc.nt_xent_loss, [x], {"labels": labels, "temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
                                 (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"reduction": "none"}),
                                 (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1}),
                                 (tc.clip_loss, [x, x], {"decoupled": True, "image_id": labels}), (tc.nt_xent_loss, [x], {"eps": 2.0})):
@@ -245,3 +245,32 @@ def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
     for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
     assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None
+
+
+@pytest.mark.parametrize("name", ["clip", "clip_ids", "info_nce_negatives", "nt_xent_decoupled", "supcon_labels"])
+def test_a_learnable_temperature_gets_its_gradient_in_one_pass(name):
+    """A 0-dim temperature that requires grad (``1 / logit_scale.exp()``) keeps the one pass: the value and the
+    gradients of the inputs and of the temperature equal one call per prefix (float64); CLIP's directions
+    then run as two passes (the column pass's fixed shift needs the scale on the host)."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    fn, make, kwargs = ONE_PASS[name]
+    inputs = [t.to(DEVICE).requires_grad_() for t in make(torch.Generator().manual_seed(11))]
+    log_scale = torch.tensor(2.3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    args = {**kwargs, "temperature": 1.0 / log_scale.exp()}
+    dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
+    assert _one_pass(fn, inputs, args) is not None
+    got = tc.matryoshka_loss(fn, inputs, dims, weights, **args)
+    want = tc.matryoshka_loss(fn, inputs, dims, weights, one_pass=False, **args)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
+    for a, b in zip(torch.autograd.grad(got, [*inputs, log_scale], retain_graph=True), torch.autograd.grad(want, [*inputs, log_scale])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_a_bad_learnable_temperature_is_named_in_the_one_read():
+    x, y = (torch.randn(6, 8, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    with pytest.raises(ValueError, match="temperature must be positive and finite"):
+        tc.matryoshka_loss(tc.clip_loss, [x, y], [8, 4], temperature=torch.tensor(-0.1, dtype=torch.float64, device=DEVICE))
+    loss = tc.matryoshka_loss(tc.clip_loss, [x, y], [8, 4], temperature=torch.tensor(-0.1, dtype=torch.float64, device=DEVICE),
+                              validate=False)  # no read: the value as computed
+    assert loss.shape == ()

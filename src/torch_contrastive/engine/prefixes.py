@@ -129,8 +129,12 @@ class PrefixSoftmax(torch.autograd.Function):
     one product pass for the two, forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets,  # type: ignore[override]
+                scale: Tensor | None = None) -> Tensor:
+        if scale is not None and (plan.scale != 1.0 or targets.columns):
+            raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits) and no column pass")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        s = None if scale is None else scale.detach().to(a.dtype)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
         columns = _Columns(c.shape[0], len(cuts), a) if targets.columns else None
@@ -142,6 +146,8 @@ class PrefixSoftmax(torch.autograd.Function):
             counted = counted + (stop - start if count is None else count.sum() if targets.by_pairs else (count > 0).sum())
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                if s is not None:  # a learnable scale: the plan's logits are the cosines
+                    logits.mul_(s)
                 per_row, positive = _row_terms(logits, lse, k, start, stop, targets, cols, mask, count)
                 total = total + _weight_of(plan, k) * per_row.sum()
                 if columns is not None:
@@ -150,20 +156,32 @@ class PrefixSoftmax(torch.autograd.Function):
         if columns is not None:
             col_lse, col_count, col_total = columns.finish(plan, targets)
             total = 0.5 * (total + col_total)
-        ctx.save_for_backward(anchors, candidates, lse, counted, col_lse, col_count)
+        ctx.save_for_backward(anchors, candidates, lse, counted, col_lse, col_count, *(() if scale is None else (scale,)))
         ctx.plan, ctx.targets = plan, targets
         value = total / counted.clamp_min(1) if plan.mean else total
         return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
-        anchors, candidates, lse, counted, col_lse, col_count = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        anchors, candidates, lse, counted, col_lse, col_count, *given = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         targets: Targets = ctx.targets
         device = anchors.device
+        dtype = _compute_dtype(anchors)
+        s = given[0].to(dtype) if given else None
+        ds = torch.zeros((), dtype=dtype, device=device)
         strip: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
 
-        def grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+        def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            nonlocal ds
+            logits = cos if s is None else cos * s  # with a learnable scale, the plan's logits are the cosines
+            tile = _softmax_grad_tile(logits, k, start, stop, weight)
+            if s is None:
+                return tile
+            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
+            return tile.mul_(s)  # d loss / d cos
+
+        def _softmax_grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             if start not in strip:  # the strip's positives, once for all its prefixes
                 strip.clear()
                 strip[start] = targets.strip(start, stop, device)
@@ -187,11 +205,11 @@ class PrefixSoftmax(torch.autograd.Function):
             _column_positive_part(col_tile, rows, cols, mask, targets, col_lse[:, k], col_count)
             return tile.add_(col_tile).mul_(0.5)
 
-        dtype = _compute_dtype(anchors)
         g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
-                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None)
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None,
+                ds.to(given[0]) if given and ctx.needs_input_grad[4] else None)
 
 
 #: The largest scale for which :class:`PrefixSoftmax` folds CLIP's column direction into the row pass (its

@@ -114,34 +114,49 @@ def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequen
                           named if validate else None)
 
 
-def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float], tau: float,
-                   reverse: Tensor | None, eps: float, chunk: int | None, named: list[tuple[str, Tensor]] | None, *,
-                   mean: bool = True, factor: float = 1.0) -> Tensor:
+def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float],
+                   tau: float | Tensor, reverse: Tensor | None, eps: float, chunk: int | None,
+                   named: list[tuple[str, Tensor]] | None, *, mean: bool = True, factor: float = 1.0) -> Tensor:
     """Every prefix's loss of ``anchors`` against ``candidates`` in one pass; with ``reverse``, averaged with
     ``reverse``'s rows against the anchors (row ``i``'s positives: as anchor ``i``'s, the relation being
-    symmetric). ``named``: the inputs to name when the loss is not finite (None: no host read). ``mean``:
-    each prefix's mean over its counted anchors (False: their sum), times ``factor``."""
+    symmetric). ``tau``: a float, or a 0-dim tensor that gets its gradient (a learnable temperature; its
+    value is checked in the one read). ``named``: the inputs to name when the loss is not finite (None: no
+    host read). ``mean``: each prefix's mean over its counted anchors (False: their sum), times ``factor``."""
     width = anchors.shape[-1]
-    plan = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean)
-    if reverse is candidates and 1.0 / tau <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
+    learnable = isinstance(tau, Tensor)
+    scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau  # a tensor scale multiplies the cosines inside
+    scale_t = (1.0 / tau) if isinstance(tau, Tensor) else None
+    plan = prefix_plan(dims, weights, width, scale, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean)
+    if reverse is candidates and not learnable and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
         # the candidates' direction from the same tiles (CLIP): one product pass for both directions
-        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True))
+        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True), None)
         reverse = None
     else:
-        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets)
+        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets, scale_t)
     if reverse is not None:
-        back = prefix_plan(dims, weights, width, 1.0 / tau, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean)
-        loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, targets))
+        back = prefix_plan(dims, weights, width, scale, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean)
+        loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, targets, scale_t))
     if factor != 1.0:
         loss = loss * factor
     if named is not None:
-        _name_non_finite(loss, named)
+        _name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
     return loss
 
 
-def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]]) -> None:
-    """One host read: a non-finite loss raises ``ValueError`` naming the first non-finite input."""
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(loss.detach())):
+def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]], tau: Tensor | None = None) -> None:
+    """One host read: a non-finite loss raises ``ValueError`` naming the first non-finite input; with a tensor
+    temperature, one that is not positive and finite is named instead (read in the same transfer)."""
+    if torch.compiler.is_compiling():
+        return
+    finite = torch.isfinite(loss.detach())
+    if tau is None:
+        ok, tau_ok = bool(finite), True
+    else:
+        t = tau.detach()
+        ok, tau_ok = (bool(f) for f in torch.stack([finite, torch.isfinite(t) & (t > 0)]).tolist())
+    if not tau_ok:
+        raise ValueError(f"temperature must be positive and finite, got {float(tau.detach())}")  # type: ignore[union-attr]
+    if not ok:
         for name, t in named:
             if t.numel() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} has non-finite values (NaN or inf)")
@@ -178,20 +193,23 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss, nt_bxent_loss):
         return None
     tau = kwargs.get("temperature", _default(loss_fn, "temperature"))
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-        return None  # a tensor (learnable) temperature
+    if isinstance(tau, bool) or not isinstance(tau, (int, float, Tensor)) or \
+            (isinstance(tau, Tensor) and (tau.numel() != 1 or not tau.is_floating_point())):
+        return None  # let the loss refuse it
     options = _shared_options(kwargs)
     if options is None:
         return None
     chunk, mean = options
     if loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss):
+        if isinstance(tau, Tensor):
+            return None  # the pair terms take a float temperature here
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
                           v.check_positive(tau, "temperature"), chunk, mean)
     form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
     if form is None:
         return None
     anchors, candidates, targets, symmetric = form
-    tau = v.check_positive(tau, "temperature")
+    tau = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
     times_rows = loss_fn is image_text_contrastive_loss and not mean
     return lambda dims, weights, named: _one_pass_loss(anchors, candidates, targets, dims, weights, tau,
@@ -331,12 +349,12 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels, or the authors' views) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
-    each with a float
-    ``temperature`` and the shared options ``reduction`` (``"mean"`` or ``"sum"``), ``chunk_size`` (the
-    strip), ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
+    each with a float ``temperature`` (the soft-max forms also a learnable 0-dim tensor, which gets its
+    gradient) and the shared options ``reduction`` (``"mean"`` or ``"sum"``), ``chunk_size`` (the strip),
+    ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients) and no ids. ``validate`` is honoured on either path (False: no host read). Anything else --
-    ``reduction="none"``, ``gather=True``, label smoothing, a learnable soft-max temperature, memories,
+    ``reduction="none"``, ``gather=True``, label smoothing, a learnable temperature of the pair forms, memories,
     reference sets, index pairs, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
