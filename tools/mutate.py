@@ -630,6 +630,9 @@ MUTATIONS = [
     Mutation(f"{E}/prefixes.py", "            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos",
              "            ds = ds + weight * tile.sum()", "a learnable temperature's gradient in the one pass forgets the cosines",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/integrations/_matryoshka.py", "    partner = torch.arange(rows, device=queries.device) + torch.distributed.get_rank() * rows",
+             "    partner = torch.arange(rows, device=queries.device)", "a gathered query's positive is looked for among rank 0's docs",
+             ("tests/integrations/test_st_matryoshka.py",)),
 ]
 
 

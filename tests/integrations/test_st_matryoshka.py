@@ -109,3 +109,51 @@ def test_matryoshka_checks_its_arguments(st_models):
     loss = ours_st.MatryoshkaLoss(model, inner, [4, 16, 8], [1, 2, 3])
     assert loss.matryoshka_dims == (16, 8, 4) and loss.matryoshka_weights == (2, 3, 1)  # sorted largest first, as the peer
     assert loss.get_config_dict()["loss"] == "MultipleNegativesRankingLoss"
+
+
+def _gathered_ranks(rank, world, symmetric):
+    """One rank of MatryoshkaLoss around the ranking loss with gather_across_devices, in one pass: this rank's
+    value and the gradient of its own embeddings against the float64 definition written out over the whole
+    group (the peer's gathering: every rank's doc columns, rank-ordered, query i's positive at its global row;
+    a rank's rows get every rank's loss's gradient, as through the peer's all_gather with gradient)."""
+    import torch.nn.functional as F
+
+    from torch_contrastive.integrations._matryoshka import one_pass
+
+    rows, width, dims, weights, scale = 3, 16, [16, 8, 4], [1.0, 0.5, 2.0], 20.0
+    g = torch.Generator().manual_seed(0)
+    every = [torch.randn(world * rows, width, generator=g, dtype=torch.float64) for _ in range(3)]  # queries, positives, negatives
+    mine = [e[rank * rows:(rank + 1) * rows].clone().requires_grad_() for e in every]
+    cls = ours_st.MultipleNegativesSymmetricRankingLoss if symmetric else ours_st.MultipleNegativesRankingLoss
+    inner = cls(torch.nn.Linear(1, 1), scale=scale, gather_across_devices=True)  # a stand-in model: embeddings are given
+    assert one_pass(inner)
+    wrapper = ours_st.MatryoshkaLoss(inner.model, inner, dims, weights)
+    value = wrapper.loss_from_embeddings(mine if not symmetric else mine[:2], None, dims, weights)
+    grads = torch.autograd.grad(value, mine if not symmetric else mine[:2])
+
+    leaves = [e.clone().requires_grad_() for e in (every if not symmetric else every[:2])]
+    total, mine_ref = 0.0, None
+    for r in range(world):  # every rank's loss, each its own mean
+        loss_r = 0.0
+        for d, w in zip(dims, weights):
+            q, *cols = (F.normalize(e[:, :d], dim=1) for e in leaves)
+            q_r = q[r * rows:(r + 1) * rows]
+            target = torch.arange(rows) + r * rows
+            term = F.cross_entropy(q_r @ torch.cat(cols).T * scale, target)
+            if symmetric:
+                term = 0.5 * (term + F.cross_entropy(cols[0][r * rows:(r + 1) * rows] @ q.T * scale, target))
+            loss_r = loss_r + w * term
+        total = total + loss_r
+        if r == rank:
+            mine_ref = loss_r
+    want = torch.autograd.grad(total, leaves)
+    torch.testing.assert_close(value.detach(), mine_ref.detach(), rtol=1e-10, atol=1e-12)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref[rank * rows:(rank + 1) * rows], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_gather_across_devices_keeps_the_one_pass(symmetric):
+    from dist_helpers import run_ranks
+
+    run_ranks(_gathered_ranks, 2, symmetric, timeout=180)

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..distributed import is_active
-from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss, prefix_sum, shrink
+from ..distributed import all_gather_with_grad, is_active
+from ..engine.prefixes import Targets
+from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss, one_pass_softmax, prefix_sum, shrink
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
     SYMMETRIC_PARTITION,
@@ -30,13 +31,34 @@ from .sentence_transformers import (
 
 
 def one_pass(loss: nn.Module) -> bool:
-    """Whether ``loss`` is a ranking loss whose prefixes :func:`matryoshka_info_nce_loss` computes in one pass:
-    query-to-doc alone, or the symmetric pair per direction; no hardness term; one process."""
+    """Whether ``loss`` is a ranking loss whose prefixes the prefix engine computes in one pass: query-to-doc
+    alone, or the symmetric pair per direction; no hardness term (``gather_across_devices`` included)."""
     if not isinstance(loss, MultipleNegativesRankingLoss):
         return False
     forms = loss.directions == ("query_to_doc",) or (loss.directions == SYMMETRIC_DIRECTIONS and loss.partition_mode == SYMMETRIC_PARTITION)
     hard = loss.hardness_mode is not None and loss.hardness_strength > 0
-    return forms and not hard and not (loss.gather_across_devices and is_active())
+    return forms and not hard
+
+
+def _gathered_one_pass(queries: Tensor, docs: list[Tensor], dims: Sequence[int], weights: Sequence[float], tau: float,
+                       symmetric: bool, chunk_size: int | None) -> Tensor:
+    """The ranking loss with ``gather_across_devices`` over every prefix in one pass, as the peer gathers: this
+    rank's queries against every rank's docs (each column gathered with its gradient, rank-ordered), query
+    ``i``'s positive at its global row; symmetric: this rank's positives against every rank's queries too, the
+    mean of both. The value is this rank's mean (the framework averages the gradients)."""
+    rows = queries.shape[0]
+    if any(d.shape[0] != rows for d in docs):
+        raise ValueError(f"every embedding column must have the queries' {rows} rows, got {[d.shape[0] for d in docs]}")
+    partner = torch.arange(rows, device=queries.device) + torch.distributed.get_rank() * rows
+    all_docs = torch.cat([all_gather_with_grad(d.to(queries.dtype)) for d in docs])
+    targets = Targets(partner=partner)
+    dims_, weights_ = list(dims), list(weights)
+    loss = one_pass_softmax(queries, all_docs, targets, dims_, weights_, tau, None, 1e-12, chunk_size, None)
+    if symmetric:
+        back = one_pass_softmax(docs[0].to(queries.dtype), all_gather_with_grad(queries), targets, dims_, weights_, tau, None,
+                                1e-12, chunk_size, None)
+        loss = 0.5 * (loss + back)
+    return loss
 
 
 class _Shrunk:
@@ -132,9 +154,12 @@ class MatryoshkaLoss(nn.Module):
         if one_pass(inner):
             assert isinstance(inner, MultipleNegativesRankingLoss)  # one_pass says so
             docs = embeddings[1:]
+            symmetric = inner.directions == SYMMETRIC_DIRECTIONS
+            if inner.gather_across_devices and is_active():
+                return _gathered_one_pass(embeddings[0], docs, dims, weights, 1.0 / inner.scale, symmetric, inner.chunk_size)
             return matryoshka_info_nce_loss(embeddings[0], docs[0], dims, weights, 1.0 / inner.scale,
                                             negatives=torch.cat(docs[1:]) if len(docs) > 1 else None,
-                                            symmetric=inner.directions == SYMMETRIC_DIRECTIONS, chunk_size=inner.chunk_size)
+                                            symmetric=symmetric, chunk_size=inner.chunk_size)
         if base is None:
             base = getattr(inner, "compute_loss_from_embeddings", None)
             if base is None:

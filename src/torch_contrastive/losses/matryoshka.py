@@ -110,11 +110,11 @@ def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequen
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     chunk = v.check_chunk_size(chunk_size)
     named = [("query", q), ("key", k), *((("negatives", negatives),) if negatives is not None else ())]
-    return _one_pass_loss(q, candidates, Targets(), dims, weights, tau, k if symmetric else None, float(eps), chunk,
+    return one_pass_softmax(q, candidates, Targets(), dims, weights, tau, k if symmetric else None, float(eps), chunk,
                           named if validate else None)
 
 
-def _one_pass_loss(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float],
+def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float],
                    tau: float | Tensor, reverse: Tensor | None, eps: float, chunk: int | None,
                    named: list[tuple[str, Tensor]] | None, *, mean: bool = True, factor: float = 1.0) -> Tensor:
     """Every prefix's loss of ``anchors`` against ``candidates`` in one pass; with ``reverse``, averaged with
@@ -212,7 +212,7 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     tau = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
     times_rows = loss_fn is image_text_contrastive_loss and not mean
-    return lambda dims, weights, named: _one_pass_loss(anchors, candidates, targets, dims, weights, tau,
+    return lambda dims, weights, named: one_pass_softmax(anchors, candidates, targets, dims, weights, tau,
                                                        candidates if symmetric else None, 1e-12, chunk, named,
                                                        mean=mean or times_rows,
                                                        factor=float(anchors.shape[0]) if times_rows else 1.0)
