@@ -633,6 +633,9 @@ MUTATIONS = [
     Mutation(f"{PKG}/integrations/_matryoshka.py", "    partner = torch.arange(rows, device=queries.device) + torch.distributed.get_rank() * rows",
              "    partner = torch.arange(rows, device=queries.device)", "a gathered query's positive is looked for among rank 0's docs",
              ("tests/integrations/test_st_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        if mask is not None and exclude:  # DCL by keys: the positives leave the columns' soft-max too\n"
+             "            e.masked_fill_(mask, 0.0)\n", "", "CLIP's DCL with ids keeps the duplicates in the columns' soft-max",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

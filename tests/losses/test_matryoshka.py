@@ -172,6 +172,12 @@ ONE_PASS = {
                       {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "temperature": 0.002}),
     "clip_decoupled_one_row": (tc.clip_loss, lambda g: [torch.randn(1, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                                {"decoupled": True}),
+    # DCL with ids: every duplicate leaves both soft-maxes (an image whose every text is a positive: 0)
+    "clip_ids_decoupled": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                           {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "text_id": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 1]),
+                            "decoupled": True, "chunk_size": 4}),
+    "clip_ids_decoupled_one_class": (tc.clip_loss, lambda g: [torch.randn(4, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                                     {"image_id": torch.tensor([2, 2, 2, 2]), "decoupled": True}),
     "clip_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                  {"reduction": "sum", "label_smoothing": 0.0}),
 }
@@ -218,7 +224,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.nt_xent_loss, [x], {"labels": labels, "temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
                                 (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"reduction": "none"}),
                                 (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1}),
-                                (tc.clip_loss, [x, x], {"decoupled": True, "image_id": labels}), (tc.nt_xent_loss, [x], {"eps": 2.0})):
+                                (tc.nt_xent_loss, [x], {"eps": 2.0})):
         assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
     got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], labels=labels, temperature=0.2, reduction="none")  # per prefix
     want = sum(tc.nt_xent_loss(F.normalize(x[:, :d], dim=-1), 0.2, labels=labels, reduction="none") for d in (6, 3))
@@ -247,7 +253,7 @@ def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
     assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None
 
 
-@pytest.mark.parametrize("name", ["clip", "clip_ids", "info_nce_negatives", "nt_xent_decoupled", "supcon_labels"])
+@pytest.mark.parametrize("name", ["clip", "clip_ids", "clip_ids_decoupled", "info_nce_negatives", "nt_xent_decoupled", "supcon_labels"])
 def test_a_learnable_temperature_gets_its_gradient_in_one_pass(name):
     """A 0-dim temperature that requires grad (``1 / logit_scale.exp()``) keeps the one pass: the value and the
     gradients of the inputs and of the temperature equal one call per prefix (float64); CLIP's directions

@@ -151,7 +151,7 @@ class PrefixSoftmax(torch.autograd.Function):
                 per_row, positive = _row_terms(logits, lse, k, start, stop, targets, cols, mask, count)
                 total = total + _weight_of(plan, k) * per_row.sum()
                 if columns is not None:
-                    columns.add(logits, k, plan.scale, cols, positive, mask, first=k == 0)
+                    columns.add(logits, k, plan.scale, cols, positive, mask, first=k == 0, exclude=targets.exclude_positive)
         col_lse = col_count = a.new_empty(0)
         if columns is not None:
             col_lse, col_count, col_total = columns.finish(plan, targets)
@@ -193,8 +193,10 @@ class PrefixSoftmax(torch.autograd.Function):
             positive = logits[rows, cols] if apart else None  # type: ignore[index]
             if apart:
                 logits[rows, cols] = -torch.inf  # type: ignore[index]
-            tile = logits.sub(lse[start:stop, k, None]).exp_()
-            col_tile = logits.sub(col_lse[None, :, k]).exp_() if targets.columns else None
+            # DCL by keys: the positives leave both soft-maxes (a copy; the logits stay as they are)
+            soft = logits.masked_fill(mask, -torch.inf) if targets.exclude_positive and mask is not None else logits
+            tile = soft.sub(lse[start:stop, k, None]).exp_()
+            col_tile = soft.sub(col_lse[None, :, k]).exp_() if targets.columns else None
             if targets.exclude_self:
                 logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
             if positive is not None:
@@ -233,9 +235,15 @@ def _row_terms(logits: Tensor, lse: Tensor, k: int, start: int, stop: int, targe
         if targets.exclude_positive:  # an anchor without a candidate left: 0
             per_row = torch.where(torch.isneginf(lse[start:stop, k]), 0.0, per_row)
         return per_row, positive
-    lse[start:stop, k] = torch.logsumexp(logits, 1)
     if targets.by_pairs:  # |P(i)| LSE_i - sum of the positives' logits
-        return count * lse[start:stop, k] - torch.where(mask, logits, 0.0).sum(1), None
+        positive = torch.where(mask, logits, 0.0).sum(1)
+        if not targets.exclude_positive:
+            lse[start:stop, k] = torch.logsumexp(logits, 1)
+            return count * lse[start:stop, k] - positive, None
+        # DCL: every positive leaves the soft-max (a copy: the column pass reads the tile as it is)
+        lse[start:stop, k] = torch.logsumexp(logits.masked_fill(mask, -torch.inf), 1)
+        return torch.where(torch.isneginf(lse[start:stop, k]), 0.0, count * lse[start:stop, k] - positive), None
+    lse[start:stop, k] = torch.logsumexp(logits, 1)
     # the mean of the positives' logits; an anchor without one is left out
     positive = torch.where(mask, logits, 0.0).sum(1) / count.clamp_min(1)
     return torch.where(count > 0, lse[start:stop, k] - positive, 0.0), None
@@ -250,6 +258,8 @@ def _positive_part(tile: Tensor, rows: Tensor, cols: Tensor | None, mask: Tensor
             tile.masked_fill_(torch.isneginf(row_lse)[:, None], 0.0)
     elif targets.by_pairs:
         tile.mul_(count[:, None].to(tile.dtype)).sub_(mask.to(tile.dtype))
+        if targets.exclude_positive:  # an anchor left without a candidate contributed 0
+            tile.masked_fill_(torch.isneginf(row_lse)[:, None], 0.0)
     else:
         tile.sub_(mask * count.clamp_min(1).to(tile.dtype).reciprocal()[:, None])  # 1 / |P| in the tile's dtype
         tile.masked_fill_((count == 0)[:, None], 0.0)
@@ -276,8 +286,11 @@ class _Columns:
         self.count = like.new_zeros(m)
 
     def add(self, logits: Tensor, k: int, scale: float, cols: Tensor | None, positive: Tensor | None,
-            mask: Tensor | None, first: bool) -> None:
-        self.sums[:, k] += torch.exp(logits - scale).sum(0)  # left-out entries are -inf: 0
+            mask: Tensor | None, first: bool, exclude: bool = False) -> None:
+        e = torch.exp(logits - scale)  # left-out entries are -inf: 0
+        if mask is not None and exclude:  # DCL by keys: the positives leave the columns' soft-max too
+            e.masked_fill_(mask, 0.0)
+        self.sums[:, k] += e.sum(0)
         if mask is None:
             if cols is None or positive is None:
                 raise RuntimeError("internal: a partner relation without its positives")
@@ -290,12 +303,9 @@ class _Columns:
     def finish(self, plan: PrefixPlan, targets: Targets) -> tuple[Tensor, Tensor, Tensor]:
         """``(LSE' per column and prefix, positives per column, the weighted sum of the column terms)``."""
         col_lse = self.sums.log() + plan.scale
-        if targets.by_pairs:
-            per_col = self.count[:, None] * col_lse - self.positive
-        else:
-            per_col = col_lse - self.positive
-            if targets.exclude_positive:
-                per_col = torch.where(torch.isneginf(col_lse), 0.0, per_col)
+        per_col = (self.count[:, None] * col_lse if targets.by_pairs else col_lse) - self.positive
+        if targets.exclude_positive:  # a column left without a candidate: 0
+            per_col = torch.where(torch.isneginf(col_lse), 0.0, per_col)
         weights = torch.tensor([_weight_of(plan, k) for k in range(len(plan.cuts))], dtype=per_col.dtype, device=per_col.device)
         return col_lse, self.count, (per_col.sum(0) * weights).sum()
 

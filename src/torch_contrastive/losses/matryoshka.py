@@ -316,13 +316,13 @@ def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[st
     n, device = images.shape[0], images.device
     decoupled = kwargs.get("decoupled", False)
     ids = [kwargs.get(name) for name in ("image_id", "text_id")]
-    if not isinstance(decoupled, bool) or (decoupled and any(i is not None for i in ids)):
+    if not isinstance(decoupled, bool):
         return None
     if all(i is None for i in ids):
         return images, texts, Targets(exclude_positive=decoupled), True
     own = torch.arange(n, device=device)  # a missing id tensor: every row its own id
     keys_given = tuple(own if i is None else v.check_labels(i, name, n, device) for i, name in zip(ids, ("image_id", "text_id")))
-    return images, texts, Targets(row_keys=keys_given, col_keys=keys_given, by_pairs=True), True
+    return images, texts, Targets(row_keys=keys_given, col_keys=keys_given, by_pairs=True, exclude_positive=decoupled), True
 
 
 def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor], matryoshka_dims: Sequence[int],
@@ -345,7 +345,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
         the weighted sum of the prefixes' losses (``loss_fn``'s reduction).
 
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
-    image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates or ``decoupled=True``),
+    image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True``, or both),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels, or the authors' views) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
