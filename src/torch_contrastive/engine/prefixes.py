@@ -8,8 +8,9 @@ then cost ``D`` per pair, not ``sum(d_p)`` (768 against 1,728 for 768/512/256/12
 prefix's logits are its running sum times its own inverse norms.
 
 :class:`PrefixSoftmax` computes, for row ``i`` of anchors ``A`` against candidates ``C`` and every
-prefix ``p`` (here row i's positive is candidate ``i``; :class:`Targets` also takes a partner column, or
-same-key positives, and a single set's self left out)::
+prefix ``p`` (here row i's positive is candidate ``i``; :class:`Targets` also takes a partner column or
+same-key positives, a single set's self left out, DCL's positives left out, CLIP's normalisation by the
+positive pairs and its second direction from the same tiles)::
 
     loss_p(i) = logsumexp_j(s * A_p(i) . C_p(j)) - s * A_p(i) . C_p(i),   X_p = X[:, :d_p] / max(||X[:, :d_p]||, eps)
 
@@ -17,8 +18,10 @@ and returns ``sum_p w_p * mean_i loss_p(i)``. Rows are taken in strips of ``T``:
 each prefix's per-row log-sum-exp; backward recomputes a strip's band products, forms each prefix's
 gradient tile, folds the tiles of the prefixes that cover a band (a reverse running sum) and multiplies
 once per band -- so backward's products cost ``D`` per pair too. Memory: O((N + M) D + T M P + N P).
-:class:`PrefixSigmoid` is SigLIP's sigmoid pairs on the same passes; :func:`prefix_backward` is the
-backward both share (each supplies its gradient tile of a prefix's logits).
+:class:`PrefixSigmoid` is SigLIP's sigmoid pairs on the same passes, :class:`PrefixPairs` the label
+conventions scored pair by pair (pytorch-metric-learning's NT-Xent, NT-BXent); :func:`prefix_backward` is
+the backward they share (each supplies its gradient tile of a prefix's logits). The soft-max terms also take
+a learnable (tensor) scale, whose gradient comes from the same tiles.
 """
 
 from __future__ import annotations
