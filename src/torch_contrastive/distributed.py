@@ -200,6 +200,9 @@ class Scope:
 
 
 _warned_local = False
+#: The local scope of each grad_reduction: built once (a local scope is never changed: ``rows`` and ``ints``
+#: return their inputs), so a loss call on one process builds none.
+_LOCAL: dict[str, Scope] = {}
 
 
 def make_scope(gather: bool, grad_reduction: str = "mean", stacklevel: int = 3) -> Scope:
@@ -218,4 +221,7 @@ def make_scope(gather: bool, grad_reduction: str = "mean", stacklevel: int = 3) 
             warnings.warn(f"a contrastive loss was called with gather=False under a process group of {dist.get_world_size()} "
                           "ranks: each rank only sees its local negatives. Pass gather=True for the global batch "
                           "(this warning is shown once).", UserWarning, stacklevel=stacklevel)
-    return Scope(grad_reduction=grad_reduction)
+    local = _LOCAL.get(grad_reduction)
+    if local is None:
+        local = _LOCAL[grad_reduction] = Scope(grad_reduction=grad_reduction)
+    return local
