@@ -636,6 +636,8 @@ MUTATIONS = [
     Mutation(f"{E}/prefixes.py", "        if mask is not None and exclude:  # DCL by keys: the positives leave the columns' soft-max too\n"
              "            e.masked_fill_(mask, 0.0)\n", "", "CLIP's DCL with ids keeps the duplicates in the columns' soft-max",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        g_rows, g_cols = 0.5 * g_rows, 0.5 * g_rows", "        g_rows, g_cols = g_rows, g_rows",
+             "CLIP's per-row values pass each direction its row's whole gradient", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

@@ -47,6 +47,9 @@ class PrefixPlan:
         eps: the normalisation floor.
         strip: anchor rows per strip.
         mean: each prefix's loss is the mean over the counted anchors (False: their sum).
+        rows: per-row values instead (``reduction="none"``): each anchor's weighted sum over the prefixes
+            -- with CLIP's second direction, the mean of anchor ``i``'s and candidate ``i``'s, and by pairs
+            times ``N / sum gt`` -- so that their mean is the mean loss.
     """
 
     cuts: tuple[int, ...]
@@ -57,6 +60,7 @@ class PrefixPlan:
     eps: float
     strip: int
     mean: bool = True
+    rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class PrefixSoftmax(torch.autograd.Function):
         lse = a.new_empty(n, len(cuts))
         columns = _Columns(c.shape[0], len(cuts), a) if targets.columns else None
         total = a.new_zeros(())
+        per_anchor = a.new_zeros(n) if plan.rows else None
         counted = a.new_zeros(())  # anchors in the mean (those with a positive), or positive pairs
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
@@ -152,16 +157,25 @@ class PrefixSoftmax(torch.autograd.Function):
                 if s is not None:  # a learnable scale: the plan's logits are the cosines
                     logits.mul_(s)
                 per_row, positive = _row_terms(logits, lse, k, start, stop, targets, cols, mask, count)
-                total = total + _weight_of(plan, k) * per_row.sum()
+                if per_anchor is not None:
+                    per_anchor[start:stop] += _weight_of(plan, k) * per_row
+                else:
+                    total = total + _weight_of(plan, k) * per_row.sum()
                 if columns is not None:
                     columns.add(logits, k, plan.scale, cols, positive, mask, first=k == 0, exclude=targets.exclude_positive)
         col_lse = col_count = a.new_empty(0)
         if columns is not None:
-            col_lse, col_count, col_total = columns.finish(plan, targets)
-            total = 0.5 * (total + col_total)
+            col_lse, col_count, col_values = columns.finish(plan, targets)
+            if per_anchor is not None:
+                per_anchor = 0.5 * (per_anchor + col_values)
+            else:
+                total = 0.5 * (total + col_values.sum())
         ctx.save_for_backward(anchors, candidates, lse, counted, col_lse, col_count, *(() if scale is None else (scale,)))
         ctx.plan, ctx.targets = plan, targets
-        value = total / counted.clamp_min(1) if plan.mean else total
+        if per_anchor is not None:  # by pairs (CLIP with ids): N / sum gt, so that the rows' mean is the loss
+            value = per_anchor * (n / counted.clamp_min(1)) if targets.by_pairs else per_anchor
+        else:
+            value = total / counted.clamp_min(1) if plan.mean else total
         return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
@@ -179,6 +193,8 @@ class PrefixSoftmax(torch.autograd.Function):
             nonlocal ds
             logits = cos if s is None else cos * s  # with a learnable scale, the plan's logits are the cosines
             tile = _softmax_grad_tile(logits, k, start, stop, weight)
+            if g_rows is not None:  # per-row values: each row's (and column's) own incoming gradient
+                tile = _rows_weighted(tile, g_rows, g_cols, start, stop, col_part.pop() if col_part else None)
             if s is None:
                 return tile
             ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
@@ -208,13 +224,40 @@ class PrefixSoftmax(torch.autograd.Function):
             if col_tile is None:
                 return tile
             _column_positive_part(col_tile, rows, cols, mask, targets, col_lse[:, k], col_count)
+            if g_rows is not None:  # the two directions take different per-row gradients: kept apart
+                col_part.append(col_tile)
+                return tile
             return tile.add_(col_tile).mul_(0.5)
 
-        g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
+        col_part: list[Tensor] = []
+        g, g_rows, g_cols = _incoming(grad.to(dtype), plan, targets, counted.to(dtype), anchors.shape[0])
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None,
                 ds.to(given[0]) if given and ctx.needs_input_grad[4] else None)
+
+
+def _incoming(grad: Tensor, plan: PrefixPlan, targets: Targets, counted: Tensor,
+              n: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The soft-max terms' incoming gradient: ``(g for every tile, per-row g, per-column g)``. A loss: its
+    gradient over the counted anchors (or as it is for a sum). Per-row values: each row's own (times
+    ``N / sum gt`` by pairs; halved per direction with CLIP's columns), every tile's g then 1."""
+    if not plan.rows:
+        return (grad / counted.clamp_min(1) if plan.mean else grad), None, None
+    g_rows = grad * (n / counted.clamp_min(1)) if targets.by_pairs else grad
+    g_cols = None
+    if targets.columns:
+        g_rows, g_cols = 0.5 * g_rows, 0.5 * g_rows
+    return torch.ones((), dtype=grad.dtype, device=grad.device), g_rows, g_cols
+
+
+def _rows_weighted(tile: Tensor, g_rows: Tensor, g_cols: Tensor | None, start: int, stop: int, col_tile: Tensor | None) -> Tensor:
+    """A strip's gradient tile of per-row values: row ``i`` times its incoming gradient and, with the second
+    direction, column ``j``'s part times column ``j``'s."""
+    tile.mul_(g_rows[start:stop, None])
+    if col_tile is not None and g_cols is not None:
+        tile.add_(col_tile.mul_(g_cols[None, :]))
+    return tile
 
 
 #: The largest scale for which :class:`PrefixSoftmax` folds CLIP's column direction into the row pass (its
@@ -304,13 +347,13 @@ class _Columns:
                 self.count += mask.sum(0).to(self.count.dtype)
 
     def finish(self, plan: PrefixPlan, targets: Targets) -> tuple[Tensor, Tensor, Tensor]:
-        """``(LSE' per column and prefix, positives per column, the weighted sum of the column terms)``."""
+        """``(LSE' per column and prefix, positives per column, each column's term summed over the prefixes)``."""
         col_lse = self.sums.log() + plan.scale
         per_col = (self.count[:, None] * col_lse if targets.by_pairs else col_lse) - self.positive
         if targets.exclude_positive:  # a column left without a candidate: 0
             per_col = torch.where(torch.isneginf(col_lse), 0.0, per_col)
         weights = torch.tensor([_weight_of(plan, k) for k in range(len(plan.cuts))], dtype=per_col.dtype, device=per_col.device)
-        return col_lse, self.count, (per_col.sum(0) * weights).sum()
+        return col_lse, self.count, per_col @ weights
 
 
 class PrefixSigmoid(torch.autograd.Function):
@@ -378,7 +421,7 @@ class PrefixPairs(torch.autograd.Function):
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
-        total = a.new_zeros(())
+        per_anchor = a.new_zeros(n)
         counted = a.new_zeros(())  # positive pairs (pair_softplus) or rows (binary)
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
@@ -388,14 +431,15 @@ class PrefixPairs(torch.autograd.Function):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
                 if kernel == "pair_softplus":
                     lse[start:stop, k] = torch.logsumexp(logits.masked_fill(~neg, -torch.inf), 1)
-                    terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum()
+                    terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum(1)
                 else:
                     terms = (torch.where(pos, torch.nn.functional.softplus(-logits), 0.0).sum(1) / n_pos
-                             + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1)).sum()
-                total = total + _weight_of(plan, k) * terms
+                             + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1))
+                per_anchor[start:stop] += _weight_of(plan, k) * terms
         ctx.save_for_backward(anchors, candidates, labels, lse, counted)
         ctx.plan, ctx.kernel = plan, kernel
-        value = total / counted.clamp_min(1) if plan.mean else total
+        total = per_anchor.sum()
+        value = per_anchor if plan.rows else total / counted.clamp_min(1) if plan.mean else total
         return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
@@ -419,9 +463,16 @@ class PrefixPairs(torch.autograd.Function):
             return torch.where(pos, -torch.sigmoid(-logits) / n_pos[:, None], 0.0) \
                 + torch.where(neg, torch.sigmoid(logits) / n_neg.clamp_min(1)[:, None], 0.0)
 
+        def row_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            return grad_tile(logits, k, start, stop, weight).mul_(g_rows[start:stop, None])
+
         dtype = _compute_dtype(anchors)
-        g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
-        da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
+        if plan.rows:  # per-row values: each row's own incoming gradient
+            g_rows = grad.to(dtype)
+            da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=grad.device), row_tile)
+        else:
+            g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
+            da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None)
 
@@ -525,15 +576,15 @@ def _norm_chain(dx: Tensor, x: Tensor, inv: Tensor, d_inv: Tensor, bounds: list[
 
 
 def prefix_plan(dims: list[int], weights: list[float], width: int, scale: float, normalize: bool, eps: float,
-                rows: int, cols: int, strip: int | None, mean: bool = True) -> PrefixPlan:
+                rows: int, cols: int, strip: int | None, mean: bool = True, per_row: bool = False) -> PrefixPlan:
     """The plan of one call: the distinct prefix ends and each prefix's place among them, and the strip
     height (``strip``, or as many rows as keep one strip's tiles -- a running sum, a tile per prefix --
-    near 64 MiB)."""
+    near 64 MiB); ``mean`` / ``per_row``: see :class:`PrefixPlan` (``mean`` and ``rows``)."""
     cuts = tuple(sorted(set(dims)))
     if cuts[-1] > width:
         raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {cuts[-1]}")
     if strip is None:
-        per_row = max(1, cols * 4 * (len(cuts) + 2))
-        strip = int(max(1, min(rows, (64 << 20) // per_row)))
+        row_bytes = max(1, cols * 4 * (len(cuts) + 2))
+        strip = int(max(1, min(rows, (64 << 20) // row_bytes)))
     return PrefixPlan(cuts, tuple(cuts.index(d) for d in dims), tuple(float(w) for w in weights), float(scale), normalize,
-                      float(eps), strip, mean)
+                      float(eps), strip, mean, per_row)

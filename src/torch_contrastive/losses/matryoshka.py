@@ -116,17 +116,19 @@ def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequen
 
 def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float],
                    tau: float | Tensor, reverse: Tensor | None, eps: float, chunk: int | None,
-                   named: list[tuple[str, Tensor]] | None, *, mean: bool = True, factor: float = 1.0) -> Tensor:
+                   named: list[tuple[str, Tensor]] | None, *, mean: bool = True, factor: float = 1.0,
+                   per_row: bool = False) -> Tensor:
     """Every prefix's loss of ``anchors`` against ``candidates`` in one pass; with ``reverse``, averaged with
     ``reverse``'s rows against the anchors (row ``i``'s positives: as anchor ``i``'s, the relation being
     symmetric). ``tau``: a float, or a 0-dim tensor that gets its gradient (a learnable temperature; its
     value is checked in the one read). ``named``: the inputs to name when the loss is not finite (None: no
-    host read). ``mean``: each prefix's mean over its counted anchors (False: their sum), times ``factor``."""
+    host read). ``mean``: each prefix's mean over its counted anchors (False: their sum), times ``factor``;
+    ``per_row``: the per-row values instead (``reduction="none"``, see :class:`~.engine.prefixes.PrefixPlan`)."""
     width = anchors.shape[-1]
     learnable = isinstance(tau, Tensor)
     scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau  # a tensor scale multiplies the cosines inside
     scale_t = (1.0 / tau) if isinstance(tau, Tensor) else None
-    plan = prefix_plan(dims, weights, width, scale, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean)
+    plan = prefix_plan(dims, weights, width, scale, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean, per_row)
     if reverse is candidates and not learnable and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
         # the candidates' direction from the same tiles (CLIP): one product pass for both directions
         loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True), None)
@@ -134,7 +136,7 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
     else:
         loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets, scale_t)
     if reverse is not None:
-        back = prefix_plan(dims, weights, width, scale, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean)
+        back = prefix_plan(dims, weights, width, scale, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean, per_row)
         loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, targets, scale_t))
     if factor != 1.0:
         loss = loss * factor
@@ -148,7 +150,7 @@ def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]], tau: Tensor 
     temperature, one that is not positive and finite is named instead (read in the same transfer)."""
     if torch.compiler.is_compiling():
         return
-    finite = torch.isfinite(loss.detach())
+    finite = torch.isfinite(loss.detach()).all()
     if tau is None:
         ok, tau_ok = bool(finite), True
     else:
@@ -199,27 +201,28 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     options = _shared_options(kwargs)
     if options is None:
         return None
-    chunk, mean = options
+    chunk, reduction = options
+    mean, per_row = reduction == "mean", reduction == "none"
     if loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss):
         if isinstance(tau, Tensor):
             return None  # the pair terms take a float temperature here
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
-                          v.check_positive(tau, "temperature"), chunk, mean)
+                          v.check_positive(tau, "temperature"), chunk, mean, per_row)
     form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
     if form is None:
         return None
     anchors, candidates, targets, symmetric = form
     tau = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
-    times_rows = loss_fn is image_text_contrastive_loss and not mean
+    times_rows = loss_fn is image_text_contrastive_loss and reduction == "sum"
     return lambda dims, weights, named: one_pass_softmax(anchors, candidates, targets, dims, weights, tau,
                                                        candidates if symmetric else None, 1e-12, chunk, named,
-                                                       mean=mean or times_rows,
+                                                       mean=mean or times_rows, per_row=per_row,
                                                        factor=float(anchors.shape[0]) if times_rows else 1.0)
 
 
 def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float, chunk: int | None,
-               mean: bool) -> OnePass | None:
+               mean: bool, per_row: bool) -> OnePass | None:
     """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefixes.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
     a single (N, D) set; None for anything else (memory, references, index pairs: one call per prefix)."""
@@ -230,7 +233,7 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     kernel = "binary" if binary else "pair_softplus"
 
     def pairs(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        plan = prefix_plan(dims, weights, x.shape[-1], 1.0 / tau, True, 1e-12, x.shape[0], x.shape[0], chunk, mean)
+        plan = prefix_plan(dims, weights, x.shape[-1], 1.0 / tau, True, 1e-12, x.shape[0], x.shape[0], chunk, mean, per_row)
         loss = PrefixPairs.apply(x, x, plan, labels, kernel)
         if named is not None:
             _name_non_finite(loss, named)
@@ -239,16 +242,16 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     return pairs
 
 
-def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, bool] | None:
-    """``(strip rows, mean)`` from the shared options of a soft-max loss's call, checked as the loss checks
-    them (the same errors); None where the one pass does not compute that call: ``reduction="none"``,
-    ``gather=True``, a kernel backend, or a floor ``eps >= 1`` (which would shrink the unit prefixes).
-    ``normalize`` changes nothing here: every prefix arrives normalised (as :func:`shrink` gives it)."""
+def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str] | None:
+    """``(strip rows, reduction)`` from the shared options of a soft-max loss's call, checked as the loss checks
+    them (the same errors); None where the one pass does not compute that call: ``gather=True``, a kernel
+    backend, or a floor ``eps >= 1`` (which would shrink the unit prefixes). ``normalize`` changes nothing
+    here: every prefix arrives normalised (as :func:`shrink` gives it)."""
     given = {name: kwargs[name] for name in _SHARED if name in kwargs}
     options = shared(**given)
-    if options.reduction == "none" or options.gather or options.backend not in ("auto", "torch") or options.eps >= 1.0:
+    if options.gather or options.backend not in ("auto", "torch") or options.eps >= 1.0:
         return None
-    return options.chunk_size, options.reduction == "mean"
+    return options.chunk_size, options.reduction
 
 
 def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
@@ -350,11 +353,11 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     ``decoupled=True``), ``tc.supcon_loss`` (labels, or the authors' views) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
     each with a float ``temperature`` (the soft-max forms also a learnable 0-dim tensor, which gets its
-    gradient) and the shared options ``reduction`` (``"mean"`` or ``"sum"``), ``chunk_size`` (the strip),
+    gradient) and the shared options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients) and no ids. ``validate`` is honoured on either path (False: no host read). Anything else --
-    ``reduction="none"``, ``gather=True``, label smoothing, a learnable temperature of the pair forms, memories,
+    ``gather=True``, label smoothing, a learnable temperature of the pair forms, memories,
     reference sets, index pairs, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
