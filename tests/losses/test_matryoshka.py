@@ -195,6 +195,13 @@ ONE_PASS = {
                          {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "reduction": "none", "chunk_size": 4}),
     "nt_bxent_none": (tc.nt_bxent_loss, lambda g: [torch.randn(11, 12, generator=g, dtype=torch.float64)],
                       {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 2, 4, 1]), "reduction": "none"}),
+    # CLIP's label smoothing: without ids F.cross_entropy's; with ids the smoothed weights over the positive pairs
+    "clip_smoothing": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                       {"label_smoothing": 0.1, "chunk_size": 4}),
+    "clip_ids_smoothing_none": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                                {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "label_smoothing": 0.2, "reduction": "none"}),
+    "clip_ids_smoothing_cold": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
+                                {"text_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "label_smoothing": 0.3, "temperature": 0.002}),
     "clip_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                  {"reduction": "sum", "label_smoothing": 0.0}),
 }
@@ -246,7 +253,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.nt_xent_loss, [x], {"labels": labels, "temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
                                 (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"memory_emb": x, "labels": labels,
                                                                                    "memory_labels": labels}),
-                                (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1}),
+                                (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
                                 (tc.nt_xent_loss, [x], {"eps": 2.0})):
         assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
     got = tc.matryoshka_loss(tc.supcon_loss, [x], [6, 3], labels=labels, temperature=0.2, base_temperature=0.07)  # per prefix
@@ -276,7 +283,8 @@ def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
     assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None
 
 
-@pytest.mark.parametrize("name", ["clip", "clip_ids", "clip_ids_decoupled", "info_nce_negatives", "nt_xent_decoupled", "supcon_labels"])
+@pytest.mark.parametrize("name", ["clip", "clip_ids", "clip_ids_decoupled", "clip_smoothing", "info_nce_negatives", "nt_xent_decoupled",
+                                  "supcon_labels"])
 def test_a_learnable_temperature_gets_its_gradient_in_one_pass(name):
     """A 0-dim temperature that requires grad (``1 / logit_scale.exp()``) keeps the one pass: the value and the
     gradients of the inputs and of the temperature equal one call per prefix (float64); CLIP's directions

@@ -18,7 +18,7 @@ and returns ``sum_p w_p * mean_i loss_p(i)``. Rows are taken in strips of ``T``:
 each prefix's per-row log-sum-exp; backward recomputes a strip's band products, forms each prefix's
 gradient tile, folds the tiles of the prefixes that cover a band (a reverse running sum) and multiplies
 once per band -- so backward's products cost ``D`` per pair too. Memory: O((N + M) D + T M P + N P).
-:class:`PrefixSigmoid` is SigLIP's sigmoid pairs on the same passes, :class:`PrefixPairs` the label
+:class:`PrefixSigmoid` is SigLIP's sigmoid pairs on the same passes, :class:`~.prefix_pairs.PrefixPairs` the label
 conventions scored pair by pair (pytorch-metric-learning's NT-Xent, NT-BXent); :func:`prefix_backward` is
 the backward they share (each supplies its gradient tile of a prefix's logits). The soft-max terms also take
 a learnable (tensor) scale, whose gradient comes from the same tiles.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -83,6 +83,10 @@ class Targets:
         columns: CLIP's second direction too (two sets of the same rows, a symmetric relation: one
             positive per row on the diagonal, or keys by pairs): each candidate's soft-max over the
             anchors, the loss the mean of both directions.
+        smoothing: CLIP's label smoothing ``eps`` (two sets, nothing left out): per row
+            ``((1 - eps) c_i + eps G / N) LSE_i - (1 - eps) sum_pos S_ij - eps G / N^2 sum_j S_ij`` with
+            ``c_i`` the row's positives (1 without keys) and ``G`` all of them -- without ids exactly
+            ``F.cross_entropy(S, arange(N), label_smoothing=eps)``.
     """
 
     partner: Tensor | None = None
@@ -92,6 +96,7 @@ class Targets:
     exclude_positive: bool = False
     by_pairs: bool = False
     columns: bool = False
+    smoothing: float = 0.0
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
@@ -147,6 +152,9 @@ class PrefixSoftmax(torch.autograd.Function):
         columns = _Columns(c.shape[0], len(cuts), a) if targets.columns else None
         total = a.new_zeros(())
         per_anchor = a.new_zeros(n) if plan.rows else None
+        smooth = _Smoothing.of(targets, a, plan.strip)
+        if columns is not None and smooth is not None:
+            columns.linear = a.new_zeros(c.shape[0], len(cuts))
         counted = a.new_zeros(())  # anchors in the mean (those with a positive), or positive pairs
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
@@ -157,6 +165,8 @@ class PrefixSoftmax(torch.autograd.Function):
                 if s is not None:  # a learnable scale: the plan's logits are the cosines
                     logits.mul_(s)
                 per_row, positive = _row_terms(logits, lse, k, start, stop, targets, cols, mask, count)
+                if smooth is not None:
+                    per_row = smooth.terms(per_row, lse[start:stop, k], logits.sum(1))
                 if per_anchor is not None:
                     per_anchor[start:stop] += _weight_of(plan, k) * per_row
                 else:
@@ -165,13 +175,13 @@ class PrefixSoftmax(torch.autograd.Function):
                     columns.add(logits, k, plan.scale, cols, positive, mask, first=k == 0, exclude=targets.exclude_positive)
         col_lse = col_count = a.new_empty(0)
         if columns is not None:
-            col_lse, col_count, col_values = columns.finish(plan, targets)
+            col_lse, col_count, col_values = columns.finish(plan, targets, smooth)
             if per_anchor is not None:
                 per_anchor = 0.5 * (per_anchor + col_values)
             else:
                 total = 0.5 * (total + col_values.sum())
         ctx.save_for_backward(anchors, candidates, lse, counted, col_lse, col_count, *(() if scale is None else (scale,)))
-        ctx.plan, ctx.targets = plan, targets
+        ctx.plan, ctx.targets, ctx.smooth = plan, targets, smooth
         if per_anchor is not None:  # by pairs (CLIP with ids): N / sum gt, so that the rows' mean is the loss
             value = per_anchor * (n / counted.clamp_min(1)) if targets.by_pairs else per_anchor
         else:
@@ -183,6 +193,7 @@ class PrefixSoftmax(torch.autograd.Function):
         anchors, candidates, lse, counted, col_lse, col_count, *given = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         targets: Targets = ctx.targets
+        smooth: _Smoothing | None = ctx.smooth
         device = anchors.device
         dtype = _compute_dtype(anchors)
         s = given[0].to(dtype) if given else None
@@ -191,50 +202,59 @@ class PrefixSoftmax(torch.autograd.Function):
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             nonlocal ds
+            if start not in strip:  # the strip's positives, once for all its prefixes
+                strip.clear()
+                strip[start] = targets.strip(start, stop, device)
             logits = cos if s is None else cos * s  # with a learnable scale, the plan's logits are the cosines
-            tile = _softmax_grad_tile(logits, k, start, stop, weight)
+            tile, col_tile = _softmax_tiles(logits, start, targets, strip[start], lse[start:stop, k],
+                                            col_lse[:, k] if targets.columns else None, col_count, smooth)
             if g_rows is not None:  # per-row values: each row's (and column's) own incoming gradient
-                tile = _rows_weighted(tile, g_rows, g_cols, start, stop, col_part.pop() if col_part else None)
+                tile = _rows_weighted(tile, g_rows, g_cols, start, stop, col_tile)
+            elif col_tile is not None:
+                tile = tile.add_(col_tile).mul_(0.5)
             if s is None:
                 return tile
             ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
             return tile.mul_(s)  # d loss / d cos
 
-        def _softmax_grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
-            if start not in strip:  # the strip's positives, once for all its prefixes
-                strip.clear()
-                strip[start] = targets.strip(start, stop, device)
-            cols, mask, count = strip[start]
-            rows = torch.arange(stop - start, device=device)
-            apart = targets.exclude_positive and (mask is None or count is None)
-            if targets.exclude_self:
-                logits[rows, rows + start] = -torch.inf
-            positive = logits[rows, cols] if apart else None  # type: ignore[index]
-            if apart:
-                logits[rows, cols] = -torch.inf  # type: ignore[index]
-            # DCL by keys: the positives leave both soft-maxes (a copy; the logits stay as they are)
-            soft = logits.masked_fill(mask, -torch.inf) if targets.exclude_positive and mask is not None else logits
-            tile = soft.sub(lse[start:stop, k, None]).exp_()
-            col_tile = soft.sub(col_lse[None, :, k]).exp_() if targets.columns else None
-            if targets.exclude_self:
-                logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
-            if positive is not None:
-                logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back
-            _positive_part(tile, rows, cols, mask, count, targets, lse[start:stop, k])
-            if col_tile is None:
-                return tile
-            _column_positive_part(col_tile, rows, cols, mask, targets, col_lse[:, k], col_count)
-            if g_rows is not None:  # the two directions take different per-row gradients: kept apart
-                col_part.append(col_tile)
-                return tile
-            return tile.add_(col_tile).mul_(0.5)
-
-        col_part: list[Tensor] = []
         g, g_rows, g_cols = _incoming(grad.to(dtype), plan, targets, counted.to(dtype), anchors.shape[0])
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None,
                 ds.to(given[0]) if given and ctx.needs_input_grad[4] else None)
+
+
+def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Tensor | None, Tensor | None, Tensor | None],
+                   row_lse: Tensor, col_lse: Tensor | None, col_count: Tensor, smooth: _Smoothing | None) -> tuple[Tensor, Tensor | None]:
+    """A strip's gradient tiles of one prefix from its ``logits``: the rows' (soft-max minus the positive part)
+    and, with CLIP's columns, the columns'. The left-out entries are set to ``-inf`` for the soft-max and
+    put back after (the products read the logits again: they must stay finite, a DCL positive its value)."""
+    cols, mask, count = strip
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    apart = targets.exclude_positive and (mask is None or count is None)
+    if targets.exclude_self:
+        logits[rows, rows + start] = -torch.inf
+    positive = logits[rows, cols] if apart else None  # type: ignore[index]
+    if apart:
+        logits[rows, cols] = -torch.inf  # type: ignore[index]
+    # DCL by keys: the positives leave both soft-maxes (a copy; the logits stay as they are)
+    soft = logits.masked_fill(mask, -torch.inf) if targets.exclude_positive and mask is not None else logits
+    tile = soft.sub(row_lse[:, None]).exp_()
+    col_tile = None if col_lse is None else soft.sub(col_lse[None, :]).exp_()
+    row_soft = None if smooth is None else tile.clone()  # the soft-maxes as they are, for the smoothed coefficient
+    col_soft = None if smooth is None or col_tile is None else col_tile.clone()
+    if targets.exclude_self:
+        logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
+    if positive is not None:
+        logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back
+    _positive_part(tile, rows, cols, mask, count, targets, row_lse)
+    if smooth is not None and row_soft is not None:
+        smooth.tile(tile, row_soft)
+    if col_tile is not None and col_lse is not None:
+        _column_positive_part(col_tile, rows, cols, mask, targets, col_lse, col_count)
+        if smooth is not None and col_soft is not None:
+            smooth.tile(col_tile, col_soft)
+    return tile, col_tile
 
 
 def _incoming(grad: Tensor, plan: PrefixPlan, targets: Targets, counted: Tensor,
@@ -330,6 +350,7 @@ class _Columns:
         self.sums = like.new_zeros(m, prefixes)
         self.positive = like.new_zeros(m, prefixes)
         self.count = like.new_zeros(m)
+        self.linear: Tensor | None = None  # sum_i S_ij per column and prefix (label smoothing)
 
     def add(self, logits: Tensor, k: int, scale: float, cols: Tensor | None, positive: Tensor | None,
             mask: Tensor | None, first: bool, exclude: bool = False) -> None:
@@ -337,6 +358,8 @@ class _Columns:
         if mask is not None and exclude:  # DCL by keys: the positives leave the columns' soft-max too
             e.masked_fill_(mask, 0.0)
         self.sums[:, k] += e.sum(0)
+        if self.linear is not None:
+            self.linear[:, k] += logits.sum(0)
         if mask is None:
             if cols is None or positive is None:
                 raise RuntimeError("internal: a partner relation without its positives")
@@ -346,14 +369,47 @@ class _Columns:
             if first:
                 self.count += mask.sum(0).to(self.count.dtype)
 
-    def finish(self, plan: PrefixPlan, targets: Targets) -> tuple[Tensor, Tensor, Tensor]:
+    def finish(self, plan: PrefixPlan, targets: Targets, smooth: _Smoothing | None) -> tuple[Tensor, Tensor, Tensor]:
         """``(LSE' per column and prefix, positives per column, each column's term summed over the prefixes)``."""
         col_lse = self.sums.log() + plan.scale
         per_col = (self.count[:, None] * col_lse if targets.by_pairs else col_lse) - self.positive
+        if smooth is not None and self.linear is not None:
+            per_col = smooth.terms(per_col, col_lse, self.linear)
         if targets.exclude_positive:  # a column left without a candidate: 0
             per_col = torch.where(torch.isneginf(col_lse), 0.0, per_col)
         weights = torch.tensor([_weight_of(plan, k) for k in range(len(plan.cuts))], dtype=per_col.dtype, device=per_col.device)
         return col_lse, self.count, per_col @ weights
+
+
+class _Smoothing:
+    """CLIP's label smoothing on the soft-max terms (:attr:`Targets.smoothing`): ``eps``, the positives of the
+    whole problem ``G`` (N without keys) and the rows ``N``, so that a row's term is
+    ``(1 - eps) term + eps G / N LSE - eps G / N^2 sum_j S_ij`` and its gradient tile
+    ``(1 - eps) tile + eps G / N softmax - eps G / N^2``."""
+
+    def __init__(self, eps: float, positives: Tensor, n: int) -> None:
+        self.eps, self.lse_weight, self.linear_weight = eps, eps * positives / n, eps * positives / (n * n)
+
+    @staticmethod
+    def of(targets: Targets, a: Tensor, strip: int) -> _Smoothing | None:
+        if not targets.smoothing:
+            return None
+        if targets.exclude_self or targets.exclude_positive:
+            raise ValueError("label smoothing leaves nothing out of the soft-max (not with DCL or a single set)")
+        n = a.shape[0]
+        positives = a.new_tensor(float(n))
+        if targets.row_keys is not None:  # G: every positive pair, counted before the strips
+            positives = sum((cast(Tensor, targets.strip(lo, min(lo + strip, n), a.device)[2]).sum()
+                             for lo in range(0, n, strip)), a.new_zeros(())).to(a.dtype)
+        return _Smoothing(targets.smoothing, positives, n)
+
+    def terms(self, term: Tensor, lse: Tensor, linear: Tensor) -> Tensor:
+        """A row's (or column's) smoothed term from its plain one, its log-sum-exp and ``sum_j S_ij``."""
+        return (1.0 - self.eps) * term + self.lse_weight * lse - self.linear_weight * linear
+
+    def tile(self, tile: Tensor, softmax: Tensor) -> None:
+        """The smoothed gradient tile from the plain one and the soft-max, in place."""
+        tile.mul_(1.0 - self.eps).add_(softmax * self.lse_weight).sub_(self.linear_weight)
 
 
 class PrefixSigmoid(torch.autograd.Function):
@@ -399,93 +455,6 @@ class PrefixSigmoid(torch.autograd.Function):
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None,
                 dt.to(t) if ctx.needs_input_grad[3] else None, db.to(b) if ctx.needs_input_grad[4] else None)
-
-
-class PrefixPairs(torch.autograd.Function):
-    """The label conventions that score positive pairs one by one, over every prefix in one pass, on a single
-    set (``candidates`` is ``anchors``; row ``i`` is column ``i``, never its own pair), positives by equal
-    ``labels``:
-
-    * ``"pair_softplus"`` (pytorch-metric-learning's NT-Xent): ``softplus(L_i - S_ip)`` per positive pair,
-      ``L_i`` the log-sum-exp over row ``i``'s other-label columns (none: the pair scores 0); the mean over
-      the positive pairs;
-    * ``"binary"`` (NT-BXent): per row ``sum_pos softplus(-S_ip) / n_pos_i + sum_neg softplus(S_in) / n_neg_i``
-      (``n_pos_i`` counts the row itself, unscored; no negative: 0); the mean over rows.
-
-    ``plan.mean`` False sums instead. Forward keeps each prefix's ``L_i`` (pair_softplus); backward
-    recomputes the tiles through :func:`prefix_backward`."""
-
-    @staticmethod
-    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, labels: Tensor,  # type: ignore[override]
-                kernel: str) -> Tensor:
-        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
-        n, cuts = a.shape[0], plan.cuts
-        lse = a.new_empty(n, len(cuts))
-        per_anchor = a.new_zeros(n)
-        counted = a.new_zeros(())  # positive pairs (pair_softplus) or rows (binary)
-        for start in range(0, n, plan.strip):
-            stop = min(start + plan.strip, n)
-            pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop)
-            counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
-            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
-                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
-                if kernel == "pair_softplus":
-                    lse[start:stop, k] = torch.logsumexp(logits.masked_fill(~neg, -torch.inf), 1)
-                    terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum(1)
-                else:
-                    terms = (torch.where(pos, torch.nn.functional.softplus(-logits), 0.0).sum(1) / n_pos
-                             + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1))
-                per_anchor[start:stop] += _weight_of(plan, k) * terms
-        ctx.save_for_backward(anchors, candidates, labels, lse, counted)
-        ctx.plan, ctx.kernel = plan, kernel
-        total = per_anchor.sum()
-        value = per_anchor if plan.rows else total / counted.clamp_min(1) if plan.mean else total
-        return value.to(torch.promote_types(anchors.dtype, torch.float32))
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
-        anchors, candidates, labels, lse, counted = ctx.saved_tensors
-        plan: PrefixPlan = ctx.plan
-        kernel: str = ctx.kernel
-        masks: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-
-        def grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
-            if start not in masks:  # the strip's masks, once for all its prefixes
-                masks.clear()
-                masks[start] = _pair_masks(labels, start, stop)
-            pos, neg, n_pos, n_neg = masks[start]
-            if kernel == "pair_softplus":
-                row_lse = lse[start:stop, k, None]
-                sig = torch.where(pos, torch.sigmoid(row_lse - logits), 0.0)  # -d term / d S_ip
-                # a negative's share of its row's positives' terms: sum_p sigmoid(L_i - S_ip) * softmax_neg(S_in)
-                share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)
-                return share.sub_(sig)
-            return torch.where(pos, -torch.sigmoid(-logits) / n_pos[:, None], 0.0) \
-                + torch.where(neg, torch.sigmoid(logits) / n_neg.clamp_min(1)[:, None], 0.0)
-
-        def row_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
-            return grad_tile(logits, k, start, stop, weight).mul_(g_rows[start:stop, None])
-
-        dtype = _compute_dtype(anchors)
-        if plan.rows:  # per-row values: each row's own incoming gradient
-            g_rows = grad.to(dtype)
-            da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=grad.device), row_tile)
-        else:
-            g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
-            da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
-        return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
-                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None)
-
-
-def _pair_masks(labels: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows ``start:stop`` of a single set by label: (positives -- same label, not the row itself --,
-    negatives, the same-label count per row with the row itself, the other-label count per row)."""
-    same = labels[start:stop, None] == labels[None, :]
-    n_pos = same.sum(1)
-    rows = torch.arange(stop - start, device=labels.device)
-    pos = same.clone()
-    pos[rows, rows + start] = False
-    return pos, ~same, n_pos, labels.shape[0] - n_pos
 
 
 def _signed(cos: Tensor, t: Tensor, b: Tensor, start: int, stop: int) -> Tensor:

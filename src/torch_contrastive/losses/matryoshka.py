@@ -27,7 +27,8 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..engine.precision import compute_dtype
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixPairs, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
+from ..engine.prefix_pairs import PrefixPairs
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
 
 
@@ -311,21 +312,23 @@ def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[st
     """CLIP's two directions: the diagonal positives, DCL's excluded diagonal, or duplicates by ids (an image
     and a text are positives when their image ids or their text ids match; a missing id tensor: every image,
     or text, distinct) with the loss normalised by the positive pairs."""
-    if not keys <= {"image_id", "text_id", "decoupled", "label_smoothing"} or kwargs.get("label_smoothing", 0.0) != 0.0:
+    if not keys <= {"image_id", "text_id", "decoupled", "label_smoothing"}:
         return None
     images, texts = tensors
     if images.shape[0] != texts.shape[0]:
         return None  # let the loss say so
     n, device = images.shape[0], images.device
     decoupled = kwargs.get("decoupled", False)
+    smoothing = v.check_fraction(kwargs.get("label_smoothing", 0.0), "label_smoothing")
     ids = [kwargs.get(name) for name in ("image_id", "text_id")]
-    if not isinstance(decoupled, bool):
-        return None
+    if not isinstance(decoupled, bool) or (decoupled and smoothing):
+        return None  # let the loss refuse it
     if all(i is None for i in ids):
-        return images, texts, Targets(exclude_positive=decoupled), True
+        return images, texts, Targets(exclude_positive=decoupled, smoothing=smoothing), True
     own = torch.arange(n, device=device)  # a missing id tensor: every row its own id
     keys_given = tuple(own if i is None else v.check_labels(i, name, n, device) for i, name in zip(ids, ("image_id", "text_id")))
-    return images, texts, Targets(row_keys=keys_given, col_keys=keys_given, by_pairs=True, exclude_positive=decoupled), True
+    return images, texts, Targets(row_keys=keys_given, col_keys=keys_given, by_pairs=True, exclude_positive=decoupled,
+                                  smoothing=smoothing), True
 
 
 def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor], matryoshka_dims: Sequence[int],
@@ -348,7 +351,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
         the weighted sum of the prefixes' losses (``loss_fn``'s reduction).
 
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
-    image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True``, or both),
+    image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True`` or ``label_smoothing``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels, or the authors' views) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
@@ -357,7 +360,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients) and no ids. ``validate`` is honoured on either path (False: no host read). Anything else --
-    ``gather=True``, label smoothing, a learnable temperature of the pair forms, memories,
+    ``gather=True``, label smoothing with DCL, a learnable temperature of the pair forms, memories,
     reference sets, index pairs, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):

@@ -1,0 +1,101 @@
+"""The label conventions that score positive pairs one by one, over every prefix of the features in one
+pass (Matryoshka representations): pytorch-metric-learning's NT-Xent and NT-BXent with labels, on the
+prefix engine's band products, strips and shared backward (:mod:`.prefixes`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .prefixes import PrefixPlan, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
+
+__all__ = ["PrefixPairs"]
+
+
+class PrefixPairs(torch.autograd.Function):
+    """The label conventions that score positive pairs one by one, over every prefix in one pass, on a single
+    set (``candidates`` is ``anchors``; row ``i`` is column ``i``, never its own pair), positives by equal
+    ``labels``:
+
+    * ``"pair_softplus"`` (pytorch-metric-learning's NT-Xent): ``softplus(L_i - S_ip)`` per positive pair,
+      ``L_i`` the log-sum-exp over row ``i``'s other-label columns (none: the pair scores 0); the mean over
+      the positive pairs;
+    * ``"binary"`` (NT-BXent): per row ``sum_pos softplus(-S_ip) / n_pos_i + sum_neg softplus(S_in) / n_neg_i``
+      (``n_pos_i`` counts the row itself, unscored; no negative: 0); the mean over rows.
+
+    ``plan.mean`` False sums instead. Forward keeps each prefix's ``L_i`` (pair_softplus); backward
+    recomputes the tiles through :func:`prefix_backward`."""
+
+    @staticmethod
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, labels: Tensor,  # type: ignore[override]
+                kernel: str) -> Tensor:
+        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        n, cuts = a.shape[0], plan.cuts
+        lse = a.new_empty(n, len(cuts))
+        per_anchor = a.new_zeros(n)
+        counted = a.new_zeros(())  # positive pairs (pair_softplus) or rows (binary)
+        for start in range(0, n, plan.strip):
+            stop = min(start + plan.strip, n)
+            pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop)
+            counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
+            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
+                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                if kernel == "pair_softplus":
+                    lse[start:stop, k] = torch.logsumexp(logits.masked_fill(~neg, -torch.inf), 1)
+                    terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum(1)
+                else:
+                    terms = (torch.where(pos, torch.nn.functional.softplus(-logits), 0.0).sum(1) / n_pos
+                             + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1))
+                per_anchor[start:stop] += _weight_of(plan, k) * terms
+        ctx.save_for_backward(anchors, candidates, labels, lse, counted)
+        ctx.plan, ctx.kernel = plan, kernel
+        total = per_anchor.sum()
+        value = per_anchor if plan.rows else total / counted.clamp_min(1) if plan.mean else total
+        return value.to(torch.promote_types(anchors.dtype, torch.float32))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
+        anchors, candidates, labels, lse, counted = ctx.saved_tensors
+        plan: PrefixPlan = ctx.plan
+        kernel: str = ctx.kernel
+        masks: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+        def grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            if start not in masks:  # the strip's masks, once for all its prefixes
+                masks.clear()
+                masks[start] = _pair_masks(labels, start, stop)
+            pos, neg, n_pos, n_neg = masks[start]
+            if kernel == "pair_softplus":
+                row_lse = lse[start:stop, k, None]
+                sig = torch.where(pos, torch.sigmoid(row_lse - logits), 0.0)  # -d term / d S_ip
+                # a negative's share of its row's positives' terms: sum_p sigmoid(L_i - S_ip) * softmax_neg(S_in)
+                share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)
+                return share.sub_(sig)
+            return torch.where(pos, -torch.sigmoid(-logits) / n_pos[:, None], 0.0) \
+                + torch.where(neg, torch.sigmoid(logits) / n_neg.clamp_min(1)[:, None], 0.0)
+
+        def row_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            return grad_tile(logits, k, start, stop, weight).mul_(g_rows[start:stop, None])
+
+        dtype = _compute_dtype(anchors)
+        if plan.rows:  # per-row values: each row's own incoming gradient
+            g_rows = grad.to(dtype)
+            da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=grad.device), row_tile)
+        else:
+            g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
+            da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
+        return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None)
+
+
+def _pair_masks(labels: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows ``start:stop`` of a single set by label: (positives -- same label, not the row itself --,
+    negatives, the same-label count per row with the row itself, the other-label count per row)."""
+    same = labels[start:stop, None] == labels[None, :]
+    n_pos = same.sum(1)
+    rows = torch.arange(stop - start, device=labels.device)
+    pos = same.clone()
+    pos[rows, rows + start] = False
+    return pos, ~same, n_pos, labels.shape[0] - n_pos
