@@ -25,10 +25,6 @@ def _root(package: str, hint: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    return load_file(name, path)
-
-
 @contextlib.contextmanager
 def lightly_files() -> Iterator[dict[str, types.ModuleType]]:
     """lightly 1.6's ``dcl_loss``, ``ntx_ent_loss`` and ``memory_bank`` modules, with stub
@@ -45,10 +41,10 @@ def lightly_files() -> Iterator[dict[str, types.ModuleType]]:
             sys.modules[name] = package
         sys.modules["lightly.models.utils"] = types.ModuleType("lightly.models.utils")
         sys.modules["lightly.models"].utils = sys.modules["lightly.models.utils"]  # type: ignore[attr-defined]
-        sys.modules["lightly.utils"].dist = _load("lightly.utils.dist", root / "utils" / "dist.py")  # type: ignore[attr-defined]
-        bank = _load("lightly.models.modules.memory_bank", root / "models" / "modules" / "memory_bank.py")
-        yield {"memory_bank": bank, "dcl_loss": _load("lightly_dcl_loss_only", root / "loss" / "dcl_loss.py"),
-               "ntx_ent_loss": _load("lightly_ntx_ent_loss_only", root / "loss" / "ntx_ent_loss.py")}
+        sys.modules["lightly.utils"].dist = load_file("lightly.utils.dist", root / "utils" / "dist.py")  # type: ignore[attr-defined]
+        bank = load_file("lightly.models.modules.memory_bank", root / "models" / "modules" / "memory_bank.py")
+        yield {"memory_bank": bank, "dcl_loss": load_file("lightly_dcl_loss_only", root / "loss" / "dcl_loss.py"),
+               "ntx_ent_loss": load_file("lightly_ntx_ent_loss_only", root / "loss" / "ntx_ent_loss.py")}
     finally:
         for name, module in saved.items():
             if module is None:
@@ -60,7 +56,7 @@ def lightly_files() -> Iterator[dict[str, types.ModuleType]]:
 def open_clip_loss() -> types.ModuleType:
     """open_clip 3.3's ``loss.py`` alone."""
     root = _root("open_clip", "pip install --no-deps open_clip_torch==3.3.0")
-    return _load("open_clip_loss_only", root / "loss.py")
+    return load_file("open_clip_loss_only", root / "loss.py")
 
 
 def tiny_sentence_transformer(folder: Path, seed: int = 0, hidden: int = 16):
@@ -110,4 +106,4 @@ def libauc_contrastive() -> types.ModuleType:
     """LibAUC 2.0.1's ``losses/contrastive.py`` alone (``GCLoss_v1``, ``GCLoss_v2``): the package's
     ``__init__`` imports its whole stack; this file needs torch and numpy only."""
     root = _root("libauc", "pip install --no-deps libauc==2.0.1")
-    return _load("libauc_contrastive_only", root / "losses" / "contrastive.py")
+    return load_file("libauc_contrastive_only", root / "losses" / "contrastive.py")

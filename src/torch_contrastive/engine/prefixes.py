@@ -149,12 +149,10 @@ class PrefixSoftmax(torch.autograd.Function):
         s = None if scale is None else scale.detach().to(a.dtype)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
-        columns = _Columns(c.shape[0], len(cuts), a) if targets.columns else None
+        smooth = _Smoothing.of(targets, a, plan.strip)
+        columns = _Columns(c.shape[0], len(cuts), a, linear=smooth is not None) if targets.columns else None
         total = a.new_zeros(())
         per_anchor = a.new_zeros(n) if plan.rows else None
-        smooth = _Smoothing.of(targets, a, plan.strip)
-        if columns is not None and smooth is not None:
-            columns.linear = a.new_zeros(c.shape[0], len(cuts))
         counted = a.new_zeros(())  # anchors in the mean (those with a positive), or positive pairs
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
@@ -346,11 +344,12 @@ class _Columns:
     """CLIP's column direction gathered over the strips of one pass: per column and prefix the exp-sum under
     the fixed shift, the positives' logits and (by pairs) the positives per column."""
 
-    def __init__(self, m: int, prefixes: int, like: Tensor) -> None:
+    def __init__(self, m: int, prefixes: int, like: Tensor, *, linear: bool = False) -> None:
         self.sums = like.new_zeros(m, prefixes)
         self.positive = like.new_zeros(m, prefixes)
         self.count = like.new_zeros(m)
-        self.linear: Tensor | None = None  # sum_i S_ij per column and prefix (label smoothing)
+        # sum_i S_ij per column and prefix: label smoothing's uniform part
+        self.linear = like.new_zeros(m, prefixes) if linear else None
 
     def add(self, logits: Tensor, k: int, scale: float, cols: Tensor | None, positive: Tensor | None,
             mask: Tensor | None, first: bool, exclude: bool = False) -> None:

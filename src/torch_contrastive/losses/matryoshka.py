@@ -126,11 +126,11 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
     host read). ``mean``: each prefix's mean over its counted anchors (False: their sum), times ``factor``;
     ``per_row``: the per-row values instead (``reduction="none"``, see :class:`~.engine.prefixes.PrefixPlan`)."""
     width = anchors.shape[-1]
-    learnable = isinstance(tau, Tensor)
-    scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau  # a tensor scale multiplies the cosines inside
-    scale_t = (1.0 / tau) if isinstance(tau, Tensor) else None
+    # a tensor (learnable) scale multiplies the cosines inside: the plan's scale is then 1
+    scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
+    scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
     plan = prefix_plan(dims, weights, width, scale, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean, per_row)
-    if reverse is candidates and not learnable and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
+    if reverse is candidates and scale_t is None and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
         # the candidates' direction from the same tiles (CLIP): one product pass for both directions
         loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True), None)
         reverse = None
@@ -224,7 +224,7 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
 
 def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float, chunk: int | None,
                mean: bool, per_row: bool) -> OnePass | None:
-    """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefixes.PrefixPairs`):
+    """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefix_pairs.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
     a single (N, D) set; None for anything else (memory, references, index pairs: one call per prefix)."""
     if keys != {"labels"} or len(tensors) != 1 or tensors[0].ndim != 2:
