@@ -642,6 +642,19 @@ MUTATIONS = [
     Mutation(f"{E}/prefixes.py", "        tile.mul_(1.0 - self.eps).add_(softmax * self.lse_weight).sub_(self.linear_weight)",
              "        tile.mul_(1.0 - self.eps).add_(softmax * self.lse_weight)",
              "the one pass's label smoothing forgets the uniform part of its gradient", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", "            targets = replace(targets, partner=targets.partner + scope.offset)",
+             "            targets = replace(targets, partner=targets.partner)",
+             "gathered NT-Xent in one pass pairs each rank's rows at their local columns", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", "            targets = replace(targets, row_keys=_one_key(targets.row_keys) + scope.offset)",
+             "            targets = replace(targets, row_keys=_one_key(targets.row_keys))",
+             "gathered SupCon views in one pass: samples on different ranks share keys", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{E}/prefixes.py", "    own = rows + (start + targets.offset)", "    own = rows + start",
+             "the one pass's gradient tiles leave out the local column instead of the anchor's own", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", '        factor = 0.5 * (float(sum(scope.sizes)) if reduction == "sum" else 1.0)',
+             "        factor = 0.5", "gathered CLIP's sum in one pass forgets the N_all factor", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", "    return (counts if by_pairs else counts > 0).sum().to(compute_dtype(anchors.dtype))",
+             "    return counts.sum().to(compute_dtype(anchors.dtype))",
+             "gathered SupCon in one pass divides by the positive pairs, not the anchors with one", ("tests/losses/test_matryoshka_gather.py",)),
 ]
 
 

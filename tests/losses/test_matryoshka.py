@@ -253,7 +253,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.nt_xent_loss, [x], {"labels": labels, "temperature": torch.tensor(0.1)}), (tc.siglip_loss, [x, x], {}),
                                 (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"memory_emb": x, "labels": labels,
                                                                                    "memory_labels": labels}),
-                                (tc.nt_xent_loss, [x], {"gather": True}), (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
+                                (tc.nt_xent_loss, [x], {"backend": "triton"}),
+                                (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
                                 (tc.nt_xent_loss, [x], {"eps": 2.0})):
         assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
     got = tc.matryoshka_loss(tc.supcon_loss, [x], [6, 3], labels=labels, temperature=0.2, base_temperature=0.07)  # per prefix

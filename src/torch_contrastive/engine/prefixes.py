@@ -83,6 +83,9 @@ class Targets:
         columns: CLIP's second direction too (two sets of the same rows, a symmetric relation: one
             positive per row on the diagonal, or keys by pairs): each candidate's soft-max over the
             anchors, the loss the mean of both directions.
+        offset: the anchors' first row among the candidates (``gather=True``: this rank's rows within the
+            gathered batch): anchor ``i`` is candidate ``offset + i`` -- its own row in a single set, its
+            positive in two sets without a partner or keys.
         smoothing: CLIP's label smoothing ``eps`` (two sets, nothing left out): per row
             ``((1 - eps) c_i + eps G / N) LSE_i - (1 - eps) sum_pos S_ij - eps G / N^2 sum_j S_ij`` with
             ``c_i`` the row's positives (1 without keys) and ``G`` all of them -- without ids exactly
@@ -97,6 +100,7 @@ class Targets:
     by_pairs: bool = False
     columns: bool = False
     smoothing: float = 0.0
+    offset: int = 0
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
@@ -108,11 +112,18 @@ class Targets:
             for r, c in zip(rows[1:], cols[1:]):
                 mask |= r[start:stop, None] == c[None, :]
             if self.exclude_self:
-                mask[torch.arange(stop - start, device=device), torch.arange(start, stop, device=device)] = False
+                mask[torch.arange(stop - start, device=device), torch.arange(start, stop, device=device) + self.offset] = False
             return None, mask, mask.sum(1)
         if self.partner is not None:
             return self.partner[start:stop], None, None
-        return torch.arange(start, stop, device=device), None, None
+        return torch.arange(start, stop, device=device) + self.offset, None, None
+
+    def positives(self, n: int, strip: int, device: torch.device) -> Tensor | None:
+        """The positives of each of the ``n`` anchors (taken ``strip`` rows at a time), or None when every
+        anchor has exactly one (a partner, or column ``offset + i``)."""
+        if self.row_keys is None:
+            return None
+        return torch.cat([cast(Tensor, self.strip(lo, min(lo + strip, n), device)[2]) for lo in range(0, n, strip)])
 
 
 def _inverse_norms(x: Tensor, cuts: tuple[int, ...], eps: float) -> Tensor:
@@ -230,8 +241,9 @@ def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Te
     cols, mask, count = strip
     rows = torch.arange(logits.shape[0], device=logits.device)
     apart = targets.exclude_positive and (mask is None or count is None)
+    own = rows + (start + targets.offset)
     if targets.exclude_self:
-        logits[rows, rows + start] = -torch.inf
+        logits[rows, own] = -torch.inf
     positive = logits[rows, cols] if apart else None  # type: ignore[index]
     if apart:
         logits[rows, cols] = -torch.inf  # type: ignore[index]
@@ -242,7 +254,7 @@ def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Te
     row_soft = None if smooth is None else tile.clone()  # the soft-maxes as they are, for the smoothed coefficient
     col_soft = None if smooth is None or col_tile is None else col_tile.clone()
     if targets.exclude_self:
-        logits[rows, rows + start] = 0.0  # its tile entry is 0: keep the products that read it finite
+        logits[rows, own] = 0.0  # its tile entry is 0: keep the products that read it finite
     if positive is not None:
         logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back
     _positive_part(tile, rows, cols, mask, count, targets, row_lse)
@@ -289,7 +301,7 @@ def _row_terms(logits: Tensor, lse: Tensor, k: int, start: int, stop: int, targe
     the positives' logits. The left-out entries (self, DCL's positive) are left at ``-inf`` in ``logits``."""
     rows = torch.arange(stop - start, device=logits.device)
     if targets.exclude_self:
-        logits[rows, rows + start] = -torch.inf
+        logits[rows, rows + (start + targets.offset)] = -torch.inf
     if mask is None or count is None:
         positive = logits[rows, cols]  # type: ignore[index]  # a copy: DCL then leaves the entry out
         if targets.exclude_positive:
@@ -396,11 +408,8 @@ class _Smoothing:
         if targets.exclude_self or targets.exclude_positive:
             raise ValueError("label smoothing leaves nothing out of the soft-max (not with DCL or a single set)")
         n = a.shape[0]
-        positives = a.new_tensor(float(n))
-        if targets.row_keys is not None:  # G: every positive pair, counted before the strips
-            positives = sum((cast(Tensor, targets.strip(lo, min(lo + strip, n), a.device)[2]).sum()
-                             for lo in range(0, n, strip)), a.new_zeros(())).to(a.dtype)
-        return _Smoothing(targets.smoothing, positives, n)
+        counts = targets.positives(n, strip, a.device)  # G: every positive pair, counted before the strips
+        return _Smoothing(targets.smoothing, a.new_tensor(float(n)) if counts is None else counts.sum().to(a.dtype), n)
 
     def terms(self, term: Tensor, lse: Tensor, linear: Tensor) -> Tensor:
         """A row's (or column's) smoothed term from its plain one, its log-sum-exp and ``sum_j S_ij``."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
+from ..distributed import Scope, all_gather_with_grad, make_scope
 from ..engine.precision import compute_dtype
 from ..engine.prefix_pairs import PrefixPairs
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
@@ -202,9 +203,13 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     options = _shared_options(kwargs)
     if options is None:
         return None
-    chunk, reduction = options
+    chunk, reduction, scope = options
     mean, per_row = reduction == "mean", reduction == "none"
-    if loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss):
+    pairs = loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss)
+    if scope.distributed:
+        return None if pairs else _gathered(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, scope,
+                                            chunk, reduction)
+    if pairs:
         if isinstance(tau, Tensor):
             return None  # the pair terms take a float temperature here
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
@@ -243,16 +248,102 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     return pairs
 
 
-def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str] | None:
-    """``(strip rows, reduction)`` from the shared options of a soft-max loss's call, checked as the loss checks
-    them (the same errors); None where the one pass does not compute that call: ``gather=True``, a kernel
-    backend, or a floor ``eps >= 1`` (which would shrink the unit prefixes). ``normalize`` changes nothing
-    here: every prefix arrives normalised (as :func:`shrink` gives it)."""
+def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str, Scope] | None:
+    """``(strip rows, reduction, the call's scope)`` from the shared options of a soft-max loss's call, checked
+    as the loss checks them (the same errors, the same warning for ``gather=False`` among several ranks); None
+    where the one pass does not compute that call: a kernel backend, or a floor ``eps >= 1`` (which would
+    shrink the unit prefixes). ``normalize`` changes nothing here: every prefix arrives normalised (as
+    :func:`shrink` gives it)."""
     given = {name: kwargs[name] for name in _SHARED if name in kwargs}
     options = shared(**given)
-    if options.gather or options.backend not in ("auto", "torch") or options.eps >= 1.0:
+    if options.backend not in ("auto", "torch") or options.eps >= 1.0:
         return None
-    return options.chunk_size, options.reduction
+    # the warning names the caller of matryoshka_loss (-> _one_pass -> here -> make_scope)
+    return options.chunk_size, options.reduction, make_scope(options.gather, options.grad_reduction, stacklevel=5)
+
+
+#: Anchor rows per block when the positives of a gathered batch are counted (a bounded mask).
+_COUNT_ROWS = 1024
+
+
+def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str],
+              tau: float | Tensor, scope: Scope, chunk: int | None, reduction: str) -> OnePass | None:
+    """The soft-max forms under ``gather=True`` among several ranks, as the losses gather: this rank's anchors
+    against every rank's candidates (gathered with their gradients, rank-ordered), each anchor's positive and
+    self at its global column; CLIP's two directions as two passes (local images against every text, local
+    texts against every image). Each rank sums its anchors' terms and :meth:`~torch_contrastive.distributed.Scope.finish`
+    divides by the global count (``grad_reduction`` as the losses apply it). None for ``reduction="none"``
+    and label smoothing (one call per prefix)."""
+    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss
+
+    form = _softmax_form(loss_fn, tensors, kwargs, keys)
+    if form is None or reduction == "none" or form[2].smoothing:
+        return None
+    anchors, _, targets, _ = form
+    scale = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
+    if loss_fn is image_text_contrastive_loss:
+        images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
+        all_texts, all_images = scope.rows(texts), scope.rows(images)
+        if isinstance(targets.row_keys, tuple):  # a missing id tensor (every row its own id) made global
+            own = tuple(k + scope.offset if kwargs.get(name) is None else k for k, name in zip(targets.row_keys, ("image_id", "text_id")))
+            targets = replace(targets, row_keys=own)
+        # gt is symmetric in the pairs: one relation serves both directions (row j's keys are pair j's)
+        targets = _spread(targets, scope)
+        directions = [(images, all_texts, targets), (texts, all_images, targets)]
+        normaliser = _counted(targets, anchors, by_pairs=True)
+        factor = 0.5 * (float(sum(scope.sizes)) if reduction == "sum" else 1.0)  # CLIP's sum: N_all times its mean
+    else:
+        if loss_fn is info_nce_loss:  # the keys, then (gathered too, as gather_negatives defaults) the negatives
+            pool = scope.rows(tensors[1].to(anchors.dtype))
+            if len(tensors) == 3:
+                pool = torch.cat([pool, all_gather_with_grad(tensors[2].to(anchors.dtype))])  # any count per rank
+        else:
+            pool = scope.rows(anchors)
+        if loss_fn is nt_xent_loss and targets.partner is not None:  # each rank pairs its own rows
+            targets = replace(targets, partner=targets.partner + scope.offset)
+        elif targets.row_keys is not None and "labels" not in kwargs:
+            # SupCon's views without labels: a sample's key is its own row index, made global
+            targets = replace(targets, row_keys=_one_key(targets.row_keys) + scope.offset)
+        targets = _spread(targets, scope)
+        directions = [(anchors, pool, targets)]
+        normaliser = _counted(targets, anchors, by_pairs=False) if reduction == "mean" else 1.0
+        factor = 1.0
+
+    def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
+        local = one_pass_softmax(*directions[0], dims, weights, scale, None, 1e-12, chunk, None, mean=False)
+        for a, c, t in directions[1:]:
+            local = local + one_pass_softmax(a, c, t, dims, weights, scale, None, 1e-12, chunk, None, mean=False)
+        loss = scope.finish(local * factor, normaliser)
+        if named is not None:
+            _name_non_finite(loss, named, scale if isinstance(scale, Tensor) else None)
+        return loss
+
+    return run
+
+
+def _one_key(keys: Tensor | tuple[Tensor, ...] | None) -> Tensor:
+    """One key tensor (SupCon's), refused as anything else."""
+    if not isinstance(keys, Tensor):
+        raise RuntimeError("internal: one key tensor expected")
+    return keys
+
+
+def _spread(targets: Targets, scope: Scope) -> Targets:
+    """``targets`` of this rank's anchors against the gathered candidates: the columns' keys gathered, the
+    anchors' own columns from this rank's offset."""
+    if targets.row_keys is None:
+        return replace(targets, offset=scope.offset)
+    cols = tuple(scope.ints(k) for k in targets.row_keys) if isinstance(targets.row_keys, tuple) else scope.ints(targets.row_keys)
+    return replace(targets, col_keys=cols, offset=scope.offset)
+
+
+def _counted(targets: Targets, anchors: Tensor, *, by_pairs: bool) -> Tensor | float:
+    """This rank's share of the loss's denominator: its anchors (one positive each), its positive pairs
+    (``by_pairs``, CLIP's ids) or its anchors with a positive (SupCon), in the loss's dtype."""
+    counts = targets.positives(anchors.shape[0], _COUNT_ROWS, anchors.device)
+    if counts is None:
+        return float(anchors.shape[0])
+    return (counts if by_pairs else counts > 0).sum().to(compute_dtype(anchors.dtype))
 
 
 def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
@@ -359,9 +450,12 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     gradient) and the shared options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
-    gradients) and no ids. ``validate`` is honoured on either path (False: no host read). Anything else --
-    ``gather=True``, label smoothing with DCL, a learnable temperature of the pair forms, memories,
-    reference sets, index pairs, other losses -- is one call per prefix (``sum(d_p)`` products per pair).
+    gradients) and no ids. ``validate`` is honoured on either path (False: no host read). The soft-max forms
+    keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
+    rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
+    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, a learnable
+    temperature of the pair forms, memories, reference sets, index pairs, other losses -- is one call per
+    prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

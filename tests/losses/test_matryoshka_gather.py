@@ -1,0 +1,80 @@
+"""Matryoshka's one pass under ``gather=True``: this rank's anchors against every rank's candidates, equal to
+one call per prefix of the loss itself with ``gather=True`` (values and every rank's gradients), on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_contrastive as tc
+
+DIMS, WEIGHTS = [7, 4, 2], [1.0, 0.5, 2.0]
+
+
+def _cases(rank: int):
+    """name -> (loss, tensors, kwargs), this rank's rows (ranks hold different numbers of rows)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 6 if rank == 0 else 4
+
+    def rows(k: int) -> torch.Tensor:
+        return torch.randn(k, 7, generator=g, dtype=torch.float64)
+
+    x, y, neg = rows(n), rows(n), rows(3)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    ids = torch.randint(0, 2, (n,), generator=g) + 2 * rank  # duplicates within and across ranks
+    views = torch.randn(n // 2, 2, 7, generator=g, dtype=torch.float64)
+    tau = torch.tensor(0.3, dtype=torch.float64)
+    return {
+        "clip": (tc.clip_loss, [x, y], {"temperature": 0.2}),
+        "clip ids": (tc.clip_loss, [x, y], {"temperature": 0.2, "image_id": ids, "text_id": labels}),
+        "clip ids sum": (tc.clip_loss, [x, y], {"temperature": 0.2, "image_id": ids, "reduction": "sum"}),
+        "clip decoupled": (tc.clip_loss, [x, y], {"temperature": 0.2, "decoupled": True}),
+        "clip learnable": (tc.clip_loss, [x, y], {"temperature": tau}),
+        "info_nce": (tc.info_nce_loss, [x, y], {"temperature": 0.2}),
+        "info_nce negatives": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "grad_reduction": "sum"}),
+        "nt_xent adjacent": (tc.nt_xent_loss, [x], {"temperature": 0.2}),
+        "nt_xent halves dcl": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "decoupled": True}),
+        "nt_xent sum": (tc.nt_xent_loss, [x], {"temperature": 0.2, "reduction": "sum"}),
+        "supcon labels": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels}),
+        "supcon views": (tc.supcon_loss, [views], {"temperature": 0.2}),
+    }
+
+
+def _ranks(rank: int, world: int, name: str) -> None:
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    fn, tensors, kwargs = _cases(rank)[name]
+    kwargs = {**kwargs, "gather": True}
+    assert _one_pass(fn, tensors, kwargs) is not None, name
+    results = []
+    for one_pass in (True, False):
+        inputs = [t.clone().requires_grad_() for t in tensors]
+        args = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for k, v in kwargs.items()}
+        loss = tc.matryoshka_loss(fn, inputs, DIMS, WEIGHTS, one_pass=one_pass, **args)
+        learnable = [v for v in args.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        grads = torch.autograd.grad(loss, inputs + learnable)
+        shared = [g.clone() for g in grads[len(inputs):]]
+        for g in shared:  # a replicated parameter: the ranks' gradients are summed (DDP averages them)
+            torch.distributed.all_reduce(g)
+        results.append((loss.detach(), *grads[: len(inputs)], *shared))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(_cases(0)))
+def test_gathered_one_pass_equals_one_call_per_prefix(name):
+    from dist_helpers import run_ranks
+
+    run_ranks(_ranks, 2, name, timeout=180)
+
+
+def test_gather_on_one_process_is_the_local_one_pass():
+    """``gather=True`` without a process group is the local loss: the one pass, equal to one call per prefix."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    x = torch.randn(8, 6, dtype=torch.float64)
+    assert _one_pass(tc.nt_xent_loss, [x], {"gather": True}) is not None
+    got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], temperature=0.2, gather=True)
+    want = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], temperature=0.2, gather=True, one_pass=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
