@@ -655,6 +655,11 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/matryoshka.py", "    return (counts if by_pairs else counts > 0).sum().to(compute_dtype(anchors.dtype))",
              "    return counts.sum().to(compute_dtype(anchors.dtype))",
              "gathered SupCon in one pass divides by the positive pairs, not the anchors with one", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py",
+             "    spread = bool_mask[:, torch.arange(z.shape[0], device=z.device) % bsz]  # (bsz, M): sample b's positive columns",
+             "    spread = bool_mask.t()[:, torch.arange(z.shape[0], device=z.device) % bsz]",
+             "SupCon's mask in one pass is read transposed (an asymmetric mask's rows and columns swapped)",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

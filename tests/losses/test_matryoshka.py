@@ -204,6 +204,15 @@ ONE_PASS = {
                                 {"text_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "label_smoothing": 0.3, "temperature": 0.002}),
     "clip_sum": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)],
                  {"reduction": "sum", "label_smoothing": 0.0}),
+    # SupCon with the authors' mask over samples (asymmetric; sample 3 marks only itself: its views still pair)
+    "supcon_mask_views": (tc.supcon_loss, lambda g: [torch.randn(5, 3, 12, generator=g, dtype=torch.float64)],
+                          {"mask": torch.tensor([[1, 1, 0, 0, 0], [0, 1, 0, 0, 1], [1, 0, 1, 0, 0], [0, 0, 0, 1, 0],
+                                                 [0, 0, 1, 1, 1]], dtype=torch.bool), "temperature": 0.2}),
+    "supcon_mask_float_sum": (tc.supcon_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                              {"mask": (torch.arange(7)[:, None] % 3 == torch.arange(7)[None, :] % 2).double(),
+                               "reduction": "sum", "chunk_size": 3}),
+    "supcon_mask_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
+                         {"mask": torch.eye(4, dtype=torch.bool).roll(1, 1), "reduction": "none"}),
 }
 
 
@@ -227,6 +236,12 @@ def test_the_one_pass_forms_equal_one_call_per_prefix(name):
 def _uneven(out):
     """A loss, or per-row values weighted unevenly (each row's own gradient is then checked, not only their sum)."""
     return out if out.ndim == 0 else (out * torch.linspace(0.5, 2.0, out.numel(), dtype=out.dtype, device=out.device)).sum()
+
+
+def test_a_supcon_mask_of_other_values_is_refused_in_the_one_pass():
+    x = torch.randn(4, 2, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mask must contain only 0 and 1"):
+        tc.matryoshka_loss(tc.supcon_loss, [x], [6, 3], mask=torch.full((4, 4), 0.5))
 
 
 def test_validate_false_keeps_the_one_pass_and_reads_nothing_on_the_host():

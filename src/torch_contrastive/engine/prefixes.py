@@ -83,6 +83,9 @@ class Targets:
         columns: CLIP's second direction too (two sets of the same rows, a symmetric relation: one
             positive per row on the diagonal, or keys by pairs): each candidate's soft-max over the
             anchors, the loss the mean of both directions.
+        sample_mask: (B, M) bool, the SupCon authors' ``mask`` over B samples (possibly asymmetric) spread over
+            the M candidates: anchor ``i`` is sample ``i % B`` (view-major rows) and candidate ``j`` is one of
+            its positives when ``sample_mask[i % B, j]``; the mean over anchors as with keys.
         offset: the anchors' first row among the candidates (``gather=True``: this rank's rows within the
             gathered batch): anchor ``i`` is candidate ``offset + i`` -- its own row in a single set, its
             positive in two sets without a partner or keys.
@@ -100,17 +103,14 @@ class Targets:
     by_pairs: bool = False
     columns: bool = False
     smoothing: float = 0.0
+    sample_mask: Tensor | None = None
     offset: int = 0
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
         the positives per row)."""
-        if self.row_keys is not None and self.col_keys is not None:
-            rows = self.row_keys if isinstance(self.row_keys, tuple) else (self.row_keys,)
-            cols = self.col_keys if isinstance(self.col_keys, tuple) else (self.col_keys,)
-            mask = rows[0][start:stop, None] == cols[0][None, :]
-            for r, c in zip(rows[1:], cols[1:]):
-                mask |= r[start:stop, None] == c[None, :]
+        if self.sample_mask is not None or (self.row_keys is not None and self.col_keys is not None):
+            mask = self._mask(start, stop, device)
             if self.exclude_self:
                 mask[torch.arange(stop - start, device=device), torch.arange(start, stop, device=device) + self.offset] = False
             return None, mask, mask.sum(1)
@@ -118,10 +118,21 @@ class Targets:
             return self.partner[start:stop], None, None
         return torch.arange(start, stop, device=device) + self.offset, None, None
 
+    def _mask(self, start: int, stop: int, device: torch.device) -> Tensor:
+        """Rows ``start:stop`` of the positive relation, self pairs included."""
+        if self.sample_mask is not None:
+            return self.sample_mask[torch.arange(start, stop, device=device) % self.sample_mask.shape[0]]
+        rows = self.row_keys if isinstance(self.row_keys, tuple) else (self.row_keys,)
+        cols_k = self.col_keys if isinstance(self.col_keys, tuple) else (self.col_keys,)
+        mask = cast(Tensor, rows[0])[start:stop, None] == cast(Tensor, cols_k[0])[None, :]
+        for r, c in zip(rows[1:], cols_k[1:]):
+            mask |= r[start:stop, None] == c[None, :]
+        return mask
+
     def positives(self, n: int, strip: int, device: torch.device) -> Tensor | None:
         """The positives of each of the ``n`` anchors (taken ``strip`` rows at a time), or None when every
         anchor has exactly one (a partner, or column ``offset + i``)."""
-        if self.row_keys is None:
+        if self.row_keys is None and self.sample_mask is None:
             return None
         return torch.cat([cast(Tensor, self.strip(lo, min(lo + strip, n), device)[2]) for lo in range(0, n, strip)])
 

@@ -277,8 +277,8 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss
 
     form = _softmax_form(loss_fn, tensors, kwargs, keys)
-    if form is None or reduction == "none" or form[2].smoothing:
-        return None
+    if form is None or reduction == "none" or form[2].smoothing or form[2].sample_mask is not None:
+        return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
     anchors, _, targets, _ = form
     scale = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     if loss_fn is image_text_contrastive_loss:
@@ -386,17 +386,31 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
         if partner is None or not isinstance(decoupled, bool):
             return None  # let the loss refuse it
         return tensors[0], tensors[0], Targets(partner=partner, exclude_self=True, exclude_positive=decoupled), False
-    if loss_fn is supcon_loss and keys <= {"labels"} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
-        features, labels = tensors[0], kwargs.get("labels")
-        if labels is None and features.ndim == 2:
-            return None  # no positives to find: let the loss say so
+    if loss_fn is supcon_loss and keys <= {"labels", "mask"} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
+        features, labels, mask = tensors[0], kwargs.get("labels"), kwargs.get("mask")
+        if (labels is None and mask is None and features.ndim == 2) or (labels is not None and mask is not None):
+            return None  # no positives to find, or two relations: let the loss say so
         bsz = features.shape[0]
+        if mask is not None:
+            return _sample_mask_form(features, mask, kwargs.get("validate", True))
         key = v.check_labels(labels, "labels", bsz, features.device) if labels is not None else torch.arange(bsz, device=features.device)
         views = 1 if features.ndim == 2 else features.shape[1]
         z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
         keys_all = key.repeat(views)
         return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), False
     return None
+
+
+def _sample_mask_form(features: Tensor, mask: object, validate: object) -> tuple[Tensor, Tensor, Targets, bool]:
+    """SupCon with the authors' ``mask`` over samples (bsz, bsz): each view of sample ``b`` has the views of the
+    samples ``mask[b]`` marks as positives, itself left out. A 0/1 float mask is checked as the loss checks it."""
+    bsz = features.shape[0]
+    checks = v.Checks(v.check_flag(validate, "validate"))
+    bool_mask = v.check_mask(mask, bsz, features.device, checks)
+    checks.flush()
+    z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
+    spread = bool_mask[:, torch.arange(z.shape[0], device=z.device) % bsz]  # (bsz, M): sample b's positive columns
+    return z, z, Targets(sample_mask=spread, exclude_self=True), False
 
 
 def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
@@ -444,7 +458,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
     image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True`` or ``label_smoothing``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
-    ``decoupled=True``), ``tc.supcon_loss`` (labels, or the authors' views) and the label conventions scored
+    ``decoupled=True``), ``tc.supcon_loss`` (labels, the authors' views, or their ``mask``) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
     each with a float ``temperature`` (the soft-max forms also a learnable 0-dim tensor, which gets its
     gradient) and the shared options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
