@@ -660,6 +660,9 @@ MUTATIONS = [
              "    spread = bool_mask.t()[:, torch.arange(z.shape[0], device=z.device) % bsz]",
              "SupCon's mask in one pass is read transposed (an asymmetric mask's rows and columns swapped)",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", "    targets = None if form is None or form[2].row_keys is None else form[2]",
+             "    targets = None", "SigLIP's ids in one pass are ignored (the diagonal the only positives)",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

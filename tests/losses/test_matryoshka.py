@@ -277,10 +277,17 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+SIGLIP_IDS = {"none": {}, "image": {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0])},
+              "both": {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "text_id": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 1])},
+              "text": {"text_id": torch.tensor([7, 7, 7, 1, 2, 3, 4, 5, 6])}}
+
+
+@pytest.mark.parametrize("ids", list(SIGLIP_IDS))
 @pytest.mark.parametrize("learnable", [False, True])
-def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
-    """The sigmoid pairs over every prefix: value and the gradients of both inputs, and of a learnable
-    logit scale and bias, equal to one siglip_loss call per prefix (float64)."""
+def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable, ids):
+    """The sigmoid pairs over every prefix, the diagonal or the pairs whose ids match as positives: value and
+    the gradients of both inputs, and of a learnable logit scale and bias, equal to one siglip_loss call per
+    prefix (float64)."""
     from torch_contrastive.losses.matryoshka import _one_pass
 
     g = torch.Generator().manual_seed(5)
@@ -289,14 +296,15 @@ def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable):
     b = torch.tensor(-2.0, dtype=torch.float64, device=DEVICE, requires_grad=learnable)
     scale, bias = (t, b) if learnable else (4.0, -2.0)
     dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
-    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias}) is not None
+    given = {name: i.to(DEVICE) for name, i in SIGLIP_IDS[ids].items()}
+    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, **given}) is not None
     leaves = [img, txt, *([t, b] if learnable else [])]
-    got = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, logit_scale=scale, logit_bias=bias)
-    want = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, one_pass=False, logit_scale=scale, logit_bias=bias)
+    got = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, logit_scale=scale, logit_bias=bias, **given)
+    want = tc.matryoshka_loss(tc.siglip_loss, [img, txt], dims, weights, one_pass=False, logit_scale=scale, logit_bias=bias, **given)
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
     for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
-    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "image_id": torch.arange(9)}) is None
+    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "negative_only": True}) is None
 
 
 @pytest.mark.parametrize("name", ["clip", "clip_ids", "clip_ids_decoupled", "clip_smoothing", "info_nce_negatives", "nt_xent_decoupled",

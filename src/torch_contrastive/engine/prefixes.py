@@ -433,39 +433,45 @@ class _Smoothing:
 
 class PrefixSigmoid(torch.autograd.Function):
     """SigLIP's sigmoid pairs over every prefix in one pass (Zhai et al. 2023):
-    ``sum_p w_p * sum_ij softplus(-z_ij (t * cos_p(i, j) + b)) / N``, ``z = +1`` on the diagonal (row ``i``'s
-    own candidate), -1 elsewhere; ``t`` and ``b`` 0-dim tensors (gradients when they require them). The plan's
-    scale is 1: the cosines are the engine's logits and ``t`` is applied here."""
+    ``sum_p w_p * sum_ij softplus(-z_ij (t * cos_p(i, j) + b)) / N``, ``z = +1`` for the positives -- the diagonal
+    (row ``i``'s own candidate), or with ``targets`` the same-key pairs (SigLIP's ids: an image and a text whose
+    image ids or text ids match) -- and -1 elsewhere; ``t`` and ``b`` 0-dim tensors (gradients when they require
+    them). The plan's scale is 1: the cosines are the engine's logits and ``t`` is applied here."""
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, t: Tensor,  # type: ignore[override]
-                b: Tensor) -> Tensor:
+                b: Tensor, targets: Targets | None = None) -> Tensor:
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
         n, cuts = a.shape[0], plan.cuts
         t_, b_ = t.to(a.dtype), b.to(a.dtype)
         total = a.new_zeros(())
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
+            positive = None if targets is None else targets.strip(start, stop, a.device)[1]
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
-                total = total + _weight_of(plan, k) * torch.nn.functional.softplus(_signed(_scaled(raw, plan, inv_a, inv_c, k, start, stop),
-                                                                                            t_, b_, start, stop)).sum()
+                u = _signed(_scaled(raw, plan, inv_a, inv_c, k, start, stop), t_, b_, start, positive)
+                total = total + _weight_of(plan, k) * torch.nn.functional.softplus(u).sum()
         ctx.save_for_backward(anchors, candidates, t, b)
-        ctx.plan = plan
+        ctx.plan, ctx.targets = plan, targets
         return (total / n).to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None, Tensor | None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
         anchors, candidates, t, b = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
+        targets: Targets | None = ctx.targets
         dtype = _compute_dtype(anchors)
         t_, b_ = t.to(dtype), b.to(dtype)
         dt, db = t_.new_zeros(()), t_.new_zeros(())
+        strip: dict[int, Tensor | None] = {}
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             nonlocal dt, db
-            rows = torch.arange(stop - start, device=cos.device)
-            tile = torch.sigmoid(_signed(cos, t_, b_, start, stop))  # d softplus(u) / du, u = -z s
-            tile[rows, rows + start] *= -1.0  # d u / d s = -z
+            if start not in strip:  # the strip's positives, once for all its prefixes
+                strip.clear()
+                strip[start] = None if targets is None else targets.strip(start, stop, cos.device)[1]
+            tile = torch.sigmoid(_signed(cos, t_, b_, start, strip[start]))  # d softplus(u) / du, u = -z s
+            tile = _flip(tile, start, strip[start])  # d u / d s = -z
             dt = dt + weight * (tile * cos).sum()
             db = db + weight * tile.sum()
             return tile.mul_(t_)  # d value / d cos
@@ -473,15 +479,22 @@ class PrefixSigmoid(torch.autograd.Function):
         da, dc = prefix_backward(anchors, candidates, plan, grad.to(dtype) / anchors.shape[0], grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None,
-                dt.to(t) if ctx.needs_input_grad[3] else None, db.to(b) if ctx.needs_input_grad[4] else None)
+                dt.to(t) if ctx.needs_input_grad[3] else None, db.to(b) if ctx.needs_input_grad[4] else None, None)
 
 
-def _signed(cos: Tensor, t: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
-    """``u = -z (t cos + b)``: the logits of the negatives as they are, the diagonal's negated (a new tile)."""
-    u = cos * t + b
-    rows = torch.arange(stop - start, device=cos.device)
-    u[rows, rows + start] *= -1.0
-    return u
+def _flip(tile: Tensor, start: int, positive: Tensor | None) -> Tensor:
+    """``tile`` with the positives' entries negated: in place on the diagonal (row ``i``'s candidate
+    ``start + i``), a new tile under a positive mask."""
+    if positive is not None:
+        return torch.where(positive, -tile, tile)
+    rows = torch.arange(tile.shape[0], device=tile.device)
+    tile[rows, rows + start] *= -1.0
+    return tile
+
+
+def _signed(cos: Tensor, t: Tensor, b: Tensor, start: int, positive: Tensor | None) -> Tensor:
+    """``u = -z (t cos + b)``: the logits of the negatives as they are, the positives' negated (a new tile)."""
+    return _flip(cos * t + b, start, positive)
 
 
 def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Tensor,

@@ -347,18 +347,21 @@ def _counted(targets: Targets, anchors: Tensor, *, by_pairs: bool) -> Tensor | f
 
 
 def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
-    """SigLIP's sigmoid pairs: two paired sets, the diagonal positives, a float or 0-dim tensor scale and bias."""
-    if keys != {"logit_scale", "logit_bias"} or len(tensors) != 2 or any(t.ndim != 2 for t in tensors) \
-            or tensors[0].shape[0] != tensors[1].shape[0]:
+    """SigLIP's sigmoid pairs: two paired sets, a float or 0-dim tensor scale and bias, the diagonal positives or
+    (``image_id`` / ``text_id``) every pair whose ids match, as the image-text loss relates them."""
+    if not {"logit_scale", "logit_bias"} <= keys <= {"logit_scale", "logit_bias", "image_id", "text_id"} or len(tensors) != 2 \
+            or any(t.ndim != 2 for t in tensors) or tensors[0].shape[0] != tensors[1].shape[0]:
         return None
     t, b = (_scalar(kwargs[name], tensors[0].device) for name in ("logit_scale", "logit_bias"))
     if t is None or b is None:
         return None  # let the loss refuse it
     scale, bias = t, b
+    form = _image_text_form(tensors, kwargs, keys & {"image_id", "text_id"})
+    targets = None if form is None or form[2].row_keys is None else form[2]
 
     def sigmoid(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         plan = prefix_plan(dims, weights, tensors[0].shape[-1], 1.0, True, 1e-12, tensors[0].shape[0], tensors[1].shape[0], None)
-        loss = PrefixSigmoid.apply(tensors[0], tensors[1].to(tensors[0].dtype), plan, scale, bias)
+        loss = PrefixSigmoid.apply(tensors[0], tensors[1].to(tensors[0].dtype), plan, scale, bias, targets)
         if named is not None:
             _name_non_finite(loss, named)
         return loss
@@ -464,7 +467,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     gradient) and the shared options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
-    gradients) and no ids. ``validate`` is honoured on either path (False: no host read). The soft-max forms
+    gradients) and optional ``image_id`` / ``text_id``. ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
     with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, a learnable
