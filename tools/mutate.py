@@ -663,6 +663,9 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/matryoshka.py", "    targets = None if form is None or form[2].row_keys is None else form[2]",
              "    targets = None", "SigLIP's ids in one pass are ignored (the diagonal the only positives)",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefix_pairs.py", "        same[rows, rows + start] = True  # the diagonal: always a positive",
+             "        pass", "NT-BXent's listed pairs in one pass leave the diagonal out of each row's positive count",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

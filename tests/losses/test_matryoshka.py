@@ -211,6 +211,15 @@ ONE_PASS = {
     "supcon_mask_float_sum": (tc.supcon_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
                               {"mask": (torch.arange(7)[:, None] % 3 == torch.arange(7)[None, :] % 2).double(),
                                "reduction": "sum", "chunk_size": 3}),
+    # NT-BXent by listed pairs: directional, one listed twice, one on the diagonal, a row with none
+    "nt_bxent_pairs": (tc.nt_bxent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                       {"pos_indices": torch.tensor([[0, 1], [1, 0], [2, 5], [2, 5], [3, 3], [4, 0], [4, 6], [6, 2]]),
+                        "temperature": 0.3}),
+    "nt_bxent_pairs_sum_strips": (tc.nt_bxent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                                  {"pos_indices": torch.tensor([[0, 1], [2, 5], [5, 2], [4, 6], [6, 4], [1, 0]]),
+                                   "reduction": "sum", "chunk_size": 3}),
+    "nt_bxent_pairs_none": (tc.nt_bxent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                            {"pos_indices": torch.tensor([[0, 1], [2, 5], [6, 4]]), "reduction": "none", "chunk_size": 2}),
     "supcon_mask_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
                          {"mask": torch.eye(4, dtype=torch.bool).roll(1, 1), "reduction": "none"}),
 }
@@ -236,6 +245,12 @@ def test_the_one_pass_forms_equal_one_call_per_prefix(name):
 def _uneven(out):
     """A loss, or per-row values weighted unevenly (each row's own gradient is then checked, not only their sum)."""
     return out if out.ndim == 0 else (out * torch.linspace(0.5, 2.0, out.numel(), dtype=out.dtype, device=out.device)).sum()
+
+
+def test_pos_indices_out_of_range_are_refused_in_the_one_pass():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"pos_indices must lie in \[0, 4\)"):
+        tc.matryoshka_loss(tc.nt_bxent_loss, [x], [6, 3], pos_indices=torch.tensor([[0, 1], [2, 4]]))
 
 
 def test_a_supcon_mask_of_other_values_is_refused_in_the_one_pass():

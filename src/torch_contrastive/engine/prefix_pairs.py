@@ -17,7 +17,8 @@ __all__ = ["PrefixPairs"]
 class PrefixPairs(torch.autograd.Function):
     """The label conventions that score positive pairs one by one, over every prefix in one pass, on a single
     set (``candidates`` is ``anchors``; row ``i`` is column ``i``, never its own pair), positives by equal
-    ``labels``:
+    ``labels`` (M,) -- or, for NT-BXent, the directional (row, column) pairs ``labels`` lists as a (P, 2)
+    tensor, the diagonal a positive too (counted in ``n_pos_i``, unscored):
 
     * ``"pair_softplus"`` (pytorch-metric-learning's NT-Xent): ``softplus(L_i - S_ip)`` per positive pair,
       ``L_i`` the log-sum-exp over row ``i``'s other-label columns (none: the pair scores 0); the mean over
@@ -38,7 +39,7 @@ class PrefixPairs(torch.autograd.Function):
         counted = a.new_zeros(())  # positive pairs (pair_softplus) or rows (binary)
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
-            pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop)
+            pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop, c.shape[0])
             counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
@@ -65,7 +66,7 @@ class PrefixPairs(torch.autograd.Function):
         def grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             if start not in masks:  # the strip's masks, once for all its prefixes
                 masks.clear()
-                masks[start] = _pair_masks(labels, start, stop)
+                masks[start] = _pair_masks(labels, start, stop, candidates.shape[0])
             pos, neg, n_pos, n_neg = masks[start]
             if kernel == "pair_softplus":
                 row_lse = lse[start:stop, k, None]
@@ -90,12 +91,19 @@ class PrefixPairs(torch.autograd.Function):
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None)
 
 
-def _pair_masks(labels: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows ``start:stop`` of a single set by label: (positives -- same label, not the row itself --,
-    negatives, the same-label count per row with the row itself, the other-label count per row)."""
-    same = labels[start:stop, None] == labels[None, :]
+def _pair_masks(relation: Tensor, start: int, stop: int, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows ``start:stop`` of a single set of ``m`` rows by label, or by listed pairs: (positives -- the row's
+    relation, not the row itself --, negatives, the positives per row with the row itself, the negatives per row)."""
+    rows = torch.arange(stop - start, device=relation.device)
+    if relation.ndim == 1:
+        same = relation[start:stop, None] == relation[None, :]
+    else:  # (P, 2) pairs: the strip's rows marked without a host read (a pair listed twice counts once)
+        inside = (relation[:, 0] >= start) & (relation[:, 0] < stop)
+        hits = torch.zeros(stop - start, m, dtype=torch.int32, device=relation.device)
+        hits.index_put_((torch.where(inside, relation[:, 0] - start, 0), relation[:, 1]), inside.to(torch.int32), accumulate=True)
+        same = hits > 0
+        same[rows, rows + start] = True  # the diagonal: always a positive
     n_pos = same.sum(1)
-    rows = torch.arange(stop - start, device=labels.device)
     pos = same.clone()
     pos[rows, rows + start] = False
-    return pos, ~same, n_pos, labels.shape[0] - n_pos
+    return pos, ~same, n_pos, m - n_pos

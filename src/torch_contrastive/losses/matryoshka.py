@@ -231,11 +231,17 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
                mean: bool, per_row: bool) -> OnePass | None:
     """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefix_pairs.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
-    a single (N, D) set; None for anything else (memory, references, index pairs: one call per prefix)."""
-    if keys != {"labels"} or len(tensors) != 1 or tensors[0].ndim != 2:
+    a single (N, D) set, NT-BXent also by its listed ``pos_indices``; None for anything else (memory, references:
+    one call per prefix)."""
+    if keys not in ({"labels"}, {"pos_indices"} if binary else {"labels"}) or len(tensors) != 1 or tensors[0].ndim != 2:
         return None
     x = tensors[0]
-    labels = v.check_labels(kwargs["labels"], "labels", x.shape[0], x.device)
+    if "pos_indices" in keys:  # the range is a value check, read now as the loss reads it
+        checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
+        labels = v.check_pos_indices(kwargs["pos_indices"], x.shape[0], x.device, checks)
+        checks.flush()
+    else:
+        labels = v.check_labels(kwargs["labels"], "labels", x.shape[0], x.device)
     kernel = "binary" if binary else "pair_softplus"
 
     def pairs(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
@@ -462,7 +468,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True`` or ``label_smoothing``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels, the authors' views, or their ``mask``) and the label conventions scored
-    pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss(labels=...)``),
+    pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss`` by
+    ``labels=`` or ``pos_indices=``),
     each with a float ``temperature`` (the soft-max forms also a learnable 0-dim tensor, which gets its
     gradient) and the shared options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
@@ -471,7 +478,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
     with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, a learnable
-    temperature of the pair forms, memories, reference sets, index pairs, other losses -- is one call per
+    temperature of the pair forms, memories, reference sets, other losses -- is one call per
     prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
