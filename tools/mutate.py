@@ -666,6 +666,9 @@ MUTATIONS = [
     Mutation(f"{E}/prefix_pairs.py", "        same[rows, rows + start] = True  # the diagonal: always a positive",
              "        pass", "NT-BXent's listed pairs in one pass leave the diagonal out of each row's positive count",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefix_pairs.py", "            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos",
+             "            ds = ds + (tile * cos).sum()",
+             "the pair conventions' learnable temperature in one pass forgets each prefix's weight", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

@@ -27,12 +27,16 @@ class PrefixPairs(torch.autograd.Function):
       (``n_pos_i`` counts the row itself, unscored; no negative: 0); the mean over rows.
 
     ``plan.mean`` False sums instead. Forward keeps each prefix's ``L_i`` (pair_softplus); backward
-    recomputes the tiles through :func:`prefix_backward`."""
+    recomputes the tiles through :func:`prefix_backward`. A learnable (0-dim tensor) ``scale`` multiplies the
+    cosines (then ``plan.scale`` is 1) and gets its gradient from the same tiles."""
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, labels: Tensor,  # type: ignore[override]
-                kernel: str) -> Tensor:
+                kernel: str, scale: Tensor | None = None) -> Tensor:
+        if scale is not None and plan.scale != 1.0:
+            raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits)")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        s = None if scale is None else scale.detach().to(a.dtype)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
         per_anchor = a.new_zeros(n)
@@ -43,6 +47,8 @@ class PrefixPairs(torch.autograd.Function):
             counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                if s is not None:  # a learnable scale: the plan's logits are the cosines
+                    logits.mul_(s)
                 if kernel == "pair_softplus":
                     lse[start:stop, k] = torch.logsumexp(logits.masked_fill(~neg, -torch.inf), 1)
                     terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum(1)
@@ -50,20 +56,24 @@ class PrefixPairs(torch.autograd.Function):
                     terms = (torch.where(pos, torch.nn.functional.softplus(-logits), 0.0).sum(1) / n_pos
                              + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1))
                 per_anchor[start:stop] += _weight_of(plan, k) * terms
-        ctx.save_for_backward(anchors, candidates, labels, lse, counted)
+        ctx.save_for_backward(anchors, candidates, labels, lse, counted, *(() if scale is None else (scale,)))
         ctx.plan, ctx.kernel = plan, kernel
         total = per_anchor.sum()
         value = per_anchor if plan.rows else total / counted.clamp_min(1) if plan.mean else total
         return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
-        anchors, candidates, labels, lse, counted = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        anchors, candidates, labels, lse, counted, *given = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         kernel: str = ctx.kernel
         masks: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        dtype = _compute_dtype(anchors)
+        s = given[0].to(dtype) if given else None
+        ds = torch.zeros((), dtype=dtype, device=grad.device)
 
-        def grad_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+        def pair_tile(logits: Tensor, k: int, start: int, stop: int) -> Tensor:
+            """d (row terms) / d logits of one strip and prefix."""
             if start not in masks:  # the strip's masks, once for all its prefixes
                 masks.clear()
                 masks[start] = _pair_masks(labels, start, stop, candidates.shape[0])
@@ -77,18 +87,25 @@ class PrefixPairs(torch.autograd.Function):
             return torch.where(pos, -torch.sigmoid(-logits) / n_pos[:, None], 0.0) \
                 + torch.where(neg, torch.sigmoid(logits) / n_neg.clamp_min(1)[:, None], 0.0)
 
-        def row_tile(logits: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
-            return grad_tile(logits, k, start, stop, weight).mul_(g_rows[start:stop, None])
+        def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            nonlocal ds
+            tile = pair_tile(cos if s is None else cos * s, k, start, stop)  # with a learnable scale: cosines
+            if g_rows is not None:  # per-row values: each row's own incoming gradient
+                tile.mul_(g_rows[start:stop, None])
+            if s is None:
+                return tile
+            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
+            return tile.mul_(s)  # d loss / d cos
 
-        dtype = _compute_dtype(anchors)
-        if plan.rows:  # per-row values: each row's own incoming gradient
-            g_rows = grad.to(dtype)
-            da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=grad.device), row_tile)
+        g_rows = grad.to(dtype) if plan.rows else None
+        if plan.rows:
+            g = torch.ones((), dtype=dtype, device=grad.device)
         else:
             g = grad.to(dtype) / counted.clamp_min(1).to(dtype) if plan.mean else grad.to(dtype)
-            da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
+        da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
-                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None)
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None,
+                ds.to(given[0]) if given and ctx.needs_input_grad[5] else None)
 
 
 def _pair_masks(relation: Tensor, start: int, stop: int, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

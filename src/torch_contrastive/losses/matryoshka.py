@@ -210,10 +210,8 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
         return None if pairs else _gathered(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, scope,
                                             chunk, reduction)
     if pairs:
-        if isinstance(tau, Tensor):
-            return None  # the pair terms take a float temperature here
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
-                          v.check_positive(tau, "temperature"), chunk, mean, per_row)
+                          tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature"), chunk, mean, per_row)
     form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
     if form is None:
         return None
@@ -227,8 +225,8 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
                                                        factor=float(anchors.shape[0]) if times_rows else 1.0)
 
 
-def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float, chunk: int | None,
-               mean: bool, per_row: bool) -> OnePass | None:
+def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor,
+               chunk: int | None, mean: bool, per_row: bool) -> OnePass | None:
     """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefix_pairs.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
     a single (N, D) set, NT-BXent also by its listed ``pos_indices``; None for anything else (memory, references:
@@ -244,11 +242,15 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
         labels = v.check_labels(kwargs["labels"], "labels", x.shape[0], x.device)
     kernel = "binary" if binary else "pair_softplus"
 
+    # a tensor (learnable) temperature: the cosines are the plan's logits and 1 / tau multiplies them inside
+    scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
+
     def pairs(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        plan = prefix_plan(dims, weights, x.shape[-1], 1.0 / tau, True, 1e-12, x.shape[0], x.shape[0], chunk, mean, per_row)
-        loss = PrefixPairs.apply(x, x, plan, labels, kernel)
+        scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
+        plan = prefix_plan(dims, weights, x.shape[-1], scale, True, 1e-12, x.shape[0], x.shape[0], chunk, mean, per_row)
+        loss = PrefixPairs.apply(x, x, plan, labels, kernel, scale_t)
         if named is not None:
-            _name_non_finite(loss, named)
+            _name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
         return loss
 
     return pairs
@@ -470,15 +472,15 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     ``decoupled=True``), ``tc.supcon_loss`` (labels, the authors' views, or their ``mask``) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss`` by
     ``labels=`` or ``pos_indices=``),
-    each with a float ``temperature`` (the soft-max forms also a learnable 0-dim tensor, which gets its
-    gradient) and the shared options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
+    each with a float ``temperature`` or a learnable 0-dim tensor (which gets its gradient), and the shared
+    options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients) and optional ``image_id`` / ``text_id``. ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
-    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, a learnable
-    temperature of the pair forms, memories, reference sets, other losses -- is one call per
+    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, memories,
+    reference sets, other losses -- is one call per
     prefix (``sum(d_p)`` products per pair).
     """
     if not callable(loss_fn):
