@@ -669,6 +669,16 @@ MUTATIONS = [
     Mutation(f"{E}/prefix_pairs.py", "            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos",
              "            ds = ds + (tile * cos).sum()",
              "the pair conventions' learnable temperature in one pass forgets each prefix's weight", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py",
+             "    return z, torch.cat([z, memory[0].to(z.dtype)]), "
+             "Targets(row_keys=keys, col_keys=torch.cat([keys, memory[1]]), exclude_self=True), False",
+             "    return z, torch.cat([z, memory[0].to(z.dtype)]), "
+             "Targets(row_keys=keys, col_keys=torch.cat([keys, keys[:0] + memory[1].max() + 1]), exclude_self=True), False",
+             "SupCon's memory in one pass loses its labels (its rows become negatives only)", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py",
+             '            if isinstance(kwargs.get(name), Tensor) and kwargs[name].ndim == 2 and kwargs[name].shape[-1] == width}',
+             '            if False}', "the per-prefix calls pass a memory uncut (every prefix below the full width fails)",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

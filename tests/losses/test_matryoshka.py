@@ -220,6 +220,20 @@ ONE_PASS = {
                                    "reduction": "sum", "chunk_size": 3}),
     "nt_bxent_pairs_none": (tc.nt_bxent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
                             {"pos_indices": torch.tensor([[0, 1], [2, 5], [6, 4]]), "reduction": "none", "chunk_size": 2}),
+    # SupCon with a memory (extra candidates after the batch, positives by label; an empty queue too) or a
+    # reference set (the only candidates, no self pair): their rows cut to each prefix like the embeddings
+    "supcon_memory": (tc.supcon_loss, lambda g: [torch.randn(8, 12, generator=g, dtype=torch.float64)],
+                      {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2]), "memory_emb": torch.randn(5, 12, dtype=torch.float64),
+                       "memory_labels": torch.tensor([3, 4, 0, 1, 4]), "chunk_size": 3}),
+    "supcon_views_memory": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
+                            {"labels": torch.tensor([0, 1, 0, 2]), "memory_emb": torch.randn(3, 12, dtype=torch.float64),
+                             "memory_labels": torch.tensor([2, 5, 1]), "reduction": "sum"}),
+    "supcon_empty_memory": (tc.supcon_loss, lambda g: [torch.randn(6, 12, generator=g, dtype=torch.float64)],
+                            {"labels": torch.tensor([0, 1, 0, 2, 1, 3]), "memory_emb": torch.zeros(0, 12, dtype=torch.float64),
+                             "memory_labels": torch.zeros(0, dtype=torch.int64)}),
+    "supcon_reference": (tc.supcon_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                         {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 5]), "ref_emb": torch.randn(6, 12, dtype=torch.float64),
+                          "ref_labels": torch.tensor([0, 0, 1, 2, 4, 3]), "reduction": "none"}),
     "supcon_mask_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
                          {"mask": torch.eye(4, dtype=torch.bool).roll(1, 1), "reduction": "none"}),
 }
@@ -233,6 +247,7 @@ def test_the_one_pass_forms_equal_one_call_per_prefix(name):
 
     fn, make, kwargs = ONE_PASS[name]
     inputs = [t.to(DEVICE).requires_grad_() for t in make(torch.Generator().manual_seed(len(name)))]
+    kwargs = {k: (a.to(DEVICE) if isinstance(a, torch.Tensor) else a) for k, a in kwargs.items()}
     dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
     assert _one_pass(fn, inputs, kwargs) is not None
     got = tc.matryoshka_loss(fn, inputs, dims, weights, **kwargs)
@@ -251,6 +266,27 @@ def test_pos_indices_out_of_range_are_refused_in_the_one_pass():
     x = torch.randn(4, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"pos_indices must lie in \[0, 4\)"):
         tc.matryoshka_loss(tc.nt_bxent_loss, [x], [6, 3], pos_indices=torch.tensor([[0, 1], [2, 4]]))
+
+
+def test_a_memory_that_requires_grad_gets_its_gradient_in_one_pass_and_other_losses_cut_it_per_prefix():
+    """A memory is cut to each prefix like the embeddings: in one pass (SupCon) its gradient equals one call per
+    prefix's; PML's NT-Xent with a memory (one call per prefix) now runs at every prefix size."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 12, generator=g, dtype=torch.float64, device=DEVICE).requires_grad_()
+    memory = torch.randn(5, 12, generator=g, dtype=torch.float64, device=DEVICE).requires_grad_()
+    labels, memory_labels = torch.tensor([0, 1, 0, 2, 1, 3, 0, 2], device=DEVICE), torch.tensor([3, 4, 0, 1, 4], device=DEVICE)
+    args = {"labels": labels, "memory_emb": memory, "memory_labels": memory_labels, "temperature": 0.2}
+    assert _one_pass(tc.supcon_loss, [x], args) is not None
+    assert _one_pass(tc.nt_xent_loss, [x], args) is None
+    for fn in (tc.supcon_loss, tc.nt_xent_loss):
+        got = tc.matryoshka_loss(fn, [x], [12, 5], [1.0, 0.5], **args)
+        want = sum(w * fn(F.normalize(x[:, :d], dim=1), labels=labels, memory_emb=F.normalize(memory[:, :d], dim=1),
+                          memory_labels=memory_labels, temperature=0.2) for d, w in ((12, 1.0), (5, 0.5)))
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+        for a, b in zip(torch.autograd.grad(got, [x, memory]), torch.autograd.grad(want, [x, memory])):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 def test_a_supcon_mask_of_other_values_is_refused_in_the_one_pass():

@@ -31,6 +31,7 @@ from ..engine.precision import compute_dtype
 from ..engine.prefix_pairs import PrefixPairs
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
+from ._labelled import check_reference
 
 
 def check_prefixes(dims: object, weights: object, width: int | None = None) -> tuple[list[int], list[float]]:
@@ -397,19 +398,44 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
         if partner is None or not isinstance(decoupled, bool):
             return None  # let the loss refuse it
         return tensors[0], tensors[0], Targets(partner=partner, exclude_self=True, exclude_positive=decoupled), False
-    if loss_fn is supcon_loss and keys <= {"labels", "mask"} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
+    if loss_fn is supcon_loss and keys <= {"labels", "mask", *_EXTRA_ROWS} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
         features, labels, mask = tensors[0], kwargs.get("labels"), kwargs.get("mask")
         if (labels is None and mask is None and features.ndim == 2) or (labels is not None and mask is not None):
             return None  # no positives to find, or two relations: let the loss say so
         bsz = features.shape[0]
         if mask is not None:
-            return _sample_mask_form(features, mask, kwargs.get("validate", True))
+            return None if keys & set(_EXTRA_ROWS) else _sample_mask_form(features, mask, kwargs.get("validate", True))
         key = v.check_labels(labels, "labels", bsz, features.device) if labels is not None else torch.arange(bsz, device=features.device)
         views = 1 if features.ndim == 2 else features.shape[1]
         z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
         keys_all = key.repeat(views)
+        if keys & set(_EXTRA_ROWS):
+            return _extra_rows_form(z, keys_all, kwargs, labels is not None)
         return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), False
     return None
+
+
+#: The keyword arguments that carry rows of features besides the embeddings (a memory, a reference set):
+#: cut to each prefix like the embeddings.
+_EXTRA_ROWS = ("memory_emb", "memory_labels", "ref_emb", "ref_labels")
+
+
+def _extra_rows_form(z: Tensor, keys: Tensor, kwargs: dict[str, Any], labelled: bool) -> tuple[Tensor, Tensor, Targets, bool] | None:
+    """SupCon with a memory (its rows extra candidates after the batch, positives by label, the self pairs
+    left out) or a reference set (its rows the only candidates, no self pair), checked as the loss checks them;
+    None where the loss refuses the call (it then says why)."""
+    memory_emb, memory_labels, ref_emb, ref_labels = (kwargs.get(name) for name in _EXTRA_ROWS)
+    if not labelled or kwargs.get("gather", False):
+        return None
+    checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
+    memory = v.check_memory(memory_emb, memory_labels, z.shape[1], z.device, checks)
+    reference = check_reference(ref_emb, ref_labels, keys, z.shape[1], z.device, checks, False, memory)
+    checks.flush()
+    if reference is not None:
+        return z, reference[0].to(z.dtype), Targets(row_keys=keys, col_keys=reference[1]), False
+    if memory is None:
+        return z, z, Targets(row_keys=keys, col_keys=keys, exclude_self=True), False
+    return z, torch.cat([z, memory[0].to(z.dtype)]), Targets(row_keys=keys, col_keys=torch.cat([keys, memory[1]]), exclude_self=True), False
 
 
 def _sample_mask_form(features: Tensor, mask: object, validate: object) -> tuple[Tensor, Tensor, Targets, bool]:
@@ -469,7 +495,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     One pass (``D`` products per pair for all prefixes, :mod:`torch_contrastive.engine.prefixes`): the
     image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True`` or ``label_smoothing``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
-    ``decoupled=True``), ``tc.supcon_loss`` (labels, the authors' views, or their ``mask``) and the label conventions scored
+    ``decoupled=True``), ``tc.supcon_loss`` (labels -- with a memory or a reference set too --, the authors' views, or their
+    ``mask``) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss`` by
     ``labels=`` or ``pos_indices=``),
     each with a float ``temperature`` or a learnable 0-dim tensor (which gets its gradient), and the shared
@@ -479,9 +506,9 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     gradients) and optional ``image_id`` / ``text_id``. ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
-    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, memories,
-    reference sets, other losses -- is one call per
-    prefix (``sum(d_p)`` products per pair).
+    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the other losses'
+    memories and reference sets, other losses -- is one call per prefix (``sum(d_p)`` products per pair). The
+    rows of a memory or reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -496,4 +523,12 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     if form is not None:
         named = [(f"embeddings[{i}]", t) for i, t in enumerate(tensors)] if v.check_flag(kwargs.get("validate", True), "validate") else None
         return form(dims, weights, named)
-    return prefix_sum(dims, weights, lambda dim: loss_fn(*[shrink(t, dim) for t in tensors], **kwargs))
+    return prefix_sum(dims, weights, lambda dim: loss_fn(*[shrink(t, dim) for t in tensors], **_cut(kwargs, dim, width)))
+
+
+def _cut(kwargs: dict[str, Any], dim: int, width: int) -> dict[str, Any]:
+    """``kwargs`` with the rows of a memory or reference set (``memory_emb``, ``ref_emb``) cut to the prefix and
+    normalised like the embeddings; anything else as given."""
+    rows = {name: shrink(kwargs[name], dim) for name in ("memory_emb", "ref_emb")
+            if isinstance(kwargs.get(name), Tensor) and kwargs[name].ndim == 2 and kwargs[name].shape[-1] == width}
+    return {**kwargs, **rows} if rows else kwargs
