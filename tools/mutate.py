@@ -679,6 +679,10 @@ MUTATIONS = [
              '            if isinstance(kwargs.get(name), Tensor) and kwargs[name].ndim == 2 and kwargs[name].shape[-1] == width}',
              '            if False}', "the per-prefix calls pass a memory uncut (every prefix below the full width fails)",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefix_pairs.py", "        if not own:\n            return same, ~same, same.sum(1), m - same.sum(1)",
+             "        if False:\n            return same, ~same, same.sum(1), m - same.sum(1)",
+             "PML's NT-Xent against a reference set in one pass drops the pairs on the diagonal as if they were self pairs",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

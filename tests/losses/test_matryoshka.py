@@ -234,6 +234,16 @@ ONE_PASS = {
     "supcon_reference": (tc.supcon_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
                          {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 5]), "ref_emb": torch.randn(6, 12, dtype=torch.float64),
                           "ref_labels": torch.tensor([0, 0, 1, 2, 4, 3]), "reduction": "none"}),
+    # PML's NT-Xent with a memory (its rows extra candidates, pairs by label) or a reference set (no self pair)
+    "nt_xent_pml_memory": (tc.nt_xent_loss, lambda g: [torch.randn(8, 12, generator=g, dtype=torch.float64)],
+                           {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 0, 2]), "memory_emb": torch.randn(5, 12, dtype=torch.float64),
+                            "memory_labels": torch.tensor([3, 4, 0, 1, 4]), "chunk_size": 3, "temperature": 0.2}),
+    "nt_xent_pml_memory_none": (tc.nt_xent_loss, lambda g: [torch.randn(6, 12, generator=g, dtype=torch.float64)],
+                                {"labels": torch.tensor([0, 1, 0, 2, 1, 3]), "memory_emb": torch.randn(4, 12, dtype=torch.float64),
+                                 "memory_labels": torch.tensor([3, 5, 0, 2]), "reduction": "none"}),
+    "nt_xent_pml_reference": (tc.nt_xent_loss, lambda g: [torch.randn(7, 12, generator=g, dtype=torch.float64)],
+                              {"labels": torch.tensor([0, 1, 0, 2, 1, 3, 5]), "ref_emb": torch.randn(6, 12, dtype=torch.float64),
+                               "ref_labels": torch.tensor([0, 0, 1, 2, 4, 3]), "reduction": "sum"}),
     "supcon_mask_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
                          {"mask": torch.eye(4, dtype=torch.bool).roll(1, 1), "reduction": "none"}),
 }
@@ -269,8 +279,8 @@ def test_pos_indices_out_of_range_are_refused_in_the_one_pass():
 
 
 def test_a_memory_that_requires_grad_gets_its_gradient_in_one_pass_and_other_losses_cut_it_per_prefix():
-    """A memory is cut to each prefix like the embeddings: in one pass (SupCon) its gradient equals one call per
-    prefix's; PML's NT-Xent with a memory (one call per prefix) now runs at every prefix size."""
+    """A memory is cut to each prefix like the embeddings: in one pass (SupCon, PML's NT-Xent) its gradient equals
+    one call per prefix's, and one call per prefix (``one_pass=False``) runs at every prefix size."""
     from torch_contrastive.losses.matryoshka import _one_pass
 
     g = torch.Generator().manual_seed(3)
@@ -278,10 +288,11 @@ def test_a_memory_that_requires_grad_gets_its_gradient_in_one_pass_and_other_los
     memory = torch.randn(5, 12, generator=g, dtype=torch.float64, device=DEVICE).requires_grad_()
     labels, memory_labels = torch.tensor([0, 1, 0, 2, 1, 3, 0, 2], device=DEVICE), torch.tensor([3, 4, 0, 1, 4], device=DEVICE)
     args = {"labels": labels, "memory_emb": memory, "memory_labels": memory_labels, "temperature": 0.2}
-    assert _one_pass(tc.supcon_loss, [x], args) is not None
-    assert _one_pass(tc.nt_xent_loss, [x], args) is None
     for fn in (tc.supcon_loss, tc.nt_xent_loss):
+        assert _one_pass(fn, [x], args) is not None
         got = tc.matryoshka_loss(fn, [x], [12, 5], [1.0, 0.5], **args)
+        per_prefix = tc.matryoshka_loss(fn, [x], [12, 5], [1.0, 0.5], one_pass=False, **args)
+        torch.testing.assert_close(got, per_prefix, rtol=1e-11, atol=1e-13)
         want = sum(w * fn(F.normalize(x[:, :d], dim=1), labels=labels, memory_emb=F.normalize(memory[:, :d], dim=1),
                           memory_labels=memory_labels, temperature=0.2) for d, w in ((12, 1.0), (5, 0.5)))
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
@@ -313,12 +324,11 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
 
     x = torch.randn(8, 6, dtype=torch.float64)
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
-    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"labels": labels, "memory_emb": x, "memory_labels": labels}),
+    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64)}),
                                 (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}),
-                                (tc.supcon_loss, [x], {}), (tc.nt_xent_loss, [x], {"memory_emb": x, "labels": labels,
-                                                                                   "memory_labels": labels}),
+                                (tc.supcon_loss, [x], {}), (tc.supcon_loss, [x], {"labels": labels, "contrast_mode": "one"}),
                                 (tc.nt_xent_loss, [x], {"backend": "triton"}),
                                 (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
                                 (tc.nt_xent_loss, [x], {"eps": 2.0})):

@@ -26,13 +26,15 @@ class PrefixPairs(torch.autograd.Function):
     * ``"binary"`` (NT-BXent): per row ``sum_pos softplus(-S_ip) / n_pos_i + sum_neg softplus(S_in) / n_neg_i``
       (``n_pos_i`` counts the row itself, unscored; no negative: 0); the mean over rows.
 
-    ``plan.mean`` False sums instead. Forward keeps each prefix's ``L_i`` (pair_softplus); backward
+    ``col_labels`` (M,): the candidates carry labels of their own (a memory after the batch, whose column ``i``
+    is still anchor ``i``; or, with ``own`` False, a reference set: no self pair). ``plan.mean`` False sums instead.
+    Forward keeps each prefix's ``L_i`` (pair_softplus); backward
     recomputes the tiles through :func:`prefix_backward`. A learnable (0-dim tensor) ``scale`` multiplies the
     cosines (then ``plan.scale`` is 1) and gets its gradient from the same tiles."""
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, labels: Tensor,  # type: ignore[override]
-                kernel: str, scale: Tensor | None = None) -> Tensor:
+                kernel: str, scale: Tensor | None = None, col_labels: Tensor | None = None, own: bool = True) -> Tensor:
         if scale is not None and plan.scale != 1.0:
             raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits)")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
@@ -43,7 +45,7 @@ class PrefixPairs(torch.autograd.Function):
         counted = a.new_zeros(())  # positive pairs (pair_softplus) or rows (binary)
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
-            pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop, c.shape[0])
+            pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop, c.shape[0], col_labels, own)
             counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
@@ -56,15 +58,16 @@ class PrefixPairs(torch.autograd.Function):
                     terms = (torch.where(pos, torch.nn.functional.softplus(-logits), 0.0).sum(1) / n_pos
                              + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1))
                 per_anchor[start:stop] += _weight_of(plan, k) * terms
-        ctx.save_for_backward(anchors, candidates, labels, lse, counted, *(() if scale is None else (scale,)))
-        ctx.plan, ctx.kernel = plan, kernel
+        ctx.save_for_backward(anchors, candidates, labels, lse, counted, labels if col_labels is None else col_labels,
+                              *(() if scale is None else (scale,)))
+        ctx.plan, ctx.kernel, ctx.own = plan, kernel, own
         total = per_anchor.sum()
         value = per_anchor if plan.rows else total / counted.clamp_min(1) if plan.mean else total
         return value.to(torch.promote_types(anchors.dtype, torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        anchors, candidates, labels, lse, counted, *given = ctx.saved_tensors
+        anchors, candidates, labels, lse, counted, col_labels, *given = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         kernel: str = ctx.kernel
         masks: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
@@ -76,7 +79,7 @@ class PrefixPairs(torch.autograd.Function):
             """d (row terms) / d logits of one strip and prefix."""
             if start not in masks:  # the strip's masks, once for all its prefixes
                 masks.clear()
-                masks[start] = _pair_masks(labels, start, stop, candidates.shape[0])
+                masks[start] = _pair_masks(labels, start, stop, candidates.shape[0], col_labels, ctx.own)
             pos, neg, n_pos, n_neg = masks[start]
             if kernel == "pair_softplus":
                 row_lse = lse[start:stop, k, None]
@@ -105,15 +108,19 @@ class PrefixPairs(torch.autograd.Function):
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None,
-                ds.to(given[0]) if given and ctx.needs_input_grad[5] else None)
+                ds.to(given[0]) if given and ctx.needs_input_grad[5] else None, None, None)
 
 
-def _pair_masks(relation: Tensor, start: int, stop: int, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows ``start:stop`` of a single set of ``m`` rows by label, or by listed pairs: (positives -- the row's
-    relation, not the row itself --, negatives, the positives per row with the row itself, the negatives per row)."""
+def _pair_masks(relation: Tensor, start: int, stop: int, m: int, col_labels: Tensor | None = None,
+                own: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows ``start:stop`` against ``m`` candidates by label (the candidates' own ``col_labels``, or the rows'),
+    or by listed pairs: (positives -- the row's relation, not the row itself --, negatives, the positives per row
+    with the row itself, the negatives per row). ``own`` False: no candidate is the row itself (a reference set)."""
     rows = torch.arange(stop - start, device=relation.device)
     if relation.ndim == 1:
-        same = relation[start:stop, None] == relation[None, :]
+        same = relation[start:stop, None] == (relation if col_labels is None else col_labels)[None, :]
+        if not own:
+            return same, ~same, same.sum(1), m - same.sum(1)
     else:  # (P, 2) pairs: the strip's rows marked without a host read (a pair listed twice counts once)
         inside = (relation[:, 0] >= start) & (relation[:, 0] < stop)
         hits = torch.zeros(stop - start, m, dtype=torch.int32, device=relation.device)

@@ -230,17 +230,31 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
                chunk: int | None, mean: bool, per_row: bool) -> OnePass | None:
     """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefix_pairs.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
-    a single (N, D) set, NT-BXent also by its listed ``pos_indices``; None for anything else (memory, references:
-    one call per prefix)."""
-    if keys not in ({"labels"}, {"pos_indices"} if binary else {"labels"}) or len(tensors) != 1 or tensors[0].ndim != 2:
+    a single (N, D) set, NT-BXent also by its listed ``pos_indices``, PML's NT-Xent also with a memory (its rows
+    extra candidates) or a reference set (the only candidates); None for anything else (one call per prefix)."""
+    extra = set() if binary else set(_EXTRA_ROWS)
+    if not ({"labels"} <= keys <= {"labels", *extra} or (binary and keys == {"pos_indices"})) or len(tensors) != 1 \
+            or tensors[0].ndim != 2:
         return None
     x = tensors[0]
-    if "pos_indices" in keys:  # the range is a value check, read now as the loss reads it
-        checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
+    # the value checks (an index range, a memory's or reference set's rows) read now, as the loss reads them
+    checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
+    candidates, col_labels, own = x, None, True
+    if "pos_indices" in keys:
         labels = v.check_pos_indices(kwargs["pos_indices"], x.shape[0], x.device, checks)
-        checks.flush()
     else:
         labels = v.check_labels(kwargs["labels"], "labels", x.shape[0], x.device)
+    if keys & extra:
+        if kwargs.get("gather", False):
+            return None  # the loss refuses a reference set with gather, and gathers a batch with its memory
+        memory = v.check_memory(kwargs.get("memory_emb"), kwargs.get("memory_labels"), x.shape[1], x.device, checks)
+        reference = check_reference(kwargs.get("ref_emb"), kwargs.get("ref_labels"), labels, x.shape[1], x.device, checks,
+                                    False, memory)
+        if reference is not None:
+            candidates, col_labels, own = reference[0].to(x.dtype), reference[1], False
+        elif memory is not None:
+            candidates, col_labels = torch.cat([x, memory[0].to(x.dtype)]), torch.cat([labels, memory[1]])
+    checks.flush()
     kernel = "binary" if binary else "pair_softplus"
 
     # a tensor (learnable) temperature: the cosines are the plan's logits and 1 / tau multiplies them inside
@@ -248,8 +262,8 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
 
     def pairs(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
-        plan = prefix_plan(dims, weights, x.shape[-1], scale, True, 1e-12, x.shape[0], x.shape[0], chunk, mean, per_row)
-        loss = PrefixPairs.apply(x, x, plan, labels, kernel, scale_t)
+        plan = prefix_plan(dims, weights, x.shape[-1], scale, True, 1e-12, x.shape[0], candidates.shape[0], chunk, mean, per_row)
+        loss = PrefixPairs.apply(x, candidates, plan, labels, kernel, scale_t, col_labels, own)
         if named is not None:
             _name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
         return loss
@@ -497,7 +511,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels -- with a memory or a reference set too --, the authors' views, or their
     ``mask``) and the label conventions scored
-    pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, and ``tc.nt_bxent_loss`` by
+    pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, with a memory or a reference set too,
+    and ``tc.nt_bxent_loss`` by
     ``labels=`` or ``pos_indices=``),
     each with a float ``temperature`` or a learnable 0-dim tensor (which gets its gradient), and the shared
     options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
@@ -506,8 +521,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     gradients) and optional ``image_id`` / ``text_id``. ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
-    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the other losses'
-    memories and reference sets, other losses -- is one call per prefix (``sum(d_p)`` products per pair). The
+    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the
+    memories and reference sets of the other losses, other losses -- is one call per prefix (``sum(d_p)`` products per pair). The
     rows of a memory or reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
     if not callable(loss_fn):
