@@ -37,6 +37,10 @@ def _cases(rank: int):
         "nt_xent sum": (tc.nt_xent_loss, [x], {"temperature": 0.2, "reduction": "sum"}),
         "supcon labels": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels}),
         "supcon views": (tc.supcon_loss, [views], {"temperature": 0.2}),
+        # reduction="none": this rank's anchors' values, each row's own gradient (weighted unevenly below)
+        "nt_xent none": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "reduction": "none"}),
+        "supcon none": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "reduction": "none"}),
+        "info_nce none": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "reduction": "none"}),
     }
 
 
@@ -52,6 +56,8 @@ def _ranks(rank: int, world: int, name: str) -> None:
         args = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                 for k, v in kwargs.items()}
         loss = tc.matryoshka_loss(fn, inputs, DIMS, WEIGHTS, one_pass=one_pass, **args)
+        if loss.ndim:  # per-row values: weighted unevenly, so that each row's own gradient is checked
+            loss = (loss * torch.linspace(0.5, 2.0, loss.numel(), dtype=loss.dtype)).sum()
         learnable = [v for v in args.values() if isinstance(v, torch.Tensor) and v.requires_grad]
         grads = torch.autograd.grad(loss, inputs + learnable)
         shared = [g.clone() for g in grads[len(inputs):]]

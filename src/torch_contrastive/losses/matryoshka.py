@@ -295,12 +295,13 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     against every rank's candidates (gathered with their gradients, rank-ordered), each anchor's positive and
     self at its global column; CLIP's two directions as two passes (local images against every text, local
     texts against every image). Each rank sums its anchors' terms and :meth:`~torch_contrastive.distributed.Scope.finish`
-    divides by the global count (``grad_reduction`` as the losses apply it). None for ``reduction="none"``
-    and label smoothing (one call per prefix)."""
+    divides by the global count (``grad_reduction`` as the losses apply it); ``reduction="none"``: this rank's
+    anchors' values. None for CLIP's ``reduction="none"`` and label smoothing (one call per prefix)."""
     from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss
 
     form = _softmax_form(loss_fn, tensors, kwargs, keys)
-    if form is None or reduction == "none" or form[2].smoothing or form[2].sample_mask is not None:
+    if form is None or form[2].smoothing or form[2].sample_mask is not None or \
+            (reduction == "none" and loss_fn is image_text_contrastive_loss):
         return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
     anchors, _, targets, _ = form
     scale = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
@@ -333,10 +334,11 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
         factor = 1.0
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        local = one_pass_softmax(*directions[0], dims, weights, scale, None, 1e-12, chunk, None, mean=False)
+        per_row = reduction == "none"  # this rank's anchors' values (one direction: not CLIP)
+        local = one_pass_softmax(*directions[0], dims, weights, scale, None, 1e-12, chunk, None, mean=False, per_row=per_row)
         for a, c, t in directions[1:]:
             local = local + one_pass_softmax(a, c, t, dims, weights, scale, None, 1e-12, chunk, None, mean=False)
-        loss = scope.finish(local * factor, normaliser)
+        loss = local if per_row else scope.finish(local * factor, normaliser)
         if named is not None:
             _name_non_finite(loss, named, scale if isinstance(scale, Tensor) else None)
         return loss
@@ -519,9 +521,9 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients) and optional ``image_id`` / ``text_id``. ``validate`` is honoured on either path (False: no host read). The soft-max forms
-    keep the one pass under ``gather=True`` among several ranks (``reduction`` ``"mean"`` or ``"sum"``): this
+    keep the one pass under ``gather=True`` among several ranks (every ``reduction`` but CLIP's ``"none"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
-    with ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the
+    with CLIP's ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the
     memories and reference sets of the other losses, other losses -- is one call per prefix (``sum(d_p)`` products per pair). The
     rows of a memory or reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
