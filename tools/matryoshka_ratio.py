@@ -61,13 +61,21 @@ def _wrapped(n: int, d: int, pairs: int) -> None:
     x, y = (torch.randn(n, d, generator=gen).requires_grad_() for _ in range(2))
     labels, ids = torch.randint(0, 100, (n,), generator=gen), torch.randint(0, (7 * n) // 10, (n,), generator=gen)
     dims = [p for p in (768, 512, 256, 128, 64) if p <= d]
+    memory, memory_labels = torch.randn(n // 4, d, generator=gen), torch.randint(0, 100, (n // 4,), generator=gen)
+    pairs_ = torch.stack([torch.arange(n), (torch.arange(n) + n // 2) % n], 1)  # each row's partner, both ways
     forms = {"clip": (tc.clip_loss, [x, y], {"temperature": 0.07}),
              "clip image_id": (tc.clip_loss, [x, y], {"image_id": ids, "temperature": 0.07}),
              "info_nce": (tc.info_nce_loss, [x, y], {}),
              "nt_xent decoupled": (tc.nt_xent_loss, [x], {"decoupled": True, "temperature": 0.1}),
              "supcon labels": (tc.supcon_loss, [x], {"labels": labels}),
              "nt_xent labels (PML)": (tc.nt_xent_loss, [x], {"labels": labels, "temperature": 0.1}),
-             "nt_bxent labels": (tc.nt_bxent_loss, [x], {"labels": labels, "temperature": 0.1})}
+             "nt_bxent labels": (tc.nt_bxent_loss, [x], {"labels": labels, "temperature": 0.1}),
+             "supcon mask": (tc.supcon_loss, [x], {"mask": labels[:, None] == labels[None, :]}),
+             "supcon memory": (tc.supcon_loss, [x], {"labels": labels, "memory_emb": memory, "memory_labels": memory_labels}),
+             "nt_xent memory (PML)": (tc.nt_xent_loss, [x], {"labels": labels, "memory_emb": memory,
+                                                             "memory_labels": memory_labels, "temperature": 0.1}),
+             "nt_bxent pos_indices": (tc.nt_bxent_loss, [x], {"pos_indices": pairs_, "temperature": 0.1}),
+             "siglip image_id": (tc.siglip_loss, [x, y], {"logit_scale": 10.0, "logit_bias": -10.0, "image_id": ids})}
     for name, (fn, tensors, kwargs) in forms.items():
         def run(one: bool, fn=fn, tensors=tensors, kwargs=kwargs) -> None:
             x.grad = y.grad = None
