@@ -20,7 +20,8 @@ def test_wrapped_prints_one_ratio_per_one_pass_form(ratio_tool, monkeypatch, cap
     ratio_tool.main()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" one pass")[0].strip() for line in lines] == [
-        "clip", "clip image_id", "info_nce", "nt_xent decoupled", "supcon labels", "nt_xent labels (PML)", "nt_bxent labels"]
+        "clip", "clip image_id", "info_nce", "nt_xent decoupled", "supcon labels", "nt_xent labels (PML)", "nt_bxent labels",
+        "supcon mask", "supcon memory", "nt_xent memory (PML)", "nt_bxent pos_indices", "siglip image_id"]
     assert all(float(line.rsplit(":", 1)[1]) > 0 for line in lines)
 
 
