@@ -660,8 +660,8 @@ MUTATIONS = [
              "    spread = bool_mask.t()[:, torch.arange(z.shape[0], device=z.device) % bsz]",
              "SupCon's mask in one pass is read transposed (an asymmetric mask's rows and columns swapped)",
              ("tests/losses/test_matryoshka.py",)),
-    Mutation(f"{PKG}/losses/matryoshka.py", "    targets = None if form is None or form[2].row_keys is None else form[2]",
-             "    targets = None", "SigLIP's ids in one pass are ignored (the diagonal the only positives)",
+    Mutation(f"{PKG}/losses/matryoshka.py", "    targets = Targets() if form is None else form[2]",
+             "    targets = Targets()", "SigLIP's ids in one pass are ignored (the diagonal the only positives)",
              ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{E}/prefix_pairs.py", "        same[rows, rows + start] = True  # the diagonal: always a positive",
              "        pass", "NT-BXent's listed pairs in one pass leave the diagonal out of each row's positive count",
@@ -683,6 +683,13 @@ MUTATIONS = [
              "        if False:\n            return same, ~same, same.sum(1), m - same.sum(1)",
              "PML's NT-Xent against a reference set in one pass drops the pairs on the diagonal as if they were self pairs",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        shift = 0 if targets is None else targets.offset  # row i's own candidate: column shift + i",
+             "        shift = 0", "SigLIP's one pass under gather scores each rank's images against the first rank's texts",
+             ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py",
+             '            loss = scope.finish(loss, float(n) if reduction == "mean" else 1.0)',
+             "            loss = scope.finish(loss, 1.0)", "SigLIP's gathered mean in one pass is the sum",
+             ("tests/losses/test_matryoshka_gather.py",)),
 ]
 
 

@@ -327,7 +327,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64)}),
                                 (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
-                                (tc.siglip_loss, [x, x], {}),
+                                (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
+                                                                                        "negative_only": True}),
                                 (tc.supcon_loss, [x], {}), (tc.supcon_loss, [x], {"labels": labels, "contrast_mode": "one"}),
                                 (tc.nt_xent_loss, [x], {"backend": "triton"}),
                                 (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
@@ -366,6 +367,22 @@ def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable, ids):
     for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
     assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "negative_only": True}) is None
+    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "reduction": "none"}) is None
+
+
+def test_siglip_sum_and_the_shared_options_keep_the_one_pass():
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    g = torch.Generator().manual_seed(8)
+    img, txt = (torch.randn(9, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    args = {"logit_scale": 3.0, "logit_bias": -1.0, "reduction": "sum", "chunk_size": 4, "eps": 1e-8, "validate": False,
+            "image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0], device=DEVICE)}
+    assert _one_pass(tc.siglip_loss, [img, txt], args) is not None
+    got = tc.matryoshka_loss(tc.siglip_loss, [img, txt], [12, 7, 3], **args)
+    want = tc.matryoshka_loss(tc.siglip_loss, [img, txt], [12, 7, 3], one_pass=False, **args)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, [img, txt]), torch.autograd.grad(want, [img, txt])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("name", ["clip", "clip_ids", "clip_ids_decoupled", "clip_smoothing", "info_nce_negatives", "nt_xent_decoupled",

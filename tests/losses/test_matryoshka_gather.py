@@ -37,6 +37,10 @@ def _cases(rank: int):
         "nt_xent sum": (tc.nt_xent_loss, [x], {"temperature": 0.2, "reduction": "sum"}),
         "supcon labels": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels}),
         "supcon views": (tc.supcon_loss, [views], {"temperature": 0.2}),
+        "siglip": (tc.siglip_loss, [x, y], {"logit_scale": 5.0, "logit_bias": -2.0}),
+        "siglip ids learnable sum": (tc.siglip_loss, [x, y], {"logit_scale": torch.tensor(5.0, dtype=torch.float64),
+                                                              "logit_bias": torch.tensor(-2.0, dtype=torch.float64),
+                                                              "image_id": ids, "reduction": "sum"}),
         # reduction="none": this rank's anchors' values, each row's own gradient (weighted unevenly below)
         "nt_xent none": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "reduction": "none"}),
         "supcon none": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "reduction": "none"}),

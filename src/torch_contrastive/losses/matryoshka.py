@@ -194,7 +194,7 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     from . import image_text_contrastive_loss, info_nce_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
     if loss_fn is siglip_loss:
-        return _sigmoid_form(tensors, kwargs, set(kwargs) - {"validate"})
+        return _sigmoid_form(tensors, kwargs, set(kwargs) - set(_SHARED))
     if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss, nt_bxent_loss):
         return None
     tau = kwargs.get("temperature", _default(loss_fn, "temperature"))
@@ -373,20 +373,35 @@ def _counted(targets: Targets, anchors: Tensor, *, by_pairs: bool) -> Tensor | f
 
 def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
     """SigLIP's sigmoid pairs: two paired sets, a float or 0-dim tensor scale and bias, the diagonal positives or
-    (``image_id`` / ``text_id``) every pair whose ids match, as the image-text loss relates them."""
+    (``image_id`` / ``text_id``) every pair whose ids match, as the image-text loss relates them; ``reduction``
+    "mean" (over the images) or "sum", and under ``gather=True`` among several ranks this rank's images against
+    every rank's texts, as the loss gathers them."""
     if not {"logit_scale", "logit_bias"} <= keys <= {"logit_scale", "logit_bias", "image_id", "text_id"} or len(tensors) != 2 \
             or any(t.ndim != 2 for t in tensors) or tensors[0].shape[0] != tensors[1].shape[0]:
         return None
     t, b = (_scalar(kwargs[name], tensors[0].device) for name in ("logit_scale", "logit_bias"))
-    if t is None or b is None:
-        return None  # let the loss refuse it
+    options = _shared_options(kwargs)
+    if t is None or b is None or options is None or options[1] == "none":
+        return None  # let the loss refuse it, or take it per prefix (per-row values)
+    chunk, reduction, scope = options
     scale, bias = t, b
+    images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
     form = _image_text_form(tensors, kwargs, keys & {"image_id", "text_id"})
-    targets = None if form is None or form[2].row_keys is None else form[2]
+    targets = Targets() if form is None else form[2]
+    if scope.distributed:
+        texts = scope.rows(texts)
+        if isinstance(targets.row_keys, tuple):  # a missing id tensor (every row its own id) made global
+            targets = replace(targets, row_keys=tuple(k + scope.offset if kwargs.get(name) is None else k
+                                                      for k, name in zip(targets.row_keys, ("image_id", "text_id"))))
+        targets = _spread(targets, scope)
+    n = images.shape[0]
 
     def sigmoid(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        plan = prefix_plan(dims, weights, tensors[0].shape[-1], 1.0, True, 1e-12, tensors[0].shape[0], tensors[1].shape[0], None)
-        loss = PrefixSigmoid.apply(tensors[0], tensors[1].to(tensors[0].dtype), plan, scale, bias, targets)
+        mean = reduction == "mean" and not scope.distributed
+        plan = prefix_plan(dims, weights, images.shape[-1], 1.0, True, 1e-12, n, texts.shape[0], chunk, mean)
+        loss = PrefixSigmoid.apply(images, texts, plan, scale, bias, targets)
+        if scope.distributed:  # the global sum over all pairs, over the global number of images for "mean"
+            loss = scope.finish(loss, float(n) if reduction == "mean" else 1.0)
         if named is not None:
             _name_non_finite(loss, named)
         return loss
@@ -520,7 +535,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
-    gradients) and optional ``image_id`` / ``text_id``. ``validate`` is honoured on either path (False: no host read). The soft-max forms
+    gradients), optional ``image_id`` / ``text_id``, ``reduction`` mean or sum, ``gather=True`` too.
+    ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (every ``reduction`` but CLIP's ``"none"``): this
     rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
     with CLIP's ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the
