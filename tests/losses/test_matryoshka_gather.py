@@ -41,6 +41,11 @@ def _cases(rank: int):
         "siglip ids learnable sum": (tc.siglip_loss, [x, y], {"logit_scale": torch.tensor(5.0, dtype=torch.float64),
                                                               "logit_bias": torch.tensor(-2.0, dtype=torch.float64),
                                                               "image_id": ids, "reduction": "sum"}),
+        # the label conventions scored pair by pair: this rank's rows against every rank's, the labels gathered
+        "nt_xent pml": (tc.nt_xent_loss, [x], {"temperature": 0.2, "labels": labels}),
+        "nt_xent pml learnable sum": (tc.nt_xent_loss, [x], {"temperature": tau, "labels": labels, "reduction": "sum"}),
+        "nt_bxent labels": (tc.nt_bxent_loss, [x], {"temperature": 0.3, "labels": labels}),
+        "nt_bxent labels none": (tc.nt_bxent_loss, [x], {"temperature": 0.3, "labels": labels, "reduction": "none"}),
         # reduction="none": this rank's anchors' values, each row's own gradient (weighted unevenly below)
         "nt_xent none": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "reduction": "none"}),
         "supcon none": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "reduction": "none"}),

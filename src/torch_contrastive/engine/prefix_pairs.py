@@ -27,14 +27,15 @@ class PrefixPairs(torch.autograd.Function):
       (``n_pos_i`` counts the row itself, unscored; no negative: 0); the mean over rows.
 
     ``col_labels`` (M,): the candidates carry labels of their own (a memory after the batch, whose column ``i``
-    is still anchor ``i``; or, with ``own`` False, a reference set: no self pair). ``plan.mean`` False sums instead.
+    is still anchor ``i``, or the gathered batch of ``gather=True``, whose column ``own + i`` is anchor ``i``; with
+    ``own`` None, a reference set: no self pair). ``plan.mean`` False sums instead.
     Forward keeps each prefix's ``L_i`` (pair_softplus); backward
     recomputes the tiles through :func:`prefix_backward`. A learnable (0-dim tensor) ``scale`` multiplies the
     cosines (then ``plan.scale`` is 1) and gets its gradient from the same tiles."""
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, labels: Tensor,  # type: ignore[override]
-                kernel: str, scale: Tensor | None = None, col_labels: Tensor | None = None, own: bool = True) -> Tensor:
+                kernel: str, scale: Tensor | None = None, col_labels: Tensor | None = None, own: int | None = 0) -> Tensor:
         if scale is not None and plan.scale != 1.0:
             raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits)")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
@@ -112,22 +113,24 @@ class PrefixPairs(torch.autograd.Function):
 
 
 def _pair_masks(relation: Tensor, start: int, stop: int, m: int, col_labels: Tensor | None = None,
-                own: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                own: int | None = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Rows ``start:stop`` against ``m`` candidates by label (the candidates' own ``col_labels``, or the rows'),
     or by listed pairs: (positives -- the row's relation, not the row itself --, negatives, the positives per row
-    with the row itself, the negatives per row). ``own`` False: no candidate is the row itself (a reference set)."""
-    rows = torch.arange(stop - start, device=relation.device)
+    with the row itself, the negatives per row). Row ``i`` is candidate ``own + i``; ``own`` None: no candidate
+    is the row itself (a reference set)."""
+    local = torch.arange(stop - start, device=relation.device)
     if relation.ndim == 1:
         same = relation[start:stop, None] == (relation if col_labels is None else col_labels)[None, :]
-        if not own:
+        if own is None:
             return same, ~same, same.sum(1), m - same.sum(1)
-    else:  # (P, 2) pairs: the strip's rows marked without a host read (a pair listed twice counts once)
+    else:  # (P, 2) pairs of one set: the strip's rows marked without a host read (a pair listed twice counts once)
         inside = (relation[:, 0] >= start) & (relation[:, 0] < stop)
         hits = torch.zeros(stop - start, m, dtype=torch.int32, device=relation.device)
         hits.index_put_((torch.where(inside, relation[:, 0] - start, 0), relation[:, 1]), inside.to(torch.int32), accumulate=True)
         same = hits > 0
-        same[rows, rows + start] = True  # the diagonal: always a positive
+        own = 0
+        same[local, local + start] = True  # the diagonal: always a positive
     n_pos = same.sum(1)
     pos = same.clone()
-    pos[rows, rows + start] = False
+    pos[local, local + (start + own)] = False
     return pos, ~same, n_pos, m - n_pos

@@ -207,12 +207,12 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     chunk, reduction, scope = options
     mean, per_row = reduction == "mean", reduction == "none"
     pairs = loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss)
-    if scope.distributed:
-        return None if pairs else _gathered(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, scope,
-                                            chunk, reduction)
     if pairs:
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
-                          tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature"), chunk, mean, per_row)
+                          tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature"), chunk,
+                          reduction, scope)
+    if scope.distributed:
+        return _gathered(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, scope, chunk, reduction)
     form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
     if form is None:
         return None
@@ -227,11 +227,13 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
 
 
 def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor,
-               chunk: int | None, mean: bool, per_row: bool) -> OnePass | None:
+               chunk: int | None, reduction: str, scope: Scope) -> OnePass | None:
     """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefix_pairs.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
     a single (N, D) set, NT-BXent also by its listed ``pos_indices``, PML's NT-Xent also with a memory (its rows
-    extra candidates) or a reference set (the only candidates); None for anything else (one call per prefix)."""
+    extra candidates) or a reference set (the only candidates); by labels also under ``gather=True`` among several
+    ranks (this rank's rows against every rank's, the labels gathered, the global count through
+    :meth:`~torch_contrastive.distributed.Scope.finish`); None for anything else (one call per prefix)."""
     extra = set() if binary else set(_EXTRA_ROWS)
     if not ({"labels"} <= keys <= {"labels", *extra} or (binary and keys == {"pos_indices"})) or len(tensors) != 1 \
             or tensors[0].ndim != 2:
@@ -239,7 +241,11 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     x = tensors[0]
     # the value checks (an index range, a memory's or reference set's rows) read now, as the loss reads them
     checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
-    candidates, col_labels, own = x, None, True
+    candidates: Tensor = x
+    col_labels: Tensor | None = None
+    own: int | None = 0  # the column of row 0 among the candidates (None: no candidate is a row)
+    if scope.distributed and keys != {"labels"}:
+        return None  # listed pairs, memories and reference sets are this rank's own: per prefix, as the loss takes them
     if "pos_indices" in keys:
         labels = v.check_pos_indices(kwargs["pos_indices"], x.shape[0], x.device, checks)
     else:
@@ -247,15 +253,18 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     if keys & extra:
         if kwargs.get("gather", False):
             return None  # the loss refuses a reference set with gather, and gathers a batch with its memory
-        memory = v.check_memory(kwargs.get("memory_emb"), kwargs.get("memory_labels"), x.shape[1], x.device, checks)
-        reference = check_reference(kwargs.get("ref_emb"), kwargs.get("ref_labels"), labels, x.shape[1], x.device, checks,
-                                    False, memory)
-        if reference is not None:
-            candidates, col_labels, own = reference[0].to(x.dtype), reference[1], False
-        elif memory is not None:
-            candidates, col_labels = torch.cat([x, memory[0].to(x.dtype)]), torch.cat([labels, memory[1]])
+        candidates, col_labels, own = _pair_candidates(x, labels, kwargs, checks)
     checks.flush()
     kernel = "binary" if binary else "pair_softplus"
+    gathered = scope.distributed
+    mean, per_row = reduction == "mean" and not gathered, reduction == "none"
+    normaliser: Tensor | float = 1.0
+    if gathered:  # this rank's rows against the gathered batch, each row's own column at the rank's offset
+        candidates = scope.rows(x)
+        own = scope.offset
+        col_labels = scope.ints(labels)
+        if reduction == "mean":  # the positive pairs (PML) or the rows (NT-BXent) of this rank
+            normaliser = float(x.shape[0]) if binary else _pairs_counted(labels, col_labels, own, compute_dtype(x.dtype))
 
     # a tensor (learnable) temperature: the cosines are the plan's logits and 1 / tau multiplies them inside
     scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
@@ -264,11 +273,35 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
         scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
         plan = prefix_plan(dims, weights, x.shape[-1], scale, True, 1e-12, x.shape[0], candidates.shape[0], chunk, mean, per_row)
         loss = PrefixPairs.apply(x, candidates, plan, labels, kernel, scale_t, col_labels, own)
+        if gathered and not per_row:
+            loss = scope.finish(loss, normaliser)
         if named is not None:
             _name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
         return loss
 
     return pairs
+
+
+def _pair_candidates(x: Tensor, labels: Tensor, kwargs: dict[str, Any],
+                     checks: v.Checks) -> tuple[Tensor, Tensor | None, int | None]:
+    """``(candidates, their labels, the column of row 0 among them)`` of PML's NT-Xent with a memory (its rows after
+    the batch) or a reference set (the only candidates: no row's own column), checked as the loss checks them."""
+    memory = v.check_memory(kwargs.get("memory_emb"), kwargs.get("memory_labels"), x.shape[1], x.device, checks)
+    reference = check_reference(kwargs.get("ref_emb"), kwargs.get("ref_labels"), labels, x.shape[1], x.device, checks,
+                                False, memory)
+    if reference is not None:
+        return reference[0].to(x.dtype), reference[1], None
+    if memory is not None:
+        return torch.cat([x, memory[0].to(x.dtype)]), torch.cat([labels, memory[1]]), 0
+    return x, None, 0
+
+
+def _pairs_counted(labels: Tensor, col_labels: Tensor, own: int, dtype: torch.dtype) -> Tensor:
+    """This rank's positive pairs against the gathered batch: same-label columns, the row's own left out
+    (counted ``_COUNT_ROWS`` rows at a time: a bounded mask)."""
+    n = labels.shape[0]
+    same = sum((labels[lo:lo + _COUNT_ROWS, None] == col_labels[None, :]).sum() for lo in range(0, n, _COUNT_ROWS))
+    return (same - n).to(dtype)  # type: ignore[union-attr]
 
 
 def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str, Scope] | None:
@@ -538,10 +571,11 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     gradients), optional ``image_id`` / ``text_id``, ``reduction`` mean or sum, ``gather=True`` too.
     ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (every ``reduction`` but CLIP's ``"none"``): this
-    rank's anchors against every rank's candidates, as the losses gather them. Anything else -- ``gather=True``
-    with CLIP's ``reduction="none"``, label smoothing or the pair forms, label smoothing with DCL, the
-    memories and reference sets of the other losses, other losses -- is one call per prefix (``sum(d_p)`` products per pair). The
-    rows of a memory or reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
+    rank's anchors against every rank's candidates, as the losses gather them, and so do the pair forms by labels.
+    One call per prefix (``sum(d_p)`` products per pair): under ``gather=True``, CLIP's ``reduction="none"``,
+    label smoothing, listed pairs, memories and reference sets; anywhere, label smoothing with DCL, the
+    memories and reference sets of the losses not named here, and other losses. The rows of a memory or
+    reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
