@@ -337,15 +337,12 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
             (reduction == "none" and loss_fn is image_text_contrastive_loss):
         return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
     anchors, _, targets, _ = form
-    scale = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
+    temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     if loss_fn is image_text_contrastive_loss:
         images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
         all_texts, all_images = scope.rows(texts), scope.rows(images)
-        if isinstance(targets.row_keys, tuple):  # a missing id tensor (every row its own id) made global
-            own = tuple(k + scope.offset if kwargs.get(name) is None else k for k, name in zip(targets.row_keys, ("image_id", "text_id")))
-            targets = replace(targets, row_keys=own)
         # gt is symmetric in the pairs: one relation serves both directions (row j's keys are pair j's)
-        targets = _spread(targets, scope)
+        targets = _spread(_global_ids(targets, kwargs, scope), scope)
         directions = [(images, all_texts, targets), (texts, all_images, targets)]
         normaliser = _counted(targets, anchors, by_pairs=True)
         factor = 0.5 * (float(sum(scope.sizes)) if reduction == "sum" else 1.0)  # CLIP's sum: N_all times its mean
@@ -368,15 +365,24 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         per_row = reduction == "none"  # this rank's anchors' values (one direction: not CLIP)
-        local = one_pass_softmax(*directions[0], dims, weights, scale, None, 1e-12, chunk, None, mean=False, per_row=per_row)
+        local = one_pass_softmax(*directions[0], dims, weights, temperature, None, 1e-12, chunk, None, mean=False, per_row=per_row)
         for a, c, t in directions[1:]:
-            local = local + one_pass_softmax(a, c, t, dims, weights, scale, None, 1e-12, chunk, None, mean=False)
+            local = local + one_pass_softmax(a, c, t, dims, weights, temperature, None, 1e-12, chunk, None, mean=False)
         loss = local if per_row else scope.finish(local * factor, normaliser)
         if named is not None:
-            _name_non_finite(loss, named, scale if isinstance(scale, Tensor) else None)
+            _name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
         return loss
 
     return run
+
+
+def _global_ids(targets: Targets, kwargs: dict[str, Any], scope: Scope) -> Targets:
+    """An image-text relation by ids with a missing id tensor (every row its own id, ``arange``) made global: this
+    rank's rows' own ids shifted by its offset, so that they match no other rank's."""
+    if not isinstance(targets.row_keys, tuple):
+        return targets
+    ids = tuple(k + scope.offset if kwargs.get(name) is None else k for k, name in zip(targets.row_keys, ("image_id", "text_id")))
+    return replace(targets, row_keys=ids)
 
 
 def _one_key(keys: Tensor | tuple[Tensor, ...] | None) -> Tensor:
@@ -423,10 +429,7 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
     targets = Targets() if form is None else form[2]
     if scope.distributed:
         texts = scope.rows(texts)
-        if isinstance(targets.row_keys, tuple):  # a missing id tensor (every row its own id) made global
-            targets = replace(targets, row_keys=tuple(k + scope.offset if kwargs.get(name) is None else k
-                                                      for k, name in zip(targets.row_keys, ("image_id", "text_id"))))
-        targets = _spread(targets, scope)
+        targets = _spread(_global_ids(targets, kwargs, scope), scope)
     n = images.shape[0]
 
     def sigmoid(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
