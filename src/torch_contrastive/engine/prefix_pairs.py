@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .prefixes import PrefixPlan, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
+from .prefixes import LearnedScale, PerStrip, PrefixPlan, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
 
 __all__ = ["PrefixPairs"]
 
@@ -71,17 +71,13 @@ class PrefixPairs(torch.autograd.Function):
         anchors, candidates, labels, lse, counted, col_labels, *given = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         kernel: str = ctx.kernel
-        masks: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         dtype = _compute_dtype(anchors)
-        s = given[0].to(dtype) if given else None
-        ds = torch.zeros((), dtype=dtype, device=grad.device)
+        learned = LearnedScale(given, dtype, grad.device)
+        masks = PerStrip(lambda start, stop: _pair_masks(labels, start, stop, candidates.shape[0], col_labels, ctx.own))
 
         def pair_tile(logits: Tensor, k: int, start: int, stop: int) -> Tensor:
             """d (row terms) / d logits of one strip and prefix."""
-            if start not in masks:  # the strip's masks, once for all its prefixes
-                masks.clear()
-                masks[start] = _pair_masks(labels, start, stop, candidates.shape[0], col_labels, ctx.own)
-            pos, neg, n_pos, n_neg = masks[start]
+            pos, neg, n_pos, n_neg = masks(start, stop)
             if kernel == "pair_softplus":
                 row_lse = lse[start:stop, k, None]
                 sig = torch.where(pos, torch.sigmoid(row_lse - logits), 0.0)  # -d term / d S_ip
@@ -92,14 +88,10 @@ class PrefixPairs(torch.autograd.Function):
                 + torch.where(neg, torch.sigmoid(logits) / n_neg.clamp_min(1)[:, None], 0.0)
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
-            nonlocal ds
-            tile = pair_tile(cos if s is None else cos * s, k, start, stop)  # with a learnable scale: cosines
+            tile = pair_tile(learned.logits(cos), k, start, stop)
             if g_rows is not None:  # per-row values: each row's own incoming gradient
                 tile.mul_(g_rows[start:stop, None])
-            if s is None:
-                return tile
-            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
-            return tile.mul_(s)  # d loss / d cos
+            return learned.back(tile, cos, weight)
 
         g_rows = grad.to(dtype) if plan.rows else None
         if plan.rows:
@@ -109,7 +101,7 @@ class PrefixPairs(torch.autograd.Function):
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None,
-                ds.to(given[0]) if given and ctx.needs_input_grad[5] else None, None, None)
+                learned.grad.to(given[0]) if given and ctx.needs_input_grad[5] else None, None, None)
 
 
 def _pair_masks(relation: Tensor, start: int, stop: int, m: int, col_labels: Tensor | None = None,

@@ -216,32 +216,23 @@ class PrefixSoftmax(torch.autograd.Function):
         smooth: _Smoothing | None = ctx.smooth
         device = anchors.device
         dtype = _compute_dtype(anchors)
-        s = given[0].to(dtype) if given else None
-        ds = torch.zeros((), dtype=dtype, device=device)
-        strip: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
+        learned = LearnedScale(given, dtype, device)
+        strip = PerStrip(lambda start, stop: targets.strip(start, stop, device))
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
-            nonlocal ds
-            if start not in strip:  # the strip's positives, once for all its prefixes
-                strip.clear()
-                strip[start] = targets.strip(start, stop, device)
-            logits = cos if s is None else cos * s  # with a learnable scale, the plan's logits are the cosines
-            tile, col_tile = _softmax_tiles(logits, start, targets, strip[start], lse[start:stop, k],
+            tile, col_tile = _softmax_tiles(learned.logits(cos), start, targets, strip(start, stop), lse[start:stop, k],
                                             col_lse[:, k] if targets.columns else None, col_count, smooth)
             if g_rows is not None:  # per-row values: each row's (and column's) own incoming gradient
                 tile = _rows_weighted(tile, g_rows, g_cols, start, stop, col_tile)
             elif col_tile is not None:
                 tile = tile.add_(col_tile).mul_(0.5)
-            if s is None:
-                return tile
-            ds = ds + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
-            return tile.mul_(s)  # d loss / d cos
+            return learned.back(tile, cos, weight)
 
         g, g_rows, g_cols = _incoming(grad.to(dtype), plan, targets, counted.to(dtype), anchors.shape[0])
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None,
-                ds.to(given[0]) if given and ctx.needs_input_grad[4] else None)
+                learned.grad.to(given[0]) if given and ctx.needs_input_grad[4] else None)
 
 
 def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Tensor | None, Tensor | None, Tensor | None],
@@ -465,16 +456,14 @@ class PrefixSigmoid(torch.autograd.Function):
         dtype = _compute_dtype(anchors)
         t_, b_ = t.to(dtype), b.to(dtype)
         dt, db = t_.new_zeros(()), t_.new_zeros(())
-        strip: dict[int, Tensor | None] = {}
+        strip = PerStrip(lambda start, stop: _sigmoid_positives(targets, start, stop, anchors.device))
         shift = 0 if targets is None else targets.offset
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             nonlocal dt, db
-            if start not in strip:  # the strip's positives, once for all its prefixes
-                strip.clear()
-                strip[start] = _sigmoid_positives(targets, start, stop, cos.device)
-            tile = torch.sigmoid(_signed(cos, t_, b_, start + shift, strip[start]))  # d softplus(u) / du, u = -z s
-            tile = _flip(tile, start + shift, strip[start])  # d u / d s = -z
+            positive = strip(start, stop)
+            tile = torch.sigmoid(_signed(cos, t_, b_, start + shift, positive))  # d softplus(u) / du, u = -z s
+            tile = _flip(tile, start + shift, positive)  # d u / d s = -z
             dt = dt + weight * (tile * cos).sum()
             db = db + weight * tile.sum()
             return tile.mul_(t_)  # d value / d cos
@@ -548,6 +537,39 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
         _norm_chain(da, a, inv_a, d_inv_a, bounds, plan.eps)
         _norm_chain(dc, c, inv_c, d_inv_c, bounds, plan.eps)
     return da, dc
+
+
+class LearnedScale:
+    """A learnable (0-dim tensor) scale ``s`` that multiplies the cosines (the plan's scale is then 1) in a backward:
+    a tile's logits from its cosines, and the chain rule back through them, ``d loss / d s`` summed over the tiles.
+    Without ``s`` (``given`` empty) both are the identity."""
+
+    def __init__(self, given: list[Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.s = given[0].to(dtype) if given else None
+        self.grad = torch.zeros((), dtype=dtype, device=device)
+
+    def logits(self, cos: Tensor) -> Tensor:
+        return cos if self.s is None else cos * self.s
+
+    def back(self, tile: Tensor, cos: Tensor, weight: Tensor) -> Tensor:
+        """``d loss / d cos`` from ``d loss / d logits`` (``tile``, in place), adding its share of ``d loss / d s``."""
+        if self.s is None:
+            return tile
+        self.grad = self.grad + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos
+        return tile.mul_(self.s)
+
+
+class PerStrip:
+    """``build(start, stop)`` of the strip a backward is visiting, built once for all its prefixes (the prefixes of a
+    strip come one after another)."""
+
+    def __init__(self, build: Callable[[int, int], Any]) -> None:
+        self.build, self.start, self.value = build, -1, None
+
+    def __call__(self, start: int, stop: int) -> Any:
+        if start != self.start:
+            self.start, self.value = start, self.build(start, stop)
+        return self.value
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

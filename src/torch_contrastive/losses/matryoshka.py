@@ -253,7 +253,7 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     if keys & extra:
         if kwargs.get("gather", False):
             return None  # the loss refuses a reference set with gather, and gathers a batch with its memory
-        candidates, col_labels, own = _pair_candidates(x, labels, kwargs, checks)
+        candidates, col_labels, own = _extra_candidates(x, labels, kwargs, checks)
     checks.flush()
     kernel = "binary" if binary else "pair_softplus"
     gathered = scope.distributed
@@ -264,7 +264,9 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
         own = scope.offset
         col_labels = scope.ints(labels)
         if reduction == "mean":  # the positive pairs (PML) or the rows (NT-BXent) of this rank
-            normaliser = float(x.shape[0]) if binary else _pairs_counted(labels, col_labels, own, compute_dtype(x.dtype))
+            # PML: the positive pairs, same-label columns but the row's own, as the soft-max forms count them
+            normaliser = float(x.shape[0]) if binary else _counted(Targets(
+                row_keys=labels, col_keys=col_labels, exclude_self=True, offset=own), x, by_pairs=True)
 
     # a tensor (learnable) temperature: the cosines are the plan's logits and 1 / tau multiplies them inside
     scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
@@ -282,10 +284,11 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     return pairs
 
 
-def _pair_candidates(x: Tensor, labels: Tensor, kwargs: dict[str, Any],
-                     checks: v.Checks) -> tuple[Tensor, Tensor | None, int | None]:
-    """``(candidates, their labels, the column of row 0 among them)`` of PML's NT-Xent with a memory (its rows after
-    the batch) or a reference set (the only candidates: no row's own column), checked as the loss checks them."""
+def _extra_candidates(x: Tensor, labels: Tensor, kwargs: dict[str, Any],
+                      checks: v.Checks) -> tuple[Tensor, Tensor | None, int | None]:
+    """``(candidates, their labels, the column of row 0 among them)`` of a labelled loss (SupCon, PML's NT-Xent) with
+    a memory (its rows after the batch) or a reference set (the only candidates: no row's own column; None), checked
+    as the losses check them; the batch itself (labels None: the rows') without either."""
     memory = v.check_memory(kwargs.get("memory_emb"), kwargs.get("memory_labels"), x.shape[1], x.device, checks)
     reference = check_reference(kwargs.get("ref_emb"), kwargs.get("ref_labels"), labels, x.shape[1], x.device, checks,
                                 False, memory)
@@ -294,14 +297,6 @@ def _pair_candidates(x: Tensor, labels: Tensor, kwargs: dict[str, Any],
     if memory is not None:
         return torch.cat([x, memory[0].to(x.dtype)]), torch.cat([labels, memory[1]]), 0
     return x, None, 0
-
-
-def _pairs_counted(labels: Tensor, col_labels: Tensor, own: int, dtype: torch.dtype) -> Tensor:
-    """This rank's positive pairs against the gathered batch: same-label columns, the row's own left out
-    (counted ``_COUNT_ROWS`` rows at a time: a bounded mask)."""
-    n = labels.shape[0]
-    same = sum((labels[lo:lo + _COUNT_ROWS, None] == col_labels[None, :]).sum() for lo in range(0, n, _COUNT_ROWS))
-    return (same - n).to(dtype)  # type: ignore[union-attr]
 
 
 def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str, Scope] | None:
@@ -491,18 +486,12 @@ def _extra_rows_form(z: Tensor, keys: Tensor, kwargs: dict[str, Any], labelled: 
     """SupCon with a memory (its rows extra candidates after the batch, positives by label, the self pairs
     left out) or a reference set (its rows the only candidates, no self pair), checked as the loss checks them;
     None where the loss refuses the call (it then says why)."""
-    memory_emb, memory_labels, ref_emb, ref_labels = (kwargs.get(name) for name in _EXTRA_ROWS)
     if not labelled or kwargs.get("gather", False):
         return None
     checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
-    memory = v.check_memory(memory_emb, memory_labels, z.shape[1], z.device, checks)
-    reference = check_reference(ref_emb, ref_labels, keys, z.shape[1], z.device, checks, False, memory)
+    candidates, col_keys, own = _extra_candidates(z, keys, kwargs, checks)
     checks.flush()
-    if reference is not None:
-        return z, reference[0].to(z.dtype), Targets(row_keys=keys, col_keys=reference[1]), False
-    if memory is None:
-        return z, z, Targets(row_keys=keys, col_keys=keys, exclude_self=True), False
-    return z, torch.cat([z, memory[0].to(z.dtype)]), Targets(row_keys=keys, col_keys=torch.cat([keys, memory[1]]), exclude_self=True), False
+    return z, candidates, Targets(row_keys=keys, col_keys=keys if col_keys is None else col_keys, exclude_self=own is not None), False
 
 
 def _sample_mask_form(features: Tensor, mask: object, validate: object) -> tuple[Tensor, Tensor, Targets, bool]:
