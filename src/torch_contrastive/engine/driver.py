@@ -20,6 +20,7 @@ through the normalisation inside -- the caller's un-normalised tensors
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
@@ -91,7 +92,7 @@ def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
     return a_c, b_c, scale_c, norms
 
 
-def save(ctx: Any, scale: Scale, a: Tensor, b: Tensor, *tensors: Tensor) -> None:
+def save(ctx: Any, scale: Scale, a: Tensor, b: Tensor, *tensors: Tensor | None) -> None:
     """Save tensors for backward: ``b`` only when it is not ``a`` (a single set), a float
     scale on ``ctx`` (it is not a tensor)."""
     ctx.float_scale = None if isinstance(scale, Tensor) else scale
@@ -177,27 +178,36 @@ class Saved(NamedTuple):
 _NONE, _ONE = -1, -2
 
 
-def pack(keep: dict[str, Any]) -> tuple[list[tuple[str, int]], list[Tensor]]:
-    """A dict of tensors, tuples of tensors and None as (layout, flat tensors) for ``save_for_backward``."""
-    layout: list[tuple[str, int]] = []
-    flat: list[Tensor] = []
-    for name, value in keep.items():
+def pack(keep: dict[str, Any]) -> tuple[tuple[tuple[str, ...], tuple[int, ...] | None], list[Tensor | None]]:
+    """A dict of tensors, tuples of tensors and None as (layout, flat entries) for ``save_for_backward``
+    (which takes None). A dict of tensors and None only -- the soft-max executor's, on every small
+    call -- is saved as it is: no entry is looked at in Python."""
+    names = tuple(keep)
+    values = list(keep.values())
+    if tuple not in map(type, values):
+        return (names, None), values
+    sizes: list[int] = []
+    flat: list[Tensor | None] = []
+    for value in values:
         if value is None:
-            layout.append((name, _NONE))
+            sizes.append(_NONE)
         elif isinstance(value, Tensor):
-            layout.append((name, _ONE))
+            sizes.append(_ONE)
             flat.append(value)
         else:
-            layout.append((name, len(value)))
+            sizes.append(len(value))
             flat.extend(value)
-    return layout, flat
+    return (names, tuple(sizes)), flat
 
 
-def unpack(layout: list[tuple[str, int]], flat: list[Tensor]) -> dict[str, Any]:
+def unpack(layout: tuple[tuple[str, ...], tuple[int, ...] | None], flat: Sequence[Tensor | None]) -> dict[str, Any]:
     """The dict :func:`pack` took apart."""
+    names, sizes = layout
+    if sizes is None:
+        return dict(zip(names, flat))
     out: dict[str, Any] = {}
     at = 0
-    for name, size in layout:
+    for name, size in zip(names, sizes):
         if size == _NONE:
             out[name] = None
         elif size == _ONE:

@@ -35,8 +35,9 @@ from ..positives import KeyPositives, PairPositives, PartnerPositives
 from .confident import apart_rule
 from .cost import PATHS, dense_relation_pays, predict_path
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
-from .precision import fixed_scale_applies
+from .precision import compute_dtype, fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
+from .softmax_tiles import flat_places
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
 
 #: GPU scratch budget (bytes) unless ``TORCH_CONTRASTIVE_GPU_BUDGET`` says otherwise.
@@ -411,7 +412,8 @@ def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
     return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,
             problem.bound, GPU_BUDGET, PRODUCTS, id(positives), problem.self_offset,
             problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
-            stat.columns_share_alpha, stat.row_weights[0] is not None)
+            stat.columns_share_alpha, stat.row_weights[0] is not None, stat.row_weights[1] is not None,
+            stat.col_weights[0] is not None, stat.col_weights[1] is not None)
 
 
 #: :func:`plan`'s soft-max plans by :func:`_softmax_key`.
@@ -423,6 +425,9 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
     positives, columns, n_cols = problem.positives, stat.columns, problem.shape[1]
     tile_positives = decision.backend == "torch" and decision.tile == 0 and positives is not None \
         and (not isinstance(positives, KeyPositives) or positives.dense is not None)
+    # the one torch tile reads, clears and updates a strided relation's entries by flat places
+    places = flat_places(positives, problem.self_offset, compute_dtype(problem.anchors.dtype)) \
+        if tile_positives and isinstance(positives, PartnerPositives) and positives.layout is not None else None
     return SoftmaxPlan(
         decision=decision, self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric,
         normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
@@ -434,7 +439,9 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         grad_columns=n_cols if problem.grad_columns is None else max(0, min(int(problem.grad_columns), n_cols)),
         exclude=stat.exclude,
         apart=apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,
-                         decision.backend))
+                         decision.backend),
+        places=places,
+        weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)))
 
 
 def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPlan:

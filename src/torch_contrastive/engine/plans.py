@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ..positives import Exclusion, Positives
     from .confident import Apart
     from .planner import Decision
+    from .softmax_tiles import FlatPlaces
 
 __all__ = ["AnyPlan", "PairPlan", "SigmoidPlan", "SoftmaxPlan"]
 
@@ -96,6 +97,10 @@ class SoftmaxPlan(_Device):
         exclude: candidates left out besides the self pair (false negatives).
         apart: a row's single positive kept out of the sums and added back exactly
             (:mod:`.confident`); None: not kept apart.
+        places: the one torch tile's flat places of a strided relation's positives (and what the
+            kept-apart sums leave out), built once when planned; None otherwise.
+        weighted: rows or columns carry weights (alpha or beta): the outputs need the positive
+            logits besides the margins.
     """
 
     decision: Decision
@@ -113,6 +118,8 @@ class SoftmaxPlan(_Device):
     grad_columns: int = 0
     exclude: Exclusion | None = None
     apart: Apart | None = None
+    places: FlatPlaces | None = None
+    weighted: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -109,16 +109,20 @@ class SoftmaxExecutor:
             col_out = None  # no empty placeholder: an autograd output may be None
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
-        keep = {"row_stat": row_stat, "col_stat": col_stat, "margins": margins, "row_alpha": row_alpha, "row_beta": row_beta,
-                "col_alpha": None if plan.shared_alpha else col_alpha, "col_beta": col_beta, "kept": kept, "logits": logits,
-                "raw": raw if not raw or raw[1] is not None else raw[:1]}
+        # one tensor (or None) per name: the driver saves them as they are, no tuple to take apart
+        margin_row, margin_col = (*margins, None, None)[:2]
+        raw_a, raw_b = (*raw, None, None)[:2]
+        keep = {"row_stat": row_stat, "col_stat": col_stat, "margin_row": margin_row, "margin_col": margin_col,
+                "row_alpha": row_alpha, "row_beta": row_beta, "col_alpha": None if plan.shared_alpha else col_alpha,
+                "col_beta": col_beta, "kept": kept, "logits": logits, "raw_a": raw_a, "raw_b": raw_b}
         return (row_out, col_out), keep
 
     def backward(self, ctx: Any, plan: SoftmaxPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a, b, keep = saved.a, saved.b, saved.keep
         g_row, g_col = grads
-        raw: tuple[Tensor | None, ...] = (*keep["raw"], None, None)[:2]  # a single set's candidates are its anchors
-        kept, margins = keep["kept"], keep["margins"]
+        raw: tuple[Tensor | None, ...] = (keep["raw_a"], keep["raw_b"])  # a single set's candidates are its anchors
+        kept, margin_row, margin_col = keep["kept"], keep["margin_row"], keep["margin_col"]
+        margins = () if margin_row is None else (margin_row,) if margin_col is None else (margin_row, margin_col)
         row_lse, col_lse = keep["row_stat"], keep["col_stat"]
         row_alpha, row_beta, col_alpha, col_beta = keep["row_alpha"], keep["row_beta"], keep["col_alpha"], keep["col_beta"]
         if plan.shared_alpha:
@@ -219,10 +223,11 @@ def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos
     """``alpha * LSE - beta * pos`` per row (and column), the full log-sum-exps and, when the
     positives were kept apart, the margins ``LSE - pos`` that backward needs."""
     margins: tuple[Tensor, ...] = ()
-    if given and row_pos is not None:  # the one bounded tile computed the margins itself (single_apart): lse hold them
+    if given:  # the one bounded tile computed the margins itself (single_apart): lse hold them
+        # (its positive logits are None only for an unweighted plan, whose outputs are the margins)
         row_out = _apart_out(row_lse, row_pos, row_alpha, row_beta)
         col_out = None
-        if col_lse is not None and col_pos is not None:
+        if col_lse is not None:
             col_out = _apart_out(col_lse, col_pos, col_alpha, col_beta)
         return row_out, col_out, row_lse, col_lse, ()
     if plan.apart is not None and row_pos is not None and (col_lse is None or col_pos is not None):
@@ -258,9 +263,14 @@ def _apart_terms(log_excess: Tensor, pos: Tensor, alpha: Tensor | None, beta: Te
     return _apart_out(d, pos, alpha, beta), pos + d, d
 
 
-def _apart_out(d: Tensor, pos: Tensor, alpha: Tensor | None, beta: Tensor | None) -> Tensor:
-    """``alpha * (pos + d) - beta * pos``, as ``alpha * d`` when both weights are the same."""
-    return d if _alike(alpha, beta) else _weighted(pos + d, alpha) - _weighted(pos, beta)
+def _apart_out(d: Tensor, pos: Tensor | None, alpha: Tensor | None, beta: Tensor | None) -> Tensor:
+    """``alpha * (pos + d) - beta * pos``, as ``alpha * d`` when both weights are the same (then
+    ``pos`` may be None: an unweighted plan does not read the positive logits)."""
+    if _alike(alpha, beta):
+        return d
+    if pos is None:
+        raise RuntimeError("internal: weighted outputs need the positive logits")
+    return _weighted(pos + d, alpha) - _weighted(pos, beta)
 
 
 def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b: Tensor,

@@ -45,36 +45,47 @@ def _strided(positives: Positives | None) -> PartnerPositives | None:
 
 
 class FlatPlaces(NamedTuple):
-    """Row-major places in a square ``n x n`` tile under a strided layout (one tile = the whole problem)."""
+    """Row-major places in a square ``n x n`` tile under a strided layout (one tile = the whole problem).
+
+    Each is read or written by one ``take`` / ``put_``, which index the tile as a flat vector: no
+    view of it, no op per diagonal (a small call's cost is its op count)."""
 
     positives: Tensor  # (n,) row i's positive (i, p(i)), in row order
-    mirrored: Tensor  # (n,) the mirrored entries (p(i), i)
+    both: Tensor  # (2n,) the positives, then the mirrored entries (p(i), i): a single set's two roles
     left_out: Tensor  # the self pairs (if any) and the positives: what the kept-apart sums leave out
+    zeros: Tensor  # zeros of the tile's dtype, one per left-out place (what clears them)
 
 
-_FLAT: dict[tuple[str, int, int | None, torch.device], FlatPlaces] = {}
+_FLAT: dict[tuple[str, int, int | None, torch.device, torch.dtype], FlatPlaces] = {}
 
 
-def flat_places(positives: Positives | None, self_offset: int | None) -> FlatPlaces:
+def flat_places(positives: Positives | None, self_offset: int | None, dtype: torch.dtype) -> FlatPlaces:
     """:class:`FlatPlaces` of a square strided relation (``positives.layout`` set: its partner is
-    row i's positive), built once per (layout, size, self offset, device): a small batch reads,
-    clears and updates its strided entries with one indexed op each instead of a view and an op
-    per diagonal (the call's cost is its op count at these sizes)."""
+    row i's positive) on a tile of ``dtype``, built once per (layout, size, self offset, device,
+    dtype) -- when the call is planned."""
     strided = _strided(positives)
     if strided is None:
         raise RuntimeError("internal: flat places of a relation without a strided layout")
     partner, n = strided.partner, strided.num_rows
-    key = (str(strided.layout), n, self_offset, partner.device)
+    key = (str(strided.layout), n, self_offset, partner.device, dtype)
     places = _FLAT.get(key)
     if places is None:
         rows = torch.arange(n, device=partner.device)
-        flat, mirrored = rows * n + partner, partner * n + rows
+        flat = rows * n + partner
         left_out = flat if self_offset is None else torch.cat([rows * n + rows + self_offset, flat])
-        places = FlatPlaces(flat, mirrored, left_out)
+        places = FlatPlaces(flat, torch.cat([flat, partner * n + rows]), left_out,
+                            torch.zeros(left_out.shape[0], dtype=dtype, device=partner.device))
         if len(_FLAT) > 64:  # many distinct shapes: keep the cache small
             _FLAT.clear()
         _FLAT[key] = places
     return places
+
+
+def _places(plan: SoftmaxPlan) -> FlatPlaces:
+    """The plan's flat places (built when planned: a strided relation on the one torch tile)."""
+    if plan.places is None:
+        raise RuntimeError("internal: a strided relation on one tile was planned without its flat places")
+    return plan.places
 
 
 def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
@@ -87,7 +98,7 @@ def _tile_positive_sums(s: Tensor, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | 
     col_pos = None
     if partner is not None and how != "partner":
         # strided layout: one gather by the layout's cached places (a copy: the tile is exponentiated in place)
-        row_pos = torch.take(s, flat_places(positives, plan.self_offset).positives)
+        row_pos = torch.take(s, _places(plan).positives)
         if plan.column_positives:  # identity: column j's positive is row j
             col_pos = row_pos if how == "identity" else s.new_zeros(C).index_add_(0, partner, row_pos)
     elif partner is not None:
@@ -111,12 +122,13 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     them instead of computing ``exp(-LSE)``.
     """
     s = prod.logits(0, R, 0, C)
+    if plan.fixed and plan.places is not None and plan.apart is not None and plan.exclude is None and not plan.weighted:
+        return _single_strided(s.exp_(), plan.places, plan)
     row_pos, col_pos = _tile_positive_sums(s, plan) if plan.positives is not None and plan.tile_positives else (None, None)
     if plan.fixed:
         e = s.exp_()
-        if plan.apart is not None and plan.exclude is None and _strided(plan.positives) is not None:
-            # the self pairs and the positives kept apart, cleared by one indexed fill
-            e.view(-1).index_fill_(0, flat_places(plan.positives, plan.self_offset).left_out, 0.0)
+        if plan.apart is not None and plan.exclude is None and plan.places is not None:
+            _clear(e, plan.places)  # the self pairs and the positives kept apart
         else:
             diag = self_diagonal(e, 0, 0, plan.self_offset)
             if diag is not None:
@@ -124,7 +136,9 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
             drop(e, plan, 0, e.shape[0], 0, C)
         row_sum = e.sum(1)
         if plan.apart is not None and row_pos is not None and plan.exclude is None and (not plan.columns or col_pos is not None):
-            return single_apart(e, row_sum, row_pos, col_pos, plan)
+            exp_pos = row_pos.exp()
+            col_exp = None if col_pos is None else exp_pos if col_pos is row_pos else col_pos.exp()
+            return single_apart(e, row_sum, exp_pos, col_exp, row_pos, col_pos, plan)
         row_lse = log_total(row_sum, None, plan, C)
         col_lse = col_sum = None
         if plan.columns:
@@ -155,16 +169,36 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     return row_lse, complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
 
 
-def single_apart(e: Tensor, excess: Tensor, row_pos: Tensor, col_pos: Tensor | None, plan: SoftmaxPlan) -> tuple[Any, ...]:
+def _clear(e: Tensor, places: FlatPlaces) -> None:
+    """Zero the left-out places of the one tile: one ``put_``, or -- ``put_`` having no deterministic
+    kernel -- a fill through a flat view in deterministic mode."""
+    if torch.are_deterministic_algorithms_enabled():
+        e.view(-1).index_fill_(0, places.left_out, 0.0)
+    else:
+        e.put_(places.left_out, places.zeros)
+
+
+def _single_strided(e: Tensor, places: FlatPlaces, plan: SoftmaxPlan) -> tuple[Any, ...]:
+    """The one bounded tile ``e = exp(S)`` of a strided relation without weights, each row's
+    positive kept apart: ``exp(S_ip)`` read off ``e`` itself (one ``take``, no ``exp`` of its
+    own), then the self pairs and the positives cleared by one ``put_``. The positive logits are
+    not needed: an unweighted loss is its margins. (Two-set losses have the identity layout, on which
+    column j's positive is row j's.)"""
+    exp_pos = torch.take(e, places.positives)  # before the clearing
+    _clear(e, places)
+    return single_apart(e, e.sum(1), exp_pos, exp_pos if plan.columns else None, None, None, plan)
+
+
+def single_apart(e: Tensor, excess: Tensor, exp_pos: Tensor, col_exp: Tensor | None, row_pos: Tensor | None,
+                 col_pos: Tensor | None, plan: SoftmaxPlan) -> tuple[Any, ...]:
     """The one bounded tile with each row's positive kept apart (confident.py), cheaply:
     ``d = log1p(excess / exp(S_p))`` and the totals ``excess + exp(S_p)`` that backward
     divides by (``exp(S_p)`` is finite in the bounded regime). ``sums`` then also carries
-    the margins and the excesses: ``(total, total', d, d', excess, excess')``."""
-    exp_pos = row_pos.exp()
+    the margins and the excesses: ``(total, total', d, d', excess, excess')``. ``row_pos`` /
+    ``col_pos`` (the positive logits, for weighted outputs) pass through; None when unweighted."""
     sums: list[Tensor | None] = [excess + exp_pos, None, torch.log1p(excess / exp_pos), None, excess, None]
-    if plan.columns and col_pos is not None:
+    if plan.columns and col_exp is not None:
         col_excess = e.sum(0)
-        col_exp = exp_pos if col_pos is row_pos else col_pos.exp()
         sums[1], sums[3], sums[5] = col_excess + col_exp, torch.log1p(col_excess / col_exp), col_excess
     return sums[2], sums[3], row_pos, col_pos, e, tuple(sums)
 
@@ -182,7 +216,7 @@ def single_backward(kept: Tensor, prod: AnyProducts, b: Tensor, row: Direction, 
         u = row[0] if by_sums else row[0] * inverse_exp(row[1], plan)
         # (u_i + v_j) formed, then multiplied in place: one tile-sized buffer, not two
         if plan.symmetric:
-            g = (u[:, None] + u).mul_(kept)
+            g = (u.unsqueeze(1) + u).mul_(kept)
         elif col is not None:
             v = col[0] if by_sums else col[0] * inverse_exp(col[1], plan)
             g = (u[:, None] + v).mul_(kept)
@@ -220,11 +254,14 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         _add_two_set(g, how, c_row, c_col)
         return
     if strided:  # one set of coefficients (a single set's columns are its rows)
-        places = flat_places(positives, plan.self_offset)
-        flat, values = g.view(-1), (c_row if c_row.ndim else c_row.expand(g.shape[0]))
-        flat.index_add_(0, places.positives, values)  # G[i, p(i)] += c_i
-        if plan.symmetric:  # G[p(i), i] += c_i too
-            flat.index_add_(0, places.mirrored, values)
+        places = _places(plan)
+        # G[i, p(i)] += c_i, and when symmetric G[p(i), i] += c_i too: one accumulating write
+        at = places.both if plan.symmetric else places.positives
+        values = c_row.expand(at.shape[0]) if c_row.ndim == 0 else torch.cat([c_row, c_row]) if plan.symmetric else c_row
+        if torch.are_deterministic_algorithms_enabled():  # put_ has no deterministic CUDA kernel
+            g.view(-1).index_add_(0, at, values)
+        else:
+            g.put_(at, values, accumulate=True)
         return
     c_row = c_row.expand(g.shape[0])
     c_col = None if c_col is None else c_col.expand(g.shape[1])
