@@ -141,10 +141,12 @@ class Positives:
         if _dense_pays(num_rows, num_cols, rows[0].device):
             # Small batches: the R x C relation itself is cheaper than grouping by a sort
             # (a few element-wise ops instead of a dozen small ones).
-            dense = rows[0][:, None] == cols[0][None, :]
+            dense = rows[0].unsqueeze(1) == cols[0]  # (R, 1) against (C,): no view of the columns
             for r, c in zip(rows[1:], cols[1:]):
-                dense |= r[:, None] == c[None, :]
-            if self_offset is not None:
+                dense |= r.unsqueeze(1) == c
+            if self_offset == 0:
+                dense.fill_diagonal_(False)  # one op, no diagonal view
+            elif self_offset is not None:
                 k = self_offset
                 if k < num_cols and -k < num_rows:
                     dense.diagonal(k).fill_(False)

@@ -329,19 +329,25 @@ def test_a_kept_plan_is_never_another_problems():
                                 bound=100.0, options=Options(True, 1e-12, None, "torch"))).fixed is True
 
 
-def test_a_relation_built_per_call_is_planned_afresh_and_not_held():
-    """Labels and ids give a new relation object every call: its plan is built afresh (its id() would
-    never be asked again) and the planner keeps no reference to it -- a kept plan would hold the
-    relation's N x N mask until the cache is cleared."""
+def test_a_relation_built_per_call_is_not_held_and_its_plan_is_kept_by_shape():
+    """Labels and ids give a new relation object every call. Its plan is kept by the relation's shape,
+    without the relation (a kept relation would hold its N x N mask until the cache is cleared), and
+    each call's plan carries that call's relation: new labels at the same shape give their own loss."""
     x = torch.randn(16, 8, device=DEVICE)
     labels = torch.arange(16, device=DEVICE) % 4
-    planner._SOFTMAX_PLANS.clear()
-    for _ in range(3):
-        tc.supcon_loss(x, labels, temperature=0.1)
-    assert not planner._SOFTMAX_PLANS
+    ref = tc.supcon_loss(x.double(), labels.flip(0) % 3, temperature=0.1)
+    planner._PLANS.clear()
+    seen = []
+    for lab in (labels, labels.flip(0) % 3, labels):
+        seen.append(float(tc.supcon_loss(x, lab, temperature=0.1)))
+        seen.append(float(tc.nt_xent_loss(x, 0.1, labels=lab)))
+    assert len(planner._PLANS) == 2  # one soft-max plan, one pair plan, whatever the labels
+    assert all(kept.positives is None for kept in planner._PLANS.values())
+    assert seen[:2] == seen[4:] and seen[:2] != seen[2:4]
+    assert seen[2] == pytest.approx(float(ref), rel=1e-5)
     tc.nt_xent_loss(x, 0.1, pairing="halves")
     tc.nt_xent_loss(x, 0.1, pairing="halves")
-    assert len(planner._SOFTMAX_PLANS) == 1  # a pairing rule's relation is built once per shape: its plan is kept
+    assert len(planner._PLANS) == 3  # a pairing rule's relation is built once per shape: its plan is kept with it
 
 
 @pytest.mark.parametrize("name", ["clip", "nt_xent", "info_nce", "nt_xent_pml", "nt_bxent"])

@@ -62,13 +62,15 @@ def by_kernel(plan: Any, a: Tensor, b: Tensor | None = None) -> bool:
 
 
 def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
-                   eps: float, kernel: bool = False) -> tuple[Tensor, Tensor, Scale, list[Tensor]]:
+                   eps: float, kernel: bool = False, stacked: bool = False) -> tuple[Tensor, Tensor, Scale, list[Tensor]]:
     """Compute-dtype inputs, L2-normalised inside the autograd function when asked (``kernel``:
-    by the Triton row kernel, which reads half rows as given -- one launch per input).
+    by the Triton row kernel, which reads half rows as given -- one launch per input; ``stacked``:
+    two sets normalised as one stack of rows, each op once for both).
 
     Returns ``(a, b, scale, norms)``: ``b`` is ``a`` for a single set (``b=None``), and
     ``norms`` the (denominator, norm) of ``a`` -- then of ``b`` unless it is ``a`` -- for
-    :func:`finish_gradients`.
+    :func:`finish_gradients`; stacked, the (denominator, norm, rows) of the stack (``a`` and ``b``
+    are its two parts).
     """
     if normalize and kernel:
         from .triton_backend.normalize_rows import normalize_rows
@@ -81,6 +83,9 @@ def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
         return a_c, a_c if b is None else b_c, _compute_scale(scale, a.device, a_c.dtype), kept
     a_c, b_c, scale_c = to_compute(a, b, scale)
     norms: list[Tensor] = []
+    if normalize and stacked and b is not None:
+        rows, denom, norm = l2_normalize(torch.cat([a_c, b_c]), eps)
+        return rows[: a_c.shape[0]], rows[a_c.shape[0] :], scale_c, [denom, norm, rows]
     if normalize:
         a_c, *norm_a = l2_normalize(a_c, eps)
         norms += norm_a
@@ -111,20 +116,25 @@ def saved(ctx: Any) -> tuple[Tensor, Tensor, list[Tensor], Scale]:
 
 def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: Tensor | None, symmetric: bool,
                      norm_a: tuple[Tensor, Tensor] | None, norm_b: tuple[Tensor, Tensor] | None,
-                     b: Tensor, eps: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                     b: Tensor, eps: float = 0.0,
+                     stack: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """From ``G @ B`` and ``G.T @ A`` (unscaled) to the gradients of the raw inputs and scale.
 
     ``dscale = sum_ij G_ij a_i . b_j = sum_i a_i . (G @ B)_i``; when ``symmetric`` the
     accumulator holds ``H @ Z`` with ``H = G + G.T``, which counts every pair twice. For
     a single set (B is A, not symmetric) both accumulators are A's gradient. ``norm_a``
     / ``norm_b`` are the ``(denom, state)`` of a normalisation done inside the function,
-    whose backward is applied last (with floor ``eps``). A float scale gets no gradient.
+    whose backward is applied last (with floor ``eps``); ``stack``: the ``(denom, state, rows)`` of two
+    sets normalised as one stack (:func:`prepare_inputs`), whose backward runs once for both. A float
+    scale gets no gradient.
     """
     gscale = None
     if isinstance(scale, Tensor):
         gscale = torch.linalg.vecdot(gb_acc, a).sum()
         if symmetric:
             gscale = gscale / 2
+    if stack is not None:
+        return (*_stacked_gradients(stack, gb_acc, ga_acc, eps, scale, ctx.in_dtypes), gscale)
     kernel = norm_a is not None and ctx.by_kernel
     extra = None
     if ctx.single and ga_acc is not None:
@@ -136,6 +146,22 @@ def finish_gradients(ctx: Any, a: Tensor, scale: Scale, gb_acc: Tensor, ga_acc: 
     ga = _raw_gradient(gb_acc, a, norm_a, eps, scale, ctx.in_dtypes[0], kernel, extra)
     gb = None if ga_acc is None else _raw_gradient(ga_acc, b, norm_b, eps, scale, ctx.in_dtypes[1], kernel)
     return ga, gb, gscale
+
+
+def _stacked_gradients(stack: tuple[Tensor, Tensor, Tensor], g_a: Tensor, g_b: Tensor | None, eps: float, scale: Scale,
+                       dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor, Tensor | None]:
+    """The two sets' gradients through their stacked normalisation: one backward for both (the
+    caller's rows get the two parts, views of one tensor); only the first set's part when the
+    second needs none."""
+    denom, norm, rows = stack
+    n = g_a.shape[0]
+    if g_b is None:
+        return as_dtype(l2_normalize_backward(g_a, rows[:n], denom[:n], norm[:n], eps, scale), dtypes[0]), None
+    both = l2_normalize_backward(torch.cat([g_a, g_b]), rows, denom, norm, eps, scale)
+    if dtypes[0] == dtypes[1]:
+        both = as_dtype(both, dtypes[0])
+        return both[:n], both[n:]
+    return as_dtype(both[:n], dtypes[0]), as_dtype(both[n:], dtypes[1])
 
 
 def _raw_gradient(g: Tensor, y: Tensor, norm: tuple[Tensor, Tensor] | None, eps: float, scale: Scale, dtype: torch.dtype,
@@ -279,7 +305,8 @@ def first_order_only() -> None:
 def _forward(ctx: Any, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale,
              extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any], Tensor, Tensor, Scale, list[Tensor]]:
     ctx.by_kernel = by_kernel(plan, a, b)
-    a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps, ctx.by_kernel)
+    ctx.stacked = b is not None and getattr(plan, "stack_rows", False)
+    a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps, ctx.by_kernel, ctx.stacked)
     outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
     return outputs, named, a_c, b_c, scale_c, norms
 
@@ -295,9 +322,10 @@ def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
     plan = ctx.plan
     keep = unpack(ctx.keep_layout, rest[:n_keep])
     out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, norms), grads)
-    norm_a = (norms[0], norms[1]) if plan.normalize else None
-    norm_b = None if not plan.normalize or ctx.single else (norms[2], norms[3])
-    ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps)
+    stack = (norms[0], norms[1], norms[2]) if ctx.stacked else None
+    norm_a = (norms[0], norms[1]) if plan.normalize and stack is None else None
+    norm_b = None if not plan.normalize or ctx.single or stack is not None else (norms[2], norms[3])
+    ga, gb, gscale = finish_gradients(ctx, a, scale, out.rows, out.cols, out.both_roles, norm_a, norm_b, b, plan.eps, stack)
     extras = tuple(out.extras) + (None,) * (n_extras - len(out.extras))
     return (None, None, ga, gb, gscale, *extras)
 

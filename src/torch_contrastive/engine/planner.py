@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..positives import KeyPositives, PairPositives, PartnerPositives
+from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
 from .confident import apart_rule
 from .cost import PATHS, dense_relation_pays, predict_path
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
@@ -355,27 +355,32 @@ def plan(problem: Problem) -> AnyPlan:
     every step, and the answer costs one dictionary look-up instead of a decision and a plan.
     """
     stat = problem.statistic
-    key = _softmax_key(problem, stat) if type(stat) is Softmax else None
+    kind = type(stat)
+    key = _softmax_key(problem, stat) if kind is Softmax else _pair_key(problem, stat) if kind is PairTerms else None
     if key is not None:
-        found = _SOFTMAX_PLANS.get(key)
-        # the kept plan holds its relation, so the relation's id() in the key is still its own
-        if found is not None and found.positives is problem.positives:
-            _record(found.decision)
-            return found
+        found = _PLANS.get(key)
+        if found is not None:
+            relation = problem.positives
+            if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
+                _record(found.decision)
+                return found
+            if found.positives is None and isinstance(relation, KeyPositives):  # the plan of its shape, kept without it
+                _record(found.decision)
+                return found.with_relation(relation)
     decision = _decision(problem, stat)
-    if isinstance(stat, Softmax):
-        chosen = _softmax_plan(problem, stat, decision)
+    if isinstance(stat, (Softmax, PairTerms)):
+        chosen = _softmax_plan(problem, stat, decision) if isinstance(stat, Softmax) else _pair_plan(problem, stat, decision)
         if key is not None:
-            if len(_SOFTMAX_PLANS) > 256:  # many distinct problems: keep the cache small
-                _SOFTMAX_PLANS.clear()
-            _SOFTMAX_PLANS[key] = chosen
+            if len(_PLANS) > 256:  # many distinct problems: keep the cache small
+                _PLANS.clear()
+            # a label relation is not held (its dense mask can be large on a GPU): the plan is kept without it
+            _PLANS[key] = chosen.with_relation(None) if isinstance(problem.positives, KeyPositives) else chosen
         return chosen
-    if isinstance(stat, PairTerms):
-        return _pair_plan(problem, stat, decision)
     if problem.positives is None:  # Problem refuses it when built
         raise ValueError("SigmoidPairs needs positives")
     return SigmoidPlan(decision=decision, positives=problem.positives, diagonal_offset=stat.diagonal_offset,
-                       normalize=problem.options.normalize, eps=float(problem.options.eps))
+                       normalize=problem.options.normalize, eps=float(problem.options.eps),
+                       stack_rows=_stacks(decision, problem))
 
 
 def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Decision:
@@ -395,29 +400,62 @@ def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Dec
 
 
 def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
-    """Everything a soft-max plan is decided from, as a dictionary key; None for a problem that
-    is planned afresh every call: a per-call object in it (an exclusion, a distributed column
-    reduction, a relation other than a partner -- labels and ids give a new relation every call,
-    which a kept plan would only hold on to), an explicit kernel backend (its refusal depends on more than the key), a
-    simulated device (:func:`simulate`: counting, not a hot path) or a traced call (under
-    ``torch.compile`` the plan is traced once anyway, and an ``id()`` of a traced object is not
-    its own)."""
-    opts = problem.options
-    positives = problem.positives
-    if stat.exclude is not None or stat.column_comm is not None or opts.backend not in ("auto", "torch") \
-            or not (positives is None or isinstance(positives, PartnerPositives)) or _SIMULATED is not None \
-            or torch.compiler.is_compiling():
+    """Everything a soft-max plan is decided from, as a dictionary key (a relation by
+    :func:`_relation_key`); None for a problem that is planned afresh every call: a per-call object in
+    it (an exclusion, a distributed column reduction, a relation listed pair by pair or by a sample
+    mask), an explicit kernel backend (its refusal depends on more than the key), a simulated device
+    (:func:`simulate`: counting, not a hot path) or a traced call (under ``torch.compile`` the plan is
+    traced once anyway, and an ``id()`` of a traced object is not its own)."""
+    if stat.exclude is not None or stat.column_comm is not None or not _keyed(problem):  # (no id() under tracing)
         return None
-    a, c = problem.anchors, problem.candidates
-    return (a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,
-            problem.bound, GPU_BUDGET, PRODUCTS, id(positives), problem.self_offset,
+    relation = _relation_key(problem.positives)
+    if relation is None:
+        return None
+    a, c, opts = problem.anchors, problem.candidates, problem.options
+    return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,
+            problem.bound, GPU_BUDGET, PRODUCTS, relation, problem.self_offset,
             problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
             stat.columns_share_alpha, stat.row_weights[0] is not None, stat.row_weights[1] is not None,
             stat.col_weights[0] is not None, stat.col_weights[1] is not None)
 
 
-#: :func:`plan`'s soft-max plans by :func:`_softmax_key`.
-_SOFTMAX_PLANS: dict[tuple[Any, ...], SoftmaxPlan] = {}
+def _pair_key(problem: Problem, stat: PairTerms) -> tuple[Any, ...] | None:
+    """:func:`_softmax_key` of a pair problem: None with label ranges (per-call data the plan reads)."""
+    if stat.label_ranges is not None or not _keyed(problem):
+        return None
+    relation = _relation_key(problem.positives)
+    if relation is None:
+        return None
+    a, c, opts = problem.anchors, problem.candidates, problem.options
+    return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend,
+            stat.fixed, stat.kernel, problem.bound, GPU_BUDGET, PRODUCTS, relation, problem.self_offset, problem.symmetric,
+            problem.single, opts.normalize, opts.eps)
+
+
+def _keyed(problem: Problem) -> bool:
+    """A problem whose plan may be kept: an automatic or torch backend (an explicit kernel backend's
+    refusal depends on more than the key), not a simulated device, not a traced call."""
+    return problem.options.backend in ("auto", "torch") and _SIMULATED is None and not torch.compiler.is_compiling()
+
+
+def _relation_key(positives: Positives | None) -> Any:
+    """What a plan reads of a relation, as part of a key: a partner relation (kept by its loss, one
+    object per shape) by its ``id()``; a label relation (new every call) by its shape -- the plan
+    reads its kind, size, self offset and dense form, never its labels; the plan is kept without it and
+    :meth:`~.plans.SoftmaxPlan.with_relation` puts each call's relation in); None: a relation whose plan is
+    built afresh."""
+    if positives is None:
+        return ()
+    if isinstance(positives, PartnerPositives):
+        return id(positives)
+    if isinstance(positives, KeyPositives):
+        return ("keys", positives.num_rows, positives.num_cols, positives.self_offset, len(positives.row_keys),
+                positives.dense is not None)
+    return None
+
+
+#: :func:`plan`'s soft-max and pair plans by :func:`_softmax_key` / :func:`_pair_key`.
+_PLANS: dict[tuple[Any, ...], SoftmaxPlan | PairPlan] = {}
 
 
 def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> SoftmaxPlan:
@@ -441,7 +479,15 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         apart=apart_rule(positives, stat.exclude, columns, stat.column_positives, stat.column_comm, problem.symmetric,
                          decision.backend),
         places=places,
-        weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)))
+        weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)),
+        stack_rows=_stacks(decision, problem))
+
+
+def _stacks(decision: Decision, problem: Problem) -> bool:
+    """Two sets normalised as one stack of rows (half the normalisation ops, forward and backward; the
+    stack's one copy of the rows is small beside the logits): the torch backend with compute-dtype
+    products (tensor-core products read each set's own norms), rows normalised inside."""
+    return decision.backend == "torch" and not decision.half and problem.options.normalize and not problem.single
 
 
 def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPlan:

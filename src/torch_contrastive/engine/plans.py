@@ -8,7 +8,7 @@ read through the properties below) and the statistic's own choices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +67,16 @@ class _Device:
     def __str__(self) -> str:
         return str(self.decision)
 
+    def with_relation(self, positives: Positives | None) -> Any:
+        """This plan for another relation of the same shape and kind (a label relation is new every
+        call; what the plan decided from it -- kind, size, self offset, dense form -- is the same):
+        a field-by-field copy, cheaper than building the plan again."""
+        new = object.__new__(type(self))
+        for name in _FIELDS[type(self)]:
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "positives", positives)
+        return new
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SoftmaxPlan(_Device):
@@ -101,6 +111,8 @@ class SoftmaxPlan(_Device):
             kept-apart sums leave out), built once when planned; None otherwise.
         weighted: rows or columns carry weights (alpha or beta): the outputs need the positive
             logits besides the margins.
+        stack_rows: two sets normalised as one stack of rows (torch, compute-dtype products: each
+            normalisation op, forward and backward, runs once for both sets instead of once per set).
     """
 
     decision: Decision
@@ -120,6 +132,7 @@ class SoftmaxPlan(_Device):
     apart: Apart | None = None
     places: FlatPlaces | None = None
     weighted: bool = False
+    stack_rows: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +174,7 @@ class SigmoidPlan(_Device):
             diagonal of each tile); None: positives by ids.
         normalize: rows L2-normalised inside.
         eps: the normalisation floor.
+        stack_rows: the two sets normalised as one stack of rows (as :class:`SoftmaxPlan`'s).
     """
 
     decision: Decision
@@ -168,6 +182,10 @@ class SigmoidPlan(_Device):
     diagonal_offset: int | None
     normalize: bool
     eps: float
+    stack_rows: bool = False
 
 
 AnyPlan = SoftmaxPlan | PairPlan | SigmoidPlan
+
+#: every plan class's field names (:meth:`_Device.with_relation`)
+_FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in (SoftmaxPlan, PairPlan, SigmoidPlan)}

@@ -203,7 +203,10 @@ def _constant_weights(stat: Statistic) -> None:
     that requires grad is refused here, so it can never be dropped silently -- a loss that takes
     a learnable weight adds that gradient itself (``nt_xent_loss``'s ``positive_weight``)."""
     if isinstance(stat, Softmax):
-        weights: tuple[object, ...] = (*stat.row_weights, *stat.col_weights)
+        (alpha, beta), (col_alpha, col_beta) = stat.row_weights, stat.col_weights
+        if alpha is None and beta is None and col_alpha is None and col_beta is None:  # the common call: nothing to check
+            return
+        weights: tuple[object, ...] = (alpha, beta, col_alpha, col_beta)
     elif isinstance(stat, PairTerms) and stat.combine is not None:
         weights = (*stat.combine[0], stat.combine[1])
     else:
