@@ -673,7 +673,7 @@ MUTATIONS = [
              "        return torch.cat([x, memory[0].to(x.dtype)]), torch.cat([labels, memory[1]]), 0",
              "        return torch.cat([x, memory[0].to(x.dtype)]), torch.cat([labels, memory[1] - memory[1].min() + labels.max() + 1]), 0",
              "a memory in one pass (SupCon, PML) loses its labels: its rows become negatives only", ("tests/losses/test_matryoshka.py",)),
-    Mutation(f"{PKG}/losses/matryoshka.py",
+    Mutation(f"{PKG}/losses/prefix_calls.py",
              '            if isinstance(kwargs.get(name), Tensor) and kwargs[name].ndim == 2 and kwargs[name].shape[-1] == width}',
              '            if False}', "the per-prefix calls pass a memory uncut (every prefix below the full width fails)",
              ("tests/losses/test_matryoshka.py",)),
@@ -708,6 +708,12 @@ MUTATIONS = [
     Mutation(f"{E}/driver.py", "        return as_dtype(l2_normalize_backward(g_a, rows[:n], denom[:n], norm[:n], eps, scale), dtypes[0]), None",
              "        return as_dtype(g_a * scale, dtypes[0]), None",
              "two stacked sets, the second without a gradient: the first's normalisation backward skipped"),
+    Mutation(f"{PKG}/losses/prefix_calls.py", "    if isinstance(loss_fn, GlobalContrastiveLoss) or loss_fn is global_contrastive_loss:",
+             "    if False:", "one global contrastive loss shared by every prefix (its state mixes the prefixes)",
+             ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py", "        losses = iter(one_per_prefix(loss_fn, len(dims)))",
+             "        losses = iter(one_per_prefix(loss_fn, len(dims))[::-1])",
+             "one loss per prefix: the losses meet the prefixes in reverse order", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

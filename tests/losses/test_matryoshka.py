@@ -415,3 +415,43 @@ def test_a_bad_learnable_temperature_is_named_in_the_one_read():
     loss = tc.matryoshka_loss(tc.clip_loss, [x, y], [8, 4], temperature=torch.tensor(-0.1, dtype=torch.float64, device=DEVICE),
                               validate=False)  # no read: the value as computed
     assert loss.shape == ()
+
+
+def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state():
+    """A loss with a state per embedding width (one GlobalContrastiveLoss per prefix): each module sees its
+    own normalised prefix, weighted, over two steps (the second reads the states the first wrote); equal
+    in value, gradients and states to the modules called by hand."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    dims, weights = [12, 6, 3], [1.0, 0.5, 0.25]
+    ours = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims]
+    theirs = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims]
+    for step in range(2):
+        index = torch.arange(8) + 4 * step
+        got = tc.matryoshka_loss(ours, [a, b], dims, weights, index=index)
+        grads = torch.autograd.grad(got, (a, b))
+        want = sum(w * m(F.normalize(a[:, :d], dim=-1), F.normalize(b[:, :d], dim=-1), index)
+                   for m, d, w in zip(theirs, dims, weights))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for mine, ref in zip(grads, torch.autograd.grad(want, (a, b))):
+            torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+    for mine, ref in zip(ours, theirs):
+        torch.testing.assert_close(mine.log_u, ref.log_u, rtol=0, atol=0)
+    assert not torch.equal(ours[0].log_u, ours[1].log_u)  # each prefix's normalisers are its own
+
+
+def test_a_global_loss_shared_by_the_prefixes_or_a_wrong_list_is_refused():
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    index = torch.arange(6)
+    with pytest.raises(ValueError, match="one GlobalContrastiveLoss per prefix"):
+        tc.matryoshka_loss(tc.GlobalContrastiveLoss(10), [a, b], [8, 4], index=index)
+    state = tc.losses.global_contrastive.GlobalState(torch.full((6, 2), float("-inf")))
+    with pytest.raises(ValueError, match="one GlobalContrastiveLoss per prefix"):
+        tc.matryoshka_loss(tc.global_contrastive_loss, [a, b], [8, 4], state=state)
+    with pytest.raises(ValueError, match="2 losses for 3 matryoshka_dims"):
+        tc.matryoshka_loss([tc.nt_xent_loss, tc.nt_xent_loss], [a], [8, 4, 2])
+    with pytest.raises(TypeError, match=r"loss_fn\[1\] must be callable"):
+        tc.matryoshka_loss([tc.nt_xent_loss, 3], [a], [8, 4])
+    with pytest.raises(TypeError, match="must return the loss as a tensor, got tuple"):
+        tc.matryoshka_loss(lambda x: (x.sum(), x), [a], [8, 4])

@@ -23,7 +23,7 @@ def prefixes(d: int) -> list[int]:
 def build(impl: str, x: torch.Tensor, gen: torch.Generator) -> tuple[Any, list[torch.Tensor]]:
     """``impl`` ``"ours"`` or ``"sentence-transformers"``: the closure and its leaves (queries, positives)."""
     import torch_contrastive as tc
-    from torch_contrastive.losses.matryoshka import prefix_sum, shrink
+    from torch_contrastive.losses.prefix_calls import prefix_sum, shrink
 
     n, d = x.shape
     k = torch.randn(n, d, generator=gen).to(x).requires_grad_()

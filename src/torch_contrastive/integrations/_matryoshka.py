@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from ..distributed import all_gather_with_grad, is_active
 from ..engine.prefixes import Targets
-from ..losses.matryoshka import check_prefixes, matryoshka_info_nce_loss, one_pass_softmax, prefix_sum, shrink
+from ..losses.matryoshka import matryoshka_info_nce_loss, one_pass_softmax
+from ..losses.prefix_calls import check_prefixes, prefix_sum, shrink
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
     SYMMETRIC_PARTITION,

@@ -22,7 +22,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as v
@@ -32,40 +31,7 @@ from ..engine.prefix_pairs import PrefixPairs
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
 from ._labelled import check_reference
-
-
-def check_prefixes(dims: object, weights: object, width: int | None = None) -> tuple[list[int], list[float]]:
-    """``matryoshka_dims`` (positive ints, at most ``width``) and ``matryoshka_weights`` (one finite
-    number per dim; None: all 1), as lists."""
-    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or len(dims) == 0:
-        raise ValueError(f"matryoshka_dims must be a non-empty sequence of positive ints, got {dims!r}")
-    if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
-        raise ValueError(f"matryoshka_dims must hold positive ints, got {list(dims)!r}")
-    if width is not None and max(dims) > width:
-        raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {max(dims)}")
-    if weights is None:
-        return list(dims), [1.0] * len(dims)
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != len(dims):
-        raise ValueError(f"matryoshka_weights must hold one number per dim ({len(dims)}), got {weights!r}")
-    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or abs(w) == float("inf") for w in weights):
-        raise ValueError(f"matryoshka_weights must be finite numbers, got {list(weights)!r}")
-    return list(dims), [float(w) for w in weights]
-
-
-def shrink(x: Tensor, dim: int) -> Tensor:
-    """The first ``dim`` features of each row (the last dimension), L2-normalised on their own."""
-    return F.normalize(x[..., :dim], p=2, dim=-1)
-
-
-def prefix_sum(dims: Sequence[int], weights: Sequence[float], term: Callable[[int], Tensor]) -> Tensor:
-    """``sum_p w_p * term(d_p)``: the per-prefix form, one call of ``term`` per prefix."""
-    total: Tensor | None = None
-    for dim, weight in zip(dims, weights):
-        value = weight * term(dim)
-        total = value if total is None else total + value
-    if total is None:
-        raise ValueError("matryoshka_dims must not be empty")
-    return total
+from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_term, refuse_shared_state
 
 
 def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequence[int],
@@ -529,8 +495,9 @@ def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[st
                                   smoothing=smoothing), True
 
 
-def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor], matryoshka_dims: Sequence[int],
-                    matryoshka_weights: Sequence[float] | None = None, *, one_pass: bool = True, **kwargs: Any) -> Tensor:
+def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tensor]], embeddings: Sequence[Tensor],
+                    matryoshka_dims: Sequence[int], matryoshka_weights: Sequence[float] | None = None, *,
+                    one_pass: bool = True, **kwargs: Any) -> Tensor:
     """``sum_p w_p * loss_fn(*[normalize(e[..., :d_p]) for e in embeddings], **kwargs)``: any loss over
     embedding prefixes -- in one pass where the prefix engine covers the call, else one call per prefix.
 
@@ -538,7 +505,10 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
         >>> loss = tc.matryoshka_loss(tc.supcon_loss, [features], [128, 64, 32], labels=labels, temperature=0.1)
 
     Args:
-        loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...).
+        loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...), or a list of them, one per
+            prefix, each called on its own prefix: a loss that keeps a state per embedding width (a
+            :class:`~torch_contrastive.GlobalContrastiveLoss` per prefix: its per-sample normalisers are
+            the prefix's own, so the prefixes cannot share one).
         embeddings: the tensors cut to each prefix (their last dimension), each L2-normalised on its own.
         matryoshka_dims: prefix sizes, at most the embeddings' last dimension.
         matryoshka_weights: one weight per dim (None: all 1).
@@ -569,8 +539,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     memories and reference sets of the losses not named here, and other losses. The rows of a memory or
     reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, str) or not (callable(loss_fn) or isinstance(loss_fn, Sequence)):
+        raise TypeError(f"loss_fn must be callable (or one callable per prefix), got {type(loss_fn).__name__}")
     if isinstance(embeddings, Tensor) or not isinstance(embeddings, Sequence) or not embeddings:
         raise TypeError("embeddings must be a non-empty list of tensors (the inputs cut to each prefix)")
     tensors = [v.check_embeddings(e, f"embeddings[{i}]", max_ndim=None) for i, e in enumerate(embeddings)]
@@ -578,16 +548,13 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor], embeddings: Sequence[Tensor]
     if any(t.shape[-1] != width for t in tensors):
         raise ValueError(f"embeddings must share their last dimension, got {[t.shape[-1] for t in tensors]}")
     dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width)
+    if isinstance(loss_fn, Sequence):
+        losses = iter(one_per_prefix(loss_fn, len(dims)))
+        # prefix_sum visits the prefixes in order: the i-th loss meets the i-th prefix
+        return prefix_sum(dims, weights, lambda dim: prefix_term(next(losses), tensors, kwargs, dim, width))
+    refuse_shared_state(loss_fn)
     form = _one_pass(loss_fn, tensors, kwargs) if v.check_flag(one_pass, "one_pass") else None
     if form is not None:
         named = [(f"embeddings[{i}]", t) for i, t in enumerate(tensors)] if v.check_flag(kwargs.get("validate", True), "validate") else None
         return form(dims, weights, named)
-    return prefix_sum(dims, weights, lambda dim: loss_fn(*[shrink(t, dim) for t in tensors], **_cut(kwargs, dim, width)))
-
-
-def _cut(kwargs: dict[str, Any], dim: int, width: int) -> dict[str, Any]:
-    """``kwargs`` with the rows of a memory or reference set (``memory_emb``, ``ref_emb``) cut to the prefix and
-    normalised like the embeddings; anything else as given."""
-    rows = {name: shrink(kwargs[name], dim) for name in ("memory_emb", "ref_emb")
-            if isinstance(kwargs.get(name), Tensor) and kwargs[name].ndim == 2 and kwargs[name].shape[-1] == width}
-    return {**kwargs, **rows} if rows else kwargs
+    return prefix_sum(dims, weights, lambda dim: prefix_term(loss_fn, tensors, kwargs, dim, width))
