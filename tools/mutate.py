@@ -714,6 +714,11 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/matryoshka.py", "        losses = iter(one_per_prefix(loss_fn, len(dims)))",
              "        losses = iter(one_per_prefix(loss_fn, len(dims))[::-1])",
              "one loss per prefix: the losses meet the prefixes in reverse order", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/matryoshka.py",
+             "            return z[:bsz], z, Targets(row_keys=keys_all[:bsz], col_keys=keys_all, exclude_self=True), False",
+             "            return z[:bsz], z, Targets(row_keys=keys_all[:bsz], col_keys=keys_all, exclude_self=False), False",
+             "SupCon contrast_mode='one' in one pass: the anchors' self pairs stay in their soft-max",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

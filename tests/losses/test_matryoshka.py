@@ -246,6 +246,11 @@ ONE_PASS = {
                                "ref_labels": torch.tensor([0, 0, 1, 2, 4, 3]), "reduction": "sum"}),
     "supcon_mask_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
                          {"mask": torch.eye(4, dtype=torch.bool).roll(1, 1), "reduction": "none"}),
+    # SupCon's contrast_mode="one": the first view's rows as anchors against every view (labels, or views only)
+    "supcon_one_labels": (tc.supcon_loss, lambda g: [torch.randn(5, 3, 12, generator=g, dtype=torch.float64)],
+                          {"labels": torch.tensor([0, 1, 0, 2, 1]), "contrast_mode": "one", "chunk_size": 2}),
+    "supcon_one_views_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
+                              {"contrast_mode": "one", "reduction": "none", "temperature": 0.2}),
 }
 
 
@@ -329,7 +334,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
                                                                                         "negative_only": True}),
-                                (tc.supcon_loss, [x], {}), (tc.supcon_loss, [x], {"labels": labels, "contrast_mode": "one"}),
+                                (tc.supcon_loss, [x], {}),
+                                (tc.supcon_loss, [x.view(4, 2, 6)], {"mask": torch.eye(4, dtype=torch.bool), "contrast_mode": "one"}),
                                 (tc.nt_xent_loss, [x], {"backend": "triton"}),
                                 (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
                                 (tc.nt_xent_loss, [x], {"eps": 2.0})):

@@ -426,10 +426,14 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
         if partner is None or not isinstance(decoupled, bool):
             return None  # let the loss refuse it
         return tensors[0], tensors[0], Targets(partner=partner, exclude_self=True, exclude_positive=decoupled), False
-    if loss_fn is supcon_loss and keys <= {"labels", "mask", *_EXTRA_ROWS} and len(tensors) == 1 and tensors[0].ndim in (2, 3):
+    if loss_fn is supcon_loss and keys <= {"labels", "mask", "contrast_mode", *_EXTRA_ROWS} and len(tensors) == 1 \
+            and tensors[0].ndim in (2, 3):
         features, labels, mask = tensors[0], kwargs.get("labels"), kwargs.get("mask")
         if (labels is None and mask is None and features.ndim == 2) or (labels is not None and mask is not None):
             return None  # no positives to find, or two relations: let the loss say so
+        mode = kwargs.get("contrast_mode", "all")
+        if mode != "all" and (mode != "one" or mask is not None or keys & set(_EXTRA_ROWS)):
+            return None  # the loss refuses an unknown mode; "one" with a mask or extra rows goes per prefix
         bsz = features.shape[0]
         if mask is not None:
             return None if keys & set(_EXTRA_ROWS) else _sample_mask_form(features, mask, kwargs.get("validate", True))
@@ -439,6 +443,8 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
         keys_all = key.repeat(views)
         if keys & set(_EXTRA_ROWS):
             return _extra_rows_form(z, keys_all, kwargs, labels is not None)
+        if mode == "one":  # the authors' "one": the first view's rows are the anchors, every view a candidate
+            return z[:bsz], z, Targets(row_keys=keys_all[:bsz], col_keys=keys_all, exclude_self=True), False
         return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), False
     return None
 
@@ -522,7 +528,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True`` or ``label_smoothing``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels -- with a memory or a reference set too --, the authors' views, or their
-    ``mask``) and the label conventions scored
+    ``mask``; ``contrast_mode="one"`` with labels or views) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, with a memory or a reference set too,
     and ``tc.nt_bxent_loss`` by
     ``labels=`` or ``pos_indices=``),
