@@ -169,13 +169,19 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     return row_lse, complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
 
 
-def _clear(e: Tensor, places: FlatPlaces) -> None:
-    """Zero the left-out places of the one tile: one ``put_``, or -- ``put_`` having no deterministic
-    kernel -- a fill through a flat view in deterministic mode."""
+def _put(tile: Tensor, at: Tensor, values: Tensor, accumulate: bool = False) -> None:
+    """Write (or add) ``values`` at the flat places ``at`` of the one tile: one ``put_``, or -- ``put_``
+    having no deterministic kernel -- an indexed copy (add) through a flat view in deterministic mode."""
     if torch.are_deterministic_algorithms_enabled():
-        e.view(-1).index_fill_(0, places.left_out, 0.0)
+        flat = tile.view(-1)
+        (flat.index_add_ if accumulate else flat.index_copy_)(0, at, values)
     else:
-        e.put_(places.left_out, places.zeros)
+        tile.put_(at, values, accumulate=accumulate)
+
+
+def _clear(e: Tensor, places: FlatPlaces) -> None:
+    """Zero the left-out places (the self pairs and the positives kept apart) of the one tile."""
+    _put(e, places.left_out, places.zeros)
 
 
 def _single_strided(e: Tensor, places: FlatPlaces, plan: SoftmaxPlan) -> tuple[Any, ...]:
@@ -258,10 +264,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
         # G[i, p(i)] += c_i, and when symmetric G[p(i), i] += c_i too: one accumulating write
         at = places.both if plan.symmetric else places.positives
         values = c_row.expand(at.shape[0]) if c_row.ndim == 0 else torch.cat([c_row, c_row]) if plan.symmetric else c_row
-        if torch.are_deterministic_algorithms_enabled():  # put_ has no deterministic CUDA kernel
-            g.view(-1).index_add_(0, at, values)
-        else:
-            g.put_(at, values, accumulate=True)
+        _put(g, at, values, accumulate=True)
         return
     c_row = c_row.expand(g.shape[0])
     c_col = None if c_col is None else c_col.expand(g.shape[1])
