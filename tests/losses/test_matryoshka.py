@@ -431,7 +431,7 @@ def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state():
     a = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
     dims, weights = [12, 6, 3], [1.0, 0.5, 0.25]
-    ours = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims]
+    ours = torch.nn.ModuleList([tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims])  # as a model holds them
     theirs = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims]
     for step in range(2):
         index = torch.arange(8) + 4 * step

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import _validation as v
 from ..distributed import Scope, all_gather_with_grad, make_scope
@@ -501,7 +501,7 @@ def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[st
                                   smoothing=smoothing), True
 
 
-def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tensor]], embeddings: Sequence[Tensor],
+def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tensor]] | nn.ModuleList, embeddings: Sequence[Tensor],
                     matryoshka_dims: Sequence[int], matryoshka_weights: Sequence[float] | None = None, *,
                     one_pass: bool = True, **kwargs: Any) -> Tensor:
     """``sum_p w_p * loss_fn(*[normalize(e[..., :d_p]) for e in embeddings], **kwargs)``: any loss over
@@ -511,8 +511,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
         >>> loss = tc.matryoshka_loss(tc.supcon_loss, [features], [128, 64, 32], labels=labels, temperature=0.1)
 
     Args:
-        loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...), or a list of them, one per
-            prefix, each called on its own prefix: a loss that keeps a state per embedding width (a
+        loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...), or a list (or an
+            ``nn.ModuleList``) of them, one per prefix, each called on its own prefix: a loss that keeps a state per embedding width (a
             :class:`~torch_contrastive.GlobalContrastiveLoss` per prefix: its per-sample normalisers are
             the prefix's own, so the prefixes cannot share one).
         embeddings: the tensors cut to each prefix (their last dimension), each L2-normalised on its own.
@@ -545,6 +545,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     memories and reference sets of the losses not named here, and other losses. The rows of a memory or
     reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
+    if isinstance(loss_fn, nn.ModuleList):  # one module per prefix, registered with the model (their parameters)
+        loss_fn = list(loss_fn)
     if isinstance(loss_fn, str) or not (callable(loss_fn) or isinstance(loss_fn, Sequence)):
         raise TypeError(f"loss_fn must be callable (or one callable per prefix), got {type(loss_fn).__name__}")
     if isinstance(embeddings, Tensor) or not isinstance(embeddings, Sequence) or not embeddings:
