@@ -428,13 +428,13 @@ def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state():
     own normalised prefix, weighted, over two steps (the second reads the states the first wrote); equal
     in value, gradients and states to the modules called by hand."""
     g = torch.Generator().manual_seed(3)
-    a = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(8, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    b = torch.randn(8, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
     dims, weights = [12, 6, 3], [1.0, 0.5, 0.25]
-    ours = torch.nn.ModuleList([tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims])  # as a model holds them
-    theirs = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64) for _ in dims]
+    ours = torch.nn.ModuleList([tc.GlobalContrastiveLoss(20, state_dtype=torch.float64, device=DEVICE) for _ in dims])  # as a model holds them
+    theirs = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64, device=DEVICE) for _ in dims]
     for step in range(2):
-        index = torch.arange(8) + 4 * step
+        index = torch.arange(8, device=DEVICE) + 4 * step
         got = tc.matryoshka_loss(ours, [a, b], dims, weights, index=index)
         grads = torch.autograd.grad(got, (a, b))
         want = sum(w * m(F.normalize(a[:, :d], dim=-1), F.normalize(b[:, :d], dim=-1), index)
@@ -448,11 +448,11 @@ def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state():
 
 
 def test_a_global_loss_shared_by_the_prefixes_or_a_wrong_list_is_refused():
-    a, b = torch.randn(6, 8), torch.randn(6, 8)
-    index = torch.arange(6)
+    a, b = torch.randn(6, 8, device=DEVICE), torch.randn(6, 8, device=DEVICE)
+    index = torch.arange(6, device=DEVICE)
     with pytest.raises(ValueError, match="one GlobalContrastiveLoss per prefix"):
-        tc.matryoshka_loss(tc.GlobalContrastiveLoss(10), [a, b], [8, 4], index=index)
-    state = tc.losses.global_contrastive.GlobalState(torch.full((6, 2), float("-inf")))
+        tc.matryoshka_loss(tc.GlobalContrastiveLoss(10, device=DEVICE), [a, b], [8, 4], index=index)
+    state = tc.losses.global_contrastive.GlobalState(torch.full((6, 2), float("-inf"), device=DEVICE))
     with pytest.raises(ValueError, match="one GlobalContrastiveLoss per prefix"):
         tc.matryoshka_loss(tc.global_contrastive_loss, [a, b], [8, 4], state=state)
     with pytest.raises(ValueError, match="2 losses for 3 matryoshka_dims"):
