@@ -117,7 +117,8 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/siglip.py", "    return reduce(per_image, float(n), reduction,", "    return reduce(per_image, float(n) + 1, reduction,",
              "SigLIP: mean over one image too many"),
     # losses
-    Mutation(f"{PKG}/losses/nt_bxent.py", "n_pos = (counts + 1).to(cdtype)", "n_pos = (counts + 0).to(cdtype)",
+    Mutation(f"{PKG}/losses/nt_bxent.py", "n_pos = (positives.row_counts() + 1).to(cdtype)",
+             "n_pos = (positives.row_counts() + 0).to(cdtype)",
              "NT-BXent: diagonal not counted among the positives"),
     Mutation(f"{PKG}/losses/supcon.py", "factor = base_scale / scale", "factor = scale / base_scale", "SupCon: tau / tau_base inverted"),
     Mutation(f"{PKG}/losses/supcon.py", "weights = (has_pos_f, has_pos_f / counts.clamp_min(1))",
@@ -203,8 +204,8 @@ MUTATIONS = [
     Mutation(f"{E}/pairwise.py", "            g = cast(Tensor, grads[0] if _unit(total) else grads[0] * total)  # type: ignore[operator]",
              "            g = cast(Tensor, grads[0])",
              "pairwise combine: backward forgets the reduction factor"),
-    Mutation(f"{PKG}/losses/_prologue.py", "            coef: Tensor | float = as_dtype(normaliser, dtype).clamp_min(1).reciprocal()",
-             "            coef: Tensor | float = as_dtype(normaliser, dtype).clamp_min(1)",
+    Mutation(f"{PKG}/losses/_prologue.py", "            coef: Tensor | float = normaliser.clamp_min(1).reciprocal() \\",
+             "            coef: Tensor | float = normaliser.clamp_min(1).float() \\",
              "engine_total: the mean multiplies by the count"),
     Mutation(f"{E}/normalization.py", "    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)",
              "    radial = (g * y).sum(1, keepdim=True)",
@@ -719,6 +720,17 @@ MUTATIONS = [
              "            return z[:bsz], z, Targets(row_keys=keys_all[:bsz], col_keys=keys_all, exclude_self=False), False",
              "SupCon contrast_mode='one' in one pass: the anchors' self pairs stay in their soft-max",
              ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/positives.py",
+             "        return self.dense.sum() if self.dense is not None else self._grouped_counts().sum()",
+             "        return self.dense.any(1).sum() if self.dense is not None else self._grouped_counts().sum()",
+             "pair count of a dense label relation: rows with a positive instead of pairs (PML's per-pair mean)"),
+    Mutation(f"{PKG}/positives.py",
+             "        return self.dense.sum() if self.dense is not None else self._grouped_counts().sum()",
+             "        return self.dense.sum() if self.dense is not None else self._grouped_counts().amax()",
+             "pair count of a grouped label relation: the largest row count instead of the sum"),
+    Mutation(f"{PKG}/losses/_prologue.py", "                as_dtype(normaliser, dtype).clamp_min(1).reciprocal()",
+             "                as_dtype(normaliser, dtype).clamp_min(1)",
+             "engine_total in another dtype than the default (fp64): the mean multiplies by the count"),
 ]
 
 

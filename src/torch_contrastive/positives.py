@@ -191,6 +191,10 @@ class Positives:
         """(R,) int64 number of positives of every anchor (self excluded). O(N) memory."""
         raise NotImplementedError
 
+    def pair_count(self) -> Tensor:
+        """0-dim int64 number of (anchor, positive) pairs, ``row_counts().sum()``."""
+        return self.row_counts().sum()
+
     def aggregate(self, candidates: Tensor) -> Tensor:
         """(R, D) sum of the positive candidates of every anchor, ``sum_j P_ij c_j``.
 
@@ -368,6 +372,13 @@ class KeyPositives(Positives):
     def row_counts(self) -> Tensor:
         if self.dense is not None:
             return self.dense.sum(1)
+        return self._grouped_counts()
+
+    def pair_count(self) -> Tensor:
+        # the dense relation's one reduction (a small batch's per-pair mean pays no per-row pass)
+        return self.dense.sum() if self.dense is not None else self._grouped_counts().sum()
+
+    def _grouped_counts(self) -> Tensor:
         device = self.row_keys[0].device
         counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         for rg, cg, n_bound, sign in self.key_terms:

@@ -103,23 +103,24 @@ def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.C
 
 class LabelledRows(NamedTuple):
     outputs: tuple[Tensor, ...]  # the kernel's per-row statistics, in the caller's row order
-    counts: Tensor  # (R,) positives per row, same order
+    counts: Tensor | None  # (R,) positives per row, same order; None when ``combine`` reduced inside
     scale_bound: float | None  # the scale's value when it was read (see SortedByLabel), else the bound given
 
 
 def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, scale: Scale, bound: float | None, *,
                            kernel: str, checks: v.Checks, scope: Scope, normalize: bool, inside: bool, eps: float,
                            chunk_size: int | None, memory: tuple[Tensor, Tensor] | None = None,
-                           combine: Callable[[Tensor], Any] | None = None,
+                           combine: Callable[[Positives], Any] | None = None,
                            reference: tuple[Tensor, Tensor] | None = None, backend: str = "auto") -> LabelledRows:
     """A mask-in-tile kernel on a same-label relation: sorted by label when that pays (see
     :func:`sort_by_label`), in the given order otherwise. ``keys`` are the global labels;
     ``memory`` (rows, labels) adds candidates, ``reference`` (rows, labels) replaces them
     (then the given order is kept).
 
-    ``combine``: from the positive counts (in the engine's row order) to the
+    ``combine``: from the relation (in the engine's row order) to the
     ``PairTerms(combine=...)`` weights and reduction; ``outputs`` is then the scalar
-    loss alone (order does not matter for a sum).
+    loss alone (order does not matter for a sum), and ``counts`` None: the combine reads
+    what it needs of the relation (a per-pair mean only its pair count).
     """
     given_order = memory is not None or reference is not None
     options = Options(inside, eps, chunk_size, backend)
@@ -131,18 +132,16 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
             z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
         if memory is not None:
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
-        counts = positives.row_counts()
-        outputs = solve(Problem(z, z_all, scale, PairTerms(kernel, combine=combine and combine(counts)), positives=positives,
+        outputs = solve(Problem(z, z_all, scale, PairTerms(kernel, combine=combine and combine(positives)), positives=positives,
                                 self_offset=positives.self_offset, bound=bound if normalize else None, options=options))
-        return LabelledRows(outputs, counts, bound)
+        return LabelledRows(outputs, None if combine else positives.row_counts(), bound)
     # Sorted: most tiles hold only negatives.
     known = bound if by_label.scale_bound is None else by_label.scale_bound
     positives = Positives.from_keys(by_label.labels, self_offset=0)
-    counts = positives.row_counts()
-    stat = PairTerms(kernel, label_ranges=(by_label.ranges, by_label.ranges), combine=combine and combine(counts))
+    stat = PairTerms(kernel, label_ranges=(by_label.ranges, by_label.ranges), combine=combine and combine(positives))
     outputs = solve(Problem(by_label.rows, by_label.rows, scale, stat, positives=positives, self_offset=0,
                             bound=known if normalize else None, options=options))
     order = by_label.order
     if combine is not None:
-        return LabelledRows(outputs, counts, known)
-    return LabelledRows(tuple(t[order] for t in outputs), counts[order], known)
+        return LabelledRows(outputs, None, known)
+    return LabelledRows(tuple(t[order] for t in outputs), positives.row_counts()[order], known)

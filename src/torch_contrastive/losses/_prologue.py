@@ -132,7 +132,11 @@ def engine_total(reduction: str, scope: Scope, normaliser: Tensor | float, dtype
         return None
     if reduction == "mean":
         if isinstance(normaliser, Tensor):
-            coef: Tensor | float = as_dtype(normaliser, dtype).clamp_min(1).reciprocal()
+            # an integer count's reciprocal comes out in the default float dtype: one op fewer than
+            # a conversion first, where that is the compute dtype (fp64 counts convert first: exact)
+            coef: Tensor | float = normaliser.clamp_min(1).reciprocal() \
+                if not normaliser.is_floating_point() and dtype == torch.get_default_dtype() else \
+                as_dtype(normaliser, dtype).clamp_min(1).reciprocal()
             if factor != 1.0:
                 coef = coef * factor
         else:

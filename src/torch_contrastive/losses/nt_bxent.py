@@ -73,12 +73,12 @@ def nt_bxent_loss(
     cdtype = compute_dtype(z.dtype)
     reduced = engine_total(reduction, scope, float(n), cdtype)
 
-    def row_weights(counts: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor | float] | None:
+    def row_weights(positives: Positives) -> tuple[tuple[Tensor, Tensor], Tensor | float] | None:
         """The write-up's per-row means: the positive sum over |P_i| + 1 (the diagonal counts,
         unscored), the negative sum over the negatives (none: 0); then the mean over rows."""
         if reduced is None:
             return None
-        n_pos = (counts + 1).to(cdtype)
+        n_pos = (positives.row_counts() + 1).to(cdtype)
         n_neg = total - n_pos
         return (n_pos.reciprocal(), (n_neg > 0) / n_neg.clamp_min(1)), reduced[0]
 
@@ -86,9 +86,9 @@ def nt_bxent_loss(
         # pos_indices index this rank's own batch: shift the columns to global rows.
         pairs = pos_indices if not offset else pos_indices + torch.tensor([0, offset], device=pos_indices.device)
         positives = Positives.from_pairs(pairs, n, total, self_offset=offset)
-        counts = positives.row_counts()
-        outputs = solve(Problem(z, z_all, scale, PairTerms("binary", combine=row_weights(counts)), positives=positives,
+        outputs = solve(Problem(z, z_all, scale, PairTerms("binary", combine=row_weights(positives)), positives=positives,
                                 self_offset=offset, options=Options(inside, eps, chunk_size, backend)))
+        counts = None if reduced is not None else positives.row_counts()
     else:
         rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="binary",  # type: ignore[arg-type]
                                       checks=checks, scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size,
@@ -98,6 +98,8 @@ def nt_bxent_loss(
     if reduced is not None:  # combined and reduced inside the engine
         return reduce(outputs[0], float(n), reduction, scope, checks, check_output, inside=True)
     pos_sum, neg_sum = outputs
+    if counts is None:
+        raise RuntimeError("internal: the per-row path keeps the positive counts")
     n_pos = (counts + 1).to(pos_sum.dtype)  # + the diagonal, as in the seed
     n_neg = total - n_pos
     per_row = pos_sum / n_pos + torch.where(n_neg > 0, neg_sum / n_neg.clamp_min(1), 0.0)

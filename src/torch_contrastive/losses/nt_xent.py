@@ -129,8 +129,8 @@ def nt_xent_loss(
 
     cdtype = compute_dtype(z.dtype)
 
-    def per_pair_mean(counts: Tensor) -> tuple[tuple[float], Tensor | float] | None:
-        total = engine_total(reduction, scope, counts.sum(), cdtype)  # the mean over positive pairs
+    def per_pair_mean(positives: Positives) -> tuple[tuple[float], Tensor | float] | None:
+        total = engine_total(reduction, scope, positives.pair_count(), cdtype)  # the mean over positive pairs
         return None if total is None else ((1.0,), total[0])
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
@@ -139,7 +139,8 @@ def nt_xent_loss(
                                   backend=backend)
     check_output = v.output_needs_check(normalize, rows.scale_bound)
     inside_total = rows.outputs[0].ndim == 0  # reduced inside: the pair count is not needed again
-    return reduce(rows.outputs[0], 1.0 if inside_total else rows.counts.sum(), reduction, scope, checks, check_output,
+    return reduce(rows.outputs[0], 1.0 if inside_total or rows.counts is None else rows.counts.sum(), reduction, scope,
+                  checks, check_output,
                   inside=inside_total)
 
 
