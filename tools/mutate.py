@@ -731,6 +731,20 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_prologue.py", "                as_dtype(normaliser, dtype).clamp_min(1).reciprocal()",
              "                as_dtype(normaliser, dtype).clamp_min(1)",
              "engine_total in another dtype than the default (fp64): the mean multiplies by the count"),
+    Mutation(f"{PKG}/losses/matryoshka.py", "    call = loss_fn.functional(*tensors, **kwargs) if ours else None",
+             "    call = loss_fn.functional(*tensors, **kwargs) if hasattr(loss_fn, 'functional') else None",
+             "Matryoshka reads the functional call of a subclass that rewrites forward", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/modules.py", "    def positive_weight_depends_on_inputs(self) -> bool:\n        return True",
+             "    def positive_weight_depends_on_inputs(self) -> bool:\n        return False",
+             "DCLW's module read as unweighted DCL in Matryoshka's one pass", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/modules.py",
+             "    return isinstance(value, plain) and isinstance(default, plain) and type(value) is type(default) and value == default",
+             "    return False", "a module's functional call keeps keywords at their defaults (InfoNCE's then go per prefix)",
+             ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/modules.py",
+             "                                {\"temperature\": self.temperature, **self._keywords(), **self.options}, args, kwargs)",
+             "                                {\"temperature\": self.temperature, **self.options}, args, kwargs)",
+             "a module's functional call drops its own options (pairing, decoupled, smoothing)", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

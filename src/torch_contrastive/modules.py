@@ -16,9 +16,10 @@ Options shared by every module (keyword-only): ``normalize``, ``reduction``,
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +39,34 @@ MIN_LEARNABLE_TEMPERATURE = 0.01
 
 
 _shared_options = options.check  # the options every loss takes, checked once (at construction)
+
+#: ``(fn, tensors, keywords)``: ``fn(*tensors, **keywords)`` -- one functional call.
+FunctionalCall = tuple[Callable[..., Tensor], tuple[Tensor, ...], dict[str, Any]]
+
+
+def _functional_call(module: nn.Module, fn: Callable[..., Tensor], positional: tuple[str, ...], keywords: dict[str, Any],
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> FunctionalCall | None:
+    """``module(*args, **kwargs)`` as the one call of ``fn`` its ``forward`` makes: ``forward``'s arguments bound by
+    name, those named in ``positional`` passed positionally (a tensor each, in that order), the rest as keywords
+    after the module's own ``keywords``; keywords at ``fn``'s defaults are left out (a caller reading the call sees
+    only what differs). None when the arguments do not bind to ``forward`` (the call itself says why)."""
+    try:
+        named = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None
+    tensors = tuple(named.pop(name) for name in positional if name in named)
+    if any(not isinstance(t, Tensor) for t in tensors):
+        return None  # a missing or wrong positional input: the call itself says why
+    defaults = {name: param.default for name, param in inspect.signature(fn).parameters.items()}
+    given = {**keywords, **named}
+    return fn, tensors, {name: value for name, value in given.items() if not _is_default(value, defaults.get(name, inspect.Parameter.empty))}
+
+
+def _is_default(value: object, default: object) -> bool:
+    if value is default:
+        return True
+    plain = (bool, int, float, str, type(None))
+    return isinstance(value, plain) and isinstance(default, plain) and type(value) is type(default) and value == default
 
 
 class _Loss(nn.Module):
@@ -75,6 +104,23 @@ class _Loss(nn.Module):
     def _own_options(self) -> dict[str, Any]:
         return {}
 
+    #: The functional loss ``forward`` calls, and ``forward``'s inputs it passes positionally (in that order).
+    _function: ClassVar[Callable[..., Tensor]]
+    _positional: ClassVar[tuple[str, ...]] = ()
+
+    def _keywords(self) -> dict[str, Any]:
+        """The module's own options, as keywords of :attr:`_function` (the shared options aside)."""
+        return {}
+
+    def functional(self, *args: Any, **kwargs: Any) -> FunctionalCall | None:
+        """The one functional call ``self(*args, **kwargs)`` makes, as ``(fn, tensors, keywords)``:
+        ``fn(*tensors, **keywords)`` is the same loss, with the module's temperature (a learnable one
+        as a tensor with its gradient path) and options; keywords at ``fn``'s defaults are left out.
+        None when the arguments do not bind to ``forward`` or ``forward`` does more than that one call.
+        :func:`~torch_contrastive.matryoshka_loss` reads it to run a module's loss in one pass."""
+        return _functional_call(self, type(self)._function, self._positional,
+                                {"temperature": self.temperature, **self._keywords(), **self.options}, args, kwargs)
+
 
 class NTXentLoss(_Loss):
     """Module form of :func:`~torch_contrastive.nt_xent_loss`.
@@ -95,15 +141,21 @@ class NTXentLoss(_Loss):
         self.pairing = v.check_choice(pairing, "pairing", v.PAIRINGS)
         self.decoupled = v.check_flag(decoupled, "decoupled")
 
+    _function = staticmethod(nt_xent_loss)
+    _positional = ("embeddings",)
+
     def forward(self, embeddings: Tensor, labels: Tensor | None = None, memory_emb: Tensor | None = None,
                 memory_labels: Tensor | None = None, positive_weight: Tensor | None = None, ref_emb: Tensor | None = None,
                 ref_labels: Tensor | None = None) -> Tensor:
-        return nt_xent_loss(embeddings, self.temperature, labels=labels, pairing=self.pairing, memory_emb=memory_emb,
-                            memory_labels=memory_labels, decoupled=self.decoupled, positive_weight=positive_weight,
-                            ref_emb=ref_emb, ref_labels=ref_labels, **self.options)
+        return nt_xent_loss(embeddings, self.temperature, labels=labels, memory_emb=memory_emb, memory_labels=memory_labels,
+                            positive_weight=positive_weight, ref_emb=ref_emb, ref_labels=ref_labels, **self._keywords(),
+                            **self.options)
+
+    def _keywords(self) -> dict[str, Any]:
+        return {"pairing": self.pairing, "decoupled": self.decoupled}
 
     def _own_options(self) -> dict[str, Any]:
-        return {"pairing": self.pairing, "decoupled": self.decoupled}
+        return self._keywords()
 
 
 class NTBXentLoss(_Loss):
@@ -117,6 +169,9 @@ class NTBXentLoss(_Loss):
         super().__init__(temperature, learnable_temperature=learnable_temperature, normalize=normalize, reduction=reduction,
                          chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
                          backend=backend)
+
+    _function = staticmethod(nt_bxent_loss)
+    _positional = ("embeddings",)
 
     def forward(self, embeddings: Tensor, pos_indices: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
         return nt_bxent_loss(embeddings, pos_indices, self.temperature, labels=labels, **self.options)
@@ -143,14 +198,20 @@ class ImageTextContrastiveLoss(_Loss):
         self.decoupled = v.check_flag(decoupled, "decoupled")
         self.label_smoothing = v.check_fraction(label_smoothing, "label_smoothing")
 
+    _function = staticmethod(image_text_contrastive_loss)
+    _positional = ("image_features", "text_features")
+
     @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,
                 text_id: Tensor | None = None) -> Tensor:
         return image_text_contrastive_loss(image_features, text_features, self.temperature, image_id, text_id,
-                                           decoupled=self.decoupled, label_smoothing=self.label_smoothing, **self.options)
+                                           **self._keywords(), **self.options)
+
+    def _keywords(self) -> dict[str, Any]:
+        return {"decoupled": self.decoupled, "label_smoothing": self.label_smoothing}
 
     def _own_options(self) -> dict[str, Any]:
-        return {"decoupled": self.decoupled, "label_smoothing": self.label_smoothing}
+        return self._keywords()
 
 
 ClipLoss = ImageTextContrastiveLoss
@@ -175,15 +236,20 @@ class SupConLoss(_Loss):
         self.contrast_mode = v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
         self.single_class = v.check_choice(single_class, "single_class", ("keep", "zero"))
 
+    _function = staticmethod(supcon_loss)
+    _positional = ("features",)
+
     def forward(self, features: Tensor, labels: Tensor | None = None, mask: Tensor | None = None,
                 memory_emb: Tensor | None = None, memory_labels: Tensor | None = None, ref_emb: Tensor | None = None,
                 ref_labels: Tensor | None = None) -> Tensor:
-        return supcon_loss(features, labels, mask, self.temperature, base_temperature=self.base_temperature,
-                           contrast_mode=self.contrast_mode, memory_emb=memory_emb, memory_labels=memory_labels,
-                           ref_emb=ref_emb, ref_labels=ref_labels, single_class=self.single_class, **self.options)
+        return supcon_loss(features, labels, mask, self.temperature, memory_emb=memory_emb, memory_labels=memory_labels,
+                           ref_emb=ref_emb, ref_labels=ref_labels, **self._keywords(), **self.options)
+
+    def _keywords(self) -> dict[str, Any]:
+        return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode, "single_class": self.single_class}
 
     def _own_options(self) -> dict[str, Any]:
-        return {"base_temperature": self.base_temperature, "contrast_mode": self.contrast_mode, "single_class": self.single_class}
+        return self._keywords()
 
 
 class InfoNCELoss(_Loss):
@@ -216,13 +282,18 @@ class InfoNCELoss(_Loss):
         self.decoupled = v.check_flag(decoupled, "decoupled")
         self.label_smoothing = v.check_fraction(label_smoothing, "label_smoothing")
 
+    _function = staticmethod(info_nce_loss)
+    _positional = ("query", "key", "negatives")
+
     def forward(self, query: Tensor, key: Tensor, negatives: Tensor | None = None, key_ids: Tensor | None = None,
                 negative_ids: Tensor | None = None, guide: tuple[Tensor, ...] | None = None) -> Tensor:
-        return info_nce_loss(query, key, negatives, self.temperature, negative_mode=self.negative_mode,
-                             in_batch_negatives=self.in_batch_negatives, gather_negatives=self.gather_negatives,
-                             key_ids=key_ids, negative_ids=negative_ids, guide=guide, guide_margin=self.guide_margin,
-                             guide_margin_mode=self.guide_margin_mode, decoupled=self.decoupled,
-                             label_smoothing=self.label_smoothing, **self.options)
+        return info_nce_loss(query, key, negatives, self.temperature, key_ids=key_ids, negative_ids=negative_ids, guide=guide,
+                             **self._keywords(), **self.options)
+
+    def _keywords(self) -> dict[str, Any]:
+        return {"negative_mode": self.negative_mode, "in_batch_negatives": self.in_batch_negatives,
+                "gather_negatives": self.gather_negatives, "guide_margin": self.guide_margin,
+                "guide_margin_mode": self.guide_margin_mode, "decoupled": self.decoupled, "label_smoothing": self.label_smoothing}
 
     def _own_options(self) -> dict[str, Any]:
         return {"negative_mode": self.negative_mode, "in_batch_negatives": self.in_batch_negatives,
@@ -272,6 +343,22 @@ class DCLLoss(_Loss):
         x = x if x.dtype == torch.float64 else x.float()
         return torch.nn.functional.normalize(x, dim=1, eps=self.options["eps"]) if self.options["normalize"] else x
 
+    def functional(self, *args: Any, **kwargs: Any) -> FunctionalCall | None:
+        """DCL without a ``weight_fn``: NT-Xent with ``decoupled=True`` over ``torch.cat([out0, out1])``
+        (``pairing="halves"``); None with weights, which depend on the embeddings (a prefix's own)."""
+        if self.positive_weight_depends_on_inputs():
+            return None
+        call = _functional_call(self, nt_xent_loss, ("out0", "out1"), {"temperature": self.temperature, "pairing": "halves",
+                                                                       "decoupled": True, **self.options}, args, kwargs)
+        if call is None or len(call[1]) != 2 or call[1][0].shape != call[1][1].shape:
+            return None  # the call itself says what is wrong
+        fn, (out0, out1), keywords = call
+        return fn, (torch.cat([out0, out1.to(out0.dtype)]),), keywords
+
+    def positive_weight_depends_on_inputs(self) -> bool:
+        """Whether the positive terms are weighted by a function of the outputs."""
+        return self.weight_fn is not None
+
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
         v.check_embeddings(out0, "out0")
         v.check_embeddings(out1, "out1")
@@ -297,6 +384,9 @@ class DCLWLoss(DCLLoss):
                          chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
                          backend=backend)
         self.sigma = v.check_positive(sigma, "sigma")
+
+    def positive_weight_depends_on_inputs(self) -> bool:
+        return True
 
     def positive_weight(self, out0: Tensor, out1: Tensor) -> Tensor | None:
         with torch.no_grad():
@@ -340,6 +430,12 @@ class SigLipLoss(nn.Module):
         else:
             self.register_buffer("logit_scale", log_scale)
             self.register_buffer("logit_bias", bias)
+
+    def functional(self, *args: Any, **kwargs: Any) -> FunctionalCall | None:
+        """The one :func:`~torch_contrastive.siglip_loss` call ``self(*args, **kwargs)`` makes (see
+        :meth:`ImageTextContrastiveLoss.functional`): the scale ``exp(logit_scale)`` and the bias as tensors."""
+        return _functional_call(self, siglip_loss, ("image_features", "text_features"),
+                                {"logit_scale": self.logit_scale.exp(), "logit_bias": self.logit_bias, **self.options}, args, kwargs)
 
     @v.in_callers_words(image_feat="image_features", text_feat="text_features")
     def forward(self, image_features: Tensor, text_features: Tensor, image_id: Tensor | None = None,

@@ -461,3 +461,66 @@ def test_a_global_loss_shared_by_the_prefixes_or_a_wrong_list_is_refused():
         tc.matryoshka_loss([tc.nt_xent_loss, 3], [a], [8, 4])
     with pytest.raises(TypeError, match="must return the loss as a tensor, got tuple"):
         tc.matryoshka_loss(lambda x: (x.sum(), x), [a], [8, 4])
+
+
+def _modules(g):
+    """(module, inputs, keyword arguments) of each loss module called in one of its forms, float64."""
+    def rows(n, *lead):
+        return torch.randn(*lead, n, 12, generator=g, dtype=torch.float64) if lead else torch.randn(n, 12, generator=g, dtype=torch.float64)
+
+    labels = torch.tensor([0, 1, 0, 2, 1, 3, 0, 2])
+    return {
+        "nt_xent_halves": (tc.NTXentLoss(0.2, pairing="halves"), [rows(8)], {}),
+        "nt_xent_decoupled_learnable": (tc.NTXentLoss(0.3, decoupled=True, learnable_temperature=True), [rows(8)], {}),
+        "nt_xent_labels": (tc.NTXentLoss(0.25), [rows(8)], {"labels": labels}),
+        "nt_bxent_labels": (tc.NTBXentLoss(0.2, reduction="sum"), [rows(8)], {"labels": labels}),
+        "supcon_views": (tc.SupConLoss(0.1, learnable_temperature=True), [rows(2, 4)],
+                         {"labels": labels[:4]}),
+        "supcon_one": (tc.SupConLoss(0.2, contrast_mode="one"), [rows(3, 4)], {}),
+        "clip_ids": (tc.ClipLoss(learnable_temperature=True), [rows(8), rows(8)], {"text_id": labels}),
+        "clip_smoothing": (tc.ClipLoss(0.1, label_smoothing=0.1, chunk_size=3), [rows(8), rows(8)], {}),
+        "info_nce_negatives": (tc.InfoNCELoss(0.1), [rows(6), rows(6), rows(5)], {}),
+        "dcl": (tc.DCLLoss(0.2), [rows(6), rows(6)], {}),
+        "siglip": (tc.SigLipLoss(), [rows(6), rows(6)], {}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_modules(torch.Generator())))
+def test_the_loss_modules_run_in_one_pass_like_their_functions(name):
+    """A module of ours is run as the one functional call its forward makes (its temperature -- a learnable one
+    with its gradient --, its options): in one pass, equal to one module call per prefix (values, the inputs'
+    and the module's parameters' gradients, float64)."""
+    from torch_contrastive.losses.matryoshka import _as_function, _one_pass
+
+    module, inputs, kwargs = _modules(torch.Generator().manual_seed(len(name)))[name]
+    module = module.to(DEVICE, torch.float64)  # a learnable temperature in float64 too
+    inputs = [t.to(DEVICE).requires_grad_() for t in inputs]
+    kwargs = {k: a.to(DEVICE) for k, a in kwargs.items()}
+    assert _one_pass(*_as_function(module, inputs, kwargs)) is not None
+    dims, weights = [12, 7, 3], [1.0, 0.5, 2.0]
+    got = tc.matryoshka_loss(module, inputs, dims, weights, **kwargs)
+    want = tc.matryoshka_loss(module, inputs, dims, weights, one_pass=False, **kwargs)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-11, atol=1e-13)
+    leaves = inputs + [p for p in module.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_modules_whose_call_depends_on_the_prefix_or_is_not_ours_go_per_prefix():
+    """DCLW's weights and DCL's weight_fn read the embeddings (a prefix's own), and a subclass that rewrites
+    forward is not read for its call: one call per prefix, each equal to the module on that prefix."""
+    from torch_contrastive.losses.matryoshka import _as_function, _one_pass
+
+    class Halved(tc.NTXentLoss):
+        def forward(self, embeddings, labels=None, memory_emb=None, memory_labels=None, positive_weight=None,
+                    ref_emb=None, ref_labels=None):
+            return 0.5 * super().forward(embeddings, labels)
+
+    g = torch.Generator().manual_seed(5)
+    out0, out1 = (torch.randn(6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    for module in (tc.DCLWLoss(0.2), tc.DCLLoss(0.2, weight_fn=lambda a, b: (a * b).sum(1)), Halved(0.2, pairing="halves")):
+        inputs = [torch.cat([out0, out1])] if isinstance(module, Halved) else [out0, out1]
+        assert _one_pass(*_as_function(module, inputs, {})) is None
+        got = tc.matryoshka_loss(module, inputs, [8, 3])
+        want = sum(module(*[F.normalize(t[:, :d], dim=1) for t in inputs]) for d in (8, 3))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

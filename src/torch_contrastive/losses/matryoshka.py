@@ -501,6 +501,25 @@ def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[st
                                   smoothing=smoothing), True
 
 
+def _as_function(loss_fn: Callable[..., Tensor], tensors: list[Tensor],
+                 kwargs: dict[str, Any]) -> tuple[Callable[..., Tensor], list[Tensor], dict[str, Any]]:
+    """A module of ours as the functional call its ``forward`` makes (its temperature, options and
+    parameters included, see ``functional``), so its one-pass form is found like the function's; anything
+    else as given."""
+    ours = isinstance(loss_fn, nn.Module) and all(getattr(getattr(type(loss_fn), name, None), "__module__", None) == _MODULES
+                                                  for name in ("forward", "functional"))
+    call = loss_fn.functional(*tensors, **kwargs) if ours else None  # type: ignore[attr-defined]
+    if call is None:
+        return loss_fn, tensors, kwargs
+    fn, inputs, keywords = call
+    return fn, list(inputs), keywords
+
+
+#: Where the library's loss modules live: a module whose ``forward`` (or ``functional``) is written elsewhere -- a
+#: user's subclass that changes the call -- runs as it is, one call per prefix.
+_MODULES = "torch_contrastive.modules"
+
+
 def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tensor]] | nn.ModuleList, embeddings: Sequence[Tensor],
                     matryoshka_dims: Sequence[int], matryoshka_weights: Sequence[float] | None = None, *,
                     one_pass: bool = True, **kwargs: Any) -> Tensor:
@@ -561,7 +580,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
         # prefix_sum visits the prefixes in order: the i-th loss meets the i-th prefix
         return prefix_sum(dims, weights, lambda dim: prefix_term(next(losses), tensors, kwargs, dim, width))
     refuse_shared_state(loss_fn)
-    form = _one_pass(loss_fn, tensors, kwargs) if v.check_flag(one_pass, "one_pass") else None
+    form = _one_pass(*_as_function(loss_fn, tensors, kwargs)) if v.check_flag(one_pass, "one_pass") else None
     if form is not None:
         named = [(f"embeddings[{i}]", t) for i, t in enumerate(tensors)] if v.check_flag(kwargs.get("validate", True), "validate") else None
         return form(dims, weights, named)
