@@ -745,6 +745,20 @@ MUTATIONS = [
              "                                {\"temperature\": self.temperature, **self._keywords(), **self.options}, args, kwargs)",
              "                                {\"temperature\": self.temperature, **self.options}, args, kwargs)",
              "a module's functional call drops its own options (pairing, decoupled, smoothing)", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        per_row = lse[start:stop, k] - (positive if weight is None else weight * positive)",
+             "        per_row = lse[start:stop, k] - positive",
+             "Matryoshka's one pass: NT-Xent's positive weights left out of the value", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        tile[rows, cols] -= 1.0 if weight is None else weight  # type: ignore[index]",
+             "        tile[rows, cols] -= 1.0  # type: ignore[index]",
+             "Matryoshka's one pass: NT-Xent's positive weights left out of the gradient", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/prefix_weights.py", "            if not w.requires_grad:\n                continue",
+             "            if True:\n                continue", "Matryoshka's one pass: a positive weight that requires grad gets none",
+             ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/prefix_weights.py",
+             "        columns = [values[dims.index(cut)].detach().to(dtype) for cut in sorted(set(dims))]",
+             "        columns = [values[i].detach().to(dtype) for i in range(len(set(dims)))]",
+             "Matryoshka's one pass: the prefixes' positive weights in the caller's order, not the prefix ends'",
+             ("tests/losses/test_matryoshka.py",)),
 ]
 
 

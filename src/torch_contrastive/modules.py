@@ -344,15 +344,19 @@ class DCLLoss(_Loss):
         return torch.nn.functional.normalize(x, dim=1, eps=self.options["eps"]) if self.options["normalize"] else x
 
     def functional(self, *args: Any, **kwargs: Any) -> FunctionalCall | None:
-        """DCL without a ``weight_fn``: NT-Xent with ``decoupled=True`` over ``torch.cat([out0, out1])``
-        (``pairing="halves"``); None with weights, which depend on the embeddings (a prefix's own)."""
-        if self.positive_weight_depends_on_inputs():
-            return None
+        """NT-Xent with ``decoupled=True`` over ``torch.cat([out0, out1])`` (``pairing="halves"``); weights read
+        off the outputs (``weight_fn``, DCLW) as a ``positive_weight`` of each prefix's own (a ``PerPrefix``:
+        :meth:`positive_weight` of the outputs cut to the prefix and normalised, as one call per prefix sees them)."""
+        from .losses.prefix_calls import shrink
+        from .losses.prefix_weights import PerPrefix
+
         call = _functional_call(self, nt_xent_loss, ("out0", "out1"), {"temperature": self.temperature, "pairing": "halves",
                                                                        "decoupled": True, **self.options}, args, kwargs)
         if call is None or len(call[1]) != 2 or call[1][0].shape != call[1][1].shape:
             return None  # the call itself says what is wrong
         fn, (out0, out1), keywords = call
+        if self.positive_weight_depends_on_inputs():
+            keywords["positive_weight"] = PerPrefix(lambda d: _must(self.positive_weight(shrink(out0, d), shrink(out1, d))))
         return fn, (torch.cat([out0, out1.to(out0.dtype)]),), keywords
 
     def positive_weight_depends_on_inputs(self) -> bool:
@@ -369,6 +373,12 @@ class DCLLoss(_Loss):
                                 positive_weight=self.positive_weight(out0, out1), **self.options)
         except ValueError as err:  # the loss sees one stacked tensor: a non-finite row is named in out0 or out1
             raise v.named_non_finite(err, (("out0", out0), ("out1", out1))) from None
+
+
+def _must(weight: Tensor | None) -> Tensor:
+    if weight is None:
+        raise RuntimeError("internal: a weighted DCL gives its weights")
+    return weight
 
 
 class DCLWLoss(DCLLoss):

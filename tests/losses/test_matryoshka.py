@@ -329,7 +329,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
 
     x = torch.randn(8, 6, dtype=torch.float64)
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
-    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64)}),
+    for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64), "labels": labels}),
                                 (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
@@ -481,6 +481,9 @@ def _modules(g):
         "clip_smoothing": (tc.ClipLoss(0.1, label_smoothing=0.1, chunk_size=3), [rows(8), rows(8)], {}),
         "info_nce_negatives": (tc.InfoNCELoss(0.1), [rows(6), rows(6), rows(5)], {}),
         "dcl": (tc.DCLLoss(0.2), [rows(6), rows(6)], {}),
+        "dclw": (tc.DCLWLoss(0.2, sigma=0.3, reduction="sum"), [rows(6), rows(6)], {}),
+        # lightly's weight_fn: the weights read off the outputs, with their own gradient (the outputs' too)
+        "dcl_weight_fn": (tc.DCLLoss(0.25, weight_fn=lambda a, b: 1.5 - (a * b).sum(1)), [rows(6), rows(6)], {}),
         "siglip": (tc.SigLipLoss(), [rows(6), rows(6)], {}),
     }
 
@@ -506,9 +509,9 @@ def test_the_loss_modules_run_in_one_pass_like_their_functions(name):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-def test_modules_whose_call_depends_on_the_prefix_or_is_not_ours_go_per_prefix():
-    """DCLW's weights and DCL's weight_fn read the embeddings (a prefix's own), and a subclass that rewrites
-    forward is not read for its call: one call per prefix, each equal to the module on that prefix."""
+def test_a_module_subclass_that_rewrites_forward_goes_per_prefix():
+    """A subclass that rewrites forward is not read for its call: one call per prefix, each equal to the module
+    on that prefix."""
     from torch_contrastive.losses.matryoshka import _as_function, _one_pass
 
     class Halved(tc.NTXentLoss):
@@ -518,9 +521,41 @@ def test_modules_whose_call_depends_on_the_prefix_or_is_not_ours_go_per_prefix()
 
     g = torch.Generator().manual_seed(5)
     out0, out1 = (torch.randn(6, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    for module in (tc.DCLWLoss(0.2), tc.DCLLoss(0.2, weight_fn=lambda a, b: (a * b).sum(1)), Halved(0.2, pairing="halves")):
-        inputs = [torch.cat([out0, out1])] if isinstance(module, Halved) else [out0, out1]
+    for module in (Halved(0.2, pairing="halves"),):
+        inputs = [torch.cat([out0, out1])]
         assert _one_pass(*_as_function(module, inputs, {})) is None
         got = tc.matryoshka_loss(module, inputs, [8, 3])
         want = sum(module(*[F.normalize(t[:, :d], dim=1) for t in inputs]) for d in (8, 3))
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_positive_weight_keeps_the_one_pass_and_gets_its_gradient(decoupled, reduction):
+    """NT-Xent's ``positive_weight`` (one tensor, every prefix's): in one pass equal to one call per prefix, the
+    weight's own gradient included (float64); chunked strips and a learnable temperature too."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(10, 12, generator=g, dtype=torch.float64, device=DEVICE).requires_grad_()
+    w = (torch.rand(10, generator=g, dtype=torch.float64) + 0.5).to(DEVICE).requires_grad_()
+    tau = torch.tensor(0.3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    args = {"positive_weight": w, "decoupled": decoupled, "pairing": "halves", "reduction": reduction, "chunk_size": 4,
+            "temperature": tau}
+    assert _one_pass(tc.nt_xent_loss, [x], args) is not None
+    dims, weights = [12, 5, 2, 5], [1.0, 0.5, 2.0, 0.25]  # out of order, one twice: a weight column per prefix end
+    got = tc.matryoshka_loss(tc.nt_xent_loss, [x], dims, weights, **args)
+    want = tc.matryoshka_loss(tc.nt_xent_loss, [x], dims, weights, one_pass=False, **args)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-11, atol=1e-13)
+    for a, b in zip(torch.autograd.grad(_uneven(got), [x, w, tau]), torch.autograd.grad(_uneven(want), [x, w, tau])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_a_bad_positive_weight_is_refused_as_the_loss_refuses_it():
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"positive_weight must have shape \(6,\)"):
+        tc.matryoshka_loss(tc.nt_xent_loss, [x], [8, 4], positive_weight=torch.ones(5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="positive_weight must be a floating-point tensor"):
+        tc.matryoshka_loss(tc.nt_xent_loss, [x], [8, 4], positive_weight=torch.ones(6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"weight_fn must return a \(3,\) tensor"):
+        tc.matryoshka_loss(tc.DCLLoss(weight_fn=lambda a, b: a.sum()), [x[:3], x[3:]], [8, 4])

@@ -93,6 +93,8 @@ class Targets:
             ``((1 - eps) c_i + eps G / N) LSE_i - (1 - eps) sum_pos S_ij - eps G / N^2 sum_j S_ij`` with
             ``c_i`` the row's positives (1 without keys) and ``G`` all of them -- without ids exactly
             ``F.cross_entropy(S, arange(N), label_smoothing=eps)``.
+        positive_weight: (N, prefixes) weight of each anchor's positive term per prefix, one positive per
+            anchor (NT-Xent's DCLW): ``LSE_i - w_i S_ip``; constants (a weight's own gradient is the caller's).
     """
 
     partner: Tensor | None = None
@@ -105,6 +107,7 @@ class Targets:
     smoothing: float = 0.0
     sample_mask: Tensor | None = None
     offset: int = 0
+    positive_weight: Tensor | None = None
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
@@ -220,8 +223,9 @@ class PrefixSoftmax(torch.autograd.Function):
         strip = PerStrip(lambda start, stop: targets.strip(start, stop, device))
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            w = None if targets.positive_weight is None else targets.positive_weight[start:stop, k]
             tile, col_tile = _softmax_tiles(learned.logits(cos), start, targets, strip(start, stop), lse[start:stop, k],
-                                            col_lse[:, k] if targets.columns else None, col_count, smooth)
+                                            col_lse[:, k] if targets.columns else None, col_count, smooth, w)
             if g_rows is not None:  # per-row values: each row's (and column's) own incoming gradient
                 tile = _rows_weighted(tile, g_rows, g_cols, start, stop, col_tile)
             elif col_tile is not None:
@@ -236,10 +240,12 @@ class PrefixSoftmax(torch.autograd.Function):
 
 
 def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Tensor | None, Tensor | None, Tensor | None],
-                   row_lse: Tensor, col_lse: Tensor | None, col_count: Tensor, smooth: _Smoothing | None) -> tuple[Tensor, Tensor | None]:
-    """A strip's gradient tiles of one prefix from its ``logits``: the rows' (soft-max minus the positive part)
-    and, with CLIP's columns, the columns'. The left-out entries are set to ``-inf`` for the soft-max and
-    put back after (the products read the logits again: they must stay finite, a DCL positive its value)."""
+                   row_lse: Tensor, col_lse: Tensor | None, col_count: Tensor, smooth: _Smoothing | None,
+                   positive_weight: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """A strip's gradient tiles of one prefix from its ``logits``: the rows' (soft-max minus the positive part,
+    weighted by ``positive_weight``, the strip's rows' weights of this prefix) and, with CLIP's columns, the
+    columns'. The left-out entries are set to ``-inf`` for the soft-max and put back after (the products read
+    the logits again: they must stay finite, a DCL positive its value)."""
     cols, mask, count = strip
     rows = torch.arange(logits.shape[0], device=logits.device)
     apart = targets.exclude_positive and (mask is None or count is None)
@@ -259,7 +265,7 @@ def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Te
         logits[rows, own] = 0.0  # its tile entry is 0: keep the products that read it finite
     if positive is not None:
         logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back
-    _positive_part(tile, rows, cols, mask, count, targets, row_lse)
+    _positive_part(tile, rows, cols, mask, count, targets, row_lse, positive_weight)
     if smooth is not None and row_soft is not None:
         smooth.tile(tile, row_soft)
     if col_tile is not None and col_lse is not None:
@@ -309,7 +315,8 @@ def _row_terms(logits: Tensor, lse: Tensor, k: int, start: int, stop: int, targe
         if targets.exclude_positive:
             logits[rows, cols] = -torch.inf  # type: ignore[index]
         lse[start:stop, k] = torch.logsumexp(logits, 1)
-        per_row = lse[start:stop, k] - positive
+        weight = None if targets.positive_weight is None else targets.positive_weight[start:stop, k]
+        per_row = lse[start:stop, k] - (positive if weight is None else weight * positive)
         if targets.exclude_positive:  # an anchor without a candidate left: 0
             per_row = torch.where(torch.isneginf(lse[start:stop, k]), 0.0, per_row)
         return per_row, positive
@@ -328,10 +335,11 @@ def _row_terms(logits: Tensor, lse: Tensor, k: int, start: int, stop: int, targe
 
 
 def _positive_part(tile: Tensor, rows: Tensor, cols: Tensor | None, mask: Tensor | None, count: Tensor | None,
-                   targets: Targets, row_lse: Tensor) -> None:
-    """The row direction's gradient tile from its soft-max ``tile``, in place: minus the positive part."""
+                   targets: Targets, row_lse: Tensor, weight: Tensor | None = None) -> None:
+    """The row direction's gradient tile from its soft-max ``tile``, in place: minus the positive part (times
+    each row's ``weight`` of its one positive)."""
     if mask is None or count is None:
-        tile[rows, cols] -= 1.0  # type: ignore[index]
+        tile[rows, cols] -= 1.0 if weight is None else weight  # type: ignore[index]
         if targets.exclude_positive:  # an anchor left without a candidate contributed 0: no gradient (its tile is inf / NaN)
             tile.masked_fill_(torch.isneginf(row_lse)[:, None], 0.0)
     elif targets.by_pairs:

@@ -32,6 +32,7 @@ from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSigmoid, PrefixSoftmax, 
 from ..options import shared
 from ._labelled import check_reference
 from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_term, refuse_shared_state
+from .prefix_weights import PositiveWeights
 
 
 def matryoshka_info_nce_loss(query: Tensor, key: Tensor, matryoshka_dims: Sequence[int],
@@ -177,19 +178,29 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
                           tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature"), chunk,
                           reduction, scope)
+    keys = set(kwargs) - {"temperature", *_SHARED}
     if scope.distributed:
-        return _gathered(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, scope, chunk, reduction)
-    form = _softmax_form(loss_fn, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED})
-    if form is None:
+        return _gathered(loss_fn, tensors, kwargs, keys, tau, scope, chunk, reduction)
+    given_weight = kwargs.get("positive_weight") if loss_fn is nt_xent_loss else None
+    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"positive_weight"} if loss_fn is nt_xent_loss else keys)
+    if form is None or (given_weight is not None and form[2].partner is None):
         return None
     anchors, candidates, targets, symmetric = form
     tau = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
     times_rows = loss_fn is image_text_contrastive_loss and reduction == "sum"
-    return lambda dims, weights, named: one_pass_softmax(anchors, candidates, targets, dims, weights, tau,
-                                                       candidates if symmetric else None, 1e-12, chunk, named,
-                                                       mean=mean or times_rows, per_row=per_row,
-                                                       factor=float(anchors.shape[0]) if times_rows else 1.0)
+    weighted = None if given_weight is None or targets.partner is None else \
+        PositiveWeights(given_weight, anchors, targets.partner, reduction)  # NT-Xent's positive terms weighted (DCLW)
+
+    def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
+        values = None if weighted is None else weighted.of(dims)
+        loss = one_pass_softmax(anchors, candidates, targets if weighted is None or values is None else weighted.targets(targets, values, dims),
+                                dims, weights, tau, candidates if symmetric else None, 1e-12, chunk, named,
+                                mean=mean or times_rows, per_row=per_row, factor=float(anchors.shape[0]) if times_rows else 1.0)
+        own = None if weighted is None or values is None else weighted.gradient_term(values, dims, weights, tau)
+        return loss if own is None else loss + own
+
+    return run
 
 
 def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor,
@@ -559,8 +570,11 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (every ``reduction`` but CLIP's ``"none"``): this
     rank's anchors against every rank's candidates, as the losses gather them, and so do the pair forms by labels.
+    NT-Xent's ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
+    outputs, DCLW's or a ``weight_fn``'s: each prefix's own). The loss modules of the library take the one pass of
+    the functional call their ``forward`` makes (``module.functional``).
     One call per prefix (``sum(d_p)`` products per pair): under ``gather=True``, CLIP's ``reduction="none"``,
-    label smoothing, listed pairs, memories and reference sets; anywhere, label smoothing with DCL, the
+    label smoothing, listed pairs, memories, reference sets and positive weights; anywhere, the
     memories and reference sets of the losses not named here, and other losses. The rows of a memory or
     reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
