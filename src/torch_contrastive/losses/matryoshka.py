@@ -28,7 +28,8 @@ from .. import _validation as v
 from ..distributed import Scope, all_gather_with_grad, make_scope
 from ..engine.precision import compute_dtype
 from ..engine.prefix_pairs import PrefixPairs
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSigmoid, PrefixSoftmax, Targets, prefix_plan
+from ..engine.prefix_sigmoid import PrefixSigmoid
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
 from ._labelled import check_reference
 from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_term, refuse_shared_state
