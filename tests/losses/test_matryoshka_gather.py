@@ -50,15 +50,38 @@ def _cases(rank: int):
         "nt_xent none": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "reduction": "none"}),
         "supcon none": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "reduction": "none"}),
         "info_nce none": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "reduction": "none"}),
+        # SupCon's contrast_mode="one": this rank's first views against every rank's views
+        "supcon one labels": (tc.supcon_loss, [views], {"temperature": 0.2, "labels": labels[: n // 2], "contrast_mode": "one"}),
+        "supcon one views": (tc.supcon_loss, [views], {"temperature": 0.2, "contrast_mode": "one"}),
+        # a memory is this rank's own, after every rank's rows (as the losses take it); its gradient too
+        "supcon memory": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "memory_emb": rows(3),
+                                                "memory_labels": torch.tensor([0, 1, 2])}),
+        "nt_xent pml memory sum": (tc.nt_xent_loss, [x], {"temperature": 0.2, "labels": labels, "memory_emb": rows(2 + rank),
+                                                          "memory_labels": torch.arange(2 + rank) % 3, "reduction": "sum"}),
+        # NT-BXent's listed pairs: this rank's own, their columns among every rank's rows
+        "nt_bxent pos_indices": (tc.nt_bxent_loss, [x], {"temperature": 0.3,
+                                                         "pos_indices": torch.tensor([[0, 1], [1, 0], [2, 3], [0, 1], [3, 2]])}),
+        "clip none": (tc.clip_loss, [x, y], {"temperature": 0.2, "reduction": "none"}),
+        "clip ids none": (tc.clip_loss, [x, y], {"temperature": 0.2, "image_id": ids, "text_id": labels, "reduction": "none"}),
+        "clip smoothing": (tc.clip_loss, [x, y], {"temperature": 0.2, "label_smoothing": 0.1}),
+        "clip ids smoothing sum": (tc.clip_loss, [x, y], {"temperature": 0.2, "image_id": ids, "label_smoothing": 0.2,
+                                                          "reduction": "sum"}),
+        "clip ids smoothing none": (tc.clip_loss, [x, y], {"temperature": 0.2, "text_id": labels, "label_smoothing": 0.1,
+                                                           "reduction": "none"}),
+        "clip ids dcl none": (tc.clip_loss, [x, y], {"temperature": 0.2, "image_id": ids, "decoupled": True, "reduction": "none"}),
+        # NT-Xent's positive weights: this rank's rows' own (a weight with its gradient; DCLW's read off the outputs)
+        "nt_xent weighted": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "decoupled": True,
+                                                    "positive_weight": torch.rand(n, generator=g, dtype=torch.float64) + 0.5}),
+        "dclw module": (tc.DCLWLoss(0.2, sigma=0.4, gather=True).double(), [x[: n // 2], y[: n // 2]], {}),
     }
 
 
 def _ranks(rank: int, world: int, name: str) -> None:
-    from torch_contrastive.losses.matryoshka import _one_pass
+    from torch_contrastive.losses.matryoshka import _as_function, _one_pass
 
     fn, tensors, kwargs = _cases(rank)[name]
-    kwargs = {**kwargs, "gather": True}
-    assert _one_pass(fn, tensors, kwargs) is not None, name
+    kwargs = kwargs if isinstance(fn, torch.nn.Module) else {**kwargs, "gather": True}  # a module: its own option
+    assert _one_pass(*_as_function(fn, tensors, kwargs)) is not None, name
     results = []
     for one_pass in (True, False):
         inputs = [t.clone().requires_grad_() for t in tensors]
@@ -70,8 +93,9 @@ def _ranks(rank: int, world: int, name: str) -> None:
         learnable = [v for v in args.values() if isinstance(v, torch.Tensor) and v.requires_grad]
         grads = torch.autograd.grad(loss, inputs + learnable)
         shared = [g.clone() for g in grads[len(inputs):]]
-        for g in shared:  # a replicated parameter: the ranks' gradients are summed (DDP averages them)
-            torch.distributed.all_reduce(g)
+        for g in shared:  # a replicated parameter (0-dim): the ranks' gradients are summed (DDP averages them)
+            if g.ndim == 0:  # (a per-row weight is this rank's own: compared as it is)
+                torch.distributed.all_reduce(g)
         results.append((loss.detach(), *grads[: len(inputs)], *shared))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -120,8 +120,8 @@ def _pair_masks(relation: Tensor, start: int, stop: int, m: int, col_labels: Ten
         hits = torch.zeros(stop - start, m, dtype=torch.int32, device=relation.device)
         hits.index_put_((torch.where(inside, relation[:, 0] - start, 0), relation[:, 1]), inside.to(torch.int32), accumulate=True)
         same = hits > 0
-        own = 0
-        same[local, local + start] = True  # the diagonal: always a positive
+        own = 0 if own is None else own
+        same[local, local + (start + own)] = True  # the row itself: always a positive
     n_pos = same.sum(1)
     pos = same.clone()
     pos[local, local + (start + own)] = False

@@ -95,6 +95,8 @@ class Targets:
             ``F.cross_entropy(S, arange(N), label_smoothing=eps)``.
         positive_weight: (N, prefixes) weight of each anchor's positive term per prefix, one positive per
             anchor (NT-Xent's DCLW): ``LSE_i - w_i S_ip``; constants (a weight's own gradient is the caller's).
+        population: label smoothing's ``(G, N)`` when the anchors are one rank's share of the loss (``gather``):
+            every rank's positive pairs and rows; None: this call's own.
     """
 
     partner: Tensor | None = None
@@ -108,6 +110,7 @@ class Targets:
     sample_mask: Tensor | None = None
     offset: int = 0
     positive_weight: Tensor | None = None
+    population: tuple[Tensor, int] | None = None
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
@@ -417,6 +420,8 @@ class _Smoothing:
             return None
         if targets.exclude_self or targets.exclude_positive:
             raise ValueError("label smoothing leaves nothing out of the soft-max (not with DCL or a single set)")
+        if targets.population is not None:  # one rank's share of a gathered loss: every rank's G and N
+            return _Smoothing(targets.smoothing, targets.population[0].to(a.dtype), targets.population[1])
         n = a.shape[0]
         counts = targets.positives(n, strip, a.device)  # G: every positive pair, counted before the strips
         return _Smoothing(targets.smoothing, a.new_tensor(float(n)) if counts is None else counts.sum().to(a.dtype), n)

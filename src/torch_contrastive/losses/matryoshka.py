@@ -191,7 +191,7 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
     times_rows = loss_fn is image_text_contrastive_loss and reduction == "sum"
     weighted = None if given_weight is None or targets.partner is None else \
-        PositiveWeights(given_weight, anchors, targets.partner, reduction)  # NT-Xent's positive terms weighted (DCLW)
+        PositiveWeights(given_weight, anchors, candidates, targets.partner, reduction)  # NT-Xent's positive terms weighted (DCLW)
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         values = None if weighted is None else weighted.of(dims)
@@ -222,15 +222,13 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     candidates: Tensor = x
     col_labels: Tensor | None = None
     own: int | None = 0  # the column of row 0 among the candidates (None: no candidate is a row)
-    if scope.distributed and keys != {"labels"}:
-        return None  # listed pairs, memories and reference sets are this rank's own: per prefix, as the loss takes them
+    if kwargs.get("gather", False) and keys & {"ref_emb", "ref_labels"}:
+        return None  # the loss refuses a reference set with gather=True: let it say so
     if "pos_indices" in keys:
         labels = v.check_pos_indices(kwargs["pos_indices"], x.shape[0], x.device, checks)
     else:
         labels = v.check_labels(kwargs["labels"], "labels", x.shape[0], x.device)
     if keys & extra:
-        if kwargs.get("gather", False):
-            return None  # the loss refuses a reference set with gather, and gathers a batch with its memory
         candidates, col_labels, own = _extra_candidates(x, labels, kwargs, checks)
     checks.flush()
     kernel = "binary" if binary else "pair_softplus"
@@ -238,9 +236,13 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
     mean, per_row = reduction == "mean" and not gathered, reduction == "none"
     normaliser: Tensor | float = 1.0
     if gathered:  # this rank's rows against the gathered batch, each row's own column at the rank's offset
-        candidates = scope.rows(x)
+        memory = candidates[x.shape[0]:]  # a memory's rows follow the batch: this rank's own, not gathered (as the loss)
+        candidates = scope.rows(x) if memory.shape[0] == 0 else torch.cat([scope.rows(x), memory])
         own = scope.offset
-        col_labels = scope.ints(labels)
+        if "pos_indices" in keys:  # this rank's listed pairs, their columns among every rank's rows
+            labels = labels + torch.tensor([0, own], device=labels.device)
+        else:
+            col_labels = scope.ints(labels) if col_labels is None else torch.cat([scope.ints(labels), col_labels[x.shape[0]:]])
         if reduction == "mean":  # the positive pairs (PML) or the rows (NT-BXent) of this rank
             # PML: the positive pairs, same-label columns but the row's own, as the soft-max forms count them
             normaliser = float(x.shape[0]) if binary else _counted(Targets(
@@ -302,51 +304,103 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     self at its global column; CLIP's two directions as two passes (local images against every text, local
     texts against every image). Each rank sums its anchors' terms and :meth:`~torch_contrastive.distributed.Scope.finish`
     divides by the global count (``grad_reduction`` as the losses apply it); ``reduction="none"``: this rank's
-    anchors' values. None for CLIP's ``reduction="none"`` and label smoothing (one call per prefix)."""
-    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss
+    anchors' values. None for a sample mask (which the loss refuses with ``gather=True``)."""
+    from . import image_text_contrastive_loss, nt_xent_loss
 
-    form = _softmax_form(loss_fn, tensors, kwargs, keys)
-    if form is None or form[2].smoothing or form[2].sample_mask is not None or \
-            (reduction == "none" and loss_fn is image_text_contrastive_loss):
+    given_weight = kwargs.get("positive_weight") if loss_fn is nt_xent_loss else None
+    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"positive_weight"} if loss_fn is nt_xent_loss else keys)
+    if form is None or form[2].sample_mask is not None or (given_weight is not None and form[2].partner is None):
         return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
-    anchors, _, targets, _ = form
+    anchors, candidates, targets, _ = form
     temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     if loss_fn is image_text_contrastive_loss:
         images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
         all_texts, all_images = scope.rows(texts), scope.rows(images)
         # gt is symmetric in the pairs: one relation serves both directions (row j's keys are pair j's)
         targets = _spread(_global_ids(targets, kwargs, scope), scope)
-        directions = [(images, all_texts, targets), (texts, all_images, targets)]
         normaliser = _counted(targets, anchors, by_pairs=True)
+        if targets.smoothing:  # the uniform part's G and N are every rank's
+            local = normaliser if isinstance(normaliser, Tensor) else anchors.new_tensor(normaliser)
+            targets = replace(targets, population=(scope.total(local), int(sum(scope.sizes))))
+        directions = [(images, all_texts, targets), (texts, all_images, targets)]
         factor = 0.5 * (float(sum(scope.sizes)) if reduction == "sum" else 1.0)  # CLIP's sum: N_all times its mean
     else:
-        if loss_fn is info_nce_loss:  # the keys, then (gathered too, as gather_negatives defaults) the negatives
-            pool = scope.rows(tensors[1].to(anchors.dtype))
-            if len(tensors) == 3:
-                pool = torch.cat([pool, all_gather_with_grad(tensors[2].to(anchors.dtype))])  # any count per rank
-        else:
-            pool = scope.rows(anchors)
-        if loss_fn is nt_xent_loss and targets.partner is not None:  # each rank pairs its own rows
-            targets = replace(targets, partner=targets.partner + scope.offset)
-        elif targets.row_keys is not None and "labels" not in kwargs:
-            # SupCon's views without labels: a sample's key is its own row index, made global
-            targets = replace(targets, row_keys=_one_key(targets.row_keys) + scope.offset)
-        targets = _spread(targets, scope)
+        pool, targets = _gathered_candidates(loss_fn, tensors, kwargs, anchors, candidates, targets, scope)
         directions = [(anchors, pool, targets)]
         normaliser = _counted(targets, anchors, by_pairs=False) if reduction == "mean" else 1.0
         factor = 1.0
+    # NT-Xent's weighted positive terms (DCLW): this rank's rows' weights, their own gradient summed here and
+    # reduced over the ranks with the loss
+    weighted = None if given_weight is None or targets.partner is None else \
+        PositiveWeights(given_weight, anchors, directions[0][1], targets.partner, "none" if reduction == "none" else "sum")
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        per_row = reduction == "none"  # this rank's anchors' values (one direction: not CLIP)
-        local = one_pass_softmax(*directions[0], dims, weights, temperature, None, 1e-12, chunk, None, mean=False, per_row=per_row)
+        per_row = reduction == "none"  # this rank's anchors' values
+        values = None if weighted is None else weighted.of(dims)
+        first = directions[0] if weighted is None or values is None else \
+            (*directions[0][:2], weighted.targets(directions[0][2], values, dims))
+        local = one_pass_softmax(*first, dims, weights, temperature, None, 1e-12, chunk, None, mean=False, per_row=per_row)
+        own = None if weighted is None or values is None else weighted.gradient_term(values, dims, weights, temperature)
+        local = local if own is None else local + own
         for a, c, t in directions[1:]:
-            local = local + one_pass_softmax(a, c, t, dims, weights, temperature, None, 1e-12, chunk, None, mean=False)
+            local = local + one_pass_softmax(a, c, t, dims, weights, temperature, None, 1e-12, chunk, None, mean=False, per_row=per_row)
+        if per_row and len(directions) == 2:  # CLIP's rows: e_i with mean(e) the loss over every rank's rows
+            local = local * _clip_rows_factor(targets, anchors, scope)
         loss = local if per_row else scope.finish(local * factor, normaliser)
         if named is not None:
             _name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
         return loss
 
     return run
+
+
+def _gathered_candidates(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any], anchors: Tensor,
+                         candidates: Tensor, targets: Targets, scope: Scope) -> tuple[Tensor, Targets]:
+    """A one-direction soft-max form's candidates under ``gather`` and its targets made global, as the losses
+    gather: every rank's rows (InfoNCE's keys, then every rank's negatives), each anchor's partner or keys at its
+    global column."""
+    from . import info_nce_loss, nt_xent_loss, supcon_loss
+
+    if loss_fn is supcon_loss:
+        return _gathered_supcon(kwargs, candidates, targets, scope)
+    if loss_fn is info_nce_loss:  # the keys, then (gathered too, as gather_negatives defaults) the negatives
+        pool = scope.rows(tensors[1].to(anchors.dtype))
+        if len(tensors) == 3:
+            pool = torch.cat([pool, all_gather_with_grad(tensors[2].to(anchors.dtype))])  # any count per rank
+    else:
+        pool = scope.rows(anchors)
+    if loss_fn is nt_xent_loss and targets.partner is not None:  # each rank pairs its own rows
+        targets = replace(targets, partner=targets.partner + scope.offset)
+    return pool, _spread(targets, scope)
+
+
+def _gathered_supcon(kwargs: dict[str, Any], candidates: Tensor, targets: Targets, scope: Scope) -> tuple[Tensor, Targets]:
+    """SupCon under ``gather``: every rank's rows, all views (each rank's view-major), as the loss gathers them, with
+    their keys; this rank's anchors (every view, or the first with ``contrast_mode="one"``) at the rank's offset; a
+    memory, this rank's own, after them; views without labels: a sample's key its row index made global."""
+    memory = kwargs.get("memory_emb")
+    extra = memory.shape[0] if isinstance(memory, Tensor) else 0
+    n = candidates.shape[0] - extra  # the batch's rows, then the memory's
+    pool = scope.rows(candidates[:n])  # (the rank's offset among every rank's rows is known from here)
+    rows, cols = _one_key(targets.row_keys), _one_key(targets.col_keys)
+    if kwargs.get("labels") is None:  # views without labels: a sample's key is its own row index, made global
+        rows, cols = rows + scope.offset, cols + scope.offset
+    col_keys = scope.ints(cols[:n])
+    if extra:
+        pool, col_keys = torch.cat([pool, candidates[n:]]), torch.cat([col_keys, cols[n:]])
+    return pool, replace(targets, row_keys=rows, col_keys=col_keys, offset=scope.offset)
+
+
+def _clip_rows_factor(targets: Targets, anchors: Tensor, scope: Scope) -> Tensor | float:
+    """What turns the sum of CLIP's two directions' per-row values (each as the prefix engine gives them for this
+    rank's rows) into the loss's ``reduction="none"`` values under ``gather``: ``e_i = (image_i + text_i) N / (2 G)``
+    with ``N`` every rank's rows and ``G`` every rank's positive pairs. By pairs the engine scaled this rank's rows by
+    its own ``n / g``, undone here; without ids ``G = N`` (the mean of the two directions)."""
+    if not targets.by_pairs:
+        return 0.5
+    local = _counted(targets, anchors, by_pairs=True)
+    counted = local if isinstance(local, Tensor) else anchors.new_tensor(local)
+    return 0.5 * counted / anchors.shape[0] * float(sum(scope.sizes)) / scope.total(counted).clamp_min(1)
 
 
 def _global_ids(targets: Targets, kwargs: dict[str, Any], scope: Scope) -> Targets:
@@ -470,8 +524,8 @@ def _extra_rows_form(z: Tensor, keys: Tensor, kwargs: dict[str, Any], labelled: 
     """SupCon with a memory (its rows extra candidates after the batch, positives by label, the self pairs
     left out) or a reference set (its rows the only candidates, no self pair), checked as the loss checks them;
     None where the loss refuses the call (it then says why)."""
-    if not labelled or kwargs.get("gather", False):
-        return None
+    if not labelled or (kwargs.get("gather", False) and kwargs.get("ref_emb") is not None):
+        return None  # (the loss refuses a reference set with gather=True)
     checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
     candidates, col_keys, own = _extra_candidates(z, keys, kwargs, checks)
     checks.flush()
@@ -569,15 +623,15 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients), optional ``image_id`` / ``text_id``, ``reduction`` mean or sum, ``gather=True`` too.
     ``validate`` is honoured on either path (False: no host read). The soft-max forms
-    keep the one pass under ``gather=True`` among several ranks (every ``reduction`` but CLIP's ``"none"``): this
-    rank's anchors against every rank's candidates, as the losses gather them, and so do the pair forms by labels.
+    keep the one pass under ``gather=True`` among several ranks (every ``reduction``, CLIP's label smoothing, a
+    memory, positive weights): this rank's anchors against every rank's candidates, as the losses gather them, and
+    so do the pair forms (by labels, a memory, NT-BXent's listed pairs).
     NT-Xent's ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
     outputs, DCLW's or a ``weight_fn``'s: each prefix's own). The loss modules of the library take the one pass of
     the functional call their ``forward`` makes (``module.functional``).
-    One call per prefix (``sum(d_p)`` products per pair): under ``gather=True``, CLIP's ``reduction="none"``,
-    label smoothing, listed pairs, memories, reference sets and positive weights; anywhere, the
-    memories and reference sets of the losses not named here, and other losses. The rows of a memory or
-    reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
+    One call per prefix (``sum(d_p)`` products per pair): a reference set with ``gather=True`` (which the losses
+    refuse), the memories and reference sets of the losses not named here, and other losses. The rows of a memory
+    or reference set (``memory_emb``, ``ref_emb``) are cut to each prefix like the embeddings.
     """
     if isinstance(loss_fn, nn.ModuleList):  # one module per prefix, registered with the model (their parameters)
         loss_fn = list(loss_fn)

@@ -35,13 +35,15 @@ class PositiveWeights:
 
     Args:
         given: a (N,) floating tensor (every prefix's), or a :class:`PerPrefix` of them.
-        rows: the (N, D) embeddings (a single set; anchor ``i``'s positive is ``partner[i]``).
-        partner: (N,) each row's positive.
-        reduction: the loss's ``reduction`` (the weights' own gradient term follows it).
+        rows: the (N, D) anchors.
+        candidates: the (M, D) candidates (``rows`` itself on one process; every rank's rows under ``gather``).
+        partner: (N,) each anchor's positive among the candidates.
+        reduction: the loss's ``reduction`` (the weights' own gradient term follows it; ``"sum"`` for a rank's
+            part of a gathered loss, which the caller reduces over the ranks).
     """
 
-    def __init__(self, given: Tensor | PerPrefix, rows: Tensor, partner: Tensor, reduction: str) -> None:
-        self.given, self.rows, self.partner, self.reduction = given, rows, partner, reduction
+    def __init__(self, given: Tensor | PerPrefix, rows: Tensor, candidates: Tensor, partner: Tensor, reduction: str) -> None:
+        self.given, self.rows, self.candidates, self.partner, self.reduction = given, rows, candidates, partner, reduction
         if isinstance(given, Tensor):
             v.check_row_weight(given, "positive_weight", rows.shape[0], rows.device)
 
@@ -69,7 +71,8 @@ class PositiveWeights:
                 continue
             with torch.no_grad():
                 z = shrink(self.rows.detach(), d)  # the prefix as the one pass normalises it
-                positive = (z * z[self.partner]).sum(1) / scale
+                c = z if self.candidates is self.rows else shrink(self.candidates.detach(), d)
+                positive = (z * c[self.partner]).sum(1) / scale
             term = -(w - w.detach()) * positive.to(w.dtype)
             part = weight * (term if self.reduction == "none" else term.sum() if self.reduction == "sum" else term.mean())
             total = part if total is None else total + part
