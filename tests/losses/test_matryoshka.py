@@ -128,6 +128,13 @@ def test_the_per_prefix_wrapper_equals_the_loop_and_clip_equals_the_one_pass_for
 
 
 ONE_PASS = {
+    # SupCon's value rules: the authors' tau / tau_base scale, and single_class="zero" (0 for a batch of one class)
+    "supcon_base_temperature": (tc.supcon_loss, lambda g: [torch.randn(5, 2, 12, generator=g, dtype=torch.float64)],
+                                {"labels": torch.tensor([0, 1, 0, 2, 1]), "temperature": 0.1, "base_temperature": 0.07}),
+    "supcon_single_class_zero": (tc.supcon_loss, lambda g: [torch.randn(6, 12, generator=g, dtype=torch.float64)],
+                                 {"labels": torch.tensor([0, 1, 0, 2, 1, 1]), "single_class": "zero", "reduction": "none"}),
+    "supcon_one_class_zero": (tc.supcon_loss, lambda g: [torch.randn(6, 12, generator=g, dtype=torch.float64)],
+                              {"labels": torch.full((6,), 3), "single_class": "zero", "base_temperature": 0.2}),
     "clip": (tc.clip_loss, lambda g: [torch.randn(9, 12, generator=g, dtype=torch.float64) for _ in range(2)], {"temperature": 0.1}),
     "info_nce_negatives": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (9, 9, 4)], {}),
     "nt_xent_adjacent": (tc.nt_xent_loss, lambda g: [torch.randn(10, 12, generator=g, dtype=torch.float64)], {"temperature": 0.3}),
@@ -330,7 +337,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     x = torch.randn(8, 6, dtype=torch.float64)
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
     for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64), "labels": labels}),
-                                (tc.supcon_loss, [x], {"labels": labels, "base_temperature": 0.07}),
+                                (tc.supcon_loss, [x], {"labels": labels, "single_class": "drop"}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
                                                                                         "negative_only": True}),
@@ -340,8 +347,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
                                 (tc.nt_xent_loss, [x], {"eps": 2.0})):
         assert _one_pass(fn, tensors, kwargs) is None, (fn.__name__, kwargs)
-    got = tc.matryoshka_loss(tc.supcon_loss, [x], [6, 3], labels=labels, temperature=0.2, base_temperature=0.07)  # per prefix
-    want = sum(tc.supcon_loss(F.normalize(x[:, :d], dim=-1), labels, temperature=0.2, base_temperature=0.07) for d in (6, 3))
+    got = tc.matryoshka_loss(tc.supcon_loss, [x], [6, 3], labels=labels, temperature=0.2, one_pass=False)  # per prefix
+    want = sum(tc.supcon_loss(F.normalize(x[:, :d], dim=-1), labels, temperature=0.2) for d in (6, 3))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -392,7 +399,8 @@ def test_siglip_sum_and_the_shared_options_keep_the_one_pass():
 
 
 @pytest.mark.parametrize("name", ["clip", "clip_ids", "clip_ids_decoupled", "clip_smoothing", "info_nce_negatives", "nt_xent_decoupled",
-                                  "supcon_labels", "nt_xent_pml", "nt_xent_pml_none", "nt_bxent_sum_strips", "nt_bxent_pairs"])
+                                  "supcon_labels", "supcon_base_temperature", "nt_xent_pml", "nt_xent_pml_none", "nt_bxent_sum_strips",
+                                  "nt_bxent_pairs"])
 def test_a_learnable_temperature_gets_its_gradient_in_one_pass(name):
     """A 0-dim temperature that requires grad (``1 / logit_scale.exp()``) keeps the one pass: the value and the
     gradients of the inputs and of the temperature equal one call per prefix (float64); CLIP's directions

@@ -54,6 +54,8 @@ def _cases(rank: int):
         "supcon one labels": (tc.supcon_loss, [views], {"temperature": 0.2, "labels": labels[: n // 2], "contrast_mode": "one"}),
         "supcon one views": (tc.supcon_loss, [views], {"temperature": 0.2, "contrast_mode": "one"}),
         # a memory is this rank's own, after every rank's rows (as the losses take it); its gradient too
+        "supcon base zero": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "base_temperature": 0.07,
+                                                   "single_class": "zero"}),
         "supcon memory": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels, "memory_emb": rows(3),
                                                 "memory_labels": torch.tensor([0, 1, 2])}),
         "nt_xent pml memory sum": (tc.nt_xent_loss, [x], {"temperature": 0.2, "labels": labels, "memory_emb": rows(2 + rank),
