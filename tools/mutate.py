@@ -280,7 +280,7 @@ MUTATIONS = [
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "        mine[rows, own + k * world] = True\n    return mine",
              "        mine[rows, own] = True\n    return mine", "own docs: a row's own hard negatives are not its own",
              INTEGRATION_TESTS),
-    Mutation(f"{PKG}/integrations/_gist.py", "            if keep_positive:\n                drop[rows, own] = False",
+    Mutation(f"{PKG}/integrations/_gist.py", "            if keep_positive:\n                out[rows, own] = False",
              "            if keep_positive:\n                pass", "GIST drops the positive itself when the guide ties", INTEGRATION_TESTS),
     Mutation(f"{PKG}/integrations/sentence_transformers.py", "out.backward(cached[k][offsets[k]:offsets[k] + rows]",
              "out.backward(cached[k][0:rows]", "cached MNRL pushes the first mini-batch's gradient slice every time", INTEGRATION_TESTS),
@@ -785,6 +785,16 @@ MUTATIONS = [
              "Matryoshka's one pass: SupCon's tau / tau_base inverted", ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{PKG}/losses/matryoshka.py", "    if mode == \"zero\" and isinstance(labels, Tensor):",
              "    if False:", "Matryoshka's one pass: SupCon's single_class='zero' ignored", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/integrations/_gist.py", "    return [cos[cuts.index(d)] for d in dims]", "    return [cos[-1] for d in dims]",
+             "GIST over Matryoshka prefixes: every prefix takes the full width's cosines", ("tests/integrations/test_gist_prefixes.py",)),
+    Mutation(f"{PKG}/integrations/_gist.py",
+             "    cos = [r / sx.sqrt().clamp_min(1e-12)[:, None] / sy.sqrt().clamp_min(1e-12)[None, :]",
+             "    cos = [r / sx.sqrt().clamp_min(1e-12)[:, None] / sx.sqrt().clamp_min(1e-12)[:, None]",
+             "GIST over Matryoshka prefixes: the candidates normalised by the rows' norms", ("tests/integrations/test_gist_prefixes.py",)),
+    Mutation(f"{PKG}/integrations/_gist.py",
+             "            total = total + w * (torch.logsumexp(logits, dim=1) - logits[rows, own])",
+             "            total = total + (torch.logsumexp(logits, dim=1) - logits[rows, own])",
+             "GIST over Matryoshka prefixes: the prefixes' weights ignored", ("tests/integrations/test_gist_prefixes.py",)),
 ]
 
 

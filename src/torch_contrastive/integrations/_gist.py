@@ -4,7 +4,7 @@ strips (no N x N matrix held); the cached form embeds in mini-batches and replay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -86,8 +86,11 @@ class GISTEmbedLoss(nn.Module):
         with torch.no_grad():
             return [_embed(self.guide, self._guide_features(f)) for f in columns]
 
-    def compute_loss_from_embeddings(self, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
-        """The loss of ``[anchor, positive(, negative)]`` and the guide's embeddings of the same rows."""
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], guide_embeddings: list[Tensor],
+                                     prefixes: tuple[Sequence[int], Sequence[float]] | None = None) -> Tensor:
+        """The loss of ``[anchor, positive(, negative)]`` and the guide's embeddings of the same rows;
+        ``prefixes`` ``(dims, weights)``: every Matryoshka prefix's, weighted and summed, in one pass (see
+        :func:`gist_loss`)."""
         if len(embeddings) not in (2, 3) or len(guide_embeddings) != len(embeddings):
             raise ValueError(f"expected 2 or 3 embedding columns and as many guide columns, got {len(embeddings)} and {len(guide_embeddings)}")
         third = len(embeddings) == 3
@@ -95,17 +98,25 @@ class GISTEmbedLoss(nn.Module):
                          embeddings[2] if third else None, guide_embeddings[2] if third else None, temperature=self.temperature,
                          margin=self.margin, margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
                          contrast_positives=self.contrast_positives, gather=self.gather_across_devices,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, prefixes=prefixes)
 
 
 def gist_loss(anchor: Tensor, positive: Tensor, guide_anchor: Tensor, guide_positive: Tensor,
               negative: Tensor | None = None, guide_negative: Tensor | None = None, *, temperature: float = 0.01,
               margin: float = 0.0, margin_strategy: str = "absolute", contrast_anchors: bool = True,
-              contrast_positives: bool = True, gather: bool = False, chunk_size: int | None = None) -> Tensor:
-    """GISTEmbed's loss on embeddings (see :class:`GISTEmbedLoss`); the mean over this rank's anchors."""
-    unit = [F.normalize(_wide(x), dim=-1) for x in (anchor, positive)]
+              contrast_positives: bool = True, gather: bool = False, chunk_size: int | None = None,
+              prefixes: tuple[Sequence[int], Sequence[float]] | None = None) -> Tensor:
+    """GISTEmbed's loss on embeddings (see :class:`GISTEmbedLoss`); the mean over this rank's anchors.
+
+    ``prefixes``: ``(dims, weights)``: ``sum_p w_p`` of the loss of every embedding cut to ``d_p`` features and
+    normalised on its own (Matryoshka; the guide's embeddings are not cut), in one pass: each block's products
+    accumulate over the feature bands, ``D`` per pair for every prefix, and the guide's verdicts are formed once.
+    """
+    dims, weights = (None, None) if prefixes is None else (list(prefixes[0]), [float(w) for w in prefixes[1]])
+    # the model's rows: normalised here for the plain loss, per prefix (raw here) for Matryoshka
+    unit = [_wide(x) if dims else F.normalize(_wide(x), dim=-1) for x in (anchor, positive)]
     g_unit = [F.normalize(_wide(x.detach()), dim=-1) for x in (guide_anchor, guide_positive)]
-    neg = None if negative is None else F.normalize(_wide(negative), dim=-1)
+    neg = None if negative is None else _wide(negative) if dims else F.normalize(_wide(negative), dim=-1)
     g_neg = None if guide_negative is None else F.normalize(_wide(guide_negative.detach()), dim=-1)
     batch, offset = anchor.shape[0], 0
     a, p_local = unit
@@ -126,24 +137,50 @@ def gist_loss(anchor: Tensor, positive: Tensor, guide_anchor: Tensor, guide_posi
         g_pos = (ga[start:stop] * gp_all[offset + start:offset + stop]).sum(1, keepdim=True)
         limit = g_pos - (margin * g_pos.abs() if margin_strategy == "relative" else margin)
 
-        def block(x: Tensor, y: Tensor, gx: Tensor, gy: Tensor, keep_positive: bool = False) -> Tensor:
-            drop = gx @ gy.T > limit
+        def drop(gx: Tensor, gy: Tensor, keep_positive: bool = False) -> Tensor:
+            """The guide's verdict: the candidates it rates above the row's positive leave the row."""
+            out = gx @ gy.T > limit
             if keep_positive:
-                drop[rows, own] = False
-            return (x @ y.T).masked_fill(drop, -torch.inf)
+                out[rows, own] = False
+            return out
 
-        blocks = [block(a[start:stop], p_all, ga[start:stop], gp_all, keep_positive=True)]
+        pieces = [(a[start:stop], p_all, drop(ga[start:stop], gp_all, keep_positive=True))]
         if contrast_anchors:
-            blocks.append(block(a[start:stop], a, ga[start:stop], ga))
+            pieces.append((a[start:stop], a, drop(ga[start:stop], ga)))
         if contrast_positives:
-            blocks.append(block(p_all[offset + start:offset + stop], p_all, gp_all[offset + start:offset + stop], gp_all))
+            pieces.append((p_all[offset + start:offset + stop], p_all, drop(gp_all[offset + start:offset + stop], gp_all)))
         if n_all.shape[0]:
-            blocks.append(block(a[start:stop], n_all, ga[start:stop], gn_all))
-        logits = torch.cat(blocks, dim=1) / temperature
-        return torch.logsumexp(logits, dim=1) - logits[rows, own]
+            pieces.append((a[start:stop], n_all, drop(ga[start:stop], gn_all)))
+        if dims is None or weights is None:
+            logits = torch.cat([(x @ y.T).masked_fill(out, -torch.inf) for x, y, out in pieces], dim=1) / temperature
+            return torch.logsumexp(logits, dim=1) - logits[rows, own]
+        per_prefix = [_prefix_cosines(x, y, dims) for x, y, _ in pieces]  # each piece's cosines of every prefix
+        total = a.new_zeros(stop - start)
+        for k, w in enumerate(weights):
+            logits = torch.cat([c[k].masked_fill(out, -torch.inf) for c, (_, _, out) in zip(per_prefix, pieces)], dim=1) / temperature
+            total = total + w * (torch.logsumexp(logits, dim=1) - logits[rows, own])
+        return total
 
     width = p_all.shape[0] * (1 + contrast_positives) + batch * contrast_anchors + n_all.shape[0]
+    # a strip holds every prefix's logits at once under Matryoshka
+    width *= 1 if dims is None else len(set(dims)) + 1
     return per_row_losses(row_loss, batch, width, (a, ga, p_all, gp_all, n_all, gn_all), chunk_size).mean()
+
+
+def _prefix_cosines(x: Tensor, y: Tensor, dims: list[int]) -> list[Tensor]:
+    """``normalize(x[:, :d]) @ normalize(y[:, :d]).T`` for every ``d`` of ``dims`` (in that order), from one running
+    sum of the products over the feature bands between the distinct prefix ends: ``D`` products per pair for all
+    of them (autograd's backward, too, takes each band's product once)."""
+    cuts = sorted(set(dims))
+    raw, sq_x, sq_y = [x[:, :0] @ y[:, :0].T], [x.new_zeros(x.shape[0])], [y.new_zeros(y.shape[0])]
+    for lo, hi in zip((0, *cuts[:-1]), cuts):
+        raw.append(raw[-1] + x[:, lo:hi] @ y[:, lo:hi].T)
+        sq_x.append(sq_x[-1] + x[:, lo:hi].pow(2).sum(1))
+        sq_y.append(sq_y[-1] + y[:, lo:hi].pow(2).sum(1))
+    # x / max(||x||, eps) per prefix, as F.normalize
+    cos = [r / sx.sqrt().clamp_min(1e-12)[:, None] / sy.sqrt().clamp_min(1e-12)[None, :]
+           for r, sx, sy in zip(raw[1:], sq_x[1:], sq_y[1:])]
+    return [cos[cuts.index(d)] for d in dims]
 
 
 class CachedGISTEmbedLoss(GISTEmbedLoss, _GradientCache):

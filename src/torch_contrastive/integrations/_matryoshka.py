@@ -21,6 +21,7 @@ from ..distributed import all_gather_with_grad, is_active
 from ..engine.prefixes import Targets
 from ..losses.matryoshka import matryoshka_info_nce_loss, one_pass_softmax
 from ..losses.prefix_calls import check_prefixes, prefix_sum, shrink
+from ._gist import GISTEmbedLoss
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
     SYMMETRIC_PARTITION,
@@ -96,14 +97,15 @@ class MatryoshkaLoss(nn.Module):
 
     Args:
         model: the SentenceTransformer being trained.
-        loss: the inner loss; the ranking losses of this module run every prefix in one pass.
+        loss: the inner loss; the ranking losses and GIST of this module run every prefix in one pass.
         matryoshka_dims: prefix sizes (sorted largest first, with their weights, as the peer does).
         matryoshka_weights: one weight per dim (None: all 1).
         n_dims_per_step: the prefixes per call: -1 all, else a random sample of that many (Python's
             ``random``, as the peer draws them).
 
-    Memory and products: the ranking losses take ``D`` products per pair for all prefixes together
-    (the peer ``sum(d_p)``) and one strip of tiles per distinct prefix; other losses as the peer.
+    Memory and products: the ranking losses and GIST take ``D`` products per pair for all prefixes together
+    (the peer ``sum(d_p)``) and one strip of tiles per distinct prefix (GIST runs its guide once); other losses
+    as the peer.
     """
 
     def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
@@ -135,6 +137,8 @@ class MatryoshkaLoss(nn.Module):
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
         dims, weights = self._prefixes(isinstance(self.loss, _GradientCache))
+        if isinstance(self.loss, GISTEmbedLoss):  # the guide's embeddings once, every prefix in one pass
+            return self._gist(self.loss, features, labels, dims, weights)
         if isinstance(self.loss, _GradientCache):  # ours: one embedding pass and one replay for every prefix
             base = self.loss.embedding_loss(features, labels)
             return self.loss.cached_forward(features, labels,
@@ -143,6 +147,20 @@ class MatryoshkaLoss(nn.Module):
             embeddings = [_embed(self.loss.model, f) for f in features]
             return self.loss_from_embeddings(embeddings, labels, dims, weights, self.loss.compute_loss_from_embeddings)
         return self._per_prefix(features, labels, dims, weights)
+
+    @staticmethod
+    def _gist(inner: GISTEmbedLoss, features: list[dict[str, Tensor]], labels: Tensor | None, dims: list[int],
+              weights: list[float]) -> Tensor:
+        """GISTEmbed (cached or not) over every prefix: the guide run once (its embeddings are not cut), the model's
+        embeddings once (the cached form: in mini-batches, replayed once), the prefixes' products in one pass."""
+        guides = inner.guide_embeddings(features)
+
+        def every_prefix(embeddings: list[Tensor], _labels: Tensor | None) -> Tensor:
+            return inner.compute_loss_from_embeddings(embeddings, guides, (dims, weights))
+
+        if isinstance(inner, _GradientCache):
+            return inner.cached_forward(features, labels, every_prefix)
+        return every_prefix([_embed(inner.model, f) for f in features], labels)
 
     def loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int], weights: Sequence[float],
                              base: Callable[[list[Tensor], Tensor | None], Tensor] | None = None) -> Tensor:
