@@ -795,6 +795,18 @@ MUTATIONS = [
              "            total = total + w * (torch.logsumexp(logits, dim=1) - logits[rows, own])",
              "            total = total + (torch.logsumexp(logits, dim=1) - logits[rows, own])",
              "GIST over Matryoshka prefixes: the prefixes' weights ignored", ("tests/integrations/test_gist_prefixes.py",)),
+    Mutation(f"{E}/prefixes.py", "                    logits.masked_fill_(left, -torch.inf)", "                    pass",
+             "Matryoshka's one pass: InfoNCE's false negatives stay in the value's soft-max", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/prefixes.py", "        soft = soft.masked_fill(left, -torch.inf)", "        soft = soft",
+             "Matryoshka's one pass: InfoNCE's false negatives stay in the gradient's soft-max", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/prefix_forms.py",
+             "        key_group = Exclusion(relation=Positives.from_keys(zeros, zeros, self_offset=None), keep_diagonal=0)",
+             "        key_group = Exclusion(relation=Positives.from_keys(zeros, zeros, self_offset=None), keep_diagonal=None)",
+             "Matryoshka's one pass: MoCo's in_batch_negatives=False leaves the positive out too", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{PKG}/losses/prefix_forms.py",
+             "    return query, candidates, Targets(exclude_positive=rules.decoupled, smoothing=smoothing, leave_out=leave_out), False",
+             "    return query, candidates, Targets(exclude_positive=False, smoothing=smoothing, leave_out=leave_out), False",
+             "Matryoshka's one pass: InfoNCE's DCL keeps the positive in the soft-max", ("tests/losses/test_matryoshka.py",)),
 ]
 
 

@@ -127,7 +127,26 @@ def test_the_per_prefix_wrapper_equals_the_loop_and_clip_equals_the_one_pass_for
         tc.matryoshka_loss("clip", [img], [8])
 
 
+def _rows(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 ONE_PASS = {
+    # InfoNCE's false negatives (ids, a guide at its full width, MoCo's in_batch_negatives=False, DCL) and smoothing
+    "info_nce_ids": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (8, 8, 5)],
+                     {"key_ids": torch.tensor([0, 1, 0, 2, 3, 1, 4, 5]), "negative_ids": torch.tensor([2, 9, 0, 7, 1]),
+                      "temperature": 0.2, "chunk_size": 3}),
+    "info_nce_guide": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (8, 8, 5)],
+                       {"guide": (_rows(8, 6, seed=1), _rows(8, 6, seed=1) + 0.4 * _rows(8, 6, seed=2), _rows(5, 6, seed=3)),
+                        "guide_margin": 0.05, "guide_margin_mode": "relative", "reduction": "none"}),
+    "info_nce_moco": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (8, 8, 6)],
+                      {"in_batch_negatives": False, "temperature": 0.1, "reduction": "sum"}),
+    "info_nce_moco_dcl": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (8, 8, 6)],
+                          {"in_batch_negatives": False, "decoupled": True}),
+    "info_nce_ids_dcl": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (8, 8)],
+                         {"key_ids": torch.tensor([0, 1, 0, 2, 3, 1, 4, 5]), "decoupled": True, "temperature": 0.3}),
+    "info_nce_smoothing": (tc.info_nce_loss, lambda g: [torch.randn(n, 12, generator=g, dtype=torch.float64) for n in (8, 8)],
+                           {"label_smoothing": 0.1, "temperature": 0.2}),
     # SupCon's value rules: the authors' tau / tau_base scale, and single_class="zero" (0 for a batch of one class)
     "supcon_base_temperature": (tc.supcon_loss, lambda g: [torch.randn(5, 2, 12, generator=g, dtype=torch.float64)],
                                 {"labels": torch.tensor([0, 1, 0, 2, 1]), "temperature": 0.1, "base_temperature": 0.07}),
@@ -269,7 +288,8 @@ def test_the_one_pass_forms_equal_one_call_per_prefix(name):
 
     fn, make, kwargs = ONE_PASS[name]
     inputs = [t.to(DEVICE).requires_grad_() for t in make(torch.Generator().manual_seed(len(name)))]
-    kwargs = {k: (a.to(DEVICE) if isinstance(a, torch.Tensor) else a) for k, a in kwargs.items()}
+    kwargs = {k: (a.to(DEVICE) if isinstance(a, torch.Tensor) else tuple(t.to(DEVICE) for t in a) if isinstance(a, tuple) else a)
+              for k, a in kwargs.items()}
     dims, weights = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
     assert _one_pass(fn, inputs, kwargs) is not None
     got = tc.matryoshka_loss(fn, inputs, dims, weights, **kwargs)
@@ -338,6 +358,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
     for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64), "labels": labels}),
                                 (tc.supcon_loss, [x], {"labels": labels, "single_class": "drop"}),
+                                (tc.info_nce_loss, [x, x, x.view(8, 1, 6)], {"negative_mode": "paired"}),
+                                (tc.info_nce_loss, [x, x, x], {"label_smoothing": 0.1}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
                                                                                         "negative_only": True}),

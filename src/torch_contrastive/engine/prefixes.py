@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..positives import Exclusion
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class Targets:
             anchor (NT-Xent's DCLW): ``LSE_i - w_i S_ip``; constants (a weight's own gradient is the caller's).
         population: label smoothing's ``(G, N)`` when the anchors are one rank's share of the loss (``gather``):
             every rank's positive pairs and rows; None: this call's own.
+        leave_out: InfoNCE's false negatives (one positive per anchor): ``(first column, end column, exclusion)`` per
+            group of candidates (the keys, the pool), each :class:`~torch_contrastive.positives.Exclusion` in its
+            group's own columns; the candidates it marks leave the anchor's soft-max (never its positive).
     """
 
     partner: Tensor | None = None
@@ -111,6 +117,7 @@ class Targets:
     offset: int = 0
     positive_weight: Tensor | None = None
     population: tuple[Tensor, int] | None = None
+    leave_out: tuple[tuple[int, int, Exclusion], ...] = ()
 
     def strip(self, start: int, stop: int, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Rows ``start:stop``: (the positive column of each row, None, None) or (None, the positive mask,
@@ -134,6 +141,17 @@ class Targets:
         for r, c in zip(rows[1:], cols_k[1:]):
             mask |= r[start:stop, None] == c[None, :]
         return mask
+
+    def left_out(self, start: int, stop: int, m: int, device: torch.device) -> Tensor | None:
+        """Rows ``start:stop``'s (rows, ``m``) bool mask of the candidates :attr:`leave_out` marks, or None."""
+        out: Tensor | None = None
+        for first, end, exclusion in self.leave_out:
+            block = exclusion.tile(start, stop, 0, end - first)
+            if block is not None:
+                if out is None:
+                    out = torch.zeros(stop - start, m, dtype=torch.bool, device=device)
+                out[:, first:end] = block  # (a copy: a guide's verdict is a buffer the next tile reuses)
+        return out
 
     def positives(self, n: int, strip: int, device: torch.device) -> Tensor | None:
         """The positives of each of the ``n`` anchors (taken ``strip`` rows at a time), or None when every
@@ -185,11 +203,14 @@ class PrefixSoftmax(torch.autograd.Function):
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
             cols, mask, count = targets.strip(start, stop, a.device)
+            left = targets.left_out(start, stop, c.shape[0], a.device) if targets.leave_out else None
             counted = counted + (stop - start if count is None else count.sum() if targets.by_pairs else (count > 0).sum())
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
                 if s is not None:  # a learnable scale: the plan's logits are the cosines
                     logits.mul_(s)
+                if left is not None:  # InfoNCE's false negatives leave the soft-max (the mask never holds the positive)
+                    logits.masked_fill_(left, -torch.inf)
                 per_row, positive = _row_terms(logits, lse, k, start, stop, targets, cols, mask, count)
                 if smooth is not None:
                     per_row = smooth.terms(per_row, lse[start:stop, k], logits.sum(1))
@@ -224,11 +245,12 @@ class PrefixSoftmax(torch.autograd.Function):
         dtype = _compute_dtype(anchors)
         learned = LearnedScale(given, dtype, device)
         strip = PerStrip(lambda start, stop: targets.strip(start, stop, device))
+        left = PerStrip(lambda start, stop: targets.left_out(start, stop, candidates.shape[0], device) if targets.leave_out else None)
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             w = None if targets.positive_weight is None else targets.positive_weight[start:stop, k]
             tile, col_tile = _softmax_tiles(learned.logits(cos), start, targets, strip(start, stop), lse[start:stop, k],
-                                            col_lse[:, k] if targets.columns else None, col_count, smooth, w)
+                                            col_lse[:, k] if targets.columns else None, col_count, smooth, w, left(start, stop))
             if g_rows is not None:  # per-row values: each row's (and column's) own incoming gradient
                 tile = _rows_weighted(tile, g_rows, g_cols, start, stop, col_tile)
             elif col_tile is not None:
@@ -244,7 +266,7 @@ class PrefixSoftmax(torch.autograd.Function):
 
 def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Tensor | None, Tensor | None, Tensor | None],
                    row_lse: Tensor, col_lse: Tensor | None, col_count: Tensor, smooth: _Smoothing | None,
-                   positive_weight: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                   positive_weight: Tensor | None = None, left: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """A strip's gradient tiles of one prefix from its ``logits``: the rows' (soft-max minus the positive part,
     weighted by ``positive_weight``, the strip's rows' weights of this prefix) and, with CLIP's columns, the
     columns'. The left-out entries are set to ``-inf`` for the soft-max and put back after (the products read
@@ -260,6 +282,8 @@ def _softmax_tiles(logits: Tensor, start: int, targets: Targets, strip: tuple[Te
         logits[rows, cols] = -torch.inf  # type: ignore[index]
     # DCL by keys: the positives leave both soft-maxes (a copy; the logits stay as they are)
     soft = logits.masked_fill(mask, -torch.inf) if targets.exclude_positive and mask is not None else logits
+    if left is not None:  # InfoNCE's false negatives (a copy; never the positive, which the mask leaves in)
+        soft = soft.masked_fill(left, -torch.inf)
     tile = soft.sub(row_lse[:, None]).exp_()
     col_tile = None if col_lse is None else soft.sub(col_lse[None, :]).exp_()
     row_soft = None if smooth is None else tile.clone()  # the soft-maxes as they are, for the smoothed coefficient
@@ -418,8 +442,8 @@ class _Smoothing:
     def of(targets: Targets, a: Tensor, strip: int) -> _Smoothing | None:
         if not targets.smoothing:
             return None
-        if targets.exclude_self or targets.exclude_positive:
-            raise ValueError("label smoothing leaves nothing out of the soft-max (not with DCL or a single set)")
+        if targets.exclude_self or targets.exclude_positive or targets.leave_out:
+            raise ValueError("label smoothing leaves nothing out of the soft-max (not with DCL, false negatives or a single set)")
         if targets.population is not None:  # one rank's share of a gathered loss: every rank's G and N
             return _Smoothing(targets.smoothing, targets.population[0].to(a.dtype), targets.population[1])
         n = a.shape[0]

@@ -121,9 +121,8 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
     two_d = all(t.ndim == 2 for t in tensors)
     if loss_fn is image_text_contrastive_loss and len(tensors) == 2 and two_d:
         return _image_text_form(tensors, kwargs, keys)
-    if loss_fn is info_nce_loss and not keys and len(tensors) in (2, 3) and two_d:
-        candidates = tensors[1] if len(tensors) == 2 else torch.cat([tensors[1], tensors[2].to(tensors[1].dtype)])
-        return tensors[0], candidates, Targets(), False
+    if loss_fn is info_nce_loss and len(tensors) in (2, 3) and two_d:
+        return _info_nce_form(tensors, kwargs, keys)
     if loss_fn is nt_xent_loss and keys <= {"pairing", "decoupled"} and len(tensors) == 1 and two_d and tensors[0].shape[0] % 2 == 0:
         pairing, n = kwargs.get("pairing", _default(nt_xent_loss, "pairing")), tensors[0].shape[0]
         decoupled = kwargs.get("decoupled", False)
@@ -153,6 +152,50 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
             return z[:bsz], z, Targets(row_keys=keys_all[:bsz], col_keys=keys_all, exclude_self=True), False
         return z, z, Targets(row_keys=keys_all, col_keys=keys_all, exclude_self=True), False
     return None
+
+
+#: InfoNCE's arguments the one pass takes (the ones the loss's false-negative rules read, and the candidates' groups).
+_INFO_NCE = {"key_ids", "negative_ids", "guide", "guide_margin", "guide_margin_mode", "decoupled", "in_batch_negatives",
+             "negative_mode", "label_smoothing", "gather_negatives"}
+
+
+def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
+    """InfoNCE: query ``i`` against the keys, then the pool of negatives, key ``i`` its positive; the false negatives
+    the loss's rules name (duplicate ids, a guide's verdict -- the guide at its full width --, the other keys with
+    ``in_batch_negatives=False``) leave the soft-max, DCL's positive too; label smoothing over the keys alone. None
+    for paired negatives and what the loss refuses (it then says why)."""
+    from ..positives import Exclusion, Positives
+    from ._false_negatives import false_negative_rules, key_exclusion, pool_exclusion
+
+    if not keys <= _INFO_NCE or kwargs.get("negative_mode", "unpaired") != "unpaired":
+        return None
+    query, key = tensors[0], tensors[1]
+    negatives = tensors[2].to(key.dtype) if len(tensors) == 3 else None
+    in_batch, n = kwargs.get("in_batch_negatives", True), query.shape[0]
+    smoothing = v.check_fraction(kwargs.get("label_smoothing", 0.0), "label_smoothing")
+    if not isinstance(in_batch, bool) or key.shape[0] != n or (not in_batch and negatives is None):
+        return None
+    checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
+    rules = false_negative_rules(query, negatives, False, kwargs.get("key_ids"), kwargs.get("negative_ids"), kwargs.get("guide"),
+                                 kwargs.get("guide_margin", 0.0), kwargs.get("guide_margin_mode", "absolute"),
+                                 kwargs.get("decoupled", False), float(kwargs.get("eps", 1e-12)), checks)
+    checks.flush()
+    if smoothing and (rules.any or negatives is not None or not in_batch):
+        return None  # smoothing over the keys alone here; the loss refuses it with the rules
+    scope = Scope()  # one process: the call's own rows (under gather the one pass leaves these rules per prefix)
+    # DCL's positive leaves through the targets; the exclusions keep it
+    kept = replace(rules, decoupled=False)
+    positives = Positives.from_partner(torch.arange(n, device=query.device), n, self_offset=None, shift=0)
+    key_group = key_exclusion(kept, positives, scope)
+    if not in_batch:  # every other key leaves: all pairs "equal", the positive kept
+        zeros = torch.zeros(n, dtype=torch.int64, device=query.device)
+        key_group = Exclusion(relation=Positives.from_keys(zeros, zeros, self_offset=None), keep_diagonal=0)
+    groups = [(0, n, key_group)]
+    if negatives is not None:
+        groups.append((n, n + negatives.shape[0], pool_exclusion(kept, False, scope)))
+    candidates = key if negatives is None else torch.cat([key, negatives])
+    leave_out = tuple((first, end, ex) for first, end, ex in groups if ex is not None)
+    return query, candidates, Targets(exclude_positive=rules.decoupled, smoothing=smoothing, leave_out=leave_out), False
 
 
 #: The keyword arguments that carry rows of features besides the embeddings (a memory, a reference set):

@@ -26,8 +26,10 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     texts against every image). Each rank sums its anchors' terms and :meth:`~torch_contrastive.distributed.Scope.finish`
     divides by the global count (``grad_reduction`` as the losses apply it); ``reduction="none"``: this rank's
     anchors' values. None for a sample mask (which the loss refuses with ``gather=True``)."""
-    from . import image_text_contrastive_loss, nt_xent_loss
+    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss
 
+    if loss_fn is info_nce_loss and keys:
+        return None  # InfoNCE's false-negative rules and candidate groups are this rank's: per prefix, as the loss
     given_weight = kwargs.get("positive_weight") if loss_fn is nt_xent_loss else None
     form = _softmax_form(loss_fn, tensors, kwargs, keys - {"positive_weight"} if loss_fn is nt_xent_loss else keys)
     if form is None or form[2].sample_mask is not None or (given_weight is not None and form[2].partner is None):
