@@ -360,6 +360,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.supcon_loss, [x], {"labels": labels, "single_class": "drop"}),
                                 (tc.info_nce_loss, [x, x, x.view(8, 1, 6)], {"negative_mode": "paired"}),
                                 (tc.info_nce_loss, [x, x, x], {"label_smoothing": 0.1}),
+                                (tc.info_nce_loss, [x, x, x], {"gather_negatives": "yes"}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
                                                                                         "negative_only": True}),

@@ -173,8 +173,10 @@ def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]
     negatives = tensors[2].to(key.dtype) if len(tensors) == 3 else None
     in_batch, n = kwargs.get("in_batch_negatives", True), query.shape[0]
     smoothing = v.check_fraction(kwargs.get("label_smoothing", 0.0), "label_smoothing")
-    if not isinstance(in_batch, bool) or key.shape[0] != n or (not in_batch and negatives is None):
-        return None
+    spread = kwargs.get("gather_negatives")
+    if not isinstance(in_batch, bool) or key.shape[0] != n or (not in_batch and negatives is None) or \
+            not (spread is None or isinstance(spread, bool)):
+        return None  # let the loss refuse it
     checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
     rules = false_negative_rules(query, negatives, False, kwargs.get("key_ids"), kwargs.get("negative_ids"), kwargs.get("guide"),
                                  kwargs.get("guide_margin", 0.0), kwargs.get("guide_margin_mode", "absolute"),
