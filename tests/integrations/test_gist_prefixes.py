@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_contrastive.integrations.sentence_transformers  # noqa: F401 -- loads _gist after the pieces it uses
 from device import DEVICE
-from torch_contrastive.integrations.sentence_transformers import gist_loss
+from torch_contrastive.integrations._gist import gist_loss
 from torch_contrastive.losses.prefix_calls import shrink
 
 

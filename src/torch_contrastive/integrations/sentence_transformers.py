@@ -42,7 +42,7 @@ from ..losses import info_nce_loss
 from ._strips import per_row_losses
 
 __all__ = ["CachedGISTEmbedLoss", "CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
-           "MatryoshkaLoss", "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "gist_loss", "mnrl_loss"]
+           "MatryoshkaLoss", "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "mnrl_loss"]
 
 #: The symmetric losses' terms: sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` is its
 #: ranking loss over both directions, each direction's log-sum-exp on its own, averaged.
@@ -500,5 +500,5 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
                          SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION, show_progress_bar, chunk_size=chunk_size)
 
 
-from ._gist import CachedGISTEmbedLoss, GISTEmbedLoss, gist_loss  # noqa: E402 -- they use the pieces above
+from ._gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402 -- they use the pieces above
 from ._matryoshka import MatryoshkaLoss  # noqa: E402 -- it wraps the classes above
