@@ -807,6 +807,11 @@ MUTATIONS = [
              "    return query, candidates, Targets(exclude_positive=rules.decoupled, smoothing=smoothing, leave_out=leave_out), False",
              "    return query, candidates, Targets(exclude_positive=False, smoothing=smoothing, leave_out=leave_out), False",
              "Matryoshka's one pass: InfoNCE's DCL keeps the positive in the soft-max", ("tests/losses/test_matryoshka.py",)),
+    Mutation(f"{E}/driver.py", "    return [denom[:n], norm[:n], denom[n:], norm[n:]]", "    return [denom[n:], norm[n:], denom[:n], norm[:n]]",
+             "two stacked sets on tensor-core products: each set takes the other's inverse norms", ("tests/engine/test_planner.py",)),
+    Mutation(f"{E}/driver.py", "        both, _, scale_c = to_compute(torch.cat([a, b]), None, scale)",
+             "        both, _, scale_c = to_compute(torch.cat([b, a]), None, scale)",
+             "two stacked sets of one dtype: the stack's parts swapped"),
 ]
 
 

@@ -81,6 +81,11 @@ def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
             b_c, denom, norm = normalize_rows(b, eps)
             kept += [denom, cast(Tensor, norm)]
         return a_c, a_c if b is None else b_c, _compute_scale(scale, a.device, a_c.dtype), kept
+    if normalize and stacked and b is not None and a.dtype == b.dtype:
+        # one stack of the rows as given, widened once (half rows: one copy instead of two)
+        both, _, scale_c = to_compute(torch.cat([a, b]), None, scale)
+        rows, denom, norm = l2_normalize(both, eps)
+        return rows[: a.shape[0]], rows[a.shape[0] :], scale_c, [denom, norm, rows]
     a_c, b_c, scale_c = to_compute(a, b, scale)
     norms: list[Tensor] = []
     if normalize and stacked and b is not None:
@@ -307,8 +312,16 @@ def _forward(ctx: Any, kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, s
     ctx.by_kernel = by_kernel(plan, a, b)
     ctx.stacked = b is not None and getattr(plan, "stack_rows", False)
     a_c, b_c, scale_c, norms = prepare_inputs(a, b, scale, plan.normalize, plan.eps, ctx.by_kernel, ctx.stacked)
-    outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, norms), extras)
+    per_set = _per_set(norms, a_c.shape[0]) if ctx.stacked else norms
+    outputs, named = kernel.forward(ctx, plan, Operands(a, b, a_c, b_c, scale_c, per_set), extras)
     return outputs, named, a_c, b_c, scale_c, norms
+
+
+def _per_set(stack: list[Tensor], n: int) -> list[Tensor]:
+    """A stack's ``(denominator, norm, rows)`` as each set's own ``(denominator, norm)``, views: what the executors
+    read (tensor-core products take each set's inverse norms)."""
+    denom, norm = stack[0], stack[1]
+    return [denom[:n], norm[:n], denom[n:], norm[n:]]
 
 
 def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
@@ -321,7 +334,8 @@ def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
     ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
     plan = ctx.plan
     keep = unpack(ctx.keep_layout, rest[:n_keep])
-    out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, norms), grads)
+    out: Gradients = ctx.kernel.backward(ctx, plan, Saved(a, b, scale, keep, _per_set(norms, a.shape[0]) if ctx.stacked else norms),
+                                         grads)
     stack = (norms[0], norms[1], norms[2]) if ctx.stacked else None
     norm_a = (norms[0], norms[1]) if plan.normalize and stack is None else None
     norm_b = None if not plan.normalize or ctx.single or stack is not None else (norms[2], norms[3])

@@ -485,9 +485,9 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
 
 def _stacks(decision: Decision, problem: Problem) -> bool:
     """Two sets normalised as one stack of rows (half the normalisation ops, forward and backward; the
-    stack's one copy of the rows is small beside the logits): the torch backend with compute-dtype
-    products (tensor-core products read each set's own norms), rows normalised inside."""
-    return decision.backend == "torch" and not decision.half and problem.options.normalize and not problem.single
+    stack's one copy of the rows is small beside the logits): the torch backend, rows normalised inside
+    (tensor-core products read each set's part of the stack's norms)."""
+    return decision.backend == "torch" and problem.options.normalize and not problem.single
 
 
 def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPlan:
