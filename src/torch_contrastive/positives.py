@@ -369,16 +369,13 @@ class KeyPositives(Positives):
             block |= rk[r0:r1, None] == ck[None, c0:c1]
         return self._self_diagonal_cleared(block, r0, c0)
 
+    def pair_count(self) -> Tensor:
+        # the dense relation's one reduction (a small batch's per-pair mean pays no per-row pass)
+        return self.dense.sum() if self.dense is not None else super().pair_count()
+
     def row_counts(self) -> Tensor:
         if self.dense is not None:
             return self.dense.sum(1)
-        return self._grouped_counts()
-
-    def pair_count(self) -> Tensor:
-        # the dense relation's one reduction (a small batch's per-pair mean pays no per-row pass)
-        return self.dense.sum() if self.dense is not None else self._grouped_counts().sum()
-
-    def _grouped_counts(self) -> Tensor:
         device = self.row_keys[0].device
         counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         for rg, cg, n_bound, sign in self.key_terms:

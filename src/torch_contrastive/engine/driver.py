@@ -81,16 +81,14 @@ def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
             b_c, denom, norm = normalize_rows(b, eps)
             kept += [denom, cast(Tensor, norm)]
         return a_c, a_c if b is None else b_c, _compute_scale(scale, a.device, a_c.dtype), kept
-    if normalize and stacked and b is not None and a.dtype == b.dtype:
-        # one stack of the rows as given, widened once (half rows: one copy instead of two)
-        both, _, scale_c = to_compute(torch.cat([a, b]), None, scale)
+    if normalize and stacked and b is not None:
+        # one stack of the rows, widened once when they share a dtype (half rows: one copy instead of two)
+        pair = (a, b) if a.dtype == b.dtype else to_compute(a, b, scale)[:2]
+        both, _, scale_c = to_compute(torch.cat(pair), None, scale)
         rows, denom, norm = l2_normalize(both, eps)
         return rows[: a.shape[0]], rows[a.shape[0] :], scale_c, [denom, norm, rows]
     a_c, b_c, scale_c = to_compute(a, b, scale)
     norms: list[Tensor] = []
-    if normalize and stacked and b is not None:
-        rows, denom, norm = l2_normalize(torch.cat([a_c, b_c]), eps)
-        return rows[: a_c.shape[0]], rows[a_c.shape[0] :], scale_c, [denom, norm, rows]
     if normalize:
         a_c, *norm_a = l2_normalize(a_c, eps)
         norms += norm_a

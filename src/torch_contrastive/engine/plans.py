@@ -111,8 +111,9 @@ class SoftmaxPlan(_Device):
             kept-apart sums leave out), built once when planned; None otherwise.
         weighted: rows or columns carry weights (alpha or beta): the outputs need the positive
             logits besides the margins.
-        stack_rows: two sets normalised as one stack of rows (torch, compute-dtype products: each
-            normalisation op, forward and backward, runs once for both sets instead of once per set).
+        stack_rows: two sets normalised as one stack of rows (the torch backend, compute-dtype or
+            tensor-core products: each normalisation op, forward and backward, runs once for both sets
+            instead of once per set).
     """
 
     decision: Decision

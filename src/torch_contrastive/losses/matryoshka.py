@@ -26,7 +26,7 @@ from .. import _validation as v
 from ..distributed import Scope
 from ..engine.prefixes import Targets
 from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_term, refuse_shared_state
-from .prefix_forms import _SHARED, OnePass, _default, _pair_form, _shared_options, _sigmoid_form, _softmax_form, one_pass_softmax
+from .prefix_forms import _SHARED, OnePass, _default, _pair_form, _shared_options, _sigmoid_form, _weighted_form, one_pass_softmax
 from .prefix_gather import _gathered
 from .prefix_weights import PositiveWeights
 
@@ -113,13 +113,12 @@ def _local(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[s
            tau: float | Tensor, chunk: int | None, reduction: str) -> OnePass | None:
     """A soft-max form on one process: its anchors against its candidates (CLIP both directions from the same
     tiles), NT-Xent's positive terms weighted where the call gives weights."""
-    from . import image_text_contrastive_loss, nt_xent_loss
+    from . import image_text_contrastive_loss
 
-    given_weight = kwargs.get("positive_weight") if loss_fn is nt_xent_loss else None
-    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"positive_weight"} if loss_fn is nt_xent_loss else keys)
-    if form is None or (given_weight is not None and form[2].partner is None):
+    found = _weighted_form(loss_fn, tensors, kwargs, keys)
+    if found is None:
         return None
-    anchors, candidates, targets, symmetric = form
+    (anchors, candidates, targets, symmetric), given_weight = found
     temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     mean, per_row = reduction == "mean", reduction == "none"
     # CLIP's "sum" is N times its mean (its ids normalise by the positive pairs); the others sum their rows
@@ -128,12 +127,12 @@ def _local(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[s
         PositiveWeights(given_weight, anchors, candidates, targets.partner, reduction)  # NT-Xent's positive terms weighted (DCLW)
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        values = None if weighted is None else weighted.of(dims)
-        loss = one_pass_softmax(anchors, candidates, targets if weighted is None or values is None else weighted.targets(targets, values, dims),
-                                dims, weights, temperature, candidates if symmetric else None, 1e-12, chunk, named,
-                                mean=mean or times_rows, per_row=per_row, factor=float(anchors.shape[0]) if times_rows else 1.0)
-        own = None if weighted is None or values is None else weighted.gradient_term(values, dims, weights, temperature)
-        return loss if own is None else loss + own
+        def softmax(t: Targets) -> Tensor:
+            return one_pass_softmax(anchors, candidates, t, dims, weights, temperature, candidates if symmetric else None, 1e-12,
+                                    chunk, named, mean=mean or times_rows, per_row=per_row,
+                                    factor=float(anchors.shape[0]) if times_rows else 1.0)
+
+        return softmax(targets) if weighted is None else weighted.around(targets, dims, weights, temperature, softmax)
 
     return run
 

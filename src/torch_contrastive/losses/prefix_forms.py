@@ -154,6 +154,19 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
     return None
 
 
+def _weighted_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any],
+                   keys: set[str]) -> tuple[tuple[Tensor, Tensor, Targets, bool], Any] | None:
+    """:func:`_softmax_form` and NT-Xent's ``positive_weight`` beside it (None without one; a weight needs one
+    positive per anchor), or None."""
+    from . import nt_xent_loss
+
+    given = kwargs.get("positive_weight") if loss_fn is nt_xent_loss else None
+    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"positive_weight"} if loss_fn is nt_xent_loss else keys)
+    if form is None or (given is not None and form[2].partner is None):
+        return None
+    return form, given
+
+
 #: InfoNCE's arguments the one pass takes (the ones the loss's false-negative rules read, and the candidates' groups).
 _INFO_NCE = {"key_ids", "negative_ids", "guide", "guide_margin", "guide_margin_mode", "decoupled", "in_batch_negatives",
              "negative_mode", "label_smoothing", "gather_negatives"}

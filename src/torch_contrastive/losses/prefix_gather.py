@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import Scope, all_gather_with_grad
 from ..engine.prefixes import Targets
-from .prefix_forms import OnePass, _counted, _global_ids, _name_non_finite, _one_key, _softmax_form, _spread, one_pass_softmax
+from .prefix_forms import OnePass, _counted, _global_ids, _name_non_finite, _one_key, _spread, _weighted_form, one_pass_softmax
 from .prefix_weights import PositiveWeights
 
 
@@ -26,15 +26,14 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     texts against every image). Each rank sums its anchors' terms and :meth:`~torch_contrastive.distributed.Scope.finish`
     divides by the global count (``grad_reduction`` as the losses apply it); ``reduction="none"``: this rank's
     anchors' values. None for a sample mask (which the loss refuses with ``gather=True``)."""
-    from . import image_text_contrastive_loss, info_nce_loss, nt_xent_loss
+    from . import image_text_contrastive_loss, info_nce_loss
 
     if loss_fn is info_nce_loss and keys:
         return None  # InfoNCE's false-negative rules and candidate groups are this rank's: per prefix, as the loss
-    given_weight = kwargs.get("positive_weight") if loss_fn is nt_xent_loss else None
-    form = _softmax_form(loss_fn, tensors, kwargs, keys - {"positive_weight"} if loss_fn is nt_xent_loss else keys)
-    if form is None or form[2].sample_mask is not None or (given_weight is not None and form[2].partner is None):
+    found = _weighted_form(loss_fn, tensors, kwargs, keys)
+    if found is None or found[0][2].sample_mask is not None:
         return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
-    anchors, candidates, targets, _ = form
+    (anchors, candidates, targets, _), given_weight = found
     temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     if loss_fn is image_text_contrastive_loss:
         images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
@@ -59,12 +58,13 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         per_row = reduction == "none"  # this rank's anchors' values
-        values = None if weighted is None else weighted.of(dims)
-        first = directions[0] if weighted is None or values is None else \
-            (*directions[0][:2], weighted.targets(directions[0][2], values, dims))
-        local = one_pass_softmax(*first, dims, weights, temperature, None, 1e-12, chunk, None, mean=False, per_row=per_row)
-        own = None if weighted is None or values is None else weighted.gradient_term(values, dims, weights, temperature)
-        local = local if own is None else local + own
+
+        def softmax(t: Targets) -> Tensor:
+            return one_pass_softmax(*directions[0][:2], t, dims, weights, temperature, None, 1e-12, chunk, None, mean=False,
+                                    per_row=per_row)
+
+        first = directions[0][2]
+        local = softmax(first) if weighted is None else weighted.around(first, dims, weights, temperature, softmax)
         for a, c, t in directions[1:]:
             local = local + one_pass_softmax(a, c, t, dims, weights, temperature, None, 1e-12, chunk, None, mean=False, per_row=per_row)
         if per_row and len(directions) == 2:  # CLIP's rows: e_i with mean(e) the loss over every rank's rows

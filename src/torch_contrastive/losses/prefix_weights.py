@@ -60,6 +60,14 @@ class PositiveWeights:
         columns = [values[dims.index(cut)].detach().to(dtype) for cut in sorted(set(dims))]
         return replace(targets, positive_weight=torch.stack(columns, 1))
 
+    def around(self, targets: Targets, dims: list[int], weights: list[float], tau: float | Tensor,
+               softmax: Callable[[Targets], Tensor]) -> Tensor:
+        """``softmax(targets)`` with each prefix's weights in the targets, plus the weights' own gradient term."""
+        values = self.of(dims)
+        loss = softmax(self.targets(targets, values, dims))
+        own = self.gradient_term(values, dims, weights, tau)
+        return loss if own is None else loss + own
+
     def gradient_term(self, values: list[Tensor], dims: list[int], weights: list[float], tau: float | Tensor) -> Tensor | None:
         """``sum_p weight_p * reduce(-(w_p - stop_grad(w_p)) * S_p)``: zero in value, the weights' own gradient
         (the positives' logits ``S_p`` of prefix ``p`` held constant: the engine carries their gradient);
