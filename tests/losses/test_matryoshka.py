@@ -551,7 +551,7 @@ def test_a_module_subclass_that_rewrites_forward_goes_per_prefix():
             return 0.5 * super().forward(embeddings, labels)
 
     g = torch.Generator().manual_seed(5)
-    out0, out1 = (torch.randn(6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out0, out1 = (torch.randn(6, 8, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(2))
     for module in (Halved(0.2, pairing="halves"),):
         inputs = [torch.cat([out0, out1])]
         assert _one_pass(*_as_function(module, inputs, {})) is None
