@@ -51,6 +51,7 @@ class Mutation:
 E = f"{PKG}/engine"
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
+ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
     Mutation(f"{E}/driver.py", "            gscale = gscale / 2", "            gscale = gscale",
@@ -812,6 +813,25 @@ MUTATIONS = [
     Mutation(f"{E}/driver.py", "        pair = (a, b) if a.dtype == b.dtype else to_compute(a, b, scale)[:2]",
              "        pair = (b, a) if a.dtype == b.dtype else to_compute(a, b, scale)[:2]",
              "two stacked sets of one dtype: the stack's parts swapped"),
+    # the lean one-tile executor (engine/one_tile.py) and its planner gate
+    Mutation(f"{E}/one_tile.py", "        _put(e, places.left_out, places.zeros)",
+             "        _put(e, places.positives, places.zeros[: places.positives.shape[0]])",
+             "one-tile executor: the self pairs stay in a single set's sums", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "            _put(grad_tile, places.both, torch.cat([c, c]), accumulate=True)",
+             "            _put(grad_tile, places.positives, c, accumulate=True)",
+             "one-tile executor: a single set's mirrored positive entries get no coefficient", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "            grad_tile.diagonal().add_(c + torch.addcmul(zero(w_col), w_col, col_excess, value=-1))",
+             "            grad_tile.diagonal().add_(c)",
+             "one-tile executor: CLIP's column coefficient of the positive dropped", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "        return None, None, None, both[:n] if need_a else None, both[n:]",
+             "        return None, None, None, both[:n] if need_a else None, both[:n]",
+             "one-tile executor: the texts take the images' gradient", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):",
+             "        if total is None or autocast_enabled(a.device.type):",
+             "one-tile executor: a learnable temperature taken as a constant", ONE_TILE_TESTS),
+    Mutation(f"{E}/planner.py", "                and plan.apart is not None and plan.exclude is None and not plan.weighted and plan.column_comm is None)",
+             "                and plan.apart is not None and not plan.weighted and plan.column_comm is None)",
+             "planner: the one-tile executor takes a call with excluded candidates (false negatives)", ONE_TILE_TESTS),
 ]
 
 

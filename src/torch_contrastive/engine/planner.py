@@ -26,7 +26,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -466,7 +466,7 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
     # the one torch tile reads, clears and updates a strided relation's entries by flat places
     places = flat_places(positives, problem.self_offset, compute_dtype(problem.anchors.dtype)) \
         if tile_positives and isinstance(positives, PartnerPositives) and positives.layout is not None else None
-    return SoftmaxPlan(
+    chosen = SoftmaxPlan(
         decision=decision, self_offset=problem.self_offset, columns=columns, symmetric=problem.symmetric,
         normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
         column_positives=columns and stat.column_positives,
@@ -481,6 +481,25 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         places=places,
         weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)),
         stack_rows=_stacks(decision, problem))
+    return replace(chosen, one_tile=True) if one_tile(chosen, problem) else chosen
+
+
+def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
+    """Whether the lean one-tile executor (:mod:`.one_tile`) serves ``plan``: the torch backend's one
+    bounded tile in the compute dtype, rows normalised inside, an unweighted strided relation kept apart,
+    nothing excluded, one process; a single set visited as its symmetric triangle (the self pair left out,
+    no column terms), or two sets of one dtype on the identity layout (no self pair; the column terms with
+    their positives, or none) whose candidates all take a gradient. (Per call, :mod:`.one_tile` also
+    sends a reduction outside the engine, a tensor scale and an ambient autocast to the general executor.)"""
+    places, n_cols = plan.places, problem.shape[1]
+    if problem.single:
+        shape = plan.symmetric and plan.self_offset == 0 and not plan.columns
+    else:
+        shape = (not plan.symmetric and plan.self_offset is None and problem.anchors.dtype == problem.candidates.dtype
+                 and (plan.column_positives or not plan.columns) and getattr(plan.positives, "layout", None) == "identity")
+    return bool(shape and places is not None and plan.grad_columns == n_cols and plan.backend == "torch" and plan.single_tile
+                and plan.fixed and not plan.half and plan.operand_dtype is None and plan.normalize
+                and plan.apart is not None and plan.exclude is None and not plan.weighted and plan.column_comm is None)
 
 
 def _stacks(decision: Decision, problem: Problem) -> bool:

@@ -54,6 +54,11 @@ class _Device:
         return self.decision.operand_dtype
 
     @property
+    def executor(self) -> str:
+        """The executor's name in the engine's registry (:data:`~.solve.EXECUTORS`): the backend's."""
+        return self.decision.backend
+
+    @property
     def single_tile(self) -> bool:
         return self.decision.tile == 0
 
@@ -114,6 +119,8 @@ class SoftmaxPlan(_Device):
         stack_rows: two sets normalised as one stack of rows (the torch backend, compute-dtype or
             tensor-core products: each normalisation op, forward and backward, runs once for both sets
             instead of once per set).
+        one_tile: the lean one-tile executor serves the plan (:func:`~.planner.one_tile`:
+            :mod:`.one_tile`, the commonest small call without the general executor's Python).
     """
 
     decision: Decision
@@ -134,6 +141,12 @@ class SoftmaxPlan(_Device):
     places: FlatPlaces | None = None
     weighted: bool = False
     stack_rows: bool = False
+    one_tile: bool = False
+
+    @property
+    def executor(self) -> str:
+        """``"one_tile"`` for a plan the lean one-tile executor serves, else the backend's."""
+        return "one_tile" if self.one_tile else self.decision.backend
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,7 +7,7 @@ from typing import Any, overload
 
 from torch import Tensor
 
-from . import epilogue, pairwise, sigmoid, softmax, triton_executors
+from . import epilogue, one_tile, pairwise, sigmoid, softmax, triton_executors
 from .planner import plan
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 
@@ -31,14 +31,16 @@ def solve(problem: Problem[Any]) -> Any:
     (R,) row sums.
     """
     chosen = plan(problem)
-    return EXECUTORS[type(problem.statistic), chosen.backend].run(problem, chosen)
+    return EXECUTORS[type(problem.statistic), chosen.executor].run(problem, chosen)
 
 
-#: The executor of each (statistic, backend): an object with ``run(problem, plan)`` and the
-#: driver's ``forward`` / ``backward``. A new statistic is a description in ``problem.py``, its
+#: The executor of each (statistic, plan's executor: the backend, or ``"one_tile"`` for the lean one-tile
+#: soft-max plan): an object with ``run(problem, plan)`` (and, under the one driver, its ``forward`` /
+#: ``backward``). A new statistic is a description in ``problem.py``, its
 #: plan in ``plans.py`` (built by the planner), its executors, and an entry per backend here.
 EXECUTORS: dict[tuple[type, str], Any] = {
     (Softmax, "torch"): softmax.TORCH,
+    (Softmax, "one_tile"): one_tile.ONE_TILE,
     (Softmax, "triton"): triton_executors.SOFTMAX,
     (Softmax, "epilogue"): epilogue.SOFTMAX,
     (PairTerms, "torch"): pairwise.TORCH,
