@@ -52,6 +52,7 @@ E = f"{PKG}/engine"
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
+PAIR_TESTS = ("tests/engine/test_pairwise.py", "tests/engine/test_one_tile.py", "tests/losses/test_losses.py")
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
     Mutation(f"{E}/driver.py", "            gscale = gscale / 2", "            gscale = gscale",
@@ -829,9 +830,46 @@ MUTATIONS = [
     Mutation(f"{E}/one_tile.py", "        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):",
              "        if total is None or autocast_enabled(a.device.type):",
              "one-tile executor: a learnable temperature taken as a constant", ONE_TILE_TESTS),
-    Mutation(f"{E}/planner.py", "                and plan.apart is not None and plan.exclude is None and not plan.weighted and plan.column_comm is None)",
-             "                and plan.apart is not None and not plan.weighted and plan.column_comm is None)",
+    Mutation(f"{E}/planner.py", "            and plan.normalize and plan.exclude is None and plan.column_comm is None)",
+             "            and plan.normalize and plan.column_comm is None)",
              "planner: the one-tile executor takes a call with excluded candidates (false negatives)", ONE_TILE_TESTS),
+    # its label forms: SupCon's dense relation (_OneTileMask), the pair conventions (_OneTilePairs)
+    Mutation(f"{E}/one_tile.py", "        e.diagonal().zero_()  # the self pair", "        pass",
+             "one-tile SupCon: the self pair stays in the denominator", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "        grad_tile.addcmul_(weight, c[None, :])", "        pass",
+             "one-tile SupCon: the positives' coefficient misses the mirrored role (G^T)", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "_weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)",
+             "_weighted(log_total(row_sum, None, plan, n), alpha) - row_pos",
+             "one-tile SupCon: the positives' row weights (1 / |P_i|) ignored in forward", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "        neg.diagonal().zero_()  # the self pair is neither", "        pass",
+             "one-tile pair terms: the self pair counted as a negative", ONE_TILE_TESTS),
+    Mutation(f"{E}/one_tile.py", "        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads)",
+             "        tile = ctx.kernel.single_grad_fixed(tuple(kept), grads)",
+             "one-tile pair terms: the column role of each pair dropped (G for G + G^T)", ONE_TILE_TESTS),
+    Mutation(f"{E}/planner.py", "                and decision.backend == \"torch\" and decision.tile == 0 and decision.fixed and not decision.half",
+             "                and decision.backend == \"torch\" and decision.tile == 0 and not decision.half",
+             "planner: the one-tile pair executor takes a call whose |S| may overflow exp (no running maximum)", ONE_TILE_TESTS),
+    # the pair kernels' one tile read off one exponentiated tile; H = G + G^T of a symmetric relation
+    Mutation(f"{E}/pairwise.py", "        sig_pos = torch.div(neg_sum[:, None], torch.add(e, neg_sum[:, None])).mul_(pos)",
+             "        sig_pos = torch.div(e, torch.add(e, neg_sum[:, None])).mul_(pos)",
+             "PML one tile: the sigmoid of the wrong sign (e / t for N / t)", PAIR_TESTS),
+    Mutation(f"{E}/pairwise.py", "        sig = u.div_(torch.add(u, 1.0))  # saved for backward",
+             "        sig = u.div_(torch.add(u, 2.0))  # saved for backward",
+             "NT-BXent one tile: the sigmoid's denominator off by one", PAIR_TESTS),
+    Mutation(f"{E}/pairwise.py", "        h.diagonal().zero_()", "        pass",
+             "NT-BXent's symmetric gradient tile: the self pair takes the negatives' coefficient", PAIR_TESTS),
+    Mutation(f"{E}/pairwise.py", "        h.addcmul_(pos, torch.add(both[:, None], both[None, :]), value=-1)",
+             "        h.addcmul_(pos, torch.add(both[:, None], both[None, :]), value=1)",
+             "NT-BXent's symmetric gradient tile: positives pulled the wrong way", PAIR_TESTS),
+    Mutation(f"{E}/pairwise.py", "            if ctx.single and plan.fixed and isinstance(plan.positives, KeyPositives):  # a symmetric relation",
+             "            if plan.fixed and isinstance(plan.positives, KeyPositives):  # a symmetric relation",
+             "pair executor: two sets (a memory, a reference set) take one set's symmetric gradient tile", (*PAIR_TESTS, "tests/test_queue.py")),
+    Mutation(f"{PKG}/positives.py",
+             "            return self.dense_as(dtype).sum(1)\n", "            return self.dense_as(dtype).sum(1).clamp_max(1)\n",
+             "a dense key relation's row counts as values clamped at 1 (SupCon's 1 / |P_i|)", PAIR_TESTS),
+    Mutation(f"{PKG}/positives.py",
+             "            return self.dense_as(dtype).sum()\n", "            return self.dense_as(dtype).sum() + self.num_rows\n",
+             "a dense key relation's pair count as a value counts the self pairs (PML's mean)", PAIR_TESTS),
 ]
 
 

@@ -67,6 +67,9 @@ __all__ = [
 #: here). On a GPU the cost model decides (:func:`torch_contrastive.engine.planner.dense_relation`).
 DENSE_KEYS_LIMIT = 256 * 256
 
+# the floating dtypes whose sums of 0/1 values count exactly (up to 2**24 terms in float32)
+_EXACT_COUNTS = (torch.float32, torch.float64)
+
 
 def _dense_pays(rows: int, cols: int, device: torch.device) -> bool:
     from .engine.planner import dense_relation  # the engine imports this module: imported on first use
@@ -194,6 +197,14 @@ class Positives:
     def pair_count(self) -> Tensor:
         """0-dim int64 number of (anchor, positive) pairs, ``row_counts().sum()``."""
         return self.row_counts().sum()
+
+    def row_counts_as(self, dtype: torch.dtype) -> Tensor:
+        """:meth:`row_counts` as values of a floating ``dtype`` (a loss's per-row weights)."""
+        return self.row_counts().to(dtype)
+
+    def pair_count_as(self, dtype: torch.dtype) -> Tensor:
+        """:meth:`pair_count` as a 0-dim value of a floating ``dtype`` (a per-pair mean's denominator)."""
+        return self.pair_count().to(dtype)
 
     def aggregate(self, candidates: Tensor) -> Tensor:
         """(R, D) sum of the positive candidates of every anchor, ``sum_j P_ij c_j``.
@@ -376,6 +387,21 @@ class KeyPositives(Positives):
     def row_counts(self) -> Tensor:
         if self.dense is not None:
             return self.dense.sum(1)
+        return self._grouped_row_counts()
+
+    def row_counts_as(self, dtype: torch.dtype) -> Tensor:
+        # A dense relation's 0/1 values (converted once, read again by the tile) sum faster than its bools
+        # on a CPU, exactly: every count is an integer below 2**24 (float32's exact range; dense relations are small).
+        if self.dense is not None and dtype in _EXACT_COUNTS and self.num_cols < 2**24:
+            return self.dense_as(dtype).sum(1)
+        return super().row_counts_as(dtype)
+
+    def pair_count_as(self, dtype: torch.dtype) -> Tensor:
+        if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.numel() < 2**24:
+            return self.dense_as(dtype).sum()
+        return super().pair_count_as(dtype)
+
+    def _grouped_row_counts(self) -> Tensor:
         device = self.row_keys[0].device
         counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         for rg, cg, n_bound, sign in self.key_terms:

@@ -12,28 +12,34 @@ import torch
 import reference as ref
 import torch_contrastive as tc
 from device import DEVICE
-from torch_contrastive.engine import one_tile, softmax
+from torch_contrastive.engine import one_tile, pairwise, softmax
 
 solve_module = importlib.import_module("torch_contrastive.engine.solve")  # the module (the package exports the function)
 
 
+LEAN_FUNCTIONS = (one_tile._OneTile, one_tile._OneTileMask, one_tile._OneTilePairs)
+
+
 @pytest.fixture
 def lean_calls(monkeypatch):
-    """How many calls the one-tile function served (a list with one counter)."""
+    """How many calls the one-tile functions served, all three together (a list with one counter)."""
     count = [0]
-    real = one_tile._OneTile.apply
 
-    def counted(*args):
-        count[0] += 1
-        return real(*args)
+    def counting(real):
+        def counted(*args):
+            count[0] += 1
+            return real(*args)
+        return counted
 
-    monkeypatch.setattr(one_tile._OneTile, "apply", counted)
+    for fn in LEAN_FUNCTIONS:
+        monkeypatch.setattr(fn, "apply", counting(fn.apply))
     return count
 
 
 def _general(monkeypatch):
-    """Send every one-tile plan to the general torch executor (what ran before the one-tile executor)."""
+    """Send every one-tile plan to the general torch executors (what ran before the one-tile executors)."""
     monkeypatch.setitem(solve_module.EXECUTORS, (tc.engine.Softmax, "one_tile"), softmax.TORCH)
+    monkeypatch.setitem(solve_module.EXECUTORS, (tc.engine.PairTerms, "one_tile"), pairwise.TORCH)
 
 
 def _rows(n, d, dtype, seed):
@@ -53,7 +59,31 @@ def _lean_cases(x, y):
         ("nt_xent halves", lambda a, b: tc.nt_xent_loss(a, 0.1, pairing="halves"), (True, False)),
         ("nt_xent adjacent sum", lambda a, b: tc.nt_xent_loss(a, 0.5, reduction="sum"), (True, False)),
         ("nt_xent module", lambda a, b: tc.NTXentLoss(temperature=0.2)(a), (True, False)),
+        # a single set's label relation read off the tile (_OneTileMask; _OneTilePairs for the pair conventions)
+        ("supcon labels", lambda a, b: tc.supcon_loss(a, _labels(a), temperature=0.1), (True, False)),
+        ("supcon views", lambda a, b: tc.supcon_loss(a.view(-1, 2, a.shape[1]), _labels(a)[::2], temperature=0.2),
+         (True, False)),
+        ("supcon views without labels", lambda a, b: tc.supcon_loss(a.view(-1, 2, a.shape[1]), temperature=0.1),
+         (True, False)),
+        ("supcon base temperature sum", lambda a, b: tc.supcon_loss(a, _labels(a), temperature=0.1, base_temperature=0.07,
+                                                                  reduction="sum"), (True, False)),
+        ("supcon unique labels", lambda a, b: tc.supcon_loss(a, torch.arange(a.shape[0], device=a.device) // 2 * 2 + 1,
+                                                              temperature=0.1), (True, False)),
+        ("supcon module", lambda a, b: tc.SupConLoss(temperature=0.1)(a, _labels(a)), (True, False)),
+        ("pml labels", lambda a, b: tc.nt_xent_loss(a, 0.1, labels=_labels(a)), (True, False)),
+        ("pml labels sum", lambda a, b: tc.nt_xent_loss(a, 0.2, labels=_labels(a), reduction="sum"), (True, False)),
+        ("nt_bxent labels", lambda a, b: tc.nt_bxent_loss(a, temperature=0.1, labels=_labels(a)), (True, False)),
+        ("nt_bxent labels sum", lambda a, b: tc.nt_bxent_loss(a, temperature=0.3, labels=_labels(a), reduction="sum"),
+         (True, False)),
     ]
+
+
+def _labels(a):
+    """Three classes, unevenly sized, and one label held by a single row (no positive: SupCon leaves it out)."""
+    n = a.shape[0]
+    labels = torch.arange(n, device=a.device) % 3
+    labels[-1] = 7
+    return labels
 
 
 def _run(fn, x, y, grads):
@@ -90,11 +120,19 @@ def test_one_tile_equals_the_float64_formulas(lean_calls, dtype, tol):
         "clip": lambda a, b: ref.image_text(a, b, tau),
         "nt_xent halves": lambda a, b: ref.nt_xent(a, tau, pairing="halves"),
         "nt_xent adjacent": lambda a, b: ref.nt_xent(a, tau),
+        "supcon labels": lambda a, b: ref.supcon(a, tau, labels=_labels(a)),
+        "supcon views": lambda a, b: ref.supcon(a.view(5, 2, 4), tau, labels=_labels(a)[:5]),
+        "pml labels": lambda a, b: ref.nt_xent_pml(a, _labels(a), tau),
+        "nt_bxent labels": lambda a, b: ref.nt_bxent(a, tau, labels=_labels(a)),
     }
     ours = {
         "clip": lambda a, b: tc.image_text_contrastive_loss(a, b, tau),
         "nt_xent halves": lambda a, b: tc.nt_xent_loss(a, tau, pairing="halves"),
         "nt_xent adjacent": lambda a, b: tc.nt_xent_loss(a, tau),
+        "supcon labels": lambda a, b: tc.supcon_loss(a, _labels(a), temperature=tau),
+        "supcon views": lambda a, b: tc.supcon_loss(a.view(5, 2, 4), _labels(a)[:5], temperature=tau),
+        "pml labels": lambda a, b: tc.nt_xent_loss(a, tau, labels=_labels(a)),
+        "nt_bxent labels": lambda a, b: tc.nt_bxent_loss(a, temperature=tau, labels=_labels(a)),
     }
     for name, fn in ours.items():
         before = lean_calls[0]
@@ -114,6 +152,10 @@ def test_one_tile_gradcheck():
     y = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: tc.image_text_contrastive_loss(a, b, 0.3), (x, y))
     assert torch.autograd.gradcheck(lambda a: tc.nt_xent_loss(a, 0.3, pairing="halves"), (x,))
+    labels = torch.tensor([0, 1, 0, 2, 1, 0])
+    assert torch.autograd.gradcheck(lambda a: tc.supcon_loss(a, labels, temperature=0.3), (x,))
+    assert torch.autograd.gradcheck(lambda a: tc.nt_xent_loss(a, 0.3, labels=labels), (x,))
+    assert torch.autograd.gradcheck(lambda a: tc.nt_bxent_loss(a, temperature=0.3, labels=labels), (x,))
 
 
 def test_calls_the_one_tile_executor_does_not_serve_go_to_the_general_one(lean_calls):
@@ -128,7 +170,17 @@ def test_calls_the_one_tile_executor_does_not_serve_go_to_the_general_one(lean_c
         lambda: tc.image_text_contrastive_loss(x, y, 0.1, torch.arange(12, device=DEVICE) // 2),  # ids: a key relation
         lambda: tc.nt_xent_loss(x, 0.1, decoupled=True),  # an exclusion
         lambda: tc.nt_xent_loss(x, 0.1, positive_weight=torch.rand(12, device=DEVICE)),  # weights
-        lambda: tc.supcon_loss(x, torch.arange(12, device=DEVICE) % 3, temperature=0.1),
+        lambda: tc.supcon_loss(x, torch.arange(12, device=DEVICE) % 3, temperature=0.1, reduction="none")[0],
+        lambda: tc.supcon_loss(x.view(6, 2, 4), torch.arange(6, device=DEVICE) % 3, temperature=0.1, contrast_mode="one"),
+        lambda: tc.supcon_loss(x, mask=torch.ones(12, 12, device=DEVICE), temperature=0.1),  # a mask over samples
+        lambda: tc.supcon_loss(x, torch.arange(12, device=DEVICE) % 3, temperature=0.01),
+        lambda: tc.supcon_loss(x, torch.arange(12, device=DEVICE) % 3, temperature=0.1, memory_emb=y[:4],
+                               memory_labels=torch.arange(4, device=DEVICE) % 3),
+        lambda: tc.nt_xent_loss(x, 0.1, labels=torch.arange(12, device=DEVICE) % 3, reduction="none")[0],
+        lambda: tc.nt_xent_loss(x, 0.1, labels=torch.arange(12, device=DEVICE) % 3, normalize=False),
+        lambda: tc.nt_xent_loss(x, tau, labels=torch.arange(12, device=DEVICE) % 3),
+        lambda: tc.nt_bxent_loss(x, torch.tensor([[0, 1], [1, 0], [2, 3]], device=DEVICE), temperature=0.1),  # listed pairs
+        lambda: tc.nt_bxent_loss(x, temperature=0.01, labels=torch.arange(12, device=DEVICE) % 3),
     ]
     for i, fn in enumerate(others):
         value = fn()
@@ -190,19 +242,24 @@ def _python_calls(fn) -> int:
     return count[0]
 
 
-def test_one_tile_makes_a_third_fewer_python_calls(monkeypatch):
+@pytest.mark.parametrize("name,bound", [("clip", 0.7), ("nt_xent", 0.7), ("supcon", 0.8), ("pml", 0.8), ("nt_bxent", 0.8)])
+def test_one_tile_makes_fewer_python_calls(monkeypatch, name, bound):
     """Per-call Python is what a small call pays (and a GPU as latency): a count, which does not flake.
-    Measured when written: CLIP 100 against the general executor's 162, NT-Xent 95 against 147."""
+    Measured when written (lean / general): CLIP 100 / 162, NT-Xent 95 / 147, and the labelled losses, which
+    build their relation in the loss layer either way, SupCon 115 / 169, PML 134 / 172, NT-BXent 135 / 174."""
     x, y = _rows(64, 32, torch.float32, 0)
     a, b = x.requires_grad_(), y.requires_grad_()
+    labels = torch.arange(64, device=DEVICE) % 5
     calls = {"clip": lambda: tc.image_text_contrastive_loss(a, b, 0.1).backward(),
-             "nt_xent": lambda: tc.nt_xent_loss(a, 0.1, pairing="halves").backward()}
-    for name, fn in calls.items():
-        lean = _python_calls(fn)
-        with monkeypatch.context() as m:
-            _general(m)
-            general = _python_calls(fn)
-        assert lean <= 0.7 * general, f"{name}: {lean} Python calls against the general executor's {general}"
+             "nt_xent": lambda: tc.nt_xent_loss(a, 0.1, pairing="halves").backward(),
+             "supcon": lambda: tc.supcon_loss(a, labels, temperature=0.1).backward(),
+             "pml": lambda: tc.nt_xent_loss(a, 0.1, labels=labels).backward(),
+             "nt_bxent": lambda: tc.nt_bxent_loss(a, temperature=0.1, labels=labels).backward()}
+    lean = _python_calls(calls[name])
+    with monkeypatch.context() as m:
+        _general(m)
+        general = _python_calls(calls[name])
+    assert lean <= bound * general, f"{name}: {lean} Python calls against the general executor's {general}"
 
 
 def test_excluded_candidates_keep_the_general_executor(lean_calls):

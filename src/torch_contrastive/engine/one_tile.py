@@ -20,6 +20,11 @@ and the columns' ``d'_j`` of a two-set loss the same way down the tile. The loss
 
 (``w_i + w_j`` on a single set, whose ``H = G + G^T`` feeds one product), multiplies it by the rows and
 finishes the normalisation's backward -- two sets as one stack of rows.
+
+Two more narrow plans get the same treatment, each the general executor's one-tile ops in the same order:
+a single set's dense label relation read off the tile with rows weighted (SupCon by labels or by sample,
+:class:`_OneTileMask`), and a single set's label relation under the pair conventions (PML's NT-Xent and
+NT-BXent, :class:`_OneTilePairs`, the pair kernel's one-tile functions on the 0/1 label masks).
 """
 
 from __future__ import annotations
@@ -31,17 +36,21 @@ from torch import Tensor
 
 from .._tensors import as_dtype
 from .driver import first_order_only, to_compute
+from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
+from .pairwise import _KERNELS, _unit
+from .pairwise import TORCH as TORCH_PAIRS
 from .precision import autocast_enabled, zero
-from .problem import Problem, Softmax
-from .softmax import TORCH, _total
+from .problem import PairTerms, Problem, Softmax
+from .softmax import TORCH, _total, _weighted
 from .softmax_tiles import _put
 
 if TYPE_CHECKING:
-    from .plans import SoftmaxPlan
+    from ..positives import Positives
+    from .plans import PairPlan, SoftmaxPlan
     from .softmax_tiles import FlatPlaces
 
-__all__ = ["ONE_TILE"]
+__all__ = ["ONE_TILE", "ONE_TILE_PAIRS"]
 
 
 class OneTileSoftmax:
@@ -58,6 +67,8 @@ class OneTileSoftmax:
         total, scale, a = stat.total, problem.scale, problem.anchors
         if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
             return TORCH.run(problem, plan)
+        if plan.places is None:  # a dense label relation (SupCon): the weighted form
+            return _OneTileMask.apply(plan, total, scale, a, *stat.row_weights), None
         return _OneTile.apply(plan, total, scale, a, None if problem.single else problem.candidates), None
 
 
@@ -120,3 +131,96 @@ class _OneTile(torch.autograd.Function):
         both = as_dtype(l2_normalize_backward(torch.cat([grad_tile @ zb, grad_tile.t() @ za]), rows, denom, norm, plan.eps, scale),
                         dtype)
         return None, None, None, both[:n] if need_a else None, both[n:]
+
+
+class _OneTileMask(torch.autograd.Function):
+    """A single set with a dense 0/1 relation of any number of positives per row (SupCon by labels), rows
+    weighted: ``out_i = alpha_i LSE_i - beta_i sum_p P_ip S_ip`` (the self pair left out), reduced by ``total``.
+    Backward: ``H = G + G^T`` with ``G_ij = u_i e_ij / sum_i + P_ij c_i``, ``u = g c alpha``, ``c_i = -g c beta_i``."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
+                alpha: Tensor | None, beta: Tensor | None) -> Tensor:
+        rows, denom, norm = l2_normalize(to_compute(a, None, 1.0)[0], plan.eps)
+        s = torch.addmm(zero(rows), rows, rows.t(), beta=0, alpha=scale)
+        n = s.shape[0]
+        weight = cast("Positives", plan.positives).tile_values(0, n, 0, n, s.dtype)  # converted once per relation
+        row_pos = torch.linalg.vecdot(s, weight)  # before the tile is exponentiated in place
+        e = s.exp_()
+        e.diagonal().zero_()  # the self pair
+        row_sum = e.sum(1)
+        row_out = _weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)
+        ctx.plan, ctx.total, ctx.scale, ctx.dtype = plan, total, scale, a.dtype
+        ctx.save_for_backward(rows, denom, norm, e, row_sum, weight, alpha, beta)
+        return _total(row_out, None, total)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        first_order_only()
+        rows, denom, norm, e, row_sum, weight, alpha, beta = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        uniform = as_dtype(g * ctx.total[0], rows.dtype)  # d loss / d out_i, the same for every row
+        w = _weighted(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
+        c = (-uniform if beta is None else -_weighted(uniform, beta)).expand(rows.shape[0])  # the positives' coefficient
+        grad_tile = (w.unsqueeze(1) + w).mul_(e)  # both roles of every pair (H = G + G^T)
+        grad_tile.addcmul_(weight, c[:, None])
+        # P^T read as P: one set's key relation is symmetric (the same keys both ways, the diagonal cleared),
+        # so the values are P^T's, read without the transposed walk (about 4x slower on a CPU)
+        grad_tile.addcmul_(weight, c[None, :])
+        ga = l2_normalize_backward(grad_tile @ rows, rows, denom, norm, plan.eps, scale)
+        return None, None, None, as_dtype(ga, ctx.dtype), None, None
+
+
+class OneTilePairs:
+    """The executor of a :class:`~.plans.PairPlan` marked ``one_tile`` (PML's NT-Xent and NT-BXent with labels on
+    one bounded tile): ``run(problem, plan)`` as :class:`~.pairwise.TorchPairs`'s, through one lean autograd
+    function; per-row values (no ``combine``), a tensor scale and an ambient autocast go to the general executor."""
+
+    def run(self, problem: Problem, plan: PairPlan) -> tuple[Tensor, ...]:
+        stat = problem.statistic
+        if not isinstance(stat, PairTerms):
+            raise TypeError(f"the pair executor runs PairTerms problems, got {type(stat).__name__}")
+        combine, scale, a = stat.combine, problem.scale, problem.anchors
+        if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
+            return TORCH_PAIRS.run(problem, plan)
+        return (_OneTilePairs.apply(plan, combine, scale, a),)
+
+
+#: The one-tile pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+ONE_TILE_PAIRS = OneTilePairs()
+
+
+class _OneTilePairs(torch.autograd.Function):
+    """One set's pair terms on one bounded tile: the kernel's ``single_fixed`` on the 0/1 label masks (the self pair
+    in neither), combined and reduced (``combine``); backward ``(G + G^T) @ Z`` from ``single_grad_fixed_both``."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: PairPlan, combine: Any, scale: float, a: Tensor) -> Tensor:  # type: ignore[override]
+        rows, denom, norm = l2_normalize(to_compute(a, None, 1.0)[0], plan.eps)
+        s = torch.addmm(zero(rows), rows, rows.t(), beta=0, alpha=scale)
+        n = s.shape[0]
+        pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
+        neg = torch.rsub(pos, 1.0)
+        neg.diagonal().zero_()  # the self pair is neither
+        kernel = _KERNELS[plan.kernel]
+        outputs, kept = kernel.single_fixed(s, pos, neg)
+        weights, total = combine
+        per_row: Tensor | None = None
+        for w, out in zip(weights, outputs):  # a weight of 1.0 (PML's mean over pairs) costs no op
+            term = out if _unit(w) else w * out
+            per_row = term if per_row is None else per_row + term
+        ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
+        ctx.save_for_backward(rows, denom, norm, *kept)
+        summed = cast(Tensor, per_row).sum()
+        return summed if _unit(total) else summed * total
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        first_order_only()
+        rows, denom, norm, *kept = ctx.saved_tensors
+        weights, total = ctx.combine
+        g = g if _unit(total) else g * total  # d loss / d out_k,i = total * w_k,i
+        grads = tuple(as_dtype((g if _unit(w) else g * w).expand(rows.shape[0]), rows.dtype) for w in weights)
+        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads)  # H = G + G^T: one set's relation is symmetric
+        ga = l2_normalize_backward(tile @ rows, rows, denom, norm, ctx.plan.eps, ctx.scale)
+        return None, None, None, as_dtype(ga, ctx.dtype)

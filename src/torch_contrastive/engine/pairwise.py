@@ -136,23 +136,35 @@ class _PairKernel:
     @staticmethod
     def single_fixed(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """:meth:`single` in fixed mode with 0/1 float masks: ``|S| <= 40``, so ``exp(S)`` needs
-        no shift and masks multiply (every value is finite). ``N_i = sum_n e^{S_in}``."""
+        no shift and masks multiply (every value is finite). ``N_i = sum_n e^{S_in}``. The sigmoid
+        comes off the one exponentiated tile, ``sigmoid(log N_i - S_ip) = N_i / (e^{S_ip} + N_i)`` (a sigmoid
+        takes a slow path on a CPU); the term stays a softplus of ``log N_i - S_ip``, which keeps its digits
+        when the positive dominates (``log(e^S + N) - S`` would cancel them: a confident model's loss)."""
         e = torch.exp(s)
-        neg_sum = torch.linalg.vecdot(e, neg)
+        e_neg = torch.mul(e, neg)  # the negatives' exponentials, kept: backward's negative part as it is
+        neg_sum = e_neg.sum(1)
         diff = neg_sum.log()[:, None] - s
         out = torch.linalg.vecdot(torch.nn.functional.softplus(diff), pos)
-        sig = torch.sigmoid(diff)
-        weight = torch.linalg.vecdot(sig, pos)
-        return (out,), (e, sig, pos, neg, weight, neg_sum)
+        # the positives' sigmoids, kept masked (backward reads them only there); 0 on a row without negatives
+        sig_pos = torch.div(neg_sum[:, None], torch.add(e, neg_sum[:, None])).mul_(pos)
+        weight = sig_pos.sum(1)
+        return (out,), (e_neg, sig_pos, weight, neg_sum)
 
     @staticmethod
     def single_grad_fixed(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
         """``G = e^{S_in} w_i g_i / N_i`` on negatives, ``-sigmoid(L_i - S_ip) g_i`` on positives.
         A row without negatives has ``w_i = 0`` (every sigmoid is of -inf): its factor is 0."""
-        e, sig, pos, neg, weight, neg_sum = kept
+        e_neg, sig_pos, weight, neg_sum = kept
         g = grads[0]
         row = weight * g / neg_sum.clamp_min(torch.finfo(neg_sum.dtype).tiny)
-        return torch.mul(e, row[:, None]).mul_(neg).sub_(torch.mul(sig, g[:, None]).mul_(pos))
+        return torch.mul(e_neg, row[:, None]).addcmul_(sig_pos, g[:, None], value=-1)
+
+    @classmethod
+    def single_grad_fixed_both(cls, kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        """``H = G + G^T`` of one set's symmetric relation (both roles of every pair, one product):
+        each row's coefficients differ (``N_i``, ``w_i``), so G is formed and added to its transpose."""
+        g = cls.single_grad_fixed(kept, grads)
+        return g + g.t()
 
     @staticmethod
     def single_grad(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
@@ -234,17 +246,35 @@ class _BinaryKernel:
 
     @staticmethod
     def single_fixed(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """:meth:`single` with 0/1 float masks (fixed mode: every S finite): ``z = neg - pos``
-        (0 for the self pair, which both masks leave out)."""
-        signed = s.mul_(neg - pos)
-        loss = torch.nn.functional.softplus(signed)
-        return (torch.linalg.vecdot(loss, pos), torch.linalg.vecdot(loss, neg)), (signed, pos, neg)
+        """:meth:`single` with 0/1 float masks (fixed mode: ``|S| <= 40``, every ``exp`` finite):
+        ``z = neg - pos`` (0 for the self pair, which both masks leave out), ``u = e^{z S}`` (at most
+        ``e^40``), and ``softplus(z S) = log1p(u)``, ``sigmoid(z S) = u / (1 + u)`` from the one
+        exponentiated tile (softplus and sigmoid take slow paths on a CPU); ``log1p`` keeps a small
+        term's digits (a confident model's loss)."""
+        u = s.mul_(neg - pos).exp_()
+        loss = torch.log1p(u)
+        sig = u.div_(torch.add(u, 1.0))  # saved for backward
+        return (torch.linalg.vecdot(loss, pos), torch.linalg.vecdot(loss, neg)), (sig, pos, neg)
 
     @staticmethod
     def single_grad_fixed(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
-        signed, pos, neg = kept
+        sig, pos, neg = kept
         coef = torch.mul(neg, grads[1][:, None]).sub_(torch.mul(pos, grads[0][:, None]))
-        return torch.sigmoid(signed).mul_(coef)
+        return coef.mul_(sig)
+
+    @staticmethod
+    def single_grad_fixed_both(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
+        """``H = G + G^T`` of one set's symmetric relation (the masks and ``sigmoid(z S)`` symmetric):
+        ``sigmoid(z_ij S_ij) (neg_ij (b_i + b_j) - pos_ij (a_i + a_j))`` with ``a, b`` the positive and
+        negative coefficients, written as ``(b_i + b_j) - pos_ij (a + b)_i + (a + b)_j`` off the diagonal
+        (``neg = 1 - pos`` there; the self pair is neither: 0), so no transposed tile is read."""
+        sig, pos, _ = kept
+        a, b = grads
+        both = a + b
+        h = torch.add(b[:, None], b[None, :])
+        h.addcmul_(pos, torch.add(both[:, None], both[None, :]), value=-1)
+        h.diagonal().zero_()
+        return h.mul_(sig)
 
     @staticmethod
     def single_grad(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
@@ -401,6 +431,8 @@ class TorchPairs(PairExecutor):
         prod = make_products(plan.half, (raw[0], raw[1]), None, a, a if plan.symmetric else b,
                              scale, saved.norms, plan.normalize)
         if kept:
+            if ctx.single and plan.fixed and isinstance(plan.positives, KeyPositives):  # a symmetric relation
+                return Gradients(prod.row_product(kernel.single_grad_fixed_both(tuple(kept), grads)), None, True)
             g = (kernel.single_grad_fixed if plan.fixed else kernel.single_grad)(tuple(kept), grads)
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients(prod.row_product(g + g.t()), None, True)

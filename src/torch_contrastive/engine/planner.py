@@ -486,20 +486,31 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
 
 def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
     """Whether the lean one-tile executor (:mod:`.one_tile`) serves ``plan``: the torch backend's one
-    bounded tile in the compute dtype, rows normalised inside, an unweighted strided relation kept apart,
-    nothing excluded, one process; a single set visited as its symmetric triangle (the self pair left out,
-    no column terms), or two sets of one dtype on the identity layout (no self pair; the column terms with
-    their positives, or none) whose candidates all take a gradient. (Per call, :mod:`.one_tile` also
+    bounded tile in the compute dtype, rows normalised inside, nothing excluded, one process; and either an
+    unweighted strided relation kept apart -- a single set visited as its symmetric triangle (the self pair
+    left out, no column terms), or two sets of one dtype on the identity layout (no self pair; the column
+    terms with their positives, or none) whose candidates all take a gradient -- or a single set's dense
+    label relation read off the tile, rows weighted, no column terms (SupCon). (Per call, :mod:`.one_tile` also
     sends a reduction outside the engine, a tensor scale and an ambient autocast to the general executor.)"""
     places, n_cols = plan.places, problem.shape[1]
+    if places is None:  # a dense label relation read off the tile (SupCon), rows weighted, no column terms
+        stat = problem.statistic
+        # (two rows or more: every row's sum of exp then holds a candidate, so backward divides by it)
+        masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns and plan.tile_positives \
+            and isinstance(plan.positives, KeyPositives) and isinstance(stat, Softmax) and stat.col_weights == (None, None)
+        return bool(masked and _one_bounded_tile(plan))
     if problem.single:
         shape = plan.symmetric and plan.self_offset == 0 and not plan.columns
     else:
         shape = (not plan.symmetric and plan.self_offset is None and problem.anchors.dtype == problem.candidates.dtype
                  and (plan.column_positives or not plan.columns) and getattr(plan.positives, "layout", None) == "identity")
-    return bool(shape and places is not None and plan.grad_columns == n_cols and plan.backend == "torch" and plan.single_tile
-                and plan.fixed and not plan.half and plan.operand_dtype is None and plan.normalize
-                and plan.apart is not None and plan.exclude is None and not plan.weighted and plan.column_comm is None)
+    return bool(shape and plan.grad_columns == n_cols and plan.apart is not None and not plan.weighted and _one_bounded_tile(plan))
+
+
+def _one_bounded_tile(plan: SoftmaxPlan) -> bool:
+    """The torch backend's one bounded tile in the compute dtype, rows normalised inside, nothing excluded, one process."""
+    return (plan.backend == "torch" and plan.single_tile and plan.fixed and not plan.half and plan.operand_dtype is None
+            and plan.normalize and plan.exclude is None and plan.column_comm is None)
 
 
 def _stacks(decision: Decision, problem: Problem) -> bool:
@@ -522,8 +533,12 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
+    # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
+    one_tile = (problem.single and isinstance(positives, KeyPositives) and positives.self_offset == 0
+                and decision.backend == "torch" and decision.tile == 0 and decision.fixed and not decision.half
+                and decision.operand_dtype is None and problem.options.normalize)
     return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
-                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric)
+                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile)
 
 
 def triton_refusal(problem: Problem) -> str | None:

@@ -163,6 +163,8 @@ class PairPlan(_Device):
             and columns sorted by label; None: every tile is treated as mixed.
         symmetric: one set sorted by label: only upper-triangle tiles are visited, each
             feeding its row block and its column block.
+        one_tile: the lean one-tile executor serves the plan (one set's label relation on the torch
+            backend's one bounded tile, rows normalised inside: :mod:`.one_tile`).
     """
 
     decision: Decision
@@ -172,6 +174,12 @@ class PairPlan(_Device):
     eps: float
     mixed: tuple[tuple[bool, ...], ...] | None = None
     symmetric: bool = False
+    one_tile: bool = False
+
+    @property
+    def executor(self) -> str:
+        """``"one_tile"`` for a plan the lean one-tile executor serves, else the backend's."""
+        return "one_tile" if self.one_tile else self.decision.backend
 
     def is_mixed(self, r0: int, c0: int) -> bool:
         return self.mixed is None or self.mixed[r0 // self.tile][c0 // self.tile]

@@ -44,6 +44,7 @@ EXECUTORS: dict[tuple[type, str], Any] = {
     (Softmax, "triton"): triton_executors.SOFTMAX,
     (Softmax, "epilogue"): epilogue.SOFTMAX,
     (PairTerms, "torch"): pairwise.TORCH,
+    (PairTerms, "one_tile"): one_tile.ONE_TILE_PAIRS,
     (PairTerms, "triton"): triton_executors.PAIRS,
     (PairTerms, "epilogue"): epilogue.PAIRS,
     (SigmoidPairs, "torch"): sigmoid.TORCH,

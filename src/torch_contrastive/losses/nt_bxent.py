@@ -78,7 +78,7 @@ def nt_bxent_loss(
         unscored), the negative sum over the negatives (none: 0); then the mean over rows."""
         if reduced is None:
             return None
-        n_pos = (positives.row_counts() + 1).to(cdtype)
+        n_pos = positives.row_counts_as(cdtype) + 1
         n_neg = total - n_pos
         return (n_pos.reciprocal(), (n_neg > 0) / n_neg.clamp_min(1)), reduced[0]
 

@@ -130,7 +130,7 @@ def nt_xent_loss(
     cdtype = compute_dtype(z.dtype)
 
     def per_pair_mean(positives: Positives) -> tuple[tuple[float], Tensor | float] | None:
-        total = engine_total(reduction, scope, positives.pair_count(), cdtype)  # the mean over positive pairs
+        total = engine_total(reduction, scope, positives.pair_count_as(cdtype), cdtype)  # the mean over positive pairs
         return None if total is None else ((1.0,), total[0])
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,

@@ -135,11 +135,11 @@ def supcon_loss(
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
     symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None and reference is None
     z_all, positives, grad_columns, self_offset = _candidates(z_all, positives, offset, memory, reference, inside, normalize, eps)
-    counts = positives.row_counts()
     cdtype = compute_dtype(z.dtype)
+    counts = positives.row_counts_as(cdtype)
     # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0);
-    # has_pos as min(|P(i)|, 1) in the compute dtype: one op fewer than a comparison and a cast
-    has_pos_f = counts.clamp_max(1).to(cdtype)
+    # has_pos as min(|P(i)|, 1): one op fewer than a comparison and a cast
+    has_pos_f = counts.clamp_max(1)
     weights = (has_pos_f, has_pos_f / counts.clamp_min(1))
     # a tensor factor (learnable temperature) carries a gradient: then reduce outside
     n_with_positives = has_pos_f.sum()
