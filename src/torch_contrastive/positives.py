@@ -77,6 +77,13 @@ def _dense_pays(rows: int, cols: int, device: torch.device) -> bool:
     return dense_relation(rows, cols, device, DENSE_KEYS_LIMIT)
 
 
+def _counts_from_values(dense: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a dense relation's counts in ``dtype`` come from its 0/1 values (exact: see _EXACT_COUNTS)."""
+    from .engine.planner import counts_from_values
+
+    return dtype in _EXACT_COUNTS and dense.shape[1] < 2**24 and counts_from_values(dense.device)
+
+
 @dataclass(frozen=True)
 class Positives:
     """The positive relation between R anchors and C candidates: one frozen class per kind.
@@ -390,14 +397,14 @@ class KeyPositives(Positives):
         return self._grouped_row_counts()
 
     def row_counts_as(self, dtype: torch.dtype) -> Tensor:
-        # A dense relation's 0/1 values (converted once, read again by the tile) sum faster than its bools
-        # on a CPU, exactly: every count is an integer below 2**24 (float32's exact range; dense relations are small).
-        if self.dense is not None and dtype in _EXACT_COUNTS and self.num_cols < 2**24:
+        # On a CPU a dense relation's 0/1 values (converted once, read again by the tile) sum faster than its
+        # bools, exactly: every count is an integer below 2**24 (float32's exact range; dense relations are small).
+        if self.dense is not None and _counts_from_values(self.dense, dtype):
             return self.dense_as(dtype).sum(1)
         return super().row_counts_as(dtype)
 
     def pair_count_as(self, dtype: torch.dtype) -> Tensor:
-        if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.numel() < 2**24:
+        if self.dense is not None and self.dense.numel() < 2**24 and _counts_from_values(self.dense, dtype):
             return self.dense_as(dtype).sum()
         return super().pair_count_as(dtype)
 

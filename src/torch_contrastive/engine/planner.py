@@ -594,6 +594,13 @@ def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int) -
     return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)
 
 
+def counts_from_values(device: torch.device) -> bool:
+    """Whether a dense label relation's counts are summed from its 0/1 values in the compute dtype: on a
+    CPU, where a bool reduction takes a slow path and the one tile reads those values anyway; on a GPU
+    (also one :func:`simulate` d) the bools are summed, one byte an entry, and no values are formed for it."""
+    return (_SIMULATED or device).type == "cpu"
+
+
 def reduce_inside(reduction: str, distributed: bool) -> bool:
     """Whether a loss's ``mean`` / ``sum`` is applied inside the engine's autograd node (one
     process: the per-row values never come back, which saves a small batch a few nodes); not
