@@ -169,7 +169,10 @@ def test_one_dimensional_and_duplicates():
 
 
 def test_raw_dot_overflow_is_a_clear_error():
-    x = torch.randn(4, 3) * 1e20
+    # rows 0 and 2 are one vector of norm 1e20: row 0's negative logit 1e40 / tau overflows float32 while
+    # its positive (row 1, orthogonal) is 0, so the loss is infinite. (Random rows of that size sometimes give
+    # every row a +inf positive and -inf negatives: then the loss is 0 in float64 too, rightly no error.)
+    x = torch.tensor([[1e20, 0.0, 0.0], [0.0, 1e20, 0.0], [1e20, 0.0, 0.0], [0.0, 0.0, 1e20]])
     with pytest.raises(ValueError, match="normalize=False"):
         tc.nt_xent_loss(x, 0.1, normalize=False)
 
