@@ -131,8 +131,9 @@ MUTATIONS = [
              "image-text with ids: text direction ignores the positive counts"),
     Mutation(f"{PKG}/losses/image_text.py", "per_text = alpha * col_lse_all[offset : offset + n]", "per_text = col_lse_all[offset : offset + n]",
              "distributed image-text: text direction ignores the positive counts", tests=tuple(DIST_TESTS)),
+    # (one process reduces inside the engine; the count is summed here only under gather=True)
     Mutation(f"{PKG}/losses/nt_xent.py", "rows.counts.sum(), reduction", "rows.counts.sum() + 1, reduction",
-             "PML NT-Xent: mean over one pair too many"),
+             "PML NT-Xent: mean over one pair too many (several ranks)", tests=tuple(DIST_TESTS)),
     Mutation(f"{PKG}/positives.py", "        return rows ^ 1\n", "        return rows ^ 3\n", "adjacent pairing: wrong partner"),
     # positives
     Mutation(f"{PKG}/positives.py", "        return total - candidates[self.self_offset : self.self_offset + self.num_rows]  # every key",
