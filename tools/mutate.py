@@ -104,7 +104,9 @@ MUTATIONS = [
     Mutation(f"{E}/planner.py", "mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for", "mixed = tuple(tuple(r_lo == c_lo for",
              "label-sorted tiles: a tile holding positives taken for all-negative"),
     Mutation(f"{E}/pairwise.py", "            self.neg_sum[r0:r1] += s.exp_().sum(1)  # s is a scratch tile buffer", "            pass",
-             "label-sorted PML NT-Xent (fixed): all-negative tiles left out of the negatives' sum"),
+             "label-sorted PML NT-Xent (fixed): all-negative tiles left out of the negatives' sum",
+             reason="no loss reaches it: a label-sorted single set in fixed mode takes the symmetric pass, and two sets "
+                    "(a memory, a reference set) are not label-sorted (its calls counted 2026-11-27: none)"),
     Mutation(f"{E}/pairwise.py", "        self.neg_sum[c0:c1] += e.sum(0)", "        pass",
              "label-sorted symmetric PML: column block of an all-negative tile left out"),
     Mutation(f"{E}/pairwise.py", "        if c0 == r0:\n            return torch.add(h, h.t(), out=bufs.get(r1 - r0, c1 - c0, 8))",

@@ -145,3 +145,24 @@ def test_a_confident_tile_keeps_the_digits_of_its_small_terms(kernel):
     for g32, w in zip(got, want):
         assert (w > 0).all() and (w < 1e-9).all()  # the regime: every row's sum is tiny
         torch.testing.assert_close(g32.double().cpu(), w.detach(), rtol=1e-3 if kernel == "pair_softplus" else 1e-5, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [3, 4])
+def test_tiles_of_two_sets_in_fixed_mode(chunk):
+    """PML's NT-Xent with a memory over several tiles and a float temperature (the bounded regime: 0/1 float
+    masks multiply, every exp unshifted): the values and gradients equal the float64 loops."""
+    import reference as ref
+    import torch_contrastive as tc
+
+    g = torch.Generator().manual_seed(7)
+    x, mem = torch.randn(13, 5, generator=g, dtype=torch.float64), torch.randn(6, 5, generator=g, dtype=torch.float64)
+    labels, mem_labels = torch.randint(0, 4, (13,), generator=g), torch.randint(0, 5, (6,), generator=g)
+    a, m = x.clone().to(DEVICE).requires_grad_(), mem.clone().to(DEVICE).requires_grad_()
+    ours = tc.nt_xent_loss(a, 0.2, labels=labels.to(DEVICE), memory_emb=m, memory_labels=mem_labels.to(DEVICE), chunk_size=chunk)
+    ours.backward()
+    b, n = x.clone().requires_grad_(), mem.clone().requires_grad_()
+    want = ref.nt_xent_pml_memory(b, labels, n, mem_labels, 0.2)
+    want.backward()
+    assert ours.item() == pytest.approx(want.item(), rel=1e-10)
+    torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(m.grad.cpu(), n.grad, rtol=1e-9, atol=1e-12)
