@@ -87,6 +87,11 @@ ANSWERED_BY_THE_LOSS = {
     "supcon no positives": lambda bad, ok, t: tc.supcon_loss(bad, torch.arange(bad.shape[0]), temperature=t),
     "supcon views, one": lambda bad, ok, t: tc.supcon_loss(torch.stack([ok, bad], 1), temperature=t, contrast_mode="one"),
     "pml (inputs reduced)": lambda bad, ok, t: tc.nt_xent_loss(bad, t, labels=torch.arange(bad.shape[0])),
+    "nt_bxent labels": lambda bad, ok, t: tc.nt_bxent_loss(bad, labels=torch.arange(bad.shape[0]) % 3, temperature=t),
+    "nt_bxent one class": lambda bad, ok, t: tc.nt_bxent_loss(bad, labels=torch.zeros(bad.shape[0], dtype=torch.long), temperature=t),
+    "nt_bxent no positives": lambda bad, ok, t: tc.nt_bxent_loss(bad, labels=torch.arange(bad.shape[0]), temperature=t,
+                                                                reduction="sum"),
+    "nt_bxent pairs": lambda bad, ok, t: tc.nt_bxent_loss(bad, torch.tensor([[0, 1], [2, 4]]), temperature=t),
 }
 
 

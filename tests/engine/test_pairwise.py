@@ -56,7 +56,7 @@ def test_single_fixed_equals_softplus_and_sigmoid(kernel, labels, dtype, tol, bo
     s, pos, neg = _tile(lab.numel(), lab, bound, dtype, seed=int(bound))
     fn = _KERNELS[kernel]
     want, s64 = _softplus_terms(kernel, s, pos, neg)
-    outputs, kept = fn.single_fixed(s.clone(), pos, neg)
+    outputs, kept = fn.single_fixed(s.clone(), pos, 0)
     assert len(outputs) == len(want)
     # a term computed as log(t) - S or log(1 + u) carries an absolute error of a rounding of log(t) (|S| <= 40)
     atol = tol * max(bound, 1.0)
@@ -71,12 +71,38 @@ def test_single_fixed_equals_softplus_and_sigmoid(kernel, labels, dtype, tol, bo
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("self_offset", [None, 3, -2])
+def test_single_fixed_finds_the_self_pair_off_the_diagonal(kernel, self_offset):
+    """Two sets (a reference set: no self pair) and a rank's rows among gathered candidates (the self pair
+    at column ``i + offset``; a negative offset as for rows past the columns' start): every pair but the
+    self pair is a positive or a negative, against float64 with an explicit negative mask."""
+    g = torch.Generator().manual_seed(8)
+    rows, cols = 7, 11
+    s = torch.nn.functional.normalize(torch.randn(rows, 5, generator=g, dtype=torch.float64), dim=1) @ \
+        torch.nn.functional.normalize(torch.randn(cols, 5, generator=g, dtype=torch.float64), dim=1).T * 12.0
+    pos = (torch.randint(0, 3, (rows, 1), generator=g) == torch.randint(0, 3, (1, cols), generator=g)).double()
+    neg = 1 - pos
+    if self_offset is not None:
+        pos.diagonal(self_offset).zero_()
+        neg.diagonal(self_offset).zero_()
+    fn = _KERNELS[kernel]
+    want, s64 = _softplus_terms(kernel, s, pos, neg)
+    outputs, kept = fn.single_fixed(s.clone().to(DEVICE), pos.to(DEVICE), self_offset)
+    for got, w in zip(outputs, want):
+        torch.testing.assert_close(got.cpu(), w.detach(), rtol=1e-12, atol=1e-12)
+    grads = tuple(torch.rand(rows, generator=g, dtype=torch.float64) for _ in want)
+    torch.autograd.backward(want, list(grads))
+    got_grad = fn.single_grad_fixed(kept, tuple(gr.to(DEVICE) for gr in grads))
+    torch.testing.assert_close(got_grad.cpu(), s64.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("labels", list(LABELS))
 def test_single_grad_fixed_both_is_g_plus_its_transpose(kernel, labels):
     lab = LABELS[labels]
     s, pos, neg = _tile(lab.numel(), lab, 10.0, torch.float64, seed=3)
     fn = _KERNELS[kernel]
-    _, kept = fn.single_fixed(s.clone(), pos, neg)
+    _, kept = fn.single_fixed(s.clone(), pos, 0)
     g = torch.Generator().manual_seed(2)
     grads = tuple(torch.rand(lab.numel(), generator=g, dtype=torch.float64).to(DEVICE) for _ in range(2 if kernel == "binary" else 1))
     one_role = fn.single_grad_fixed(kept, grads)
@@ -141,7 +167,7 @@ def test_a_confident_tile_keeps_the_digits_of_its_small_terms(kernel):
     pos.fill_diagonal_(0)
     neg = 1 - same.double()
     want, _ = _softplus_terms(kernel, s64, pos, neg)
-    got, _ = _KERNELS[kernel].single_fixed(s64.float().to(DEVICE), pos.float().to(DEVICE), neg.float().to(DEVICE))
+    got, _ = _KERNELS[kernel].single_fixed(s64.float().to(DEVICE), pos.float().to(DEVICE), 0)
     for g32, w in zip(got, want):
         assert (w > 0).all() and (w < 1e-9).all()  # the regime: every row's sum is tiny
         torch.testing.assert_close(g32.double().cpu(), w.detach(), rtol=1e-3 if kernel == "pair_softplus" else 1e-5, atol=0)

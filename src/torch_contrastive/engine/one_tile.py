@@ -200,10 +200,8 @@ class _OneTilePairs(torch.autograd.Function):
         s = torch.addmm(zero(rows), rows, rows.t(), beta=0, alpha=scale)
         n = s.shape[0]
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
-        neg = torch.rsub(pos, 1.0)
-        neg.diagonal().zero_()  # the self pair is neither
         kernel = _KERNELS[plan.kernel]
-        outputs, kept = kernel.single_fixed(s, pos, neg)
+        outputs, kept = kernel.single_fixed(s, pos, 0)  # the self pair on the diagonal; every other pair a negative
         weights, total = combine
         per_row: Tensor | None = None
         for w, out in zip(weights, outputs):  # a weight of 1.0 (PML's mean over pairs) costs no op

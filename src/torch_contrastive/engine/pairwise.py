@@ -134,14 +134,20 @@ class _PairKernel:
         return (out,), (diff, sig, weight, pos, neg)
 
     @staticmethod
-    def single_fixed(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """:meth:`single` in fixed mode with 0/1 float masks: ``|S| <= 40``, so ``exp(S)`` needs
-        no shift and masks multiply (every value is finite). ``N_i = sum_n e^{S_in}``. The sigmoid
-        comes off the one exponentiated tile, ``sigmoid(log N_i - S_ip) = N_i / (e^{S_ip} + N_i)`` (a sigmoid
-        takes a slow path on a CPU); the term stays a softplus of ``log N_i - S_ip``, which keeps its digits
-        when the positive dominates (``log(e^S + N) - S`` would cancel them: a confident model's loss)."""
+    def single_fixed(s: Tensor, pos: Tensor, self_offset: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """:meth:`single` in fixed mode on the 0/1 float mask of the positives (the self pair, at
+        ``self_offset`` as in :func:`~torch_contrastive._tensors.self_diagonal`, is 0 there); every other
+        pair is a negative. ``|S| <= 40``, so ``exp(S)`` needs no shift and masks multiply (every value is
+        finite). ``N_i = sum_n e^{S_in}``, the negatives' exponentials taken as ``e - e * pos`` with the self
+        pair cleared (no negative mask is built). The sigmoid comes off the one exponentiated tile,
+        ``sigmoid(log N_i - S_ip) = N_i / (e^{S_ip} + N_i)`` (a sigmoid takes a slow path on a CPU); the
+        term stays a softplus of ``log N_i - S_ip``, which keeps its digits when the positive dominates
+        (``log(e^S + N) - S`` would cancel them: a confident model's loss)."""
         e = torch.exp(s)
-        e_neg = torch.mul(e, neg)  # the negatives' exponentials, kept: backward's negative part as it is
+        e_neg = torch.addcmul(e, e, pos, value=-1)  # the negatives' exponentials, kept: backward's negative part
+        diag = self_diagonal(e_neg, 0, 0, self_offset)
+        if diag is not None:
+            diag.zero_()
         neg_sum = e_neg.sum(1)
         diff = neg_sum.log()[:, None] - s
         out = torch.linalg.vecdot(torch.nn.functional.softplus(diff), pos)
@@ -245,35 +251,43 @@ class _BinaryKernel:
         return (torch.where(pos, loss, 0.0).sum(1), torch.where(neg, loss, 0.0).sum(1)), (signed, pos, neg)
 
     @staticmethod
-    def single_fixed(s: Tensor, pos: Tensor, neg: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """:meth:`single` with 0/1 float masks (fixed mode: ``|S| <= 40``, every ``exp`` finite):
-        ``z = neg - pos`` (0 for the self pair, which both masks leave out), ``u = e^{z S}`` (at most
-        ``e^40``), and ``softplus(z S) = log1p(u)``, ``sigmoid(z S) = u / (1 + u)`` from the one
-        exponentiated tile (softplus and sigmoid take slow paths on a CPU); ``log1p`` keeps a small
-        term's digits (a confident model's loss)."""
-        u = s.mul_(neg - pos).exp_()
+    def single_fixed(s: Tensor, pos: Tensor, self_offset: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """:meth:`single` in fixed mode (``|S| <= 40``: every ``exp`` finite) on the 0/1 float mask of the
+        positives; every other pair but the self pair (at ``self_offset``, 0 in ``pos``) is a negative. ``s``
+        is overwritten. ``z S = S - 2 pos S`` (one op, no negative mask), ``u = e^{z S}`` (at most ``e^40``)
+        with the self pair's ``u`` set to 0 (its term ``log1p(0)`` and its sigmoid are then 0), and
+        ``softplus(z S) = log1p(u)``, ``sigmoid(z S) = u / (1 + u)`` from the one exponentiated tile (softplus
+        and sigmoid take slow paths on a CPU); ``log1p`` keeps a small term's digits (a confident model's
+        loss). The negatives' sum is the row's sum less the positives' (no second masked pass): it carries an
+        absolute error of a rounding of the row's whole sum ``P_i + N_i``, small beside the row's loss
+        ``a_i P_i + b_i N_i`` unless its negatives are weighted far above its positives (``b_i >> a_i``)."""
+        u = s.addcmul_(s, pos, value=-2).exp_()
+        diag = self_diagonal(u, 0, 0, self_offset)
+        if diag is not None:
+            diag.zero_()
         loss = torch.log1p(u)
-        sig = u.div_(torch.add(u, 1.0))  # saved for backward
-        return (torch.linalg.vecdot(loss, pos), torch.linalg.vecdot(loss, neg)), (sig, pos, neg)
+        sig = u.div_(torch.add(u, 1.0))  # saved for backward; 0 at the self pair
+        pos_sum = torch.linalg.vecdot(loss, pos)
+        return (pos_sum, loss.sum(1).sub_(pos_sum)), (sig, pos)
 
     @staticmethod
     def single_grad_fixed(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
-        sig, pos, neg = kept
-        coef = torch.mul(neg, grads[1][:, None]).sub_(torch.mul(pos, grads[0][:, None]))
-        return coef.mul_(sig)
+        """``G = sigmoid(z S) (b_i - pos (a + b)_i)`` (``-a_i`` on positives, ``b_i`` on negatives, 0 at the
+        self pair, whose sigmoid was kept as 0) for the positive and negative coefficients ``a, b``."""
+        sig, pos = kept
+        a, b = grads
+        return torch.addcmul(b[:, None], pos, (a + b)[:, None], value=-1).mul_(sig)
 
     @staticmethod
     def single_grad_fixed_both(kept: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Tensor:
-        """``H = G + G^T`` of one set's symmetric relation (the masks and ``sigmoid(z S)`` symmetric):
-        ``sigmoid(z_ij S_ij) (neg_ij (b_i + b_j) - pos_ij (a_i + a_j))`` with ``a, b`` the positive and
-        negative coefficients, written as ``(b_i + b_j) - pos_ij (a + b)_i + (a + b)_j`` off the diagonal
-        (``neg = 1 - pos`` there; the self pair is neither: 0), so no transposed tile is read."""
-        sig, pos, _ = kept
+        """``H = G + G^T`` of one set's symmetric relation (the mask and ``sigmoid(z S)`` symmetric):
+        ``sigmoid(z_ij S_ij) ((b_i + b_j) - pos_ij ((a + b)_i + (a + b)_j))``, so no transposed tile is read;
+        the self pair's kept sigmoid is 0."""
+        sig, pos = kept
         a, b = grads
         both = a + b
         h = torch.add(b[:, None], b[None, :])
         h.addcmul_(pos, torch.add(both[:, None], both[None, :]), value=-1)
-        h.diagonal().zero_()
         return h.mul_(sig)
 
     @staticmethod
@@ -397,12 +411,8 @@ class TorchPairs(PairExecutor):
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             s = prod.logits(0, R, 0, C)
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
-                pos_f = plan.positives.tile_values(0, R, 0, C, a_c.dtype)
-                neg_f = torch.rsub(pos_f, 1.0)  # neither positive nor the self pair
-                diag = self_diagonal(neg_f, 0, 0, plan.positives.self_offset)
-                if diag is not None:
-                    diag.zero_()
-                outputs, kept = kernel_cls.single_fixed(s, pos_f, neg_f)
+                pos_f = plan.positives.tile_values(0, R, 0, C, a_c.dtype)  # every other pair but the self pair: negative
+                outputs, kept = kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset)
             else:
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)

@@ -66,7 +66,7 @@ def nt_bxent_loss(
         pos_indices = v.check_pos_indices(pos_indices, n, embeddings.device, checks)
     else:
         labels = v.check_labels(labels, "labels", n, embeddings.device)
-    checks.finite(embeddings, "embeddings")
+    checks.finite(embeddings, "embeddings", deferred=True)
     scale, bound = v.inverse_temperature(temperature, checks)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None, backend=backend)
     total = z_all.shape[0]
@@ -96,7 +96,9 @@ def nt_bxent_loss(
         outputs, counts, bound = rows
     check_output = v.output_needs_check(normalize, bound)
     if reduced is not None:  # combined and reduced inside the engine
-        return reduce(outputs[0], float(n), reduction, scope, checks, check_output, inside=True)
+        # normalised inside, a non-finite row makes the loss NaN: every other row is its positive or its
+        # negative, and both weights are positive (no negatives: no negative weight, but then all positives)
+        return reduce(outputs[0], float(n), reduction, scope, checks, check_output, inside=True, covers=inside and n >= 2)
     pos_sum, neg_sum = outputs
     if counts is None:
         raise RuntimeError("internal: the per-row path keeps the positive counts")
