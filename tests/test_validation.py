@@ -112,6 +112,19 @@ def test_a_non_finite_row_is_named_when_the_loss_value_answers_the_check(name, v
             ANSWERED_BY_THE_LOSS[name](bad, ok, t)
 
 
+@pytest.mark.parametrize("tensor_temperature", [False, True])
+@pytest.mark.parametrize("call", [
+    lambda x, t: tc.nt_bxent_loss(x, labels=torch.zeros(1, dtype=torch.long), temperature=t),
+    lambda x, t: tc.nt_bxent_loss(x, torch.zeros(0, 2, dtype=torch.long), temperature=t),
+    lambda x, t: tc.supcon_loss(x, torch.zeros(1, dtype=torch.long), temperature=t),
+], ids=["nt_bxent labels", "nt_bxent no pairs", "supcon"])
+def test_a_one_row_batch_checks_its_input_itself(call, tensor_temperature):
+    """One row has no pair to carry its NaN into the loss (the loss is 0): the input is checked on its own."""
+    bad = torch.tensor([[float("nan"), 1.0, 2.0]])
+    with pytest.raises(ValueError, match="contains non-finite values"):
+        call(bad, torch.tensor(0.1) if tensor_temperature else 0.1)
+
+
 @pytest.mark.parametrize("name", list(ANSWERED_BY_THE_LOSS))
 def test_huge_finite_rows_pass_the_check_answered_by_the_loss(name):
     """Rows near the fp32 limit are finite input: no error, a finite loss and finite gradients."""
