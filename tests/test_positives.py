@@ -61,10 +61,23 @@ def test_tiles_counts_and_aggregate_agree_with_dense(name, dense_limit, monkeypa
                 r1, c1 = min(r0 + tile, pos.num_rows), min(c0 + tile, pos.num_cols)
                 assert torch.equal(pos.tile(r0, r1, c0, c1), expected[r0:r1, c0:c1]), (tile, r0, c0)
     assert torch.equal(pos.row_counts(), expected.sum(1))
+    assert int(pos.pair_count()) == int(expected.sum())
+    for dtype in (torch.float32, torch.float64):  # the counts as values (a dense relation's CPU form)
+        assert torch.equal(pos.row_counts_as(dtype), expected.sum(1).to(dtype))
+        assert float(pos.pair_count_as(dtype)) == float(expected.sum())
     cand = torch.randn(pos.num_cols, 3, dtype=torch.float64)
     torch.testing.assert_close(pos.aggregate(cand), expected.double() @ cand)
     rows = torch.randn(pos.num_rows, 3, dtype=torch.float64)
     torch.testing.assert_close(pos.aggregate_transposed(rows), expected.double().T @ rows)
+
+
+def test_a_dense_relation_is_converted_to_values_once_per_dtype():
+    """A small call reads the 0/1 values several times (its counts, its tile): one conversion per dtype."""
+    pos = Positives.from_keys(torch.tensor([0, 1, 0, 2, 1]))
+    first = pos.dense_as(torch.float32)
+    assert pos.dense_as(torch.float32) is first and pos.tile_values(0, 5, 0, 5, torch.float32) is first
+    assert pos.dense_as(torch.float64) is not first and torch.equal(pos.dense_as(torch.float64), first.double())
+    assert torch.equal(first, pos.dense.float())
 
 
 def test_self_pairs_are_never_positive():
