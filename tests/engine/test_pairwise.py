@@ -100,7 +100,7 @@ def test_single_fixed_finds_the_self_pair_off_the_diagonal(kernel, self_offset):
 @pytest.mark.parametrize("labels", list(LABELS))
 def test_single_grad_fixed_both_is_g_plus_its_transpose(kernel, labels):
     lab = LABELS[labels]
-    s, pos, neg = _tile(lab.numel(), lab, 10.0, torch.float64, seed=3)
+    s, pos, _ = _tile(lab.numel(), lab, 10.0, torch.float64, seed=3)
     fn = _KERNELS[kernel]
     _, kept = fn.single_fixed(s.clone(), pos, 0)
     g = torch.Generator().manual_seed(2)
