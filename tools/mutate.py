@@ -857,9 +857,8 @@ MUTATIONS = [
              "                and decision.backend == \"torch\" and decision.tile == 0 and not decision.half",
              "planner: the one-tile pair executor takes a call whose |S| may overflow exp (no running maximum)", ONE_TILE_TESTS),
     # the pair kernels' one tile read off one exponentiated tile; H = G + G^T of a symmetric relation
-    Mutation(f"{E}/pairwise.py", "        sig_pos = torch.div(neg_sum[:, None], torch.add(e, neg_sum[:, None])).mul_(pos)",
-             "        sig_pos = torch.div(e, torch.add(e, neg_sum[:, None])).mul_(pos)",
-             "PML one tile: the sigmoid of the wrong sign (e / t for N / t)", PAIR_TESTS),
+    Mutation(f"{E}/pairwise.py", "        sig_pos = torch.sigmoid_(diff).mul_(pos)", "        sig_pos = torch.sigmoid_(diff.neg_()).mul_(pos)",
+             "PML one tile: the sigmoid of the wrong sign (sigmoid(-d) for sigmoid(d))", PAIR_TESTS),
     Mutation(f"{E}/pairwise.py", "        sig = u.div_(torch.add(u, 1.0))  # saved for backward",
              "        sig = u.div_(torch.add(u, 2.0))  # saved for backward",
              "NT-BXent one tile: the sigmoid's denominator off by one", PAIR_TESTS),
