@@ -887,6 +887,12 @@ MUTATIONS = [
              "NT-BXent one tile (two sets): a positive's gradient keeps the negatives' coefficient", PAIR_TESTS),
     Mutation(f"{PKG}/losses/nt_bxent.py", "inside=True, covers=inside and n >= 2)", "inside=True, covers=inside)",
              "NT-BXent: one row's NaN left to a loss value that has no pair to carry it", ("tests/test_validation.py",)),
+    # explain() names the executor that ran
+    Mutation(f"{E}/one_tile.py", "            name_executor(plan.backend)  # explain() says which executor ran\n            return TORCH.run(",
+             "            return TORCH.run(",
+             "explain: a soft-max call the one-tile executor hands on is still named one_tile", ONE_TILE_TESTS),
+    Mutation(f"{E}/planner.py", "        name_executor(chosen.executor)\n", "",
+             "explain: a newly made plan's executor not named", ONE_TILE_TESTS),
 ]
 
 

@@ -190,6 +190,32 @@ def test_calls_the_one_tile_executor_does_not_serve_go_to_the_general_one(lean_c
     assert tau.grad is not None and tau.grad != 0  # the general executor's temperature gradient
 
 
+def test_explain_names_the_executor_that_ran(lean_calls):
+    """``tc.explain`` says ``executor="one_tile"`` exactly for the calls the lean executor ran -- a call it hands
+    on per call (per-row values, a tensor temperature) is named by the backend that ran it -- and says it in words."""
+    x, _ = _rows(12, 4, torch.float32, 2)
+    labels = torch.arange(12, device=DEVICE) % 3
+    calls = [
+        lambda: tc.nt_xent_loss(x, 0.1, labels=labels),
+        lambda: tc.nt_xent_loss(x, 0.1, labels=labels, reduction="none"),
+        lambda: tc.nt_xent_loss(x, torch.tensor(0.1, device=DEVICE), labels=labels),
+        lambda: tc.supcon_loss(x, labels, temperature=0.1),
+        lambda: tc.supcon_loss(x, labels, temperature=0.1, reduction="none"),
+        lambda: tc.nt_xent_loss(x, 0.1, pairing="halves"),
+        lambda: tc.nt_xent_loss(x, 0.1, pairing="halves", chunk_size=5),
+    ]
+    for i, fn in enumerate(calls):
+        for _ in range(2):  # the plan made, then found again
+            before = lean_calls[0]
+            (decision,) = tc.explain(fn)
+            lean = lean_calls[0] == before + 1
+            assert decision.executor == ("one_tile" if lean else "torch"), i
+            assert ("lean one-tile executor" in str(decision)) == lean, i
+    assert [tc.explain(fn)[0].executor for fn in calls] == ["one_tile", "torch", "torch", "one_tile", "torch", "one_tile", "torch"]
+    assert tc.engine.decide(kernel="softmax", rows=12, cols=12, device=x.device, dtype=x.dtype, other_dtype=x.dtype,
+                            chunk_size=None, backend="torch").executor == ""
+
+
 def test_one_tile_under_autocast_and_deterministic_mode(monkeypatch, lean_calls):
     x, y = _rows(16, 8, torch.float32, 5)
     fn = lambda a, b: tc.image_text_contrastive_loss(a, b, 0.1)  # noqa: E731

@@ -40,6 +40,7 @@ from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
 from .pairwise import _KERNELS, _unit
 from .pairwise import TORCH as TORCH_PAIRS
+from .planner import name_executor
 from .precision import autocast_enabled, zero
 from .problem import PairTerms, Problem, Softmax
 from .softmax import TORCH, _total, _weighted
@@ -66,6 +67,7 @@ class OneTileSoftmax:
             raise TypeError(f"the soft-max executor runs Softmax problems, got {type(stat).__name__}")
         total, scale, a = stat.total, problem.scale, problem.anchors
         if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
+            name_executor(plan.backend)  # explain() says which executor ran
             return TORCH.run(problem, plan)
         if plan.places is None:  # a dense label relation (SupCon): the weighted form
             return _OneTileMask.apply(plan, total, scale, a, *stat.row_weights), None
@@ -182,6 +184,7 @@ class OneTilePairs:
             raise TypeError(f"the pair executor runs PairTerms problems, got {type(stat).__name__}")
         combine, scale, a = stat.combine, problem.scale, problem.anchors
         if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
+            name_executor(plan.backend)  # explain() says which executor ran
             return TORCH_PAIRS.run(problem, plan)
         return (_OneTilePairs.apply(plan, combine, scale, a),)
 

@@ -26,7 +26,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -66,6 +66,9 @@ class Decision:
             rows as given (one half dtype on both sides); None: the compute dtype.
         predicted: on a GPU, the cost model's time of each backend it has counts for (a prediction,
             in seconds): what ``"auto"`` chose from.
+        executor: in :func:`explain`'s answer, the executor that ran the plan (``"one_tile"``: the lean
+            one-tile executor, :mod:`.one_tile`; else the backend's); ``""`` from :func:`decide` alone, which
+            makes no plan. Not compared: the same decision, whichever executor ran it.
     """
 
     kernel: str
@@ -79,6 +82,7 @@ class Decision:
     cols: int
     operand_dtype: torch.dtype | None = None
     predicted: tuple[tuple[str, float], ...] = ()
+    executor: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         if self.backend == "triton":
@@ -98,8 +102,9 @@ class Decision:
         if self.predicted:
             model = "; predicted (H100 cost model, not a measurement): " + ", ".join(
                 f"{name} {1e3 * t:.3g} ms" for name, t in self.predicted)
+        lean = ", the lean one-tile executor" if self.executor == "one_tile" else ""
         return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
-                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{model}")
+                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{lean}{model}")
 
 
 def _budget_from_environment() -> int:
@@ -362,10 +367,10 @@ def plan(problem: Problem) -> AnyPlan:
         if found is not None:
             relation = problem.positives
             if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
-                _record(found.decision)
+                _record(found.decision, found.executor)
                 return found
             if found.positives is None and isinstance(relation, KeyPositives):  # the plan of its shape, kept without it
-                _record(found.decision)
+                _record(found.decision, found.executor)
                 return found.with_relation(relation)
     decision = _decision(problem, stat)
     if isinstance(stat, (Softmax, PairTerms)):
@@ -375,6 +380,7 @@ def plan(problem: Problem) -> AnyPlan:
                 _PLANS.clear()
             # a label relation is not held (its dense mask can be large on a GPU): the plan is kept without it
             _PLANS[key] = chosen.with_relation(None) if isinstance(problem.positives, KeyPositives) else chosen
+        name_executor(chosen.executor)
         return chosen
     if problem.positives is None:  # Problem refuses it when built
         raise ValueError("SigmoidPairs needs positives")
@@ -623,9 +629,16 @@ def label_sorted(rows: int, tile: int, *, reads_anyway: bool, distributed: bool,
 _LOG: list[Decision] | None = None
 
 
-def _record(decision: Decision) -> None:
+def _record(decision: Decision, executor: str = "") -> None:
     if _LOG is not None:
-        _LOG.append(decision)
+        _LOG.append(replace(decision, executor=executor) if executor else decision)
+
+
+def name_executor(executor: str) -> None:
+    """While :func:`explain` runs, name the executor in the decision just recorded: the plan chose it, and an
+    executor that hands a call on (:mod:`.one_tile`'s per-call checks) names the one that ran it."""
+    if _LOG:
+        _LOG[-1] = replace(_LOG[-1], executor=executor)
 
 
 def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Decision]:
