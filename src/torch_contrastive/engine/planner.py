@@ -367,10 +367,10 @@ def plan(problem: Problem) -> AnyPlan:
         if found is not None:
             relation = problem.positives
             if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
-                _record(found.decision, found.executor)
+                _record_plan(found)
                 return found
             if found.positives is None and isinstance(relation, KeyPositives):  # the plan of its shape, kept without it
-                _record(found.decision, found.executor)
+                _record_plan(found)
                 return found.with_relation(relation)
     decision = _decision(problem, stat)
     if isinstance(stat, (Softmax, PairTerms)):
@@ -629,9 +629,15 @@ def label_sorted(rows: int, tile: int, *, reads_anyway: bool, distributed: bool,
 _LOG: list[Decision] | None = None
 
 
-def _record(decision: Decision, executor: str = "") -> None:
+def _record(decision: Decision) -> None:
     if _LOG is not None:
-        _LOG.append(replace(decision, executor=executor) if executor else decision)
+        _LOG.append(decision)
+
+
+def _record_plan(found: AnyPlan) -> None:
+    """A kept plan's decision, with its executor (read only while :func:`explain` runs: off the hot path)."""
+    if _LOG is not None:
+        _LOG.append(replace(found.decision, executor=found.executor))
 
 
 def name_executor(executor: str) -> None:
