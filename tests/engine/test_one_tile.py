@@ -212,6 +212,8 @@ def test_explain_names_the_executor_that_ran(lean_calls):
             assert decision.executor == ("one_tile" if lean else "torch"), i
             assert ("lean one-tile executor" in str(decision)) == lean, i
     assert [tc.explain(fn)[0].executor for fn in calls] == ["one_tile", "torch", "torch", "one_tile", "torch", "one_tile", "torch"]
+    (sigmoid,) = tc.explain(lambda: tc.siglip_loss(x, x.flip(0), 10.0, -10.0))
+    assert sigmoid.kernel == "sigmoid" and sigmoid.executor == sigmoid.backend
     assert tc.engine.decide(kernel="softmax", rows=12, cols=12, device=x.device, dtype=x.dtype, other_dtype=x.dtype,
                             chunk_size=None, backend="torch").executor == ""
 

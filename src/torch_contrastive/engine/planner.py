@@ -384,9 +384,11 @@ def plan(problem: Problem) -> AnyPlan:
         return chosen
     if problem.positives is None:  # Problem refuses it when built
         raise ValueError("SigmoidPairs needs positives")
-    return SigmoidPlan(decision=decision, positives=problem.positives, diagonal_offset=stat.diagonal_offset,
-                       normalize=problem.options.normalize, eps=float(problem.options.eps),
-                       stack_rows=_stacks(decision, problem))
+    sigmoid = SigmoidPlan(decision=decision, positives=problem.positives, diagonal_offset=stat.diagonal_offset,
+                          normalize=problem.options.normalize, eps=float(problem.options.eps),
+                          stack_rows=_stacks(decision, problem))
+    name_executor(sigmoid.executor)
+    return sigmoid
 
 
 def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Decision:
