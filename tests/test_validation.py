@@ -114,15 +114,15 @@ def test_a_non_finite_row_is_named_when_the_loss_value_answers_the_check(name, v
 
 @pytest.mark.parametrize("tensor_temperature", [False, True])
 @pytest.mark.parametrize("call", [
-    lambda x, t: tc.nt_bxent_loss(x, labels=torch.zeros(1, dtype=torch.long), temperature=t),
-    lambda x, t: tc.nt_bxent_loss(x, torch.zeros(0, 2, dtype=torch.long), temperature=t),
-    lambda x, t: tc.supcon_loss(x, torch.zeros(1, dtype=torch.long), temperature=t),
+    lambda x, t: tc.nt_bxent_loss(x, labels=torch.zeros(1, dtype=torch.long, device=DEVICE), temperature=t),
+    lambda x, t: tc.nt_bxent_loss(x, torch.zeros(0, 2, dtype=torch.long, device=DEVICE), temperature=t),
+    lambda x, t: tc.supcon_loss(x, torch.zeros(1, dtype=torch.long, device=DEVICE), temperature=t),
 ], ids=["nt_bxent labels", "nt_bxent no pairs", "supcon"])
 def test_a_one_row_batch_checks_its_input_itself(call, tensor_temperature):
     """One row has no pair to carry its NaN into the loss (the loss is 0): the input is checked on its own."""
-    bad = torch.tensor([[float("nan"), 1.0, 2.0]])
+    bad = torch.tensor([[float("nan"), 1.0, 2.0]], device=DEVICE)
     with pytest.raises(ValueError, match="contains non-finite values"):
-        call(bad, torch.tensor(0.1) if tensor_temperature else 0.1)
+        call(bad, torch.tensor(0.1, device=DEVICE) if tensor_temperature else 0.1)
 
 
 @pytest.mark.parametrize("name", list(ANSWERED_BY_THE_LOSS))

@@ -862,7 +862,7 @@ MUTATIONS = [
     Mutation(f"{E}/pairwise.py", "        sig = u.div_(torch.add(u, 1.0))  # saved for backward",
              "        sig = u.div_(torch.add(u, 2.0))  # saved for backward",
              "NT-BXent one tile: the sigmoid's denominator off by one", PAIR_TESTS),
-    Mutation(f"{E}/pairwise.py", "            diag.zero_()\n        loss = torch.log1p(u)", "            pass\n        loss = torch.log1p(u)",
+    Mutation(f"{E}/pairwise.py", "        clear_self_diagonal(u, self_offset)\n", "",
              "NT-BXent one tile: the self pair's u kept (a term log 2 among the negatives, its gradient in G + G^T)", PAIR_TESTS),
     Mutation(f"{E}/pairwise.py", "        h.addcmul_(pos, torch.add(both[:, None], both[None, :]), value=-1)",
              "        h.addcmul_(pos, torch.add(both[:, None], both[None, :]), value=1)",
@@ -877,7 +877,7 @@ MUTATIONS = [
              "            return self.dense_as(dtype).sum()\n", "            return self.dense_as(dtype).sum() + self.num_rows\n",
              "a dense key relation's pair count as a value counts the self pairs (PML's mean)", PAIR_TESTS),
     # the pair kernels' one tile without a negative mask (every pair but the self pair and the positives)
-    Mutation(f"{E}/pairwise.py", "            diag.zero_()\n        neg_sum = e_neg.sum(1)", "            pass\n        neg_sum = e_neg.sum(1)",
+    Mutation(f"{E}/pairwise.py", "        clear_self_diagonal(e_neg, self_offset)\n", "",
              "PML one tile: the self pair counted among the negatives", PAIR_TESTS),
     Mutation(f"{E}/pairwise.py", "        return (pos_sum, loss.sum(1).sub_(pos_sum)), (sig, pos)",
              "        return (pos_sum, loss.sum(1)), (sig, pos)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["as_dtype", "mask_as", "self_diagonal"]
+__all__ = ["as_dtype", "clear_self_diagonal", "mask_as", "self_diagonal"]
 
 
 def self_diagonal(tile: Tensor, r0: int, c0: int, self_offset: int | None) -> Tensor | None:
@@ -20,6 +20,13 @@ def self_diagonal(tile: Tensor, r0: int, c0: int, self_offset: int | None) -> Te
     if k >= tile.shape[1] or -k >= tile.shape[0]:
         return None
     return tile.diagonal(k)
+
+
+def clear_self_diagonal(tile: Tensor, self_offset: int | None, r0: int = 0, c0: int = 0) -> None:
+    """Zero the self pairs inside a tile in place (see :func:`self_diagonal`); nothing when it holds none."""
+    diag = self_diagonal(tile, r0, c0, self_offset)
+    if diag is not None:
+        diag.zero_()
 
 
 def mask_as(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from .._tensors import as_dtype, self_diagonal
+from .._tensors import as_dtype, clear_self_diagonal
 from ..positives import KeyPositives
 from .driver import Gradients, Operands, Saved, run
 from .precision import Scale
@@ -145,9 +145,7 @@ class _PairKernel:
         ``N_i / (e^S + N_i)``, and no slower on a CPU)."""
         e = torch.exp(s)
         e_neg = torch.addcmul(e, e, pos, value=-1)  # the negatives' exponentials, kept: backward's negative part
-        diag = self_diagonal(e_neg, 0, 0, self_offset)
-        if diag is not None:
-            diag.zero_()
+        clear_self_diagonal(e_neg, self_offset)
         neg_sum = e_neg.sum(1)
         diff = torch.sub(neg_sum.log()[:, None], s)
         out = torch.linalg.vecdot(torch.nn.functional.softplus(diff), pos)
@@ -262,9 +260,7 @@ class _BinaryKernel:
         absolute error of a rounding of the row's whole sum ``P_i + N_i``, small beside the row's loss
         ``a_i P_i + b_i N_i`` unless its negatives are weighted far above its positives (``b_i >> a_i``)."""
         u = s.addcmul_(s, pos, value=-2).exp_()
-        diag = self_diagonal(u, 0, 0, self_offset)
-        if diag is not None:
-            diag.zero_()
+        clear_self_diagonal(u, self_offset)
         loss = torch.log1p(u)
         sig = u.div_(torch.add(u, 1.0))  # saved for backward; 0 at the self pair
         pos_sum = torch.linalg.vecdot(loss, pos)
@@ -322,15 +318,11 @@ def _masks(positives: Positives, r0: int, r1: int, c0: int, c1: int, plan: PairP
         rk, ck = labels.row_keys[0][r0:r1, None], labels.col_keys[0][None, c0:c1]
         pos_f = torch.eq(rk, ck, out=bufs.get(r1 - r0, c1 - c0, 2))
         neg_f = torch.ne(rk, ck, out=bufs.get(r1 - r0, c1 - c0, 3))  # the self pair has its own label: never a negative
-        diag = self_diagonal(pos_f, r0, c0, positives.self_offset)
-        if diag is not None:
-            diag.zero_()
+        clear_self_diagonal(pos_f, positives.self_offset, r0, c0)
         return pos_f, neg_f
     pos = positives.tile(r0, r1, c0, c1)
     neg = ~pos
-    diag = self_diagonal(neg, r0, c0, positives.self_offset)
-    if diag is not None:
-        diag.fill_(False)
+    clear_self_diagonal(neg, positives.self_offset, r0, c0)
     return pos, neg
 
 
