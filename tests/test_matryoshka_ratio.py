@@ -21,7 +21,8 @@ def test_wrapped_prints_one_ratio_per_one_pass_form(ratio_tool, monkeypatch, cap
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" one pass")[0].strip() for line in lines] == [
         "clip", "clip image_id", "info_nce", "nt_xent decoupled", "supcon labels", "nt_xent labels (PML)", "nt_bxent labels",
-        "supcon mask", "supcon memory", "nt_xent memory (PML)", "nt_bxent pos_indices", "siglip image_id"]
+        "supcon mask", "supcon memory", "nt_xent memory (PML)", "nt_bxent pos_indices", "siglip image_id",
+        "global unimodal", "global bimodal"]
     assert all(float(line.rsplit(":", 1)[1]) > 0 for line in lines)
 
 
@@ -38,6 +39,14 @@ def test_every_wrapped_form_takes_the_one_pass(ratio_tool, monkeypatch):
         return form
 
     monkeypatch.setattr(matryoshka, "_one_pass", spy)
+    original_global = matryoshka.global_one_pass
+
+    def spy_global(*args):
+        total = original_global(*args)
+        seen.append(total is not None)
+        return total
+
+    monkeypatch.setattr(matryoshka, "global_one_pass", spy_global)
     monkeypatch.setattr(sys, "argv", ["matryoshka_ratio.py", "--wrapped", "--n", "16", "--d", "64", "--pairs", "1"])
     ratio_tool.main()
     assert seen and all(seen)

@@ -5,7 +5,8 @@
 
 Default: MNRL, both sides ``bench --loss matryoshka``'s closures (ours against sentence-transformers'
 ``MatryoshkaLoss``). ``--wrapped``: every loss form ``tc.matryoshka_loss`` runs in one pass (CLIP plain and
-with image ids, InfoNCE, NT-Xent's DCL, SupCon, PML's NT-Xent and NT-BXent with 100 classes), one pass
+with image ids, InfoNCE, NT-Xent's DCL, SupCon, PML's NT-Xent and NT-BXent with 100 classes, the global contrastive
+losses with one module per prefix), one pass
 against ``one_pass=False``. Forward + backward, prefixes 768/512/256/128/64 up to D; each pair times both
 sides in turn and the median of the per-pair ratios is printed, so a slow spell of a shared machine touches
 both sides of a ratio alike.
@@ -17,6 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -63,7 +65,7 @@ def _wrapped(n: int, d: int, pairs: int) -> None:
     dims = [p for p in (768, 512, 256, 128, 64) if p <= d]
     memory, memory_labels = torch.randn(n // 4, d, generator=gen), torch.randint(0, 100, (n // 4,), generator=gen)
     pairs_ = torch.stack([torch.arange(n), (torch.arange(n) + n // 2) % n], 1)  # each row's partner, both ways
-    forms = {"clip": (tc.clip_loss, [x, y], {"temperature": 0.07}),
+    forms: dict[str, tuple[Any, list[torch.Tensor], dict[str, Any]]] = {"clip": (tc.clip_loss, [x, y], {"temperature": 0.07}),
              "clip image_id": (tc.clip_loss, [x, y], {"image_id": ids, "temperature": 0.07}),
              "info_nce": (tc.info_nce_loss, [x, y], {}),
              "nt_xent decoupled": (tc.nt_xent_loss, [x], {"decoupled": True, "temperature": 0.1}),
@@ -76,6 +78,9 @@ def _wrapped(n: int, d: int, pairs: int) -> None:
                                                              "memory_labels": memory_labels, "temperature": 0.1}),
              "nt_bxent pos_indices": (tc.nt_bxent_loss, [x], {"pos_indices": pairs_, "temperature": 0.1}),
              "siglip image_id": (tc.siglip_loss, [x, y], {"logit_scale": 10.0, "logit_bias": -10.0, "image_id": ids})}
+    index = torch.arange(n)
+    for mode in ("unimodal", "bimodal"):  # one GlobalContrastiveLoss per prefix, each its own state
+        forms[f"global {mode}"] = ([tc.GlobalContrastiveLoss(n, mode) for _ in dims], [x, y], {"index": index})
     for name, (fn, tensors, kwargs) in forms.items():
         def run(one: bool, fn=fn, tensors=tensors, kwargs=kwargs) -> None:
             x.grad = y.grad = None

@@ -52,6 +52,8 @@ E = f"{PKG}/engine"
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
+MATRYOSHKA_TESTS = ("tests/losses/test_matryoshka.py",)
+PREFIX_LSE_TESTS = ("tests/engine/test_prefix_lse.py", "tests/losses/test_matryoshka.py")
 PAIR_TESTS = ("tests/engine/test_pairwise.py", "tests/engine/test_one_tile.py", "tests/losses/test_losses.py")
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
@@ -721,8 +723,8 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/prefix_calls.py", "    if isinstance(loss_fn, GlobalContrastiveLoss) or loss_fn is global_contrastive_loss:",
              "    if False:", "one global contrastive loss shared by every prefix (its state mixes the prefixes)",
              ("tests/losses/test_matryoshka.py",)),
-    Mutation(f"{PKG}/losses/matryoshka.py", "        losses = iter(one_per_prefix(loss_fn, len(dims)))",
-             "        losses = iter(one_per_prefix(loss_fn, len(dims))[::-1])",
+    Mutation(f"{PKG}/losses/matryoshka.py", "        fns = one_per_prefix(loss_fn, len(dims))\n",
+             "        fns = one_per_prefix(loss_fn, len(dims))[::-1]\n",
              "one loss per prefix: the losses meet the prefixes in reverse order", ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{PKG}/losses/prefix_forms.py",
              "            return z[:bsz], z, Targets(row_keys=keys_all[:bsz], col_keys=keys_all, exclude_self=True), False",
@@ -893,6 +895,27 @@ MUTATIONS = [
              "explain: a soft-max call the one-tile executor hands on is still named one_tile", ONE_TILE_TESTS),
     Mutation(f"{E}/planner.py", "        name_executor(chosen.executor)\n", "",
              "explain: a newly made plan's executor not named", ONE_TILE_TESTS),
+    # the global contrastive losses' Matryoshka one pass (every prefix's row log-sum-exps from one pass)
+    Mutation(f"{E}/prefix_lse.py", "            e[rows, leave_out] = 0.0\n", "",
+             "prefix log-sum-exps, fixed shift: the left-out pairs (self, positive) kept in the forward sums", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "                part[rows, leave_out[start:stop]] = 0.0\n", "",
+             "prefix log-sum-exps: the left-out pairs' gradient kept in backward", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "self.cols[:, p] * torch.exp(self.col_max[:, p] - safe)", "self.cols[:, p]",
+             "prefix log-sum-exps, online: a column's running sum not rescaled when its maximum grows", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "                    d_scales[p] += (part * cos).sum()\n", "",
+             "prefix log-sum-exps: a learnable temperature gets no gradient", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "part = e.mul_(torch.add(row_factor[start:stop, p, None], col_factor[None, :, p]))",
+             "part = e.mul_(torch.sub(row_factor[start:stop, p, None], col_factor[None, :, p]))",
+             "prefix log-sum-exps, fixed shift: the columns' (texts') soft-max gradient with the wrong sign", PREFIX_LSE_TESTS),
+    Mutation(f"{PKG}/losses/prefix_global.py", "        pair = torch.cat([rows + n, rows])", "        pair = torch.cat([rows, rows + n])",
+             "global one pass (unimodal): the other view not left out (self listed twice)", MATRYOSHKA_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "        logits[rows, leave_out] = -torch.inf\n", "",
+             "prefix log-sum-exps, online: the left-out pairs kept in the forward soft-max", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "                    part = e.add_(cos.mul(s[p])", "                    part = e.sub_(cos.mul(s[p])",
+             "prefix log-sum-exps, online: the columns' soft-max gradient with the wrong sign", PREFIX_LSE_TESTS),
+    Mutation(f"{PKG}/losses/prefix_global.py", "max(fixed) <= COLUMN_SCALE_LIMIT[dtype] else None",
+             "max(fixed) <= 1e9 else None",
+             "global one pass: the fixed shift taken past its bounded regime (tau 0.01 in fp32)", MATRYOSHKA_TESTS),
 ]
 
 

@@ -454,28 +454,102 @@ def test_a_bad_learnable_temperature_is_named_in_the_one_read():
     assert loss.shape == ()
 
 
-def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state():
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+@pytest.mark.parametrize("temperature_mode,chunk", [("fixed", None), ("fixed", 3), ("global", None), ("individual", None)])
+def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state(mode, temperature_mode, chunk):
     """A loss with a state per embedding width (one GlobalContrastiveLoss per prefix): each module sees its
     own normalised prefix, weighted, over two steps (the second reads the states the first wrote); equal
-    in value, gradients and states to the modules called by hand."""
+    in value, gradients (a learnable temperature's too) and states to the modules called by hand. A fixed or
+    global temperature takes the one pass (every prefix's log-sum-exps from one pass over the bands; a prefix
+    listed twice, temperatures differing per module, strips), individual temperatures one call per prefix."""
     g = torch.Generator().manual_seed(3)
     a = torch.randn(8, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
     b = torch.randn(8, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
-    dims, weights = [12, 6, 3], [1.0, 0.5, 0.25]
-    ours = torch.nn.ModuleList([tc.GlobalContrastiveLoss(20, state_dtype=torch.float64, device=DEVICE) for _ in dims])  # as a model holds them
-    theirs = [tc.GlobalContrastiveLoss(20, state_dtype=torch.float64, device=DEVICE) for _ in dims]
+    dims, weights, taus = [12, 6, 3, 6], [1.0, 0.5, 0.25, 2.0], [0.1, 0.2, 0.05, 0.3]
+    start = (lambda tau: 0.2 if mode == "unimodal" else 0.03) if temperature_mode == "individual" else (lambda tau: tau)
+
+    def make():
+        return [tc.GlobalContrastiveLoss(20, mode, start(tau), temperature_mode=temperature_mode, chunk_size=chunk,
+                                         state_dtype=torch.float64, device=DEVICE) for tau in taus]
+
+    ours = torch.nn.ModuleList(make())  # as a model holds them
+    theirs = make()
     for step in range(2):
         index = torch.arange(8, device=DEVICE) + 4 * step
         got = tc.matryoshka_loss(ours, [a, b], dims, weights, index=index)
-        grads = torch.autograd.grad(got, (a, b))
+        inputs = (a, b, *(m.tau for m in ours)) if temperature_mode == "global" else (a, b)
+        grads = torch.autograd.grad(got, inputs)
         want = sum(w * m(F.normalize(a[:, :d], dim=-1), F.normalize(b[:, :d], dim=-1), index)
                    for m, d, w in zip(theirs, dims, weights))
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        for mine, ref in zip(grads, torch.autograd.grad(want, (a, b))):
+        ref_inputs = (a, b, *(m.tau for m in theirs)) if temperature_mode == "global" else (a, b)
+        for mine, ref in zip(grads, torch.autograd.grad(want, ref_inputs)):
             torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
     for mine, ref in zip(ours, theirs):
-        torch.testing.assert_close(mine.log_u, ref.log_u, rtol=0, atol=0)
+        torch.testing.assert_close(mine.log_u, ref.log_u, rtol=1e-12, atol=1e-12)
     assert not torch.equal(ours[0].log_u, ours[1].log_u)  # each prefix's normalisers are its own
+
+
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+def test_the_global_one_pass_in_fp32_and_its_checks(mode):
+    """fp32 rows at tau 0.02 (logits up to 50) and tau 0.01 with every negative far away: the one pass equals one call
+    per prefix within fp32's rounding; a bad index and a non-finite row are still refused by the modules, by name."""
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(10, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    dims, index = [16, 8, 4], torch.arange(10, device=DEVICE)
+
+    def run(one_pass):
+        losses = [tc.GlobalContrastiveLoss(12, mode, 0.02, device=DEVICE) for _ in dims]
+        loss = tc.matryoshka_loss(losses, [a, b], dims, index=index, one_pass=one_pass)
+        return loss, torch.autograd.grad(loss, (a, b)), [m.log_u for m in losses]
+
+    (got, got_grads, got_state), (want, want_grads, want_state) = run(True), run(False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for mine, ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+    for mine, ref in zip(got_state, want_state):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    # tau 0.01 with every negative far away (cosines near -1: logits near -100, exp(S - 1 / tau) below fp32's range):
+    # the online maximum, not the fixed shift, keeps the log-sum-exps finite and exact
+    direction = torch.randn(16, generator=g)
+    far = direction + 0.05 * torch.randn(10, 16, generator=g)
+    a, b = far.to(DEVICE).requires_grad_(), (-far).to(DEVICE).requires_grad_()
+    losses = [tc.GlobalContrastiveLoss(12, mode, 0.01, device=DEVICE) for _ in dims]
+    got = tc.matryoshka_loss(losses, [a, b], dims, index=index)
+    want = sum(tc.GlobalContrastiveLoss(12, mode, 0.01, device=DEVICE)(F.normalize(a[:, :d], dim=-1), F.normalize(b[:, :d], dim=-1),
+                                                                      index) for d in dims)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    losses = [tc.GlobalContrastiveLoss(12, mode, device=DEVICE) for _ in dims]
+    with pytest.raises(ValueError, match=r"index must lie in \[0, 12\)"):
+        tc.matryoshka_loss(losses, [a, b], dims, index=index + 5)
+    bad = a.detach().clone()
+    bad[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        tc.matryoshka_loss(losses, [bad, b], dims, index=index)
+
+
+def test_the_global_one_pass_makes_d_products_per_pair():
+    """The one pass's GEMM FLOPs: ``D`` per pair for every prefix and both directions, forward and backward, against
+    ``sum(d_p)`` for one call per prefix (counted, not timed)."""
+    from torch_contrastive.cli.traffic import count
+
+    a = torch.randn(16, 32, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(16, 32, dtype=torch.float64, requires_grad=True)
+    dims, index = [32, 16, 8], torch.arange(16)
+
+    def flops(one_pass):
+        losses = [tc.GlobalContrastiveLoss(16, "bimodal", state_dtype=torch.float64) for _ in dims]
+        counts = count(lambda: tc.matryoshka_loss(losses, [a, b], dims, index=index, one_pass=one_pass), 16, 16, 32,
+                       simulate_device=None)
+        return sum(counts.gemm_flops.values())
+
+    one, per_prefix = flops(True), flops(False)
+    # forward one product pass over the bands (2 N^2 D); backward recomputes it, then the anchors' and the candidates'
+    # gradients: every pass D per pair for all three prefixes
+    assert one == 4 * 2 * 16 * 16 * 32
+    # one call per prefix: its one tile keeps the forward's logits (three passes), each of sum(d_p) per pair
+    assert per_prefix == 3 * 2 * 16 * 16 * sum(dims)
 
 
 def test_a_global_loss_shared_by_the_prefixes_or_a_wrong_list_is_refused():

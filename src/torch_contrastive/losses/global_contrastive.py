@@ -142,6 +142,21 @@ def global_contrastive_loss(
 
     Memory: O(B·D + tile²); one engine call (two with individual temperatures, three bimodal).
     """
+    return _global_loss(a, b, state, temperature, gamma, mode, temperature_mode, rule, None, normalize=normalize,
+                        chunk_size=chunk_size, gather=gather, grad_reduction=grad_reduction, eps=eps, validate=validate,
+                        backend=backend)
+
+
+#: Each row's log-sum-exp over its negatives computed by the caller (the Matryoshka one pass,
+#: :mod:`.prefix_global`): unimodal ``(2B,)`` (both views' rows), bimodal ``(image rows, text rows)``.
+Given = Tensor | tuple[Tensor, Tensor] | None
+
+
+def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | Tensor, gamma: float, mode: str,
+                 temperature_mode: str, rule: TemperatureRule | None, given: Given, *, normalize: bool, chunk_size: int | None,
+                 gather: bool, grad_reduction: str, eps: float, validate: bool, backend: str) -> tuple[Tensor, GlobalState]:
+    """:func:`global_contrastive_loss`, its rows' log-sum-exps taken from ``given`` where given (a fixed or
+    global temperature on one process: the engine is then not called)."""
     v.check_embeddings(a, "a")
     v.check_embeddings(b, "b")
     v.check_same_rows(a, "a", b, "b")
@@ -165,10 +180,12 @@ def global_contrastive_loss(
     checks.finite(b, "b", deferred=True)
     call = _Call(gamma, rule, Options(False, eps, chunk_size, backend), scope)
     img, txt = prepare(a, normalize, eps), prepare(b.to(a.dtype), normalize, eps)
+    if given is not None and (tau is None or scope.distributed):
+        raise RuntimeError("internal: given log-sum-exps need a fixed or global temperature on one process")
     if mode == "unimodal":
-        (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call)
+        (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call, given if isinstance(given, Tensor) else None)
     else:
-        (estimate, surrogate, count), new = _bimodal(img, txt, state, tau, call)
+        (estimate, surrogate, count), new = _bimodal(img, txt, state, tau, call, given if isinstance(given, tuple) else None)
     loss = _straight(scope.finish(estimate, count), scope.finish(surrogate, count))
     # normalised rows: a non-finite input makes the loss non-finite, and its value answers the finite checks
     finish_checks(loss, checks, not normalize, covers=normalize)
@@ -242,7 +259,8 @@ def _negatives_by_sample(rows_from: Tensor, candidates: Tensor, repeats: int, sc
 Parts = tuple[Tensor, Tensor, float]  # (this rank's estimate sum, surrogate sum, its samples)
 
 
-def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call) -> tuple[Parts, GlobalState]:
+def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call,
+              given: Tensor | None = None) -> tuple[Parts, GlobalState]:
     n, opts, scope = a.shape[0], call.options, call.scope
     rows = torch.cat([a, b])
     l_pos = (a * b).sum(1)
@@ -256,7 +274,7 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
     if tau is not None:  # S = <., .> / tau (a learnable tau: the engine's scale gets its gradient)
         taus: float | Tensor = tau.detach() if isinstance(tau, Tensor) else tau
-        lse = _lse(rows, negatives, 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
+        lse = given if given is not None else _lse(rows, negatives, 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
     else:  # every sample its own tau (both views): the rows scaled, the candidates as they are
         if state.tau is None:
             raise RuntimeError("internal: individual temperatures without their state")
@@ -286,7 +304,8 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
                                                         torch.stack([moving, blank], 1))
 
 
-def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call) -> tuple[Parts, GlobalState]:
+def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call,
+             given: tuple[Tensor, Tensor] | None = None) -> tuple[Parts, GlobalState]:
     n, opts, scope = img.shape[0], call.options, call.scope
     l_pos = (img * txt).sum(1)
     if scope.distributed:
@@ -310,7 +329,9 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         scale = 1.0 / tau
         bound = scale if isinstance(scale, float) else None
         t_img = t_txt = tau.detach() if isinstance(tau, Tensor) else tau
-        if scope.distributed:
+        if given is not None:
+            lse_img, lse_txt = given
+        elif scope.distributed:
             lse_img, lse_txt = _lse(img, by_img, scale, opts, bound)[0], _lse(txt, by_txt, scale, opts, bound)[0]
         else:  # both directions in one call: the texts' log-sum-exps are the column statistics
             both = _lse(img, by_img, scale, opts, bound, columns=True)
@@ -479,6 +500,10 @@ class GlobalContrastiveLoss(nn.Module):
         self._epoch = int(self.epoch)
 
     def forward(self, a: Tensor, b: Tensor, index: Tensor) -> Tensor:
+        return self._step(a, b, index, None)
+
+    def _step(self, a: Tensor, b: Tensor, index: Tensor, given: Given) -> Tensor:
+        """One batch: the loss, the visited samples' states refreshed (``given``: see :func:`_global_loss`)."""
         v.check_embeddings(a, "a")
         v.check_embeddings(b, "b")
         index = self._checked_index(index, a)
@@ -492,8 +517,8 @@ class GlobalContrastiveLoss(nn.Module):
         state = GlobalState(rows(self.log_u), rows(self.tau_state) if individual else None,
                             rows(self.tau_grad) if individual else None)
         temperature: float | Tensor = self.tau if self.temperature_mode == "global" else self.fixed_temperature
-        loss, new = global_contrastive_loss(a, b, state, temperature, self.gamma, mode=self.mode,
-                                            temperature_mode=self.temperature_mode, rule=self.rule, **self.options)
+        loss, new = _global_loss(a, b, state, temperature, self.gamma, self.mode, self.temperature_mode, self.rule, given,
+                                 **self.options)
         with torch.no_grad():
             parts = [new.log_u] + ([new.tau, new.tau_grad] if individual else [])
             if self.options["gather"] and is_active():

@@ -28,6 +28,7 @@ from ..engine.prefixes import Targets
 from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_term, refuse_shared_state
 from .prefix_forms import _SHARED, OnePass, _default, _pair_form, _shared_options, _sigmoid_form, _weighted_form, one_pass_softmax
 from .prefix_gather import _gathered
+from .prefix_global import global_one_pass
 from .prefix_weights import PositiveWeights
 
 
@@ -201,7 +202,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
         loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...), or a list (or an
             ``nn.ModuleList``) of them, one per prefix, each called on its own prefix: a loss that keeps a state per embedding width (a
             :class:`~torch_contrastive.GlobalContrastiveLoss` per prefix: its per-sample normalisers are
-            the prefix's own, so the prefixes cannot share one).
+            the prefix's own, so the prefixes cannot share one; with a fixed or global temperature their
+            log-sum-exps come from one pass, :mod:`~torch_contrastive.losses.prefix_global`).
         embeddings: the tensors cut to each prefix (their last dimension), each L2-normalised on its own.
         matryoshka_dims: prefix sizes, at most the embeddings' last dimension.
         matryoshka_weights: one weight per dim (None: all 1).
@@ -248,7 +250,11 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
         raise ValueError(f"embeddings must share their last dimension, got {[t.shape[-1] for t in tensors]}")
     dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, width)
     if isinstance(loss_fn, Sequence):
-        losses = iter(one_per_prefix(loss_fn, len(dims)))
+        fns = one_per_prefix(loss_fn, len(dims))
+        together = global_one_pass(fns, tensors, kwargs, dims, weights) if v.check_flag(one_pass, "one_pass") else None
+        if together is not None:
+            return together
+        losses = iter(fns)
         # prefix_sum visits the prefixes in order: the i-th loss meets the i-th prefix
         return prefix_sum(dims, weights, lambda dim: prefix_term(next(losses), tensors, kwargs, dim, width))
     refuse_shared_state(loss_fn)

@@ -1,0 +1,158 @@
+"""Each row's (and column's) log-sum-exp over its negatives, for every prefix of the features, in one pass.
+
+The global contrastive losses (SogCLR, FastCLIP: :mod:`torch_contrastive.losses.global_contrastive`) read a
+batch only through ``LSE_i = log sum_{j in N(i)} exp(s * cos(x_i, c_j))`` over each anchor's negatives
+``N(i)``; the rest of their step (the moving average, the weights ``g / u``) is per row. So a Matryoshka
+form of them needs, per prefix ``p``, the row statistics ``LSE_p(i)`` and their gradient for any incoming
+``dL / dLSE_p(i)`` -- which is what :class:`PrefixRowLSE` computes on the prefix engine's band products
+(:mod:`.prefixes`): ``D`` products per pair for every prefix, forward and backward, and each prefix's
+logits its running sum times its own inverse norms.
+
+Left out of every soft-max: the listed pairs ``(i, leave_out[i, e])`` -- a single set's self pair and an
+anchor's positive, or two sets' diagonal. With ``columns`` (two sets, image-text) each candidate's
+log-sum-exp over the anchors comes from the same tiles, the pairs left out of both directions.
+
+Two regimes, as the engine's: with fixed scales within :data:`~.prefixes.COLUMN_SCALE_LIMIT` the unit rows
+bound every logit by its scale ``s``, so ``exp(s cos - s)`` is summed as it is (one ``exp`` per logit, no
+maximum; backward's tile is that exponential times a row and a column factor); otherwise (a learnable scale,
+whose value the host does not read, or a larger one) an online maximum per row and column keeps any scale exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .prefixes import PrefixPlan, _operands, _prefix_products, _scaled, prefix_backward
+
+__all__ = ["PrefixRowLSE"]
+
+
+class PrefixRowLSE(torch.autograd.Function):
+    """``(anchors (N, D), candidates (M, D), plan, which, leave_out (N, E), columns, scales (P,), shifts)`` ->
+    ``(N, P)`` row log-sum-exps (``(N + M, P)`` with ``columns``: the candidates' after the anchors').
+
+    ``plan`` carries the distinct prefix ends (``plan.cuts``), normalisation, ``eps`` and strip, with scale 1:
+    the logits of listed prefix ``p`` are ``scales[p] * cos_p`` over the cut ``plan.cuts[which[p]]`` (a
+    prefix listed twice -- or two temperatures of one width -- is two columns of the output). ``scales`` gets
+    its gradient when it requires one (a learnable temperature). ``shifts``: the scales as floats when they
+    are fixed and within the bounded regime (each prefix's logits summed under the fixed shift ``s_p``), else
+    None (an online maximum). Every row must keep one candidate at least.
+
+    Memory: O((N + M) D + T M (cuts + 2) + (N + M) P) for strips of ``T`` rows; nothing of size ``N M``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, which: tuple[int, ...],  # type: ignore[override]
+                leave_out: Tensor, columns: bool, scales: Tensor, shifts: tuple[float, ...] | None = None) -> Tensor:
+        if plan.scale != 1.0 or (not plan.normalize and shifts is not None):
+            raise ValueError("internal: PrefixRowLSE takes its scales per prefix (plan.scale 1), a fixed shift unit rows")
+        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns, shifts, scales.detach().to(a.dtype))
+        at_cut = _prefixes_at(plan, which)
+        for start in range(0, a.shape[0], plan.strip):
+            stop = min(start + plan.strip, a.shape[0])
+            rows = torch.arange(stop - start, device=a.device)[:, None]
+            for k, raw in enumerate(_prefix_products(a[start:stop], c, plan.cuts)):
+                if not at_cut[k]:
+                    continue
+                cos = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                for p in at_cut[k]:
+                    sums.add(cos, p, start, stop, rows, leave_out[start:stop])
+        out = sums.finish()
+        ctx.save_for_backward(anchors, candidates, leave_out, scales, out)
+        ctx.plan, ctx.which, ctx.columns, ctx.shifts = plan, which, columns, shifts
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        anchors, candidates, leave_out, scales, out = ctx.saved_tensors
+        plan: PrefixPlan = ctx.plan
+        shifts: tuple[float, ...] | None = ctx.shifts
+        n, dtype = anchors.shape[0], out.dtype
+        s, g = scales.detach().to(dtype), grad.to(dtype)
+        # d L / d logit_ij = g_row(i) softmax_row(i, j) + g_col(j) softmax_col(i, j) = exp(logit_ij) (a_i + b_j),
+        # a = g_row exp(-LSE_row), b = g_col exp(-LSE_col) (under a fixed shift: both times exp(s), the tile exp(logit - s))
+        # the fixed shift's factors (the online path exponentiates against each LSE itself)
+        factor = g if shifts is None else g * torch.exp(torch.tensor(shifts, dtype=dtype, device=out.device) - out)
+        row_factor, col_factor = factor[:n], (factor[n:] if ctx.columns else None)
+        at_cut = _prefixes_at(plan, ctx.which)
+        learned = ctx.needs_input_grad[6]
+        d_scales = torch.zeros(len(ctx.which), dtype=dtype, device=out.device)
+
+        def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
+            tile: Tensor | None = None
+            rows = torch.arange(stop - start, device=cos.device)[:, None]
+            for p in at_cut[k]:
+                # the exponentiated logits (less the fixed shift, or each row's LSE on the online path)
+                e = cos.mul(s[p]).sub_(shifts[p] if shifts is not None else out[start:stop, p, None]).exp_()
+                if col_factor is None:
+                    part = e.mul_(row_factor[start:stop, p, None])
+                elif shifts is None:  # two different shifts per entry (the row's LSE, the column's): two exps
+                    e.mul_(row_factor[start:stop, p, None])
+                    part = e.add_(cos.mul(s[p]).sub_(out[None, n:, p]).exp_().mul_(col_factor[None, :, p]))
+                else:
+                    part = e.mul_(torch.add(row_factor[start:stop, p, None], col_factor[None, :, p]))
+                part[rows, leave_out[start:stop]] = 0.0
+                if learned:
+                    d_scales[p] += (part * cos).sum()
+                tile = part.mul_(s[p]) if tile is None else tile.add_(part.mul_(s[p]))
+            if tile is None:
+                raise RuntimeError("internal: a cut without a prefix")
+            return tile
+
+        da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=out.device), grad_tile)
+        return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
+                dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None,
+                d_scales.to(scales.dtype) if learned else None, None)
+
+
+def _prefixes_at(plan: PrefixPlan, which: tuple[int, ...]) -> list[list[int]]:
+    """The listed prefixes ending at each cut (empty for a cut no prefix ends at)."""
+    return [[p for p, k in enumerate(which) if k == cut] for cut in range(len(plan.cuts))]
+
+
+class _Sums:
+    """The rows' (and columns') exp-sums over the strips, per listed prefix: under each prefix's fixed shift,
+    or with an online maximum (a column's rescaled when a strip raises it)."""
+
+    def __init__(self, n: int, m: int, prefixes: int, like: Tensor, columns: bool, shifts: tuple[float, ...] | None,
+                 scales: Tensor) -> None:
+        self.n, self.shifts, self.scales = n, shifts, scales
+        self.rows = like.new_zeros(n, prefixes)
+        self.row_max = like.new_zeros(n, prefixes) if shifts is None else None
+        self.cols = like.new_zeros(m, prefixes) if columns else None
+        self.col_max = like.new_full((m, prefixes), -torch.inf) if columns and shifts is None else None
+
+    def add(self, cos: Tensor, p: int, start: int, stop: int, rows: Tensor, leave_out: Tensor) -> None:
+        logits = cos.mul(self.scales[p])
+        if self.shifts is not None:  # unit rows: every logit <= s, and exp(logit - s) stays a normal number
+            e = logits.sub_(self.shifts[p]).exp_()
+            e[rows, leave_out] = 0.0
+            self.rows[start:stop, p] = e.sum(1)
+            if self.cols is not None:
+                self.cols[:, p] += e.sum(0)
+            return
+        logits[rows, leave_out] = -torch.inf
+        if self.row_max is None:
+            raise RuntimeError("internal: the online path without its maxima")
+        if self.cols is not None and self.col_max is not None:  # each column under its own running maximum
+            new = torch.maximum(self.col_max[:, p], logits.max(0).values)
+            safe = torch.where(torch.isneginf(new), 0.0, new)  # a column with nothing yet adds nothing
+            strip = logits.sub(safe[None, :]).exp_().sum(0)
+            self.cols[:, p] = self.cols[:, p] * torch.exp(self.col_max[:, p] - safe) + strip
+            self.col_max[:, p] = new
+        top = logits.max(1).values
+        self.row_max[start:stop, p] = top
+        self.rows[start:stop, p] = logits.sub_(top[:, None]).exp_().sum(1)
+
+    def finish(self) -> Tensor:
+        """The log-sum-exps, rows then (with columns) columns."""
+        shift: Tensor | float = 0.0 if self.shifts is None else torch.tensor(self.shifts, dtype=self.rows.dtype,
+                                                                              device=self.rows.device)
+        rows = self.rows.log() + (self.row_max if self.row_max is not None else shift)
+        if self.cols is None:
+            return rows
+        return torch.cat([rows, self.cols.log() + (self.col_max if self.col_max is not None else shift)])

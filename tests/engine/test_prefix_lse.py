@@ -1,0 +1,74 @@
+"""engine/prefix_lse.py: every prefix's row (and column) log-sum-exps over the negatives from one pass, against
+the float64 definition per prefix -- both regimes (fixed shift, online maximum), strips, a prefix listed twice, the
+scales' gradient -- and float64 gradcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from device import DEVICE
+from torch_contrastive.engine.prefix_lse import PrefixRowLSE
+from torch_contrastive.engine.prefixes import prefix_plan
+
+
+def reference(a, c, dims, scales, leave_out, columns):
+    """Per prefix: the normalised prefixes' logits, the left-out pairs removed, log-sum-exp over rows (and columns)."""
+    out = []
+    for p, d in enumerate(dims):
+        s = F.normalize(a[:, :d], dim=1) @ F.normalize(c[:, :d], dim=1).T * scales[p]
+        left = torch.zeros_like(s, dtype=torch.bool)
+        left[torch.arange(a.shape[0], device=a.device)[:, None], leave_out] = True
+        s = s.masked_fill(left, -torch.inf)
+        out.append(torch.cat([s.logsumexp(1), s.logsumexp(0)]) if columns else s.logsumexp(1))
+    return torch.stack(out, 1)
+
+
+def _case(columns, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, width = (9, 13) if columns else (10, 13)
+    a = torch.randn(n, width, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
+    c = torch.randn(n, width, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_() if columns else a
+    rows = torch.arange(n, device=DEVICE)
+    # two sets: the diagonal; one set: self and a partner half a batch away
+    leave = rows[:, None] if columns else torch.stack([rows, (rows + n // 2) % n], 1)
+    return a, c, leave
+
+
+@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("strip", [None, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_every_prefix_equals_the_float64_definition(columns, fixed, strip, dtype, tol):
+    """Values and gradients (inputs and scales, any incoming gradient), odd sizes, a prefix listed twice with two
+    scales; fixed scales up to 20 under the fixed shift, or scales up to 200 (logits far past fp32's exp range) online."""
+    a, c, leave = _case(columns, dtype)
+    dims, values = [13, 8, 3, 8], ([10.0, 5.0, 20.0, 7.0] if fixed else [100.0, 5.0, 200.0, 7.0])
+    scales = torch.tensor(values, dtype=dtype, device=DEVICE, requires_grad=True)
+    cuts = sorted(set(dims))
+    plan = prefix_plan(cuts, [1.0] * len(cuts), 13, 1.0, True, 1e-12, a.shape[0], c.shape[0], strip)
+    got = PrefixRowLSE.apply(a, c, plan, tuple(cuts.index(d) for d in dims), leave, columns, scales,
+                             tuple(values) if fixed else None)
+    want = reference(a.double(), c.double(), dims, scales.double(), leave, columns)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 10)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+    inputs = (a, scales) if not columns else (a, c, scales)
+    for mine, ref in zip(torch.autograd.grad((got.double() * weights).sum(), inputs),
+                         torch.autograd.grad((want * weights).sum(), inputs)):
+        torch.testing.assert_close(mine.double(), ref.double(), rtol=tol * 10, atol=tol * 10 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("fixed", [True, False])
+def test_gradcheck(columns, fixed):
+    a, c, leave = _case(columns, torch.float64, seed=2)
+    scales = torch.tensor([3.0, 2.0], dtype=torch.float64, device=DEVICE, requires_grad=not fixed)
+    plan = prefix_plan([5, 13], [1.0, 1.0], 13, 1.0, True, 1e-12, a.shape[0], c.shape[0], 4)
+    inputs = (a, scales) if not columns else (a, c, scales)
+
+    def fn(*xs):
+        a_, c_ = (xs[0], xs[0]) if not columns else (xs[0], xs[1])
+        return PrefixRowLSE.apply(a_, c_, plan, (1, 0), leave, columns, xs[-1], (3.0, 2.0) if fixed else None)
+
+    assert torch.autograd.gradcheck(fn, inputs)
