@@ -898,7 +898,7 @@ MUTATIONS = [
     # the global contrastive losses' Matryoshka one pass (every prefix's row log-sum-exps from one pass)
     Mutation(f"{E}/prefix_lse.py", "            e[rows, leave_out] = 0.0\n", "",
              "prefix log-sum-exps, fixed shift: the left-out pairs (self, positive) kept in the forward sums", PREFIX_LSE_TESTS),
-    Mutation(f"{E}/prefix_lse.py", "                part[rows, leave_out[start:stop]] = 0.0\n", "",
+    Mutation(f"{E}/prefix_lse.py", "                part[rows, left] = 0.0\n", "",
              "prefix log-sum-exps: the left-out pairs' gradient kept in backward", PREFIX_LSE_TESTS),
     Mutation(f"{E}/prefix_lse.py", "self.cols[:, p] * torch.exp(self.col_max[:, p] - safe)", "self.cols[:, p]",
              "prefix log-sum-exps, online: a column's running sum not rescaled when its maximum grows", PREFIX_LSE_TESTS),
@@ -916,6 +916,13 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/prefix_global.py", "max(fixed) <= COLUMN_SCALE_LIMIT[dtype] else None",
              "max(fixed) <= 1e9 else None",
              "global one pass: the fixed shift taken past its bounded regime (tau 0.01 in fp32)", MATRYOSHKA_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "                    part[:, : stop - start].mul_(0.5)\n", "",
+             "prefix log-sum-exps, upper triangle: the strip's own block counted from both sides in backward", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "                at = stop if upper else 0\n", "                at = start if upper else 0\n",
+             "prefix log-sum-exps, upper triangle: the strip's own block added to its columns' sums twice", PREFIX_LSE_TESTS),
+    Mutation(f"{E}/prefix_lse.py", "    return rows, torch.where(left < 0, rows + (start - first), left)",
+             "    return rows, left.clamp_min(0)",
+             "prefix log-sum-exps, upper triangle: a pair left of the strip clears the tile's first column", PREFIX_LSE_TESTS),
 ]
 
 

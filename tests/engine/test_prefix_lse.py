@@ -59,6 +59,37 @@ def test_every_prefix_equals_the_float64_definition(columns, fixed, strip, dtype
         torch.testing.assert_close(mine.double(), ref.double(), rtol=tol * 10, atol=tol * 10 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("strip", [None, 3, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_the_upper_triangle_equals_the_float64_definition(strip, dtype, tol):
+    """One set, the fixed shift, its symmetric statistic from the upper triangle's strips (each row's sum from its
+    own strip's row and the earlier strips' columns; a partner left of the strip): values and gradients."""
+    a, _, leave = _case(False, dtype, seed=4)
+    dims, values = [13, 8, 3, 8], [10.0, 5.0, 20.0, 7.0]
+    scales = torch.tensor(values, dtype=dtype, device=DEVICE)
+    cuts = sorted(set(dims))
+    plan = prefix_plan(cuts, [1.0] * len(cuts), 13, 1.0, True, 1e-12, a.shape[0], a.shape[0], strip)
+    got = PrefixRowLSE.apply(a, a, plan, tuple(cuts.index(d) for d in dims), leave, False, scales, tuple(values), True)
+    want = reference(a.double(), a.double(), dims, scales.double(), leave, False)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 10)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+    (mine,), (ref,) = torch.autograd.grad((got.double() * weights).sum(), (a,)), torch.autograd.grad((want * weights).sum(), (a,))
+    torch.testing.assert_close(mine.double(), ref.double(), rtol=tol * 10, atol=tol * 10 * ref.abs().max().item())
+
+
+def test_the_upper_triangle_makes_half_the_products():
+    """Counted, not timed: the upper triangle's strips multiply about half the square, forward and backward."""
+    from torch_contrastive.cli.traffic import count
+
+    a, _, leave = _case(False, torch.float64)
+    plan = prefix_plan([5, 13], [1.0, 1.0], 13, 1.0, True, 1e-12, a.shape[0], a.shape[0], 2)
+    flops = [sum(count(lambda upper=upper: PrefixRowLSE.apply(a, a, plan, (1, 0), leave, False, torch.tensor([3.0, 2.0]),
+                                                              (3.0, 2.0), upper).sum(), 10, 10, 13,
+                       simulate_device=None).gemm_flops.values()) for upper in (False, True)]
+    # strips of 2 rows against columns from the strip on: 10 + 8 + 6 + 4 + 2 = 30 of 50 columns per pass
+    assert flops[1] * 50 == flops[0] * 30
+
+
 @pytest.mark.parametrize("columns", [False, True])
 @pytest.mark.parametrize("fixed", [True, False])
 def test_gradcheck(columns, fixed):
@@ -72,3 +103,10 @@ def test_gradcheck(columns, fixed):
         return PrefixRowLSE.apply(a_, c_, plan, (1, 0), leave, columns, xs[-1], (3.0, 2.0) if fixed else None)
 
     assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradcheck_upper_triangle():
+    a, _, leave = _case(False, torch.float64, seed=3)
+    plan = prefix_plan([5, 13], [1.0, 1.0], 13, 1.0, True, 1e-12, a.shape[0], a.shape[0], 3)
+    scales = torch.tensor([3.0, 2.0], dtype=torch.float64, device=DEVICE)
+    assert torch.autograd.gradcheck(lambda x: PrefixRowLSE.apply(x, x, plan, (1, 0), leave, False, scales, (3.0, 2.0), True), (a,))

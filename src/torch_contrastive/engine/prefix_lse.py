@@ -46,24 +46,28 @@ class PrefixRowLSE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, which: tuple[int, ...],  # type: ignore[override]
-                leave_out: Tensor, columns: bool, scales: Tensor, shifts: tuple[float, ...] | None = None) -> Tensor:
+                leave_out: Tensor, columns: bool, scales: Tensor, shifts: tuple[float, ...] | None = None,
+                upper: bool = False) -> Tensor:
         if plan.scale != 1.0 or (not plan.normalize and shifts is not None):
             raise ValueError("internal: PrefixRowLSE takes its scales per prefix (plan.scale 1), a fixed shift unit rows")
+        if upper and (shifts is None or columns or anchors is not candidates):
+            raise ValueError("internal: the upper triangle is one set's fixed-shift statistic")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
-        sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns, shifts, scales.detach().to(a.dtype))
+        sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns or upper, shifts, scales.detach().to(a.dtype))
         at_cut = _prefixes_at(plan, which)
         for start in range(0, a.shape[0], plan.strip):
             stop = min(start + plan.strip, a.shape[0])
-            rows = torch.arange(stop - start, device=a.device)[:, None]
-            for k, raw in enumerate(_prefix_products(a[start:stop], c, plan.cuts)):
+            first = start if upper else 0
+            rows, left = _left_out(leave_out, start, stop, first)
+            for k, raw in enumerate(_prefix_products(a[start:stop], c[first:], plan.cuts)):
                 if not at_cut[k]:
                     continue
-                cos = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+                cos = _scaled(raw, plan, inv_a, None if inv_c is None else inv_c[first:], k, start, stop)
                 for p in at_cut[k]:
-                    sums.add(cos, p, start, stop, rows, leave_out[start:stop])
-        out = sums.finish()
+                    sums.add(cos, p, start, stop, rows, left, upper)
+        out = sums.finish(upper)
         ctx.save_for_backward(anchors, candidates, leave_out, scales, out)
-        ctx.plan, ctx.which, ctx.columns, ctx.shifts = plan, which, columns, shifts
+        ctx.plan, ctx.which, ctx.columns, ctx.shifts, ctx.upper = plan, which, columns, shifts, upper
         return out
 
     @staticmethod
@@ -77,6 +81,7 @@ class PrefixRowLSE(torch.autograd.Function):
         # a = g_row exp(-LSE_row), b = g_col exp(-LSE_col) (under a fixed shift: both times exp(s), the tile exp(logit - s))
         # the fixed shift's factors (the online path exponentiates against each LSE itself)
         factor = g if shifts is None else g * torch.exp(torch.tensor(shifts, dtype=dtype, device=out.device) - out)
+        upper: bool = ctx.upper
         row_factor, col_factor = factor[:n], (factor[n:] if ctx.columns else None)
         at_cut = _prefixes_at(plan, ctx.which)
         learned = ctx.needs_input_grad[6]
@@ -84,18 +89,22 @@ class PrefixRowLSE(torch.autograd.Function):
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             tile: Tensor | None = None
-            rows = torch.arange(stop - start, device=cos.device)[:, None]
+            first = start if upper else 0
+            rows, left = _left_out(leave_out, start, stop, first)
             for p in at_cut[k]:
                 # the exponentiated logits (less the fixed shift, or each row's LSE on the online path)
                 e = cos.mul(s[p]).sub_(shifts[p] if shifts is not None else out[start:stop, p, None]).exp_()
-                if col_factor is None:
+                if upper:  # entries (i, j) and (j, i) at once: row i's soft-max and row j's; the own block's both there
+                    part = e.mul_(torch.add(row_factor[start:stop, p, None], row_factor[None, first:, p]))
+                    part[:, : stop - start].mul_(0.5)
+                elif col_factor is None:
                     part = e.mul_(row_factor[start:stop, p, None])
                 elif shifts is None:  # two different shifts per entry (the row's LSE, the column's): two exps
                     e.mul_(row_factor[start:stop, p, None])
                     part = e.add_(cos.mul(s[p]).sub_(out[None, n:, p]).exp_().mul_(col_factor[None, :, p]))
                 else:
                     part = e.mul_(torch.add(row_factor[start:stop, p, None], col_factor[None, :, p]))
-                part[rows, leave_out[start:stop]] = 0.0
+                part[rows, left] = 0.0
                 if learned:
                     d_scales[p] += (part * cos).sum()
                 tile = part.mul_(s[p]) if tile is None else tile.add_(part.mul_(s[p]))
@@ -103,10 +112,21 @@ class PrefixRowLSE(torch.autograd.Function):
                 raise RuntimeError("internal: a cut without a prefix")
             return tile
 
-        da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=out.device), grad_tile)
+        da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=out.device), grad_tile, upper)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None,
-                d_scales.to(scales.dtype) if learned else None, None)
+                d_scales.to(scales.dtype) if learned else None, None, None)
+
+
+def _left_out(leave_out: Tensor, start: int, stop: int, first: int) -> tuple[Tensor, Tensor]:
+    """The strip's rows (a column) and their left-out columns within its tile, whose first column is candidate
+    ``first``: a pair left of the tile (the upper triangle's strips) points at the row's own column instead, which
+    a single set leaves out anyway (``leave_out[:, 0]`` is the row itself there)."""
+    rows = torch.arange(stop - start, device=leave_out.device)[:, None]
+    if not first:
+        return rows, leave_out[start:stop]
+    left = leave_out[start:stop] - first
+    return rows, torch.where(left < 0, rows + (start - first), left)
 
 
 def _prefixes_at(plan: PrefixPlan, which: tuple[int, ...]) -> list[list[int]]:
@@ -126,14 +146,15 @@ class _Sums:
         self.cols = like.new_zeros(m, prefixes) if columns else None
         self.col_max = like.new_full((m, prefixes), -torch.inf) if columns and shifts is None else None
 
-    def add(self, cos: Tensor, p: int, start: int, stop: int, rows: Tensor, leave_out: Tensor) -> None:
+    def add(self, cos: Tensor, p: int, start: int, stop: int, rows: Tensor, leave_out: Tensor, upper: bool = False) -> None:
         logits = cos.mul(self.scales[p])
         if self.shifts is not None:  # unit rows: every logit <= s, and exp(logit - s) stays a normal number
             e = logits.sub_(self.shifts[p]).exp_()
             e[rows, leave_out] = 0.0
             self.rows[start:stop, p] = e.sum(1)
-            if self.cols is not None:
-                self.cols[:, p] += e.sum(0)
+            if self.cols is not None:  # the upper triangle: the columns right of the strip's own block are rows too
+                at = stop if upper else 0
+                self.cols[at:, p] += e[:, at - (start if upper else 0):].sum(0)
             return
         logits[rows, leave_out] = -torch.inf
         if self.row_max is None:
@@ -148,10 +169,12 @@ class _Sums:
         self.row_max[start:stop, p] = top
         self.rows[start:stop, p] = logits.sub_(top[:, None]).exp_().sum(1)
 
-    def finish(self) -> Tensor:
-        """The log-sum-exps, rows then (with columns) columns."""
+    def finish(self, upper: bool = False) -> Tensor:
+        """The log-sum-exps, rows then (with columns) columns; ``upper``: each row's two parts added."""
         shift: Tensor | float = 0.0 if self.shifts is None else torch.tensor(self.shifts, dtype=self.rows.dtype,
                                                                               device=self.rows.device)
+        if upper and self.cols is not None:
+            return (self.rows + self.cols).log() + shift
         rows = self.rows.log() + (self.row_max if self.row_max is not None else shift)
         if self.cols is None:
             return rows

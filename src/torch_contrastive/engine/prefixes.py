@@ -460,11 +460,16 @@ class _Smoothing:
 
 
 def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Tensor,
-                    grad_tile: Callable[[Tensor, int, int, int, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+                    grad_tile: Callable[[Tensor, int, int, int, Tensor], Tensor], upper: bool = False) -> tuple[Tensor, Tensor]:
     """The gradients of both inputs of a prefix statistic: each strip's band products recomputed, each
     prefix's logits (``s * raw * inv_a * inv_c``) handed to ``grad_tile(logits, prefix, start, stop, w g)``,
     which returns d value / d logits (it may write the logits, which must stay finite), then the
-    normalisation's chain rule and the band fold, one product per band."""
+    normalisation's chain rule and the band fold, one product per band.
+
+    ``upper``: one set (the anchors are the candidates) whose statistic is symmetric: strip ``start:stop`` meets
+    the candidates from ``start`` on only (its tiles are ``(stop - start, M - start)``), and ``grad_tile`` returns
+    the gradient of both entries ``(i, j)`` and ``(j, i)`` at ``(i, j)``, the strip's own square block halved (both
+    of its entries are there): the products then cost half the square."""
     a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
     n, cuts = a.shape[0], plan.cuts
     da, dc = torch.zeros_like(a), torch.zeros_like(c)
@@ -474,18 +479,20 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
     bounds = list(zip((0, *cuts[:-1]), cuts))
     for start in range(0, n, plan.strip):
         stop = min(start + plan.strip, n)
+        first = start if upper else 0  # the strip's first candidate
+        cs, inv_cs = c[first:], (None if inv_c is None else inv_c[first:])
         d_raw = []
-        for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
+        for k, raw in enumerate(_prefix_products(a[start:stop], cs, cuts)):
             weight = float(_weight_of(plan, k)) * g
             coeff = weight * plan.scale  # d loss / d (raw * inverse norms), per tile entry
-            logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+            logits = _scaled(raw, plan, inv_a, inv_cs, k, start, stop)
             tile = grad_tile(logits, k, start, stop, weight)
-            if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
+            if inv_a is not None and inv_cs is not None and d_inv_a is not None and d_inv_c is not None:
                 # d / d inv_a[i] = sum_j tile * s * raw * inv_c = sum_j tile * logits / inv_a[i] (and so for columns)
                 weighted = logits.mul_(tile)  # the logits are spent: their buffer takes the product
                 d_inv_a[start:stop, k] += weighted.sum(1) * coeff / (plan.scale * inv_a[start:stop, k])
-                d_inv_c[:, k] += weighted.sum(0) * coeff / (plan.scale * inv_c[:, k])
-                tile.mul_((coeff * inv_a[start:stop, k])[:, None]).mul_(inv_c[None, :, k])
+                d_inv_c[first:, k] += weighted.sum(0) * coeff / (plan.scale * inv_cs[:, k])
+                tile.mul_((coeff * inv_a[start:stop, k])[:, None]).mul_(inv_cs[None, :, k])
             else:
                 tile.mul_(coeff)
             d_raw.append(tile)
@@ -495,8 +502,8 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
             if k < len(cuts) - 1:
                 folded.add_(d_raw[k])
             lo, hi = bounds[k]
-            da[start:stop, lo:hi].addmm_(folded, c[:, lo:hi])
-            dc[:, lo:hi].addmm_(folded.T, a[start:stop, lo:hi])
+            da[start:stop, lo:hi].addmm_(folded, cs[:, lo:hi])
+            dc[first:, lo:hi].addmm_(folded.T, a[start:stop, lo:hi])
     if inv_a is not None and inv_c is not None and d_inv_a is not None and d_inv_c is not None:
         _norm_chain(da, a, inv_a, d_inv_a, bounds, plan.eps)
         _norm_chain(dc, c, inv_c, d_inv_c, bounds, plan.eps)

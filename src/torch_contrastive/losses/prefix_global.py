@@ -71,8 +71,9 @@ def global_one_pass(losses: Sequence[Callable[..., Any]], tensors: list[Tensor],
         both = torch.cat([a, b])
         plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, 2 * n, 2 * n, strip)
         pair = torch.cat([rows + n, rows])
+        # a fixed shift visits the upper triangle only (the statistic is symmetric): half the products
         lse = PrefixRowLSE.apply(both, both, plan, which, torch.stack([torch.cat([rows, rows + n]), pair], 1), False, scales,
-                                   shifts)
+                                 shifts, shifts is not None)
 
         def given(p: int) -> Any:
             return lse[:, p]
