@@ -53,6 +53,7 @@ CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.p
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
 MATRYOSHKA_TESTS = ("tests/losses/test_matryoshka.py",)
+SYMMETRIC_TESTS = ("tests/losses/test_prefix_symmetric.py", "tests/losses/test_matryoshka.py")
 PREFIX_LSE_TESTS = ("tests/engine/test_prefix_lse.py", "tests/losses/test_matryoshka.py")
 PAIR_TESTS = ("tests/engine/test_pairwise.py", "tests/engine/test_one_tile.py", "tests/losses/test_losses.py")
 MUTATIONS = [
@@ -923,6 +924,21 @@ MUTATIONS = [
     Mutation(f"{E}/prefix_lse.py", "    return rows, torch.where(left < 0, rows + (start - first), left)",
              "    return rows, left.clamp_min(0)",
              "prefix log-sum-exps, upper triangle: a pair left of the strip clears the tile's first column", PREFIX_LSE_TESTS),
+    # one set's Matryoshka soft-max from the upper triangle (SupCon, NT-Xent)
+    Mutation(f"{PKG}/losses/prefix_symmetric.py", "    group[1:] = (ordered[1:] != ordered[:-1]).cumsum(0)",
+             "    group[1:] = (ordered[1:] == ordered[:-1]).cumsum(0)",
+             "upper-triangle SupCon: rows grouped by key changes, not by key", SYMMETRIC_TESTS),
+    Mutation(f"{PKG}/losses/prefix_symmetric.py", "[inverse] - 1\n", "[inverse]\n",
+             "upper-triangle SupCon: a row counted among its own positives (one positive too many)", SYMMETRIC_TESTS),
+    Mutation(f"{PKG}/losses/prefix_symmetric.py", "((sums[inverse] - unit) * unit)", "(sums[inverse] * unit)",
+             "upper-triangle SupCon: a row's own logit in its positives' sum", SYMMETRIC_TESTS),
+    Mutation(f"{PKG}/losses/prefix_symmetric.py", "        terms = torch.where(count[:, None] > 0, terms, 0.0)\n", "",
+             "upper-triangle SupCon: an anchor without a positive counted", SYMMETRIC_TESTS),
+    Mutation(f"{PKG}/losses/prefix_symmetric.py", "        positive = dots * inv * inv[partner] * scale",
+             "        positive = dots * inv * inv * scale",
+             "upper-triangle NT-Xent: the partner's logit normalised by the anchor's norm twice", SYMMETRIC_TESTS),
+    Mutation(f"{PKG}/losses/prefix_symmetric.py", "            and scale <= COLUMN_SCALE_LIMIT[dtype])", "            )",
+             "upper-triangle: the fixed shift taken past its bounded regime", SYMMETRIC_TESTS),
 ]
 
 

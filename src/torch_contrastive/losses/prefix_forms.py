@@ -21,6 +21,7 @@ from ..engine.prefix_pairs import PrefixPairs
 from ..engine.prefix_sigmoid import PrefixSigmoid
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSoftmax, Targets, prefix_plan
 from ..options import shared
+from . import prefix_symmetric as upper
 from ._labelled import check_reference
 
 #: Runs a one-pass form: ``(dims, weights, inputs to name when the loss is not finite, or None)`` -> the loss.
@@ -46,7 +47,10 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
     scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
     scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
     plan = prefix_plan(dims, weights, width, scale, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean, per_row)
-    if reverse is candidates and scale_t is None and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
+    if scale_t is None and upper.covers(anchors, candidates, targets, scale, reverse):  # one set: the upper triangle
+        loss = upper.upper_softmax(anchors, targets, dims, weights, scale, eps, chunk, mean, per_row)
+        reverse = None
+    elif reverse is candidates and scale_t is None and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
         # the candidates' direction from the same tiles (CLIP): one product pass for both directions
         loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True), None)
         reverse = None
