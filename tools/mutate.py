@@ -939,6 +939,11 @@ MUTATIONS = [
              "upper-triangle NT-Xent: the partner's logit normalised by the anchor's norm twice", SYMMETRIC_TESTS),
     Mutation(f"{PKG}/losses/prefix_symmetric.py", "            and scale <= COLUMN_SCALE_LIMIT[dtype])", "            )",
              "upper-triangle: the fixed shift taken past its bounded regime", SYMMETRIC_TESTS),
+    Mutation(f"{PKG}/losses/prefix_global.py", "torch.stack([mine, mine + total], 1)", "torch.stack([mine, mine], 1)",
+             "global one pass under gather: a sample's other view left among its negatives", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/prefix_global.py", "    own = scope.offset + torch.arange(n, device=a.device)",
+             "    own = torch.arange(n, device=a.device)",
+             "global one pass under gather: every rank leaves out the first rank's columns", ("tests/losses/test_matryoshka_gather.py",)),
 ]
 
 

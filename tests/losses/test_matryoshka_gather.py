@@ -119,3 +119,45 @@ def test_gather_on_one_process_is_the_local_one_pass():
     got = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], temperature=0.2, gather=True)
     want = tc.matryoshka_loss(tc.nt_xent_loss, [x], [6, 3], temperature=0.2, gather=True, one_pass=False)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _global_ranks(rank: int, world: int, mode: str, temperature_mode: str) -> None:
+    """One GlobalContrastiveLoss per prefix with gather=True, two steps: the one pass (this rank's rows against every
+    rank's, gathered once) equal to each module's own gathered call -- values, every rank's gradients (a learnable
+    temperature's summed over the ranks) and the states every rank keeps."""
+    from torch_contrastive.losses import prefix_global
+
+    g = torch.Generator().manual_seed(200 + rank)
+    n = 6 if rank == 0 else 4
+    a, b = (torch.randn(n, 7, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    taus = [0.2, 0.5, 0.1]
+
+    def make():
+        return [tc.GlobalContrastiveLoss(24, mode, tau, temperature_mode=temperature_mode, gather=True, state_dtype=torch.float64)
+                for tau in taus]
+
+    ours, theirs = make(), make()
+    for step in range(2):
+        index = torch.arange(n) + (0 if rank == 0 else 6) + 10 * step
+        assert prefix_global._covered(ours, [a, b], {"index": index}) is not None  # the one pass, not its fallback
+        results = []
+        for losses, one_pass in ((ours, True), (theirs, False)):
+            loss = tc.matryoshka_loss(losses, [a, b], DIMS, WEIGHTS, index=index, one_pass=one_pass)
+            learnable = [m.tau for m in losses] if temperature_mode == "global" else []
+            grads = torch.autograd.grad(loss, [a, b, *learnable])
+            shared = [g_.clone() for g_ in grads[2:]]
+            for g_ in shared:
+                torch.distributed.all_reduce(g_)
+            results.append((loss.detach(), *grads[:2], *shared))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for mine, ref in zip(ours, theirs):
+        torch.testing.assert_close(mine.log_u, ref.log_u, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+@pytest.mark.parametrize("temperature_mode", ["fixed", "global"])
+def test_gathered_global_losses_in_one_pass(mode, temperature_mode):
+    from dist_helpers import run_ranks
+
+    run_ranks(_global_ranks, 2, mode, temperature_mode, timeout=180)

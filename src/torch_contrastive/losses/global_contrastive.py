@@ -148,7 +148,8 @@ def global_contrastive_loss(
 
 
 #: Each row's log-sum-exp over its negatives computed by the caller (the Matryoshka one pass,
-#: :mod:`.prefix_global`): unimodal ``(2B,)`` (both views' rows), bimodal ``(image rows, text rows)``.
+#: :mod:`.prefix_global`): unimodal ``(2B,)`` (both views' rows), bimodal ``(image rows, text rows)``; this rank's rows
+#: against every rank's under ``gather=True``.
 Given = Tensor | tuple[Tensor, Tensor] | None
 
 
@@ -156,7 +157,7 @@ def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | 
                  temperature_mode: str, rule: TemperatureRule | None, given: Given, *, normalize: bool, chunk_size: int | None,
                  gather: bool, grad_reduction: str, eps: float, validate: bool, backend: str) -> tuple[Tensor, GlobalState]:
     """:func:`global_contrastive_loss`, its rows' log-sum-exps taken from ``given`` where given (a fixed or
-    global temperature on one process: the engine is then not called)."""
+    global temperature; under ``gather=True`` this rank's rows against every rank's: the engine is then not called)."""
     v.check_embeddings(a, "a")
     v.check_embeddings(b, "b")
     v.check_same_rows(a, "a", b, "b")
@@ -180,8 +181,8 @@ def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | 
     checks.finite(b, "b", deferred=True)
     call = _Call(gamma, rule, Options(False, eps, chunk_size, backend), scope)
     img, txt = prepare(a, normalize, eps), prepare(b.to(a.dtype), normalize, eps)
-    if given is not None and (tau is None or scope.distributed):
-        raise RuntimeError("internal: given log-sum-exps need a fixed or global temperature on one process")
+    if given is not None and tau is None:
+        raise RuntimeError("internal: given log-sum-exps need a fixed or global temperature")
     if mode == "unimodal":
         (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call, given if isinstance(given, Tensor) else None)
     else:
