@@ -110,3 +110,32 @@ def test_gradcheck_upper_triangle():
     plan = prefix_plan([5, 13], [1.0, 1.0], 13, 1.0, True, 1e-12, a.shape[0], a.shape[0], 3)
     scales = torch.tensor([3.0, 2.0], dtype=torch.float64, device=DEVICE)
     assert torch.autograd.gradcheck(lambda x: PrefixRowLSE.apply(x, x, plan, (1, 0), leave, False, scales, (3.0, 2.0), True), (a,))
+
+
+@pytest.mark.parametrize("fixed,per_row", [(True, False), (False, False), (False, True)])  # per-row scales: online only
+@pytest.mark.parametrize("strip", [None, 4])
+def test_per_row_scales_and_the_soft_max_means(fixed, per_row, strip):
+    """Each anchor row its own scale (individual temperatures, up to 200: the online maximum) or one per prefix, and the
+    soft-max mean of each row's logits over its negatives (a value, no gradient) against float64."""
+    a, c, leave = _case(True, torch.float64, seed=5)
+    dims = [13, 8, 3]
+    g = torch.Generator().manual_seed(6)
+    scales = (torch.rand(a.shape[0], 3, generator=g, dtype=torch.float64) * 190 + 10 if per_row
+              else torch.tensor([10.0, 5.0, 20.0], dtype=torch.float64)).to(DEVICE).requires_grad_()
+    plan = prefix_plan(dims[::-1], [1.0] * 3, 13, 1.0, True, 1e-12, a.shape[0], c.shape[0], strip)
+    which = tuple(sorted(dims).index(d) for d in dims)
+    got = PrefixRowLSE.apply(a, c, plan, which, leave, False, scales, (10.0, 5.0, 20.0) if fixed else None, False, True)
+    lse, means = got[:, :3], got[:, 3:]
+    want_lse, want_means = [], []
+    for p, d in enumerate(dims):
+        s = F.normalize(a[:, :d], dim=1) @ F.normalize(c[:, :d], dim=1).T * (scales[:, p, None] if per_row else scales[p])
+        s = s.masked_fill(torch.eye(a.shape[0], dtype=torch.bool, device=DEVICE), -torch.inf)
+        want_lse.append(s.logsumexp(1))
+        soft = s.softmax(1)
+        want_means.append((soft * s.masked_fill(soft == 0, 0.0)).sum(1))
+    torch.testing.assert_close(lse, torch.stack(want_lse, 1), rtol=1e-12, atol=1e-11)
+    torch.testing.assert_close(means, torch.stack(want_means, 1).detach(), rtol=1e-11, atol=1e-10)
+    w = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(DEVICE)
+    for mine, ref in zip(torch.autograd.grad((lse * w).sum(), (a, c, scales)),
+                         torch.autograd.grad((torch.stack(want_lse, 1) * w).sum(), (a, c, scales))):
+        torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-10 * ref.abs().max().item())

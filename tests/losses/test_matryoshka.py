@@ -461,7 +461,10 @@ def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state(mode, temperat
     own normalised prefix, weighted, over two steps (the second reads the states the first wrote); equal
     in value, gradients (a learnable temperature's too) and states to the modules called by hand. A fixed or
     global temperature takes the one pass (every prefix's log-sum-exps from one pass over the bands; a prefix
-    listed twice, temperatures differing per module, strips), individual temperatures one call per prefix."""
+    listed twice, temperatures differing per module, strips); individual temperatures too (each row its own scale, and
+    its soft-max mean from the same pass), their temperatures and moving gradients compared as well."""
+    from torch_contrastive.losses import prefix_global
+
     g = torch.Generator().manual_seed(3)
     a = torch.randn(8, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
     b = torch.randn(8, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
@@ -476,6 +479,7 @@ def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state(mode, temperat
     theirs = make()
     for step in range(2):
         index = torch.arange(8, device=DEVICE) + 4 * step
+        assert prefix_global._covered(list(ours), [a, b], {"index": index}) is not None  # the one pass, not its fallback
         got = tc.matryoshka_loss(ours, [a, b], dims, weights, index=index)
         inputs = (a, b, *(m.tau for m in ours)) if temperature_mode == "global" else (a, b)
         grads = torch.autograd.grad(got, inputs)
@@ -486,7 +490,8 @@ def test_one_global_loss_per_prefix_gets_its_own_prefix_and_state(mode, temperat
         for mine, ref in zip(grads, torch.autograd.grad(want, ref_inputs)):
             torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
     for mine, ref in zip(ours, theirs):
-        torch.testing.assert_close(mine.log_u, ref.log_u, rtol=1e-12, atol=1e-12)
+        for name in ("log_u", *(("tau_state", "tau_grad") if temperature_mode == "individual" else ())):
+            torch.testing.assert_close(getattr(mine, name), getattr(ref, name), rtol=1e-12, atol=1e-12)
     assert not torch.equal(ours[0].log_u, ours[1].log_u)  # each prefix's normalisers are its own
 
 

@@ -130,7 +130,7 @@ def _global_ranks(rank: int, world: int, mode: str, temperature_mode: str) -> No
     g = torch.Generator().manual_seed(200 + rank)
     n = 6 if rank == 0 else 4
     a, b = (torch.randn(n, 7, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
-    taus = [0.2, 0.5, 0.1]
+    taus = [0.2, 0.5, 0.1] if temperature_mode != "individual" else ([0.2, 0.5, 0.1] if mode == "unimodal" else [0.02, 0.04, 0.01])
 
     def make():
         return [tc.GlobalContrastiveLoss(24, mode, tau, temperature_mode=temperature_mode, gather=True, state_dtype=torch.float64)
@@ -152,11 +152,12 @@ def _global_ranks(rank: int, world: int, mode: str, temperature_mode: str) -> No
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     for mine, ref in zip(ours, theirs):
-        torch.testing.assert_close(mine.log_u, ref.log_u, rtol=1e-12, atol=1e-12)
+        for name in ("log_u", *(("tau_state", "tau_grad") if temperature_mode == "individual" else ())):
+            torch.testing.assert_close(getattr(mine, name), getattr(ref, name), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
-@pytest.mark.parametrize("temperature_mode", ["fixed", "global"])
+@pytest.mark.parametrize("temperature_mode", ["fixed", "global", "individual"])
 def test_gathered_global_losses_in_one_pass(mode, temperature_mode):
     from dist_helpers import run_ranks
 

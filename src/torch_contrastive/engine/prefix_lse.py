@@ -31,15 +31,19 @@ __all__ = ["PrefixRowLSE"]
 
 
 class PrefixRowLSE(torch.autograd.Function):
-    """``(anchors (N, D), candidates (M, D), plan, which, leave_out (N, E), columns, scales (P,), shifts)`` ->
-    ``(N, P)`` row log-sum-exps (``(N + M, P)`` with ``columns``: the candidates' after the anchors').
+    """``(anchors (N, D), candidates (M, D), plan, which, leave_out (N, E), columns, scales (P,) or (N, P), shifts, upper,
+    expected)`` -> ``(N, P)`` row log-sum-exps (``(N + M, P)`` with ``columns``: the candidates' after the anchors';
+    ``(N, 2 P)`` with ``expected``: each row's soft-max mean of its logits over its negatives after its log-sum-exps,
+    a value without a gradient -- iSogCLR's temperature step reads it).
 
     ``plan`` carries the distinct prefix ends (``plan.cuts``), normalisation, ``eps`` and strip, with scale 1:
     the logits of listed prefix ``p`` are ``scales[p] * cos_p`` over the cut ``plan.cuts[which[p]]`` (a
     prefix listed twice -- or two temperatures of one width -- is two columns of the output). ``scales`` gets
-    its gradient when it requires one (a learnable temperature). ``shifts``: the scales as floats when they
+    its gradient when it requires one (a learnable temperature); ``(N, P)`` scales are each anchor row's own (individual
+    temperatures: the online maximum, no columns). ``shifts``: the scales as floats when they
     are fixed and within the bounded regime (each prefix's logits summed under the fixed shift ``s_p``), else
-    None (an online maximum). Every row must keep one candidate at least.
+    None (an online maximum). ``upper``: one set's symmetric statistic from the upper triangle (a fixed shift; the
+    self pair first in ``leave_out``). Every row must keep one candidate at least.
 
     Memory: O((N + M) D + T M (cuts + 2) + (N + M) P) for strips of ``T`` rows; nothing of size ``N M``.
     """
@@ -47,13 +51,15 @@ class PrefixRowLSE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, which: tuple[int, ...],  # type: ignore[override]
                 leave_out: Tensor, columns: bool, scales: Tensor, shifts: tuple[float, ...] | None = None,
-                upper: bool = False) -> Tensor:
+                upper: bool = False, expected: bool = False) -> Tensor:
         if plan.scale != 1.0 or (not plan.normalize and shifts is not None):
             raise ValueError("internal: PrefixRowLSE takes its scales per prefix (plan.scale 1), a fixed shift unit rows")
         if upper and (shifts is None or columns or anchors is not candidates):
             raise ValueError("internal: the upper triangle is one set's fixed-shift statistic")
+        if (scales.ndim == 2 and (shifts is not None or columns or upper)) or (expected and (columns or upper)):
+            raise ValueError("internal: per-row scales take the online maximum, rows only; the soft-max means rows only")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
-        sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns or upper, shifts, scales.detach().to(a.dtype))
+        sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns or upper, shifts, scales.detach().to(a.dtype), expected)
         at_cut = _prefixes_at(plan, which)
         for start in range(0, a.shape[0], plan.strip):
             stop = min(start + plan.strip, a.shape[0])
@@ -75,8 +81,14 @@ class PrefixRowLSE(torch.autograd.Function):
         anchors, candidates, leave_out, scales, out = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         shifts: tuple[float, ...] | None = ctx.shifts
+        prefixes = len(ctx.which)
         n, dtype = anchors.shape[0], out.dtype
+        out, grad = out[:, :prefixes], grad[:, :prefixes]  # the soft-max means carry no gradient
         s, g = scales.detach().to(dtype), grad.to(dtype)
+
+        def scale(p: int, start: int, stop: int) -> Tensor:
+            return s[p] if s.ndim == 1 else s[start:stop, p, None]
+
         # d L / d logit_ij = g_row(i) softmax_row(i, j) + g_col(j) softmax_col(i, j) = exp(logit_ij) (a_i + b_j),
         # a = g_row exp(-LSE_row), b = g_col exp(-LSE_col) (under a fixed shift: both times exp(s), the tile exp(logit - s))
         # the fixed shift's factors (the online path exponentiates against each LSE itself)
@@ -85,7 +97,7 @@ class PrefixRowLSE(torch.autograd.Function):
         row_factor, col_factor = factor[:n], (factor[n:] if ctx.columns else None)
         at_cut = _prefixes_at(plan, ctx.which)
         learned = ctx.needs_input_grad[6]
-        d_scales = torch.zeros(len(ctx.which), dtype=dtype, device=out.device)
+        d_scales = torch.zeros_like(s)
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             tile: Tensor | None = None
@@ -93,7 +105,8 @@ class PrefixRowLSE(torch.autograd.Function):
             rows, left = _left_out(leave_out, start, stop, first)
             for p in at_cut[k]:
                 # the exponentiated logits (less the fixed shift, or each row's LSE on the online path)
-                e = cos.mul(s[p]).sub_(shifts[p] if shifts is not None else out[start:stop, p, None]).exp_()
+                sp = scale(p, start, stop)
+                e = cos.mul(sp).sub_(shifts[p] if shifts is not None else out[start:stop, p, None]).exp_()
                 if upper:  # entries (i, j) and (j, i) at once: row i's soft-max and row j's; the own block's both there
                     part = e.mul_(torch.add(row_factor[start:stop, p, None], row_factor[None, first:, p]))
                     part[:, : stop - start].mul_(0.5)
@@ -101,13 +114,15 @@ class PrefixRowLSE(torch.autograd.Function):
                     part = e.mul_(row_factor[start:stop, p, None])
                 elif shifts is None:  # two different shifts per entry (the row's LSE, the column's): two exps
                     e.mul_(row_factor[start:stop, p, None])
-                    part = e.add_(cos.mul(s[p]).sub_(out[None, n:, p]).exp_().mul_(col_factor[None, :, p]))
+                    part = e.add_(cos.mul(sp).sub_(out[None, n:, p]).exp_().mul_(col_factor[None, :, p]))
                 else:
                     part = e.mul_(torch.add(row_factor[start:stop, p, None], col_factor[None, :, p]))
                 part[rows, left] = 0.0
-                if learned:
+                if learned and s.ndim == 1:
                     d_scales[p] += (part * cos).sum()
-                tile = part.mul_(s[p]) if tile is None else tile.add_(part.mul_(s[p]))
+                elif learned:
+                    d_scales[start:stop, p] += (part * cos).sum(1)
+                tile = part.mul_(sp) if tile is None else tile.add_(part.mul_(sp))
             if tile is None:
                 raise RuntimeError("internal: a cut without a prefix")
             return tile
@@ -115,7 +130,7 @@ class PrefixRowLSE(torch.autograd.Function):
         da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=out.device), grad_tile, upper)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None,
-                d_scales.to(scales.dtype) if learned else None, None, None)
+                d_scales.to(scales.dtype) if learned else None, None, None, None)
 
 
 def _left_out(leave_out: Tensor, start: int, stop: int, first: int) -> tuple[Tensor, Tensor]:
@@ -139,19 +154,22 @@ class _Sums:
     or with an online maximum (a column's rescaled when a strip raises it)."""
 
     def __init__(self, n: int, m: int, prefixes: int, like: Tensor, columns: bool, shifts: tuple[float, ...] | None,
-                 scales: Tensor) -> None:
+                 scales: Tensor, expected: bool = False) -> None:
         self.n, self.shifts, self.scales = n, shifts, scales
+        self.expected = like.new_zeros(n, prefixes) if expected else None
         self.rows = like.new_zeros(n, prefixes)
         self.row_max = like.new_zeros(n, prefixes) if shifts is None else None
         self.cols = like.new_zeros(m, prefixes) if columns else None
         self.col_max = like.new_full((m, prefixes), -torch.inf) if columns and shifts is None else None
 
     def add(self, cos: Tensor, p: int, start: int, stop: int, rows: Tensor, leave_out: Tensor, upper: bool = False) -> None:
-        logits = cos.mul(self.scales[p])
+        scale = self.scales[p] if self.scales.ndim == 1 else self.scales[start:stop, p, None]
+        logits = cos.mul(scale)
         if self.shifts is not None:  # unit rows: every logit <= s, and exp(logit - s) stays a normal number
             e = logits.sub_(self.shifts[p]).exp_()
             e[rows, leave_out] = 0.0
             self.rows[start:stop, p] = e.sum(1)
+            self._mean(e, cos, scale, p, start, stop)
             if self.cols is not None:  # the upper triangle: the columns right of the strip's own block are rows too
                 at = stop if upper else 0
                 self.cols[at:, p] += e[:, at - (start if upper else 0):].sum(0)
@@ -167,7 +185,15 @@ class _Sums:
             self.col_max[:, p] = new
         top = logits.max(1).values
         self.row_max[start:stop, p] = top
-        self.rows[start:stop, p] = logits.sub_(top[:, None]).exp_().sum(1)
+        e = logits.sub_(top[:, None]).exp_()
+        self.rows[start:stop, p] = e.sum(1)
+        self._mean(e, cos, scale, p, start, stop)
+
+    def _mean(self, e: Tensor, cos: Tensor, scale: Tensor, p: int, start: int, stop: int) -> None:
+        """Each row's soft-max mean of its logits, ``s sum_j e_j cos_j / sum_j e_j`` (the left-out entries' ``e`` is 0)."""
+        if self.expected is not None:
+            weighted = (e * cos).sum(1, keepdim=True).mul_(scale).squeeze(1)
+            self.expected[start:stop, p] = weighted / self.rows[start:stop, p]
 
     def finish(self, upper: bool = False) -> Tensor:
         """The log-sum-exps, rows then (with columns) columns; ``upper``: each row's two parts added."""
@@ -176,6 +202,8 @@ class _Sums:
         if upper and self.cols is not None:
             return (self.rows + self.cols).log() + shift
         rows = self.rows.log() + (self.row_max if self.row_max is not None else shift)
+        if self.expected is not None:
+            return torch.cat([rows, self.expected], 1)
         if self.cols is None:
             return rows
         return torch.cat([rows, self.cols.log() + (self.col_max if self.col_max is not None else shift)])

@@ -147,10 +147,20 @@ def global_contrastive_loss(
                         backend=backend)
 
 
-#: Each row's log-sum-exp over its negatives computed by the caller (the Matryoshka one pass,
-#: :mod:`.prefix_global`): unimodal ``(2B,)`` (both views' rows), bimodal ``(image rows, text rows)``; this rank's rows
-#: against every rank's under ``gather=True``.
-Given = Tensor | tuple[Tensor, Tensor] | None
+class RowStats(NamedTuple):
+    """Each row's statistics over its negatives, computed by the caller (the Matryoshka one pass,
+    :mod:`.prefix_global`; this rank's rows against every rank's under ``gather=True``).
+
+    Attributes:
+        lse: the log-sum-exps: unimodal ``(2B,)`` (both views' rows), bimodal ``(image rows, text rows)``.
+        expected: the soft-max means of the logits, laid out as ``lse`` (individual temperatures), else None.
+    """
+
+    lse: Tensor | tuple[Tensor, Tensor]
+    expected: Tensor | tuple[Tensor, Tensor] | None = None
+
+
+Given = RowStats | None
 
 
 def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | Tensor, gamma: float, mode: str,
@@ -181,12 +191,12 @@ def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | 
     checks.finite(b, "b", deferred=True)
     call = _Call(gamma, rule, Options(False, eps, chunk_size, backend), scope)
     img, txt = prepare(a, normalize, eps), prepare(b.to(a.dtype), normalize, eps)
-    if given is not None and tau is None:
-        raise RuntimeError("internal: given log-sum-exps need a fixed or global temperature")
+    if given is not None and tau is None and given.expected is None:
+        raise RuntimeError("internal: individual temperatures read the rows' soft-max means too")
     if mode == "unimodal":
-        (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call, given if isinstance(given, Tensor) else None)
+        (estimate, surrogate, count), new = _unimodal(img, txt, state, tau, call, given)
     else:
-        (estimate, surrogate, count), new = _bimodal(img, txt, state, tau, call, given if isinstance(given, tuple) else None)
+        (estimate, surrogate, count), new = _bimodal(img, txt, state, tau, call, given)
     loss = _straight(scope.finish(estimate, count), scope.finish(surrogate, count))
     # normalised rows: a non-finite input makes the loss non-finite, and its value answers the finite checks
     finish_checks(loss, checks, not normalize, covers=normalize)
@@ -260,8 +270,20 @@ def _negatives_by_sample(rows_from: Tensor, candidates: Tensor, repeats: int, sc
 Parts = tuple[Tensor, Tensor, float]  # (this rank's estimate sum, surrogate sum, its samples)
 
 
+def _one(stat: Tensor | tuple[Tensor, Tensor] | None) -> Tensor:
+    if not isinstance(stat, Tensor):
+        raise RuntimeError("internal: a unimodal statistic is one tensor")
+    return stat
+
+
+def _two(stat: Tensor | tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    if not isinstance(stat, tuple):
+        raise RuntimeError("internal: a bimodal statistic is a pair (image rows, text rows)")
+    return stat
+
+
 def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call,
-              given: Tensor | None = None) -> tuple[Parts, GlobalState]:
+              given: RowStats | None = None) -> tuple[Parts, GlobalState]:
     n, opts, scope = a.shape[0], call.options, call.scope
     rows = torch.cat([a, b])
     l_pos = (a * b).sum(1)
@@ -275,13 +297,14 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
     if tau is not None:  # S = <., .> / tau (a learnable tau: the engine's scale gets its gradient)
         taus: float | Tensor = tau.detach() if isinstance(tau, Tensor) else tau
-        lse = given if given is not None else _lse(rows, negatives, 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
+        lse = _one(given.lse) if given is not None else \
+            _lse(rows, negatives, 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
     else:  # every sample its own tau (both views): the rows scaled, the candidates as they are
         if state.tau is None:
             raise RuntimeError("internal: individual temperatures without their state")
         taus = torch.cat([state.tau[:, 0], state.tau[:, 0]]).to(rows.dtype)
         scaled = rows / taus[:, None]
-        lse = _lse(scaled, negatives._replace(symmetric=False), 1.0, opts)[0]
+        lse = _one(given.lse) if given is not None else _lse(scaled, negatives._replace(symmetric=False), 1.0, opts)[0]
     log_g = lse.detach() - math.log(2 * (total - 1))
     old = state.log_u[:, 0].to(lse.dtype)
     log_u1, log_u2 = _mixed(old, log_g[:n], call.gamma), _mixed(old, log_g[n:], call.gamma)
@@ -296,7 +319,7 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
     if tau is not None:
         return ((tau * log_ur - l_pos).sum(), surrogate, float(n)), GlobalState(new_log_u.to(state.log_u.dtype))
     assert isinstance(taus, Tensor) and state.tau is not None and state.tau_grad is not None
-    expected = _expected(scaled, negatives, opts)  # soft-max mean of S
+    expected = _one(given.expected) if given is not None else _expected(scaled, negatives, opts)  # soft-max mean of S
     grad = log_ur + call.rule.rho - c * expected
     new_tau, moving = _stepped(state.tau[:, 0], state.tau_grad[:, 0], (grad[:n] + grad[n:]) / 2, call.rule)
     estimate = (taus.detach() * (log_ur + call.rule.rho) - l_pos).sum()
@@ -306,7 +329,7 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
 
 
 def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call,
-             given: tuple[Tensor, Tensor] | None = None) -> tuple[Parts, GlobalState]:
+             given: RowStats | None = None) -> tuple[Parts, GlobalState]:
     n, opts, scope = img.shape[0], call.options, call.scope
     l_pos = (img * txt).sum(1)
     if scope.distributed:
@@ -325,13 +348,13 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         t_img: float | Tensor = taus[:, 0]
         t_txt: float | Tensor = taus[:, 1]
         img_s, txt_s = img / taus[:, :1], txt / taus[:, 1:]
-        lse_img, lse_txt = _lse(img_s, by_img, 1.0, opts)[0], _lse(txt_s, by_txt, 1.0, opts)[0]
+        lse_img, lse_txt = _two(given.lse) if given is not None else (_lse(img_s, by_img, 1.0, opts)[0], _lse(txt_s, by_txt, 1.0, opts)[0])
     else:
         scale = 1.0 / tau
         bound = scale if isinstance(scale, float) else None
         t_img = t_txt = tau.detach() if isinstance(tau, Tensor) else tau
         if given is not None:
-            lse_img, lse_txt = given
+            lse_img, lse_txt = _two(given.lse)
         elif scope.distributed:
             lse_img, lse_txt = _lse(img, by_img, scale, opts, bound)[0], _lse(txt, by_txt, scale, opts, bound)[0]
         else:  # both directions in one call: the texts' log-sum-exps are the column statistics
@@ -359,8 +382,8 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         return (tau * (log_u_img.sum() + log_u_txt.sum()) / 2, surrogate, float(n)), GlobalState(new_log_u)
     assert isinstance(t_img, Tensor) and isinstance(t_txt, Tensor) and state.tau is not None and state.tau_grad is not None
     # the soft-max mean of h / tau over the negatives: of S, less S_ii
-    e_img = _expected(img_s, by_img, opts) - s_img.detach()
-    e_txt = _expected(txt_s, by_txt, opts) - s_txt.detach()
+    means = _two(given.expected) if given is not None else (_expected(img_s, by_img, opts), _expected(txt_s, by_txt, opts))
+    e_img, e_txt = means[0] - s_img.detach(), means[1] - s_txt.detach()
     new_img, m_img = _stepped(state.tau[:, 0], state.tau_grad[:, 0], log_u_img + call.rule.rho - w_img / (total - 1) * e_img,
                               call.rule)
     new_txt, m_txt = _stepped(state.tau[:, 1], state.tau_grad[:, 1], log_u_txt + call.rule.rho - w_txt / (total - 1) * e_txt,

@@ -202,8 +202,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
         loss_fn: a loss of embeddings (``tc.nt_xent_loss``, ``tc.supcon_loss``, ...), or a list (or an
             ``nn.ModuleList``) of them, one per prefix, each called on its own prefix: a loss that keeps a state per embedding width (a
             :class:`~torch_contrastive.GlobalContrastiveLoss` per prefix: its per-sample normalisers are
-            the prefix's own, so the prefixes cannot share one; with a fixed or global temperature their
-            log-sum-exps come from one pass, :mod:`~torch_contrastive.losses.prefix_global`).
+            the prefix's own, so the prefixes cannot share one; their rows' statistics come from one pass,
+            :mod:`~torch_contrastive.losses.prefix_global`).
         embeddings: the tensors cut to each prefix (their last dimension), each L2-normalised on its own.
         matryoshka_dims: prefix sizes, at most the embeddings' last dimension.
         matryoshka_weights: one weight per dim (None: all 1).
