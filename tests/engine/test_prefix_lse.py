@@ -139,3 +139,15 @@ def test_per_row_scales_and_the_soft_max_means(fixed, per_row, strip):
     for mine, ref in zip(torch.autograd.grad((lse * w).sum(), (a, c, scales)),
                          torch.autograd.grad((torch.stack(want_lse, 1) * w).sum(), (a, c, scales))):
         torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-10 * ref.abs().max().item())
+
+
+def test_the_upper_triangles_strips():
+    """About n / 8 rows per strip (the triangle then multiplies 9/16 of the square), no fewer than 128, within the
+    budget's strip; a caller's chunk as given."""
+    from torch_contrastive.engine.prefix_lse import upper_strip
+
+    assert upper_strip(2048, 10_000, None) == 256
+    assert upper_strip(1024, 10_000, None) == 128
+    assert upper_strip(300, 10_000, None) == 128
+    assert upper_strip(8192, 585, None) == 585
+    assert upper_strip(1024, 10_000, 50) == 50

@@ -15,13 +15,14 @@ of its logits, which the same pass gives.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..distributed import is_active, make_scope
-from ..engine.prefix_lse import PrefixRowLSE
+from ..engine.prefix_lse import PrefixRowLSE, upper_strip
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, prefix_plan
 from .global_contrastive import GlobalContrastiveLoss, RowStats
 from .prefix_calls import shrink
@@ -81,6 +82,8 @@ class _Pass:
         """``(log-sum-exps, soft-max means or None)`` of ``anchors``' rows (``scales``: their own, individual)."""
         plan = prefix_plan(self.cuts, [1.0] * len(self.cuts), self.width, 1.0, True, 1e-12, anchors.shape[0], candidates.shape[0],
                            self.strip)
+        if upper:
+            plan = replace(plan, strip=upper_strip(anchors.shape[0], plan.strip, self.strip))
         if scales is None and self.scales is not None:
             return PrefixRowLSE.apply(anchors, candidates, plan, self.which, leave_out, False, self.scales, self.shifts, upper), None
         if scales is None:

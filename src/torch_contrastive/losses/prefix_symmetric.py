@@ -12,10 +12,12 @@ sort (no host read). Taken under a fixed shift (``1 / tau`` within the bounded r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
-from ..engine.prefix_lse import PrefixRowLSE
+from ..engine.prefix_lse import PrefixRowLSE, upper_strip
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, prefix_plan
 
 __all__ = ["upper_softmax"]
@@ -45,6 +47,7 @@ def upper_softmax(z: Tensor, targets: Targets, dims: list[int], weights: list[fl
     rows = torch.arange(n, device=z.device)
     leave = rows[:, None] if not targets.exclude_positive else torch.stack([rows, targets.partner], 1)  # type: ignore[list-item]
     plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, eps, n, n, chunk)
+    plan = replace(plan, strip=upper_strip(n, plan.strip, chunk))
     lse = PrefixRowLSE.apply(z, z, plan, which, leave, False, torch.full((len(dims),), scale, dtype=dtype, device=z.device),
                              (scale,) * len(dims), True)
     x = z.to(dtype)
