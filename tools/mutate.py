@@ -952,6 +952,14 @@ MUTATIONS = [
              "prefix soft-max means: not divided by the row's exp-sum", PREFIX_LSE_TESTS),
     Mutation(f"{E}/prefix_lse.py", "(e * cos).sum(1, keepdim=True).mul_(scale)", "(e * cos).sum(1, keepdim=True)",
              "prefix soft-max means: of the cosines, not of the scaled logits", PREFIX_LSE_TESTS),
+    Mutation(f"{PKG}/losses/prefix_forms.py", "self_offset=None), keep_diagonal=scope.offset)",
+             "self_offset=None), keep_diagonal=0)",
+             "InfoNCE in one pass under gather, in_batch_negatives=False: every rank keeps the first rank's positive column",
+             ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/prefix_forms.py", "all_gather_with_grad(negatives) if spread else negatives",
+             "negatives",
+             "InfoNCE in one pass under gather: the negatives not gathered (gather_negatives ignored)",
+             ("tests/losses/test_matryoshka_gather.py",)),
 ]
 
 

@@ -20,6 +20,10 @@ def _cases(rank: int):
         return torch.randn(k, 7, generator=g, dtype=torch.float64)
 
     x, y, neg = rows(n), rows(n), rows(3)
+
+    def guide(k: int) -> torch.Tensor:  # a frozen guide model's rows: no gradient
+        return torch.randn(k, 5, generator=g, dtype=torch.float64)
+
     labels = torch.randint(0, 3, (n,), generator=g)
     ids = torch.randint(0, 2, (n,), generator=g) + 2 * rank  # duplicates within and across ranks
     views = torch.randn(n // 2, 2, 7, generator=g, dtype=torch.float64)
@@ -75,6 +79,15 @@ def _cases(rank: int):
         "nt_xent weighted": (tc.nt_xent_loss, [x], {"temperature": 0.2, "pairing": "halves", "decoupled": True,
                                                     "positive_weight": torch.rand(n, generator=g, dtype=torch.float64) + 0.5}),
         "dclw module": (tc.DCLWLoss(0.2, sigma=0.4, gather=True).double(), [x[: n // 2], y[: n // 2]], {}),
+        # InfoNCE's false-negative rules: every rank's keys (and negatives, as gather_negatives says) with their ids and
+        # guide rows gathered; duplicate ids within and across ranks
+        "info_nce ids": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "key_ids": ids, "negative_ids": torch.tensor([2, 0, 5])}),
+        "info_nce guide": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "guide": (guide(n), guide(n), guide(3)),
+                                                           "guide_margin": 0.1}),
+        "info_nce moco": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "in_batch_negatives": False}),
+        "info_nce dcl none": (tc.info_nce_loss, [x, y], {"temperature": 0.2, "decoupled": True, "reduction": "none"}),
+        "info_nce own negatives": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "key_ids": ids, "gather_negatives": False,
+                                                                   "reduction": "sum"}),
     }
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from ..distributed import Scope, make_scope
+from ..distributed import Scope, all_gather_with_grad, make_scope
 from ..engine.precision import compute_dtype
 from ..engine.prefix_pairs import PrefixPairs
 from ..engine.prefix_sigmoid import PrefixSigmoid
@@ -176,11 +176,15 @@ _INFO_NCE = {"key_ids", "negative_ids", "guide", "guide_margin", "guide_margin_m
              "negative_mode", "label_smoothing", "gather_negatives"}
 
 
-def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
+def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str],
+                   scope: Scope | None = None) -> tuple[Tensor, Tensor, Targets, bool] | None:
     """InfoNCE: query ``i`` against the keys, then the pool of negatives, key ``i`` its positive; the false negatives
     the loss's rules name (duplicate ids, a guide's verdict -- the guide at its full width --, the other keys with
     ``in_batch_negatives=False``) leave the soft-max, DCL's positive too; label smoothing over the keys alone. None
-    for paired negatives and what the loss refuses (it then says why)."""
+    for paired negatives and what the loss refuses (it then says why). ``scope`` among several ranks (``gather``):
+    this rank's queries against every rank's keys and -- as ``gather_negatives`` says -- negatives, gathered with their
+    gradients as the loss gathers them, the rules' ids and guide rows gathered with them, key ``i`` at its global
+    column; label smoothing then goes per prefix."""
     from ..positives import Exclusion, Positives
     from ._false_negatives import false_negative_rules, key_exclusion, pool_exclusion
 
@@ -199,22 +203,27 @@ def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]
                                  kwargs.get("guide_margin", 0.0), kwargs.get("guide_margin_mode", "absolute"),
                                  kwargs.get("decoupled", False), float(kwargs.get("eps", 1e-12)), checks)
     checks.flush()
-    if smoothing and (rules.any or negatives is not None or not in_batch):
-        return None  # smoothing over the keys alone here; the loss refuses it with the rules
-    scope = Scope()  # one process: the call's own rows (under gather the one pass leaves these rules per prefix)
+    scope = scope or Scope()  # one process: the call's own rows
+    if smoothing and (rules.any or negatives is not None or not in_batch or scope.distributed):
+        return None  # smoothing over this process's keys alone here; the loss refuses it with the rules
+    spread = scope.distributed and (spread is None or spread)  # gather_negatives defaults to gather
+    keys_all = scope.rows(key)  # every rank's keys (this rank's own on one process); the offset is known from here
+    pool = None if negatives is None else all_gather_with_grad(negatives) if spread else negatives
+    total = keys_all.shape[0]
     # DCL's positive leaves through the targets; the exclusions keep it
     kept = replace(rules, decoupled=False)
     positives = Positives.from_partner(torch.arange(n, device=query.device), n, self_offset=None, shift=0)
     key_group = key_exclusion(kept, positives, scope)
-    if not in_batch:  # every other key leaves: all pairs "equal", the positive kept
-        zeros = torch.zeros(n, dtype=torch.int64, device=query.device)
-        key_group = Exclusion(relation=Positives.from_keys(zeros, zeros, self_offset=None), keep_diagonal=0)
-    groups = [(0, n, key_group)]
-    if negatives is not None:
-        groups.append((n, n + negatives.shape[0], pool_exclusion(kept, False, scope)))
-    candidates = key if negatives is None else torch.cat([key, negatives])
+    if not in_batch:  # every other key leaves: all pairs "equal", the positive (global column offset + i) kept
+        zeros = torch.zeros(total, dtype=torch.int64, device=query.device)
+        key_group = Exclusion(relation=Positives.from_keys(zeros[:n], zeros, self_offset=None), keep_diagonal=scope.offset)
+    groups = [(0, total, key_group)]
+    if pool is not None:
+        groups.append((total, total + pool.shape[0], pool_exclusion(kept, spread, scope)))
+    candidates = keys_all if pool is None else torch.cat([keys_all, pool])
     leave_out = tuple((first, end, ex) for first, end, ex in groups if ex is not None)
-    return query, candidates, Targets(exclude_positive=rules.decoupled, smoothing=smoothing, leave_out=leave_out), False
+    return query, candidates, Targets(exclude_positive=rules.decoupled, smoothing=smoothing, leave_out=leave_out,
+                                      offset=scope.offset), False
 
 
 #: The keyword arguments that carry rows of features besides the embeddings (a memory, a reference set):

@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import Scope, all_gather_with_grad
 from ..engine.prefixes import Targets
-from .prefix_forms import OnePass, _counted, _global_ids, _name_non_finite, _one_key, _spread, _weighted_form, one_pass_softmax
+from .prefix_forms import OnePass, _counted, _global_ids, _info_nce_form, _name_non_finite, _one_key, _spread, _weighted_form, one_pass_softmax
 from .prefix_weights import PositiveWeights
 
 
@@ -28,9 +28,13 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     anchors' values. None for a sample mask (which the loss refuses with ``gather=True``)."""
     from . import image_text_contrastive_loss, info_nce_loss
 
-    if loss_fn is info_nce_loss and keys:
-        return None  # InfoNCE's false-negative rules and candidate groups are this rank's: per prefix, as the loss
-    found = _weighted_form(loss_fn, tensors, kwargs, keys)
+    # InfoNCE's false-negative rules: its form gathers every rank's candidates and the rules' rows itself
+    rules = loss_fn is info_nce_loss and bool(keys)
+    if rules:
+        form = _info_nce_form(tensors, kwargs, keys, scope)
+        found = None if form is None else (form, None)
+    else:
+        found = _weighted_form(loss_fn, tensors, kwargs, keys)
     if found is None or found[0][2].sample_mask is not None:
         return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
     (anchors, candidates, targets, _), given_weight = found
@@ -47,7 +51,8 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
         directions = [(images, all_texts, targets), (texts, all_images, targets)]
         factor = 0.5 * (float(sum(scope.sizes)) if reduction == "sum" else 1.0)  # CLIP's sum: N_all times its mean
     else:
-        pool, targets = _gathered_candidates(loss_fn, tensors, kwargs, anchors, candidates, targets, scope)
+        pool, targets = (candidates, targets) if rules else _gathered_candidates(loss_fn, tensors, kwargs, anchors, candidates,
+                                                                                 targets, scope)
         directions = [(anchors, pool, targets)]
         normaliser = _counted(targets, anchors, by_pairs=False) if reduction == "mean" else 1.0
         factor = 1.0
@@ -124,3 +129,4 @@ def _clip_rows_factor(targets: Targets, anchors: Tensor, scope: Scope) -> Tensor
     local = _counted(targets, anchors, by_pairs=True)
     counted = local if isinstance(local, Tensor) else anchors.new_tensor(local)
     return 0.5 * counted / anchors.shape[0] * float(sum(scope.sizes)) / scope.total(counted).clamp_min(1)
+
