@@ -960,6 +960,12 @@ MUTATIONS = [
              "negatives",
              "InfoNCE in one pass under gather: the negatives not gathered (gather_negatives ignored)",
              ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{PKG}/losses/prefix_paired.py", "    paired = paired * inv_q[:, None, :] * inv_n", "    paired = paired * inv_q[:, None, :]",
+             "paired negatives in one pass: the negatives' prefixes not normalised", ("tests/losses/test_prefix_paired.py",)),
+    Mutation(f"{PKG}/losses/prefix_paired.py",
+             "    terms = torch.logaddexp(keys_lse, neg.logsumexp(1) if neg.shape[1] else torch.full_like(pos, -torch.inf)) - pos",
+             "    terms = keys_lse - pos",
+             "paired negatives in one pass: a query's own negatives left out of its soft-max", ("tests/losses/test_prefix_paired.py",)),
 ]
 
 

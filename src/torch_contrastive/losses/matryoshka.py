@@ -29,6 +29,7 @@ from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_ter
 from .prefix_forms import _SHARED, OnePass, _default, _pair_form, _shared_options, _sigmoid_form, _weighted_form, one_pass_softmax
 from .prefix_gather import _gathered
 from .prefix_global import global_one_pass
+from .prefix_paired import paired_form
 from .prefix_weights import PositiveWeights
 
 
@@ -98,6 +99,9 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     if options is None:
         return None
     chunk, reduction, scope = options
+    if loss_fn is info_nce_loss and kwargs.get("negative_mode") == "paired":  # each query's own negatives, one process
+        return None if scope.distributed else paired_form(tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, chunk,
+                                                          reduction)
     pairs = loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss)
     if pairs:
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
@@ -231,7 +235,8 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     memory, positive weights): this rank's anchors against every rank's candidates, as the losses gather them, and
     so do the pair forms (by labels, a memory, NT-BXent's listed pairs).
     InfoNCE's false negatives (``key_ids``, ``guide``, ``in_batch_negatives=False``, ``decoupled``) keep it, under
-    ``gather=True`` too. NT-Xent's ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
+    ``gather=True`` too; its paired negatives (``negative_mode="paired"``) keep it on one process. NT-Xent's
+    ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
     outputs, DCLW's or a ``weight_fn``'s: each prefix's own). The loss modules of the library take the one pass of
     the functional call their ``forward`` makes (``module.functional``).
     One call per prefix (``sum(d_p)`` products per pair): a reference set with ``gather=True`` (which the losses

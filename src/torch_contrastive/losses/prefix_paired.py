@@ -1,0 +1,81 @@
+"""InfoNCE with paired negatives over every prefix in one pass (info-nce-pytorch's ``negative_mode="paired"``).
+
+Query ``i``'s candidates are its key, the other keys (``in_batch_negatives=True``) and its own ``K`` negatives
+``n_ik``: ``loss_p(i) = logaddexp(LSE over the keys, LSE over its negatives) - s cos_p(q_i, k_i)``. The keys' part is
+a tile statistic, every prefix's from one pass over the bands
+(:class:`~torch_contrastive.engine.prefix_lse.PrefixRowLSE`); the paired part and the positive are per row -- band dot
+products summed into each prefix, ``O(N K D)`` -- and differentiated by autograd. With ``in_batch_negatives=False``
+the keys' part is the positive alone and nothing is of size ``N^2``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from ..engine.prefix_lse import PrefixRowLSE
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, prefix_plan
+from .prefix_forms import OnePass, _name_non_finite
+
+__all__ = ["paired_form"]
+
+
+def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor, chunk: int | None,
+                reduction: str) -> OnePass | None:
+    """The one pass of ``info_nce_loss(query, key, negatives (N, K, D), negative_mode="paired")`` on one process, with
+    ``in_batch_negatives`` either way; None for anything else (the false-negative rules, label smoothing: per prefix)."""
+    if not keys <= {"negative_mode", "in_batch_negatives"} or kwargs.get("negative_mode") != "paired" or len(tensors) != 3:
+        return None
+    query, key, negatives = tensors
+    in_batch = kwargs.get("in_batch_negatives", True)
+    if (not isinstance(in_batch, bool) or query.ndim != 2 or key.shape != query.shape or negatives.ndim != 3
+            or negatives.shape[0] != query.shape[0] or negatives.shape[2] != query.shape[1]):
+        return None  # let the loss refuse it
+    temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
+
+    def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
+        loss = _paired(query, key.to(query.dtype), negatives.to(query.dtype), dims, weights, temperature, in_batch, chunk,
+                       reduction)
+        if named is not None:
+            _name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
+        return loss
+
+    return run
+
+
+def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[float], tau: float | Tensor, in_batch: bool,
+            chunk: int | None, reduction: str) -> Tensor:
+    n, width = q.shape
+    cuts = sorted(set(dims))
+    which = list(cuts.index(d) for d in dims)
+    dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    x, y, z = q.to(dtype), k.to(dtype), negs.to(dtype)
+    bounds = list(zip((0, *cuts[:-1]), cuts))
+
+    def inverse_norms(rows: Tensor) -> Tensor:  # (..., cuts): 1 / max(||prefix||, eps), as F.normalize floors it
+        return torch.stack([rows[..., lo:hi].pow(2).sum(-1) for lo, hi in bounds], -1).cumsum(-1).sqrt().clamp_min(1e-12).reciprocal()
+
+    inv_q, inv_k, inv_n = inverse_norms(x), inverse_norms(y), inverse_norms(z)
+    positive = torch.stack([(x[:, lo:hi] * y[:, lo:hi]).sum(1) for lo, hi in bounds], 1).cumsum(1) * inv_q * inv_k  # (N, cuts)
+    paired = torch.stack([torch.einsum("nd,nkd->nk", x[:, lo:hi], z[:, :, lo:hi]) for lo, hi in bounds], -1).cumsum(-1)
+    paired = paired * inv_q[:, None, :] * inv_n  # (N, K, cuts): each query's own negatives' cosines
+    scale: float | Tensor = 1.0 / tau
+    scale_t = scale.to(dtype) if isinstance(scale, Tensor) else scale
+    pos, neg = positive[:, which] * scale_t, paired[:, :, which] * scale_t  # (N, P), (N, K, P)
+    if in_batch:  # the keys' log-sum-exp, positive included, every prefix from one pass over the bands
+        plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, n, n, chunk)
+        s = scale if isinstance(scale, float) else None
+        scales = torch.full((len(dims),), s, dtype=dtype, device=q.device) if s is not None else \
+            scale_t.reshape(1).repeat(len(dims))  # type: ignore[union-attr]
+        shifts = (s,) * len(dims) if s is not None and s <= COLUMN_SCALE_LIMIT[dtype] else None
+        keys_lse = PrefixRowLSE.apply(q, k, plan, tuple(which), torch.empty(n, 0, dtype=torch.long, device=q.device), False,
+                                      scales, shifts)
+    else:
+        keys_lse = pos
+    terms = torch.logaddexp(keys_lse, neg.logsumexp(1) if neg.shape[1] else torch.full_like(pos, -torch.inf)) - pos
+    per_row = terms @ torch.tensor(weights, dtype=dtype, device=q.device)
+    value = per_row if reduction == "none" else per_row.mean() if reduction == "mean" else per_row.sum()
+    return value.to(torch.promote_types(q.dtype, torch.float32))

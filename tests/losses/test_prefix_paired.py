@@ -1,0 +1,47 @@
+"""losses/prefix_paired.py: InfoNCE with paired negatives over every prefix in one pass, against the library's loss
+called once per prefix in float64 (and info-nce-pytorch's convention, in_batch_negatives=False)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_contrastive as tc
+from device import DEVICE
+from torch_contrastive.losses import matryoshka
+
+DIMS, WEIGHTS = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
+
+
+@pytest.mark.parametrize("in_batch", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("tau", [0.1, 0.01, "learnable"])
+@pytest.mark.parametrize("k", [4, 1])
+def test_paired_negatives_equal_one_call_per_prefix(in_batch, reduction, tau, k):
+    g = torch.Generator().manual_seed(11)
+    q, key = (torch.randn(9, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    negs = torch.randn(9, k, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    temperature = torch.tensor(0.2, dtype=torch.float64, device=DEVICE, requires_grad=True) if tau == "learnable" else tau
+    kwargs = {"negative_mode": "paired", "in_batch_negatives": in_batch, "temperature": temperature, "reduction": reduction,
+              "chunk_size": 4}
+    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
+    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
+    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+    inputs = [q, key, negs] + ([temperature] if tau == "learnable" else [])
+    up = torch.linspace(0.5, 2.0, got.numel(), dtype=torch.float64, device=DEVICE).reshape(got.shape)
+    for mine, ref in zip(torch.autograd.grad(got, inputs, up, allow_unused=True), torch.autograd.grad(want, inputs, up, allow_unused=True)):
+        if ref is None:
+            assert mine is None or not mine.abs().any()
+        else:
+            torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_paired_negatives_keep_their_checks():
+    q, key = torch.randn(6, 8, device=DEVICE), torch.randn(6, 8, device=DEVICE)
+    bad = torch.randn(6, 3, 8, device=DEVICE)
+    bad[2, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"embeddings\[2\] has non-finite"):
+        tc.matryoshka_loss(tc.info_nce_loss, [q, key, bad], [8, 4], negative_mode="paired")
+    with pytest.raises(ValueError, match="negatives"):  # the wrong rows: the loss itself refuses (per prefix)
+        tc.matryoshka_loss(tc.info_nce_loss, [q, key, torch.randn(5, 3, 8, device=DEVICE)], [8, 4], negative_mode="paired")
