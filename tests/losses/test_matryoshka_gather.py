@@ -86,6 +86,11 @@ def _cases(rank: int):
                                                            "guide_margin": 0.1}),
         "info_nce moco": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "in_batch_negatives": False}),
         "info_nce dcl none": (tc.info_nce_loss, [x, y], {"temperature": 0.2, "decoupled": True, "reduction": "none"}),
+        "info_nce paired": (tc.info_nce_loss, [x, y, rows(2 * n).view(n, 2, 7)], {"temperature": 0.2, "negative_mode": "paired"}),
+        "info_nce paired moco sum": (tc.info_nce_loss, [x, y, rows(n).view(n, 1, 7)], {"temperature": 0.2, "negative_mode": "paired",
+                                                                                     "in_batch_negatives": False, "reduction": "sum"}),
+        "info_nce paired none": (tc.info_nce_loss, [x, y, rows(3 * n).view(n, 3, 7)], {"temperature": 0.2, "negative_mode": "paired",
+                                                                                     "reduction": "none"}),
         "info_nce own negatives": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "key_ids": ids, "gather_negatives": False,
                                                                    "reduction": "sum"}),
     }

@@ -99,9 +99,8 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     if options is None:
         return None
     chunk, reduction, scope = options
-    if loss_fn is info_nce_loss and kwargs.get("negative_mode") == "paired":  # each query's own negatives, one process
-        return None if scope.distributed else paired_form(tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, chunk,
-                                                          reduction)
+    if loss_fn is info_nce_loss and kwargs.get("negative_mode") == "paired":  # each query's own negatives
+        return paired_form(tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, chunk, reduction, scope)
     pairs = loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss)
     if pairs:
         return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
@@ -235,7 +234,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     memory, positive weights): this rank's anchors against every rank's candidates, as the losses gather them, and
     so do the pair forms (by labels, a memory, NT-BXent's listed pairs).
     InfoNCE's false negatives (``key_ids``, ``guide``, ``in_batch_negatives=False``, ``decoupled``) keep it, under
-    ``gather=True`` too; its paired negatives (``negative_mode="paired"``) keep it on one process. NT-Xent's
+    ``gather=True`` too, and so do its paired negatives (``negative_mode="paired"``) without those rules. NT-Xent's
     ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
     outputs, DCLW's or a ``weight_fn``'s: each prefix's own). The loss modules of the library take the one pass of
     the functional call their ``forward`` makes (``module.functional``).

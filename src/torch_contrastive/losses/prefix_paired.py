@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
+from ..distributed import Scope
 from ..engine.prefix_lse import PrefixRowLSE
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, prefix_plan
 from .prefix_forms import OnePass, _name_non_finite
@@ -24,9 +25,12 @@ __all__ = ["paired_form"]
 
 
 def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor, chunk: int | None,
-                reduction: str) -> OnePass | None:
-    """The one pass of ``info_nce_loss(query, key, negatives (N, K, D), negative_mode="paired")`` on one process, with
-    ``in_batch_negatives`` either way; None for anything else (the false-negative rules, label smoothing: per prefix)."""
+                reduction: str, scope: Scope) -> OnePass | None:
+    """The one pass of ``info_nce_loss(query, key, negatives (N, K, D), negative_mode="paired")``, with
+    ``in_batch_negatives`` either way; under ``gather=True`` among several ranks this rank's queries against every
+    rank's keys (gathered with their gradients, key ``i`` at its global column), the paired negatives staying with
+    their query, the loss over every rank's queries. None for anything else (the false-negative rules, label
+    smoothing: per prefix)."""
     if not keys <= {"negative_mode", "in_batch_negatives"} or kwargs.get("negative_mode") != "paired" or len(tensors) != 3:
         return None
     query, key, negatives = tensors
@@ -37,8 +41,12 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
     temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
-        loss = _paired(query, key.to(query.dtype), negatives.to(query.dtype), dims, weights, temperature, in_batch, chunk,
-                       reduction)
+        local = _paired(query, key.to(query.dtype), negatives.to(query.dtype), dims, weights, temperature, in_batch, chunk,
+                        "none" if scope.distributed else reduction, scope)
+        if not scope.distributed or reduction == "none":
+            loss = local
+        else:  # this rank's queries' terms; the mean over every rank's (a sum: the losses' gathered convention)
+            loss = scope.finish(local.sum(), float(query.shape[0]) if reduction == "mean" else 1.0)
         if named is not None:
             _name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
         return loss
@@ -47,7 +55,7 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
 
 
 def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[float], tau: float | Tensor, in_batch: bool,
-            chunk: int | None, reduction: str) -> Tensor:
+            chunk: int | None, reduction: str, scope: Scope) -> Tensor:
     n, width = q.shape
     cuts = sorted(set(dims))
     which = list(cuts.index(d) for d in dims)
@@ -65,13 +73,14 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
     scale: float | Tensor = 1.0 / tau
     scale_t = scale.to(dtype) if isinstance(scale, Tensor) else scale
     pos, neg = positive[:, which] * scale_t, paired[:, :, which] * scale_t  # (N, P), (N, K, P)
-    if in_batch:  # the keys' log-sum-exp, positive included, every prefix from one pass over the bands
-        plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, n, n, chunk)
+    if in_batch:  # the keys' log-sum-exp (every rank's under gather), positive included, every prefix from one pass over the bands
+        keys_all = scope.rows(k)
+        plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, n, keys_all.shape[0], chunk)
         s = scale if isinstance(scale, float) else None
         scales = torch.full((len(dims),), s, dtype=dtype, device=q.device) if s is not None else \
             scale_t.reshape(1).repeat(len(dims))  # type: ignore[union-attr]
         shifts = (s,) * len(dims) if s is not None and s <= COLUMN_SCALE_LIMIT[dtype] else None
-        keys_lse = PrefixRowLSE.apply(q, k, plan, tuple(which), torch.empty(n, 0, dtype=torch.long, device=q.device), False,
+        keys_lse = PrefixRowLSE.apply(q, keys_all, plan, tuple(which), torch.empty(n, 0, dtype=torch.long, device=q.device), False,
                                       scales, shifts)
     else:
         keys_lse = pos
