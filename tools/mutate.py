@@ -636,8 +636,8 @@ MUTATIONS = [
     Mutation(f"{E}/prefixes.py", "        logits[rows, cols] = positive  # type: ignore[index]  # its tile entry (-1) reads the logit back\n",
              "        logits[rows, cols] = 0.0  # type: ignore[index]\n",
              "DCL's positive is read back as 0 by the normalisation's chain rule", ("tests/losses/test_matryoshka.py",)),
-    Mutation(f"{E}/prefix_pairs.py", "                share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)",
-             "                share = torch.where(neg, torch.exp(logits - row_lse), 0.0)",
+    Mutation(f"{E}/prefix_pairs.py", "            share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)",
+             "            share = torch.where(neg, torch.exp(logits - row_lse), 0.0)",
              "PML's one pass gives each negative its soft-max share unweighted by the row's positives",
              ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{E}/prefixes.py", "        self.grad = self.grad + weight * (tile * cos).sum()  # d loss / d s = sum dL/dS * cos",
@@ -972,6 +972,13 @@ MUTATIONS = [
              "            loss = scope.finish(local.sum(), float(query.shape[0]) if reduction == \"mean\" else 1.0)",
              "            loss = local.sum() / (float(query.shape[0]) if reduction == \"mean\" else 1.0)",
              "paired negatives in one pass under gather: this rank's mean, not every rank's", ("tests/losses/test_matryoshka_gather.py",)),
+    Mutation(f"{E}/prefix_pairs.py", "        return torch.sigmoid(logits * self.sign).mul_(self.signed_weight)",
+             "        return (torch.sigmoid(logits) - (self.sign < 0).to(logits.dtype)).mul_(self.weight)",
+             "NT-BXent one pass: a positive's gradient as sigmoid(S) - 1 (equal in exact arithmetic; a confident pair's digits lost)",
+             MATRYOSHKA_TESTS),
+    Mutation(f"{E}/prefix_pairs.py", "        return torch.nn.functional.softplus(logits * self.sign).mul_(self.weight).sum(1)",
+             "        return torch.nn.functional.softplus(logits).mul_(self.weight).sum(1)",
+             "NT-BXent one pass: the positives scored as negatives", MATRYOSHKA_TESTS),
 ]
 
 

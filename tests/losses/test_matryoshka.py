@@ -669,3 +669,23 @@ def test_a_bad_positive_weight_is_refused_as_the_loss_refuses_it():
         tc.matryoshka_loss(tc.nt_xent_loss, [x], [8, 4], positive_weight=torch.ones(6, dtype=torch.long))
     with pytest.raises(ValueError, match=r"weight_fn must return a \(3,\) tensor"):
         tc.matryoshka_loss(tc.DCLLoss(weight_fn=lambda a, b: a.sum()), [x[:3], x[3:]], [8, 4])
+
+
+def test_nt_bxent_one_pass_keeps_a_confident_models_digits():
+    """fp32, tau 0.05, positives near cosine 1 and negatives near -1 (terms around e^-20 to e^-40): every term and
+    gradient entry is a softplus or sigmoid of the signed logit, so the one pass keeps them to fp32's relative digits
+    against the float64 definition per prefix (a ``1 - sigmoid`` form would round the small positives' gradients away)."""
+    g = torch.Generator().manual_seed(9)
+    centres = F.normalize(torch.randn(2, 16, generator=g, dtype=torch.float64), dim=1)
+    centres[1] = -centres[0]
+    labels = torch.tensor([0, 1] * 6)
+    x = (centres[labels] + 1e-3 * torch.randn(12, 16, generator=g, dtype=torch.float64)).float().to(DEVICE)
+    dims = [16, 8]
+    ours = x.clone().requires_grad_()
+    got = tc.matryoshka_loss(tc.nt_bxent_loss, [ours], dims, labels=labels.to(DEVICE), temperature=0.05)
+    ref = x.double().requires_grad_()
+    want = tc.matryoshka_loss(tc.nt_bxent_loss, [ref], dims, labels=labels.to(DEVICE), temperature=0.05, one_pass=False)
+    assert want.item() < 1e-6  # a confident model's loss: small terms only
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+    (mine,), (exact,) = torch.autograd.grad(got, ours), torch.autograd.grad(want, ref)
+    torch.testing.assert_close(mine.double(), exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())

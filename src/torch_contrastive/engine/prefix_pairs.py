@@ -48,6 +48,7 @@ class PrefixPairs(torch.autograd.Function):
             stop = min(start + plan.strip, n)
             pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop, c.shape[0], col_labels, own)
             counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
+            signs = _BinarySigns.of(pos, neg, n_pos, n_neg, a.dtype) if kernel == "binary" else None
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
                 if s is not None:  # a learnable scale: the plan's logits are the cosines
@@ -55,9 +56,8 @@ class PrefixPairs(torch.autograd.Function):
                 if kernel == "pair_softplus":
                     lse[start:stop, k] = torch.logsumexp(logits.masked_fill(~neg, -torch.inf), 1)
                     terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum(1)
-                else:
-                    terms = (torch.where(pos, torch.nn.functional.softplus(-logits), 0.0).sum(1) / n_pos
-                             + torch.where(neg, torch.nn.functional.softplus(logits), 0.0).sum(1) / n_neg.clamp_min(1))
+                elif signs is not None:
+                    terms = signs.terms(logits)
                 per_anchor[start:stop] += _weight_of(plan, k) * terms
         ctx.save_for_backward(anchors, candidates, labels, lse, counted, labels if col_labels is None else col_labels,
                               *(() if scale is None else (scale,)))
@@ -74,18 +74,25 @@ class PrefixPairs(torch.autograd.Function):
         dtype = _compute_dtype(anchors)
         learned = LearnedScale(given, dtype, grad.device)
         masks = PerStrip(lambda start, stop: _pair_masks(labels, start, stop, candidates.shape[0], col_labels, ctx.own))
+        def signs_of(start: int, stop: int) -> _BinarySigns | None:
+            if kernel != "binary":
+                return None
+            pos, neg, n_pos, n_neg = masks(start, stop)
+            return _BinarySigns.of(pos, neg, n_pos, n_neg, dtype)
+
+        binary = PerStrip(signs_of)
 
         def pair_tile(logits: Tensor, k: int, start: int, stop: int) -> Tensor:
             """d (row terms) / d logits of one strip and prefix."""
-            pos, neg, n_pos, n_neg = masks(start, stop)
-            if kernel == "pair_softplus":
-                row_lse = lse[start:stop, k, None]
-                sig = torch.where(pos, torch.sigmoid(row_lse - logits), 0.0)  # -d term / d S_ip
-                # a negative's share of its row's positives' terms: sum_p sigmoid(L_i - S_ip) * softmax_neg(S_in)
-                share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)
-                return share.sub_(sig)
-            return torch.where(pos, -torch.sigmoid(-logits) / n_pos[:, None], 0.0) \
-                + torch.where(neg, torch.sigmoid(logits) / n_neg.clamp_min(1)[:, None], 0.0)
+            signs = binary(start, stop)
+            if signs is not None:
+                return signs.tile(logits)
+            pos, neg = masks(start, stop)[:2]
+            row_lse = lse[start:stop, k, None]
+            sig = torch.where(pos, torch.sigmoid(row_lse - logits), 0.0)  # -d term / d S_ip
+            # a negative's share of its row's positives' terms: sum_p sigmoid(L_i - S_ip) * softmax_neg(S_in)
+            share = torch.where(neg, torch.exp(logits - row_lse) * sig.sum(1, keepdim=True), 0.0)
+            return share.sub_(sig)
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             tile = pair_tile(learned.logits(cos), k, start, stop)
@@ -126,3 +133,28 @@ def _pair_masks(relation: Tensor, start: int, stop: int, m: int, col_labels: Ten
     pos = same.clone()
     pos[local, local + (start + own)] = False
     return pos, ~same, n_pos, m - n_pos
+
+
+class _BinarySigns:
+    """A strip's NT-BXent pairs as signs and weights, built once for every prefix: a positive's term is
+    ``softplus(-S) / n_pos``, a negative's ``softplus(S) / n_neg``, i.e. ``w softplus(z S)`` with ``z = -1`` on the
+    positives and ``+1`` elsewhere and ``w`` the pair's weight (0 off the pairs: the row itself); its gradient
+    ``z w sigmoid(z S)``. One softplus (or sigmoid) of the signed logits keeps a confident pair's small term
+    and gradient to their digits (no ``1 - sigmoid``), in four ops a tile where the masked forms took about ten."""
+
+    def __init__(self, sign: Tensor, weight: Tensor) -> None:
+        self.sign, self.weight, self.signed_weight = sign, weight, sign * weight
+
+    @staticmethod
+    def of(pos: Tensor, neg: Tensor, n_pos: Tensor, n_neg: Tensor, dtype: torch.dtype) -> _BinarySigns:
+        p, q = pos.to(dtype), neg.to(dtype)
+        weight = p / n_pos.to(dtype)[:, None] + q / n_neg.clamp_min(1).to(dtype)[:, None]
+        return _BinarySigns(1.0 - 2.0 * p, weight)
+
+    def terms(self, logits: Tensor) -> Tensor:
+        """Each row's ``sum_pos softplus(-S) / n_pos + sum_neg softplus(S) / n_neg``."""
+        return torch.nn.functional.softplus(logits * self.sign).mul_(self.weight).sum(1)
+
+    def tile(self, logits: Tensor) -> Tensor:
+        """d (row terms) / d logits."""
+        return torch.sigmoid(logits * self.sign).mul_(self.signed_weight)
