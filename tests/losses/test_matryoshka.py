@@ -534,6 +534,21 @@ def test_the_global_one_pass_in_fp32_and_its_checks(mode):
         tc.matryoshka_loss(losses, [bad, b], dims, index=index)
 
 
+@pytest.mark.parametrize("mode", ["unimodal", "bimodal"])
+def test_the_global_one_pass_with_individual_temperatures_refuses_a_bad_index_by_name(mode):
+    """Individual temperatures read each module's state rows before the pass: a bad index is still the module's own
+    ValueError / TypeError (not an indexing error), and the states stay untouched."""
+    a, b = torch.randn(6, 8, device=DEVICE), torch.randn(6, 8, device=DEVICE)
+    start = 0.2 if mode == "unimodal" else 0.03
+    losses = [tc.GlobalContrastiveLoss(10, mode, start, temperature_mode="individual", device=DEVICE) for _ in range(2)]
+    for index, error, message in ((torch.arange(6) + 7, ValueError, r"index must lie in \[0, 10\)"),
+                                  (torch.tensor([0, 0, 1, 2, 3, 4]), ValueError, "index must not repeat"),
+                                  (torch.arange(6.0), TypeError, "index must be a 1-D integer tensor")):
+        with pytest.raises(error, match=message):
+            tc.matryoshka_loss(losses, [a, b], [8, 4], index=index.to(DEVICE))
+    assert all(torch.isneginf(m.log_u).all() for m in losses)
+
+
 def test_the_global_one_pass_makes_d_products_per_pair():
     """The one pass's GEMM FLOPs: ``D`` per pair for every prefix and both directions, forward and backward, against
     ``sum(d_p)`` for one call per prefix (counted, not timed)."""
