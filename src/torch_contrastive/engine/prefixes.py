@@ -161,10 +161,17 @@ class Targets:
         return torch.cat([cast(Tensor, self.strip(lo, min(lo + strip, n), device)[2]) for lo in range(0, n, strip)])
 
 
-def _inverse_norms(x: Tensor, cuts: tuple[int, ...], eps: float) -> Tensor:
-    """(rows, len(cuts)): ``1 / max(||x[:, :cut]||, eps)`` for every cut, from band sums of squares."""
-    bands = [x[:, lo:hi].pow(2).sum(1) for lo, hi in zip((0, *cuts[:-1]), cuts)]
-    return torch.stack(bands, 1).cumsum(1).sqrt().clamp_min(eps).reciprocal()
+def _inverse_norms(x: Tensor, cuts: tuple[int, ...] | list[int], eps: float) -> Tensor:
+    """(..., len(cuts)): ``1 / max(||x[..., :cut]||, eps)`` for every cut, from band sums of squares (the floor
+    ``F.normalize`` takes; autograd-ready for the callers that differentiate through it)."""
+    return prefix_dots(x, x, cuts).sqrt().clamp_min(eps).reciprocal()
+
+
+def prefix_dots(x: Tensor, y: Tensor, cuts: tuple[int, ...] | list[int]) -> Tensor:
+    """(..., len(cuts)): the raw dot products ``x[..., :cut] . y[..., :cut]`` of every cut, row by row (``x`` and ``y``
+    broadcast), from band sums: ``D`` multiplications per row for all cuts."""
+    bands = [(x[..., lo:hi] * y[..., lo:hi]).sum(-1) for lo, hi in zip((0, *cuts[:-1]), cuts)]
+    return torch.stack(bands, -1).cumsum(-1)
 
 
 def _prefix_products(a: Tensor, c: Tensor, cuts: tuple[int, ...]) -> Iterator[Tensor]:

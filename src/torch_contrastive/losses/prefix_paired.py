@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import Scope
 from ..engine.prefix_lse import PrefixRowLSE
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, prefix_plan
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, _inverse_norms, prefix_dots, prefix_plan
 from .prefix_forms import OnePass, _name_non_finite
 
 __all__ = ["paired_form"]
@@ -61,14 +61,9 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
     which = list(cuts.index(d) for d in dims)
     dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     x, y, z = q.to(dtype), k.to(dtype), negs.to(dtype)
-    bounds = list(zip((0, *cuts[:-1]), cuts))
-
-    def inverse_norms(rows: Tensor) -> Tensor:  # (..., cuts): 1 / max(||prefix||, eps), as F.normalize floors it
-        return torch.stack([rows[..., lo:hi].pow(2).sum(-1) for lo, hi in bounds], -1).cumsum(-1).sqrt().clamp_min(1e-12).reciprocal()
-
-    inv_q, inv_k, inv_n = inverse_norms(x), inverse_norms(y), inverse_norms(z)
-    positive = torch.stack([(x[:, lo:hi] * y[:, lo:hi]).sum(1) for lo, hi in bounds], 1).cumsum(1) * inv_q * inv_k  # (N, cuts)
-    paired = torch.stack([torch.einsum("nd,nkd->nk", x[:, lo:hi], z[:, :, lo:hi]) for lo, hi in bounds], -1).cumsum(-1)
+    inv_q, inv_k, inv_n = (_inverse_norms(t, cuts, 1e-12) for t in (x, y, z))  # as F.normalize floors each prefix
+    positive = prefix_dots(x, y, cuts) * inv_q * inv_k  # (N, cuts)
+    paired = prefix_dots(x[:, None, :], z, cuts)
     paired = paired * inv_q[:, None, :] * inv_n  # (N, K, cuts): each query's own negatives' cosines
     scale: float | Tensor = 1.0 / tau
     scale_t = scale.to(dtype) if isinstance(scale, Tensor) else scale

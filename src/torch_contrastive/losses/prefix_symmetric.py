@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..engine.prefix_lse import PrefixRowLSE, upper_strip
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, prefix_plan
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, _inverse_norms, prefix_dots, prefix_plan
 
 __all__ = ["upper_softmax"]
 
@@ -51,12 +51,10 @@ def upper_softmax(z: Tensor, targets: Targets, dims: list[int], weights: list[fl
     lse = PrefixRowLSE.apply(z, z, plan, which, leave, False, torch.full((len(dims),), scale, dtype=dtype, device=z.device),
                              (scale,) * len(dims), True)
     x = z.to(dtype)
-    bounds = list(zip((0, *cuts[:-1]), cuts))
-    inv = torch.stack([x[:, lo:hi].pow(2).sum(1) for lo, hi in bounds], 1).cumsum(1).sqrt().clamp_min(eps).reciprocal()
+    inv = _inverse_norms(x, cuts, eps)
     if targets.partner is not None:
         partner = targets.partner
-        dots = torch.stack([(x[:, lo:hi] * x[partner, lo:hi]).sum(1) for lo, hi in bounds], 1).cumsum(1)
-        positive = dots * inv * inv[partner] * scale  # (N, cuts): the partner's logit
+        positive = prefix_dots(x, x[partner], cuts) * inv * inv[partner] * scale  # (N, cuts): the partner's logit
         count = None
     else:
         positive, count = _key_positives(x, targets.row_keys, cuts, inv, scale)  # type: ignore[arg-type]
