@@ -979,6 +979,10 @@ MUTATIONS = [
     Mutation(f"{E}/prefix_pairs.py", "        return torch.nn.functional.softplus(logits * self.sign).mul_(self.weight).sum(1)",
              "        return torch.nn.functional.softplus(logits).mul_(self.weight).sum(1)",
              "NT-BXent one pass: the positives scored as negatives", MATRYOSHKA_TESTS),
+    Mutation(f"{PKG}/losses/global_contrastive.py", "    if given is None and scope.distributed:\n        negatives = ",
+             "    if scope.distributed:\n        negatives = ",
+             "global loss given its rows' statistics under gather: gathers the rows again for negatives it never reads",
+             ("tests/losses/test_matryoshka_gather.py",)),
 ]
 
 

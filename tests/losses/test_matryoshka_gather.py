@@ -160,7 +160,10 @@ def _global_ranks(rank: int, world: int, mode: str, temperature_mode: str) -> No
         assert prefix_global._covered(ours, [a, b], {"index": index}) is not None  # the one pass, not its fallback
         results = []
         for losses, one_pass in ((ours, True), (theirs, False)):
+            gathers = _counting_gathers()
             loss = tc.matryoshka_loss(losses, [a, b], DIMS, WEIGHTS, index=index, one_pass=one_pass)
+            if one_pass:  # the rows gathered once at full width (both inputs), not again by each prefix's module
+                assert gathers() == 2, gathers()
             learnable = [m.tau for m in losses] if temperature_mode == "global" else []
             grads = torch.autograd.grad(loss, [a, b, *learnable])
             shared = [g_.clone() for g_ in grads[2:]]
@@ -172,6 +175,22 @@ def _global_ranks(rank: int, world: int, mode: str, temperature_mode: str) -> No
     for mine, ref in zip(ours, theirs):
         for name in ("log_u", *(("tau_state", "tau_grad") if temperature_mode == "individual" else ())):
             torch.testing.assert_close(getattr(mine, name), getattr(ref, name), rtol=1e-12, atol=1e-12)
+
+
+def _counting_gathers():
+    """Count the autograd-aware row gathers (``Scope.rows``) from here on, in this rank's process."""
+    from torch_contrastive.distributed import Scope
+
+    original = getattr(Scope.rows, "__wrapped__", Scope.rows)
+    calls = [0]
+
+    def rows(self, x):
+        calls[0] += 1
+        return original(self, x)
+
+    rows.__wrapped__ = original
+    Scope.rows = rows
+    return lambda: calls[0]
 
 
 @pytest.mark.parametrize("mode", ["unimodal", "bimodal"])

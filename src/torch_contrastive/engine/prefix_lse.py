@@ -170,7 +170,7 @@ class _Sums:
 
     def __init__(self, n: int, m: int, prefixes: int, like: Tensor, columns: bool, shifts: tuple[float, ...] | None,
                  scales: Tensor, expected: bool = False) -> None:
-        self.n, self.shifts, self.scales = n, shifts, scales
+        self.shifts, self.scales = shifts, scales
         self.expected = like.new_zeros(n, prefixes) if expected else None
         self.rows = like.new_zeros(n, prefixes)
         self.row_max = like.new_zeros(n, prefixes) if shifts is None else None

@@ -153,10 +153,13 @@ class RowStats(NamedTuple):
 
     Attributes:
         lse: the log-sum-exps: unimodal ``(2B,)`` (both views' rows), bimodal ``(image rows, text rows)``.
+        samples: the samples among the candidates (this batch's, or every rank's): the loss then builds no
+            negatives of its own (under ``gather=True``, no gather of its own).
         expected: the soft-max means of the logits, laid out as ``lse`` (individual temperatures), else None.
     """
 
     lse: Tensor | tuple[Tensor, Tensor]
+    samples: int
     expected: Tensor | tuple[Tensor, Tensor] | None = None
 
 
@@ -166,8 +169,8 @@ Given = RowStats | None
 def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | Tensor, gamma: float, mode: str,
                  temperature_mode: str, rule: TemperatureRule | None, given: Given, *, normalize: bool, chunk_size: int | None,
                  gather: bool, grad_reduction: str, eps: float, validate: bool, backend: str) -> tuple[Tensor, GlobalState]:
-    """:func:`global_contrastive_loss`, its rows' log-sum-exps taken from ``given`` where given (a fixed or
-    global temperature; under ``gather=True`` this rank's rows against every rank's: the engine is then not called)."""
+    """:func:`global_contrastive_loss`, its rows' statistics taken from ``given`` where given (under ``gather=True``
+    this rank's rows against every rank's): the loss then builds no negatives and calls no engine."""
     v.check_embeddings(a, "a")
     v.check_embeddings(b, "b")
     v.check_same_rows(a, "a", b, "b")
@@ -282,29 +285,36 @@ def _two(stat: Tensor | tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
     return stat
 
 
+def _built(negatives: _Negatives | None) -> _Negatives:
+    if negatives is None:
+        raise RuntimeError("internal: the engine's negatives are built when no statistics are given")
+    return negatives
+
+
 def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | None, call: _Call,
               given: RowStats | None = None) -> tuple[Parts, GlobalState]:
     n, opts, scope = a.shape[0], call.options, call.scope
     rows = torch.cat([a, b])
     l_pos = (a * b).sum(1)
     l_pos = torch.cat([l_pos, l_pos])  # each sample's positive similarity, both views
-    if scope.distributed:
+    negatives: _Negatives | None = None  # given statistics: none built (no gather of the loss's own)
+    if given is None and scope.distributed:
         negatives = _negatives_by_sample(a, torch.cat([scope.rows(a), scope.rows(b)]), 2, scope)
-    else:
+    elif given is None:
         negatives = _Negatives(rows, partner_positives(2 * n, "halves", 0, rows.device, 2 * n, 0, "halves"), 0, tau is not None)
-    total = negatives.candidates.shape[0] // 2
+    total = given.samples if given is not None else _built(negatives).candidates.shape[0] // 2
     if total < 2:
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
     if tau is not None:  # S = <., .> / tau (a learnable tau: the engine's scale gets its gradient)
         taus: float | Tensor = tau.detach() if isinstance(tau, Tensor) else tau
         lse = _one(given.lse) if given is not None else \
-            _lse(rows, negatives, 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
+            _lse(rows, _built(negatives), 1.0 / tau, opts, bound=None if isinstance(tau, Tensor) else 1.0 / tau)[0]
     else:  # every sample its own tau (both views): the rows scaled, the candidates as they are
         if state.tau is None:
             raise RuntimeError("internal: individual temperatures without their state")
         taus = torch.cat([state.tau[:, 0], state.tau[:, 0]]).to(rows.dtype)
         scaled = rows / taus[:, None]
-        lse = _one(given.lse) if given is not None else _lse(scaled, negatives._replace(symmetric=False), 1.0, opts)[0]
+        lse = _one(given.lse) if given is not None else _lse(scaled, _built(negatives)._replace(symmetric=False), 1.0, opts)[0]
     log_g = lse.detach() - math.log(2 * (total - 1))
     old = state.log_u[:, 0].to(lse.dtype)
     log_u1, log_u2 = _mixed(old, log_g[:n], call.gamma), _mixed(old, log_g[n:], call.gamma)
@@ -319,7 +329,7 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
     if tau is not None:
         return ((tau * log_ur - l_pos).sum(), surrogate, float(n)), GlobalState(new_log_u.to(state.log_u.dtype))
     assert isinstance(taus, Tensor) and state.tau is not None and state.tau_grad is not None
-    expected = _one(given.expected) if given is not None else _expected(scaled, negatives, opts)  # soft-max mean of S
+    expected = _one(given.expected) if given is not None else _expected(scaled, _built(negatives), opts)  # soft-max mean of S
     grad = log_ur + call.rule.rho - c * expected
     new_tau, moving = _stepped(state.tau[:, 0], state.tau_grad[:, 0], (grad[:n] + grad[n:]) / 2, call.rule)
     estimate = (taus.detach() * (log_ur + call.rule.rho) - l_pos).sum()
@@ -332,13 +342,14 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
              given: RowStats | None = None) -> tuple[Parts, GlobalState]:
     n, opts, scope = img.shape[0], call.options, call.scope
     l_pos = (img * txt).sum(1)
-    if scope.distributed:
+    by_img = by_txt = None  # given statistics: none built (no gather of the loss's own)
+    if given is None and scope.distributed:
         by_img = _negatives_by_sample(img, scope.rows(txt), 1, scope)
         by_txt = _negatives_by_sample(txt, scope.rows(img), 1, scope)
-    else:
+    elif given is None:
         pos = Positives.from_partner(torch.arange(n, device=img.device), n, self_offset=None)
         by_img, by_txt = _Negatives(txt, pos, None), _Negatives(img, pos, None)
-    total = by_img.candidates.shape[0]
+    total = given.samples if given is not None else _built(by_img).candidates.shape[0]
     if total < 2:
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {total}")
     if tau is None:  # individual temperatures: each direction's rows scaled by their own 1 / tau
@@ -348,7 +359,8 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         t_img: float | Tensor = taus[:, 0]
         t_txt: float | Tensor = taus[:, 1]
         img_s, txt_s = img / taus[:, :1], txt / taus[:, 1:]
-        lse_img, lse_txt = _two(given.lse) if given is not None else (_lse(img_s, by_img, 1.0, opts)[0], _lse(txt_s, by_txt, 1.0, opts)[0])
+        lse_img, lse_txt = _two(given.lse) if given is not None else \
+            (_lse(img_s, _built(by_img), 1.0, opts)[0], _lse(txt_s, _built(by_txt), 1.0, opts)[0])
     else:
         scale = 1.0 / tau
         bound = scale if isinstance(scale, float) else None
@@ -356,9 +368,9 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         if given is not None:
             lse_img, lse_txt = _two(given.lse)
         elif scope.distributed:
-            lse_img, lse_txt = _lse(img, by_img, scale, opts, bound)[0], _lse(txt, by_txt, scale, opts, bound)[0]
+            lse_img, lse_txt = _lse(img, _built(by_img), scale, opts, bound)[0], _lse(txt, _built(by_txt), scale, opts, bound)[0]
         else:  # both directions in one call: the texts' log-sum-exps are the column statistics
-            both = _lse(img, by_img, scale, opts, bound, columns=True)
+            both = _lse(img, _built(by_img), scale, opts, bound, columns=True)
             if both[1] is None:
                 raise RuntimeError("internal: columns=True returns the column terms")
             lse_img, lse_txt = both[0], both[1]
@@ -382,7 +394,8 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
         return (tau * (log_u_img.sum() + log_u_txt.sum()) / 2, surrogate, float(n)), GlobalState(new_log_u)
     assert isinstance(t_img, Tensor) and isinstance(t_txt, Tensor) and state.tau is not None and state.tau_grad is not None
     # the soft-max mean of h / tau over the negatives: of S, less S_ii
-    means = _two(given.expected) if given is not None else (_expected(img_s, by_img, opts), _expected(txt_s, by_txt, opts))
+    means = _two(given.expected) if given is not None else \
+        (_expected(img_s, _built(by_img), opts), _expected(txt_s, _built(by_txt), opts))
     e_img, e_txt = means[0] - s_img.detach(), means[1] - s_txt.detach()
     new_img, m_img = _stepped(state.tau[:, 0], state.tau_grad[:, 0], log_u_img + call.rule.rho - w_img / (total - 1) * e_img,
                               call.rule)

@@ -78,14 +78,15 @@ class _Pass:
             self.shifts = fixed
 
     def rows(self, anchors: Tensor, candidates: Tensor, leave_out: Tensor, scales: Tensor | None = None,
-             upper: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``(log-sum-exps, soft-max means or None)`` of ``anchors``' rows (``scales``: their own, individual)."""
+             upper: bool = False, columns: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``(log-sum-exps, soft-max means or None)`` of ``anchors``' rows (``scales``: their own, individual; ``columns``:
+        the candidates' log-sum-exps after the rows', from the same tiles)."""
         plan = prefix_plan(self.cuts, [1.0] * len(self.cuts), self.width, 1.0, True, 1e-12, anchors.shape[0], candidates.shape[0],
                            self.strip)
         if upper:
             plan = replace(plan, strip=upper_strip(anchors.shape[0], plan.strip, self.strip))
         if scales is None and self.scales is not None:
-            return PrefixRowLSE.apply(anchors, candidates, plan, self.which, leave_out, False, self.scales, self.shifts, upper), None
+            return PrefixRowLSE.apply(anchors, candidates, plan, self.which, leave_out, columns, self.scales, self.shifts, upper), None
         if scales is None:
             raise RuntimeError("internal: individual temperatures without their rows' scales")
         out = PrefixRowLSE.apply(anchors, candidates, plan, self.which, leave_out, False, scales, None, False, True)
@@ -125,13 +126,12 @@ def _local(a: Tensor, b: Tensor, module: GlobalContrastiveLoss, one: _Pass) -> S
         both = torch.cat([a, b])
         leave = torch.stack([torch.cat([rows, rows + n]), torch.cat([rows + n, rows])], 1)
         if one.individual:
-            return _stats(*one.rows(both, both, leave, torch.cat([one.row_scales[0], one.row_scales[0]])))
-        return _stats(one.rows(both, both, leave, upper=one.shifts is not None)[0])
+            return _stats(n, *one.rows(both, both, leave, torch.cat([one.row_scales[0], one.row_scales[0]])))
+        return _stats(n, one.rows(both, both, leave, upper=one.shifts is not None)[0])
     if one.individual:
-        return _stats(*one.rows(a, b, rows[:, None], one.row_scales[0]), *one.rows(b, a, rows[:, None], one.row_scales[1]))
-    plan = prefix_plan(one.cuts, [1.0] * len(one.cuts), one.width, 1.0, True, 1e-12, n, n, one.strip)
-    lse = PrefixRowLSE.apply(a, b, plan, one.which, rows[:, None], True, one.scales, one.shifts)
-    return _stats(lse[:n], None, lse[n:], None)
+        return _stats(n, *one.rows(a, b, rows[:, None], one.row_scales[0]), *one.rows(b, a, rows[:, None], one.row_scales[1]))
+    lse = one.rows(a, b, rows[:, None], columns=True)[0]
+    return _stats(n, lse[:n], None, lse[n:], None)
 
 
 def _gathered(a: Tensor, b: Tensor, module: GlobalContrastiveLoss, one: _Pass) -> Stats:
@@ -144,13 +144,17 @@ def _gathered(a: Tensor, b: Tensor, module: GlobalContrastiveLoss, one: _Pass) -
     if module.mode == "unimodal":  # both views of every sample are candidates; a sample's own two views left out
         mine = torch.cat([own, own])
         scales = torch.cat([one.row_scales[0], one.row_scales[0]]) if one.individual else None
-        return _stats(*one.rows(torch.cat([a, b]), torch.cat([every_a, every_b]), torch.stack([mine, mine + total], 1), scales))
+        return _stats(total, *one.rows(torch.cat([a, b]), torch.cat([every_a, every_b]), torch.stack([mine, mine + total], 1),
+                                       scales))
     img, txt = (one.row_scales[0], one.row_scales[1]) if one.individual else (None, None)
-    return _stats(*one.rows(a, every_b, own[:, None], img), *one.rows(b, every_a, own[:, None], txt))
+    return _stats(total, *one.rows(a, every_b, own[:, None], img), *one.rows(b, every_a, own[:, None], txt))
 
 
-def _stats(lse: Tensor, means: Tensor | None = None, lse_txt: Tensor | None = None, means_txt: Tensor | None = None) -> Stats:
-    """Prefix ``p``'s row statistics as a module takes them: one tensor each (unimodal) or a pair (bimodal)."""
+def _stats(samples: int, lse: Tensor, means: Tensor | None = None, lse_txt: Tensor | None = None,
+           means_txt: Tensor | None = None) -> Stats:
+    """Prefix ``p``'s row statistics as a module takes them: one tensor each (unimodal) or a pair (bimodal), and the
+    samples among the candidates."""
     if lse_txt is None:
-        return lambda p: RowStats(lse[:, p], None if means is None else means[:, p])
-    return lambda p: RowStats((lse[:, p], lse_txt[:, p]), None if means is None or means_txt is None else (means[:, p], means_txt[:, p]))
+        return lambda p: RowStats(lse[:, p], samples, None if means is None else means[:, p])
+    return lambda p: RowStats((lse[:, p], lse_txt[:, p]), samples,
+                              None if means is None or means_txt is None else (means[:, p], means_txt[:, p]))
