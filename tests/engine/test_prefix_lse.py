@@ -83,7 +83,7 @@ def test_the_upper_triangle_makes_half_the_products():
 
     a, _, leave = _case(False, torch.float64)
     plan = prefix_plan([5, 13], [1.0, 1.0], 13, 1.0, True, 1e-12, a.shape[0], a.shape[0], 2)
-    flops = [sum(count(lambda upper=upper: PrefixRowLSE.apply(a, a, plan, (1, 0), leave, False, torch.tensor([3.0, 2.0]),
+    flops = [sum(count(lambda upper=upper: PrefixRowLSE.apply(a, a, plan, (1, 0), leave, False, torch.tensor([3.0, 2.0], device=DEVICE),
                                                               (3.0, 2.0), upper).sum(), 10, 10, 13,
                        simulate_device=None).gemm_flops.values()) for upper in (False, True)]
     # strips of 2 rows against columns from the strip on: 10 + 8 + 6 + 4 + 2 = 30 of 50 columns per pass
