@@ -16,7 +16,23 @@ import torch
 
 from device import DEVICE
 
-__all__ = ["DTYPES", "TAU_TOLS", "compare", "queue_problem", "rand_rows", "two_set_problem"]
+__all__ = ["DTYPES", "TAU_TOLS", "compare", "count_applies", "queue_problem", "rand_rows", "two_set_problem"]
+
+
+def count_applies(monkeypatch, functions):
+    """How many calls the autograd ``functions`` served, all together (a list with one counter, which their
+    ``apply``, wrapped for the test, advances)."""
+    count = [0]
+
+    def counting(real):
+        def counted(*args):
+            count[0] += 1
+            return real(*args)
+        return counted
+
+    for fn in functions:
+        monkeypatch.setattr(fn, "apply", counting(fn.apply))
+    return count
 
 
 def rand_rows(n, d=5, seed=0, dtype=torch.float64):

@@ -56,6 +56,7 @@ MATRYOSHKA_TESTS = ("tests/losses/test_matryoshka.py",)
 SYMMETRIC_TESTS = ("tests/losses/test_prefix_symmetric.py", "tests/losses/test_matryoshka.py")
 PREFIX_LSE_TESTS = ("tests/engine/test_prefix_lse.py", "tests/losses/test_matryoshka.py")
 PAIR_TESTS = ("tests/engine/test_pairwise.py", "tests/engine/test_one_tile.py", "tests/losses/test_losses.py")
+HALF_TILE_TESTS = ("tests/engine/test_one_tile_half.py", "tests/engine/test_planner.py")
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
     Mutation(f"{E}/driver.py", "            gscale = gscale / 2", "            gscale = gscale",
@@ -824,8 +825,8 @@ MUTATIONS = [
              "        pair = (b, a) if a.dtype == b.dtype else to_compute(a, b, scale)[:2]",
              "two stacked sets of one dtype: the stack's parts swapped"),
     # the lean one-tile executor (engine/one_tile.py) and its planner gate
-    Mutation(f"{E}/one_tile.py", "        _put(e, places.left_out, places.zeros)",
-             "        _put(e, places.positives, places.zeros[: places.positives.shape[0]])",
+    Mutation(f"{E}/softmax_tiles.py", "    _clear(e, places)  # the kept-apart sums leave out the self pairs and the positives",
+             "    _put(e, places.positives, places.zeros[: places.positives.shape[0]])",
              "one-tile executor: the self pairs stay in a single set's sums", ONE_TILE_TESTS),
     Mutation(f"{E}/one_tile.py", "            _put(grad_tile, places.both, torch.cat([c, c]), accumulate=True)",
              "            _put(grad_tile, places.positives, c, accumulate=True)",
@@ -836,8 +837,8 @@ MUTATIONS = [
     Mutation(f"{E}/one_tile.py", "        return None, None, None, both[:n] if need_a else None, both[n:]",
              "        return None, None, None, both[:n] if need_a else None, both[:n]",
              "one-tile executor: the texts take the images' gradient", ONE_TILE_TESTS),
-    Mutation(f"{E}/one_tile.py", "        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):",
-             "        if total is None or autocast_enabled(a.device.type):",
+    Mutation(f"{E}/one_tile.py", "        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type) or (plan.half",
+             "        if total is None or autocast_enabled(a.device.type) or (isinstance(scale, float) and plan.half",
              "one-tile executor: a learnable temperature taken as a constant", ONE_TILE_TESTS),
     Mutation(f"{E}/planner.py", "            and plan.normalize and plan.exclude is None and plan.column_comm is None)",
              "            and plan.normalize and plan.column_comm is None)",
@@ -983,6 +984,26 @@ MUTATIONS = [
              "    if scope.distributed:\n        negatives = ",
              "global loss given its rows' statistics under gather: gathers the rows again for negatives it never reads",
              ("tests/losses/test_matryoshka_gather.py",)),
+    # the lean bf16 one tile (engine/one_tile_half.py) and what the GPU plan counts of it
+    Mutation(f"{E}/one_tile_half.py", "return x, x.to(dtype), torch.cat((h, lo, h), 1), torch.cat((h, h, lo), 1)",
+             "return x, x.to(dtype), torch.cat((h, h, h), 1), torch.cat((h, h, lo), 1)",
+             "bf16 one tile: the split product drops the rows' remainder on one side", HALF_TILE_TESTS),
+    Mutation(f"{E}/one_tile_half.py", "            relation_part = px * 2.0", "            relation_part = px",
+             "bf16 SupCon one tile: the relation's gradient in one role of each pair only", HALF_TILE_TESTS),
+    Mutation(f"{E}/one_tile_half.py", "torch.addcmul(_mm32(relation, (beta[:, None] * x).to(SPLIT)), beta[:, None], px)",
+             "torch.addcmul(_mm32(relation, x.to(SPLIT)), beta[:, None], px)",
+             "bf16 SupCon one tile: the columns' role of the relation unweighted", HALF_TILE_TESTS),
+    Mutation(f"{E}/one_tile_half.py", "        both = l2_normalize_backward(torch.cat([_mm32(tile, h[n:]), _mm32(tile.t(), h[:n])])",
+             "        both = l2_normalize_backward(torch.cat([_mm32(tile, h[n:]), _mm32(tile, h[:n])])",
+             "bf16 CLIP one tile: the texts' gradient from the untransposed tile", HALF_TILE_TESTS),
+    Mutation(f"{E}/planner.py", "            and (not plan.half or problem.anchors.dtype == torch.bfloat16)",
+             "            and (not plan.half or problem.anchors.dtype.is_floating_point)",
+             "fp16 on tensor cores sent to the bf16 one tile (its gradient tile unscaled)", HALF_TILE_TESTS),
+    Mutation(f"{PKG}/positives.py", "    return parts[:, :dim] + parts[:, dim : 2 * dim] + parts[:, 2 * dim :]",
+             "    return parts[:, :dim] + parts[:, dim : 2 * dim]",
+             "a dense mask on tensor cores drops the rows' last part", HALF_TILE_TESTS),
+    Mutation(f"{PKG}/cli/traffic.py", "FEATURE_SIDES = (1, 2, 3)", "FEATURE_SIDES = (1,)",
+             "cost counter: a split operand's stacked features counted as logits", ("tests/cli/test_traffic.py",)),
 ]
 
 

@@ -84,6 +84,29 @@ def _counts_from_values(dense: Tensor, dtype: torch.dtype) -> bool:
     return dtype in _EXACT_COUNTS and dense.shape[1] < 2**24 and counts_from_values(dense.device)
 
 
+def _mask_on_tensor_cores(x: Tensor) -> bool:
+    """Whether a dense 0/1 relation multiplies fp32 rows on tensor cores (:func:`_mask_product`): on a GPU."""
+    from .engine.planner import mask_on_tensor_cores  # the engine imports this module: imported on first use
+
+    return x.dtype == torch.float32 and mask_on_tensor_cores(x.device)
+
+
+def _mask_product(mask: Tensor, x: Tensor) -> Tensor:
+    """``mask @ x`` for a bf16 0/1 ``mask`` (exact) and fp32 ``x``, to fp32 accuracy on tensor cores: ``x`` split
+    into three bf16 parts (``x = hi + mid + lo`` to 2^-24 of it), multiplied as one product over the parts
+    side by side, the three results summed in fp32. The mask is read once at half width (an fp32 mask would
+    be read at full width, by a GEMM several times slower than bf16's)."""
+    from .engine.products import _mm32
+
+    hi = x.to(torch.bfloat16)
+    rest = x - hi
+    mid = rest.to(torch.bfloat16)
+    lo = torch.sub(rest, mid, out=torch.empty_like(mid))
+    dim = x.shape[1]
+    parts = _mm32(mask, torch.cat((hi, mid, lo), 1))
+    return parts[:, :dim] + parts[:, dim : 2 * dim] + parts[:, 2 * dim :]
+
+
 @dataclass(frozen=True)
 class Positives:
     """The positive relation between R anchors and C candidates: one frozen class per kind.
@@ -438,6 +461,8 @@ class KeyPositives(Positives):
     def aggregate(self, candidates: Tensor) -> Tensor:
         if self.dense is not None:
             with torch.autocast(candidates.device.type, enabled=False):
+                if _mask_on_tensor_cores(candidates):
+                    return _mask_product(self.dense_as(torch.bfloat16), candidates)
                 return self.dense_as(candidates.dtype) @ candidates
         total = candidates.new_zeros(self.num_rows, candidates.shape[1])
         for rg, cg, n_bound, sign in self.key_terms:
@@ -450,6 +475,8 @@ class KeyPositives(Positives):
     def aggregate_transposed(self, rows: Tensor) -> Tensor:
         if self.dense is not None:
             with torch.autocast(rows.device.type, enabled=False):
+                if _mask_on_tensor_cores(rows):
+                    return _mask_product(self.dense_as(torch.bfloat16).t(), rows)
                 return self.dense_as(rows.dtype).t() @ rows
         width = rows.shape[1]
         total = rows.new_zeros(self.num_cols, width)

@@ -12,6 +12,7 @@ import torch
 import reference as ref
 import torch_contrastive as tc
 from device import DEVICE
+from helpers import count_applies
 from torch_contrastive.engine import one_tile, pairwise, softmax
 
 solve_module = importlib.import_module("torch_contrastive.engine.solve")  # the module (the package exports the function)
@@ -23,17 +24,7 @@ LEAN_FUNCTIONS = (one_tile._OneTile, one_tile._OneTileMask, one_tile._OneTilePai
 @pytest.fixture
 def lean_calls(monkeypatch):
     """How many calls the one-tile functions served, all three together (a list with one counter)."""
-    count = [0]
-
-    def counting(real):
-        def counted(*args):
-            count[0] += 1
-            return real(*args)
-        return counted
-
-    for fn in LEAN_FUNCTIONS:
-        monkeypatch.setattr(fn, "apply", counting(fn.apply))
-    return count
+    return count_applies(monkeypatch, LEAN_FUNCTIONS)
 
 
 def _general(monkeypatch):

@@ -7,10 +7,11 @@ its tensor-core products), so a CPU runs the GPU's plan and the counts are the G
 
 * a **launch** is an op that runs a kernel: views, allocations and host reads are not;
 * **logit bytes** are the bytes of every logit-sized tensor an op reads or writes (inputs and
-  outputs; an in-place op's tensor twice). Logit-sized: no side of length ``D`` (a feature
-  tensor, as it is or transposed), and at least ``2 * max(R, C)`` numbers -- a vector more than
-  that and ``R * C / 64``, so a flattened tile counts and a per-row statistic of both directions does not (a
-  tile whose edge equals ``D`` would be missed: count at a size where it does not). Indexed ops (``take``, ``index_fill_``, ``index_add_``, ...)
+  outputs; an in-place op's tensor twice). Logit-sized: no side of length ``D``, ``2D`` or ``3D`` (a
+  feature tensor, as it is or transposed, or features stacked along a product's inner side), and at least
+  ``2 * max(R, C)`` numbers -- a vector more than that and ``R * C / 64``, so a flattened tile counts and a
+  per-row statistic of both directions does not (a tile whose edge is one of those sides would be missed:
+  :func:`count_loss` counts at a size where none is). Indexed ops (``take``, ``index_fill_``, ``index_add_``, ...)
   touch only their indexed entries, which is what they count;
 * **GEMM FLOPs** are ``2 m k n`` per product, by the operands' dtype;
 * the copies a CPU makes to widen half operands (``torch.mm`` has no ``out_dtype`` on a CPU) are
@@ -61,6 +62,9 @@ _INDEXED = frozenset({"take", "index_fill", "index_fill_", "index_add", "index_a
                       "_index_put_impl_", "put", "put_", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
                       "index_select"})
 _GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})  # in-place forms accumulate
+#: The sides of a feature tensor, in multiples of ``D``: the features, and the features stacked along a
+#: product's inner side (two or three blocks: :mod:`~torch_contrastive.engine.one_tile_half`'s split operands).
+FEATURE_SIDES = (1, 2, 3)
 #: The losses :func:`cases` builds, in the order ``bench --traffic`` prints them.
 LOSSES = ("clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent")
 
@@ -69,6 +73,7 @@ class _Count(TorchDispatchMode):
     def __init__(self, rows: int, cols: int, dim: int) -> None:
         super().__init__()
         self.rows, self.cols, self.dim = rows, cols, dim
+        self.features = frozenset(k * dim for k in FEATURE_SIDES)
         self.launches = 0
         self.logit_bytes = 0
         self.flops: Counter[str] = Counter()
@@ -117,9 +122,10 @@ class _Count(TorchDispatchMode):
         return (own if own is not None else t.dtype).itemsize
 
     def _logit_sized(self, t: torch.Tensor) -> bool:
-        # a feature tensor has D along one side, as it is or transposed; a vector is a tile only when
-        # it is one flattened (a per-row statistic of both directions has 2 max(R, C) numbers)
-        if t.ndim < 1 or self.dim in t.shape:
+        # a feature tensor has D along one side, as it is or transposed -- or 2D, 3D: features stacked along
+        # the products' inner side (a split fp32 operand, engine/one_tile_half.py); a vector is a tile only
+        # when it is one flattened (a per-row statistic of both directions has 2 max(R, C) numbers)
+        if t.ndim < 1 or any(side in self.features for side in t.shape):
             return False
         edge = 2 * max(self.rows, self.cols)
         return t.numel() >= edge if t.ndim >= 2 else t.numel() > max(edge, self.rows * self.cols // 64)
@@ -236,10 +242,13 @@ EPILOGUE_LOSSES = LOSSES
 def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int = 1) -> Counts:
     """The counts of one loss (``impl`` one of :data:`IMPLS`) on the simulated GPU at ``n`` rows,
     counted at ``at`` rows (default ``n``) and scaled: ``tiles`` tiles per side at that size
-    (a backend's plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`)."""
+    (a backend's plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`); ``at`` moves two rows up while a tile
+    edge would be a feature side (:data:`FEATURE_SIDES`)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     small = at or n
+    while any(edge % d == 0 and edge // d in FEATURE_SIDES for edge in (small, -(-small // tiles))):
+        small += 2  # a tile edge of D, 2D or 3D would read as features: count two rows more (pairings stay even)
     chunk = None if tiles <= 1 else -(-small // tiles)
     ours, dense = cases(small, d, chunk=chunk, backend="auto" if impl in ("ours", "dense") else impl)[name]
     return count(dense if impl == "dense" else ours, small, small, d, area=(n / small) ** 2).scaled(n, n)

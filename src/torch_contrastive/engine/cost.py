@@ -175,14 +175,15 @@ class PathCost:
 #: the same day: PML's per-pair mean from one count of the relation; the columns' half row: the two sets stacked
 #: on tensor-core products too; the pair terms' one tile again 2026-11-27: PML's masked parts kept, NT-BXent's
 #: log1p / sigmoid off one exp and its H = G + G^T formed directly; once more the same day: no negative mask,
-#: NT-BXent's zS in one op and its negative sum from the row's, PML's sigmoid in one op) at 256 rows, one tile and
+#: NT-BXent's zS in one op and its negative sum from the row's, PML's sigmoid in one op; the soft-max half rows' one tile
+#: again 2026-11-28: the lean bf16 executor, engine/one_tile_half.py, its split product three GEMM-equivalents) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(55, 24.8, 17.0, 24.0, 3.0, 4.0),
+    ("columns", "torch", "half"): PathCost(51, 25.1, 9.7, 24.2, 5.0, 4.0),
     ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8),
-    ("rows", "torch", "half"): PathCost(41, 24.0, 14.0, 14.25, 2.0, 2.25),
+    ("rows", "torch", "half"): PathCost(41, 24.1, 8.0, 14.25, 4.0, 2.25),
     ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5),
     ("columns", "torch", "fp32"): PathCost(43, 16.6, 11.0, 14.0, 3.0, 4.0),
@@ -230,8 +231,9 @@ class RelationForms:
     grouped_launches: int
 
 
-#: SupCon with labels, 1,024 rows, bf16, the GPU plan, counted 2026-11-24.
-RELATION_FORMS = RelationForms(dense_passes=11.6, grouped_launches=44)
+#: SupCon with labels, 1,024 rows, bf16, the GPU plan's strips (4 x 4 tiles), counted 2026-11-28. (On one tile
+#: the lean executor reads the mask by GEMMs, engine/one_tile_half.py: there the dense form is the cheaper in both.)
+RELATION_FORMS = RelationForms(dense_passes=2.7, grouped_launches=17)
 
 
 def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100") -> bool:

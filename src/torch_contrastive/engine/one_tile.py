@@ -38,13 +38,14 @@ from .._tensors import as_dtype
 from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
+from .one_tile_half import HalfOneTile, HalfOneTileMask
 from .pairwise import _KERNELS, _unit
 from .pairwise import TORCH as TORCH_PAIRS
 from .planner import name_executor
 from .precision import autocast_enabled, zero
 from .problem import PairTerms, Problem, Softmax
 from .softmax import TORCH, _total, _weighted
-from .softmax_tiles import _put
+from .softmax_tiles import _put, kept_apart_terms
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -66,12 +67,14 @@ class OneTileSoftmax:
         if not isinstance(stat, Softmax):
             raise TypeError(f"the soft-max executor runs Softmax problems, got {type(stat).__name__}")
         total, scale, a = stat.total, problem.scale, problem.anchors
-        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
+        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type) or (plan.half and scale <= 0):
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH.run(problem, plan)
         if plan.places is None:  # a dense label relation (SupCon): the weighted form
-            return _OneTileMask.apply(plan, total, scale, a, *stat.row_weights), None
-        return _OneTile.apply(plan, total, scale, a, None if problem.single else problem.candidates), None
+            mask = HalfOneTileMask if plan.half else _OneTileMask
+            return mask.apply(plan, total, scale, a, *stat.row_weights), None
+        strided = HalfOneTile if plan.half else _OneTile  # bf16 on tensor cores (.one_tile_half), else the compute dtype
+        return strided.apply(plan, total, scale, a, None if problem.single else problem.candidates), None
 
 
 #: The one-tile soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
@@ -88,16 +91,7 @@ class _OneTile(torch.autograd.Function):
         rows, denom, norm = l2_normalize(to_compute(a if b is None else torch.cat((a, b)), None, 1.0)[0], plan.eps)
         za, zb = (rows, rows) if b is None else (rows[: a.shape[0]], rows[a.shape[0] :])
         e = torch.addmm(zero(za), za, zb.t(), beta=0, alpha=scale).exp_()
-        exp_pos = torch.take(e, places.positives)  # before the clearing
-        _put(e, places.left_out, places.zeros)
-        excess = e.sum(1)
-        row_total = excess + exp_pos
-        d = torch.log1p(excess / exp_pos)
-        col_excess = col_total = d_col = None
-        if plan.columns:  # the identity layout: column j's positive is row j's
-            col_excess = e.sum(0)
-            col_total = col_excess + exp_pos
-            d_col = torch.log1p(col_excess / exp_pos)
+        d, d_col, row_total, excess, col_total, col_excess = kept_apart_terms(e, places, plan.columns)
         ctx.plan, ctx.total, ctx.scale, ctx.single = plan, total, scale, b is None
         ctx.save_for_backward(rows, denom, norm, e, row_total, excess, col_total, col_excess)
         return _total(d, d_col, total)

@@ -494,7 +494,7 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
 
 def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
     """Whether the lean one-tile executor (:mod:`.one_tile`) serves ``plan``: the torch backend's one
-    bounded tile in the compute dtype, rows normalised inside, nothing excluded, one process; and either an
+    bounded tile (the compute dtype, or bf16 on tensor cores), rows normalised inside, nothing excluded, one process; and either an
     unweighted strided relation kept apart -- a single set visited as its symmetric triangle (the self pair
     left out, no column terms), or two sets of one dtype on the identity layout (no self pair; the column
     terms with their positives, or none) whose candidates all take a gradient -- or a single set's dense
@@ -506,18 +506,21 @@ def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
         # (two rows or more: every row's sum of exp then holds a candidate, so backward divides by it)
         masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns and plan.tile_positives \
             and isinstance(plan.positives, KeyPositives) and isinstance(stat, Softmax) and stat.col_weights == (None, None)
-        return bool(masked and _one_bounded_tile(plan))
+        return bool(masked and _one_bounded_tile(plan, problem))
     if problem.single:
         shape = plan.symmetric and plan.self_offset == 0 and not plan.columns
     else:
         shape = (not plan.symmetric and plan.self_offset is None and problem.anchors.dtype == problem.candidates.dtype
                  and (plan.column_positives or not plan.columns) and getattr(plan.positives, "layout", None) == "identity")
-    return bool(shape and plan.grad_columns == n_cols and plan.apart is not None and not plan.weighted and _one_bounded_tile(plan))
+    return bool(shape and plan.grad_columns == n_cols and plan.apart is not None and not plan.weighted
+                and _one_bounded_tile(plan, problem))
 
 
-def _one_bounded_tile(plan: SoftmaxPlan) -> bool:
-    """The torch backend's one bounded tile in the compute dtype, rows normalised inside, nothing excluded, one process."""
-    return (plan.backend == "torch" and plan.single_tile and plan.fixed and not plan.half and plan.operand_dtype is None
+def _one_bounded_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
+    """The torch backend's one bounded tile, rows normalised inside, nothing excluded, one process; in the compute
+    dtype, or bf16 on tensor cores (:mod:`.one_tile_half`; fp16 keeps the general scheme's rescaled rounding)."""
+    return (plan.backend == "torch" and plan.single_tile and plan.fixed and plan.operand_dtype is None
+            and (not plan.half or problem.anchors.dtype == torch.bfloat16)
             and plan.normalize and plan.exclude is None and plan.column_comm is None)
 
 
@@ -607,6 +610,13 @@ def counts_from_values(device: torch.device) -> bool:
     CPU, where a bool reduction takes a slow path and the one tile reads those values anyway; on a GPU
     (also one :func:`simulate` d) the bools are summed, one byte an entry, and no values are formed for it."""
     return (_SIMULATED or device).type == "cpu"
+
+
+def mask_on_tensor_cores(device: torch.device) -> bool:
+    """Whether a dense 0/1 relation multiplies fp32 rows as a bf16 mask against the rows split in three bf16 parts
+    (:func:`~torch_contrastive.positives._mask_product`): on a GPU (also one :func:`simulate` d), where that is one
+    half-width read of the mask by a tensor-core GEMM; on a CPU the fp32 product."""
+    return (_SIMULATED or device).type == "cuda"
 
 
 def reduce_inside(reduction: str, distributed: bool) -> bool:

@@ -179,6 +179,22 @@ def _put(tile: Tensor, at: Tensor, values: Tensor, accumulate: bool = False) -> 
         tile.put_(at, values, accumulate=accumulate)
 
 
+def kept_apart_terms(e: Tensor, places: FlatPlaces, columns: bool) -> tuple[Any, ...]:
+    """The one tile's soft-max terms of a strided relation kept apart (:mod:`.one_tile`, :mod:`.one_tile_half`),
+    ``e = exp(S)`` cleared in place at the left-out places: ``(d, d_col, row_total, excess, col_total,
+    col_excess)`` with ``d_i = log1p(excess_i / e_{i p(i)})`` and the columns' the same down the tile (the
+    identity layout: column j's positive is row j's), None without column terms."""
+    exp_pos = torch.take(e, places.positives)  # before the clearing
+    _clear(e, places)  # the kept-apart sums leave out the self pairs and the positives
+    excess = e.sum(1)
+    row_total = excess + exp_pos
+    d = torch.log1p(excess / exp_pos)
+    if not columns:
+        return d, None, row_total, excess, None, None
+    col_excess = e.sum(0)
+    return d, torch.log1p(col_excess / exp_pos), row_total, excess, col_excess + exp_pos, col_excess
+
+
 def _clear(e: Tensor, places: FlatPlaces) -> None:
     """Zero the left-out places (the self pairs and the positives kept apart) of the one tile."""
     _put(e, places.left_out, places.zeros)

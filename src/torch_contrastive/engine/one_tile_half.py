@@ -1,0 +1,167 @@
+"""The lean one-tile executors for bf16 inputs on a GPU: fp32-accurate logits from one tensor-core GEMM, and
+a gradient tile written once, in bf16, for the backward products.
+
+:mod:`.one_tile` serves a small call in the compute dtype. On a GPU, bf16 inputs are multiplied on tensor
+cores; the general executor's scheme (:class:`~.products.HalfProducts`) multiplies the caller's own rows and
+applies normalisation and the scale to the fp32 tile as a row and a column factor -- two read-write passes
+over the logits -- then rounds the gradient tile once per backward product. Here the logits cost one write:
+
+* **Forward.** ``x = sqrt(scale) * z`` (``z`` the fp32 unit rows) splits into its fp16 rounding ``h`` and
+  the rounded remainder ``l`` (``x = h + l`` to about 2^-22 of ``|x|``: fp16 keeps 11 bits, bf16 only 8,
+  and ``|x| <= sqrt(scale)`` is well inside fp16's range). One GEMM over the features stacked three times,
+  ``[h | l | h] @ [h | h | l]^T = h h^T + l h^T + h l^T``, gives ``scale * z_i . z_j`` to about 2^-21 of
+  ``scale`` (the dropped ``l l^T`` is 2^-22 of it) with fp32 accumulation -- the split that emulates an
+  fp32 product on half-precision units. It costs three GEMM-equivalents of FLOPs instead of one and saves
+  the two factor passes: cheaper while ``D`` is below about ``4 * FLOP rate / bandwidth`` (about 1,100
+  features on an H100), which covers embedding sizes the one-tile sizes meet.
+* **Backward.** The gradient tile ``G`` is formed in fp32 and rounded once to bf16 as it is written
+  (``torch.mul(..., out=bf16)``; bf16 has fp32's range, so no entry underflows); both products multiply it by
+  ``x`` rounded to bf16 -- the same 2^-9 relative rounding as ``G``'s own (and as the dense formula's
+  backward). A single set's ``H = G + G^T`` feeds one product, two sets' ``G`` two.
+
+Per call, as in :mod:`.one_tile`, a reduction outside the engine, a tensor scale (a learnable temperature,
+whose gradient needs the general scheme's split row product) and an ambient autocast go to the general
+executor; so does a scale that is not positive (its square root). fp16 keeps the general scheme, which divides
+each gradient tile by its largest magnitude before rounding (fp16's range is too narrow to round it unscaled).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor
+
+from .._tensors import as_dtype
+from .driver import first_order_only
+from .left_out import log_total
+from .normalization import l2_normalize, l2_normalize_backward
+from .precision import zero
+from .products import _mm32
+from .softmax import _total, _weighted
+from .softmax_tiles import _put, kept_apart_terms
+
+if TYPE_CHECKING:
+    from ..positives import KeyPositives
+    from .plans import SoftmaxPlan
+    from .softmax_tiles import FlatPlaces
+
+__all__ = ["HalfOneTile", "HalfOneTileMask", "split_rows"]
+
+
+#: The split product's operand dtype: fp16's 11 bits give the two parts 22 (bf16's 8 would give 16).
+SPLIT = torch.float16
+
+
+def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(x, x_low, u, v)`` of fp32 unit rows: ``x = sqrt(scale) * rows`` (fp32), ``x_low`` its rounding to
+    ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [h | l | h]``,
+    ``v = [h | h | l]`` (``h`` the fp16 rounding of ``x``, ``l = x - h`` rounded), so that ``u_i . v_j =
+    x_i . x_j`` to about 2^-21 of ``|x_i| |x_j|``."""
+    x = rows * math.sqrt(scale)
+    h = x.to(SPLIT)
+    lo = torch.sub(x, h, out=torch.empty_like(h))  # the remainder, rounded as it is written
+    return x, x.to(dtype), torch.cat((h, lo, h), 1), torch.cat((h, h, lo), 1)
+
+
+def _rounded_product(weights: Tensor, e: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weights * e`` (fp32, broadcast) rounded to ``dtype`` as it is written: the gradient tile's one write."""
+    return torch.mul(weights, e, out=torch.empty(e.shape, dtype=dtype, device=e.device))
+
+
+class HalfOneTile(torch.autograd.Function):
+    """:class:`~.one_tile._OneTile`'s soft-max terms (a strided relation kept apart: CLIP's and InfoNCE's
+    diagonal, NT-Xent's pairings) from the split GEMM, the gradient tile rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
+                b: Tensor | None) -> Tensor:
+        places = cast("FlatPlaces", plan.places)
+        n = a.shape[0]
+        rows, denom, norm = l2_normalize((a if b is None else torch.cat((a, b))).float(), plan.eps)
+        _, h, u, v = split_rows(rows, scale, a.dtype)
+        e = _mm32(u, v.t()) if b is None else _mm32(u[:n], v[n:].t())
+        e = e.exp_()
+        d, d_col, row_total, excess, col_total, col_excess = kept_apart_terms(e, places, plan.columns)
+        ctx.plan, ctx.total, ctx.scale, ctx.single, ctx.dtype = plan, total, scale, b is None, a.dtype
+        ctx.save_for_backward(rows, denom, norm, h, e, row_total, excess, col_total, col_excess)
+        return _total(d, d_col, total)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        first_order_only()
+        rows, denom, norm, h, e, row_total, excess, col_total, col_excess = ctx.saved_tensors
+        plan, total, dtype, root = ctx.plan, ctx.total, ctx.dtype, math.sqrt(ctx.scale)
+        places = cast("FlatPlaces", plan.places)
+        uniform = as_dtype(g * total[0], rows.dtype)  # d loss / d d_i, the same for every row
+        w = uniform / row_total
+        c = torch.addcmul(zero(w), w, excess, value=-1)  # the kept-apart positive's coefficient -w * excess
+        if ctx.single:  # H = G + G^T = (w_i + w_j) e_ij, each positive in both roles; one product
+            tile = _rounded_product(w.unsqueeze(1) + w, e, dtype)
+            _put(tile, places.both, torch.cat([c, c]).to(dtype), accumulate=True)
+            ga = l2_normalize_backward(_mm32(tile, h), rows, denom, norm, plan.eps, root)
+            return None, None, None, as_dtype(ga, dtype), None
+        n = e.shape[0]
+        if col_total is not None:
+            uniform_col = uniform if total[1] is total[0] else as_dtype(g * total[1], rows.dtype)
+            w_col = uniform_col / col_total
+            tile = _rounded_product(w[:, None] + w_col, e, dtype)
+            tile.diagonal().add_(c + torch.addcmul(zero(w_col), w_col, col_excess, value=-1))
+        else:
+            tile = _rounded_product(w[:, None], e, dtype)
+            _put(tile, places.positives, c.to(dtype), accumulate=True)
+        need_a, need_b = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        if not need_b:
+            ga = l2_normalize_backward(_mm32(tile, h[n:]), rows[:n], denom[:n], norm[:n], plan.eps, root)
+            return None, None, None, as_dtype(ga, dtype), None
+        both = l2_normalize_backward(torch.cat([_mm32(tile, h[n:]), _mm32(tile.t(), h[:n])]), rows, denom, norm,
+                                     plan.eps, root)
+        both = as_dtype(both, dtype)
+        return None, None, None, both[:n] if need_a else None, both[n:]
+
+
+class HalfOneTileMask(torch.autograd.Function):
+    """:class:`~.one_tile._OneTileMask`'s weighted rows over a dense 0/1 relation ``P`` (SupCon), from the split
+    GEMM. ``P`` in fp16 (0/1 exact) is read by GEMMs, never as a tile pass: the positive sums are
+    ``sum_j P_ij S_ij = x_i . (P x)_i`` with ``P x = P [h | l]`` summed, and backward's relation part
+    ``(c_i + c_j) P_ij`` multiplies as ``c * (P x) + P (c x)``: ``c = -u beta`` with one scalar ``u``, so
+    ``P (c x) = -u P (beta x)`` -- one more product with ``P`` when the rows are weighted (``beta``), none
+    otherwise."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
+                alpha: Tensor | None, beta: Tensor | None) -> Tensor:
+        rows, denom, norm = l2_normalize(a.float(), plan.eps)
+        x, h, u, v = split_rows(rows, scale, a.dtype)
+        s = _mm32(u, v.t())
+        n, dim = s.shape[0], h.shape[1]
+        relation = cast("KeyPositives", plan.positives).dense_as(SPLIT)  # converted once per relation
+        both = _mm32(relation, u[:, : 2 * dim])  # P [h | l]
+        px = both[:, :dim] + both[:, dim:]  # P x, fp32
+        row_pos = torch.linalg.vecdot(x, px)
+        e = s.exp_()
+        e.diagonal().zero_()  # the self pair
+        row_sum = e.sum(1)
+        row_out = _weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)
+        ctx.plan, ctx.total, ctx.scale, ctx.dtype = plan, total, scale, a.dtype
+        ctx.save_for_backward(rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta)
+        return _total(row_out, None, total)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        first_order_only()
+        rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta = ctx.saved_tensors
+        plan, dtype = ctx.plan, ctx.dtype
+        uniform = as_dtype(g * ctx.total[0], rows.dtype)  # d loss / d out_i, the same for every row
+        w = _weighted(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
+        tile = _rounded_product(w.unsqueeze(1) + w, e, dtype)  # both roles of every pair (H = G + G^T)
+        # the relation's part, c_i P_ij + P_ij c_j with c = -u beta (P symmetric: one set's key relation, the
+        # diagonal cleared): -u (beta * P x + P (beta x)); beta x is at most sqrt(scale) in magnitude, fp16's range
+        if beta is None:
+            relation_part = px * 2.0
+        else:
+            relation_part = torch.addcmul(_mm32(relation, (beta[:, None] * x).to(SPLIT)), beta[:, None], px)
+        gx = _mm32(tile, h).sub_(relation_part.mul_(uniform))
+        ga = l2_normalize_backward(gx, rows, denom, norm, plan.eps, math.sqrt(ctx.scale))
+        return None, None, None, as_dtype(ga, dtype), None, None
