@@ -86,11 +86,22 @@ def _cases(rank: int):
                                                            "guide_margin": 0.1}),
         "info_nce moco": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "in_batch_negatives": False}),
         "info_nce dcl none": (tc.info_nce_loss, [x, y], {"temperature": 0.2, "decoupled": True, "reduction": "none"}),
+        # label smoothing over every rank's keys (the uniform part's count is theirs)
+        "info_nce smoothing": (tc.info_nce_loss, [x, y], {"temperature": 0.2, "label_smoothing": 0.1}),
+        "info_nce smoothing sum": (tc.info_nce_loss, [x, y], {"temperature": 0.2, "label_smoothing": 0.3, "reduction": "sum"}),
+        "info_nce smoothing none": (tc.info_nce_loss, [x, y], {"temperature": 0.2, "label_smoothing": 0.2, "reduction": "none"}),
         "info_nce paired": (tc.info_nce_loss, [x, y, rows(2 * n).view(n, 2, 7)], {"temperature": 0.2, "negative_mode": "paired"}),
         "info_nce paired moco sum": (tc.info_nce_loss, [x, y, rows(n).view(n, 1, 7)], {"temperature": 0.2, "negative_mode": "paired",
                                                                                      "in_batch_negatives": False, "reduction": "sum"}),
         "info_nce paired none": (tc.info_nce_loss, [x, y, rows(3 * n).view(n, 3, 7)], {"temperature": 0.2, "negative_mode": "paired",
                                                                                      "reduction": "none"}),
+        # paired negatives with the false-negative rules: every rank's keys' ids and guide rows; the paired ones stay
+        "info_nce paired ids": (tc.info_nce_loss, [x, y, rows(2 * n).view(n, 2, 7)],
+                                {"temperature": 0.2, "negative_mode": "paired", "key_ids": ids,
+                                 "negative_ids": torch.randint(0, 4, (n, 2), generator=g)}),
+        "info_nce paired guide dcl none": (tc.info_nce_loss, [x, y, rows(2 * n).view(n, 2, 7)],
+                                           {"temperature": 0.2, "negative_mode": "paired", "decoupled": True, "reduction": "none",
+                                            "guide": (guide(n), guide(n), guide(2 * n).view(n, 2, 5)), "guide_margin": 0.1}),
         "info_nce own negatives": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "key_ids": ids, "gather_negatives": False,
                                                                    "reduction": "sum"}),
     }

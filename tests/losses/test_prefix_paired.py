@@ -45,3 +45,46 @@ def test_paired_negatives_keep_their_checks():
         tc.matryoshka_loss(tc.info_nce_loss, [q, key, bad], [8, 4], negative_mode="paired")
     with pytest.raises(ValueError, match="negatives"):  # the wrong rows: the loss itself refuses (per prefix)
         tc.matryoshka_loss(tc.info_nce_loss, [q, key, torch.randn(5, 3, 8, device=DEVICE)], [8, 4], negative_mode="paired")
+
+
+def _rule_cases(n, k, g):
+    """name -> the false-negative rules' arguments: duplicate ids (keys and paired negatives), a guide (with the paired
+    negatives' guide rows), DCL, and every key left out of some query's soft-max."""
+    ids = torch.randint(0, 3, (n,), generator=g).to(DEVICE)
+    guide = tuple(torch.randn(*shape, 5, generator=g, dtype=torch.float64).to(DEVICE) for shape in ((n,), (n,), (n, k)))
+    return {
+        "ids": {"key_ids": ids, "negative_ids": torch.randint(0, 3, (n, k), generator=g).to(DEVICE)},
+        "guide": {"guide": guide, "guide_margin": 0.05},
+        "guide relative dcl": {"guide": guide, "guide_margin": 0.1, "guide_margin_mode": "relative", "decoupled": True},
+        "ids dcl": {"key_ids": ids, "decoupled": True},
+        "dcl": {"decoupled": True},
+        # one id for every key and negative: under DCL a query keeps no key and no negative (its term 0)
+        "all out dcl": {"key_ids": torch.zeros(n, dtype=torch.long, device=DEVICE),
+                        "negative_ids": torch.zeros(n, k, dtype=torch.long, device=DEVICE), "decoupled": True},
+    }
+
+
+@pytest.mark.parametrize("in_batch", [True, False])
+@pytest.mark.parametrize("tau", [0.1, 0.01, "learnable"])
+@pytest.mark.parametrize("rule", ["ids", "guide", "guide relative dcl", "ids dcl", "dcl", "all out dcl"])
+def test_paired_negatives_with_false_negative_rules_equal_one_call_per_prefix(in_batch, tau, rule):
+    """The rules leave as the loss leaves them: marked keys out of the keys' log-sum-exp (in its tiles), marked paired
+    negatives out of their query's part, a query without any candidate 0 -- one pass, equal to one call per prefix."""
+    g = torch.Generator().manual_seed(12)
+    n, k = 9, 3
+    q, key = (torch.randn(n, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    negs = torch.randn(n, k, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    temperature = torch.tensor(0.2, dtype=torch.float64, device=DEVICE, requires_grad=True) if tau == "learnable" else tau
+    kwargs = {"negative_mode": "paired", "in_batch_negatives": in_batch, "temperature": temperature, "reduction": "sum",
+              "chunk_size": 4, **_rule_cases(n, k, g)[rule]}
+    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
+    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
+    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+    inputs = [q, key, negs] + ([temperature] if tau == "learnable" else [])
+    for mine, ref in zip(torch.autograd.grad(got, inputs, allow_unused=True), torch.autograd.grad(want, inputs, allow_unused=True)):
+        if ref is None:
+            assert mine is None or not mine.abs().any()
+        else:
+            assert torch.isfinite(mine).all()
+            torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)

@@ -20,12 +20,15 @@ whose value the host does not read, or a larger one) an online maximum per row a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .prefixes import PrefixPlan, _operands, _prefix_products, _scaled, prefix_backward
+
+if TYPE_CHECKING:
+    from ..positives import Exclusion
 
 __all__ = ["PrefixRowLSE", "upper_strip"]
 
@@ -58,7 +61,9 @@ class PrefixRowLSE(torch.autograd.Function):
     temperatures: the online maximum, no columns). ``shifts``: the scales as floats when they
     are fixed and within the bounded regime (each prefix's logits summed under the fixed shift ``s_p``), else
     None (an online maximum). ``upper``: one set's symmetric statistic from the upper triangle (a fixed shift; the
-    self pair first in ``leave_out``). Every row must keep one candidate at least.
+    self pair first in ``leave_out``). ``exclude``: an :class:`~torch_contrastive.positives.Exclusion` over the
+    candidates (InfoNCE's false negatives; rows only) -- the pairs it marks leave the soft-max too, and a row it
+    leaves without a candidate gets ``-inf`` and no gradient. Otherwise every row must keep one candidate at least.
 
     Memory: O((N + M) D + T M (cuts + 2) + (N + M) P) for strips of ``T`` rows; nothing of size ``N M``.
     """
@@ -66,13 +71,14 @@ class PrefixRowLSE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, which: tuple[int, ...],  # type: ignore[override]
                 leave_out: Tensor, columns: bool, scales: Tensor, shifts: tuple[float, ...] | None = None,
-                upper: bool = False, expected: bool = False) -> Tensor:
+                upper: bool = False, expected: bool = False, exclude: Exclusion | None = None) -> Tensor:
         if plan.scale != 1.0 or (not plan.normalize and shifts is not None):
             raise ValueError("internal: PrefixRowLSE takes its scales per prefix (plan.scale 1), a fixed shift unit rows")
         if upper and (shifts is None or columns or anchors is not candidates):
             raise ValueError("internal: the upper triangle is one set's fixed-shift statistic")
-        if (scales.ndim == 2 and (shifts is not None or columns or upper)) or (expected and (columns or upper)):
-            raise ValueError("internal: per-row scales take the online maximum, rows only; the soft-max means rows only")
+        if (scales.ndim == 2 and (shifts is not None or columns or upper)) or ((expected or exclude) and (columns or upper)):
+            raise ValueError("internal: per-row scales take the online maximum, rows only; the soft-max means and an "
+                             "exclusion rows only")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
         sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns or upper, shifts, scales.detach().to(a.dtype), expected)
         at_cut = _prefixes_at(plan, which)
@@ -80,15 +86,16 @@ class PrefixRowLSE(torch.autograd.Function):
             stop = min(start + plan.strip, a.shape[0])
             first = start if upper else 0
             rows, left = _left_out(leave_out, start, stop, first)
+            mask = None if exclude is None else exclude.tile(start, stop, 0, c.shape[0])  # rows only: first is 0
             for k, raw in enumerate(_prefix_products(a[start:stop], c[first:], plan.cuts)):
                 if not at_cut[k]:
                     continue
                 cos = _scaled(raw, plan, inv_a, None if inv_c is None else inv_c[first:], k, start, stop)
                 for p in at_cut[k]:
-                    sums.add(cos, p, start, stop, rows, left, upper)
+                    sums.add(cos, p, start, stop, rows, left, upper, mask)
         out = sums.finish(upper)
         ctx.save_for_backward(anchors, candidates, leave_out, scales, out)
-        ctx.plan, ctx.which, ctx.columns, ctx.shifts, ctx.upper = plan, which, columns, shifts, upper
+        ctx.plan, ctx.which, ctx.columns, ctx.shifts, ctx.upper, ctx.exclude = plan, which, columns, shifts, upper, exclude
         return out
 
     @staticmethod
@@ -109,6 +116,7 @@ class PrefixRowLSE(torch.autograd.Function):
         # the fixed shift's factors (the online path exponentiates against each LSE itself)
         factor = g if shifts is None else g * torch.exp(torch.tensor(shifts, dtype=dtype, device=out.device) - out)
         upper: bool = ctx.upper
+        exclude: Exclusion | None = ctx.exclude
         row_factor, col_factor = factor[:n], (factor[n:] if ctx.columns else None)
         at_cut = _prefixes_at(plan, ctx.which)
         learned = ctx.needs_input_grad[6]
@@ -118,6 +126,7 @@ class PrefixRowLSE(torch.autograd.Function):
             tile: Tensor | None = None
             first = start if upper else 0
             rows, left = _left_out(leave_out, start, stop, first)
+            mask = None if exclude is None else exclude.tile(start, stop, 0, candidates.shape[0])
             for p in at_cut[k]:
                 # the exponentiated logits (less the fixed shift, or each row's LSE on the online path)
                 sp = scale(p, start, stop)
@@ -133,6 +142,8 @@ class PrefixRowLSE(torch.autograd.Function):
                 else:
                     part = e.mul_(torch.add(row_factor[start:stop, p, None], col_factor[None, :, p]))
                 part[rows, left] = 0.0
+                if mask is not None:  # after the factors: a row left without a candidate has an infinite one
+                    part.masked_fill_(mask, 0.0)
                 if learned and s.ndim == 1:
                     d_scales[p] += (part * cos).sum()
                 elif learned:
@@ -145,7 +156,7 @@ class PrefixRowLSE(torch.autograd.Function):
         da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=out.device), grad_tile, upper)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None,
-                d_scales.to(scales.dtype) if learned else None, None, None, None)
+                d_scales.to(scales.dtype) if learned else None, None, None, None, None)
 
 
 def _left_out(leave_out: Tensor, start: int, stop: int, first: int) -> tuple[Tensor, Tensor]:
@@ -177,12 +188,15 @@ class _Sums:
         self.cols = like.new_zeros(m, prefixes) if columns else None
         self.col_max = like.new_full((m, prefixes), -torch.inf) if columns and shifts is None else None
 
-    def add(self, cos: Tensor, p: int, start: int, stop: int, rows: Tensor, leave_out: Tensor, upper: bool = False) -> None:
+    def add(self, cos: Tensor, p: int, start: int, stop: int, rows: Tensor, leave_out: Tensor, upper: bool = False,
+            mask: Tensor | None = None) -> None:
         scale = self.scales[p] if self.scales.ndim == 1 else self.scales[start:stop, p, None]
         logits = cos.mul(scale)
         if self.shifts is not None:  # unit rows: every logit <= s, and exp(logit - s) stays a normal number
             e = logits.sub_(self.shifts[p]).exp_()
             e[rows, leave_out] = 0.0
+            if mask is not None:
+                e.masked_fill_(mask, 0.0)
             self.rows[start:stop, p] = e.sum(1)
             self._mean(e, cos, scale, p, start, stop)
             if self.cols is not None:  # the upper triangle: the columns right of the strip's own block are rows too
@@ -190,6 +204,8 @@ class _Sums:
                 self.cols[at:, p] += e[:, at - (start if upper else 0):].sum(0)
             return
         logits[rows, leave_out] = -torch.inf
+        if mask is not None:
+            logits.masked_fill_(mask, -torch.inf)
         if self.row_max is None:
             raise RuntimeError("internal: the online path without its maxima")
         if self.cols is not None and self.col_max is not None:  # each column under its own running maximum
@@ -199,6 +215,8 @@ class _Sums:
             self.cols[:, p] = self.cols[:, p] * torch.exp(self.col_max[:, p] - safe) + strip
             self.col_max[:, p] = new
         top = logits.max(1).values
+        if mask is not None:  # a row whose every candidate is excluded: its sum 0, its log-sum-exp -inf
+            top = torch.where(torch.isneginf(top), 0.0, top)
         self.row_max[start:stop, p] = top
         e = logits.sub_(top[:, None]).exp_()
         self.rows[start:stop, p] = e.sum(1)

@@ -119,7 +119,7 @@ def learning(exclusion: Exclusion | None, learners: list[Exclusion] | None) -> E
     return exclusion
 
 
-def key_exclusion(rules: Rules, positives: Positives, scope: Scope, learn: bool = False) -> Exclusion | None:
+def key_exclusion(rules: Rules, scope: Scope, learn: bool = False) -> Exclusion | None:
     """Keys that leave query i's denominator: duplicates of its key (ids), a guide's verdict,
     its own key under DCL; the positive (global column offset + i) stays otherwise."""
     if not rules.any:

@@ -64,7 +64,7 @@ def candidate_groups(query: Tensor, key: Tensor, negatives: Tensor | None, paire
         # the engine's row term is LSE_i - s_ii: query i's key is global column offset + i
         positives = Positives.from_partner(pair_partner(n, "identity", scope.offset, q.device), keys.shape[0], self_offset=None,
                                            shift=scope.offset)
-        exclude = learning(key_exclusion(rules, positives, scope, learners is not None), learners)
+        exclude = learning(key_exclusion(rules, scope, learners is not None), learners)
         terms.append(solve(Problem(q, keys, scale, Softmax(exclude=exclude), positives=positives, bound=limit,
                                    options=options))[0])
         if uniform is not None:

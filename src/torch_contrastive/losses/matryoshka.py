@@ -230,11 +230,11 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
     gradients), optional ``image_id`` / ``text_id``, ``reduction`` mean or sum, ``gather=True`` too.
     ``validate`` is honoured on either path (False: no host read). The soft-max forms
-    keep the one pass under ``gather=True`` among several ranks (every ``reduction``, CLIP's label smoothing, a
+    keep the one pass under ``gather=True`` among several ranks (every ``reduction``, CLIP's and InfoNCE's label smoothing, a
     memory, positive weights): this rank's anchors against every rank's candidates, as the losses gather them, and
     so do the pair forms (by labels, a memory, NT-BXent's listed pairs).
     InfoNCE's false negatives (``key_ids``, ``guide``, ``in_batch_negatives=False``, ``decoupled``) keep it, under
-    ``gather=True`` too, and so do its paired negatives (``negative_mode="paired"``) without those rules. NT-Xent's
+    ``gather=True`` too, and so do its paired negatives (``negative_mode="paired"``), with those rules too. NT-Xent's
     ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
     outputs, DCLW's or a ``weight_fn``'s: each prefix's own). The loss modules of the library take the one pass of
     the functional call their ``forward`` makes (``module.functional``).

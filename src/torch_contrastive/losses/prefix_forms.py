@@ -184,7 +184,7 @@ def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]
     for paired negatives and what the loss refuses (it then says why). ``scope`` among several ranks (``gather``):
     this rank's queries against every rank's keys and -- as ``gather_negatives`` says -- negatives, gathered with their
     gradients as the loss gathers them, the rules' ids and guide rows gathered with them, key ``i`` at its global
-    column; label smoothing then goes per prefix."""
+    column; label smoothing over every rank's keys (:mod:`.prefix_gather` gives it their count)."""
     from ..positives import Exclusion, Positives
     from ._false_negatives import false_negative_rules, key_exclusion, pool_exclusion
 
@@ -204,16 +204,15 @@ def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]
                                  kwargs.get("decoupled", False), float(kwargs.get("eps", 1e-12)), checks)
     checks.flush()
     scope = scope or Scope()  # one process: the call's own rows
-    if smoothing and (rules.any or negatives is not None or not in_batch or scope.distributed):
-        return None  # smoothing over this process's keys alone here; the loss refuses it with the rules
+    if smoothing and (rules.any or negatives is not None or not in_batch):
+        return None  # smoothing over the keys alone here; the loss refuses it with the rules
     spread = scope.distributed and (spread is None or spread)  # gather_negatives defaults to gather
     keys_all = scope.rows(key)  # every rank's keys (this rank's own on one process); the offset is known from here
     pool = None if negatives is None else all_gather_with_grad(negatives) if spread else negatives
     total = keys_all.shape[0]
     # DCL's positive leaves through the targets; the exclusions keep it
     kept = replace(rules, decoupled=False)
-    positives = Positives.from_partner(torch.arange(n, device=query.device), n, self_offset=None, shift=0)
-    key_group = key_exclusion(kept, positives, scope)
+    key_group = key_exclusion(kept, scope)
     if not in_batch:  # every other key leaves: all pairs "equal", the positive (global column offset + i) kept
         zeros = torch.zeros(total, dtype=torch.int64, device=query.device)
         key_group = Exclusion(relation=Positives.from_keys(zeros[:n], zeros, self_offset=None), keep_diagonal=scope.offset)

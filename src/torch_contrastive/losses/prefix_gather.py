@@ -53,6 +53,9 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     else:
         pool, targets = (candidates, targets) if rules else _gathered_candidates(loss_fn, tensors, kwargs, anchors, candidates,
                                                                                  targets, scope)
+        if targets.smoothing:  # InfoNCE's: one positive per query, every rank's queries, as many keys (G = N = theirs)
+            everyone = int(sum(scope.sizes))
+            targets = replace(targets, population=(anchors.new_tensor(float(everyone)), everyone))
         directions = [(anchors, pool, targets)]
         normaliser = _counted(targets, anchors, by_pairs=False) if reduction == "mean" else 1.0
         factor = 1.0

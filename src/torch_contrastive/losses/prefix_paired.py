@@ -6,6 +6,11 @@ a tile statistic, every prefix's from one pass over the bands
 (:class:`~torch_contrastive.engine.prefix_lse.PrefixRowLSE`); the paired part and the positive are per row -- band dot
 products summed into each prefix, ``O(N K D)`` -- and differentiated by autograd. With ``in_batch_negatives=False``
 the keys' part is the positive alone and nothing is of size ``N^2``.
+
+The false-negative rules (:mod:`._false_negatives`: duplicate ``key_ids`` / ``negative_ids``, a ``guide``'s verdict,
+DCL's ``decoupled``) leave as the loss leaves them: the keys they mark leave the keys' log-sum-exp in its tiles
+(an :class:`~torch_contrastive.positives.Exclusion`), the paired negatives they mark leave each query's own part, and
+a query left without any candidate contributes 0 (the loss's convention).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .. import _validation as v
 from ..distributed import Scope
 from ..engine.prefix_lse import PrefixRowLSE
 from ..engine.prefixes import COLUMN_SCALE_LIMIT, _inverse_norms, prefix_dots, prefix_plan
+from ._false_negatives import Rules, false_negative_rules, key_exclusion, paired_exclusion
 from .prefix_forms import OnePass, _name_non_finite
 
 __all__ = ["paired_form"]
@@ -29,9 +35,9 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
     """The one pass of ``info_nce_loss(query, key, negatives (N, K, D), negative_mode="paired")``, with
     ``in_batch_negatives`` either way; under ``gather=True`` among several ranks this rank's queries against every
     rank's keys (gathered with their gradients, key ``i`` at its global column), the paired negatives staying with
-    their query, the loss over every rank's queries. None for anything else (the false-negative rules, label
-    smoothing: per prefix)."""
-    if not keys <= {"negative_mode", "in_batch_negatives"} or kwargs.get("negative_mode") != "paired" or len(tensors) != 3:
+    their query, the loss over every rank's queries; the false-negative rules as the loss applies them (their ids and
+    guide rows gathered with the keys). None for anything else (label smoothing: per prefix)."""
+    if not keys <= _PAIRED or kwargs.get("negative_mode") != "paired" or len(tensors) != 3:
         return None
     query, key, negatives = tensors
     in_batch = kwargs.get("in_batch_negatives", True)
@@ -39,10 +45,15 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
             or negatives.shape[0] != query.shape[0] or negatives.shape[2] != query.shape[1]):
         return None  # let the loss refuse it
     temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
+    checks = v.Checks(v.check_flag(kwargs.get("validate", True), "validate"))
+    rules = false_negative_rules(query, negatives, True, kwargs.get("key_ids"), kwargs.get("negative_ids"), kwargs.get("guide"),
+                                 kwargs.get("guide_margin", 0.0), kwargs.get("guide_margin_mode", "absolute"),
+                                 kwargs.get("decoupled", False), float(kwargs.get("eps", 1e-12)), checks)
+    checks.flush()
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         local = _paired(query, key.to(query.dtype), negatives.to(query.dtype), dims, weights, temperature, in_batch, chunk,
-                        "none" if scope.distributed else reduction, scope)
+                        "none" if scope.distributed else reduction, scope, rules)
         if not scope.distributed or reduction == "none":
             loss = local
         else:  # this rank's queries' terms; the mean over every rank's (a sum: the losses' gathered convention)
@@ -54,8 +65,13 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
     return run
 
 
+#: The arguments of ``info_nce_loss`` the paired one pass takes: the mode, and the false-negative rules.
+_PAIRED = {"negative_mode", "in_batch_negatives", "key_ids", "negative_ids", "guide", "guide_margin", "guide_margin_mode",
+           "decoupled"}
+
+
 def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[float], tau: float | Tensor, in_batch: bool,
-            chunk: int | None, reduction: str, scope: Scope) -> Tensor:
+            chunk: int | None, reduction: str, scope: Scope, rules: Rules) -> Tensor:
     n, width = q.shape
     cuts = sorted(set(dims))
     which = list(cuts.index(d) for d in dims)
@@ -68,6 +84,9 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
     scale: float | Tensor = 1.0 / tau
     scale_t = scale.to(dtype) if isinstance(scale, Tensor) else scale
     pos, neg = positive[:, which] * scale_t, paired[:, :, which] * scale_t  # (N, P), (N, K, P)
+    out = paired_exclusion(rules)  # (N, K): paired negatives the rules take out of their query's soft-max
+    if out is not None:
+        neg = neg.masked_fill(out[:, :, None], -torch.inf)
     if in_batch:  # the keys' log-sum-exp (every rank's under gather), positive included, every prefix from one pass over the bands
         keys_all = scope.rows(k)
         plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, n, keys_all.shape[0], chunk)
@@ -75,11 +94,18 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
         scales = torch.full((len(dims),), s, dtype=dtype, device=q.device) if s is not None else \
             scale_t.reshape(1).repeat(len(dims))  # type: ignore[union-attr]
         shifts = (s,) * len(dims) if s is not None and s <= COLUMN_SCALE_LIMIT[dtype] else None
-        keys_lse = PrefixRowLSE.apply(q, keys_all, plan, tuple(which), torch.empty(n, 0, dtype=torch.long, device=q.device), False,
-                                      scales, shifts)
-    else:
-        keys_lse = pos
-    terms = torch.logaddexp(keys_lse, neg.logsumexp(1) if neg.shape[1] else torch.full_like(pos, -torch.inf)) - pos
+        exclude = key_exclusion(rules, scope)  # the keys the rules mark (the positive kept, but under DCL)
+        own = exclude is not None and exclude.diagonal is not None  # DCL without ids: the positive left out by place
+        leave_out = (torch.arange(n, device=q.device) + scope.offset)[:, None] if own else \
+            torch.empty(n, 0, dtype=torch.long, device=q.device)
+        marks = exclude if exclude is not None and (exclude.relation is not None or exclude.guide is not None) else None
+        keys_lse = PrefixRowLSE.apply(q, keys_all, plan, tuple(which), leave_out, False, scales, shifts, False, False, marks)
+    else:  # the positive alone, or (DCL) nothing
+        keys_lse = torch.full_like(pos, -torch.inf) if rules.decoupled else pos
+    both = torch.stack([keys_lse, neg.logsumexp(1) if neg.shape[1] else torch.full_like(pos, -torch.inf)], -1)
+    empty = torch.isneginf(both).all(-1)  # a query left without any candidate: 0, no gradient (the loss's convention)
+    joined = torch.logsumexp(torch.where(empty[..., None], 0.0, both), -1)
+    terms = torch.where(empty, 0.0, joined - pos)
     per_row = terms @ torch.tensor(weights, dtype=dtype, device=q.device)
     value = per_row if reduction == "none" else per_row.mean() if reduction == "mean" else per_row.sum()
     return value.to(torch.promote_types(q.dtype, torch.float32))
