@@ -1022,6 +1022,9 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/prefix_paired.py", "        keys_lse = torch.full_like(pos, -torch.inf) if rules.decoupled else pos",
              "        keys_lse = pos", "paired negatives in one pass without the keys: DCL keeps the positive",
              ("tests/losses/test_prefix_paired.py",)),
+    Mutation(f"{PKG}/losses/prefix_forms.py", "    if negative_only:  # no pair is a positive: row keys 0 against column keys 1",
+             "    if False:  # no pair is a positive: row keys 0 against column keys 1",
+             "SigLIP's negative_only in one pass: the diagonal scored as positives", MATRYOSHKA_TESTS),
     Mutation(f"{PKG}/cli/traffic.py", "FEATURE_SIDES = (1, 2, 3)", "FEATURE_SIDES = (1,)",
              "cost counter: a split operand's stacked features counted as logits", ("tests/cli/test_traffic.py",)),
 ]

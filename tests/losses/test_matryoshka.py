@@ -363,7 +363,7 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.info_nce_loss, [x, x, x], {"gather_negatives": "yes"}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
-                                                                                        "negative_only": True}),
+                                                                                        "reduction": "none"}),
                                 (tc.supcon_loss, [x], {}),
                                 (tc.supcon_loss, [x.view(4, 2, 6)], {"mask": torch.eye(4, dtype=torch.bool), "contrast_mode": "one"}),
                                 (tc.nt_xent_loss, [x], {"backend": "triton"}),
@@ -378,6 +378,26 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
 SIGLIP_IDS = {"none": {}, "image": {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0])},
               "both": {"image_id": torch.tensor([0, 1, 0, 2, 3, 3, 4, 5, 0]), "text_id": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 1])},
               "text": {"text_id": torch.tensor([7, 7, 7, 1, 2, 3, 4, 5, 6])}}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_siglip_negative_only_in_one_pass_equals_one_call_per_prefix(learnable, reduction):
+    """``negative_only=True`` (open_clip's exchanged blocks: every pair a negative) keeps the one pass."""
+    from torch_contrastive.losses.matryoshka import _one_pass
+
+    g = torch.Generator().manual_seed(23)
+    x, y = (torch.randn(9, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True) if learnable else 3.0
+    bias = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True) if learnable else -1.0
+    kwargs = {"logit_scale": scale, "logit_bias": bias, "negative_only": True, "reduction": reduction}
+    assert _one_pass(tc.siglip_loss, [x, y], kwargs) is not None
+    got = tc.matryoshka_loss(tc.siglip_loss, [x, y], [8, 5, 2], [1.0, 0.5, 2.0], **kwargs)
+    want = tc.matryoshka_loss(tc.siglip_loss, [x, y], [8, 5, 2], [1.0, 0.5, 2.0], one_pass=False, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    inputs = [x, y] + ([scale, bias] if learnable else [])
+    for mine, ref in zip(torch.autograd.grad(got, inputs), torch.autograd.grad(want, inputs)):
+        torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("ids", list(SIGLIP_IDS))
@@ -402,7 +422,9 @@ def test_siglip_in_one_pass_equals_one_call_per_prefix(learnable, ids):
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-11)
     for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
-    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "negative_only": True}) is None
+    # negative_only with ids: the loss refuses it (per prefix, where it says why)
+    assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "negative_only": True,
+                                                  "image_id": torch.arange(9, device=DEVICE)}) is None
     assert _one_pass(tc.siglip_loss, [img, txt], {"logit_scale": scale, "logit_bias": bias, "reduction": "none"}) is None
 
 

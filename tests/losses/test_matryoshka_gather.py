@@ -42,6 +42,8 @@ def _cases(rank: int):
         "supcon labels": (tc.supcon_loss, [x], {"temperature": 0.2, "labels": labels}),
         "supcon views": (tc.supcon_loss, [views], {"temperature": 0.2}),
         "siglip": (tc.siglip_loss, [x, y], {"logit_scale": 5.0, "logit_bias": -2.0}),
+        "siglip negative only sum": (tc.siglip_loss, [x, y], {"logit_scale": 5.0, "logit_bias": -2.0, "negative_only": True,
+                                                              "reduction": "sum"}),
         "siglip ids learnable sum": (tc.siglip_loss, [x, y], {"logit_scale": torch.tensor(5.0, dtype=torch.float64),
                                                               "logit_bias": torch.tensor(-2.0, dtype=torch.float64),
                                                               "image_id": ids, "reduction": "sum"}),

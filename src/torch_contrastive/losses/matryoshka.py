@@ -228,7 +228,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     options ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``), ``chunk_size`` (the strip),
     ``normalize``, ``eps`` (< 1), ``backend`` (``"auto"`` / ``"torch"``) and ``validate``;
     ``tc.siglip_loss`` with ``logit_scale`` and ``logit_bias`` (floats or 0-dim tensors, which get their
-    gradients), optional ``image_id`` / ``text_id``, ``reduction`` mean or sum, ``gather=True`` too.
+    gradients), optional ``image_id`` / ``text_id`` or ``negative_only``, ``reduction`` mean or sum, ``gather=True`` too.
     ``validate`` is honoured on either path (False: no host read). The soft-max forms
     keep the one pass under ``gather=True`` among several ranks (every ``reduction``, CLIP's and InfoNCE's label smoothing, a
     memory, positive weights): this rank's anchors against every rank's candidates, as the losses gather them, and

@@ -356,10 +356,14 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
     """SigLIP's sigmoid pairs: two paired sets, a float or 0-dim tensor scale and bias, the diagonal positives or
     (``image_id`` / ``text_id``) every pair whose ids match, as the image-text loss relates them; ``reduction``
     "mean" (over the images) or "sum", and under ``gather=True`` among several ranks this rank's images against
-    every rank's texts, as the loss gathers them."""
-    if not {"logit_scale", "logit_bias"} <= keys <= {"logit_scale", "logit_bias", "image_id", "text_id"} or len(tensors) != 2 \
-            or any(t.ndim != 2 for t in tensors) or tensors[0].shape[0] != tensors[1].shape[0]:
+    every rank's texts, as the loss gathers them; ``negative_only=True`` (open_clip's exchanged blocks: every pair a
+    negative) as keys that never match."""
+    if not {"logit_scale", "logit_bias"} <= keys <= {"logit_scale", "logit_bias", "image_id", "text_id", "negative_only"} \
+            or len(tensors) != 2 or any(t.ndim != 2 for t in tensors) or tensors[0].shape[0] != tensors[1].shape[0]:
         return None
+    negative_only = kwargs.get("negative_only", False)
+    if not isinstance(negative_only, bool) or (negative_only and keys & {"image_id", "text_id"}):
+        return None  # let the loss refuse it
     t, b = (_scalar(kwargs[name], tensors[0].device) for name in ("logit_scale", "logit_bias"))
     options = _shared_options(kwargs)
     if t is None or b is None or options is None or options[1] == "none":
@@ -373,6 +377,9 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
         texts = scope.rows(texts)
         targets = _spread(_global_ids(targets, kwargs, scope), scope)
     n = images.shape[0]
+    if negative_only:  # no pair is a positive: row keys 0 against column keys 1
+        zeros = torch.zeros(n, dtype=torch.long, device=images.device)
+        targets = Targets(row_keys=zeros, col_keys=torch.ones(texts.shape[0], dtype=torch.long, device=images.device))
 
     def sigmoid(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         mean = reduction == "mean" and not scope.distributed
