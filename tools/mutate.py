@@ -1025,6 +1025,9 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/prefix_forms.py", "    if negative_only:  # no pair is a positive: row keys 0 against column keys 1",
              "    if False:  # no pair is a positive: row keys 0 against column keys 1",
              "SigLIP's negative_only in one pass: the diagonal scored as positives", MATRYOSHKA_TESTS),
+    Mutation(f"{PKG}/losses/prefix_forms.py", "    return z[:bsz] if one else z, z, Targets(sample_mask=spread, exclude_self=True), False",
+             "    return z, z, Targets(sample_mask=spread, exclude_self=True), False",
+             "SupCon's mask with contrast_mode='one' in one pass: every view's rows as anchors", MATRYOSHKA_TESTS),
     Mutation(f"{PKG}/cli/traffic.py", "FEATURE_SIDES = (1, 2, 3)", "FEATURE_SIDES = (1,)",
              "cost counter: a split operand's stacked features counted as logits", ("tests/cli/test_traffic.py",)),
 ]

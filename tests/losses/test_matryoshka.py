@@ -277,6 +277,12 @@ ONE_PASS = {
                           {"labels": torch.tensor([0, 1, 0, 2, 1]), "contrast_mode": "one", "chunk_size": 2}),
     "supcon_one_views_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
                               {"contrast_mode": "one", "reduction": "none", "temperature": 0.2}),
+    # the authors' mask with contrast_mode="one" (asymmetric; sample 3 marks only itself)
+    "supcon_one_mask": (tc.supcon_loss, lambda g: [torch.randn(5, 3, 12, generator=g, dtype=torch.float64)],
+                        {"mask": torch.tensor([[1, 1, 0, 0, 0], [0, 1, 0, 0, 1], [1, 0, 1, 0, 0], [0, 0, 0, 1, 0],
+                                               [0, 1, 0, 1, 1]]), "contrast_mode": "one", "chunk_size": 2}),
+    "supcon_one_mask_none": (tc.supcon_loss, lambda g: [torch.randn(4, 2, 12, generator=g, dtype=torch.float64)],
+                             {"mask": torch.eye(4, dtype=torch.bool).roll(1, 1), "contrast_mode": "one", "reduction": "none"}),
 }
 
 
@@ -365,7 +371,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
                                 (tc.siglip_loss, [x, x], {}), (tc.siglip_loss, [x, x], {"logit_scale": 2.0, "logit_bias": 0.0,
                                                                                         "reduction": "none"}),
                                 (tc.supcon_loss, [x], {}),
-                                (tc.supcon_loss, [x.view(4, 2, 6)], {"mask": torch.eye(4, dtype=torch.bool), "contrast_mode": "one"}),
+                                (tc.supcon_loss, [x.view(4, 2, 6)], {"mask": torch.eye(4, dtype=torch.bool), "contrast_mode": "one",
+                                                                     "memory_emb": x, "memory_labels": labels}),
                                 (tc.nt_xent_loss, [x], {"backend": "triton"}),
                                 (tc.clip_loss, [x, x], {"label_smoothing": 0.1, "decoupled": True}),
                                 (tc.nt_xent_loss, [x], {"eps": 2.0})):

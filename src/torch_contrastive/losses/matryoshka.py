@@ -220,7 +220,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     image-text loss (``tc.clip_loss``; ``image_id`` / ``text_id`` duplicates, ``decoupled=True`` or ``label_smoothing``),
     ``tc.info_nce_loss`` (with negatives), ``tc.nt_xent_loss`` (``pairing`` adjacent or halves,
     ``decoupled=True``), ``tc.supcon_loss`` (labels -- with a memory or a reference set too --, the authors' views, or their
-    ``mask``; ``contrast_mode="one"`` with labels or views) and the label conventions scored
+    ``mask``; ``contrast_mode="one"`` with labels, views or a mask) and the label conventions scored
     pair by pair (``tc.nt_xent_loss(labels=...)``, pytorch-metric-learning's, with a memory or a reference set too,
     and ``tc.nt_bxent_loss`` by
     ``labels=`` or ``pos_indices=``),

@@ -141,11 +141,11 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
         if (labels is None and mask is None and features.ndim == 2) or (labels is not None and mask is not None):
             return None  # no positives to find, or two relations: let the loss say so
         mode = kwargs.get("contrast_mode", "all")
-        if mode != "all" and (mode != "one" or mask is not None or keys & set(_EXTRA_ROWS)):
-            return None  # the loss refuses an unknown mode; "one" with a mask or extra rows goes per prefix
+        if mode != "all" and (mode != "one" or keys & set(_EXTRA_ROWS)):
+            return None  # the loss refuses an unknown mode; "one" with extra rows goes per prefix
         bsz = features.shape[0]
         if mask is not None:
-            return None if keys & set(_EXTRA_ROWS) else _sample_mask_form(features, mask, kwargs.get("validate", True))
+            return None if keys & set(_EXTRA_ROWS) else _sample_mask_form(features, mask, kwargs.get("validate", True), mode == "one")
         key = v.check_labels(labels, "labels", bsz, features.device) if labels is not None else torch.arange(bsz, device=features.device)
         views = 1 if features.ndim == 2 else features.shape[1]
         z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
@@ -242,16 +242,17 @@ def _extra_rows_form(z: Tensor, keys: Tensor, kwargs: dict[str, Any], labelled: 
     return z, candidates, Targets(row_keys=keys, col_keys=keys if col_keys is None else col_keys, exclude_self=own is not None), False
 
 
-def _sample_mask_form(features: Tensor, mask: object, validate: object) -> tuple[Tensor, Tensor, Targets, bool]:
+def _sample_mask_form(features: Tensor, mask: object, validate: object, one: bool = False) -> tuple[Tensor, Tensor, Targets, bool]:
     """SupCon with the authors' ``mask`` over samples (bsz, bsz): each view of sample ``b`` has the views of the
-    samples ``mask[b]`` marks as positives, itself left out. A 0/1 float mask is checked as the loss checks it."""
+    samples ``mask[b]`` marks as positives, itself left out; ``one`` (``contrast_mode="one"``): the first view's rows
+    are the anchors (sample ``b``'s is row ``b``). A 0/1 float mask is checked as the loss checks it."""
     bsz = features.shape[0]
     checks = v.Checks(v.check_flag(validate, "validate"))
     bool_mask = v.check_mask(mask, bsz, features.device, checks)
     checks.flush()
     z = features if features.ndim == 2 else torch.cat(torch.unbind(features, 1))  # view-major, as the authors
     spread = bool_mask[:, torch.arange(z.shape[0], device=z.device) % bsz]  # (bsz, M): sample b's positive columns
-    return z, z, Targets(sample_mask=spread, exclude_self=True), False
+    return z[:bsz] if one else z, z, Targets(sample_mask=spread, exclude_self=True), False
 
 
 def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> tuple[Tensor, Tensor, Targets, bool] | None:
