@@ -364,7 +364,8 @@ def test_calls_the_one_pass_does_not_cover_go_per_prefix():
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
     for fn, tensors, kwargs in ((tc.nt_xent_loss, [x], {"positive_weight": torch.ones(8, dtype=torch.float64), "labels": labels}),
                                 (tc.supcon_loss, [x], {"labels": labels, "single_class": "drop"}),
-                                (tc.info_nce_loss, [x, x, x.view(8, 1, 6)], {"negative_mode": "paired", "label_smoothing": 0.1}),
+                                (tc.info_nce_loss, [x, x, x.view(8, 1, 6)], {"negative_mode": "paired", "label_smoothing": 0.1,
+                                                                            "key_ids": labels}),
                                 (tc.info_nce_loss, [x, x, x], {"label_smoothing": 0.1}),
                                 (tc.info_nce_loss, [x, x, x], {"gather_negatives": "yes"}),
                                 (tc.nt_bxent_loss, [x, torch.tensor([[0, 1], [1, 0]])], {}),

@@ -104,6 +104,8 @@ def _cases(rank: int):
         "info_nce paired guide dcl none": (tc.info_nce_loss, [x, y, rows(2 * n).view(n, 2, 7)],
                                            {"temperature": 0.2, "negative_mode": "paired", "decoupled": True, "reduction": "none",
                                             "guide": (guide(n), guide(n), guide(2 * n).view(n, 2, 5)), "guide_margin": 0.1}),
+        "info_nce paired smoothing": (tc.info_nce_loss, [x, y, rows(2 * n).view(n, 2, 7)],
+                                      {"temperature": 0.2, "negative_mode": "paired", "label_smoothing": 0.2}),
         "info_nce own negatives": (tc.info_nce_loss, [x, y, neg], {"temperature": 0.2, "key_ids": ids, "gather_negatives": False,
                                                                    "reduction": "sum"}),
     }

@@ -88,3 +88,27 @@ def test_paired_negatives_with_false_negative_rules_equal_one_call_per_prefix(in
         else:
             assert torch.isfinite(mine).all()
             torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("in_batch", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("tau", [0.1, "learnable"])
+def test_paired_negatives_with_label_smoothing_equal_one_call_per_prefix(in_batch, reduction, tau):
+    """Label smoothing over every candidate of a query -- the keys (or, without in-batch negatives, the positive
+    alone) and its own negatives -- as the loss smooths, in one pass."""
+    g = torch.Generator().manual_seed(13)
+    q, key = (torch.randn(9, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    negs = torch.randn(9, 3, 12, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    temperature = torch.tensor(0.2, dtype=torch.float64, device=DEVICE, requires_grad=True) if tau == "learnable" else tau
+    kwargs = {"negative_mode": "paired", "in_batch_negatives": in_batch, "temperature": temperature, "reduction": reduction,
+              "label_smoothing": 0.2, "chunk_size": 4}
+    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
+    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
+    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+    inputs = [q, key, negs] + ([temperature] if tau == "learnable" else [])
+    up = torch.linspace(0.5, 2.0, got.numel(), dtype=torch.float64, device=DEVICE).reshape(got.shape)
+    for mine, ref in zip(torch.autograd.grad(got, inputs, up), torch.autograd.grad(want, inputs, up)):
+        torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+    # with the false-negative rules the loss refuses smoothing: per prefix, where it says why
+    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], {**kwargs, "decoupled": True}) is None

@@ -234,7 +234,7 @@ def matryoshka_loss(loss_fn: Callable[..., Tensor] | Sequence[Callable[..., Tens
     memory, positive weights): this rank's anchors against every rank's candidates, as the losses gather them, and
     so do the pair forms (by labels, a memory, NT-BXent's listed pairs).
     InfoNCE's false negatives (``key_ids``, ``guide``, ``in_batch_negatives=False``, ``decoupled``) keep it, under
-    ``gather=True`` too, and so do its paired negatives (``negative_mode="paired"``), with those rules too. NT-Xent's
+    ``gather=True`` too, and so do its paired negatives (``negative_mode="paired"``), with those rules or label smoothing. NT-Xent's
     ``positive_weight`` keeps the one pass (a tensor: every prefix's; a module's weights read off the
     outputs, DCLW's or a ``weight_fn``'s: each prefix's own). The loss modules of the library take the one pass of
     the functional call their ``forward`` makes (``module.functional``).

@@ -10,7 +10,9 @@ the keys' part is the positive alone and nothing is of size ``N^2``.
 The false-negative rules (:mod:`._false_negatives`: duplicate ``key_ids`` / ``negative_ids``, a ``guide``'s verdict,
 DCL's ``decoupled``) leave as the loss leaves them: the keys they mark leave the keys' log-sum-exp in its tiles
 (an :class:`~torch_contrastive.positives.Exclusion`), the paired negatives they mark leave each query's own part, and
-a query left without any candidate contributes 0 (the loss's convention).
+a query left without any candidate contributes 0 (the loss's convention). Label smoothing adds, per prefix,
+``eps (s_ii - mean_c s_ic)`` over every candidate -- the keys' part from each prefix's sum of the normalised keys
+(``O(M D)`` per prefix), the query's own negatives' from their cosines.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
     ``in_batch_negatives`` either way; under ``gather=True`` among several ranks this rank's queries against every
     rank's keys (gathered with their gradients, key ``i`` at its global column), the paired negatives staying with
     their query, the loss over every rank's queries; the false-negative rules as the loss applies them (their ids and
-    guide rows gathered with the keys). None for anything else (label smoothing: per prefix)."""
+    guide rows gathered with the keys); label smoothing over every candidate, as the loss smooths. None for anything
+    else."""
     if not keys <= _PAIRED or kwargs.get("negative_mode") != "paired" or len(tensors) != 3:
         return None
     query, key, negatives = tensors
@@ -50,10 +53,13 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
                                  kwargs.get("guide_margin", 0.0), kwargs.get("guide_margin_mode", "absolute"),
                                  kwargs.get("decoupled", False), float(kwargs.get("eps", 1e-12)), checks)
     checks.flush()
+    smoothing = v.check_fraction(kwargs.get("label_smoothing", 0.0), "label_smoothing")
+    if smoothing and rules.any:
+        return None  # the loss refuses label smoothing with the false-negative rules (it then says why)
 
     def run(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         local = _paired(query, key.to(query.dtype), negatives.to(query.dtype), dims, weights, temperature, in_batch, chunk,
-                        "none" if scope.distributed else reduction, scope, rules)
+                        "none" if scope.distributed else reduction, scope, rules, smoothing)
         if not scope.distributed or reduction == "none":
             loss = local
         else:  # this rank's queries' terms; the mean over every rank's (a sum: the losses' gathered convention)
@@ -65,13 +71,13 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
     return run
 
 
-#: The arguments of ``info_nce_loss`` the paired one pass takes: the mode, and the false-negative rules.
+#: The arguments of ``info_nce_loss`` the paired one pass takes: the mode, the false-negative rules, label smoothing.
 _PAIRED = {"negative_mode", "in_batch_negatives", "key_ids", "negative_ids", "guide", "guide_margin", "guide_margin_mode",
-           "decoupled"}
+           "decoupled", "label_smoothing"}
 
 
 def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[float], tau: float | Tensor, in_batch: bool,
-            chunk: int | None, reduction: str, scope: Scope, rules: Rules) -> Tensor:
+            chunk: int | None, reduction: str, scope: Scope, rules: Rules, smoothing: float = 0.0) -> Tensor:
     n, width = q.shape
     cuts = sorted(set(dims))
     which = list(cuts.index(d) for d in dims)
@@ -87,8 +93,8 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
     out = paired_exclusion(rules)  # (N, K): paired negatives the rules take out of their query's soft-max
     if out is not None:
         neg = neg.masked_fill(out[:, :, None], -torch.inf)
+    keys_all = scope.rows(k) if in_batch else k  # every rank's keys under gather, gathered once
     if in_batch:  # the keys' log-sum-exp (every rank's under gather), positive included, every prefix from one pass over the bands
-        keys_all = scope.rows(k)
         plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, n, keys_all.shape[0], chunk)
         s = scale if isinstance(scale, float) else None
         scales = torch.full((len(dims),), s, dtype=dtype, device=q.device) if s is not None else \
@@ -106,6 +112,16 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
     empty = torch.isneginf(both).all(-1)  # a query left without any candidate: 0, no gradient (the loss's convention)
     joined = torch.logsumexp(torch.where(empty[..., None], 0.0, both), -1)
     terms = torch.where(empty, 0.0, joined - pos)
+    if smoothing:  # the loss's (1 - eps) CE + eps mean_c (LSE - s_ic) = CE + eps (s_ii - mean_c s_ic), per prefix
+        uniform, count = neg.sum(1), negs.shape[1]  # each query's own negatives
+        if in_batch:  # every key (every rank's under gather): s x_p(i) . sum_j y_p(j) / |y_p(j)|, per cut
+            keys = keys_all.to(dtype)
+            inv_all = _inverse_norms(keys, cuts, 1e-12)
+            summed = torch.stack([x[:, :cut] @ (keys[:, :cut] * inv_all[:, j, None]).sum(0) for j, cut in enumerate(cuts)], 1)
+            uniform, count = uniform + (summed * inv_q)[:, which] * scale_t, count + keys.shape[0]
+        else:  # the positive alone (smoothing refuses DCL: the rules)
+            uniform, count = uniform + pos, count + 1
+        terms = terms + smoothing * (pos - uniform / count)
     per_row = terms @ torch.tensor(weights, dtype=dtype, device=q.device)
     value = per_row if reduction == "none" else per_row.mean() if reduction == "mean" else per_row.sum()
     return value.to(torch.promote_types(q.dtype, torch.float32))
