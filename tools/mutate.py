@@ -967,7 +967,7 @@ MUTATIONS = [
              "    both = torch.stack([keys_lse, neg.logsumexp(1) if neg.shape[1] else torch.full_like(pos, -torch.inf)], -1)",
              "    both = torch.stack([keys_lse, torch.full_like(pos, -torch.inf)], -1)",
              "paired negatives in one pass: a query's own negatives left out of its soft-max", ("tests/losses/test_prefix_paired.py",)),
-    Mutation(f"{PKG}/losses/prefix_paired.py", "        keys_all = scope.rows(k)\n", "        keys_all = k\n",
+    Mutation(f"{PKG}/losses/prefix_paired.py", "    keys_all = scope.rows(k) if in_batch else k", "    keys_all = k",
              "paired negatives in one pass under gather: only this rank's keys in the soft-max", ("tests/losses/test_matryoshka_gather.py",)),
     Mutation(f"{PKG}/losses/prefix_paired.py",
              "            loss = scope.finish(local.sum(), float(query.shape[0]) if reduction == \"mean\" else 1.0)",

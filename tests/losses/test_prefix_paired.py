@@ -13,6 +13,23 @@ from torch_contrastive.losses import matryoshka
 DIMS, WEIGHTS = [12, 7, 3, 7], [1.0, 0.5, 2.0, 0.25]
 
 
+def _one_pass_equals_per_prefix(q, key, negs, temperature, kwargs, learnable):
+    """The one pass (asserted taken) against one call per prefix: the value, and the gradients of the inputs and a
+    learnable temperature under an uneven upstream gradient (each row's own, for per-row values)."""
+    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
+    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
+    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+    inputs = [q, key, negs] + ([temperature] if learnable else [])
+    up = torch.linspace(0.5, 2.0, got.numel(), dtype=torch.float64, device=DEVICE).reshape(got.shape)
+    for mine, ref in zip(torch.autograd.grad(got, inputs, up, allow_unused=True), torch.autograd.grad(want, inputs, up, allow_unused=True)):
+        if ref is None:
+            assert mine is None or not mine.abs().any()
+        else:
+            assert torch.isfinite(mine).all()
+            torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("in_batch", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("tau", [0.1, 0.01, "learnable"])
@@ -24,17 +41,7 @@ def test_paired_negatives_equal_one_call_per_prefix(in_batch, reduction, tau, k)
     temperature = torch.tensor(0.2, dtype=torch.float64, device=DEVICE, requires_grad=True) if tau == "learnable" else tau
     kwargs = {"negative_mode": "paired", "in_batch_negatives": in_batch, "temperature": temperature, "reduction": reduction,
               "chunk_size": 4}
-    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
-    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
-    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
-    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
-    inputs = [q, key, negs] + ([temperature] if tau == "learnable" else [])
-    up = torch.linspace(0.5, 2.0, got.numel(), dtype=torch.float64, device=DEVICE).reshape(got.shape)
-    for mine, ref in zip(torch.autograd.grad(got, inputs, up, allow_unused=True), torch.autograd.grad(want, inputs, up, allow_unused=True)):
-        if ref is None:
-            assert mine is None or not mine.abs().any()
-        else:
-            torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+    _one_pass_equals_per_prefix(q, key, negs, temperature, kwargs, tau == "learnable")
 
 
 def test_paired_negatives_keep_their_checks():
@@ -77,17 +84,7 @@ def test_paired_negatives_with_false_negative_rules_equal_one_call_per_prefix(in
     temperature = torch.tensor(0.2, dtype=torch.float64, device=DEVICE, requires_grad=True) if tau == "learnable" else tau
     kwargs = {"negative_mode": "paired", "in_batch_negatives": in_batch, "temperature": temperature, "reduction": "sum",
               "chunk_size": 4, **_rule_cases(n, k, g)[rule]}
-    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
-    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
-    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
-    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
-    inputs = [q, key, negs] + ([temperature] if tau == "learnable" else [])
-    for mine, ref in zip(torch.autograd.grad(got, inputs, allow_unused=True), torch.autograd.grad(want, inputs, allow_unused=True)):
-        if ref is None:
-            assert mine is None or not mine.abs().any()
-        else:
-            assert torch.isfinite(mine).all()
-            torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+    _one_pass_equals_per_prefix(q, key, negs, temperature, kwargs, tau == "learnable")
 
 
 @pytest.mark.parametrize("in_batch", [True, False])
@@ -102,13 +99,6 @@ def test_paired_negatives_with_label_smoothing_equal_one_call_per_prefix(in_batc
     temperature = torch.tensor(0.2, dtype=torch.float64, device=DEVICE, requires_grad=True) if tau == "learnable" else tau
     kwargs = {"negative_mode": "paired", "in_batch_negatives": in_batch, "temperature": temperature, "reduction": reduction,
               "label_smoothing": 0.2, "chunk_size": 4}
-    assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], kwargs) is not None
-    got = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, **kwargs)
-    want = tc.matryoshka_loss(tc.info_nce_loss, [q, key, negs], DIMS, WEIGHTS, one_pass=False, **kwargs)
-    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
-    inputs = [q, key, negs] + ([temperature] if tau == "learnable" else [])
-    up = torch.linspace(0.5, 2.0, got.numel(), dtype=torch.float64, device=DEVICE).reshape(got.shape)
-    for mine, ref in zip(torch.autograd.grad(got, inputs, up), torch.autograd.grad(want, inputs, up)):
-        torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+    _one_pass_equals_per_prefix(q, key, negs, temperature, kwargs, tau == "learnable")
     # with the false-negative rules the loss refuses smoothing: per prefix, where it says why
     assert matryoshka._one_pass(tc.info_nce_loss, [q, key, negs], {**kwargs, "decoupled": True}) is None
