@@ -857,8 +857,8 @@ MUTATIONS = [
     Mutation(f"{E}/one_tile.py", "        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads)",
              "        tile = ctx.kernel.single_grad_fixed(tuple(kept), grads)",
              "one-tile pair terms: the column role of each pair dropped (G for G + G^T)", ONE_TILE_TESTS),
-    Mutation(f"{E}/planner.py", "                and decision.backend == \"torch\" and decision.tile == 0 and decision.fixed and not decision.half",
-             "                and decision.backend == \"torch\" and decision.tile == 0 and not decision.half",
+    Mutation(f"{E}/planner.py", "                and decision.backend == \"torch\" and decision.tile == 0 and decision.fixed\n",
+             "                and decision.backend == \"torch\" and decision.tile == 0\n",
              "planner: the one-tile pair executor takes a call whose |S| may overflow exp (no running maximum)", ONE_TILE_TESTS),
     # the pair kernels' one tile read off one exponentiated tile; H = G + G^T of a symmetric relation
     Mutation(f"{E}/pairwise.py", "        sig_pos = torch.sigmoid_(diff).mul_(pos)", "        sig_pos = torch.sigmoid_(diff.neg_()).mul_(pos)",
@@ -1036,6 +1036,9 @@ MUTATIONS = [
              "        uniform, count = neg.sum(1) * 0, 0  # each query's own negatives",
              "paired negatives with label smoothing in one pass: the query's own negatives left out of the uniform part",
              ("tests/losses/test_prefix_paired.py",)),
+    Mutation(f"{E}/one_tile_half.py", "        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads).to(ctx.dtype)",
+             "        tile = ctx.kernel.single_grad_fixed(tuple(kept), grads).to(ctx.dtype)",
+             "bf16 pair terms' one tile: each pair's gradient in one role only", HALF_TILE_TESTS),
     Mutation(f"{PKG}/cli/traffic.py", "FEATURE_SIDES = (1, 2, 3)", "FEATURE_SIDES = (1,)",
              "cost counter: a split operand's stacked features counted as logits", ("tests/cli/test_traffic.py",)),
 ]

@@ -13,7 +13,7 @@ from helpers import count_applies
 from torch_contrastive import positives as positives_module
 from torch_contrastive.engine import one_tile_half, planner
 
-LEAN = (one_tile_half.HalfOneTile, one_tile_half.HalfOneTileMask)
+LEAN = (one_tile_half.HalfOneTile, one_tile_half.HalfOneTileMask, one_tile_half.HalfOneTilePairs)
 
 
 @pytest.fixture
@@ -48,6 +48,11 @@ def _cases(n):
          (True, False)),
         ("supcon views", lambda a, b: tc.supcon_loss(a.view(-1, 2, a.shape[1]), labels[::2], temperature=0.07),
          lambda a, b: ref.supcon(a.view(-1, 2, a.shape[1]), 0.07, labels=labels[::2].cpu()), (True, False)),
+        # the pair conventions by labels (HalfOneTilePairs)
+        ("pml labels", lambda a, b: tc.nt_xent_loss(a, 0.1, labels=labels), lambda a, b: ref.nt_xent_pml(a, labels.cpu(), 0.1),
+         (True, False)),
+        ("nt_bxent labels", lambda a, b: tc.nt_bxent_loss(a, temperature=0.2, labels=labels),
+         lambda a, b: ref.nt_bxent(a, 0.2, labels=labels.cpu()), (True, False)),
     ]
 
 
@@ -117,13 +122,15 @@ def test_fp16_a_tensor_temperature_and_a_non_positive_scale_keep_the_general_exe
     tc.image_text_contrastive_loss(x.to(DEVICE).clone().requires_grad_(), y.to(DEVICE), tau).backward()
     assert tau.grad is not None
     assert half_calls[0] == 0
+    labels = _labels(10)
+    tc.nt_bxent_loss(x.half().to(DEVICE).requires_grad_(), temperature=0.2, labels=labels).backward()  # fp16 pairs too
+    assert half_calls[0] == 0
     tc.nt_xent_loss(x.to(DEVICE).clone().requires_grad_(), 0.1).backward()
     assert half_calls[0] == 1
     # the engine takes any float scale; the split needs its square root: a negative one goes to the general executor
     from torch_contrastive.engine import Options, Problem, Softmax, solve
 
     a = x.to(DEVICE).clone().requires_grad_()
-    labels = _labels(10)
     problem = Problem(a, a, -5.0, Softmax(total=(0.1, 0.1)), positives=tc.Positives.from_keys(labels, self_offset=0),
                       self_offset=0, symmetric=True, bound=5.0, options=Options(normalize=True))
     out = solve(problem)[0]

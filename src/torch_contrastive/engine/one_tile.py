@@ -38,8 +38,8 @@ from .._tensors import as_dtype
 from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
-from .one_tile_half import HalfOneTile, HalfOneTileMask
-from .pairwise import _KERNELS, _unit
+from .one_tile_half import HalfOneTile, HalfOneTileMask, HalfOneTilePairs
+from .pairwise import _KERNELS, combined, combined_grads
 from .pairwise import TORCH as TORCH_PAIRS
 from .planner import name_executor
 from .precision import autocast_enabled, zero
@@ -177,10 +177,11 @@ class OneTilePairs:
         if not isinstance(stat, PairTerms):
             raise TypeError(f"the pair executor runs PairTerms problems, got {type(stat).__name__}")
         combine, scale, a = stat.combine, problem.scale, problem.anchors
-        if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
+        if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type) or (plan.decision.half and scale <= 0):
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH_PAIRS.run(problem, plan)
-        return (_OneTilePairs.apply(plan, combine, scale, a),)
+        pairs = HalfOneTilePairs if plan.decision.half else _OneTilePairs  # bf16 on tensor cores, else the compute dtype
+        return (pairs.apply(plan, combine, scale, a),)
 
 
 #: The one-tile pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
@@ -199,23 +200,15 @@ class _OneTilePairs(torch.autograd.Function):
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
         kernel = _KERNELS[plan.kernel]
         outputs, kept = kernel.single_fixed(s, pos, 0)  # the self pair on the diagonal; every other pair a negative
-        weights, total = combine
-        per_row: Tensor | None = None
-        for w, out in zip(weights, outputs):  # a weight of 1.0 (PML's mean over pairs) costs no op
-            term = out if _unit(w) else w * out
-            per_row = term if per_row is None else per_row + term
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
         ctx.save_for_backward(rows, denom, norm, *kept)
-        summed = cast(Tensor, per_row).sum()
-        return summed if _unit(total) else summed * total
+        return combined(outputs, combine)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
         rows, denom, norm, *kept = ctx.saved_tensors
-        weights, total = ctx.combine
-        g = g if _unit(total) else g * total  # d loss / d out_k,i = total * w_k,i
-        grads = tuple(as_dtype((g if _unit(w) else g * w).expand(rows.shape[0]), rows.dtype) for w in weights)
+        grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)  # d loss / d out_k,i = total * w_k,i
         tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads)  # H = G + G^T: one set's relation is symmetric
         ga = l2_normalize_backward(tile @ rows, rows, denom, norm, ctx.plan.eps, ctx.scale)
         return None, None, None, as_dtype(ga, ctx.dtype)

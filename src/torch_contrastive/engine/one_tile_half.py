@@ -37,6 +37,7 @@ from .._tensors import as_dtype
 from .driver import first_order_only
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
+from .pairwise import _KERNELS, combined, combined_grads
 from .precision import zero
 from .products import _mm32
 from .softmax import _total, _weighted
@@ -44,10 +45,10 @@ from .softmax_tiles import _put, kept_apart_terms
 
 if TYPE_CHECKING:
     from ..positives import KeyPositives
-    from .plans import SoftmaxPlan
+    from .plans import PairPlan, SoftmaxPlan
     from .softmax_tiles import FlatPlaces
 
-__all__ = ["HalfOneTile", "HalfOneTileMask", "split_rows"]
+__all__ = ["HalfOneTile", "HalfOneTileMask", "HalfOneTilePairs", "split_rows"]
 
 
 #: The split product's operand dtype: fp16's 11 bits give the two parts 22 (bf16's 8 would give 16).
@@ -165,3 +166,30 @@ class HalfOneTileMask(torch.autograd.Function):
         gx = _mm32(tile, h).sub_(relation_part.mul_(uniform))
         ga = l2_normalize_backward(gx, rows, denom, norm, plan.eps, math.sqrt(ctx.scale))
         return None, None, None, as_dtype(ga, dtype), None, None
+
+
+class HalfOneTilePairs(torch.autograd.Function):
+    """:class:`~.one_tile._OneTilePairs`'s pair terms (PML's NT-Xent, NT-BXent with labels: one set's label relation)
+    from the split GEMM: the pair kernel's one-tile functions on the fp32 tile, its ``H = G + G^T`` rounded once to
+    bf16 for the one backward product."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: PairPlan, combine: Any, scale: float, a: Tensor) -> Tensor:  # type: ignore[override]
+        rows, denom, norm = l2_normalize(a.float(), plan.eps)
+        _, h, u, v = split_rows(rows, scale, a.dtype)
+        s = _mm32(u, v.t())
+        pos = plan.positives.tile_values(0, s.shape[0], 0, s.shape[0], s.dtype)  # converted once per relation
+        kernel = _KERNELS[plan.kernel]
+        outputs, kept = kernel.single_fixed(s, pos, 0)  # the self pair on the diagonal; every other pair a negative
+        ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
+        ctx.save_for_backward(rows, denom, norm, h, *kept)
+        return combined(outputs, combine)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        first_order_only()
+        rows, denom, norm, h, *kept = ctx.saved_tensors
+        grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)
+        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads).to(ctx.dtype)  # H = G + G^T, rounded once
+        ga = l2_normalize_backward(_mm32(tile, h), rows, denom, norm, ctx.plan.eps, math.sqrt(ctx.scale))
+        return None, None, None, as_dtype(ga, ctx.dtype)

@@ -390,6 +390,25 @@ def _unit(w: object) -> bool:
     return isinstance(w, float) and w == 1.0
 
 
+def combined(outputs: tuple[Tensor, ...], combine: Any) -> Tensor:
+    """The one tile's reduced value: ``total * sum_k w_k . outputs_k`` (``combine = (weights, total)``; a weight of
+    1.0 -- PML's mean over pairs -- costs no op)."""
+    weights, total = combine
+    per_row: Tensor | None = None
+    for w, out in zip(weights, outputs):
+        term = out if _unit(w) else w * out
+        per_row = term if per_row is None else per_row + term
+    summed = cast(Tensor, per_row).sum()
+    return summed if _unit(total) else summed * total
+
+
+def combined_grads(g: Tensor, combine: Any, rows: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """``d value / d outputs_k`` of :func:`combined` per row, ``total * w_k`` times the incoming ``g``."""
+    weights, total = combine
+    g = g if _unit(total) else g * total
+    return tuple(as_dtype((g if _unit(w) else g * w).expand(rows), dtype) for w in weights)
+
+
 class TorchPairs(PairExecutor):
     """The pair terms on torch: one kept tile, or tile passes (the upper triangle for a
     label-sorted single set, all-negative tiles without masks)."""

@@ -545,8 +545,10 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
     # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
+    # (in the compute dtype, or bf16 on tensor cores: engine/one_tile_half.py; fp16 keeps the general scheme)
     one_tile = (problem.single and isinstance(positives, KeyPositives) and positives.self_offset == 0
-                and decision.backend == "torch" and decision.tile == 0 and decision.fixed and not decision.half
+                and decision.backend == "torch" and decision.tile == 0 and decision.fixed
+                and (not decision.half or problem.anchors.dtype == torch.bfloat16)
                 and decision.operand_dtype is None and problem.options.normalize)
     return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
                     eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile)
