@@ -25,6 +25,9 @@ Two more narrow plans get the same treatment, each the general executor's one-ti
 a single set's dense label relation read off the tile with rows weighted (SupCon by labels or by sample,
 :class:`_OneTileMask`), and a single set's label relation under the pair conventions (PML's NT-Xent and
 NT-BXent, :class:`_OneTilePairs`, the pair kernel's one-tile functions on the 0/1 label masks).
+
+On a GPU, bf16 inputs take each executor's tensor-core variant (:mod:`.one_tile_half`): the logits from one split
+product, the gradient tile written once in bf16.
 """
 
 from __future__ import annotations
