@@ -39,7 +39,7 @@ from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
 from .pairwise import _KERNELS, combined, combined_grads
 from .precision import zero
-from .products import _mm32
+from .products import _mm32, rounded_mul
 from .softmax import _total, _weighted
 from .softmax_tiles import _put, kept_apart_terms
 
@@ -64,11 +64,6 @@ def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, 
     h = x.to(SPLIT)
     lo = torch.sub(x, h, out=torch.empty_like(h))  # the remainder, rounded as it is written
     return x, x.to(dtype), torch.cat((h, lo, h), 1), torch.cat((h, h, lo), 1)
-
-
-def _rounded_product(weights: Tensor, e: Tensor, dtype: torch.dtype) -> Tensor:
-    """``weights * e`` (fp32, broadcast) rounded to ``dtype`` as it is written: the gradient tile's one write."""
-    return torch.mul(weights, e, out=torch.empty(e.shape, dtype=dtype, device=e.device))
 
 
 class HalfOneTile(torch.autograd.Function):
@@ -99,7 +94,7 @@ class HalfOneTile(torch.autograd.Function):
         w = uniform / row_total
         c = torch.addcmul(zero(w), w, excess, value=-1)  # the kept-apart positive's coefficient -w * excess
         if ctx.single:  # H = G + G^T = (w_i + w_j) e_ij, each positive in both roles; one product
-            tile = _rounded_product(w.unsqueeze(1) + w, e, dtype)
+            tile = rounded_mul(w.unsqueeze(1) + w, e, dtype)
             _put(tile, places.both, torch.cat([c, c]).to(dtype), accumulate=True)
             ga = l2_normalize_backward(_mm32(tile, h), rows, denom, norm, plan.eps, root)
             return None, None, None, as_dtype(ga, dtype), None
@@ -107,10 +102,10 @@ class HalfOneTile(torch.autograd.Function):
         if col_total is not None:
             uniform_col = uniform if total[1] is total[0] else as_dtype(g * total[1], rows.dtype)
             w_col = uniform_col / col_total
-            tile = _rounded_product(w[:, None] + w_col, e, dtype)
+            tile = rounded_mul(w[:, None] + w_col, e, dtype)
             tile.diagonal().add_(c + torch.addcmul(zero(w_col), w_col, col_excess, value=-1))
         else:
-            tile = _rounded_product(w[:, None], e, dtype)
+            tile = rounded_mul(w[:, None], e, dtype)
             _put(tile, places.positives, c.to(dtype), accumulate=True)
         need_a, need_b = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         if not need_b:
@@ -156,7 +151,7 @@ class HalfOneTileMask(torch.autograd.Function):
         plan, dtype = ctx.plan, ctx.dtype
         uniform = as_dtype(g * ctx.total[0], rows.dtype)  # d loss / d out_i, the same for every row
         w = _weighted(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
-        tile = _rounded_product(w.unsqueeze(1) + w, e, dtype)  # both roles of every pair (H = G + G^T)
+        tile = rounded_mul(w.unsqueeze(1) + w, e, dtype)  # both roles of every pair (H = G + G^T)
         # the relation's part, c_i P_ij + P_ij c_j with c = -u beta (P symmetric: one set's key relation, the
         # diagonal cleared): -u (beta * P x + P (beta x)); beta x is at most sqrt(scale) in magnitude, fp16's range
         if beta is None:

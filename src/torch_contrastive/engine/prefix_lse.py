@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .prefixes import PrefixPlan, _operands, _prefix_products, _scaled, prefix_backward
+from .prefixes import PerStrip, PrefixPlan, _operands, _prefix_products, _scaled, prefix_backward
 
 if TYPE_CHECKING:
     from ..positives import Exclusion
@@ -121,12 +121,14 @@ class PrefixRowLSE(torch.autograd.Function):
         at_cut = _prefixes_at(plan, ctx.which)
         learned = ctx.needs_input_grad[6]
         d_scales = torch.zeros_like(s)
+        # a strip's left-out pairs and exclusion mask, built once for all its cuts (a guide's verdict is a product)
+        strip = PerStrip(lambda start, stop: (*_left_out(leave_out, start, stop, start if upper else 0),
+                                              None if exclude is None else exclude.tile(start, stop, 0, candidates.shape[0])))
 
         def grad_tile(cos: Tensor, k: int, start: int, stop: int, weight: Tensor) -> Tensor:
             tile: Tensor | None = None
             first = start if upper else 0
-            rows, left = _left_out(leave_out, start, stop, first)
-            mask = None if exclude is None else exclude.tile(start, stop, 0, candidates.shape[0])
+            rows, left, mask = strip(start, stop)
             for p in at_cut[k]:
                 # the exponentiated logits (less the fixed shift, or each row's LSE on the online path)
                 sp = scale(p, start, stop)

@@ -99,6 +99,12 @@ def _first_columns(g: Tensor, k: int) -> Tensor:
     return g if g.shape[1] == k else g[:, :k]
 
 
+def rounded_mul(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x * y`` (broadcast, computed in their dtype) rounded to ``dtype`` as it is written (``out=``): a gradient
+    tile's one half-width write, never stored at full width -- the same bits as multiplying, then rounding."""
+    return torch.mul(x, y, out=torch.empty(torch.broadcast_shapes(x.shape, y.shape), dtype=dtype, device=x.device))
+
+
 def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     """``x @ y`` of two half-precision matrices with fp32 accumulation and an fp32 result.
 
@@ -186,10 +192,9 @@ class HalfProducts:
         """``g`` times the other side's factor, rounded to the operand dtype by the multiply itself
         (``out=``): the fp32 product is never stored, so the gradient tile costs one read of ``g``
         and one half-width write -- the same bits as multiplying in fp32 and rounding after."""
-        out = torch.empty(g.shape, dtype=self.dtype, device=g.device)
         if factor is None:
-            return out.copy_(g)
-        return torch.mul(g, factor[None, :] if dim == 1 else factor[:, None], out=out)
+            return torch.empty(g.shape, dtype=self.dtype, device=g.device).copy_(g)
+        return rounded_mul(g, factor[None, :] if dim == 1 else factor[:, None], self.dtype)
 
     def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor:
         c1 = self.b_raw.shape[0] if c1 is None else c1
