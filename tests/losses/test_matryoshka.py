@@ -395,9 +395,9 @@ def test_siglip_negative_only_in_one_pass_equals_one_call_per_prefix(learnable, 
     from torch_contrastive.losses.matryoshka import _one_pass
 
     g = torch.Generator().manual_seed(23)
-    x, y = (torch.randn(9, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
-    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True) if learnable else 3.0
-    bias = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True) if learnable else -1.0
+    x, y = (torch.randn(9, 8, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_() for _ in range(2))
+    scale = torch.tensor(3.0, dtype=torch.float64, device=DEVICE, requires_grad=True) if learnable else 3.0
+    bias = torch.tensor(-1.0, dtype=torch.float64, device=DEVICE, requires_grad=True) if learnable else -1.0
     kwargs = {"logit_scale": scale, "logit_bias": bias, "negative_only": True, "reduction": reduction}
     assert _one_pass(tc.siglip_loss, [x, y], kwargs) is not None
     got = tc.matryoshka_loss(tc.siglip_loss, [x, y], [8, 5, 2], [1.0, 0.5, 2.0], **kwargs)
