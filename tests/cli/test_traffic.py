@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import sys
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def test_simulate_plans_as_on_a_gpu_and_restores_the_planner():
     assert gpu_tiles(8192) == 1 and gpu_tiles(65536) > 1
 
 
-def test_a_loss_on_the_simulated_plan_is_exact_and_makes_no_host_sync():
+def test_a_loss_on_the_simulated_plan_is_exact_and_makes_no_host_sync(monkeypatch):
+    monkeypatch.setattr(planner, "PRODUCTS", "half")  # tensor-core products (the model widens a call this small)
     x = torch.randn(96, 32, dtype=torch.bfloat16, requires_grad=True)
     y = torch.randn(96, 32, dtype=torch.bfloat16, requires_grad=True)
     with planner.simulate("cuda"):
@@ -92,12 +94,43 @@ def test_a_loss_on_the_simulated_plan_is_exact_and_makes_no_host_sync():
     assert count(lambda: tc.image_text_contrastive_loss(x, y, 0.07), 96, 96, 32).syncs == 1
 
 
+def test_the_model_widens_a_host_bound_calls_products_and_keeps_tensor_cores_for_a_large_one(monkeypatch):
+    """bf16 inputs on a GPU: the torch loops' products on tensor cores (the split product) or widened to fp32
+    (fewer launches, fp32 GEMM time) -- the model's choice, by the counted PATHS: widened while the call is
+    host-bound, tensor cores from where the fp32 GEMMs cost more than the launches they save; never widened
+    while TF32 may round an fp32 GEMM, nor when TORCH_CONTRASTIVE_PRODUCTS names a scheme."""
+    bf16 = torch.bfloat16
+    args = dict(kernel="softmax", cols=None, device=torch.device("cuda"), dtype=bf16, other_dtype=bf16, chunk_size=None,
+                backend="torch", traits=planner.Traits(512, columns=True))
+
+    def half(rows: int) -> bool:
+        return planner.decide(**{**args, "rows": rows, "cols": rows}).half
+
+    assert not half(1024) and half(16384)
+    times = dict(planner.predictions(1024, 1024, bf16, bf16, None, args["traits"]))
+    assert times[planner.WIDE] < times["torch"]
+    big = dict(planner.predictions(16384, 16384, bf16, bf16, None, args["traits"]))
+    assert big[planner.WIDE] > big["torch"]
+    before = torch.backends.cuda.matmul.allow_tf32  # (a module-like switch: set and restored by hand)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert half(1024) and planner.WIDE not in dict(planner.predictions(1024, 1024, bf16, bf16, None, args["traits"]))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    # a problem counted small is priced at the size it stands for: 16,384 rows counted at 128 take tensor cores
+    assert "float32" in count_loss("clip", "torch", 128, 512).gemm_flops
+    assert "float32" not in count_loss("clip", "torch", 16384, 512, at=128).gemm_flops
+    monkeypatch.setattr(planner, "PRODUCTS", "half")
+    assert half(1024)
+
+
 def test_counts_scale_with_the_logits_and_keep_their_launches():
     small = count_loss("nt_xent", "torch", 256, 16)
     big = small.scaled(1024, 1024)
     assert big.launches == small.launches and big.syncs == small.syncs
     assert big.logit_bytes == 16 * small.logit_bytes and big.passes == pytest.approx(small.passes)
-    assert big.gemm_flops["bfloat16"] == 16 * small.gemm_flops["bfloat16"]
+    assert big.gemm_flops["float32"] == 16 * small.gemm_flops["float32"]  # (widened products: the model's pick at 256 rows)
+    assert big.bytecodes == small.bytecodes  # the host's Python does not grow with the logits
     tiled = count_loss("nt_xent", "torch", 256, 16, tiles=4)
     assert tiled.launches > small.launches  # a tile loop launches per tile
 
@@ -118,29 +151,56 @@ def test_the_model_adds_its_three_terms_and_the_fit_recovers_known_constants():
 
 
 def test_the_model_takes_the_longer_of_device_and_host_and_the_host_fit_recovers_known_constants():
-    """A call costs max(device, host): the host pays each eager op, each Triton launch and (ours) its own
-    Python once per call; fit_host recovers those constants from host-bound rows."""
+    """A call costs max(device, host): the host pays each eager op, each Triton launch and each Python bytecode
+    (ours and the plain formula's alike); fit_host recovers those constants from host-bound rows, a bytecode
+    priced as a fixed fraction of an eager op."""
     from torch_contrastive.engine.cost import fit_host, host_time
 
     truth = Gpu("toy", {"bfloat16": 1e12}, bandwidth=1.5e11, launch=4e-6, source="test", host_op=30e-6, host_kernel=250e-6,
-                host_call=1e-3)
+                host_bytecode=30e-6 / 150)
     rows = []
-    for n, eager, triton_launches, ours in ((256, 55, 0, False), (512, 35, 0, False), (256, 69, 0, True), (512, 42, 0, True),
-                                            (256, 44, 9, True), (512, 27, 5, True)):
+    for n, eager, triton_launches, python, ours in ((256, 55, 0, 700, False), (512, 35, 0, 600, False), (256, 69, 0, 4000, True),
+                                                    (512, 42, 0, 3000, True), (256, 44, 9, 6000, True), (512, 27, 5, 5000, True)):
         c = Counts(n, n, eager + triton_launches, int(4 * 4 * n * n), {"bfloat16": 6 * n * n * 64}, 0,
-                   {"aten:mm": eager, **({"triton:epilogue_sums": triton_launches} if triton_launches else {})})
+                   {"aten:mm": eager, **({"triton:epilogue_sums": triton_launches} if triton_launches else {})}, python)
         device = sum(terms(c, truth))
-        host = (1e-3 if ours else 0.0) + eager * 30e-6 + triton_launches * 250e-6
-        assert host_time(c, truth, ours) == pytest.approx(host) and host > device  # small calls: host-bound
-        assert predict(c, truth, ours) == pytest.approx(max(device, host))
+        host = eager * 30e-6 + python * 0.2e-6 + triton_launches * 250e-6
+        assert host_time(c, truth) == pytest.approx(host) and host > device  # small calls: host-bound
+        assert predict(c, truth) == pytest.approx(max(device, host))
         rows.append((c, host, ours))
-    fitted, rms = fit_host(rows, Gpu("toy", {"bfloat16": 1e12}, 1.5e11, 4e-6, "start"))
-    assert (fitted.host_op, fitted.host_kernel, fitted.host_call) == pytest.approx((30e-6, 250e-6, 1e-3), rel=1e-9)
+    fitted, rms = fit_host(rows, Gpu("toy", {"bfloat16": 1e12}, 1.5e11, 4e-6, "start"), bytecodes_per_op=150)
+    assert (fitted.host_op, fitted.host_kernel, fitted.host_bytecode) == pytest.approx((30e-6, 250e-6, 0.2e-6), rel=1e-9)
     assert rms < 1e-9
     big = Counts(65536, 65536, 60, 5 * 4 * 65536**2, {"bfloat16": 6 * 65536**2 * 768}, 0)
-    assert predict(big, truth, True) == pytest.approx(sum(terms(big, truth)))  # large calls: device-bound
+    assert predict(big, truth) == pytest.approx(sum(terms(big, truth)))  # large calls: device-bound
     with pytest.raises(ValueError, match="plain formula"):
         fit_host([r for r in rows if r[2]], truth)
+    with pytest.raises(ValueError, match="Triton launches"):
+        fit_host([r for r in rows if not r[0].ops.get("triton:epilogue_sums")], truth)
+
+
+def test_the_bytecode_fit_recovers_an_ops_and_a_bytecodes_host_time():
+    from torch_contrastive.engine.cost import fit_bytecodes
+
+    rows = [(n, b, n * 5e-6 + b * 30e-9) for n, b in ((55, 700), (43, 2600), (35, 600), (47, 3400), (60, 900))]
+    op, bytecode, rms = fit_bytecodes(rows)
+    assert (op, bytecode) == pytest.approx((5e-6, 30e-9), rel=1e-9) and rms < 1e-9
+    with pytest.raises(ValueError, match="in proportion"):
+        fit_bytecodes([(10, 100, 1.0), (20, 200, 2.0)])
+
+
+def test_python_bytecodes_are_counted_per_call_and_a_kept_plan_costs_fewer():
+    """The host's Python of a call, counted: a plan looked up (a training loop's second step) runs fewer
+    bytecodes than one built, and the count is the same call after call; a plain formula runs few."""
+    from torch_contrastive.cli.traffic import bytecodes
+
+    ours, dense = cases(64, 16)["clip"]
+    planner._PLANS.clear()
+    planner._DECISIONS.clear()
+    with planner.simulate("cuda"):
+        first, second, third = bytecodes(ours), bytecodes(ours), bytecodes(ours)
+    assert first > second + 300 and second == third
+    assert 200 < bytecodes(dense) < second
 
 
 def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, capsys):
@@ -164,12 +224,27 @@ def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, c
     assert main(["bench", "--calibrate", "--out", str(tmp_path)]) == 2
 
 
+def test_bench_traffic_host_fits_a_bytecodes_cost_against_an_ops(tmp_path, capsys):
+    """``--host`` times every loss's small call on this CPU and prints the fit (its numbers are this machine's:
+    only their shape is checked); ``--host`` alone is refused like ``--calibrate``."""
+    assert main(["bench", "--traffic", "--host", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bytecodes per op" in out and out.count("\n") >= 2 * len(LOSSES) + 3
+    for name in LOSSES:
+        assert f"\n{name} " in out
+    assert main(["bench", "--host", "--out", str(tmp_path)]) == 2
+    assert "--host goes with --traffic" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tiles", [1, 3])
-def test_every_loss_on_the_gpu_plan_makes_no_host_sync_without_validation(tiles):
+def test_every_loss_on_the_gpu_plan_makes_no_host_sync_without_validation(tiles, monkeypatch):
     """Issue 34's sync budget, counted on the simulated GPU plan: zero host syncs with validate=False
-    for every loss, one tile and strips."""
+    for every loss, one tile and strips -- the model's pick (widened products at this size), then the
+    torch loops on tensor cores and the epilogue."""
     for name in LOSSES:
         assert count_loss(name, "ours", 48, 8, tiles=tiles).syncs == 0, name  # the model's pick (the fused kernels over tiles)
+    monkeypatch.setattr(planner, "PRODUCTS", "half")
+    for name in LOSSES:
         for impl in ("torch", "epilogue"):
             got = count_loss(name, impl, 48, 8, tiles=tiles)
             assert got.syncs == 0, (name, impl)
@@ -184,6 +259,7 @@ def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
     either form shows. On one tile the lean executor reads the mask by GEMMs: cheaper in passes and launches."""
     from torch_contrastive import positives
 
+    monkeypatch.setattr(planner, "PRODUCTS", "half")  # tensor-core products, as counted (the model widens 1,024 rows)
     got, one = {}, {}
     for dense in (True, False):
         monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, dense=dense: dense)
@@ -221,18 +297,23 @@ def test_an_accumulating_product_counts_its_flops():
 LEAN_HALF = ("clip", "nt_xent", "supcon")
 
 
+@pytest.mark.parametrize("products", ["auto", "half"])
 @pytest.mark.parametrize("name", LOSSES)
-def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dense_formula(name):
-    """Issue 34's budgets for the eager path on the GPU plan, one tile (1,024 rows, bf16): no more than
-    1.5x the dense formula's launches; and for the soft-max losses (the lean bf16 executor: fp32 logits from
-    one split product, the gradient tile written once in bf16) no more logit bytes than the dense formula,
-    which keeps its logits in bf16 (CLIP 9.7 passes against 13.0, NT-Xent 8.0 against 10.2, SupCon 10.3
-    against 13.0). The pair terms' eager tiles (PML NT-Xent, NT-BXent: 33.8 and 31.8) still move more: on a GPU
-    their default is the epilogue path from 8,192 rows, by the model."""
+def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dense_formula(name, products, monkeypatch):
+    """Issue 34's budgets for the eager path on the GPU plan, one tile (1,024 rows, bf16), for both product schemes:
+    the model's pick at this size (``auto``: widened fp32 products, the fewest launches) and tensor cores
+    (``half``: the lean bf16 executor, fp32 logits from one split product, the gradient tile written once in bf16):
+    no more than 1.5x the dense formula's launches; and for the soft-max losses no more logit bytes than the
+    dense formula, which keeps its logits in bf16 (CLIP 11.2 widened and 9.7 on tensor cores against 13.0,
+    NT-Xent 9.0 and 8.0 against 10.2, SupCon 12.8 and 10.3 against 13.0). The pair terms' eager tiles (PML
+    NT-Xent, NT-BXent: about 33 and 31 passes) still move more: on a GPU their default is the epilogue path from
+    8,192 rows, by the model."""
+    monkeypatch.setattr(planner, "PRODUCTS", products)
     ours = count_loss(name, "torch", 1024, 64)
     dense = count_loss(name, "dense", 1024, 64)
     assert ours.launches <= 1.5 * dense.launches, (ours.launches, dense.launches)
     assert ours.syncs == 0
+    assert ("float32" in ours.gemm_flops) == (products == "auto"), ours.gemm_flops
     if name in LEAN_HALF:
         assert ours.passes <= dense.passes, (ours.passes, dense.passes)
 
@@ -283,16 +364,19 @@ def test_the_epilogue_path_moves_at_most_six_passes(name, n):
 
 
 @pytest.mark.parametrize("key", list(PATHS))
-def test_the_planners_path_costs_are_the_counted_ones(key):
+def test_the_planners_path_costs_are_the_counted_ones(key, monkeypatch):
     """Every entry of cost.PATHS -- what the planner prices each backend's call at -- re-counted on the
     simulated GPU plan at 256 rows (one tile, and 4 x 4 tiles for the strips and the launches per tile):
-    a change to a path shows here until the table follows it."""
+    a change to a path shows here until the table follows it. Its Python bytecodes where the table was
+    counted (CPython 3.11: another version's compiler emits other bytecodes)."""
     pytest.importorskip("triton")
     kind, backend, operands = key
+    # the torch loops' product scheme forced: "half" on tensor cores, "wide" widened to fp32 (else the model's choice)
+    monkeypatch.setattr(planner, "PRODUCTS", {"half": "half", "wide": "compute"}.get(operands, "auto"))
     # a single set's triangle visits 10 of 16 tiles; the pair terms every tile
     name, visited = {"columns": ("clip", 16), "rows": ("nt_xent", 10), "pair_softplus": ("nt_xent_pml", 16),
                      "binary": ("nt_bxent", 16)}[kind]
-    dtype = torch.bfloat16 if operands == "half" else torch.float32
+    dtype = torch.float32 if operands == "fp32" else torch.bfloat16
     got = []
     for chunk in (None, 64):
         ours, _ = cases(256, 48, dtype=dtype, chunk=chunk, backend=backend)[name]
@@ -302,6 +386,9 @@ def test_the_planners_path_costs_are_the_counted_ones(key):
     assert one.launches == pytest.approx(want.launches, abs=1)
     assert (strips.launches - one.launches) / (visited - 1) == pytest.approx(want.per_tile, abs=0.5)
     assert one.passes == pytest.approx(want.passes_one, abs=0.3) and strips.passes == pytest.approx(want.passes_strips, abs=0.3)
+    if sys.version_info[:2] == (3, 11):
+        assert one.bytecodes == pytest.approx(want.bytecodes, rel=0.1)
+        assert (strips.bytecodes - one.bytecodes) / (visited - 1) == pytest.approx(want.bytecodes_per_tile, rel=0.15, abs=60)
     if backend != "triton":  # the fused kernels' products are tl.dot inside them: not visible to the counter
         unit = 2 * 256 * 256 * 48
         assert sum(one.gemm_flops.values()) / unit == pytest.approx(want.gemms_one, abs=0.01)

@@ -72,17 +72,22 @@ def test_bf16_one_tile_equals_the_float64_formulas(half_calls, n, d):
         got = ours(a, b)
         got.backward()
         assert half_calls[0] == before + 1, f"{name}: not served by the bf16 one-tile executor"
-        a64, b64 = (t.double().detach().requires_grad_(g) for t, g in zip((x, y), grads))
-        want = formula(a64, b64)
-        want.backward()
-        assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-6, abs=1e-6), name
-        for low, wide in ((a, a64), (b, b64)):
-            assert (low.grad is None) == (wide.grad is None), name
-            if wide.grad is not None:
-                assert low.grad.dtype == torch.bfloat16
-                scale = float(wide.grad.abs().max())
-                err = float((low.grad.double().cpu() - wide.grad).abs().max()) / scale
-                assert err < 1e-2, (name, err)
+        _agrees_with_float64(name, got, (a, b), (x, y), formula, grads)
+
+
+def _agrees_with_float64(name, got, inputs, rows, formula, grads):
+    """``got`` (its inputs' gradients filled) against ``formula`` in float64 on the same bf16 ``rows``: the value to
+    fp32 round-off, each gradient (bf16, as the inputs) to 1 % of its largest entry."""
+    wides = [t.double().detach().requires_grad_(g) for t, g in zip(rows, grads)]
+    want = formula(*wides)
+    want.backward()
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-6, abs=1e-6), name
+    for low, wide in zip(inputs, wides):
+        assert (low.grad is None) == (wide.grad is None), name
+        if wide.grad is not None:
+            assert low.grad.dtype == torch.bfloat16
+            err = float((low.grad.double().cpu() - wide.grad).abs().max()) / float(wide.grad.abs().max())
+            assert err < 1e-2, (name, err)
 
 
 def test_the_split_product_is_accurate_to_about_21_bits():
@@ -183,3 +188,25 @@ def test_an_unweighted_dense_relation_on_the_bf16_one_tile(half_calls):
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-6)
     err = float((a.grad.double().cpu() - a64.grad).abs().max()) / float(a64.grad.abs().max())
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("n,d", [(12, 5), (38, 16)])
+def test_a_gpu_plans_widened_products_equal_the_float64_formulas(monkeypatch, n, d):
+    """bf16 inputs on a GPU plan whose products the model widens (a host-bound call: fp32 GEMMs, fewer launches):
+    every loss of the cases to fp32 round-off against float64, value and gradients -- SupCon's mask read by fp32
+    GEMMs in the lean mask executor, the rest on the compute-dtype one tile -- with no tensor-core product."""
+    monkeypatch.setattr(planner, "PRODUCTS", "auto")
+    served = count_applies(monkeypatch, LEAN)
+    x, y = _rows(n, d, n + 1)
+    masks = 0
+    for name, ours, formula, grads in _cases(n):
+        a, b = (t.to(DEVICE).clone().requires_grad_(g) for t, g in zip((x, y), grads))
+        with planner.simulate("cuda"):
+            before = served[0]
+            got = ours(a, b)
+            got.backward()
+            masks += served[0] - before
+            decisions = tc.explain(ours, a.detach(), b.detach())
+        assert decisions and not any(dec.half for dec in decisions), name  # widened, by the model
+        _agrees_with_float64(name, got, (a, b), (x, y), formula, grads)
+    assert masks == 2  # SupCon by labels and by views: the lean mask executor, widened

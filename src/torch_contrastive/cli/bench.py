@@ -544,8 +544,10 @@ def _counted_or_small(args: argparse.Namespace, out_dir: Path) -> int:
     """``--traffic`` (counted on this machine) and ``--small`` (timed here): no case grid."""
     machine = _machine("cpu")
     if args.traffic:
-        from .traffic import run_traffic
+        from .traffic import run_host, run_traffic
 
+        if args.host:
+            return run_host()
         return run_traffic(args.sizes, args.dim, args.calibrate, out_dir, machine)
     from .bench_small import run_small
 
@@ -577,9 +579,10 @@ def _grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.calibrate and not args.traffic:  # before anything is written
-        print("error: --calibrate goes with --traffic", file=sys.stderr)
-        return 2
+    for flag in ("calibrate", "host"):
+        if getattr(args, flag) and not args.traffic:  # before anything is written
+            print(f"error: --{flag} goes with --traffic", file=sys.stderr)
+            return 2
     unwritable = cannot_write(args.out, "--out", folder=True)
     if unwritable:
         print(f"error: {unwritable}", file=sys.stderr)
@@ -636,6 +639,8 @@ def add_bench_parser(sub: Any) -> None:
                    help="count what the GPU plan costs, on this machine: launches, logit-sized bytes, GEMM FLOPs, host syncs "
                         "per loss beside the dense formula's, and the cost model's predicted H100 time (N = 1024 unless --sizes)")
     p.add_argument("--calibrate", action="store_true", help="with --traffic: fit the model to the measured H100 rows")
+    p.add_argument("--host", action="store_true",
+                   help="with --traffic: time small calls on this CPU and fit a Python bytecode's host cost against an eager op's")
     p.add_argument("--loss", choices=["all", "clip", "siglip", "nt_xent", "supcon", *ON_REQUEST],
                    default="all", help="nt_xent_pml (labels, pytorch-metric-learning convention), nt_bxent (labels), "
                                        "info_nce_queue (N queries, their keys and a queue of --queue negatives), "

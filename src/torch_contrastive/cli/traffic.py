@@ -16,7 +16,9 @@ its tensor-core products), so a CPU runs the GPU's plan and the counts are the G
 * **GEMM FLOPs** are ``2 m k n`` per product, by the operands' dtype;
 * the copies a CPU makes to widen half operands (``torch.mm`` has no ``out_dtype`` on a CPU) are
   not counted, and the product counts those operands at their own width;
-* **host syncs** as :mod:`.synccount` sees them.
+* **host syncs** as :mod:`.synccount` sees them;
+* **Python bytecodes** the call runs on the host (a run of its own under ``sys.settrace``, autograd's
+  backward on the calling thread; a Triton launch's inside is not counted, the model prices the launch).
 
 :func:`torch_contrastive.engine.cost.predict` turns the counts into a predicted time.
 """
@@ -36,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..engine import products
 from ..engine.cost import (
+    BYTECODES_PER_OP,
     DEVICE_ROWS,
     GPUS,
     HOST_ROWS,
@@ -47,11 +50,12 @@ from ..engine.cost import (
     Gpu,
     Measured,
     fit,
+    fit_bytecodes,
     fit_fused,
     fit_host,
     predict,
 )
-from ..engine.planner import Traits, predictions, simulate
+from ..engine.planner import WIDE, Traits, predictions, simulate
 from .synccount import SYNC_OPERATORS, host_sync_events
 
 #: Ops that make no kernel launch on a GPU (allocation or metadata only).
@@ -156,6 +160,55 @@ class _Count(TorchDispatchMode):
         self.flops[str(own).replace("torch.", "")] += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
+class _Bytecodes:
+    """Counts the Python bytecodes a call runs (``sys.settrace`` with opcode events), outside Triton launches."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.inside = 0
+
+    def launch_begins(self, name: str, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> None:
+        import sys
+
+        self.inside += 1
+        sys.settrace(None)  # the launch's own frames go untraced (in Triton's interpreter: a great many)
+
+    def launch_ends(self) -> None:
+        import sys
+
+        self.inside -= 1
+        if self.inside == 0:
+            sys.settrace(self.trace)
+
+    def trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        elif event == "opcode" and not self.inside:
+            self.count += 1
+        return self.trace
+
+
+def bytecodes(fn: Callable[[], torch.Tensor]) -> int:
+    """The Python bytecodes of one ``fn().backward()`` (backward on this thread: a GPU's autograd runs its
+    Python on a worker thread, which ``sys.settrace`` would not see)."""
+    import sys
+
+    tracer = _Bytecodes()
+    listeners = _launch_listeners()
+    listeners.append(tracer)
+    previous = sys.gettrace()
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            sys.settrace(tracer.trace)
+            try:
+                fn().backward()
+            finally:
+                sys.settrace(previous)
+    finally:
+        listeners.remove(tracer)
+    return tracer.count
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
@@ -190,7 +243,9 @@ def count(fn: Callable[[], torch.Tensor], rows: int, cols: int, dim: int, *, sim
     with simulate(simulate_device, budget, area) if simulate_device is not None else contextlib.nullcontext():
         fn().backward()  # once uncounted: what a training loop builds on its first step is cached by its second
         syncs = host_sync_events(run)
-    return Counts(rows, cols, counter.launches, counter.logit_bytes, dict(counter.flops), len(syncs), dict(counter.ops))
+        python = bytecodes(fn)  # a run of its own: the dispatch mode's Python is the counter's, not the call's
+    return Counts(rows, cols, counter.launches, counter.logit_bytes, dict(counter.flops), len(syncs), dict(counter.ops),
+                  python)
 
 
 def _launch_listeners() -> list[Any]:
@@ -282,7 +337,7 @@ def calibration(at: int = 256) -> tuple[Gpu, float, list[tuple[Measured, Counts]
     fitted, _ = fit_host(host_rows, GPUS["H100"])
     fitted, _ = fit([(c, row.ms / 1e3) for row, c in counted if row.n >= DEVICE_ROWS], fitted, PEAK_BANDWIDTH["H100"])
     fitted = replace(fitted, source=f"fitted to {len(counted)} measured rows")
-    rms = (sum((predict(c, fitted, row.impl != "dense") / (row.ms / 1e3) - 1.0) ** 2 for row, c in counted) / len(counted)) ** 0.5
+    rms = (sum((predict(c, fitted) / (row.ms / 1e3) - 1.0) ** 2 for row, c in counted) / len(counted)) ** 0.5
     return fitted, rms, counted
 
 
@@ -300,7 +355,8 @@ def default_backend(name: str, n: int, dim: int) -> str:
     """The backend our default call picks on a GPU for one bf16 loss of :func:`cases` (every kernel
     backend serving it): the model's fastest."""
     predicted = _predicted(name, n, dim)
-    return min((t, b) for b, t in predicted)[1] if predicted else "torch"
+    picked = min((t, b) for b, t in predicted)[1] if predicted else "torch"
+    return "torch" if picked == WIDE else picked  # the torch loops on widened fp32 products
 
 
 def fused_calibration() -> tuple[Fused, float]:
@@ -312,6 +368,42 @@ def fused_calibration() -> tuple[Fused, float]:
             path = PATHS[("columns" if m.loss == "clip" else "rows", "triton", "half")]
             rows.append((path.gemms_strips * 2.0 * m.n * m.n * m.d, m.ms / 1e3))
     return fit_fused(rows)
+
+
+def host_ratio(reps: int = 200, rounds: int = 5) -> tuple[list[tuple[str, str, int, int, float]], tuple[float, float, float]]:
+    """Time every loss of :func:`cases` at 16 rows of 8 features in fp32 on this CPU, ours and the plain
+    formula, forward + backward (best of ``rounds`` means of ``reps`` calls), with their launches and
+    bytecodes counted on this machine's own plan; fit seconds per op and per bytecode
+    (:func:`~torch_contrastive.engine.cost.fit_bytecodes`). Returns the rows ``(loss, impl, launches,
+    bytecodes, seconds)`` and the fit ``(op, bytecode, rms)``."""
+    import time
+
+    rows = []
+    for name, (ours, dense) in cases(16, 8, dtype=torch.float32).items():
+        for impl, fn in (("ours", ours), ("dense", dense)):
+            c = count(fn, 16, 16, 8, simulate_device=None)
+            for _ in range(max(1, reps // 10)):
+                fn().backward()
+            best = math.inf
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    fn().backward()
+                best = min(best, (time.perf_counter() - start) / reps)
+            rows.append((name, impl, c.launches, c.bytecodes, best))
+    return rows, fit_bytecodes([(n, b, t) for _, _, n, b, t in rows])
+
+
+def run_host(reps: int = 200) -> int:
+    """``torch-contrastive bench --traffic --host``: the host's cost of a Python bytecode against an eager op's."""
+    rows, (op, bytecode, rms) = host_ratio(reps)
+    print("torch-contrastive bench --traffic --host: small fp32 calls timed on this CPU (16 rows, 8 features, fwd+bwd)")
+    print(f"{'loss':<12} {'impl':<6} {'launches':>8} {'bytecodes':>9} {'measured us':>11} {'fit us':>7}")
+    for name, impl, n, b, t in rows:
+        print(f"{name:<12} {impl:<6} {n:>8} {b:>9} {t * 1e6:>11.1f} {(n * op + b * bytecode) * 1e6:>7.1f}")
+    print(f"per eager op {op * 1e6:.2f} us, per bytecode {bytecode * 1e9:.1f} ns: {op / bytecode:.0f} bytecodes per op "
+          f"(cost.BYTECODES_PER_OP: {BYTECODES_PER_OP:.0f}); RMS relative error {100 * rms:.0f} %")
+    return 0
 
 
 # ------------------------------------------------------------------------------------ the CLI
@@ -334,7 +426,8 @@ def epilogue_countable() -> bool:
 
 def _constants(g: Gpu) -> str:
     return (f"bandwidth {g.bandwidth / 1e12:.2f} TB/s, device per-op {g.launch * 1e6:.1f} us, host per eager op "
-            f"{g.host_op * 1e6:.1f} us, per Triton launch {g.host_kernel * 1e6:.0f} us, per call {g.host_call * 1e6:.0f} us")
+            f"{g.host_op * 1e6:.1f} us, per Triton launch {g.host_kernel * 1e6:.0f} us, per Python bytecode "
+            f"{g.host_bytecode * 1e9:.0f} ns")
 
 
 def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any, machine: str) -> int:
@@ -348,7 +441,7 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
     print("passes = logit bytes / (4 R C); predicted = the model's H100 time (a prediction, not a measurement); "
           "* = the backend the default call (backend='auto') picks on a GPU, by the model")
     print(f"{'loss':<12} {'N':>6} {'impl':<9} {'tiles':>4} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
-          f"{'predicted ms':>13}")
+          f"{'bytecodes':>9} {'predicted ms':>13}")
     rows = []
     impls = ("torch", "epilogue", "dense") if epilogue_countable() else ("torch", "dense")
     if "epilogue" not in impls:
@@ -364,11 +457,11 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
                 c = count_loss(name, impl, n, dim, at=at, tiles=tiles)
                 row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles,
                        "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
-                       "syncs": c.syncs, "predicted_ms": round(predict(c, gpu, impl != "dense") * 1e3, 4),
+                       "syncs": c.syncs, "bytecodes": c.bytecodes, "predicted_ms": round(predict(c, gpu) * 1e3, 4),
                        "default": impl == picks}
                 rows.append(row)
                 print(f"{name:<12} {n:>6} {impl + ('*' if impl == picks else ''):<9} {row['tiles']:>4} {c.launches:>8} "
-                      f"{c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {row['predicted_ms']:>13.3f}", flush=True)
+                      f"{c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {c.bytecodes:>9} {row['predicted_ms']:>13.3f}", flush=True)
             if picks == "triton":
                 print(f"{name:<12} {n:>6} {'triton*':<9} (the fused kernels: not counted here; the model predicts "
                       f"{1e3 * dict(_predicted(name, n, dim))['triton']:.3f} ms)")
@@ -386,7 +479,7 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
               f"(the table in engine/cost.py: {_constants(gpu)})")
         print(f"{'loss':<10} {'impl':<9} {'N':>6} {'D':>4} {'measured ms':>12} {'predicted ms':>13} {'error':>7}  bound")
         for measured, c in counted:
-            p = predict(c, gpu, measured.impl != "dense") * 1e3
+            p = predict(c, gpu) * 1e3
             bound = "host" if measured.n <= HOST_ROWS else "device" if measured.n >= DEVICE_ROWS else "(not fitted)"
             print(f"{measured.loss:<10} {measured.impl:<9} {measured.n:>6} {measured.d:>4} {measured.ms:>12.2f} {p:>13.2f} "
                   f"{100 * (p / measured.ms - 1):>+6.0f}%  {bound}")

@@ -8,11 +8,17 @@ pays a launch. The model prices a call's counts (:class:`Counts`, measured on an
     ``device = sum over GEMMs of FLOPs / rate(dtype) + logit bytes / bandwidth + launches * launch``
 
 A call is also work for the CPU that drives the GPU: each eager op costs it dispatch and autograd
-time, each Triton launch more (argument binding, the autotuner's lookup), and our own Python
-(arguments checked, the problem built, the plan looked up) once per call. The GPU runs behind the
+time, each Triton launch more (argument binding, the autotuner's lookup), and every Python bytecode
+the call runs -- ours (arguments checked, the problem built, the plan looked up) and autograd's own,
+which a plain formula pays too -- is counted as well (:attr:`Counts.bytecodes`). The GPU runs behind the
 host, so a call takes whichever is longer:
 
-    ``host = call + eager ops * host_op + Triton launches * host_kernel``;  ``time = max(device, host)``
+    ``host = eager ops * host_op + bytecodes * host_bytecode + Triton launches * host_kernel``;
+    ``time = max(device, host)``
+
+``host_bytecode`` is ``host_op / BYTECODES_PER_OP``: the ratio of a bytecode's time to an eager op's host
+time is a property of CPython against ATen's dispatch on one CPU, measured where no GPU is
+(``torch-contrastive bench --traffic --host``), and the scale is fitted to the GPU host's measured rows.
 
 Small calls are host-bound (on the H100 measured, every call up to about 8,192 rows: the eager dense
 formula too), large ones device-bound. The constants of each GPU live in one table, :data:`GPUS`: a session on a GPU re-measures them
@@ -24,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["FUSED", "GPUS", "MEASURED", "PATHS", "PEAK_BANDWIDTH", "Counts", "Fused", "Gpu", "Measured", "PathCost", "fit",
-           "fit_fused", "fit_host", "host_time", "kernels", "predict", "predict_path", "terms"]
+__all__ = ["BYTECODES_PER_OP", "FUSED", "GPUS", "MEASURED", "PATHS", "PEAK_BANDWIDTH", "Counts", "Fused", "Gpu", "Measured", "PathCost", "fit",
+           "fit_bytecodes", "fit_fused", "fit_host", "host_time", "kernels", "predict", "predict_path", "terms"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class Gpu:
         host_op: host seconds per eager op (dispatch and autograd) on the CPU that drove the GPU
             measured -- a property of that machine's CPU as much as of the GPU.
         host_kernel: host seconds per Triton launch.
-        host_call: host seconds of our own Python per loss call (not paid by a plain formula).
+        host_bytecode: host seconds per Python bytecode a call runs (``host_op / BYTECODES_PER_OP``).
     """
 
     name: str
@@ -53,8 +59,14 @@ class Gpu:
     source: str
     host_op: float = 0.0
     host_kernel: float = 0.0
-    host_call: float = 0.0
+    host_bytecode: float = 0.0
 
+
+#: Python bytecodes that take a CPU as long as one eager op's host time (dispatch and autograd of a small op):
+#: ``torch-contrastive bench --traffic --host`` fits ``t = ops * op + bytecodes * bytecode`` to the small calls of
+#: every loss, ours and the plain formula's, timed on one CPU. Measured 2026-11-28 on this project's CPU (x86_64
+#: AMD EPYC, 2 cores, torch 2.13.0+cpu, Python 3.11.7): 4.8 us per op, 27.8 ns per bytecode, RMS error 6 %.
+BYTECODES_PER_OP = 173.0
 
 #: The GPUs the model knows. H100 (SXM, 80 GB): bf16 GEMM 645 TFLOP/s as cuBLAS measured
 #: (docs/gpu.md, 2026-11-23); fp32 without TF32 at the data sheet's non-tensor rate; bandwidth
@@ -65,13 +77,14 @@ GPUS: dict[str, Gpu] = {
     "H100": Gpu(
         name="H100",
         gemm_flops={"bfloat16": 645e12, "float16": 645e12, "float32": 51e12},
-        bandwidth=2.28e12,
-        launch=14.7e-6,
-        source="bf16 GEMM rate measured 2026-11-23; the rest fitted 2026-11-24 to the 30 measured rows of docs/gpu.md "
-               "(RMS relative error 15 %); the host constants are those of the machine's CPU that drove the H100 measured",
-        host_op=38.9e-6,
-        host_kernel=295e-6,
-        host_call=1252e-6,
+        bandwidth=2.29e12,
+        launch=15.2e-6,
+        source="bf16 GEMM rate measured 2026-11-23; the rest fitted 2026-11-28 to the 30 measured rows of docs/gpu.md "
+               "with that day's counts (RMS relative error 25 %: the torch loops' rows were measured on older code); the "
+               "host constants are those of the machine's CPU that drove the H100 measured",
+        host_op=35.9e-6,
+        host_kernel=272e-6,
+        host_bytecode=207e-9,
     ),
 }
 
@@ -155,6 +168,8 @@ class PathCost:
         gemms_strips: the same, strips.
         kernels: how many of ``launches`` are Triton launches (the host pays more for them), one tile.
         kernels_per_tile: the Triton launches each further tile adds.
+        bytecodes: Python bytecodes of one call, one tile (the host's share besides its launches).
+        bytecodes_per_tile: the bytecodes each further tile adds (the tile loop's Python).
     """
 
     launches: int
@@ -165,36 +180,45 @@ class PathCost:
     gemms_strips: float
     kernels: int = 0
     kernels_per_tile: float = 0.0
+    bytecodes: int = 0
+    bytecodes_per_tile: float = 0.0
 
 
 #: The counts of each (problem kind, backend, operands): ``"columns"`` two sets with column terms (CLIP),
 #: ``"rows"`` row terms (a single set's triangle: NT-Xent; SupCon and InfoNCE cost about the same),
 #: the pair terms ``"pair_softplus"`` (PML NT-Xent) and ``"binary"`` (NT-BXent) with labels;
-#: operands ``"half"`` (bf16 on tensor cores) or ``"fp32"``. Counted 2026-11-24 (the torch rows again 2026-11-25:
+#: operands ``"half"`` (bf16 on tensor cores), ``"wide"`` (bf16 inputs widened, fp32 products: the torch loops' choice
+#: where the model prices them lower, :data:`~.planner.WIDE`) or ``"fp32"``. Counted 2026-11-24 (the torch rows again 2026-11-25:
 #: two sets normalised as one stack, a strided tile's writes by ``put_``; the pair_softplus rows' launches again
 #: the same day: PML's per-pair mean from one count of the relation; the columns' half row: the two sets stacked
 #: on tensor-core products too; the pair terms' one tile again 2026-11-27: PML's masked parts kept, NT-BXent's
 #: log1p / sigmoid off one exp and its H = G + G^T formed directly; once more the same day: no negative mask,
 #: NT-BXent's zS in one op and its negative sum from the row's, PML's sigmoid in one op; the soft-max half rows' one tile
 #: again 2026-11-28: the lean bf16 executor, engine/one_tile_half.py, its split product three GEMM-equivalents; the pair
-#: terms' one tile the same day: their bf16 lean executor) at 256 rows, one tile and
+#: terms' one tile the same day: their bf16 lean executor; every row again 2026-11-28 with its Python bytecodes, the plans
+#: kept as on a GPU, and the "wide" rows added; Python 3.11.7, the epilogue's kernels in Triton's interpreter, whose
+#: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(51, 25.1, 9.7, 24.2, 5.0, 4.0),
-    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0),
-    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8),
-    ("rows", "torch", "half"): PathCost(41, 24.1, 8.0, 14.25, 4.0, 2.25),
-    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67),
-    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5),
-    ("columns", "torch", "fp32"): PathCost(43, 16.6, 11.0, 14.0, 3.0, 4.0),
-    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0),
-    ("rows", "torch", "fp32"): PathCost(32, 16.4, 9.0, 8.25, 2.0, 2.25),
-    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.1, 2.0, 2.25, 4, 2.67),
-    ("pair_softplus", "torch", "half"): PathCost(54, 61.9, 33.75, 66.5, 4.0, 5.0),
-    ("pair_softplus", "epilogue", "half"): PathCost(34, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0),
-    ("binary", "torch", "half"): PathCost(60, 37.9, 31.75, 45.5, 4.0, 4.0),
-    ("binary", "epilogue", "half"): PathCost(37, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0),
+    ("columns", "torch", "half"): PathCost(51, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 2827, 1256),
+    ("columns", "torch", "wide"): PathCost(45, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 2666, 866),
+    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0, 7970, 1291),
+    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7489, 0),
+    ("rows", "torch", "half"): PathCost(41, 24.1, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 2508, 1411),
+    ("rows", "torch", "wide"): PathCost(34, 16.6, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 2381, 1061),
+    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67, 6424, 1202),
+    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6271, 0),
+    ("columns", "torch", "fp32"): PathCost(43, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 2660, 866),
+    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7126, 1041),
+    ("rows", "torch", "fp32"): PathCost(32, 16.6, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 2375, 1061),
+    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5891, 972),
+    ("pair_softplus", "torch", "half"): PathCost(54, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 3488, 2239),
+    ("pair_softplus", "torch", "wide"): PathCost(47, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 3392, 1787),
+    ("pair_softplus", "epilogue", "half"): PathCost(35, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0, 7369, 1488),
+    ("binary", "torch", "half"): PathCost(60, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 3493, 1345),
+    ("binary", "torch", "wide"): PathCost(53, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 3397, 950),
+    ("binary", "epilogue", "half"): PathCost(37, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0, 6678, 1088),
 }
 
 
@@ -258,6 +282,8 @@ class Counts:
         gemm_flops: FLOPs of the matrix products, by operand dtype name.
         syncs: host synchronisations.
         ops: how many launches each op name made (for reading a count, not for the model).
+        bytecodes: Python bytecodes the call runs on the host (forward and backward, ours and autograd's;
+            not inside a Triton launch, which :attr:`Gpu.host_kernel` prices).
     """
 
     rows: int
@@ -267,6 +293,7 @@ class Counts:
     gemm_flops: dict[str, int]
     syncs: int
     ops: dict[str, int] = field(default_factory=dict, compare=False)
+    bytecodes: int = 0
 
     @property
     def passes(self) -> float:
@@ -279,13 +306,13 @@ class Counts:
         with the same tile structure."""
         f = rows * cols / (self.rows * self.cols)
         return Counts(rows, cols, self.launches, round(self.logit_bytes * f),
-                      {k: round(v * f) for k, v in self.gemm_flops.items()}, self.syncs, dict(self.ops))
+                      {k: round(v * f) for k, v in self.gemm_flops.items()}, self.syncs, dict(self.ops), self.bytecodes)
 
 
-def predict(counts: Counts, gpu: Gpu | str = "H100", ours: bool = False) -> float:
-    """The model's time (seconds) of ``counts`` on ``gpu``, the longer of the device's and the host's
-    (``ours``: a call of this library, which pays :attr:`Gpu.host_call`): a prediction, not a measurement."""
-    return max(sum(terms(counts, gpu)), host_time(counts, gpu, ours))
+def predict(counts: Counts, gpu: Gpu | str = "H100") -> float:
+    """The model's time (seconds) of ``counts`` on ``gpu``, the longer of the device's and the host's:
+    a prediction, not a measurement."""
+    return max(sum(terms(counts, gpu)), host_time(counts, gpu))
 
 
 def kernels(counts: Counts) -> int:
@@ -293,11 +320,11 @@ def kernels(counts: Counts) -> int:
     return sum(n for op, n in counts.ops.items() if op.startswith("triton:"))
 
 
-def host_time(counts: Counts, gpu: Gpu | str = "H100", ours: bool = False) -> float:
+def host_time(counts: Counts, gpu: Gpu | str = "H100") -> float:
     """Seconds the host spends issuing ``counts`` (see the module docstring)."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     k = kernels(counts)
-    return (g.host_call if ours else 0.0) + (counts.launches - k) * g.host_op + k * g.host_kernel
+    return (counts.launches - k) * g.host_op + counts.bytecodes * g.host_bytecode + k * g.host_kernel
 
 
 def terms(counts: Counts, gpu: Gpu | str = "H100") -> tuple[float, float, float]:
@@ -333,30 +360,48 @@ def fit(rows: list[tuple[Counts, float]], gpu: Gpu, peak_bandwidth: float) -> tu
     return replace(gpu, bandwidth=bandwidth, launch=launch, source=f"fitted to {len(rows)} measured rows"), rms
 
 
-def fit_host(rows: list[tuple[Counts, float, bool]], gpu: Gpu) -> tuple[Gpu, float]:
-    """``gpu`` with its host constants fitted to measured ``(counts, seconds, ours)`` rows of host-bound
-    calls (small problems, whose device time is a small part): ``host_op`` from the plain formula's rows
-    (``ours`` False: eager ops only), then ``host_call`` and ``host_kernel`` from ours (the torch loops
-    launch no Triton kernel, the epilogue a few) -- least squares on the relative error, each at least 0.
-    Returns the fitted GPU and the RMS relative error of the host time over all rows."""
-    plain = [(c.launches, t) for c, t, ours in rows if not ours]
-    if not plain:
-        raise ValueError("fit_host needs rows of the plain formula (ours=False)")
+def fit_host(rows: list[tuple[Counts, float, bool]], gpu: Gpu, bytecodes_per_op: float = BYTECODES_PER_OP) -> tuple[Gpu, float]:
+    """``gpu`` with its host constants fitted to measured ``(counts, seconds, ours)`` rows of host-bound calls
+    (small problems, whose device time is a small part): ``host_op`` (and ``host_bytecode``, its
+    ``1 / bytecodes_per_op``) from the plain formula's rows (``ours`` False: code that does not change, so
+    today's counts are the measured code's), then ``host_kernel`` from the rows with Triton launches; least
+    squares on the relative error, each at least 0. Our rows without a Triton launch are predicted, not fitted
+    (they show how far today's code is from the code measured). Returns the fitted GPU and the RMS relative
+    error of the host time over all rows."""
+    plain = [(c.launches + c.bytecodes / bytecodes_per_op, t) for c, t, ours in rows if not ours]
+    launched = [(c, t) for c, t, _ in rows if kernels(c) > 0]
+    if not plain or not launched:
+        raise ValueError("fit_host needs rows of the plain formula (ours=False) and rows with Triton launches")
+    # minimise sum ((n * op) / t - 1)^2: op = sum(n / t) / sum((n / t)^2)
     host_op = sum(n / t for n, t in plain) / sum((n / t) ** 2 for n, t in plain)
-    # ours: t - eager ops * host_op = call + k * host_kernel, solved by its 2 x 2 normal equations
-    own = [(kernels(c), t - (c.launches - kernels(c)) * host_op, t) for c, t, ours in rows if ours]
-    s11 = sum(1 / t**2 for _, _, t in own)
-    s1k = sum(k / t**2 for k, _, t in own)
-    skk = sum(k * k / t**2 for k, _, t in own)
-    b1 = sum(y / t**2 for _, y, t in own)
-    bk = sum(k * y / t**2 for k, y, t in own)
-    det = s11 * skk - s1k * s1k
-    if det <= 0:
-        raise ValueError("fit_host needs our rows with and without Triton launches")
-    call, kernel = (b1 * skk - bk * s1k) / det, (s11 * bk - s1k * b1) / det
-    fitted = replace(gpu, host_op=host_op, host_kernel=max(0.0, kernel), host_call=max(0.0, call))
-    rms = (sum((host_time(c, fitted, ours) / t - 1.0) ** 2 for c, t, ours in rows) / len(rows)) ** 0.5
+    per_bytecode = host_op / bytecodes_per_op
+    # t - eager ops * host_op - bytecodes * per_bytecode = k * host_kernel, the same least squares in one unknown
+    rest = [(kernels(c) / t, (t - (c.launches - kernels(c)) * host_op - c.bytecodes * per_bytecode) / t) for c, t in launched]
+    kernel = sum(a * b for a, b in rest) / sum(a * a for a, _ in rest)
+    fitted = replace(gpu, host_op=host_op, host_bytecode=per_bytecode, host_kernel=max(0.0, kernel))
+    rms = (sum((host_time(c, fitted) / t - 1.0) ** 2 for c, t, _ in rows) / len(rows)) ** 0.5
     return fitted, rms
+
+
+def fit_bytecodes(rows: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Seconds per eager op and per Python bytecode fitted to ``(launches, bytecodes, seconds)`` rows of
+    calls timed on one CPU (small problems: their kernels cost little besides dispatch): least squares on
+    the relative error of ``launches * op + bytecodes * bytecode``. Returns ``(op, bytecode, rms)``; their
+    ratio is :data:`BYTECODES_PER_OP`."""
+    if len(rows) < 2:
+        raise ValueError("fit_bytecodes needs at least two timed calls")
+    # minimise sum ((n op + b bc) / t - 1)^2: the 2 x 2 normal equations in (op, bc)
+    snn = sum((n / t) ** 2 for n, _, t in rows)
+    snb = sum(n * b / t / t for n, b, t in rows)
+    sbb = sum((b / t) ** 2 for _, b, t in rows)
+    rn = sum(n / t for n, _, t in rows)
+    rb = sum(b / t for _, b, t in rows)
+    det = snn * sbb - snb * snb
+    if det <= 0:
+        raise ValueError("fit_bytecodes needs calls whose bytecodes are not in proportion to their launches")
+    op, bytecode = (rn * sbb - rb * snb) / det, (snn * rb - snb * rn) / det
+    rms = (sum(((n * op + b * bytecode) / t - 1.0) ** 2 for n, b, t in rows) / len(rows)) ** 0.5
+    return op, bytecode, rms
 
 
 def fit_fused(rows: list[tuple[float, float]]) -> tuple[Fused, float]:
@@ -392,10 +437,11 @@ def predict_path(path: PathCost, backend: str, rows: int, cols: int, dim: int, d
     passes = path.passes_one if one else path.passes_strips
     launches = path.launches + path.per_tile * max(0, tiles - 1)
     launched = path.kernels + path.kernels_per_tile * max(0, tiles - 1)
+    bytecodes = path.bytecodes + path.bytecodes_per_tile * max(0, tiles - 1)
     if backend == "triton":
         fused = FUSED[g.name]
         gemm = flops / fused.rate + fused.overhead
     else:
         gemm = flops / g.gemm_flops[dtype]
     device = gemm + passes * 4.0 * rows * cols / g.bandwidth + launches * g.launch
-    return max(device, g.host_call + (launches - launched) * g.host_op + launched * g.host_kernel)
+    return max(device, (launches - launched) * g.host_op + bytecodes * g.host_bytecode + launched * g.host_kernel)

@@ -74,7 +74,9 @@ class OneTileSoftmax:
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH.run(problem, plan)
         if plan.places is None:  # a dense label relation (SupCon): the weighted form
-            mask = HalfOneTileMask if plan.half else _OneTileMask
+            # tensor cores, or a GPU's widened fp32 products: the relation read by GEMMs; the CPU's own one tile
+            wide = plan.decision.device == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
+            mask = HalfOneTileMask if plan.half or wide else _OneTileMask
             return mask.apply(plan, total, scale, a, *stat.row_weights), None
         strided = HalfOneTile if plan.half else _OneTile  # bf16 on tensor cores (.one_tile_half), else the compute dtype
         return strided.apply(plan, total, scale, a, None if problem.single else problem.candidates), None

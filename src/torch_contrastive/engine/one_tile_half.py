@@ -123,42 +123,56 @@ class HalfOneTileMask(torch.autograd.Function):
     ``sum_j P_ij S_ij = x_i . (P x)_i`` with ``P x = P [h | l]`` summed, and backward's relation part
     ``(c_i + c_j) P_ij`` multiplies as ``c * (P x) + P (c x)``: ``c = -u beta`` with one scalar ``u``, so
     ``P (c x) = -u P (beta x)`` -- one more product with ``P`` when the rows are weighted (``beta``), none
-    otherwise."""
+    otherwise.
+
+    A GPU plan whose half inputs the model widens (``plan.half`` False: a host-bound call, whose fewest launches
+    are fp32 products, :data:`~.planner.WIDE`) runs the same scheme in fp32: no split, ``P`` in fp32, the
+    gradient tile kept in fp32 -- still no tile pass for the relation."""
 
     @staticmethod
     def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
                 alpha: Tensor | None, beta: Tensor | None) -> Tensor:
         rows, denom, norm = l2_normalize(a.float(), plan.eps)
-        x, h, u, v = split_rows(rows, scale, a.dtype)
-        s = _mm32(u, v.t())
-        n, dim = s.shape[0], h.shape[1]
-        relation = cast("KeyPositives", plan.positives).dense_as(SPLIT)  # converted once per relation
-        both = _mm32(relation, u[:, : 2 * dim])  # P [h | l]
-        px = both[:, :dim] + both[:, dim:]  # P x, fp32
+        positives = cast("KeyPositives", plan.positives)
+        if plan.half:
+            x, h, u, v = split_rows(rows, scale, a.dtype)
+            s = _mm32(u, v.t())
+            dim = h.shape[1]
+            relation = positives.dense_as(SPLIT)  # converted once per relation
+            both = _mm32(relation, u[:, : 2 * dim])  # P [h | l]
+            px = both[:, :dim] + both[:, dim:]  # P x, fp32
+        else:
+            x = h = rows * math.sqrt(scale)
+            s = x @ x.t()
+            relation = positives.dense_as(torch.float32)
+            px = relation @ x
+        n = s.shape[0]
         row_pos = torch.linalg.vecdot(x, px)
         e = s.exp_()
         e.diagonal().zero_()  # the self pair
         row_sum = e.sum(1)
         row_out = _weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)
         ctx.plan, ctx.total, ctx.scale, ctx.dtype = plan, total, scale, a.dtype
-        ctx.save_for_backward(rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta)
+        ctx.save_for_backward(rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta)  # (x is h when widened)
         return _total(row_out, None, total)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
         rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta = ctx.saved_tensors
-        plan, dtype = ctx.plan, ctx.dtype
+        plan, dtype, half = ctx.plan, ctx.dtype, ctx.plan.half
         uniform = as_dtype(g * ctx.total[0], rows.dtype)  # d loss / d out_i, the same for every row
         w = _weighted(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
-        tile = rounded_mul(w.unsqueeze(1) + w, e, dtype)  # both roles of every pair (H = G + G^T)
+        # both roles of every pair (H = G + G^T), rounded once to bf16 for tensor cores (fp32 when widened)
+        tile = rounded_mul(w.unsqueeze(1) + w, e, dtype) if half else torch.mul(w.unsqueeze(1) + w, e)
         # the relation's part, c_i P_ij + P_ij c_j with c = -u beta (P symmetric: one set's key relation, the
         # diagonal cleared): -u (beta * P x + P (beta x)); beta x is at most sqrt(scale) in magnitude, fp16's range
         if beta is None:
             relation_part = px * 2.0
         else:
-            relation_part = torch.addcmul(_mm32(relation, (beta[:, None] * x).to(SPLIT)), beta[:, None], px)
-        gx = _mm32(tile, h).sub_(relation_part.mul_(uniform))
+            weighted = beta[:, None] * x
+            relation_part = torch.addcmul(_mm32(relation, weighted.to(SPLIT)) if half else relation @ weighted, beta[:, None], px)
+        gx = (_mm32(tile, h) if half else tile @ h).sub_(relation_part.mul_(uniform))
         ga = l2_normalize_backward(gx, rows, denom, norm, plan.eps, math.sqrt(ctx.scale))
         return None, None, None, as_dtype(ga, dtype), None, None
 

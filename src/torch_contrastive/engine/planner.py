@@ -243,7 +243,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     served = (triton_serves() is None, epilogue_serves is not None and epilogue_serves() is None) if by_model else None
     cacheable = backend in ("auto", "torch")
     key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS, served,
-           traits)
+           traits, _tf32(), _SIMULATED_AREA)
     decision = _DECISIONS.get(key) if cacheable else None
     if decision is None:
         decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed,
@@ -294,13 +294,18 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     chosen = choose_backend(backend, serves[0], serves[1])
     predicted: tuple[tuple[str, float], ...] = ()
     if device.type == "cuda" and kernel in ("softmax", "pairwise") and traits.dim > 0:
-        predicted = predictions(rows, cols, dtype, other_dtype, chunk_size, traits)
+        side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
+        predicted = predictions(round(rows * side), round(cols * side), dtype, other_dtype,
+                                None if chunk_size is None else round(chunk_size * side), traits)
     if chosen == "auto":
         chosen = "torch"
         if served is not None and predicted:
-            allowed = {"torch": True, "triton": served[0], "epilogue": served[1]}
+            allowed = {"torch": True, WIDE: True, "triton": served[0], "epilogue": served[1]}
             chosen = min((t, name) for name, t in predicted if allowed[name])[1]
-    half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
+    wide = chosen == WIDE
+    chosen = "torch" if wide else chosen
+    half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype) \
+        and not (PRODUCTS == "auto" and (wide or _wide_pays(predicted)))
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
     tile = resolve_tile(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
                         if device.type == "cuda" else 8)
@@ -308,6 +313,22 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
                     predicted)
+
+
+#: The torch backend with half inputs widened to fp32 and multiplied in fp32 (no tensor cores), as the cost model
+#: names it among the backends (:func:`predictions`): a host-bound call's fewest launches.
+WIDE = "torch-fp32"
+
+
+def _tf32() -> bool:
+    """Whether fp32 GEMMs on a GPU may round their operands to TF32 (then a widened product is not exact)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def _wide_pays(predicted: tuple[tuple[str, float], ...]) -> bool:
+    """Whether the model prices the torch backend's widened fp32 products below its tensor-core products."""
+    times = dict(predicted)
+    return times.get(WIDE, math.inf) < times.get("torch", math.inf)
 
 
 def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype, half: bool) -> int:
@@ -322,7 +343,9 @@ def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dty
     """The cost model's time (seconds, a prediction) of each backend that has counts for this soft-max or
     pair-term problem (:data:`~.cost.PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available --
     the H100's constants for any CUDA device until others are measured. Half operands of one dtype are
-    priced as tensor-core products; fp32 as fp32 (the fused kernels are counted for half operands only);
+    priced as tensor-core products, and the torch backend also as :data:`WIDE` -- the operands widened and
+    multiplied in fp32 (exact; not offered while TF32 may round fp32 GEMMs): fewer launches, more GEMM time,
+    so the host-bound small calls' choice; fp32 as fp32 (the fused kernels are counted for half operands only);
     fp64 is not priced."""
     if dtype in _HALF and other_dtype == dtype:
         operands, name = "half", "bfloat16"
@@ -331,17 +354,22 @@ def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dty
     else:
         return ()
     kind = traits.pairs or ("columns" if traits.columns else "rows")
+    # (name, backend, counts' operands, GEMM dtype): the widened torch products for half inputs while exact
+    candidates = [(b, b, operands, name) for b in ("torch", "epilogue", "triton")]
+    if operands == "half" and not _tf32():
+        candidates.append((WIDE, "torch", "wide", "float32"))
     out = []
-    for backend in ("torch", "epilogue", "triton"):
-        path = PATHS.get((kind, backend, operands))
+    for label, backend, counted, gemm_dtype in candidates:
+        path = PATHS.get((kind, backend, counted))
         if path is None:
             continue
-        half = backend == "torch" and operands == "half"
+        half = backend == "torch" and counted == "half"
         tile = resolve_tile(chunk_size, rows, cols, "cuda", _bytes_per_logit(backend, dtype, other_dtype, half))
         per_side = math.ceil(rows / tile), math.ceil(cols / tile)
         tiles = per_side[0] * (per_side[0] + 1) // 2 if traits.symmetric and per_side[0] == per_side[1] \
             else per_side[0] * per_side[1]
-        out.append((backend, predict_path(path, backend, rows, cols, traits.dim, name, 1 if backend == "triton" else tiles, gpu)))
+        out.append((label, predict_path(path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles,
+                                        gpu)))
     return tuple(out)
 
 
@@ -365,6 +393,8 @@ def plan(problem: Problem) -> AnyPlan:
     if key is not None:
         found = _PLANS.get(key)
         if found is not None:
+            if problem.options.backend in ("triton", "epilogue"):  # an explicit kernel backend: still its refusal
+                choose_backend(problem.options.backend, lambda: triton_refusal(problem), lambda: epilogue_refusal(problem))
             relation = problem.positives
             if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
                 _record_plan(found)
@@ -411,17 +441,18 @@ def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
     """Everything a soft-max plan is decided from, as a dictionary key (a relation by
     :func:`_relation_key`); None for a problem that is planned afresh every call: a per-call object in
     it (an exclusion, a distributed column reduction, a relation listed pair by pair or by a sample
-    mask), an explicit kernel backend (its refusal depends on more than the key), a simulated device
-    (:func:`simulate`: counting, not a hot path) or a traced call (under ``torch.compile`` the plan is
-    traced once anyway, and an ``id()`` of a traced object is not its own)."""
+    mask) or a traced call (under ``torch.compile`` the plan is traced once anyway, and an ``id()`` of a
+    traced object is not its own). A simulated device (:func:`simulate`) and its area are part of the key; an
+    explicit kernel backend's plan is kept too, and its refusal asked again at every look-up (it reads more
+    of the problem than the key)."""
     if stat.exclude is not None or stat.column_comm is not None or not _keyed(problem):  # (no id() under tracing)
         return None
     relation = _relation_key(problem.positives)
     if relation is None:
         return None
     a, c, opts = problem.anchors, problem.candidates, problem.options
-    return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend, stat.fixed,
-            problem.bound, GPU_BUDGET, PRODUCTS, relation, problem.self_offset,
+    return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, _SIMULATED, _SIMULATED_AREA, a.dtype, c.dtype,
+            opts.chunk_size, opts.backend, stat.fixed, problem.bound, GPU_BUDGET, PRODUCTS, _tf32(), relation, problem.self_offset,
             problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
             stat.columns_share_alpha, stat.row_weights[0] is not None, stat.row_weights[1] is not None,
             stat.col_weights[0] is not None, stat.col_weights[1] is not None)
@@ -435,15 +466,17 @@ def _pair_key(problem: Problem, stat: PairTerms) -> tuple[Any, ...] | None:
     if relation is None:
         return None
     a, c, opts = problem.anchors, problem.candidates, problem.options
-    return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, a.dtype, c.dtype, opts.chunk_size, opts.backend,
+    return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, _SIMULATED, _SIMULATED_AREA, a.dtype, c.dtype,
+            _tf32(), opts.chunk_size, opts.backend,
             stat.fixed, stat.kernel, problem.bound, GPU_BUDGET, PRODUCTS, relation, problem.self_offset, problem.symmetric,
             problem.single, opts.normalize, opts.eps)
 
 
 def _keyed(problem: Problem) -> bool:
-    """A problem whose plan may be kept: an automatic or torch backend (an explicit kernel backend's
-    refusal depends on more than the key), not a simulated device, not a traced call."""
-    return problem.options.backend in ("auto", "torch") and _SIMULATED is None and not torch.compiler.is_compiling()
+    """A problem whose plan may be kept: not a traced call. A simulated device's plan is kept under its own
+    key (the device simulated and the area are part of it): a count then sees a training loop's steady
+    step, whose plan is a look-up, as on the GPU itself."""
+    return not torch.compiler.is_compiling()
 
 
 def _relation_key(positives: Positives | None) -> Any:

@@ -28,8 +28,6 @@ multiplied is a planning decision (:mod:`.planner`), made here in one place:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -100,9 +98,12 @@ def _first_columns(g: Tensor, k: int) -> Tensor:
 
 
 def rounded_mul(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x * y`` (broadcast, computed in their dtype) rounded to ``dtype`` as it is written (``out=``): a gradient
-    tile's one half-width write, never stored at full width -- the same bits as multiplying, then rounding."""
-    return torch.mul(x, y, out=torch.empty(torch.broadcast_shapes(x.shape, y.shape), dtype=dtype, device=x.device))
+    """``x * y`` (one of them a tile, the other broadcast against it; computed in their dtype) rounded to
+    ``dtype`` as it is written (``out=``): a gradient tile's one half-width write, never stored at full width --
+    the same bits as multiplying, then rounding."""
+    # the result has the tile's shape: torch.broadcast_shapes would cost a call hundreds of Python bytecodes
+    shape = x.shape if x.numel() >= y.numel() else y.shape
+    return torch.mul(x, y, out=torch.empty(shape, dtype=dtype, device=x.device))
 
 
 def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
@@ -116,8 +117,11 @@ def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
         if out is None:
             return torch.mm(x, y, out_dtype=torch.float32)
         return torch.mm(x, y, out_dtype=torch.float32, out=out)
-    with widening():  # the CPU's stand-in for out_dtype: a cost count leaves it out
+    WIDENING[0] += 1  # the CPU's stand-in for out_dtype: a cost count leaves it out (no context manager:
+    try:  # a count of the host's Python would see its bytecodes, which no GPU runs)
         xw, yw = x.float(), y.float()
+    finally:
+        WIDENING[0] -= 1
     if out is None:
         return torch.mm(xw, yw)
     return torch.mm(xw, yw, out=out)
@@ -127,15 +131,6 @@ def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
 #: (:mod:`torch_contrastive.cli.traffic`) skips those copies and counts the product at the
 #: operands' own width.
 WIDENING = [0]
-
-
-@contextlib.contextmanager
-def widening() -> Iterator[None]:
-    WIDENING[0] += 1
-    try:
-        yield
-    finally:
-        WIDENING[0] -= 1
 
 
 class HalfProducts:
