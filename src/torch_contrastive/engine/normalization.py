@@ -10,8 +10,9 @@ from .precision import Scale
 #: The row dtypes the Triton row kernels (``triton_backend.normalize_rows``) take; fp64 rows keep the torch form.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: Elements per block of the fp64 norm accumulation (a 4 MiB fp64 copy at most).
-_NORM_BLOCK = 1 << 19
+#: Elements per block of the fp64 norm accumulation: a 32 MiB fp64 copy at most, small beside the logits of any call
+#: that big; one block (one op) up to 8,192 rows of 512 features -- every host-bound size, where each op is host time.
+_NORM_BLOCK = 1 << 22
 
 
 def l2_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
