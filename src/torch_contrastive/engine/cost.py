@@ -79,8 +79,8 @@ GPUS: dict[str, Gpu] = {
         gemm_flops={"bfloat16": 645e12, "float16": 645e12, "float32": 51e12},
         bandwidth=2.29e12,
         launch=15.2e-6,
-        source="bf16 GEMM rate measured 2026-11-23; the rest fitted 2026-11-28 to the 30 measured rows of docs/gpu.md "
-               "with that day's counts (RMS relative error 25 %: the torch loops' rows were measured on older code); the "
+        source="bf16 GEMM rate measured 2026-11-23; the rest fitted 2026-11-28 to the 27 counted rows of docs/gpu.md "
+               "with that day's counts (RMS relative error 25 %: the torch loops' host-bound rows were measured on older code); the "
                "host constants are those of the machine's CPU that drove the H100 measured",
         host_op=35.9e-6,
         host_kernel=272e-6,
