@@ -1066,9 +1066,6 @@ MUTATIONS = [
              "a GPU's widened SupCon one tile reads its mask as tile passes (the CPU's executor)", HALF_TILE_TESTS),
     Mutation(f"{E}/one_tile_half.py", "            px = relation @ x\n", "            px = relation @ rows\n",
              "widened SupCon one tile: the positive sums of the unit rows, not the scaled ones", HALF_TILE_TESTS),
-    Mutation(f"{E}/cost.py", "    per_launch = max(g.launch, g.host_op)\n", "    per_launch = g.launch\n",
-             "a label relation's grouped launches priced on the device alone (a host-bound call's host time ignored)",
-             ("tests/cli/test_traffic.py",)),
 ]
 
 

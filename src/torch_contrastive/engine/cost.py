@@ -264,10 +264,8 @@ RELATION_FORMS = RelationForms(dense_passes=2.7, grouped_launches=17)
 def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100") -> bool:
     """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    # the mask's passes are device time; each of the grouped form's launches costs the device and the host, and a
-    # call pays whichever binds (host-bound up to several thousand rows): priced at the dearer of the two
-    per_launch = max(g.launch, g.host_op)
-    return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * per_launch
+    # priced on the device: the form matters to large, device-bound calls (a host-bound call hides both)
+    return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * g.launch
 
 
 @dataclass(frozen=True)
