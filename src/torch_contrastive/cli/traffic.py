@@ -26,7 +26,11 @@ its tensor-core products), so a CPU runs the GPU's plan and the counts are the G
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import os
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -168,14 +172,10 @@ class _Bytecodes:
         self.inside = 0
 
     def launch_begins(self, name: str, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> None:
-        import sys
-
         self.inside += 1
         sys.settrace(None)  # the launch's own frames go untraced (in Triton's interpreter: a great many)
 
     def launch_ends(self) -> None:
-        import sys
-
         self.inside -= 1
         if self.inside == 0:
             sys.settrace(self.trace)
@@ -191,8 +191,6 @@ class _Bytecodes:
 def bytecodes(fn: Callable[[], torch.Tensor]) -> int:
     """The Python bytecodes of one ``fn().backward()`` (backward on this thread: a GPU's autograd runs its
     Python on a worker thread, which ``sys.settrace`` would not see)."""
-    import sys
-
     tracer = _Bytecodes()
     listeners = _launch_listeners()
     listeners.append(tracer)
@@ -376,8 +374,6 @@ def host_ratio(reps: int = 200, rounds: int = 5) -> tuple[list[tuple[str, str, i
     bytecodes counted on this machine's own plan; fit seconds per op and per bytecode
     (:func:`~torch_contrastive.engine.cost.fit_bytecodes`). Returns the rows ``(loss, impl, launches,
     bytecodes, seconds)`` and the fit ``(op, bytecode, rms)``."""
-    import time
-
     rows = []
     for name, (ours, dense) in cases(16, 8, dtype=torch.float32).items():
         for impl, fn in (("ours", ours), ("dense", dense)):
@@ -411,10 +407,6 @@ def epilogue_countable() -> bool:
     """Whether the epilogue path can be counted here: triton installed, and a GPU, or the kernels run
     by the interpreter on the CPU tensors a count uses (switched on here when triton is not yet
     imported: the interpreter is chosen when the kernels are defined)."""
-    import importlib.util
-    import os
-    import sys
-
     if importlib.util.find_spec("triton") is None:
         return False
     if count_device().type == "cuda":  # counted on the GPU itself, the kernels compiled
