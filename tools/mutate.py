@@ -56,6 +56,8 @@ MATRYOSHKA_TESTS = ("tests/losses/test_matryoshka.py",)
 SYMMETRIC_TESTS = ("tests/losses/test_prefix_symmetric.py", "tests/losses/test_matryoshka.py")
 PREFIX_LSE_TESTS = ("tests/engine/test_prefix_lse.py", "tests/losses/test_matryoshka.py")
 PAIR_TESTS = ("tests/engine/test_pairwise.py", "tests/engine/test_one_tile.py", "tests/losses/test_losses.py")
+KEPT_TESTS = ("tests/losses/test_kept.py",)
+CORE_TESTS_TUPLE = tuple(CORE_TESTS)
 HALF_TILE_TESTS = ("tests/engine/test_one_tile_half.py", "tests/engine/test_planner.py")
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
@@ -827,10 +829,10 @@ MUTATIONS = [
     Mutation(f"{E}/softmax_tiles.py", "    _clear(e, places)  # the kept-apart sums leave out the self pairs and the positives",
              "    _put(e, places.positives, places.zeros[: places.positives.shape[0]])",
              "one-tile executor: the self pairs stay in a single set's sums", ONE_TILE_TESTS),
-    Mutation(f"{E}/one_tile.py", "            _put(grad_tile, places.both, torch.cat([c, c]), accumulate=True)",
+    Mutation(f"{E}/one_tile.py", "            put_both(grad_tile, places, c)",
              "            _put(grad_tile, places.positives, c, accumulate=True)",
              "one-tile executor: a single set's mirrored positive entries get no coefficient", ONE_TILE_TESTS),
-    Mutation(f"{E}/one_tile.py", "            grad_tile.diagonal().add_(c + torch.addcmul(zero(w_col), w_col, col_excess, value=-1))",
+    Mutation(f"{E}/one_tile.py", "            grad_tile.diagonal().add_(c + torch.addcmul(base, w_col, col_excess, value=-1))",
              "            grad_tile.diagonal().add_(c)",
              "one-tile executor: CLIP's column coefficient of the positive dropped", ONE_TILE_TESTS),
     Mutation(f"{E}/one_tile.py", "        return None, None, None, both[:n] if need_a else None, both[n:]",
@@ -1066,6 +1068,30 @@ MUTATIONS = [
              "a GPU's widened SupCon one tile reads its mask as tile passes (the CPU's executor)", HALF_TILE_TESTS),
     Mutation(f"{E}/one_tile_half.py", "            px = relation @ x\n", "            px = relation @ rows\n",
              "widened SupCon one tile: the positive sums of the unit rows, not the scaled ones", HALF_TILE_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "                key = (loss, a.shape, a.dtype, a.device,", "                key = (loss, a.shape, a.device,",
+             "kept calls: the feature dtype left out of the signature", KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "args[features:], tuple(kwargs.items()), kinds,", "args[features:], tuple(kwargs.items()),",
+             "kept calls: the arguments' types left out of the signature (validate=0 kept as validate=False)", KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "                       planner.GPU_BUDGET, planner.PRODUCTS, _tf32())",
+             "                       planner.GPU_BUDGET, _tf32())", "kept calls: the product scheme left out of the signature",
+             KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "            if replay.validate and not math.isfinite(out.item()):",
+             "            if False and replay.validate and not math.isfinite(out.item()):",
+             "kept calls: validate=True returns a non-finite loss without naming the input", KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "            if replay is _NOT_KEPT or type(a) is not Tensor or planner._LOG is not None or",
+             "            if replay is _NOT_KEPT or type(a) is not Tensor or",
+             "kept calls: replayed while explain() listens (its decisions not recorded)", KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "EXECUTORS[_ONE_TILE_KEY] is not one_tile.ONE_TILE or", "False or",
+             "kept calls: replayed when the one-tile executor was replaced", KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "    if result is not out or a is not args[0]", "    if a is not args[0]",
+             "kept calls: a full path whose result is not the lean call's output kept as that call", KEPT_TESTS),
+    Mutation(f"{PKG}/losses/_kept.py", "                if Tensor in kinds[features:]:", "                if False:",
+             "kept calls: a call with a tensor argument (labels) looked up and noted under that tensor", KEPT_TESTS),
+    Mutation(f"{E}/softmax_tiles.py", "        tile.view(-1).index_put_((places.roles,), c, accumulate=True)",
+             "        tile.view(-1).index_put_((places.roles,), c, accumulate=False)",
+             "single set's two roles: the positive coefficients written over the tile, not added", ONE_TILE_TESTS),
+    Mutation(f"{E}/normalization.py", "else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)",
+             "else torch.div(norm > 0, denom)", "normalisation backward: a float scale left out", CORE_TESTS_TUPLE),
 ]
 
 

@@ -196,29 +196,31 @@ class PathCost:
 #: NT-BXent's zS in one op and its negative sum from the row's, PML's sigmoid in one op; the soft-max half rows' one tile
 #: again 2026-11-28: the lean bf16 executor, engine/one_tile_half.py, its split product three GEMM-equivalents; the pair
 #: terms' one tile the same day: their bf16 lean executor; every row again 2026-11-28 with its Python bytecodes, the plans
-#: kept as on a GPU, and the "wide" rows added; Python 3.11.7, the epilogue's kernels in Triton's interpreter, whose
+#: kept as on a GPU, and the "wide" rows added; the launches and bytecodes once more the same day: kept calls
+#: (losses/_kept.py) -- a repeated one-tile call replayed without its set-up -- and the one-op fold of the
+#: scale and of a single set's two roles; Python 3.11.7, the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(51, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 2827, 1256),
-    ("columns", "torch", "wide"): PathCost(45, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 2666, 866),
-    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0, 7970, 1291),
-    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7489, 0),
-    ("rows", "torch", "half"): PathCost(41, 24.1, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 2508, 1411),
-    ("rows", "torch", "wide"): PathCost(34, 16.6, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 2381, 1061),
-    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67, 6424, 1202),
-    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6271, 0),
-    ("columns", "torch", "fp32"): PathCost(43, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 2660, 866),
-    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7126, 1041),
-    ("rows", "torch", "fp32"): PathCost(32, 16.6, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 2375, 1061),
-    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5891, 972),
-    ("pair_softplus", "torch", "half"): PathCost(54, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 3488, 2239),
-    ("pair_softplus", "torch", "wide"): PathCost(47, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 3392, 1787),
-    ("pair_softplus", "epilogue", "half"): PathCost(35, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0, 7369, 1488),
-    ("binary", "torch", "half"): PathCost(60, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 3493, 1345),
-    ("binary", "torch", "wide"): PathCost(53, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 3397, 950),
-    ("binary", "epilogue", "half"): PathCost(37, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0, 6678, 1088),
+    ("columns", "torch", "half"): PathCost(50, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 1491, 1355),
+    ("columns", "torch", "wide"): PathCost(44, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1240, 970),
+    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0, 8063, 1279),
+    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
+    ("rows", "torch", "half"): PathCost(39, 24.2, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 1313, 1559),
+    ("rows", "torch", "wide"): PathCost(32, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1115, 1216),
+    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67, 6519, 1191),
+    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
+    ("columns", "torch", "fp32"): PathCost(42, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1235, 970),
+    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7227, 1029),
+    ("rows", "torch", "fp32"): PathCost(30, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1110, 1216),
+    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5990, 961),
+    ("pair_softplus", "torch", "half"): PathCost(53, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 3460, 2239),
+    ("pair_softplus", "torch", "wide"): PathCost(46, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 3364, 1787),
+    ("pair_softplus", "epilogue", "half"): PathCost(35, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0, 7300, 1476),
+    ("binary", "torch", "half"): PathCost(59, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 3411, 1345),
+    ("binary", "torch", "wide"): PathCost(52, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 3315, 950),
+    ("binary", "epilogue", "half"): PathCost(37, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0, 6559, 1080),
 }
 
 

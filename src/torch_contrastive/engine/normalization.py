@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .precision import Scale
+from .precision import Scale, zero
 
 #: The row dtypes the Triton row kernels (``triton_backend.normalize_rows``) take; fp64 rows keep the torch form.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,12 +45,14 @@ def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps
 
     Three passes over the (N, D) rows (a row dot product, one fused multiply-add, one
     row scaling); the per-row cases are decided on (N, 1) vectors. Folding ``scale`` in
-    saves the caller a pass.
+    saves the caller a pass (a float one costs no op of its own: ``addcdiv``).
     """
     # (g * y).sum over the row, kept as a column: one op fewer than vecdot + unsqueeze; a masked
     # fill takes the bool mask as it is (a multiply by it would first widen it to a float copy)
     radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)
-    factor = torch.div(norm > 0, denom)  # 0 for an all-zero row (a multiply by a mask, cheaper than where)
-    if not isinstance(scale, float) or scale != 1.0:
-        factor = factor.mul_(scale)
+    # 0 for an all-zero row (a multiply by a mask, cheaper than where); a float scale folded into the same op
+    if isinstance(scale, float):
+        factor = torch.div(norm > 0, denom) if scale == 1.0 else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)
+    else:
+        factor = torch.div(norm > 0, denom).mul_(scale)
     return torch.addcmul(g, y, radial, value=-1).mul_(factor)

@@ -32,6 +32,7 @@ product, the gradient tile written once in bf16.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -48,7 +49,7 @@ from .planner import name_executor
 from .precision import autocast_enabled, zero
 from .problem import PairTerms, Problem, Softmax
 from .softmax import TORCH, _total, _weighted
-from .softmax_tiles import _put, kept_apart_terms
+from .softmax_tiles import _put, kept_apart_terms, put_both
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -56,6 +57,13 @@ if TYPE_CHECKING:
     from .softmax_tiles import FlatPlaces
 
 __all__ = ["ONE_TILE", "ONE_TILE_PAIRS"]
+
+#: This thread's lean calls, noted while a loss call is being kept (:mod:`torch_contrastive.losses._kept`):
+#: ``NOTED.calls`` a list of ``(function, plan, total, scale, a, b, out)``, absent or None otherwise.
+NOTED = threading.local()
+
+# inputs of these dtypes are computed in their own; fp16/bf16 in fp32 (precision.compute_dtype)
+_COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
 class OneTileSoftmax:
@@ -79,7 +87,12 @@ class OneTileSoftmax:
             mask = HalfOneTileMask if plan.half or wide else _OneTileMask
             return mask.apply(plan, total, scale, a, *stat.row_weights), None
         strided = HalfOneTile if plan.half else _OneTile  # bf16 on tensor cores (.one_tile_half), else the compute dtype
-        return strided.apply(plan, total, scale, a, None if problem.single else problem.candidates), None
+        b = None if problem.single else problem.candidates
+        out = strided.apply(plan, total, scale, a, b)
+        noted = getattr(NOTED, "calls", None)
+        if noted is not None:
+            noted.append((strided, plan, total, scale, a, b, out))
+        return out, None
 
 
 #: The one-tile soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
@@ -90,14 +103,16 @@ class _OneTile(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
                 b: Tensor | None) -> Tensor:
-        places = cast("FlatPlaces", plan.places)  # one_tile plans have them
-        ctx.dtype = a.dtype  # the planner gave two sets one dtype
+        places: FlatPlaces = plan.places  # type: ignore[assignment]  # (one_tile plans have them; no cast() call)
         # (a single set is its own candidates; two sets are normalised as one stack: each op once for both)
-        rows, denom, norm = l2_normalize(to_compute(a if b is None else torch.cat((a, b)), None, 1.0)[0], plan.eps)
+        x = a if b is None else torch.cat((a, b))
+        rows, denom, norm = l2_normalize(x if x.dtype in _COMPUTE_DTYPES else x.float(), plan.eps)  # (driver.to_compute)
         za, zb = (rows, rows) if b is None else (rows[: a.shape[0]], rows[a.shape[0] :])
-        e = torch.addmm(zero(za), za, zb.t(), beta=0, alpha=scale).exp_()
+        base = zero(za)  # (backward's fused ops take it too)
+        e = torch.addmm(base, za, zb.t(), beta=0, alpha=scale).exp_()
         d, d_col, row_total, excess, col_total, col_excess = kept_apart_terms(e, places, plan.columns)
-        ctx.plan, ctx.total, ctx.scale, ctx.single = plan, total, scale, b is None
+        # one attribute for backward's constants (the planner gave two sets one dtype)
+        ctx.constants = (plan, total, scale, a.dtype, b is None, base)
         ctx.save_for_backward(rows, denom, norm, e, row_total, excess, col_total, col_excess)
         return _total(d, d_col, total)
 
@@ -105,23 +120,25 @@ class _OneTile(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
         rows, denom, norm, e, row_total, excess, col_total, col_excess = ctx.saved_tensors
-        plan, total, scale, dtype = ctx.plan, ctx.total, ctx.scale, ctx.dtype
-        places = cast("FlatPlaces", plan.places)
-        uniform = as_dtype(g * total[0], rows.dtype)  # d loss / d d_i, the same for every row
+        plan, total, scale, dtype, single, base = ctx.constants
+        places: FlatPlaces = plan.places  # type: ignore[assignment]
+        uniform = g * total[0]  # d loss / d d_i, the same for every row (as_dtype inlined: the commonest small call)
+        if uniform.dtype != rows.dtype:
+            uniform = uniform.to(rows.dtype)
         w = uniform / row_total  # each row's soft-max weight u / sum exp
-        c = torch.addcmul(zero(w), w, excess, value=-1)  # the kept-apart positive's coefficient -w * excess
-        if ctx.single:  # H = G + G^T = (w_i + w_j) e_ij, each positive in both roles; one product
+        c = torch.addcmul(base, w, excess, value=-1)  # the kept-apart positive's coefficient -w * excess
+        if single:  # H = G + G^T = (w_i + w_j) e_ij, each positive in both roles; one product
             grad_tile = (w.unsqueeze(1) + w).mul_(e)
-            _put(grad_tile, places.both, torch.cat([c, c]), accumulate=True)
+            put_both(grad_tile, places, c)
             ga = l2_normalize_backward(grad_tile @ rows, rows, denom, norm, plan.eps, scale)
-            return None, None, None, as_dtype(ga, dtype), None
+            return None, None, None, ga if ga.dtype == dtype else ga.to(dtype), None
         n = e.shape[0]
         za, zb = rows[:n], rows[n:]
         if col_total is not None:
             uniform_col = uniform if total[1] is total[0] else as_dtype(g * total[1], rows.dtype)
             w_col = uniform_col / col_total
             grad_tile = (w[:, None] + w_col).mul_(e)
-            grad_tile.diagonal().add_(c + torch.addcmul(zero(w_col), w_col, col_excess, value=-1))
+            grad_tile.diagonal().add_(c + torch.addcmul(base, w_col, col_excess, value=-1))
         else:
             grad_tile = e * w[:, None]
             _put(grad_tile, places.positives, c, accumulate=True)

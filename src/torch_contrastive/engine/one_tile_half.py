@@ -41,7 +41,7 @@ from .pairwise import _KERNELS, combined, combined_grads
 from .precision import zero
 from .products import _mm32, rounded_mul
 from .softmax import _total, _weighted
-from .softmax_tiles import _put, kept_apart_terms
+from .softmax_tiles import _put, kept_apart_terms, put_both
 
 if TYPE_CHECKING:
     from ..positives import KeyPositives
@@ -73,7 +73,7 @@ class HalfOneTile(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
                 b: Tensor | None) -> Tensor:
-        places = cast("FlatPlaces", plan.places)
+        places: FlatPlaces = plan.places  # type: ignore[assignment]
         n = a.shape[0]
         rows, denom, norm = l2_normalize((a if b is None else torch.cat((a, b))).float(), plan.eps)
         _, h, u, v = split_rows(rows, scale, a.dtype)
@@ -89,13 +89,13 @@ class HalfOneTile(torch.autograd.Function):
         first_order_only()
         rows, denom, norm, h, e, row_total, excess, col_total, col_excess = ctx.saved_tensors
         plan, total, dtype, root = ctx.plan, ctx.total, ctx.dtype, math.sqrt(ctx.scale)
-        places = cast("FlatPlaces", plan.places)
+        places: FlatPlaces = plan.places  # type: ignore[assignment]
         uniform = as_dtype(g * total[0], rows.dtype)  # d loss / d d_i, the same for every row
         w = uniform / row_total
         c = torch.addcmul(zero(w), w, excess, value=-1)  # the kept-apart positive's coefficient -w * excess
         if ctx.single:  # H = G + G^T = (w_i + w_j) e_ij, each positive in both roles; one product
             tile = rounded_mul(w.unsqueeze(1) + w, e, dtype)
-            _put(tile, places.both, torch.cat([c, c]).to(dtype), accumulate=True)
+            put_both(tile, places, c.to(dtype))
             ga = l2_normalize_backward(_mm32(tile, h), rows, denom, norm, plan.eps, root)
             return None, None, None, as_dtype(ga, dtype), None
         n = e.shape[0]

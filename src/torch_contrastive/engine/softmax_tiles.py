@@ -52,6 +52,7 @@ class FlatPlaces(NamedTuple):
 
     positives: Tensor  # (n,) row i's positive (i, p(i)), in row order
     both: Tensor  # (2n,) the positives, then the mirrored entries (p(i), i): a single set's two roles
+    roles: Tensor  # ``both`` as (2, n): the two roles of row i's coefficient in column i (:func:`put_both`)
     left_out: Tensor  # the self pairs (if any) and the positives: what the kept-apart sums leave out
     zeros: Tensor  # zeros of the tile's dtype, one per left-out place (what clears them)
 
@@ -73,7 +74,8 @@ def flat_places(positives: Positives | None, self_offset: int | None, dtype: tor
         rows = torch.arange(n, device=partner.device)
         flat = rows * n + partner
         left_out = flat if self_offset is None else torch.cat([rows * n + rows + self_offset, flat])
-        places = FlatPlaces(flat, torch.cat([flat, partner * n + rows]), left_out,
+        both = torch.cat([flat, partner * n + rows])
+        places = FlatPlaces(flat, both, both.view(2, n), left_out,
                             torch.zeros(left_out.shape[0], dtype=dtype, device=partner.device))
         if len(_FLAT) > 64:  # many distinct shapes: keep the cache small
             _FLAT.clear()
@@ -179,6 +181,17 @@ def _put(tile: Tensor, at: Tensor, values: Tensor, accumulate: bool = False) -> 
         tile.put_(at, values, accumulate=accumulate)
 
 
+def put_both(tile: Tensor, places: FlatPlaces, c: Tensor) -> None:
+    """``G[i, p(i)] += c_i`` and ``G[p(i), i] += c_i`` (a single set's two roles) in one accumulating write:
+    ``index_put_`` broadcasts ``c`` over the two roles, so no (2n,) copy of it is made (one op fewer than
+    ``put_`` of ``cat([c, c])``, the same additions in the same order); in deterministic mode an indexed add
+    of that copy (``put_``'s accumulation has no deterministic kernel)."""
+    if torch.are_deterministic_algorithms_enabled():
+        tile.view(-1).index_add_(0, places.both, torch.cat([c, c]))
+    else:
+        tile.view(-1).index_put_((places.roles,), c, accumulate=True)
+
+
 def kept_apart_terms(e: Tensor, places: FlatPlaces, columns: bool) -> tuple[Any, ...]:
     """The one tile's soft-max terms of a strided relation kept apart (:mod:`.one_tile`, :mod:`.one_tile_half`),
     ``e = exp(S)`` cleared in place at the left-out places: ``(d, d_col, row_total, excess, col_total,
@@ -278,9 +291,11 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
     if strided:  # one set of coefficients (a single set's columns are its rows)
         places = _places(plan)
         # G[i, p(i)] += c_i, and when symmetric G[p(i), i] += c_i too: one accumulating write
+        if plan.symmetric and c_row.ndim == 1:
+            put_both(g, places, c_row)
+            return
         at = places.both if plan.symmetric else places.positives
-        values = c_row.expand(at.shape[0]) if c_row.ndim == 0 else torch.cat([c_row, c_row]) if plan.symmetric else c_row
-        _put(g, at, values, accumulate=True)
+        _put(g, at, c_row.expand(at.shape[0]) if c_row.ndim == 0 else c_row, accumulate=True)
         return
     c_row = c_row.expand(g.shape[0])
     c_col = None if c_col is None else c_col.expand(g.shape[1])

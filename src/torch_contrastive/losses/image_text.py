@@ -14,6 +14,7 @@ from .._tensors import as_dtype
 from ..distributed import Scope
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, PartnerPositives, Positives
+from ._kept import kept
 from ._pairing import image_text_positives, positive_logits
 from ._prologue import check_agreement, engine_total, finish_checks, image_text_inputs
 
@@ -33,6 +34,7 @@ def text_ids(texts: list[str]) -> Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+@kept(2)
 def image_text_contrastive_loss(
     image_feat: Tensor,
     text_feat: Tensor,

@@ -9,6 +9,7 @@ from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
 from ..positives import Exclusion, Positives
+from ._kept import kept
 from ._labelled import check_reference, labelled_pairwise_rows
 from ._pairing import partner_positives, positive_logits
 from ._prologue import begin, engine_total, reduce, single_set
@@ -16,6 +17,7 @@ from ._prologue import begin, engine_total, reduce, single_set
 __all__ = ["nt_xent_loss"]
 
 
+@kept(1)
 def nt_xent_loss(
     embeddings: Tensor,
     temperature: float | Tensor = 0.5,
