@@ -117,7 +117,9 @@ def kept(features: int) -> Callable[[F], F]:
             except (IndexError, AttributeError, TypeError):  # too few arguments, not tensors, an unhashable one: not kept
                 return loss(*args, **kwargs)
             if replay is None:
-                return _record(loss, key, features, args, kwargs) if type(a) is Tensor else loss(*args, **kwargs)
+                if type(a) is not Tensor or (_dist_initialized() and distributed.is_active()):  # (never kept: no notes)
+                    return loss(*args, **kwargs)
+                return _record(loss, key, features, args, kwargs)
             # (_usable, inlined: this is the kept call's whole Python)
             if replay is _NOT_KEPT or type(a) is not Tensor or planner._LOG is not None or _transforms_active() or \
                     _autocast(a.device.type) or EXECUTORS[_ONE_TILE_KEY] is not one_tile.ONE_TILE or \

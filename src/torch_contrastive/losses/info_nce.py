@@ -16,13 +16,11 @@ from .. import _validation as v
 from ..engine import Options
 from ._false_negatives import false_negative_rules
 from ._info_nce_groups import candidate_groups, in_batch
-from ._kept import kept
 from ._prologue import begin, check_agreement, reduce
 
 __all__ = ["info_nce_loss"]
 
 
-@kept(2)
 def info_nce_loss(
     query: Tensor,
     key: Tensor,
