@@ -85,12 +85,6 @@ _dist_initialized = torch.distributed.is_initialized if torch.distributed.is_ava
 _tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
 
 
-def _usable(device: torch.device) -> bool:
-    """Whether a kept call may stand for the full path now (the module docstring's conditions)."""
-    return (planner._LOG is None and not torch.is_autocast_enabled(device.type) and not _transforms_active()
-            and EXECUTORS[_ONE_TILE_KEY] is one_tile.ONE_TILE and not distributed.is_active())
-
-
 def kept(features: int) -> Callable[[F], F]:
     """Wrap a loss whose first ``features`` positional arguments are its feature tensors (1: a single
     set, the candidates are the anchors; 2: anchors and candidates) so its repeated calls are kept."""
@@ -116,15 +110,14 @@ def kept(features: int) -> Callable[[F], F]:
                 replay = _KEPT.get(key)
             except (IndexError, AttributeError, TypeError):  # too few arguments, not tensors, an unhashable one: not kept
                 return loss(*args, **kwargs)
-            if replay is None:
-                if type(a) is not Tensor or (_dist_initialized() and distributed.is_active()):  # (never kept: no notes)
-                    return loss(*args, **kwargs)
-                return _record(loss, key, features, args, kwargs)
-            # (_usable, inlined: this is the kept call's whole Python)
+            # whether a kept call may stand for the full path now (the module docstring's conditions), asked
+            # before a call is kept as before one is replayed; inline: this is the kept call's whole Python
             if replay is _NOT_KEPT or type(a) is not Tensor or planner._LOG is not None or _transforms_active() or \
                     _autocast(a.device.type) or EXECUTORS[_ONE_TILE_KEY] is not one_tile.ONE_TILE or \
                     (_dist_initialized() and distributed.is_active()):
                 return loss(*args, **kwargs)
+            if replay is None:
+                return _record(loss, key, features, kinds, args, kwargs)
             function = replay.function
             if "apply" in function.__dict__:  # a wrapped apply (a test counting calls) is called as it is
                 out = function.apply(replay.plan, replay.total, replay.scale, a, b)
@@ -139,8 +132,10 @@ def kept(features: int) -> Callable[[F], F]:
     return wrap
 
 
-def _record(loss: Callable[..., Tensor], key: Any, features: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
-    """The full path, kept when it ended in one lean one-tile call on the caller's own features."""
+def _record(loss: Callable[..., Tensor], key: Any, features: int, kinds: tuple[type, ...], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Tensor:
+    """The full path, kept when it ended in one lean one-tile call on the caller's own features (``kinds``: the
+    arguments' types, positional then keyword)."""
     noted = one_tile.NOTED
     previous = getattr(noted, "calls", None)
     calls: list[tuple[Any, ...]] = []
@@ -149,11 +144,9 @@ def _record(loss: Callable[..., Tensor], key: Any, features: int, args: tuple[An
         out = loss(*args, **kwargs)
     finally:
         noted.calls = previous
-    if not _usable(args[0].device):  # (nothing is learnt about the signature: asked again next time)
-        return out
     if len(_KEPT) >= LIMIT:
         _KEPT.clear()
-    if len(calls) != 1 or not all(type(x) in _SCALARS for x in args[features:] + tuple(kwargs.values())):
+    if len(calls) != 1 or not all(kind in _SCALARS for kind in kinds[features:]):
         _KEPT[key] = _NOT_KEPT  # the full path, every time, without this one's bookkeeping
         return out
     function, plan, total, scale, a, b, result = calls[0]
