@@ -43,12 +43,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import torch
 from torch import Tensor
 
 from ._tensors import mask_as, self_diagonal
+
+if TYPE_CHECKING:
+    from .engine.planner import Reader
 
 __all__ = [
     "DENSE_KEYS_LIMIT",
@@ -71,24 +74,31 @@ DENSE_KEYS_LIMIT = 256 * 256
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
 
-def _dense_pays(rows: int, cols: int, device: torch.device) -> bool:
-    from .engine.planner import dense_relation  # the engine imports this module: imported on first use
+# the engine's planner, which imports this module: imported on first use, then kept here (an import statement
+# in a function runs the import machinery's Python on every call: some 25 bytecodes a label call each)
+_PLANNER: Any = None
 
-    return dense_relation(rows, cols, device, DENSE_KEYS_LIMIT)
+
+def _planner() -> Any:
+    global _PLANNER
+    from .engine import planner
+
+    _PLANNER = planner
+    return planner
+
+
+def _dense_pays(rows: int, cols: int, device: torch.device, reader: Reader | None = None) -> bool:
+    return (_PLANNER or _planner()).dense_relation(rows, cols, device, DENSE_KEYS_LIMIT, reader)
 
 
 def _counts_from_values(dense: Tensor, dtype: torch.dtype) -> bool:
     """Whether a dense relation's counts in ``dtype`` come from its 0/1 values (exact: see _EXACT_COUNTS)."""
-    from .engine.planner import counts_from_values
-
-    return dtype in _EXACT_COUNTS and dense.shape[1] < 2**24 and counts_from_values(dense.device)
+    return dtype in _EXACT_COUNTS and dense.shape[1] < 2**24 and (_PLANNER or _planner()).counts_from_values(dense.device)
 
 
 def _mask_on_tensor_cores(x: Tensor) -> bool:
     """Whether a dense 0/1 relation multiplies fp32 rows on tensor cores (:func:`_mask_product`): on a GPU."""
-    from .engine.planner import mask_on_tensor_cores  # the engine imports this module: imported on first use
-
-    return x.dtype == torch.float32 and mask_on_tensor_cores(x.device)
+    return x.dtype == torch.float32 and (_PLANNER or _planner()).mask_on_tensor_cores(x.device)
 
 
 def _mask_product(mask: Tensor, x: Tensor) -> Tensor:
@@ -149,7 +159,7 @@ class Positives:
 
     @staticmethod
     def from_keys(row_keys: Tensor | tuple[Tensor, ...], col_keys: Tensor | tuple[Tensor, ...] | None = None, *,
-                  self_offset: int | None = 0) -> KeyPositives:
+                  self_offset: int | None = 0, reader: Reader | None = None) -> KeyPositives:
         """Positives by key equality: ``i ~ j`` iff any ``row_keys[k][i] == col_keys[k][j]``.
 
         Args:
@@ -158,20 +168,17 @@ class Positives:
             col_keys: the same for the C candidates; defaults to ``row_keys``
                 (single-set losses).
             self_offset: anchor ``i`` is candidate ``i + self_offset`` (``None``: none).
+            reader: the problem the relation is built for, as the planner prices it (the form of a large
+                relation on a GPU depends on the backend that reads it:
+                :func:`~torch_contrastive.engine.planner.dense_relation`); None: decided by size alone.
         """
-        rk = (row_keys,) if isinstance(row_keys, Tensor) else tuple(row_keys)
-        ck = rk if col_keys is None else ((col_keys,) if isinstance(col_keys, Tensor) else tuple(col_keys))
-        if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
-            raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
-        for name, given in (("row_keys", rk), ("col_keys", ck)):
-            for key in given:  # metadata only: a float key would be truncated, a 2-D one flattened
-                if not isinstance(key, Tensor) or key.ndim != 1 or key.dtype.is_floating_point or key.is_complex():
-                    what = f"{tuple(key.shape)} {key.dtype}" if isinstance(key, Tensor) else type(key).__name__
-                    raise TypeError(f"{name} must be 1-D integer (or bool) tensors, got {what}")
-        rows = tuple(_index_vector(k) for k in rk)
-        cols = rows if col_keys is None else tuple(_index_vector(k) for k in ck)
-        num_rows, num_cols = int(rows[0].numel()), int(cols[0].numel())
-        if _dense_pays(num_rows, num_cols, rows[0].device):
+        if _int64_vector(row_keys) and (col_keys is None or _int64_vector(col_keys)):  # a loss's labels: no loops
+            rows: tuple[Tensor, ...] = (row_keys,)
+            cols: tuple[Tensor, ...] = rows if col_keys is None else (col_keys,)
+        else:
+            rows, cols = _key_vectors(row_keys, col_keys)
+        num_rows, num_cols = rows[0].shape[0], cols[0].shape[0]
+        if _dense_pays(num_rows, num_cols, rows[0].device, reader):
             # Small batches: the R x C relation itself is cheaper than grouping by a sort
             # (a few element-wise ops instead of a dozen small ones).
             dense = rows[0].unsqueeze(1) == cols[0]  # (R, 1) against (C,): no view of the columns
@@ -590,6 +597,28 @@ class MaskPositives(Positives):
         if self.self_offset is None:
             return torch.zeros(self.num_rows, dtype=torch.bool, device=device)
         return self.sample_mask[self.row_sample, self.row_sample]
+
+
+def _int64_vector(k: object) -> TypeGuard[Tensor]:
+    """Whether ``k`` is a 1-D int64 tensor (a key as :meth:`Positives.from_keys` holds it)."""
+    return type(k) is Tensor and k.dtype == torch.int64 and k.ndim == 1
+
+
+def _key_vectors(row_keys: Tensor | tuple[Tensor, ...],
+                 col_keys: Tensor | tuple[Tensor, ...] | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """:meth:`Positives.from_keys`'s keys checked (their metadata only: a float key would be truncated, a 2-D one
+    flattened) and made 1-D int64."""
+    rk = (row_keys,) if isinstance(row_keys, Tensor) else tuple(row_keys)
+    ck = rk if col_keys is None else ((col_keys,) if isinstance(col_keys, Tensor) else tuple(col_keys))
+    if not 1 <= len(rk) <= 2 or len(rk) != len(ck):
+        raise ValueError("row_keys and col_keys must be one or two key tensors each, the same number")
+    for name, given in (("row_keys", rk), ("col_keys", ck)):
+        for key in given:
+            if not isinstance(key, Tensor) or key.ndim != 1 or key.dtype.is_floating_point or key.is_complex():
+                what = f"{tuple(key.shape)} {key.dtype}" if isinstance(key, Tensor) else type(key).__name__
+                raise TypeError(f"{name} must be 1-D integer (or bool) tensors, got {what}")
+    rows = tuple(_index_vector(k) for k in rk)
+    return rows, rows if col_keys is None else tuple(_index_vector(k) for k in ck)
 
 
 def _index_vector(k: Tensor) -> Tensor:

@@ -262,7 +262,7 @@ def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
     monkeypatch.setattr(planner, "PRODUCTS", "half")  # tensor-core products, as counted (the model widens 1,024 rows)
     got, one = {}, {}
     for dense in (True, False):
-        monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, dense=dense: dense)
+        monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, reader=None, dense=dense: dense)
         got[dense] = count_loss("supcon", "torch", 1024, 500, at=256, tiles=4)
         one[dense] = count_loss("supcon", "torch", 1024, 500, at=256)
     assert got[True].passes - got[False].passes == pytest.approx(RELATION_FORMS.dense_passes, abs=0.5)
@@ -280,6 +280,36 @@ def test_the_form_of_a_label_relation_is_the_devices_choice():
     with planner.simulate("cuda", area=64.0):  # counted at 2,048 rows, standing for 16,384
         assert not planner.dense_relation(2048, 2048, cpu, limit)
     assert planner._SIMULATED_AREA == 1.0
+
+
+def test_a_label_relation_read_by_the_one_torch_tile_is_dense():
+    """On a GPU the one torch tile reads a mask by GEMMs (cheaper than the grouped form at any size): a relation
+    built for a problem the planner will run there is dense; one for a kernel backend, or for strips, is not."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    rows, pairs = None, "pair_softplus"
+
+    def reader(kernel: str | None = rows, backend: str = "auto", chunk: int | None = None) -> planner.Reader:
+        return planner.Reader(bf16, bf16, chunk, backend, 512, True, kernel)
+
+    with planner.simulate("cuda", area=64.0):  # counted at 1,024 rows, standing for 8,192
+        assert not planner.dense_relation(1024, 1024, cpu, 0)  # by the strips' prices alone: grouped
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon: the model picks the torch tile
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch"))
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="epilogue"))
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # strips (256 of 1,024 stands for 2,048)
+    with planner.simulate("cuda", budget=1 << 23):  # a mask past the scratch budget is never dense
+        assert not planner.dense_relation(4096, 4096, cpu, 0, reader(backend="torch"))
+    with planner.simulate("cuda"):
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))
+    # the loss passes its reader: SupCon at 8,192 rows on the GPU plan runs the lean tile on a mask
+    counted = count_loss("supcon", "ours", 8192, 512, at=256)
+    grouped = count_loss("supcon", "torch", 8192, 512, at=256, tiles=4)
+    assert counted.ops.get("sort", 0) == 0 and grouped.ops.get("sort", 0) >= 1
+    assert counted.launches < grouped.launches
+    # the pair terms' too, asked for the torch backend (the model's own pick there is the epilogue: keys, no mask)
+    assert count_loss("nt_xent_pml", "torch", 8192, 512, at=256).ops.get("sort", 0) == 0
+    assert count_loss("nt_xent_pml", "ours", 8192, 512, at=256).ops.get("sort", 0) >= 1
 
 
 def test_an_accumulating_product_counts_its_flops():

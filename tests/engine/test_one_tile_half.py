@@ -91,7 +91,7 @@ def _agrees_with_float64(name, got, inputs, rows, formula, grads):
 
 
 def test_the_split_product_is_accurate_to_about_21_bits():
-    """``[h | l | h] . [h | h | l] = x . x`` to about 2^-21 of ``|x|^2`` (fp16 parts) -- a bf16 product of the
+    """``[l | h | h] . [h | h | l] = x . x`` to about 2^-21 of ``|x|^2`` (fp16 parts) -- a bf16 product of the
     rounded rows errs by about 2^-8; the backward operand is ``x`` rounded to the input dtype."""
     g = torch.Generator().manual_seed(3)
     rows = torch.nn.functional.normalize(torch.randn(64, 96, generator=g, dtype=torch.float64), dim=1).float()

@@ -38,7 +38,8 @@ def full_paths(monkeypatch):
         calls[0] += 1
         return real(problem)
 
-    for module in ("torch_contrastive.losses.image_text", "torch_contrastive.losses.nt_xent"):
+    for module in ("torch_contrastive.losses.image_text", "torch_contrastive.losses.nt_xent", "torch_contrastive.losses.supcon",
+                   "torch_contrastive.losses._labelled", "torch_contrastive.losses.nt_bxent"):
         monkeypatch.setattr(importlib.import_module(module), "solve", counted)
     return calls
 
@@ -172,9 +173,9 @@ def test_calls_that_are_not_one_lean_call_run_their_full_path_every_time(full_pa
     assert full_paths[0] == 6
     assert list(_kept._KEPT.values()) == [_kept._NOT_KEPT, _kept._NOT_KEPT]
     assert per_row.shape == (12,) and several.ndim == 0
-    labels = torch.arange(12, device=DEVICE) % 3
+    tau = torch.tensor(0.1, device=DEVICE)
     for _ in range(2):
-        tc.nt_xent_loss(x, 0.1, labels=labels)  # a tensor among the other arguments: no signature at all
+        tc.nt_xent_loss(x, tau)  # a tensor among the other arguments, not the labels: no signature at all
     assert len(_kept._KEPT) == 2
 
 
@@ -235,3 +236,123 @@ def test_a_loss_that_changes_the_lean_result_is_not_kept():
     want = 2 * tc.nt_xent_loss.__wrapped__(x, 0.1, pairing="halves")
     assert torch.equal(doubled(x, 0.1), want) and torch.equal(doubled(x, 0.1), want)
     assert list(_kept._KEPT.values()) == [_kept._NOT_KEPT]
+
+
+#: Label losses: a kept call rebuilds its relation and statistic from each call's labels (the loss's own functions).
+LABEL_CALLS = {
+    "supcon, labels by position": lambda a, y, **kw: tc.supcon_loss(a, y, temperature=0.1, **kw),
+    "supcon, labels by keyword": lambda a, y, **kw: tc.supcon_loss(a, labels=y, temperature=0.3, reduction="sum", **kw),
+    "supcon module": lambda a, y, **kw: tc.SupConLoss(temperature=0.2, **kw)(a, y),
+    "pml nt_xent": lambda a, y, **kw: tc.nt_xent_loss(a, 0.1, labels=y, **kw),
+    "nt_bxent": lambda a, y, **kw: tc.nt_bxent_loss(a, labels=y, temperature=0.2, **kw),
+}
+
+
+def _labels(n, classes, seed, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, classes, (n,), generator=g).to(DEVICE, dtype)
+
+
+def _run_labels(fn, x, y, **kw):
+    a = x.clone().requires_grad_()
+    loss = fn(a, y, **kw)
+    loss.backward()
+    return loss.detach(), a.grad
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("name", list(LABEL_CALLS))
+def test_a_labelled_call_is_kept_with_its_relation_rebuilt_from_each_calls_labels(name, validate, full_paths):
+    fn = LABEL_CALLS[name]
+    x = _rows(14, 5, seed=1)
+    first = _run_labels(fn, x, _labels(14, 3, seed=1), validate=validate)
+    assert full_paths[0] == 1 and len(_kept._KEPT) == 1 and _kept._NOT_KEPT not in _kept._KEPT.values()
+    x2, y2 = _rows(14, 5, seed=3), _labels(14, 4, seed=2)  # other values and other labels, the same signature
+    kept = _run_labels(fn, x2, y2, validate=validate)
+    assert full_paths[0] == 1, "the second call ran its set-up again"
+    _kept.clear()
+    full = _run_labels(fn, x2, y2, validate=validate)
+    assert full_paths[0] == 2
+    for k, f in zip(kept, full):
+        assert torch.equal(k, f), name  # the same functions on the same labels: the same bits
+    assert not torch.equal(first[0], kept[0])
+
+
+def test_a_kept_labelled_call_equals_the_float64_formula():
+    """SupCon (Khosla et al.'s SupConLoss on one view) from naive loops, the kept call on new labels."""
+    x, y = _rows(10, 4, dtype=torch.float64, seed=5), _labels(10, 3, seed=5)
+    tc.supcon_loss(x, y, temperature=0.5)
+    x2, y2 = _rows(10, 4, dtype=torch.float64, seed=6), _labels(10, 3, seed=6)
+    got = tc.supcon_loss(x2, y2, temperature=0.5)
+    assert _kept._NOT_KEPT not in _kept._KEPT.values()
+    z = torch.nn.functional.normalize(x2.cpu(), dim=1)
+    s = z @ z.t() / 0.5
+    labels = y2.cpu().tolist()
+    terms = []
+    for i in range(10):
+        others = [j for j in range(10) if j != i]
+        positives = [p for p in others if labels[p] == labels[i]]
+        if not positives:
+            continue
+        lse = torch.logsumexp(torch.stack([s[i, j] for j in others]), 0)
+        terms.append(sum(lse - s[i, p] for p in positives) / len(positives))
+    want = torch.stack(terms).mean()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_labels_that_differ_in_shape_or_dtype_or_come_with_other_tensors_take_the_full_path(full_paths):
+    x = _rows(14, 5)
+    fn = LABEL_CALLS["pml nt_xent"]
+    fn(x, _labels(14, 3, seed=1))
+    fn(x, _labels(14, 3, seed=2, dtype=torch.int32))  # another dtype: another signature (the full path converts it)
+    assert full_paths[0] == 2 and len(_kept._KEPT) == 2
+    with pytest.raises(ValueError, match="labels"):  # another length: refused by the full path
+        fn(x, _labels(13, 3, seed=1))
+    with pytest.raises(TypeError, match="labels"):
+        fn(x, _labels(14, 3, seed=1).float())
+    runs = full_paths[0]
+    memory = (_rows(6, 5, seed=9), _labels(6, 3, seed=9))
+    for _ in range(2):  # a memory: the relation is not the labels' alone
+        tc.nt_xent_loss(x, 0.1, labels=_labels(14, 3, seed=1), memory_emb=memory[0], memory_labels=memory[1])
+    for _ in range(2):  # a mask instead of labels: a tensor that is not the labels
+        tc.supcon_loss(x, mask=torch.eye(14, dtype=torch.bool, device=DEVICE), temperature=0.1)
+    assert full_paths[0] == runs + 4
+
+
+def test_a_kept_labelled_call_converts_and_checks_its_labels_as_the_full_path():
+    x = _rows(14, 5)
+    y = _labels(14, 3, seed=1, dtype=torch.int32)
+    tc.supcon_loss(x, y, temperature=0.1)
+    y2 = _labels(14, 3, seed=4, dtype=torch.int32)
+    kept = tc.supcon_loss(x, y2, temperature=0.1)
+    _kept.clear()
+    assert torch.equal(kept, tc.supcon_loss(x, y2.long(), temperature=0.1))
+    tc.supcon_loss(x, y, temperature=0.1)  # kept again
+    assert _kept._NOT_KEPT not in _kept._KEPT.values() and len(_kept._KEPT) == 2
+    bad = x.clone()
+    bad[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="features"):  # validate=True: the kept call's read reruns the full path
+        tc.supcon_loss(bad, y, temperature=0.1)
+
+
+def test_a_labelled_call_is_kept_only_when_its_relation_is_the_rebuilt_one(monkeypatch):
+    """The lean call must have read the relation and statistic the noted function built: a loss that noted
+    another relation (here a copy) is not kept."""
+    import copy
+
+    supcon_module = importlib.import_module("torch_contrastive.losses.supcon")
+    real = supcon_module.note_rebuild
+    monkeypatch.setattr(supcon_module, "note_rebuild", lambda positives, stat, fn, *bound: real(copy.copy(positives), stat, fn, *bound))
+    x = _rows(14, 5)
+    tc.supcon_loss(x, _labels(14, 3, seed=1), temperature=0.1)
+    assert list(_kept._KEPT.values()) == [_kept._NOT_KEPT]
+
+
+@pytest.mark.parametrize("name", ["supcon, labels by position", "pml nt_xent", "nt_bxent"])
+def test_a_kept_labelled_call_makes_the_full_paths_host_reads(name):
+    fn = LABEL_CALLS[name]
+    x, y = _rows(14, 5), _labels(14, 3, seed=1)
+    for validate in (True, False):
+        fn(x, y, validate=validate)
+        kept = host_sync_events(lambda validate=validate: fn(x, y, validate=validate))
+        assert len(kept) == (1 if validate else 0), (validate, kept)

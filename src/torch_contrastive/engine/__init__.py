@@ -57,7 +57,7 @@ tile (the common small batch) skips the tile bookkeeping altogether.
 """
 
 from .pairwise import pairwise_rows, tile_label_bounds
-from .planner import Decision, decide, explain, plan, resolve_tile
+from .planner import Decision, Reader, decide, explain, plan, resolve_tile
 from .precision import Scale, compute_dtype, fixed_scale_applies
 from .problem import Options, PairTerms, Problem, SigmoidPairs, Softmax
 from .sigmoid import sigmoid_rows
@@ -72,6 +72,7 @@ __all__ = [
     "Options",
     "PairTerms",
     "Problem",
+    "Reader",
     "Scale",
     "SigmoidPairs",
     "Softmax",

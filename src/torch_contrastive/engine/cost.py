@@ -198,16 +198,20 @@ class PathCost:
 #: terms' one tile the same day: their bf16 lean executor; every row again 2026-11-28 with its Python bytecodes, the plans
 #: kept as on a GPU, and the "wide" rows added; the launches and bytecodes once more the same day: kept calls
 #: (losses/_kept.py) -- a repeated one-tile call replayed without its set-up -- and the one-op fold of the
-#: scale and of a single set's two roles; Python 3.11.7, the epilogue's kernels in Triton's interpreter, whose
+#: scale and of a single set's two roles; the torch rows' again the same day: the split product's operands as
+#: two views of one buffer written by two ops (two launches fewer on tensor cores), the lean functions' apply
+#: called in C, a label relation's form asked of its reader (engine/planner.py, dense_relation), the pair terms'
+#: repeated one tile kept (a label call's relation rebuilt from its labels: losses/_kept.py); Python 3.11.7,
+#: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(50, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 1491, 1355),
+    ("columns", "torch", "half"): PathCost(48, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 1552, 1351),
     ("columns", "torch", "wide"): PathCost(44, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1240, 970),
     ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0, 8063, 1279),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
-    ("rows", "torch", "half"): PathCost(39, 24.2, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 1313, 1559),
+    ("rows", "torch", "half"): PathCost(37, 24.2, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 1380, 1551),
     ("rows", "torch", "wide"): PathCost(32, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1115, 1216),
     ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67, 6519, 1191),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
@@ -215,11 +219,11 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7227, 1029),
     ("rows", "torch", "fp32"): PathCost(30, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1110, 1216),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5990, 961),
-    ("pair_softplus", "torch", "half"): PathCost(53, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 3460, 2239),
-    ("pair_softplus", "torch", "wide"): PathCost(46, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 3364, 1787),
+    ("pair_softplus", "torch", "half"): PathCost(51, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 2254, 2322),
+    ("pair_softplus", "torch", "wide"): PathCost(46, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 2108, 1873),
     ("pair_softplus", "epilogue", "half"): PathCost(35, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0, 7300, 1476),
-    ("binary", "torch", "half"): PathCost(59, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 3411, 1345),
-    ("binary", "torch", "wide"): PathCost(52, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 3315, 950),
+    ("binary", "torch", "half"): PathCost(57, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 2266, 1427),
+    ("binary", "torch", "wide"): PathCost(52, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 2120, 1035),
     ("binary", "epilogue", "half"): PathCost(37, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0, 6559, 1080),
 }
 

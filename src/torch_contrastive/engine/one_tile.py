@@ -32,7 +32,9 @@ product, the gradient tile written once in bf16.
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -59,11 +61,48 @@ if TYPE_CHECKING:
 __all__ = ["ONE_TILE", "ONE_TILE_PAIRS"]
 
 #: This thread's lean calls, noted while a loss call is being kept (:mod:`torch_contrastive.losses._kept`):
-#: ``NOTED.calls`` a list of ``(function, plan, total, scale, a, b, out)``, absent or None otherwise.
+#: ``NOTED.calls`` a list of ``(function, plan, stat, scale, a, b, out)`` (the statistic whose parts the call
+#: took: :func:`arguments`), and ``NOTED.rebuilds`` a list of ``(rebuild, positives, stat)`` that a label loss
+#: notes (:func:`note_rebuild`); absent or None otherwise.
 NOTED = threading.local()
+
+
+def note_rebuild(positives: Positives, stat: Any, rebuild: Callable[..., tuple[Positives, Any]], *bound: Any) -> None:
+    """While a call is being kept: a label loss says that ``rebuild(*bound, labels)`` returns ``(positives, stat)``
+    -- the relation and statistic it just built from this call's labels -- for another call's labels, by the
+    same functions (``bound``: the call's other inputs to them; values, never tensors, which a kept call would
+    keep alive). Costs a call that is not being kept one attribute read."""
+    noted = getattr(NOTED, "rebuilds", None)
+    if noted is not None:
+        noted.append((functools.partial(rebuild, *bound), positives, stat))
+
+
+def arguments(function: Any, plan: Any, stat: Any, scale: float, a: Tensor, b: Tensor | None) -> tuple[Any, ...]:
+    """A lean function's arguments from its plan, the problem's statistic, scale and features (the executors'
+    and a kept call's one mapping)."""
+    if function is _OneTile or function is HalfOneTile:
+        return plan, stat.total, scale, a, b
+    if function is _OneTileMask or function is HalfOneTileMask:
+        return (plan, stat.total, scale, a, *stat.row_weights)
+    return plan, stat.combine, scale, a  # the pair functions
 
 # inputs of these dtypes are computed in their own; fp16/bf16 in fp32 (precision.compute_dtype)
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
+
+# autograd.Function.apply's C part. Its Python wrapper binds default arguments (the lean functions take none),
+# unwraps functorch's dead wrappers (done by the caller, in C: only the features can be one) and sends a call
+# under a functorch transform to functorch (then the wrapper runs): about 110 bytecodes a call, counted.
+C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+unwrap = torch._C._functorch.unwrap_if_dead
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def lean_apply(function: Any) -> Any:
+    """``function.apply`` (a lean autograd function's), as its C part where that serves: no functorch transform
+    active, and ``apply`` not replaced on the class (a test may count its calls)."""
+    if _transforms_active() or "apply" in function.__dict__:
+        return function.apply
+    return _APPLIES[function]
 
 
 class OneTileSoftmax:
@@ -84,14 +123,16 @@ class OneTileSoftmax:
         if plan.places is None:  # a dense label relation (SupCon): the weighted form
             # tensor cores, or a GPU's widened fp32 products: the relation read by GEMMs; the CPU's own one tile
             wide = plan.decision.device == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
-            mask = HalfOneTileMask if plan.half or wide else _OneTileMask
-            return mask.apply(plan, total, scale, a, *stat.row_weights), None
-        strided = HalfOneTile if plan.half else _OneTile  # bf16 on tensor cores (.one_tile_half), else the compute dtype
-        b = None if problem.single else problem.candidates
-        out = strided.apply(plan, total, scale, a, b)
+            function: Any = HalfOneTileMask if plan.half or wide else _OneTileMask
+            b = None
+            out = lean_apply(function)(plan, total, scale, unwrap(a), *stat.row_weights)
+        else:
+            function = HalfOneTile if plan.half else _OneTile  # bf16 on tensor cores (.one_tile_half), else the compute dtype
+            b = None if problem.single else problem.candidates
+            out = lean_apply(function)(plan, total, scale, unwrap(a), b if b is None else unwrap(b))
         noted = getattr(NOTED, "calls", None)
         if noted is not None:
-            noted.append((strided, plan, total, scale, a, b, out))
+            noted.append((function, plan, stat, scale, a, b, out))
         return out, None
 
 
@@ -203,7 +244,11 @@ class OneTilePairs:
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH_PAIRS.run(problem, plan)
         pairs = HalfOneTilePairs if plan.decision.half else _OneTilePairs  # bf16 on tensor cores, else the compute dtype
-        return (pairs.apply(plan, combine, scale, a),)
+        out = lean_apply(pairs)(plan, combine, scale, unwrap(a))
+        noted = getattr(NOTED, "calls", None)
+        if noted is not None:
+            noted.append((pairs, plan, stat, scale, a, None, out))
+        return (out,)
 
 
 #: The one-tile pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
@@ -234,3 +279,8 @@ class _OneTilePairs(torch.autograd.Function):
         tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads)  # H = G + G^T: one set's relation is symmetric
         ga = l2_normalize_backward(tile @ rows, rows, denom, norm, ctx.plan.eps, ctx.scale)
         return None, None, None, as_dtype(ga, ctx.dtype)
+
+
+#: Each lean function's ``apply`` C part, bound (:func:`lean_apply`).
+_APPLIES = {f: C_APPLY.__get__(None, f) for f in (_OneTile, _OneTileMask, _OneTilePairs, HalfOneTile, HalfOneTileMask,
+                                                   HalfOneTilePairs)}

@@ -57,13 +57,22 @@ SPLIT = torch.float16
 
 def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(x, x_low, u, v)`` of fp32 unit rows: ``x = sqrt(scale) * rows`` (fp32), ``x_low`` its rounding to
-    ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [h | l | h]``,
+    ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [l | h | h]``,
     ``v = [h | h | l]`` (``h`` the fp16 rounding of ``x``, ``l = x - h`` rounded), so that ``u_i . v_j =
-    x_i . x_j`` to about 2^-21 of ``|x_i| |x_j|``."""
+    x_i . x_j`` to about 2^-21 of ``|x_i| |x_j|``; ``u[:, :2D]`` holds both parts of ``x``.
+
+    Both operands are views of one ``[l | h | h | l]`` buffer (a leading dimension of 4D, which a GEMM reads
+    without a copy), written by two ops: ``h`` into its two adjacent blocks at once, ``l`` into the outer
+    two (a concatenation would add two launches)."""
     x = rows * math.sqrt(scale)
-    h = x.to(SPLIT)
-    lo = torch.sub(x, h, out=torch.empty_like(h))  # the remainder, rounded as it is written
-    return x, x.to(dtype), torch.cat((h, lo, h), 1), torch.cat((h, h, lo), 1)
+    n, dim = x.shape
+    parts = torch.empty(n, 4, dim, dtype=SPLIT, device=x.device)
+    wide = x.unsqueeze(1).expand(n, 2, dim)
+    high = parts[:, 1:3]
+    high.copy_(wide)  # h, rounded as it is written
+    torch.sub(wide, high, out=parts[:, ::3])  # l = x - h, the remainder rounded as it is written
+    flat = parts.view(n, 4 * dim)
+    return x, x.to(dtype), flat[:, : 3 * dim], flat[:, dim:]
 
 
 class HalfOneTile(torch.autograd.Function):
@@ -139,7 +148,7 @@ class HalfOneTileMask(torch.autograd.Function):
             s = _mm32(u, v.t())
             dim = h.shape[1]
             relation = positives.dense_as(SPLIT)  # converted once per relation
-            both = _mm32(relation, u[:, : 2 * dim])  # P [h | l]
+            both = _mm32(relation, u[:, : 2 * dim])  # P [l | h]
             px = both[:, :dim] + both[:, dim:]  # P x, fp32
         else:
             x = h = rows * math.sqrt(scale)

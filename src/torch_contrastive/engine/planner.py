@@ -628,16 +628,73 @@ def epilogue_refusal(problem: Problem) -> str | None:
     return None
 
 
-def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int) -> bool:
+class Reader(NamedTuple):
+    """The problem a label relation is built for, as the planner will price it (what :func:`dense_relation`
+    asks of it): its dtypes, the caller's ``chunk_size`` and ``backend``, and its :class:`Traits` -- the
+    feature size, whether one set's triangle, the pair kernel (``None``: soft-max terms) -- kept flat (a label
+    call builds one every step: one tuple, not two)."""
+
+    dtype: torch.dtype
+    other_dtype: torch.dtype
+    chunk_size: int | None
+    backend: str
+    dim: int
+    symmetric: bool
+    pairs: str | None
+
+
+def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int, reader: Reader | None = None) -> bool:
     """Whether a label relation of ``R x C`` entries is held as a dense mask (else grouped by key):
-    on a CPU up to ``cpu_limit`` entries (measured there); on a GPU -- also one :func:`simulate` d --
-    where the cost model prices the mask's extra passes below the grouped form's extra launches
-    (:func:`~.cost.dense_relation_pays`, the H100's constants for any CUDA device until others are
-    measured), and the mask fits the scratch budget."""
+    on a CPU up to ``cpu_limit`` entries (measured there). On a GPU -- also one :func:`simulate` d -- while the
+    mask fits the scratch budget: when the problem it is built for (``reader``) will run on the torch backend's
+    one tile (:func:`torch_tile_reads`), whose lean executor reads the mask by GEMMs -- fewer passes and
+    launches than the grouped form there, whatever the size; else where the cost model prices the mask's extra
+    passes over strips below the grouped form's extra launches (:func:`~.cost.dense_relation_pays`, the
+    H100's constants for any CUDA device until others are measured). The kernel backends compare the keys
+    themselves: a mask only adds its passes there."""
     entries = rows * cols * _SIMULATED_AREA  # a problem counted small stands for its full size
     if (_SIMULATED or device).type != "cuda":
         return entries <= cpu_limit
-    return entries <= GPU_BUDGET and dense_relation_pays(rows, cols * _SIMULATED_AREA)
+    if entries > GPU_BUDGET:
+        return False
+    # the strips' rule first: it holds for every small relation, and costs a small call less Python
+    return dense_relation_pays(rows, cols * _SIMULATED_AREA) or (reader is not None and torch_tile_reads(rows, cols, reader))
+
+
+#: :func:`torch_tile_reads`'s answers by their key (a training loop asks the same question every step).
+_TILE_READS: dict[tuple[Any, ...], bool] = {}
+
+
+def torch_tile_reads(rows: int, cols: int, reader: Reader) -> bool:
+    """Whether an ``R x C`` problem on a GPU runs on the torch backend's one tile, as :func:`decide` will choose
+    it: the caller's backend ``"torch"``, or ``"auto"`` where the cost model prices a torch path fastest (among
+    every backend with counts: one the call cannot use makes the answer False, the grouped form's safe side);
+    and one tile at the scratch budget."""
+    key = (rows, cols, reader, GPU_BUDGET, PRODUCTS, _tf32(), _SIMULATED_AREA)
+    found = _TILE_READS.get(key)
+    if found is None:
+        if len(_TILE_READS) > 512:
+            _TILE_READS.clear()
+        found = _TILE_READS[key] = _torch_tile_reads(rows, cols, reader)
+    return found
+
+
+def _torch_tile_reads(rows: int, cols: int, reader: Reader) -> bool:
+    """:func:`torch_tile_reads` without its cache."""
+    side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
+    rows, cols = round(rows * side), round(cols * side)
+    chunk = None if reader.chunk_size is None else round(reader.chunk_size * side)
+    if reader.backend not in ("auto", "torch") or (chunk is not None and chunk < max(rows, cols)):
+        return False
+    traits = Traits(reader.dim, False, reader.symmetric, reader.pairs)  # a label relation's problem: no column terms
+    predicted = predictions(rows, cols, reader.dtype, reader.other_dtype, chunk, traits) if reader.dim > 0 else ()
+    if reader.backend == "auto" and predicted and min((t, name) for name, t in predicted)[1] not in ("torch", WIDE):
+        return False
+    # the tile's scratch as _decide sizes it: the half gradient copies unless the widened products are chosen
+    half = half_products(torch.device("cuda"), reader.dtype, reader.other_dtype) \
+        and not (PRODUCTS == "auto" and _wide_pays(predicted))
+    return resolve_tile(None, rows, cols, "cuda", _bytes_per_logit("torch", reader.dtype, reader.other_dtype, half)) \
+        >= max(rows, cols)
 
 
 def counts_from_values(device: torch.device) -> bool:

@@ -32,6 +32,7 @@ a call, and on a non-finite value runs the full path, which names the offending 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from .. import distributed
 from ..engine import one_tile, planner
-from ..engine.problem import Softmax
+from ..engine.problem import PairTerms, Softmax
 from ..engine.solve import EXECUTORS
 
 F = TypeVar("F", bound=Callable[..., Tensor])
@@ -50,6 +51,12 @@ F = TypeVar("F", bound=Callable[..., Tensor])
 _KEPT: dict[Any, _Replay] = {}
 LIMIT = 256
 _ONE_TILE_KEY = (Softmax, "one_tile")
+_PAIRS_KEY = (PairTerms, "one_tile")
+#: The lean executors by their registry key, and the pair terms' lean functions.
+_LEAN = {_ONE_TILE_KEY: one_tile.ONE_TILE, _PAIRS_KEY: one_tile.ONE_TILE_PAIRS}
+_PAIRS = (one_tile._OneTilePairs, one_tile.HalfOneTilePairs)
+#: The lean functions of a call without labels (a single positive on a strided layout): kept with their plan.
+_STRIDED = (one_tile._OneTile, one_tile.HalfOneTile)
 #: The types a kept call's other arguments may have: values, never tensors or containers the set-up reads.
 _SCALARS = frozenset({bool, int, float, str, type(None)})
 
@@ -58,9 +65,13 @@ class _Replay(NamedTuple):
     function: Any  # the lean autograd function
     apply: Any  # its ``apply`` without the Python around the C part
     plan: Any
-    total: tuple[Any, Any]
+    total: tuple[Any, Any] | None  # a call without labels: the statistic's total (with labels: rebuilt)
     scale: float
     validate: bool
+    rebuild: Any  # a call with labels: labels -> (relation, statistic), the loss's own functions; else None
+    grouped: bool  # a call with labels: its relation was grouped by key (else a dense mask), as the plan kept
+    site: tuple[Any, Any]  # the engine's registry key of the executor that made the lean call
+    executor: Any  # that executor (another one registered there since: the full path)
 
 
 #: A signature whose full path is not one lean call (several tiles, per-row values, ...): run as it is.
@@ -72,11 +83,10 @@ def clear() -> None:
     _KEPT.clear()
 
 
-# autograd.Function.apply without its Python wrapper, which binds default arguments (the lean functions take none),
-# unwraps functorch's dead wrappers (done here, in C) and sends calls under a functorch transform to functorch (never kept)
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
-_unwrap = torch._C._functorch.unwrap_if_dead
-_transforms_active = torch._C._are_functorch_transforms_active
+# autograd.Function.apply without its Python wrapper (one_tile.C_APPLY; calls under a functorch transform are never kept)
+_C_APPLY = one_tile.C_APPLY
+_unwrap = one_tile.unwrap
+_transforms_active = one_tile._transforms_active
 # bound once: a kept call's Python is a few dozen bytecodes, and each attribute path costs some
 _compiling = torch.compiler.is_compiling
 _autocast = torch.is_autocast_enabled
@@ -85,44 +95,53 @@ _dist_initialized = torch.distributed.is_initialized if torch.distributed.is_ava
 _tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
 
 
-def kept(features: int) -> Callable[[F], F]:
+def kept(features: int, labels: bool = False) -> Callable[[F], F]:
     """Wrap a loss whose first ``features`` positional arguments are its feature tensors (1: a single
-    set, the candidates are the anchors; 2: anchors and candidates) so its repeated calls are kept."""
-    if features not in (1, 2):
-        raise ValueError(f"features must be 1 or 2, got {features!r}")
-    two = features == 2
+    set, the candidates are the anchors; 2: anchors and candidates) so its repeated calls are kept.
+    ``labels``: the loss has a ``labels`` argument, a tensor whose shape, dtype and device are part of the
+    signature and whose values a kept call rebuilds its relation from (by the function the loss noted,
+    :func:`~torch_contrastive.engine.one_tile.note_rebuild`)."""
+    two = _two_sets(features)
 
     def wrap(loss: F) -> F:
+        at = _position(loss, "labels") if labels else None
         @functools.wraps(loss)
         def call(*args: Any, **kwargs: Any) -> Tensor:
             if _compiling():  # a traced call: no guards on kept calls
                 return loss(*args, **kwargs)
             try:  # the signature (the module docstring); the arguments' values and types, how they were passed
                 kinds = (*map(type, args), *map(type, kwargs.values()))
+                lab = others = None
                 if Tensor in kinds[features:]:  # ids, labels, a learnable temperature: the set-up reads their values
-                    return loss(*args, **kwargs)
+                    lab, others = _labels_apart(args, kwargs, features, at)  # (a loss without labels: TypeError)
+                    if kinds.count(Tensor) != features + 1:  # the labels the only other tensor
+                        return loss(*args, **kwargs)
                 a = args[0]
                 b: Any = args[1] if two else None
                 key = (loss, a.shape, a.dtype, a.device, a.layout, a.requires_grad,
                        (b.shape, b.dtype, b.device, b.layout, b.requires_grad) if two else None,
-                       args[features:], tuple(kwargs.items()), kinds, planner._SIMULATED, planner._SIMULATED_AREA,
+                       others or (args[features:], tuple(kwargs.items())), kinds, planner._SIMULATED, planner._SIMULATED_AREA,
                        planner.GPU_BUDGET, planner.PRODUCTS, _tf32())
                 replay = _KEPT.get(key)
-            except (IndexError, AttributeError, TypeError):  # too few arguments, not tensors, an unhashable one: not kept
+            except (IndexError, AttributeError, TypeError, KeyError):  # too few arguments, not tensors, an unhashable one
                 return loss(*args, **kwargs)
             # whether a kept call may stand for the full path now (the module docstring's conditions), asked
             # before a call is kept as before one is replayed; inline: this is the kept call's whole Python
             if replay is _NOT_KEPT or type(a) is not Tensor or planner._LOG is not None or _transforms_active() or \
-                    _autocast(a.device.type) or EXECUTORS[_ONE_TILE_KEY] is not one_tile.ONE_TILE or \
-                    (_dist_initialized() and distributed.is_active()):
+                    _autocast(a.device.type) or (_dist_initialized() and distributed.is_active()):
                 return loss(*args, **kwargs)
             if replay is None:
-                return _record(loss, key, features, kinds, args, kwargs)
+                return _record(loss, key, features, kinds, args, kwargs, lab)
+            if EXECUTORS[replay.site] is not replay.executor:  # a replaced executor: the full path
+                return loss(*args, **kwargs)
             function = replay.function
-            if "apply" in function.__dict__:  # a wrapped apply (a test counting calls) is called as it is
-                out = function.apply(replay.plan, replay.total, replay.scale, a, b)
-            else:  # autograd.Function.apply's C part (its Python serves functorch transforms: none is active here)
-                out = replay.apply(replay.plan, replay.total, replay.scale, _unwrap(a), b if b is None else _unwrap(b))
+            inputs = (replay.plan, replay.total, replay.scale, _unwrap(a), b if b is None else _unwrap(b)) \
+                if replay.rebuild is None else _rebuilt(replay, a, lab)
+            if inputs is None:  # the relation's form changed under the signature (a size rule changed): the full path
+                return loss(*args, **kwargs)
+            # autograd.Function.apply's C part (its Python serves functorch transforms: none is active here); a
+            # wrapped apply (a test counting calls) is called as it is
+            out = function.apply(*inputs) if "apply" in function.__dict__ else replay.apply(*inputs)
             if replay.validate and not math.isfinite(out.item()):  # the full path's one read; it names the culprit
                 return loss(*args, **kwargs)
             return out
@@ -132,27 +151,78 @@ def kept(features: int) -> Callable[[F], F]:
     return wrap
 
 
+def _rebuilt(replay: _Replay, a: Tensor, labels: Any) -> tuple[Any, ...] | None:
+    """A kept label call's lean arguments: the relation and statistic from these labels, by the loss's own
+    functions, in the kept plan; None when the relation came out in the other form than the plan's."""
+    positives, stat = replay.rebuild(labels)
+    if (positives.dense is None) is not replay.grouped:
+        return None
+    return one_tile.arguments(replay.function, replay.plan.with_relation(positives), stat, replay.scale, _unwrap(a), None)
+
+
+def _two_sets(features: int) -> bool:
+    if features not in (1, 2):
+        raise ValueError(f"features must be 1 or 2, got {features!r}")
+    return features == 2
+
+
+def _position(loss: Callable[..., Any], name: str) -> int:
+    """Where the argument ``name`` of ``loss`` may be passed positionally (past the last position: keyword-only)."""
+    parameters = list(inspect.signature(loss).parameters.values())
+    for i, p in enumerate(parameters):
+        if p.name == name:
+            return i if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else len(parameters)
+    raise ValueError(f"{loss.__name__} has no argument {name!r}")
+
+
+def _labels_apart(args: tuple[Any, ...], kwargs: dict[str, Any], features: int, at: int | None) -> tuple[Tensor, Any]:
+    """The labels (at position ``at``, or the keyword ``labels``: else a KeyError; a tensor: else a TypeError, as
+    for a loss without labels, ``at`` None), and the signature's part of the other arguments besides the features:
+    their values without the labels, and the labels' shape, dtype and device."""
+    if at is None:
+        raise TypeError("a tensor argument other than labels")
+    if len(args) > at:
+        lab, others, named = args[at], (*args[features:at], *args[at + 1 :]), kwargs
+    else:
+        named = kwargs.copy()
+        lab, others = named.pop("labels"), args[features:]
+    if type(lab) is not Tensor:
+        raise TypeError("labels that are not a tensor")
+    return lab, (others, tuple(named.items()), lab.shape, lab.dtype, lab.device)
+
+
 def _record(loss: Callable[..., Tensor], key: Any, features: int, kinds: tuple[type, ...], args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Tensor:
+            kwargs: dict[str, Any], lab: Tensor | None) -> Tensor:
     """The full path, kept when it ended in one lean one-tile call on the caller's own features (``kinds``: the
-    arguments' types, positional then keyword)."""
+    arguments' types, positional then keyword); with labels (``lab``), when the loss noted how it rebuilds that
+    call's relation and statistic from them."""
     noted = one_tile.NOTED
-    previous = getattr(noted, "calls", None)
+    previous = getattr(noted, "calls", None), getattr(noted, "rebuilds", None)
     calls: list[tuple[Any, ...]] = []
-    noted.calls = calls
+    rebuilds: list[tuple[Any, ...]] = []
+    noted.calls, noted.rebuilds = calls, rebuilds
     try:
         out = loss(*args, **kwargs)
     finally:
-        noted.calls = previous
+        noted.calls, noted.rebuilds = previous
     if len(_KEPT) >= LIMIT:
         _KEPT.clear()
-    if len(calls) != 1 or not all(kind in _SCALARS for kind in kinds[features:]):
-        _KEPT[key] = _NOT_KEPT  # the full path, every time, without this one's bookkeeping
+    _KEPT[key] = _NOT_KEPT  # the full path, every time, without this one's bookkeeping -- unless kept below
+    allowed = (*_SCALARS, Tensor) if lab is not None else _SCALARS
+    if len(calls) != 1 or not all(kind in allowed for kind in kinds[features:]):
         return out
-    function, plan, total, scale, a, b, result = calls[0]
+    function, plan, stat, scale, a, b, result = calls[0]
     if result is not out or a is not args[0] or b is not (args[1] if features == 2 else None):
-        _KEPT[key] = _NOT_KEPT
         return out
-    _KEPT[key] = _Replay(function, _C_APPLY.__get__(None, function), plan, total, scale, bool(kwargs.get("validate", True)))
+    rebuild = None
+    if lab is not None:  # the call's relation and statistic must be the ones the noted function built
+        if len(rebuilds) != 1 or rebuilds[0][1] is not plan.positives or rebuilds[0][2] is not stat:
+            return out
+        rebuild = rebuilds[0][0]
+    elif function not in _STRIDED:  # a relation built without labels to rebuild it from: shapes alone (not kept)
+        return out
+    site = _PAIRS_KEY if function in _PAIRS else _ONE_TILE_KEY
+    _KEPT[key] = _Replay(function, _C_APPLY.__get__(None, function), plan, None if rebuild else stat.total, scale,
+                         bool(kwargs.get("validate", True)), rebuild, getattr(plan.positives, "dense", None) is None, site,
+                         _LEAN[site])
     return out
-

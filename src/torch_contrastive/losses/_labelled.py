@@ -11,7 +11,8 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope
-from ..engine import Options, PairTerms, Problem, Scale, resolve_tile, solve, tile_label_bounds
+from ..engine import Options, PairTerms, Problem, Reader, Scale, resolve_tile, solve, tile_label_bounds
+from ..engine.one_tile import note_rebuild
 from ..engine.planner import label_sorted
 from ..positives import KeyPositives, Positives
 
@@ -101,6 +102,20 @@ def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.C
     return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm), scale_bound)
 
 
+def _rebuild_pairs(n: int, device: torch.device, offset: int, reader: Reader, kernel: str,
+                   combine: Callable[[Positives], Any] | None, labels: Tensor) -> tuple[Positives, PairTerms]:
+    """A kept call's relation and statistic from its ``labels`` (:mod:`._kept`): the full path's functions
+    for one process's labels, checked as the loss checks them."""
+    keys = v.check_labels(labels, "labels", n, device)
+    positives = _same_key(keys, keys, offset, reader)
+    return positives, PairTerms(kernel, combine=combine and combine(positives))
+
+
+def _same_key(row_keys: Tensor, keys: Tensor, offset: int, reader: Reader) -> KeyPositives:
+    """The same-label relation of this rank's rows (``row_keys``) to the global batch (``keys``)."""
+    return Positives.from_keys(row_keys, keys, self_offset=offset, reader=reader)
+
+
 class LabelledRows(NamedTuple):
     outputs: tuple[Tensor, ...]  # the kernel's per-row statistics, in the caller's row order
     counts: Tensor | None  # (R,) positives per row, same order; None when ``combine`` reduced inside
@@ -126,13 +141,17 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     options = Options(inside, eps, chunk_size, backend)
     by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale, backend)
     if by_label is None:
-        positives: Positives = Positives.from_keys(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys,
-                                                   self_offset=offset)
+        # the relation's form follows the backend that will read it (a GPU's one torch tile reads a mask)
+        reader = Reader(z.dtype, z_all.dtype, chunk_size, backend, z.shape[-1], not scope.distributed, kernel)
+        positives: Positives = _same_key(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, offset, reader)
         if reference is not None:
             z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
         if memory is not None:
             z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
-        outputs = solve(Problem(z, z_all, scale, PairTerms(kernel, combine=combine and combine(positives)), positives=positives,
+        stat = PairTerms(kernel, combine=combine and combine(positives))
+        if memory is reference is None and not scope.distributed:  # the labels alone: a kept call rebuilds these
+            note_rebuild(positives, stat, _rebuild_pairs, z.shape[0], z.device, offset, reader, kernel, combine)
+        outputs = solve(Problem(z, z_all, scale, stat, positives=positives,
                                 self_offset=positives.self_offset, bound=bound if normalize else None, options=options))
         return LabelledRows(outputs, None if combine else positives.row_counts(), bound)
     # Sorted: most tiles hold only negatives.

@@ -8,12 +8,14 @@ from torch import Tensor
 from .. import _validation as v
 from ..engine import Options, PairTerms, Problem, compute_dtype, solve
 from ..positives import Positives
+from ._kept import kept
 from ._labelled import labelled_pairwise_rows
 from ._prologue import begin, engine_total, reduce, single_set
 
 __all__ = ["nt_bxent_loss"]
 
 
+@kept(1, labels=True)
 def nt_bxent_loss(
     embeddings: Tensor,
     pos_indices: Tensor | None = None,

@@ -17,7 +17,7 @@ from ._prologue import begin, engine_total, reduce, single_set
 __all__ = ["nt_xent_loss"]
 
 
-@kept(1)
+@kept(1, labels=True)
 def nt_xent_loss(
     embeddings: Tensor,
     temperature: float | Tensor = 0.5,

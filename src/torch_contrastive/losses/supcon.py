@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .. import _validation as v
 from .._tensors import mask_as
 from ..distributed import Scope
-from ..engine import Options, Problem, Softmax, compute_dtype, solve
+from ..engine import Options, Problem, Reader, Softmax, compute_dtype, solve
+from ..engine.one_tile import note_rebuild
 from ..positives import KeyPositives, Positives
+from ._kept import kept
 from ._labelled import check_reference, with_memory, with_reference
 from ._prologue import begin, engine_total, reduce, single_set
 
 __all__ = ["supcon_loss"]
 
 
+@kept(1, labels=True)
 def supcon_loss(
     features: Tensor,
     labels: Tensor | None = None,
@@ -96,9 +101,7 @@ def supcon_loss(
     v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
     if labels is not None and mask is not None:
         raise ValueError("supcon_loss takes labels or mask, not both")
-    v.check_choice(single_class, "single_class", ("keep", "zero"))
-    if single_class == "zero" and labels is None:
-        raise ValueError("single_class='zero' needs labels (it looks for a pair of different labels)")
+    _check_single_class(single_class, labels)
     if features.ndim == 2:
         if labels is None and mask is None:
             raise ValueError("features of shape (N, D) need labels (or a mask); pass (bsz, n_views, D) for SimCLR-style views")
@@ -124,28 +127,22 @@ def supcon_loss(
         factor = base_scale / scale  # tau / tau_base
     z, z_all, offset, inside = single_set(flat, "features", normalize, eps, scope, checks, labels is not None, backend=backend)
     n_anchor = bsz if contrast_mode == "one" else bsz * n_views
+    symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None and reference is None
     if mask is not None:
         positives: Positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
     else:
-        sample_keys = labels if labels is not None else torch.arange(bsz, device=device) + offset
-        keys = scope.ints(sample_keys if n_views == 1 else sample_keys.repeat(n_views))
-        # This rank's anchors are its first n_anchor flattened rows.
-        anchor_keys = keys if offset == 0 and n_anchor == keys.shape[0] else keys[offset : offset + n_anchor]
-        positives = Positives.from_keys(anchor_keys, None if anchor_keys is keys else keys, self_offset=offset)
+        # the relation's form follows the backend that will read it (a GPU's one torch tile reads a mask)
+        reader = Reader(z.dtype, z_all.dtype, chunk_size, backend, z.shape[-1], symmetric, None)
+        relation = (n_views, n_anchor, offset, scope, reader)
+        positives = _key_relation(labels if labels is not None else torch.arange(bsz, device=device) + offset, *relation)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
-    symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None and reference is None
     z_all, positives, grad_columns, self_offset = _candidates(z_all, positives, offset, memory, reference, inside, normalize, eps)
-    cdtype = compute_dtype(z.dtype)
-    counts = positives.row_counts_as(cdtype)
-    # per anchor: has_pos * LSE - has_pos / |P(i)| * sum_p s_ip (anchors without positives give 0);
-    # has_pos as min(|P(i)|, 1): one op fewer than a comparison and a cast
-    has_pos_f = counts.clamp_max(1)
-    weights = (has_pos_f, has_pos_f / counts.clamp_min(1))
-    # a tensor factor (learnable temperature) carries a gradient: then reduce outside
-    n_with_positives = has_pos_f.sum()
-    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, n_with_positives, cdtype,
-                                                                  1.0 if factor is None else factor)
-    per_anchor, _ = solve(Problem(anchors, z_all, scale, Softmax(row_weights=weights, total=total), positives=positives,
+    weighting = (compute_dtype(z.dtype), reduction, scope, factor)
+    stat, n_with_positives = _weighted_rows(positives, *weighting)
+    if labels is not None and mask is memory is reference is None:  # the labels alone: a kept call rebuilds these
+        note_rebuild(positives, stat, _rebuild, bsz, device, relation, weighting)
+    total = stat.total
+    per_anchor, _ = solve(Problem(anchors, z_all, scale, stat, positives=positives,
                                   self_offset=self_offset, symmetric=symmetric, bound=bound if normalize else None,
                                   grad_columns=grad_columns, options=Options(inside, eps, chunk_size, backend)))
     # With two rows or more every row meets every anchor's denominator (a row's only
@@ -156,6 +153,42 @@ def supcon_loss(
     if single_class == "zero" and labels is not None:
         loss = loss * mask_as(_has_negative_pair(scope.ints(labels), memory, reference), loss.dtype)
     return loss
+
+
+def _check_single_class(single_class: object, labels: Tensor | None) -> None:
+    v.check_choice(single_class, "single_class", ("keep", "zero"))
+    if single_class == "zero" and labels is None:
+        raise ValueError("single_class='zero' needs labels (it looks for a pair of different labels)")
+
+
+def _key_relation(sample_keys: Tensor, n_views: int, n_anchor: int, offset: int, scope: Scope, reader: Reader) -> KeyPositives:
+    """Same key, same class: ``sample_keys`` (labels, or sample indices for SimCLR-style views) per view, this
+    rank's anchors its first ``n_anchor`` flattened rows."""
+    keys = scope.ints(sample_keys if n_views == 1 else sample_keys.repeat(n_views))
+    anchor_keys = keys if offset == 0 and n_anchor == keys.shape[0] else keys[offset : offset + n_anchor]
+    return Positives.from_keys(anchor_keys, None if anchor_keys is keys else keys, self_offset=offset, reader=reader)
+
+
+def _weighted_rows(positives: Positives, cdtype: torch.dtype, reduction: str, scope: Scope,
+                   factor: Tensor | float | None) -> tuple[Softmax, Tensor]:
+    """The soft-max statistic of SupCon's rows, and how many anchors have a positive. Per anchor
+    ``has_pos * LSE - has_pos / |P(i)| * sum_p s_ip`` (anchors without positives give 0); ``has_pos`` as
+    ``min(|P(i)|, 1)``: one op fewer than a comparison and a cast. A tensor ``factor`` (a learnable temperature)
+    carries a gradient: then the loss is reduced outside the engine (no ``total``)."""
+    counts = positives.row_counts_as(cdtype)
+    has_pos_f = counts.clamp_max(1)
+    weights = (has_pos_f, has_pos_f / counts.clamp_min(1))
+    n_with_positives = has_pos_f.sum()
+    total = None if isinstance(factor, Tensor) else engine_total(reduction, scope, n_with_positives, cdtype,
+                                                                  1.0 if factor is None else factor)
+    return Softmax(row_weights=weights, total=total), n_with_positives
+
+
+def _rebuild(bsz: int, device: torch.device, relation: tuple[Any, ...], weighting: tuple[Any, ...],
+             labels: Tensor) -> tuple[KeyPositives, Softmax]:
+    """A kept call's relation and statistic from its ``labels`` (:mod:`._kept`): the full path's functions."""
+    positives = _key_relation(v.check_labels(labels, "labels", bsz, device), *relation)
+    return positives, _weighted_rows(positives, *weighting)[0]
 
 
 def _candidates(z_all: Tensor, positives: Positives, offset: int, memory: tuple[Tensor, Tensor] | None,
