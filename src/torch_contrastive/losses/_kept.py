@@ -16,11 +16,16 @@ The signature is everything the full path decides from: each argument's type, ea
 dtype, device, layout and ``requires_grad``, the other arguments' values and types (``False`` and ``0`` are
 told apart: the full path would refuse the second), how they were passed, and what outside the call a plan
 reads (a simulated device, the GPU scratch budget, the product scheme, TF32). A call is never kept with a
-tensor or container among its other arguments (a learnable temperature, ids, labels: values the set-up reads;
-only ``bool``, ``int``, ``float``, ``str`` and ``None``), and the
+tensor or container among its other arguments (a learnable temperature, ids, a mask, a memory: values the set-up
+reads; only ``bool``, ``int``, ``float``, ``str`` and ``None``) -- except a label loss's ``labels``, whose
+shape, dtype and device are in the signature: its relation is new every step, so while its first call is kept
+the loss notes the function that built the lean call's relation and statistic from the labels
+(:func:`~torch_contrastive.engine.one_tile.note_rebuild`), the call is kept only when the lean call read
+exactly those objects, and a kept call runs that function on its own labels and puts the relation into the
+kept plan (in the form the plan was made for; another form -- a size rule changed -- runs the full path). The
 full path runs whenever a kept call could not stand for it: under ``torch.compile``, during
 :func:`~torch_contrastive.engine.explain`, under an ambient autocast, under a process group of several
-ranks (the full path's warning, gathering), under a functorch transform, or when the one-tile executor was replaced.
+ranks (the full path's warning, gathering), under a functorch transform, or when the lean executor was replaced.
 A kept call calls the lean function's ``apply`` without the Python of ``torch.autograd.Function.apply``
 (default arguments bound, functorch's dead wrappers unwrapped -- done here -- and transforms dispatched):
 about 110 bytecodes a call (counted).
