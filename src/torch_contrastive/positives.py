@@ -427,15 +427,20 @@ class KeyPositives(Positives):
         return self._grouped_row_counts()
 
     def row_counts_as(self, dtype: torch.dtype) -> Tensor:
-        # On a CPU a dense relation's 0/1 values (converted once, read again by the tile) sum faster than its
-        # bools, exactly: every count is an integer below 2**24 (float32's exact range; dense relations are small).
-        if self.dense is not None and _counts_from_values(self.dense, dtype):
-            return self.dense_as(dtype).sum(1)
+        # A dense relation's counts in one op, exactly: every count is an integer below 2**24 (float32's exact range).
+        # On a CPU its 0/1 values (converted once, read again by the tile) sum faster than its bools; on a GPU the
+        # bools are summed in the dtype (no cast after: a launch fewer).
+        if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.shape[1] < 2**24:
+            if _counts_from_values(self.dense, dtype):
+                return self.dense_as(dtype).sum(1)
+            return self.dense.sum(1, dtype=dtype)
         return super().row_counts_as(dtype)
 
     def pair_count_as(self, dtype: torch.dtype) -> Tensor:
-        if self.dense is not None and self.dense.numel() < 2**24 and _counts_from_values(self.dense, dtype):
-            return self.dense_as(dtype).sum()
+        if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.numel() < 2**24:
+            if _counts_from_values(self.dense, dtype):
+                return self.dense_as(dtype).sum()
+            return self.dense.sum(dtype=dtype)
         return super().pair_count_as(dtype)
 
     def _grouped_row_counts(self) -> Tensor:

@@ -82,7 +82,8 @@ def nt_bxent_loss(
             return None
         n_pos = positives.row_counts_as(cdtype) + 1
         n_neg = total - n_pos
-        return (n_pos.reciprocal(), (n_neg > 0) / n_neg.clamp_min(1)), reduced[0]
+        # no negatives: a 0 weight (1 / 0's infinity made 0, two ops where a mask, a floor and a division are three)
+        return (n_pos.reciprocal(), n_neg.reciprocal().nan_to_num_(posinf=0.0)), reduced[0]
 
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.
