@@ -91,9 +91,10 @@ def _dense_pays(rows: int, cols: int, device: torch.device, reader: Reader | Non
     return (_PLANNER or _planner()).dense_relation(rows, cols, device, DENSE_KEYS_LIMIT, reader)
 
 
-def _counts_from_values(dense: Tensor, dtype: torch.dtype) -> bool:
-    """Whether a dense relation's counts in ``dtype`` come from its 0/1 values (exact: see _EXACT_COUNTS)."""
-    return dtype in _EXACT_COUNTS and dense.shape[1] < 2**24 and (_PLANNER or _planner()).counts_from_values(dense.device)
+def _counts_from_values(dense: Tensor) -> bool:
+    """Whether a dense relation's exact counts (the callers check the dtype and size: see _EXACT_COUNTS) come from
+    its 0/1 values rather than its bools: the device's choice."""
+    return (_PLANNER or _planner()).counts_from_values(dense.device)
 
 
 def _mask_on_tensor_cores(x: Tensor) -> bool:
@@ -431,14 +432,14 @@ class KeyPositives(Positives):
         # On a CPU its 0/1 values (converted once, read again by the tile) sum faster than its bools; on a GPU the
         # bools are summed in the dtype (no cast after: a launch fewer).
         if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.shape[1] < 2**24:
-            if _counts_from_values(self.dense, dtype):
+            if _counts_from_values(self.dense):
                 return self.dense_as(dtype).sum(1)
             return self.dense.sum(1, dtype=dtype)
         return super().row_counts_as(dtype)
 
     def pair_count_as(self, dtype: torch.dtype) -> Tensor:
         if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.numel() < 2**24:
-            if _counts_from_values(self.dense, dtype):
+            if _counts_from_values(self.dense):
                 return self.dense_as(dtype).sum()
             return self.dense.sum(dtype=dtype)
         return super().pair_count_as(dtype)
