@@ -1136,6 +1136,16 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_kept.py", "    if (positives.dense is None) is not replay.grouped:\n        return None\n", "",
              "kept label calls: a relation rebuilt in another form than the kept plan's replayed",
              ("tests/cli/test_traffic.py::test_the_relation_forms_cost_what_the_model_says",)),
+    Mutation(f"{PKG}/engine/planner.py", "    return strip if math.ceil(rows / strip) < squares else 0\n", "    return 0\n",
+             "GPU plan: the epilogue never walks row strips (square tiles only)",
+             ("tests/engine/test_planner.py::test_auto_on_a_gpu_takes_the_backend_the_model_predicts_fastest",
+              "tests/engine/test_epilogue.py::test_row_strips_across_every_column_equal_the_float64_references")),
+    Mutation(f"{PKG}/engine/tiling.py", "    width = tile_cols or tile\n", "    width = tile\n",
+             "tile walk: row strips visited as square tiles",
+             ("tests/engine/test_epilogue.py::test_the_tile_walk_covers_every_entry_once_in_squares_and_strips",)),
+    Mutation(f"{PKG}/engine/epilogue.py", "    return (plan.tile, plan.tile_cols) if plan.tile else", "    return (plan.tile, 0) if plan.tile else",
+             "epilogue: the plan's row strips walked as square tiles",
+             ("tests/engine/test_epilogue.py::test_row_strips_across_every_column_equal_the_float64_references",)),
 ]
 
 

@@ -281,11 +281,20 @@ def test_a_queue_gets_no_column_gradient_tiles():
     assert widths == [[(11, 51), (11, 11)]]  # the row product's tile, the column product's (live keys only)
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
-def test_siglip_with_bf16_rows_and_a_learned_scale_and_bias(chunk):
+@pytest.mark.parametrize("chunk", [*CHUNKS, "strips"])
+def test_siglip_with_bf16_rows_and_a_learned_scale_and_bias(chunk, monkeypatch):
     """SigLIP on the epilogue with bf16 rows, ids and a learnable scale and bias: the row tile keeps its
-    rounding remainder, so the scale's and the bias's gradients hold fp32-level accuracy."""
+    rounding remainder, so the scale's and the bias's gradients hold fp32-level accuracy. One tile, square
+    tiles of 16, and the GPU plan's row strips (3 of 16 rows x 45 columns at a small budget)."""
+    import contextlib
+
     from reference import siglip
+    from torch_contrastive.engine import planner
+
+    within = contextlib.nullcontext()
+    if chunk == "strips":
+        monkeypatch.setattr(planner, "_GPU_TILE_QUANTUM", 8)
+        chunk, within = None, planner.simulate("cuda", budget=16 * 45 * 8)
 
     g = torch.Generator().manual_seed(4)
     iid = torch.randint(0, 30, (45,), generator=g)
@@ -296,8 +305,12 @@ def test_siglip_with_bf16_rows_and_a_learned_scale_and_bias(chunk):
     ref_grads = torch.autograd.grad(ref, [*ref_in, *ref_p])
     our_in = [t.to(DEVICE).requires_grad_() for t in (a, b)]
     our_p = [torch.tensor(v, device=DEVICE, requires_grad=True) for v in (10.0, -10.0)]
-    ours = tc.siglip_loss(*our_in, *our_p, iid.to(DEVICE), chunk_size=chunk, backend="epilogue")
-    grads = torch.autograd.grad(ours, [*our_in, *our_p])
+    with within:
+        ours = tc.siglip_loss(*our_in, *our_p, iid.to(DEVICE), chunk_size=chunk, backend="epilogue")
+        grads = torch.autograd.grad(ours, [*our_in, *our_p])
+        if not isinstance(within, contextlib.nullcontext):
+            (decision,) = tc.explain(tc.siglip_loss, *our_in, *our_p, iid.to(DEVICE), backend="epilogue")
+            assert "3 strips of 16x45" in str(decision), str(decision)
     assert ours.item() == pytest.approx(ref.item(), rel=2e-5)
     for got, want in zip(grads[:2], ref_grads[:2]):
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
@@ -323,3 +336,77 @@ def test_the_mask_in_tile_losses_with_bf16_rows(loss, chunk):
     else:
         compare(lambda z, t: tc.nt_bxent_loss(z, temperature=t, labels=labels.to(DEVICE), chunk_size=chunk, backend="epilogue"),
                 lambda z, t: nt_bxent(z, t, labels=labels), [x], 0.1, torch.bfloat16, (2e-5, 1e-2))
+
+
+STRIPS = {
+    "clip_ids": (lambda x, y, t: tc.image_text_contrastive_loss(x, y, t, torch.arange(x.shape[0], device=x.device) % 4,
+                                                                backend="epilogue"),
+                 lambda x, y, t: image_text(x, y, t, torch.arange(x.shape[0]) % 4)),
+    "info_nce_pool": (lambda x, y, t: tc.info_nce_loss(x, y, y.flip(0) * 2, t, backend="epilogue"),
+                      lambda x, y, t: info_nce(x, y, y.flip(0) * 2, t)),
+    "pml": (lambda x, y, t: tc.nt_xent_loss(x, t, labels=torch.arange(x.shape[0], device=x.device) % 6, backend="epilogue"),
+            lambda x, y, t: __import__("reference").nt_xent_pml(x, torch.arange(x.shape[0]) % 6, t)),
+    "nt_bxent": (lambda x, y, t: tc.nt_bxent_loss(x, temperature=t, labels=torch.arange(x.shape[0], device=x.device) % 6,
+                                                  backend="epilogue"),
+                 lambda x, y, t: __import__("reference").nt_bxent(x, t, labels=torch.arange(x.shape[0]) % 6)),
+}
+
+
+@pytest.mark.parametrize("name", list(STRIPS))
+def test_row_strips_across_every_column_equal_the_float64_references(name, monkeypatch):
+    """Where a strip of rows across all columns fits the GPU budget and strips are fewer than square tiles
+    (:func:`~torch_contrastive.engine.planner.strip_rows`), the epilogue walks row strips: each tile's column
+    partials folded as for squares, the pair terms' two passes over the same strips. The GPU's plan at a small
+    size: a 5,120-byte budget and 8-row quanta give 40 rows 3 strips of 16 x all columns (squares: 2 x 2 of 24)."""
+    from torch_contrastive.engine import planner
+
+    monkeypatch.setattr(planner, "_GPU_TILE_QUANTUM", 8)
+    ours, ref = STRIPS[name]
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 6, generator=g)
+    from torch_contrastive.engine.triton_backend._host import LAUNCH_LISTENERS
+
+    tiles = []
+
+    class Listener:  # the logit tiles the epilogue kernels read: each a strip across every column
+        def launch_begins(self, name, reads, writes):
+            tiles.extend(tuple(t.shape) for t in reads if t.dim() == 2 and t.shape[1] != 6)
+
+        def launch_ends(self):
+            pass
+
+    with planner.simulate("cuda", budget=16 * 40 * 8):
+        decisions = tc.explain(ours, x.to(DEVICE), y.to(DEVICE), 0.2)
+        assert decisions and all(d.tile_cols == d.cols == 40 and "3 strips of 16x40" in str(d) for d in decisions)
+        LAUNCH_LISTENERS.append(listener := Listener())
+        try:
+            if name in ("pml", "nt_bxent"):  # one set
+                compare(lambda a, t: ours(a, None, t), lambda a, t: ref(a, None, t), [x], 0.2, torch.float32,
+                        TOLS[torch.float32])
+            else:
+                compare(ours, ref, [x, y], 0.2, torch.float32, TOLS[torch.float32])
+        finally:
+            LAUNCH_LISTENERS.remove(listener)
+    # (InfoNCE's learned temperature meets the pool as 80 candidates: strips of 8 rows x 80)
+    width = 80 if name == "info_nce_pool" else 40
+    assert tiles and all(r <= 16 and c == width for r, c in tiles), set(tiles)
+
+
+def test_the_tile_walk_covers_every_entry_once_in_squares_and_strips():
+    from torch_contrastive.engine.tiling import tiles
+
+    for rows, cols, tile, tile_cols, symmetric in [(10, 7, 3, 0, False), (10, 10, 3, 0, True), (10, 7, 3, 7, False),
+                                                   (10, 23, 4, 23, False), (5, 9, 2, 4, False)]:
+        seen = torch.zeros(rows, cols, dtype=torch.int64)
+        visited = list(tiles(rows, cols, tile, symmetric, tile_cols))
+        for r0, r1, c0, c1 in visited:
+            assert r1 - r0 <= tile and c1 - c0 <= (tile_cols or tile)
+            seen[r0:r1, c0:c1] += 1
+        per_side = -(-rows // tile), -(-cols // (tile_cols or tile))
+        assert len(visited) == (per_side[0] * (per_side[0] + 1) // 2 if symmetric else per_side[0] * per_side[1])
+        want = torch.ones(rows, cols, dtype=torch.int64)
+        if symmetric:  # the upper triangle of square tiles
+            want = torch.tensor([[int(c // tile >= r // tile) for c in range(cols)] for r in range(rows)])
+        assert torch.equal(seen, want)
+    with pytest.raises(ValueError, match="tile_cols must be 0"):
+        next(tiles(10, 10, 3, True, 10))

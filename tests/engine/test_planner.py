@@ -282,8 +282,10 @@ def test_auto_on_a_gpu_takes_the_backend_the_model_predicts_fastest():
     assert dict(small.predicted)["epilogue"] > 1.5 * dict(small.predicted)["torch"]
     assert big.backend == "epilogue" and big.operand_dtype == torch.bfloat16 and not big.half
     torch_65k = dict(big.predicted)["torch"]
-    tile = big.tile  # the epilogue's tiles hold 8 bytes per logit: larger than the torch loops' 12
-    assert tile > planner.resolve_tile(None, 65536, 65536, "cuda", 12)
+    # the epilogue's tiles hold 8 bytes per logit (the torch loops' 12), as row strips across all 65,536 columns:
+    # 32 strips of 2,048 rows within the 1 GiB budget, fewer than 6 x 6 squares of 11,520
+    assert (big.tile, big.tile_cols) == (2048, 65536) and "32 strips of 2048x65536" in str(big)
+    assert planner.resolve_tile(None, 65536, 65536, "cuda", 8) == 11520 > planner.resolve_tile(None, 65536, 65536, "cuda", 12)
     assert torch_65k == pytest.approx(predict_path(PATHS[("columns", "torch", "half")], "torch", 65536, 65536, 512,
                                                    "bfloat16", 8 * 8))
     # only what serves the call is chosen: without the epilogue the fused kernels, without both the torch loops

@@ -292,30 +292,46 @@ IMPLS = ("ours", "torch", "epilogue", "triton", "dense")
 EPILOGUE_LOSSES = LOSSES
 
 
-def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int = 1) -> Counts:
+def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, tiles: int | None = None) -> Counts:
     """The counts of one loss (``impl`` one of :data:`IMPLS`) on the simulated GPU at ``n`` rows,
-    counted at ``at`` rows (default ``n``) and scaled: ``tiles`` tiles per side at that size
-    (a backend's plan at ``n`` on the GPU's budget, see :func:`gpu_tiles`); ``at`` moves two rows up while a tile
-    edge would be a feature side (:data:`FEATURE_SIDES`)."""
+    counted at ``at`` rows (default ``n``) and scaled. ``tiles`` None: the tiles of the backend's plan at
+    ``n`` on the GPU's budget (the planner shapes a problem counted small at the size it stands for:
+    square tiles, or the epilogue's row strips, as many per side); an int: that many square tiles per side
+    at the counted size. ``at`` moves two rows up while a tile edge would be a feature side
+    (:data:`FEATURE_SIDES`)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     small = at or n
-    while any(edge % d == 0 and edge // d in FEATURE_SIDES for edge in (small, -(-small // tiles))):
+    per_side = tiles if tiles is not None else 1 if impl == "dense" else \
+        gpu_tiles(n, default_backend(name, n, d) if impl == "ours" else impl, name)
+    while any(edge % d == 0 and edge // d in FEATURE_SIDES for edge in (small, -(-small // per_side))):
         small += 2  # a tile edge of D, 2D or 3D would read as features: count two rows more (pairings stay even)
-    chunk = None if tiles <= 1 else -(-small // tiles)
+    chunk = None if tiles is None or tiles <= 1 else -(-small // tiles)
     ours, dense = cases(small, d, chunk=chunk, backend="auto" if impl in ("ours", "dense") else impl)[name]
     return count(dense if impl == "dense" else ours, small, small, d, area=(n / small) ** 2).scaled(n, n)
 
 
-def gpu_tiles(n: int, impl: str = "torch") -> int:
-    """Tiles per side of a backend's plan for ``n x n`` bf16 logits on a GPU, as the planner decides it
-    (``impl``: ``"torch"``, or ``"epilogue"``, whose tiles hold fewer bytes per logit)."""
+def gpu_tiles(n: int, impl: str = "torch", name: str = "clip") -> int:
+    """Tiles along the rows of a backend's plan for one bf16 loss of :func:`cases` (``name``) at ``n`` rows on a
+    GPU, as the planner decides it: square tiles per side, or the epilogue's row strips (``impl``: ``"torch"``
+    or ``"epilogue"``, whose tiles hold fewer bytes per logit; the fused kernels tile themselves: 1)."""
     from ..engine.planner import decide
 
-    bf16 = torch.bfloat16
-    tile = decide(kernel="softmax", rows=n, cols=n, device=torch.device("cuda"), dtype=bf16, other_dtype=bf16,
-                  chunk_size=None, backend="epilogue" if impl == "epilogue" else "torch", epilogue_serves=lambda: None).tile
+    if impl not in ("torch", "epilogue"):
+        return 1
+    bf16, traits = torch.bfloat16, _traits(name, 0)
+    tile = decide(kernel="pairwise" if traits.pairs else "softmax", rows=n, cols=n, device=torch.device("cuda"), dtype=bf16,
+                  other_dtype=bf16, chunk_size=None, backend=impl, epilogue_serves=lambda: None, traits=traits).tile
     return 1 if tile == 0 else -(-n // tile)
+
+
+def _square_tiles(n: int, impl: str) -> int:
+    """Square tiles per side of a bf16 ``n x n`` problem on a backend's GPU budget (the plans of the measured rows)."""
+    from ..engine.planner import _bytes_per_logit, resolve_tile
+
+    bf16 = torch.bfloat16
+    tile = resolve_tile(None, n, n, "cuda", _bytes_per_logit(impl, bf16, bf16, impl == "torch"))
+    return -(-n // tile)
 
 
 def calibration(at: int = 256) -> tuple[Gpu, float, list[tuple[Measured, Counts]]]:
@@ -329,7 +345,8 @@ def calibration(at: int = 256) -> tuple[Gpu, float, list[tuple[Measured, Counts]
     for row in MEASURED:
         if row.impl not in impls:  # the fused kernels' own GEMMs are not counted: fit_fused prices them
             continue
-        tiles = 1 if row.impl == "dense" else gpu_tiles(row.n, row.impl)
+        # the rows were measured on square tiles (before the epilogue's row strips): counted so
+        tiles = 1 if row.impl == "dense" else _square_tiles(row.n, row.impl)
         counted.append((row, count_loss(row.loss, row.impl, row.n, row.d, at=min(at, row.n), tiles=tiles)))
     host_rows = [(c, row.ms / 1e3, row.impl != "dense") for row, c in counted if row.n <= HOST_ROWS]
     fitted, _ = fit_host(host_rows, GPUS["H100"])
@@ -445,8 +462,8 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
             for impl in impls:
                 if impl == "epilogue" and name not in EPILOGUE_LOSSES:
                     continue
-                tiles = 1 if impl == "dense" else gpu_tiles(n, impl)
-                c = count_loss(name, impl, n, dim, at=at, tiles=tiles)
+                tiles = 1 if impl == "dense" else gpu_tiles(n, impl, name)
+                c = count_loss(name, impl, n, dim, at=at)
                 row = {"loss": name, "n": n, "d": dim, "impl": impl, "tiles": tiles,
                        "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
                        "syncs": c.syncs, "bytecodes": c.bytecodes, "predicted_ms": round(predict(c, gpu) * 1e3, 4),

@@ -124,8 +124,10 @@ def left_out(plan: SoftmaxPlan) -> dict[str, Any]:
     return out
 
 
-def _edge(plan: SoftmaxPlan | SigmoidPlan | PairPlan, rows: int, cols: int) -> int:
-    return plan.tile if plan.tile else max(rows, cols, 1)
+def _edge(plan: SoftmaxPlan | SigmoidPlan | PairPlan, rows: int, cols: int) -> tuple[int, int]:
+    """``(tile, tile_cols)`` of the tile loops: the whole problem as one tile, square tiles (``tile_cols`` 0)
+    or row strips across every column (the planner's choice where they are fewer)."""
+    return (plan.tile, plan.tile_cols) if plan.tile else (max(rows, cols, 1), 0)
 
 
 def _tile_factors(ops: KernelOperands, r0: int, r1: int, c0: int, c1: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -149,13 +151,14 @@ def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> 
     if plan.columns:
         col_max = torch.empty(cols, dtype=dtype, device=device) if fixed else torch.full((cols,), low, dtype=dtype, device=device)
         col_sum = torch.zeros(cols, dtype=dtype, device=device)
-    edge = _edge(plan, rows, cols)
+    edge, edge_cols = _edge(plan, rows, cols)
+    scratch_width = min(edge_cols or edge, cols)
     excluded = left_out(plan)
     # the column partials' scratch, reused by every tile: O(C * tile / 32), never R x C
     wants_partials = plan.columns or (plan.symmetric and edge < rows)
     parts = triton_backend.partial_rows(min(edge, rows))
-    scratch = (None if fixed else torch.empty(parts, min(edge, cols), dtype=dtype, device=device),
-               torch.empty(parts, min(edge, cols), dtype=dtype, device=device)) if wants_partials else None
+    scratch = (None if fixed else torch.empty(parts, scratch_width, dtype=dtype, device=device),
+               torch.empty(parts, scratch_width, dtype=dtype, device=device)) if wants_partials else None
     kept: list[Tensor] = []
 
     def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
@@ -178,7 +181,7 @@ def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> 
         if col_max is not None and col_sum is not None:
             triton_backend.fold_partials(partials, used, width, (col_max[c0:c1], col_sum[c0:c1]), fixed)
 
-    sweep(prod, rows, cols, edge, plan.symmetric, visit)
+    sweep(prod, rows, cols, edge, plan.symmetric, visit, tile_cols=edge_cols)
     if fixed:
         row_lse, col_lse = fixed_lse(row_sum, col_sum, plan, cols)
     else:
@@ -217,7 +220,8 @@ def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: 
                                      plan.self_offset, excluded, positive)
         return GradTiles.of(tiles)
 
-    return gradient_sweep(prod, a, b, _edge(plan, rows, cols), plan.symmetric, grad_tile, wanted)
+    edge, edge_cols = _edge(plan, rows, cols)
+    return gradient_sweep(prod, a, b, edge, plan.symmetric, grad_tile, wanted, edge_cols)
 
 
 class EpilogueSoftmax(SoftmaxExecutor):
@@ -267,7 +271,8 @@ class EpilogueSigmoid(SigmoidExecutor):
             triton_backend.epilogue_sigmoid_sums(s, r0, c0, rows, cols, out[r0:r1], bias_t,
                                                  None if fx is None or fy is None else (fx, fy), plan.diagonal_offset, keys)
 
-        sweep(prod, rows, cols, _edge(plan, rows, cols), False, visit)
+        edge, edge_cols = _edge(plan, rows, cols)
+        sweep(prod, rows, cols, edge, False, visit, tile_cols=edge_cols)
         raw = (ops.a, ops.b) if plan.operand_dtype is not None and ops.b is not None else ()
         return out, (*raw, *kept)
 
@@ -289,7 +294,8 @@ class EpilogueSigmoid(SigmoidExecutor):
                                                               _tile_factors(kops, r0, r1, c0, c1), plan.diagonal_offset, keys))
             return GradTiles.of(tiles)
 
-        gb, ga = gradient_sweep(prod, a, b, _edge(plan, rows, cols), False, grad_tile)
+        edge, edge_cols = _edge(plan, rows, cols)
+        gb, ga = gradient_sweep(prod, a, b, edge, False, grad_tile, tile_cols=edge_cols)
         return gb, ga, torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
 
@@ -319,12 +325,12 @@ class EpiloguePairs(PairExecutor):
         kops = KernelOperands(plan, raw, ops.a_c, ops.b_c, ops.scale, ops.norms)
         prod = EpilogueProducts(kops, ops.a_c)
         rows, cols = ops.a_c.shape[0], ops.b_c.shape[0]
-        edge, binary = _edge(plan, rows, cols), plan.kernel == "binary"
+        (edge, edge_cols), binary = _edge(plan, rows, cols), plan.kernel == "binary"
         relation, offset = triton_backend.relation_args(plan.positives), plan.positives.self_offset
         kept: list[Tensor] = []
         lse = None
         if not binary:  # pass 1: the negatives' log-sum-exp (the positives and the self pair left out)
-            lse = _negatives_lse(prod, rows, cols, edge, plan, kept)
+            lse = _negatives_lse(prod, rows, cols, (edge, edge_cols), plan, kept)
             prod.kept = kept[0] if kept else None
         out = ops.a_c.new_zeros(2 * rows)
 
@@ -335,7 +341,7 @@ class EpiloguePairs(PairExecutor):
             triton_backend.epilogue_pair_sums(s, r0, c0, rows, cols, out, lse, None if fx is None or fy is None else (fx, fy),
                                               offset, relation, binary)
 
-        sweep(prod, rows, cols, edge, False, visit)
+        sweep(prod, rows, cols, edge, False, visit, tile_cols=edge_cols)
         keep = {"stats": () if lse is None else (lse, out[rows:]), "operands": raw if plan.operand_dtype is not None else (),
                 "logits": kept[0] if kept else None}
         return ((out[:rows], out[rows:]) if binary else (out[:rows],)), keep
@@ -358,11 +364,13 @@ class EpiloguePairs(PairExecutor):
                                               _tile_factors(kops, r0, r1, c0, c1), offset, relation, binary)
             return GradTiles.of(tiles)
 
-        gb, ga = gradient_sweep(prod, a, b, _edge(plan, rows, cols), False, grad_tile)
+        edge, edge_cols = _edge(plan, rows, cols)
+        gb, ga = gradient_sweep(prod, a, b, edge, False, grad_tile, tile_cols=edge_cols)
         return Gradients(gb, ga)
 
 
-def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: int, plan: PairPlan, kept: list[Tensor]) -> Tensor:
+def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: tuple[int, int], plan: PairPlan,
+                   kept: list[Tensor]) -> Tensor:
     """PML NT-Xent's pass 1: each row's log-sum-exp over its negatives (``-inf`` for a row without any),
     the positives and the self pair left out in the soft-max epilogue; a single tile kept in ``kept``."""
     from . import triton_backend  # imports triton: on the first call
@@ -381,7 +389,7 @@ def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: int, plan
                                      None if fx is None or fy is None else (fx, fy), plan.positives.self_offset, excluded,
                                      plan.fixed)
 
-    sweep(prod, rows, cols, edge, False, visit)
+    sweep(prod, rows, cols, edge[0], False, visit, tile_cols=edge[1])
     total = run_sum.log() if plan.fixed else run_sum.log() + run_max
     return torch.where(run_sum > 0, total, float("-inf"))
 

@@ -58,6 +58,8 @@ class Decision:
         device: the inputs' device type.
         backend: ``"torch"`` or ``"triton"``.
         tile: rows (and columns) per tile; ``0`` means the whole ``R x C`` problem is one tile.
+        tile_cols: columns per tile where they differ from ``tile`` (``0``: square tiles): the epilogue's
+            row strips, each across every column (:func:`strip_rows`).
         half: fp16/bf16 inputs multiplied as given on tensor cores, fp32 logits.
         fixed: the one-``exp`` bounded algorithm (no running maximum).
         budget: the scratch bytes the tile was sized for.
@@ -82,6 +84,7 @@ class Decision:
     cols: int
     operand_dtype: torch.dtype | None = None
     predicted: tuple[tuple[str, float], ...] = ()
+    tile_cols: int = 0
     executor: str = field(default="", compare=False)
 
     def __str__(self) -> str:
@@ -89,6 +92,8 @@ class Decision:
             tiles = "autotiled kernels"
         elif self.tile == 0:
             tiles = "one tile"
+        elif self.tile_cols:
+            tiles = f"{math.ceil(self.rows / self.tile)} strips of {self.tile}x{self.tile_cols}"
         else:
             tiles = f"{math.ceil(self.rows / self.tile)}x{math.ceil(self.cols / self.tile)} tiles of {self.tile}"
         if self.backend == "epilogue":
@@ -307,12 +312,49 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype) \
         and not (PRODUCTS == "auto" and (wide or _wide_pays(predicted)))
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
-    tile = resolve_tile(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
-                        if device.type == "cuda" else 8)
+    strips = chosen == "epilogue" and (kernel != "softmax" or not traits.symmetric)  # a triangle walk needs squares
+    tile, tile_cols = _tile_shape(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
+                                  if device.type == "cuda" else 8, strips)
     single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
-                    predicted)
+                    predicted, 0 if single else tile_cols)
+
+
+def strip_rows(rows: int, cols: int, bytes_per_logit: int, budget: int | None = None) -> int:
+    """Rows of a GPU strip across all ``cols`` columns within the scratch budget, a multiple of
+    ``_GPU_TILE_QUANTUM`` -- when such strips are fewer than :func:`resolve_tile`'s square tiles (each
+    tile is a GEMM, a few Triton launches and its Python: a host-bound call pays per tile); else 0.
+
+    At 16,384 x 16,384 bf16 logits on the epilogue's 8 bytes per logit and 1 GiB: 2 strips of 8,192
+    rows instead of 2 x 2 squares of 11,520.
+    """
+    budget = GPU_BUDGET if budget is None else budget
+    strip = budget // max(1, cols * bytes_per_logit) // _GPU_TILE_QUANTUM * _GPU_TILE_QUANTUM
+    if strip <= 0 or strip >= rows:
+        return 0
+    edge = resolve_tile(None, rows, cols, "cuda", bytes_per_logit, budget)
+    squares = math.ceil(rows / edge) * math.ceil(cols / edge)
+    return strip if math.ceil(rows / strip) < squares else 0
+
+
+def _tile_shape(chunk_size: int | None, rows: int, cols: int, device: torch.device, bytes_per_logit: int,
+                strips: bool) -> tuple[int, int]:
+    """``(tile, tile_cols)`` of :class:`Decision` before the one-tile test: a caller's ``chunk_size`` and a
+    CPU's tiles as :func:`resolve_tile` gives them; on a GPU row strips (:func:`strip_rows`) where ``strips``
+    allows them and they are fewer. A problem counted small under :func:`simulate` (an area above 1) is
+    shaped at the size it stands for and its tiles scaled down to as many per side."""
+    if chunk_size is not None or device.type != "cuda":
+        return resolve_tile(chunk_size, rows, cols, device, bytes_per_logit), 0
+    side = math.sqrt(_SIMULATED_AREA)
+    big_rows, big_cols = round(rows * side), round(cols * side)
+    strip = strip_rows(big_rows, big_cols, bytes_per_logit) if strips else 0
+    if strip:
+        return (strip if side == 1.0 else math.ceil(rows / math.ceil(big_rows / strip))), cols
+    edge = resolve_tile(None, big_rows, big_cols, device, bytes_per_logit)
+    if side == 1.0 or edge >= max(big_rows, big_cols):
+        return (edge if side == 1.0 else max(rows, cols, 1)), 0
+    return math.ceil(max(rows, cols) / math.ceil(max(big_rows, big_cols) / edge)), 0
 
 
 #: The torch backend with half inputs widened to fp32 and multiplied in fp32 (no tensor cores), as the cost model
@@ -364,9 +406,14 @@ def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dty
         if path is None:
             continue
         half = backend == "torch" and counted == "half"
-        tile = resolve_tile(chunk_size, rows, cols, "cuda", _bytes_per_logit(backend, dtype, other_dtype, half))
+        per_logit = _bytes_per_logit(backend, dtype, other_dtype, half)
+        strip = strip_rows(rows, cols, per_logit) if chunk_size is None and backend == "epilogue" and \
+            (traits.pairs is not None or not traits.symmetric) else 0
+        tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
         per_side = math.ceil(rows / tile), math.ceil(cols / tile)
-        tiles = per_side[0] * (per_side[0] + 1) // 2 if traits.symmetric and per_side[0] == per_side[1] \
+        # a single set's triangle: the soft-max terms on every backend, the pair terms on the torch loops
+        triangle = traits.symmetric and per_side[0] == per_side[1] and (traits.pairs is None or backend == "torch")
+        tiles = math.ceil(rows / strip) if strip else per_side[0] * (per_side[0] + 1) // 2 if triangle \
             else per_side[0] * per_side[1]
         out.append((label, predict_path(path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles,
                                         gpu)))

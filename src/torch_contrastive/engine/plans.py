@@ -43,6 +43,11 @@ class _Device:
         return self.decision.tile
 
     @property
+    def tile_cols(self) -> int:
+        """Columns per tile where they differ from :attr:`tile` (the epilogue's row strips); 0: square tiles."""
+        return self.decision.tile_cols
+
+    @property
     def fixed(self) -> bool:
         """The bounded one-``exp`` regime (no running maximum)."""
         return self.decision.fixed

@@ -39,12 +39,16 @@ DENSE_BUDGET_BYTES = int(os.environ.get("TORCH_CONTRASTIVE_DENSE_BUDGET", str(8 
 # (fp32: exp(40) * 2**40 ~ 2.6e29 < 3.4e38 and exp(-40) ~ 4e-18 > 1.2e-38).
 
 
-def tiles(rows: int, cols: int, tile: int, symmetric: bool) -> Iterator[tuple[int, int, int, int]]:
-    """(r0, r1, c0, c1) of every tile to visit; only the upper triangle when symmetric."""
+def tiles(rows: int, cols: int, tile: int, symmetric: bool, tile_cols: int = 0) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) of every tile to visit; only the upper triangle when symmetric (square tiles).
+    ``tile_cols``: columns per tile where they differ from ``tile`` (row strips; 0: square tiles)."""
+    if tile_cols and symmetric:
+        raise ValueError("a symmetric walk visits square tiles: tile_cols must be 0")
+    width = tile_cols or tile
     for r0 in range(0, rows, tile):
         r1 = min(r0 + tile, rows)
-        for c0 in range(r0 if symmetric else 0, cols, tile):
-            yield r0, r1, c0, min(c0 + tile, cols)
+        for c0 in range(r0 if symmetric else 0, cols, width):
+            yield r0, r1, c0, min(c0 + width, cols)
 
 
 class Buffers:
@@ -78,7 +82,7 @@ GradTile = Callable[[Tensor, int, int, int, int, Buffers], Any]
 
 
 def sweep(prod: TileProducts, rows: int, cols: int, tile: int, symmetric: bool, visit: Visit,
-          skip: Callable[[int, int], bool] | None = None) -> None:
+          skip: Callable[[int, int], bool] | None = None, tile_cols: int = 0) -> None:
     """The forward tile loop: every tile's logits, formed into a reused buffer, handed to ``visit``.
 
     Args:
@@ -89,15 +93,16 @@ def sweep(prod: TileProducts, rows: int, cols: int, tile: int, symmetric: bool, 
         symmetric: visit the upper triangle only (a single set: the function feeds both blocks).
         visit: the statistic's tile function (:data:`Visit`).
         skip: ``skip(r0, c0)`` True for a tile that has nothing to add (its logits are not formed).
+        tile_cols: columns per tile where they differ from ``tile`` (0: square tiles).
     """
     bufs = Buffers(prod.a.dtype, prod.a.device)
-    for r0, r1, c0, c1 in tiles(rows, cols, tile, symmetric):
+    for r0, r1, c0, c1 in tiles(rows, cols, tile, symmetric, tile_cols):
         if skip is None or not skip(r0, c0):
             visit(prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)), r0, r1, c0, c1, bufs)
 
 
 def gradient_sweep(prod: TileProducts, a: Tensor, b: Tensor, tile: int, symmetric: bool, grad_tile: GradTile,
-                   grad_columns: int | None = None) -> tuple[Tensor, Tensor | None]:
+                   grad_columns: int | None = None, tile_cols: int = 0) -> tuple[Tensor, Tensor | None]:
     """The backward tile loop: every tile's logits recomputed, its gradient ``G`` from
     ``grad_tile`` and added into ``G @ B`` (rows) and ``G.T @ A`` (columns).
 
@@ -111,6 +116,7 @@ def gradient_sweep(prod: TileProducts, a: Tensor, b: Tensor, tile: int, symmetri
         grad_tile: the statistic's gradient tile (:data:`GradTile`).
         grad_columns: only candidates ``[0, grad_columns)`` need a gradient (None: all; 0: no
             column accumulator); the others' products are skipped and their rows stay 0.
+        tile_cols: columns per tile where they differ from ``tile`` (0: square tiles).
 
     Returns:
         ``(G @ B, G.T @ A or None)``, unscaled.
@@ -120,7 +126,7 @@ def gradient_sweep(prod: TileProducts, a: Tensor, b: Tensor, tile: int, symmetri
     gb_acc = torch.zeros_like(a)
     ga_acc = None if symmetric or wanted == 0 else torch.zeros_like(b)
     bufs = Buffers(a.dtype, a.device)
-    for r0, r1, c0, c1 in tiles(rows, cols, tile, symmetric):
+    for r0, r1, c0, c1 in tiles(rows, cols, tile, symmetric, tile_cols):
         g = grad_tile(prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)), r0, r1, c0, c1, bufs)
         prod.add_rows(gb_acc[r0:r1], g, c0, c1)
         if symmetric:
