@@ -60,6 +60,8 @@ KEPT_TESTS = ("tests/losses/test_kept.py",)
 CORE_TESTS_TUPLE = tuple(CORE_TESTS)
 HALF_TILE_TESTS = ("tests/engine/test_one_tile_half.py", "tests/engine/test_planner.py")
 RELATION_READER_TESTS = ("tests/cli/test_traffic.py::test_a_label_relation_read_by_the_one_torch_tile_is_dense",)
+_KEEPS_ROWS = '        ctx.lean = getattr(plan, "operand_dtype", None) is not None and not (plan.single_tile and ONE_TILE_KEEPS_ROWS)\n'
+
 MUTATIONS = [
     # engine: soft-max terms (NT-Xent pairing rules, SupCon, image-text)
     Mutation(f"{E}/driver.py", "            gscale = gscale / 2", "            gscale = gscale",
@@ -1146,6 +1148,14 @@ MUTATIONS = [
     Mutation(f"{PKG}/engine/epilogue.py", "    return (plan.tile, plan.tile_cols) if plan.tile else", "    return (plan.tile, 0) if plan.tile else",
              "epilogue: the plan's row strips walked as square tiles",
              ("tests/engine/test_epilogue.py::test_row_strips_across_every_column_equal_the_float64_references",)),
+    Mutation(f"{PKG}/engine/driver.py", _KEEPS_ROWS,
+             '        ctx.lean = getattr(plan, "operand_dtype", None) is not None\n',
+             "epilogue: one tile's unit rows rebuilt in backward (two row kernels more)",
+             ("tests/engine/test_epilogue.py::test_one_tile_keeps_its_normalised_rows_and_strips_keep_the_half_rows",)),
+    Mutation(f"{PKG}/engine/driver.py", _KEEPS_ROWS,
+             '        ctx.lean = False\n',
+             "kernel backends: fp32 unit rows kept for backward over several tiles too",
+             ("tests/engine/test_epilogue.py::test_one_tile_keeps_its_normalised_rows_and_strips_keep_the_half_rows",)),
 ]
 
 

@@ -460,3 +460,25 @@ def test_the_epilogue_backward_reads_the_positives_in_registers(name):
     assert counter.ops["triton:epilogue_grad"] == 1
     aggregating = {"index_add", "index_add_", "index_select", "gather", "index"}
     assert not aggregating & set(counter.ops), counter.ops
+
+
+def test_the_calibration_counts_the_measured_rows_as_they_ran():
+    """The H100 rows were measured before two changes that are switches: counted as they ran, a kernel
+    backend's one tile rebuilds its unit rows in backward (two row kernels more for two sets) and a large
+    call walks square tiles (the epilogue's 16,384 rows: 2 x 2 squares, where today's plan takes 2 strips)."""
+    pytest.importorskip("triton")
+    from torch_contrastive.cli import traffic
+    from torch_contrastive.engine import driver
+
+    now = count_loss("clip", "epilogue", 48, 8)
+    with traffic._as_measured():
+        assert driver.ONE_TILE_KEEPS_ROWS is False
+        then = count_loss("clip", "epilogue", 48, 8)
+    assert driver.ONE_TILE_KEEPS_ROWS is True
+    assert then.ops["triton:normalize_rows"] == now.ops["triton:normalize_rows"] + 2 == 4
+    assert then.launches == now.launches + 2
+    assert traffic._square_tiles(16384, "epilogue") == 2 and gpu_tiles(16384, "epilogue", "clip") == 2
+    strips = planner.decide(kernel="softmax", rows=16384, cols=16384, device=torch.device("cuda"), dtype=torch.bfloat16,
+                            other_dtype=torch.bfloat16, chunk_size=None, backend="epilogue", epilogue_serves=lambda: None,
+                            traits=planner.Traits(512, columns=True))
+    assert (strips.tile, strips.tile_cols) == (8192, 16384)

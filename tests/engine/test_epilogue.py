@@ -410,3 +410,40 @@ def test_the_tile_walk_covers_every_entry_once_in_squares_and_strips():
         assert torch.equal(seen, want)
     with pytest.raises(ValueError, match="tile_cols must be 0"):
         next(tiles(10, 10, 3, True, 10))
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_one_tile_keeps_its_normalised_rows_and_strips_keep_the_half_rows(chunk):
+    """bf16 rows on the epilogue: over several tiles backward keeps only the caller's half rows and
+    rebuilds the fp32 unit rows (one row kernel per set); one tile keeps its R x C logits from forward
+    and its fp32 unit rows beside them, so backward launches no row kernel. Gradients as the torch backend's."""
+    from torch_contrastive.engine.triton_backend._host import LAUNCH_LISTENERS
+
+    g = torch.Generator().manual_seed(9)
+    x, y = (torch.randn(40, 24, generator=g).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(2))
+    kept, launched = [], []
+
+    class Listener:
+        def launch_begins(self, name, reads, writes):
+            launched.append(name)
+
+        def launch_ends(self):
+            pass
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = tc.image_text_contrastive_loss(x, y, 0.1, chunk_size=chunk, backend="epilogue")
+    LAUNCH_LISTENERS.append(listener := Listener())
+    try:
+        grads = torch.autograd.grad(loss, [x, y])
+    finally:
+        LAUNCH_LISTENERS.remove(listener)
+    wide = [t for t in kept if t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == 24]
+    assert len(wide) == (2 if chunk is None else 0)
+    assert launched.count("normalize_rows") == (0 if chunk is None else 2), launched
+    reference = torch.autograd.grad(tc.image_text_contrastive_loss(x, y, 0.1, chunk_size=chunk, backend="torch"), [x, y])
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)

@@ -325,6 +325,21 @@ def gpu_tiles(n: int, impl: str = "torch", name: str = "clip") -> int:
     return 1 if tile == 0 else -(-n // tile)
 
 
+@contextlib.contextmanager
+def _as_measured() -> Any:
+    """Count the measured rows (2026-11-23/24) as that code ran them where a later change is a switch: square
+    tiles (``_square_tiles``; row strips came later) and a kernel backend's one tile rebuilding its unit rows in
+    backward (``driver.ONE_TILE_KEEPS_ROWS`` off)."""
+    from ..engine import driver
+
+    previous = driver.ONE_TILE_KEEPS_ROWS
+    driver.ONE_TILE_KEEPS_ROWS = False
+    try:
+        yield
+    finally:
+        driver.ONE_TILE_KEEPS_ROWS = previous
+
+
 def _square_tiles(n: int, impl: str) -> int:
     """Square tiles per side of a bf16 ``n x n`` problem on a backend's GPU budget (the plans of the measured rows)."""
     from ..engine.planner import _bytes_per_logit, resolve_tile
@@ -342,12 +357,12 @@ def calibration(at: int = 256) -> tuple[Gpu, float, list[tuple[Measured, Counts]
     the row's tile structure, scaled to its size; the epilogue's rows where its kernels can run)."""
     impls = ("torch", "dense", "epilogue") if epilogue_countable() else ("torch", "dense")
     counted = []
-    for row in MEASURED:
-        if row.impl not in impls:  # the fused kernels' own GEMMs are not counted: fit_fused prices them
-            continue
-        # the rows were measured on square tiles (before the epilogue's row strips): counted so
-        tiles = 1 if row.impl == "dense" else _square_tiles(row.n, row.impl)
-        counted.append((row, count_loss(row.loss, row.impl, row.n, row.d, at=min(at, row.n), tiles=tiles)))
+    with _as_measured():
+        for row in MEASURED:
+            if row.impl not in impls:  # the fused kernels' own GEMMs are not counted: fit_fused prices them
+                continue
+            tiles = 1 if row.impl == "dense" else _square_tiles(row.n, row.impl)
+            counted.append((row, count_loss(row.loss, row.impl, row.n, row.d, at=min(at, row.n), tiles=tiles)))
     host_rows = [(c, row.ms / 1e3, row.impl != "dense") for row, c in counted if row.n <= HOST_ROWS]
     fitted, _ = fit_host(host_rows, GPUS["H100"])
     fitted, _ = fit([(c, row.ms / 1e3) for row, c in counted if row.n >= DEVICE_ROWS], fitted, PEAK_BANDWIDTH["H100"])

@@ -202,7 +202,8 @@ class PathCost:
 #: two views of one buffer written by two ops (two launches fewer on tensor cores), the lean functions' apply
 #: called in C, a label relation's form asked of its reader (engine/planner.py, dense_relation), the pair terms'
 #: repeated one tile kept (a label call's relation rebuilt from its labels: losses/_kept.py), their counts from the
-#: mask's bools in one op (the pair terms' epilogue rows' launches and bytecodes too); Python 3.11.7,
+#: mask's bools in one op (the pair terms' epilogue rows' launches and bytecodes too); the epilogue's half rows
+#: once more the same day: one tile keeps its fp32 unit rows for backward (no row kernel rebuilds them); Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
@@ -210,11 +211,11 @@ class PathCost:
 PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "torch", "half"): PathCost(48, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 1552, 1351),
     ("columns", "torch", "wide"): PathCost(44, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1240, 970),
-    ("columns", "epilogue", "half"): PathCost(53, 9.1, 5.0, 6.0, 3.0, 4.0, 9, 3.0, 8063, 1279),
+    ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7633, 1311),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
     ("rows", "torch", "half"): PathCost(37, 24.2, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 1380, 1551),
     ("rows", "torch", "wide"): PathCost(32, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1115, 1216),
-    ("rows", "epilogue", "half"): PathCost(32, 8.1, 4.0, 3.5, 2.0, 2.25, 5, 2.67, 6519, 1191),
+    ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 6303, 1221),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
     ("columns", "torch", "fp32"): PathCost(42, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1235, 970),
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7227, 1029),
@@ -222,10 +223,10 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5990, 961),
     ("pair_softplus", "torch", "half"): PathCost(50, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 2257, 2321),
     ("pair_softplus", "torch", "wide"): PathCost(45, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 2111, 1872),
-    ("pair_softplus", "epilogue", "half"): PathCost(34, 10.1, 6.5, 8.5, 3.0, 5.0, 6, 3.0, 7323, 1476),
+    ("pair_softplus", "epilogue", "half"): PathCost(33, 10.2, 6.5, 8.5, 3.0, 5.0, 5, 3.07, 7103, 1494),
     ("binary", "torch", "half"): PathCost(55, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 2278, 1426),
     ("binary", "torch", "wide"): PathCost(50, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 2132, 1034),
-    ("binary", "epilogue", "half"): PathCost(35, 8.1, 5.5, 6.5, 3.0, 4.0, 5, 2.0, 6645, 1080),
+    ("binary", "epilogue", "half"): PathCost(34, 8.1, 5.5, 6.5, 3.0, 4.0, 4, 2.07, 6410, 1099),
 }
 
 

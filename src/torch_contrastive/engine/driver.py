@@ -282,8 +282,11 @@ class _EngineCall(torch.autograd.Function):
         ctx.counts = (len(keep), len(extras))
         # Kernels that multiply the caller's half rows as given (Triton, fp16/bf16) keep those for
         # backward, not the fp32 normalised copies: 2 bytes per element instead of 2 + 4 (the copies
-        # are rebuilt in backward, bit for bit, where the normalisation backward needs them).
-        ctx.lean = getattr(plan, "operand_dtype", None) is not None
+        # are rebuilt in backward, bit for bit, where the normalisation backward needs them) -- except
+        # a plan that is one tile, which keeps its R x C logit tile from forward: its rows (R + C) x D
+        # are kept beside it, and backward launches no row kernel to rebuild them (a host-bound call's
+        # launches are its time).
+        ctx.lean = getattr(plan, "operand_dtype", None) is not None and not (plan.single_tile and ONE_TILE_KEEPS_ROWS)
         if ctx.lean:
             save(ctx, scale_c, a, a if b is None else b, *keep, *norms)
         else:
@@ -294,6 +297,11 @@ class _EngineCall(torch.autograd.Function):
     def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
         first_order_only()
         return _backward(ctx, *grads)
+
+
+#: A kernel backend's one tile keeps its fp32 unit rows for backward (``_EngineCall.forward``). Since 2026-11-28;
+#: the cost model's calibration counts the rows measured before that day with it off, as they ran.
+ONE_TILE_KEEPS_ROWS = True
 
 
 def first_order_only() -> None:
