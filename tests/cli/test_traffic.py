@@ -31,6 +31,10 @@ def test_gemm_flops_and_logit_bytes_of_a_plain_product_are_counted_exactly():
     assert got.passes == pytest.approx(got.logit_bytes / (4 * logits))
     assert got.syncs == 0
     assert got.ops["mm"] == 3 and "t" not in got.ops and "expand" not in got.ops  # views launch nothing
+    # a batch of row dot products (1 x D by D x 1) is one launch and an O(N D) pass, no GEMM work
+    dots = count(lambda: torch.bmm(a.float().unsqueeze(1), b[:1].float().expand(40, 7).unsqueeze(2)).sum(), 40, 24, 7,
+                 simulate_device=None)
+    assert dots.ops["bmm"] == 3 and dots.gemm_flops == {}
 
 
 def test_indexed_ops_count_the_entries_they_touch():

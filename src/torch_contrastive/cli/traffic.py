@@ -13,7 +13,8 @@ its tensor-core products), so a CPU runs the GPU's plan and the counts are the G
   per-row statistic of both directions does not (a tile whose edge is one of those sides would be missed:
   :func:`count_loss` counts at a size where none is). Indexed ops (``take``, ``index_fill_``, ``index_add_``, ...)
   touch only their indexed entries, which is what they count;
-* **GEMM FLOPs** are ``2 m k n`` per product, by the operands' dtype;
+* **GEMM FLOPs** are ``2 m k n`` per product, by the operands' dtype (a batch of row dot products -- ``bmm`` of
+  ``1 x k`` by ``k x 1``, and their gradients -- is an O(N D) pass, not counted);
 * the copies a CPU makes to widen half operands (``torch.mm`` has no ``out_dtype`` on a CPU) are
   not counted, and the product counts those operands at their own width;
 * **host syncs** as :mod:`.synccount` sees them;
@@ -158,6 +159,8 @@ class _Count(TorchDispatchMode):
         mats = [t for t in args if t.ndim >= 2]
         a, b = mats[-2], mats[-1]  # (bias,) a, b
         batch = math.prod(a.shape[:-2]) if a.ndim > 2 else 1
+        if a.ndim > 2 and 1 in (a.shape[-2], a.shape[-1], b.shape[-1]):  # a batch of row dot products (or their
+            return  # gradients, outer products of a row and a number): an O(N D) pass, no GEMM work
         own = self.widened.get(id(a), a.dtype)
         for t in (a, b):  # a widened copy is used once: its id may name another tensor later
             self.widened.pop(id(t), None)

@@ -203,30 +203,32 @@ class PathCost:
 #: called in C, a label relation's form asked of its reader (engine/planner.py, dense_relation), the pair terms'
 #: repeated one tile kept (a label call's relation rebuilt from its labels: losses/_kept.py), their counts from the
 #: mask's bools in one op (the pair terms' epilogue rows' launches and bytecodes too); the epilogue's half rows
-#: once more the same day: one tile keeps its fp32 unit rows for backward (no row kernel rebuilds them); Python 3.11.7,
+#: once more the same day: one tile keeps its fp32 unit rows for backward (no row kernel rebuilds them); the torch rows
+#: again the same day: the normalisation backward in six ops (was eight), NT-BXent's two means stacked and combined in
+#: two ops, PML's rows summed inside the kernel where only their total is read; Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(48, 25.1, 9.67, 24.16, 5.0, 4.0, 0, 0.0, 1552, 1351),
-    ("columns", "torch", "wide"): PathCost(44, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1240, 970),
+    ("columns", "torch", "half"): PathCost(46, 25.3, 9.66, 24.15, 5.0, 4.0, 0, 0.0, 1591, 1352),
+    ("columns", "torch", "wide"): PathCost(42, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1278, 971),
     ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7633, 1311),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
-    ("rows", "torch", "half"): PathCost(37, 24.2, 8.03, 14.25, 4.0, 2.25, 0, 0.0, 1380, 1551),
-    ("rows", "torch", "wide"): PathCost(32, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1115, 1216),
+    ("rows", "torch", "half"): PathCost(35, 24.4, 8.04, 14.26, 4.0, 2.25, 0, 0.0, 1419, 1553),
+    ("rows", "torch", "wide"): PathCost(30, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1153, 1218),
     ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 6303, 1221),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
-    ("columns", "torch", "fp32"): PathCost(42, 16.7, 11.17, 14.16, 3.0, 4.0, 0, 0.0, 1235, 970),
-    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7227, 1029),
-    ("rows", "torch", "fp32"): PathCost(30, 16.7, 9.04, 8.25, 2.0, 2.25, 0, 0.0, 1110, 1216),
-    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5990, 961),
-    ("pair_softplus", "torch", "half"): PathCost(50, 61.9, 33.75, 66.5, 4.0, 5.0, 0, 0.0, 2257, 2321),
-    ("pair_softplus", "torch", "wide"): PathCost(45, 51.6, 32.75, 52.5, 2.0, 5.0, 0, 0.0, 2111, 1872),
-    ("pair_softplus", "epilogue", "half"): PathCost(33, 10.2, 6.5, 8.5, 3.0, 5.0, 5, 3.07, 7103, 1494),
-    ("binary", "torch", "half"): PathCost(55, 37.9, 31.75, 45.5, 4.0, 4.0, 0, 0.0, 2278, 1426),
-    ("binary", "torch", "wide"): PathCost(50, 29.7, 30.75, 35.5, 2.0, 4.0, 0, 0.0, 2132, 1034),
-    ("binary", "epilogue", "half"): PathCost(34, 8.1, 5.5, 6.5, 3.0, 4.0, 4, 2.07, 6410, 1099),
+    ("columns", "torch", "fp32"): PathCost(40, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1273, 971),
+    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7259, 1029),
+    ("rows", "torch", "fp32"): PathCost(28, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1148, 1218),
+    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 6026, 962),
+    ("pair_softplus", "torch", "half"): PathCost(46, 62.2, 31.76, 66.51, 4.0, 5.0, 0, 0.0, 2284, 2322),
+    ("pair_softplus", "torch", "wide"): PathCost(41, 51.7, 30.76, 52.51, 2.0, 5.0, 0, 0.0, 2138, 1874),
+    ("pair_softplus", "epilogue", "half"): PathCost(33, 10.2, 6.5, 8.5, 3.0, 5.0, 5, 3.07, 7104, 1494),
+    ("binary", "torch", "half"): PathCost(48, 38.0, 31.78, 45.53, 4.0, 4.0, 0, 0.0, 2264, 1427),
+    ("binary", "torch", "wide"): PathCost(43, 29.7, 30.78, 35.53, 2.0, 4.0, 0, 0.0, 2118, 1035),
+    ("binary", "epilogue", "half"): PathCost(29, 8.1, 5.52, 6.52, 3.0, 4.0, 4, 2.07, 6373, 1099),
 }
 
 

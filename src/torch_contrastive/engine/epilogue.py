@@ -318,7 +318,7 @@ class EpiloguePairs(PairExecutor):
     the relation formed in registers in every tile. PML NT-Xent's negatives' log-sum-exps come from
     the soft-max epilogue (:func:`~.triton_backend.epilogue_sums`, the positives left out)."""
 
-    def terms(self, plan: PairPlan, ops: Operands) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         from . import triton_backend  # imports triton: on the first call
 
         raw = (ops.a,) if ops.b is None else (ops.a, ops.b)

@@ -43,16 +43,30 @@ def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps
     ``scale (g - y (g . y)) / ||x||`` for rows with ``||x|| > eps``, ``scale g / eps`` for
     smaller non-zero rows, 0 for all-zero rows.
 
-    Three passes over the (N, D) rows (a row dot product, one fused multiply-add, one
-    row scaling); the per-row cases are decided on (N, 1) vectors. Folding ``scale`` in
-    saves the caller a pass (a float one costs no op of its own: ``addcdiv``).
+    Written ``g f - y (g . y) k`` with two per-row factors, ``f = scale [||x|| > 0] / denom`` and
+    ``k = scale [||x|| > eps] / denom``, formed together: the norms against the two thresholds
+    ``(0, eps)`` in one comparison, divided in one op -- six ops in all (a row dot product as one
+    batched product, the two factors, one multiply, one fused multiply-add), where masking the dot
+    product and the factor separately takes eight. A host-bound call's launches are its time.
     """
-    # (g * y).sum over the row, kept as a column: one op fewer than vecdot + unsqueeze; a masked
-    # fill takes the bool mask as it is (a multiply by it would first widen it to a float copy)
-    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)
-    # 0 for an all-zero row (a multiply by a mask, cheaper than where); a float scale folded into the same op
-    if isinstance(scale, float):
-        factor = torch.div(norm > 0, denom) if scale == 1.0 else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)
+    # (N, 2): [||x|| > 0, ||x|| > eps]; the thresholds looked up inline (a small call pays each Python call)
+    thresholds = _THRESHOLDS.get((eps, norm.dtype, norm.device))
+    masks = torch.gt(norm, _thresholds(eps, norm) if thresholds is None else thresholds)
+    if isinstance(scale, float):  # a float scale folded into the division (addcdiv), a tensor one multiplied after
+        factors = torch.div(masks, denom) if scale == 1.0 else torch.addcdiv(zero(denom), masks, denom, value=scale)
     else:
-        factor = torch.div(norm > 0, denom).mul_(scale)
-    return torch.addcmul(g, y, radial, value=-1).mul_(factor)
+        factors = torch.div(masks, denom).mul_(scale)
+    radial = torch.bmm(g.unsqueeze(1), y.unsqueeze(2)).view(-1, 1)  # g . y per row, one op
+    return torch.addcmul(g * factors[:, :1], y, radial * factors[:, 1:], value=-1)
+
+
+#: ``(0, eps)`` per (eps, dtype, device), made once (:func:`l2_normalize_backward`'s two row masks in one comparison).
+_THRESHOLDS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
+
+
+def _thresholds(eps: float, like: Tensor) -> Tensor:
+    key = (eps, like.dtype, like.device)
+    found = _THRESHOLDS.get(key)
+    if found is None:
+        found = _THRESHOLDS[key] = torch.tensor([0.0, eps], dtype=like.dtype, device=like.device)
+    return found

@@ -45,7 +45,7 @@ from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
 from .one_tile_half import HalfOneTile, HalfOneTileMask, HalfOneTilePairs
-from .pairwise import _KERNELS, combined, combined_grads
+from .pairwise import _KERNELS, combined, combined_grads, single_fixed
 from .pairwise import TORCH as TORCH_PAIRS
 from .planner import name_executor
 from .precision import autocast_enabled, zero
@@ -266,7 +266,7 @@ class _OneTilePairs(torch.autograd.Function):
         n = s.shape[0]
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
         kernel = _KERNELS[plan.kernel]
-        outputs, kept = kernel.single_fixed(s, pos, 0)  # the self pair on the diagonal; every other pair a negative
+        outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
         ctx.save_for_backward(rows, denom, norm, *kept)
         return combined(outputs, combine)

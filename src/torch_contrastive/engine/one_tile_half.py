@@ -37,7 +37,7 @@ from .._tensors import as_dtype
 from .driver import first_order_only
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
-from .pairwise import _KERNELS, combined, combined_grads
+from .pairwise import _KERNELS, combined, combined_grads, single_fixed
 from .precision import zero
 from .products import _mm32, rounded_mul
 from .softmax import _total, _weighted
@@ -198,7 +198,7 @@ class HalfOneTilePairs(torch.autograd.Function):
         s = _mm32(u, v.t())
         pos = plan.positives.tile_values(0, s.shape[0], 0, s.shape[0], s.dtype)  # converted once per relation
         kernel = _KERNELS[plan.kernel]
-        outputs, kept = kernel.single_fixed(s, pos, 0)  # the self pair on the diagonal; every other pair a negative
+        outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
         ctx.save_for_backward(rows, denom, norm, h, *kept)
         return combined(outputs, combine)

@@ -17,7 +17,7 @@ from torch import Tensor
 from .._tensors import as_dtype, clear_self_diagonal
 from ..positives import KeyPositives
 from .driver import Gradients, Operands, Saved, run
-from .precision import Scale
+from .precision import Scale, zero
 from .problem import Combine, Options, PairTerms, Problem
 from .products import AnyProducts, make_products
 from .tiling import Buffers, GradTile, gradient_sweep, raise_max, sweep
@@ -134,7 +134,8 @@ class _PairKernel:
         return (out,), (diff, sig, weight, pos, neg)
 
     @staticmethod
-    def single_fixed(s: Tensor, pos: Tensor, self_offset: int | None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    def single_fixed(s: Tensor, pos: Tensor, self_offset: int | None,
+                     summed: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """:meth:`single` in fixed mode on the 0/1 float mask of the positives (the self pair, at
         ``self_offset`` as in :func:`~torch_contrastive._tensors.self_diagonal`, is 0 there); every other
         pair is a negative. ``|S| <= 40``, so ``exp(S)`` needs no shift and masks multiply (every value is
@@ -142,13 +143,19 @@ class _PairKernel:
         pair cleared (no negative mask is built). The term is a softplus of ``d = log N_i - S_ip``, which
         keeps its digits when the positive dominates (``log(e^S + N) - S`` would cancel them: a confident
         model's loss), its gradient ``sigmoid(d)`` one op on the same ``d`` (fewer dispatches than
-        ``N_i / (e^S + N_i)``, and no slower on a CPU)."""
+        ``N_i / (e^S + N_i)``, and no slower on a CPU). ``summed``: only the rows' total is read (every row
+        weighted 1: PML's mean over pairs), returned as a 0-dim output -- one dot product over the whole tile
+        where the rows' sums and their sum are three ops."""
         e = torch.exp(s)
         e_neg = torch.addcmul(e, e, pos, value=-1)  # the negatives' exponentials, kept: backward's negative part
-        clear_self_diagonal(e_neg, self_offset)
+        if self_offset == 0:  # the lean one tile's square: the main diagonal (no helper call: a small call pays it)
+            e_neg.diagonal().zero_()
+        else:
+            clear_self_diagonal(e_neg, self_offset)
         neg_sum = e_neg.sum(1)
         diff = torch.sub(neg_sum.log()[:, None], s)
-        out = torch.linalg.vecdot(torch.nn.functional.softplus(diff), pos)
+        terms = torch.nn.functional.softplus(diff)
+        out = torch.dot(terms.view(-1), pos.reshape(-1)) if summed else torch.linalg.vecdot(terms, pos)
         # the positives' sigmoids, kept masked (backward reads them only there); 0 on a row without negatives
         sig_pos = torch.sigmoid_(diff).mul_(pos)
         weight = sig_pos.sum(1)
@@ -260,7 +267,10 @@ class _BinaryKernel:
         absolute error of a rounding of the row's whole sum ``P_i + N_i``, small beside the row's loss
         ``a_i P_i + b_i N_i`` unless its negatives are weighted far above its positives (``b_i >> a_i``)."""
         u = s.addcmul_(s, pos, value=-2).exp_()
-        clear_self_diagonal(u, self_offset)
+        if self_offset == 0:  # the lean one tile's square: the main diagonal (no helper call: a small call pays it)
+            u.diagonal().zero_()
+        else:
+            clear_self_diagonal(u, self_offset)
         loss = torch.log1p(u)
         sig = u.div_(torch.add(u, 1.0))  # saved for backward; 0 at the self pair
         pos_sum = torch.linalg.vecdot(loss, pos)
@@ -352,7 +362,9 @@ class PairExecutor:
         return tuple(run(self, plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
                          stat.combine))
 
-    def terms(self, plan: PairPlan, ops: Operands) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+        """The kernel's per-row outputs and what backward keeps. ``total_only``: the combination reads only the rows'
+        total (:func:`total_only`): a backend may return it as one 0-dim output (the torch loops' one tile does)."""
         raise NotImplementedError
 
     def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
@@ -360,27 +372,20 @@ class PairExecutor:
 
     def forward(self, ctx: Any, plan: PairPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         (combine,) = extras
-        outputs, keep = self.terms(plan, ops)
+        outputs, keep = self.terms(plan, ops, total_only(combine))
         # tensor-core products multiply the caller's half rows as given, in backward too
         keep["raw"] = () if not plan.half else (ops.a,) if ops.b is None else (ops.a, ops.b)
         ctx.combine = combine
         if combine is not None:  # the caller's per-row weights and reduction, here: one autograd node per loss
-            weights, total = combine
-            rows: Tensor | None = None
-            for w, out in zip(weights, outputs):  # a weight of 1.0 (PML's mean over pairs) costs no op
-                term = out if _unit(w) else w * out
-                rows = term if rows is None else rows + term
-            if rows is None:
+            if not outputs:
                 raise RuntimeError("internal: combine without outputs")
-            outputs = (rows.sum() if _unit(total) else rows.sum() * total,)
+            outputs = (combined(outputs, combine),)
         return tuple(outputs), keep
 
     def backward(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a = saved.a
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
-            weights, total = ctx.combine
-            g = cast(Tensor, grads[0] if _unit(total) else grads[0] * total)  # type: ignore[operator]
-            grads = tuple((g if _unit(w) else g * w).expand(a.shape[0]) for w in weights)
+            return self.gradients(ctx, plan, saved, combined_grads(cast(Tensor, grads[0]), ctx.combine, a.shape[0], a.dtype))
         return self.gradients(ctx, plan, saved, tuple(as_dtype(g, a.dtype) for g in grads))  # type: ignore[arg-type]
 
 
@@ -391,24 +396,57 @@ def _unit(w: object) -> bool:
 
 
 def combined(outputs: tuple[Tensor, ...], combine: Any) -> Tensor:
-    """The one tile's reduced value: ``total * sum_k w_k . outputs_k`` (``combine = (weights, total)``; a weight of
-    1.0 -- PML's mean over pairs -- costs no op)."""
+    """The reduced value ``total * sum_k w_k . outputs_k`` (``combine = (weights, total)``; a weight of 1.0 -- PML's
+    mean over pairs -- costs no op). Weights stacked as the rows of one (K, N) tensor (NT-BXent's two means) take
+    one dot product and one fused matrix-vector product per further output, a float ``total`` folded into it:
+    two ops for two outputs where separate weights take five."""
     weights, total = combine
+    if isinstance(weights, Tensor):
+        value = torch.dot(weights[0], outputs[0])
+        if len(outputs) == 1:
+            return value if _unit(total) else value * total
+        folded = isinstance(total, float)
+        last = len(outputs) - 1
+        for k in range(1, len(outputs)):
+            factor = total if folded and k == last else 1.0
+            value = torch.addmv(value.view(1), weights[k : k + 1], outputs[k], beta=factor, alpha=factor).view(())
+        return value if folded or _unit(total) else value * total
     # plain loops, no comprehension or cast(): each is a Python call, which a small call pays (a test counts them)
-    per_row = outputs[0] if _unit(weights[0]) else weights[0] * outputs[0]
+    # the weight-of-1 test written out (no call): a small call pays each Python call (a test counts them)
+    per_row = outputs[0] if type(weights[0]) is float and weights[0] == 1.0 else weights[0] * outputs[0]
     for w, out in zip(weights[1:], outputs[1:]):
         per_row = per_row + (out if _unit(w) else w * out)
-    summed = per_row.sum()
-    return summed if _unit(total) else summed * total
+    summed = per_row if per_row.dim() == 0 else per_row.sum()  # (0-dim: the kernel summed the rows itself)
+    return summed if type(total) is float and total == 1.0 else summed * total
+
+
+def total_only(combine: Any) -> bool:
+    """Whether a combination reads only the rows' total: one output weighted 1 (PML's mean over pairs; a tuple of
+    weights compared, never a tensor: that would be an op)."""
+    return combine is not None and type(combine[0]) is tuple and combine[0] == (1.0,)
+
+
+def single_fixed(kernel: Any, s: Tensor, pos: Tensor, combine: Any) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """A lean one tile's ``kernel.single_fixed`` (the self pair on the diagonal), summed over the rows inside the
+    kernel when :func:`combined` reads only their total (:func:`total_only`, written out: a small call pays each
+    Python call), as the torch loops' one tile does."""
+    if kernel is _PairKernel and type(combine[0]) is tuple and combine[0] == (1.0,):
+        return kernel.single_fixed(s, pos, 0, True)
+    return kernel.single_fixed(s, pos, 0)  # type: ignore[no-any-return]
 
 
 def combined_grads(g: Tensor, combine: Any, rows: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """``d value / d outputs_k`` of :func:`combined` per row, ``total * w_k`` times the incoming ``g``."""
+    """``d value / d outputs_k`` of :func:`combined` per row, ``total * w_k`` times the incoming ``g`` (stacked
+    weights: every output's in one op)."""
     weights, total = combine
-    g = g if _unit(total) else g * total
+    if isinstance(weights, Tensor):
+        scaled = torch.addcmul(zero(weights), weights, g, value=total) if isinstance(total, float) else weights * (g * total)
+        stacked = as_dtype(scaled, dtype)
+        return tuple(stacked.unbind())
+    g = g if type(total) is float and total == 1.0 else g * total
     grads = []
     for w in weights:
-        grads.append(as_dtype((g if _unit(w) else g * w).expand(rows), dtype))
+        grads.append(as_dtype((g if type(w) is float and w == 1.0 else g * w).expand(rows), dtype))
     return tuple(grads)
 
 
@@ -416,7 +454,7 @@ class TorchPairs(PairExecutor):
     """The pair terms on torch: one kept tile, or tile passes (the upper triangle for a
     label-sorted single set, all-negative tiles without masks)."""
 
-    def terms(self, plan: PairPlan, ops: Operands) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
@@ -426,7 +464,9 @@ class TorchPairs(PairExecutor):
             s = prod.logits(0, R, 0, C)
             if plan.fixed:  # finite values: 0/1 float masks multiply, several times cheaper than where
                 pos_f = plan.positives.tile_values(0, R, 0, C, a_c.dtype)  # every other pair but the self pair: negative
-                outputs, kept = kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset)
+                # the rows' total summed inside the kernel where only it is read: the lean one tile's arithmetic
+                outputs, kept = kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset, True) \
+                    if total_only and kernel_cls is _PairKernel else kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset)
             else:
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Options", "PairTerms", "Problem", "SigmoidPairs", "Softmax", "Statistic"]
 
-#: (per-output row weights, reduction factor) of :class:`PairTerms` ``combine``
-Combine = tuple[tuple[Tensor | float, ...], Tensor | float]
+#: (per-output row weights, reduction factor) of :class:`PairTerms` ``combine``: the weights one per output, or every
+#: output's as the rows of one (K, N) tensor (combined in fewer ops: :func:`~.pairwise.combined`)
+Combine = tuple[tuple[Tensor | float, ...] | Tensor, Tensor | float]
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,8 @@ def _constant_weights(stat: Statistic) -> None:
             return
         weights: tuple[object, ...] = (alpha, beta, col_alpha, col_beta)
     elif isinstance(stat, PairTerms) and stat.combine is not None:
-        weights = (*stat.combine[0], stat.combine[1])
+        given = stat.combine[0]
+        weights = (given, stat.combine[1]) if isinstance(given, Tensor) else (*given, stat.combine[1])
     else:
         return
     for w in weights:  # a loop, not any() over a generator: this runs on every loss call

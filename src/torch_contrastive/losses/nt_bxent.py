@@ -75,15 +75,18 @@ def nt_bxent_loss(
     cdtype = compute_dtype(z.dtype)
     reduced = engine_total(reduction, scope, float(n), cdtype)
 
-    def row_weights(positives: Positives) -> tuple[tuple[Tensor, Tensor], Tensor | float] | None:
+    def row_weights(positives: Positives) -> tuple[Tensor, Tensor | float] | None:
         """The write-up's per-row means: the positive sum over |P_i| + 1 (the diagonal counts,
         unscored), the negative sum over the negatives (none: 0); then the mean over rows."""
         if reduced is None:
             return None
         n_pos = positives.row_counts_as(cdtype) + 1
-        n_neg = total - n_pos
+        # the two means' weights as the rows of one tensor: the engine combines them in two ops, not five
+        weights = torch.empty(2, n_pos.shape[0], dtype=cdtype, device=n_pos.device)
+        torch.reciprocal(n_pos, out=weights[0])
         # no negatives: a 0 weight (1 / 0's infinity made 0, two ops where a mask, a floor and a division are three)
-        return (n_pos.reciprocal(), n_neg.reciprocal().nan_to_num_(posinf=0.0)), reduced[0]
+        torch.reciprocal(total - n_pos, out=weights[1]).nan_to_num_(posinf=0.0)
+        return weights, reduced[0]
 
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.
