@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from device import DEVICE
 
@@ -130,3 +131,15 @@ def load_file(name: str, path: Path) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every ATen op run inside it (``with OpNames() as ops: ...; ops.names``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))

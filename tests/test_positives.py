@@ -82,8 +82,7 @@ def test_a_dense_relation_is_converted_to_values_once_per_dtype():
 
 def test_a_gpu_plan_sums_a_dense_relations_bools_in_the_values_dtype(monkeypatch):
     """On a GPU (simulated) the counts come from the bools summed in the dtype -- one op, exact -- not from values."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from helpers import OpNames
     from torch_contrastive.engine import planner
 
     monkeypatch.setattr(planner, "_SIMULATED", torch.device("cuda"))
@@ -92,17 +91,8 @@ def test_a_gpu_plan_sums_a_dense_relations_bools_in_the_values_dtype(monkeypatch
     assert pos.dense is not None
     expected = (labels[:, None] == labels[None, :]) & ~torch.eye(7, dtype=torch.bool)
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     for dtype in (torch.float32, torch.float64):
-        with Ops() as ops:
+        with OpNames() as ops:
             counts, total = pos.row_counts_as(dtype), pos.pair_count_as(dtype)
         assert ops.names == ["sum", "sum"] and not pos._dense_values  # no 0/1 values formed
         assert counts.dtype == total.dtype == dtype

@@ -199,24 +199,14 @@ def test_pmls_lean_one_tile_sums_its_rows_inside_the_kernel():
     """PML's NT-Xent weighs every row 1 (its mean over pairs): the lean one tile reads only the rows' total, so
     its kernel forms it as one dot product over the tile (the rows' sums and their sum would be three ops); the
     value is the float64 formula's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from helpers import OpNames
     from reference import nt_xent_pml
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(24, 6, generator=g, dtype=torch.float64)
     labels = torch.arange(24) % 5
     tc.nt_xent_loss(x, 0.2, labels=labels)  # the first call plans (and keeps the call)
-    with Ops() as ops:
+    with OpNames() as ops:
         value = tc.nt_xent_loss(x, 0.2, labels=labels)
     assert ops.names.count("dot") == 1, ops.names
     assert value.item() == pytest.approx(nt_xent_pml(x, labels, torch.tensor(0.2, dtype=torch.float64)).item(), rel=1e-9)
