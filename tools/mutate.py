@@ -446,8 +446,8 @@ MUTATIONS = [
     Mutation(f"{E}/pairwise.py", "                return Gradients(prod.row_product(g + g.t()), None, True)",
              "                return Gradients(prod.row_product(g), None, True)",
              "one pair tile of a single set: the column role of every pair dropped"),
-    Mutation(f"{E}/cost.py", "    return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * g.launch",
-             "    return False", "a GPU never holds a label relation as a dense mask (SupCon's launches grow)",
+    Mutation(f"{E}/cost.py", "    if call is None:\n        return mask < grouped\n",
+             "    if call is None:\n        return False\n", "a GPU never holds a label relation as a dense mask (SupCon's launches grow)",
              ("tests/cli/test_traffic.py",)),
     # the cuBLAS + epilogue path (backend="epilogue") and the cost model's choice
     Mutation(f"{E}/epilogue.py", "        mirror = plan.symmetric and c0 != r0  # a single set's mirror tile: its columns are rows c0:c1",
@@ -595,8 +595,8 @@ MUTATIONS = [
     Mutation(f"{E}/cost.py", "    return (counts.launches - k) * g.host_op + counts.bytecodes * g.host_bytecode + k * g.host_kernel",
              "    return counts.launches * g.host_op + counts.bytecodes * g.host_bytecode",
              "a Triton launch costs the host what an eager op does", ("tests/cli/test_traffic.py",)),
-    Mutation(f"{E}/cost.py", "    return max(device, (launches - launched) * g.host_op + bytecodes * g.host_bytecode + launched * g.host_kernel)",
-             "    return device",
+    Mutation(f"{E}/cost.py", "    return max(path_terms(path, backend, rows, cols, dim, dtype, tiles, gpu))",
+             "    return path_terms(path, backend, rows, cols, dim, dtype, tiles, gpu)[0]",
              "the planner prices the device alone (no host terms)", ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/cost.py", "    per_bytecode = host_op / bytecodes_per_op\n", "    per_bytecode = host_op\n",
              "the host fit prices a Python bytecode as an eager op", ("tests/cli/test_traffic.py",)),
@@ -1098,7 +1098,7 @@ MUTATIONS = [
     Mutation(f"{E}/normalization.py", "else torch.addcdiv(zero(denom), masks, denom, value=scale)",
              "else torch.div(masks, denom)", "normalisation backward: a float scale left out", CORE_TESTS_TUPLE),
     # a label relation's form asked of the problem that reads it; the split product's one buffer; the lean apply
-    Mutation(f"{E}/planner.py", " or (reader is not None and torch_tile_reads(rows, cols, reader))", "",
+    Mutation(f"{E}/planner.py", "        torch_tile_reads(rows, cols, reader) or mask_pays_in_call(", "        mask_pays_in_call(",
              "GPU label relation: its reader not asked (a large one-tile relation grouped)", RELATION_READER_TESTS),
     Mutation(f"{E}/planner.py", "    if reader.backend == \"auto\" and predicted and min(", "    if False and min(",
              "GPU label relation: a mask built for a problem the model gives a kernel backend", RELATION_READER_TESTS),
@@ -1179,6 +1179,14 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/nt_bxent.py", "        torch.reciprocal(n_pos, out=weights[0])\n",
              "        torch.reciprocal(n_pos + 1, out=weights[0])\n",
              "NT-BXent: the positive mean over |P_i| + 2", PAIR_TESTS),
+    Mutation(f"{PKG}/engine/planner.py", "        torch_tile_reads(rows, cols, reader) or mask_pays_in_call(rows, cols, reader)))",
+             "        torch_tile_reads(rows, cols, reader)))",
+             "relation form: the call that reads it never priced (host-bound torch strips get the grouped form)",
+             RELATION_READER_TESTS),
+    Mutation(f"{PKG}/engine/cost.py", "max(device - mask + grouped, host + RELATION_FORMS",
+             "max(device + grouped, host + RELATION_FORMS",
+             "relation form: the mask's passes counted twice against the grouped form (device-bound strips keep the mask)",
+             RELATION_READER_TESTS),
 ]
 
 

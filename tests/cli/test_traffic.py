@@ -288,7 +288,9 @@ def test_the_form_of_a_label_relation_is_the_devices_choice():
 
 def test_a_label_relation_read_by_the_one_torch_tile_is_dense():
     """On a GPU the one torch tile reads a mask by GEMMs (cheaper than the grouped form at any size): a relation
-    built for a problem the planner will run there is dense; one for a kernel backend, or for strips, is not."""
+    built for a problem the planner will run there is dense. For any other reader the form is priced inside its
+    call (device and host): a host-bound call keeps the mask, whose passes the device hides, a device-bound one
+    takes the grouped form, whose launches it hides."""
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     rows, pairs = None, "pair_softplus"
 
@@ -299,18 +301,24 @@ def test_a_label_relation_read_by_the_one_torch_tile_is_dense():
         assert not planner.dense_relation(1024, 1024, cpu, 0)  # by the strips' prices alone: grouped
         assert planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon: the model picks the torch tile
         assert planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch"))
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys in registers
         assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="epilogue"))
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # strips (256 of 1,024 stands for 2,048)
+        # the torch loops' strips (256 of 1,024 stands for 2,048), host-bound: the grouped form's 17 launches would
+        # cost the host, the mask's passes the device hides
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch", chunk=256))
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # "auto" there: the epilogue
+    with planner.simulate("cuda", area=1024.0):  # 32,768 rows on 8,192-row strips: device-bound, the grouped form
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
     with planner.simulate("cuda", budget=1 << 23):  # a mask past the scratch budget is never dense
         assert not planner.dense_relation(4096, 4096, cpu, 0, reader(backend="torch"))
     with planner.simulate("cuda"):
         assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))
     # the loss passes its reader: SupCon at 8,192 rows on the GPU plan runs the lean tile on a mask
     counted = count_loss("supcon", "ours", 8192, 512, at=256)
-    grouped = count_loss("supcon", "torch", 8192, 512, at=256, tiles=4)
-    assert counted.ops.get("sort", 0) == 0 and grouped.ops.get("sort", 0) >= 1
-    assert counted.launches < grouped.launches
+    strips = count_loss("supcon", "torch", 8192, 512, at=256, tiles=4)  # host-bound too: a mask, read per tile
+    assert counted.ops.get("sort", 0) == 0 and strips.ops.get("sort", 0) == 0
+    assert counted.launches < strips.launches
     # the pair terms' too, asked for the torch backend (the model's own pick there is the epilogue: keys, no mask)
     assert count_loss("nt_xent_pml", "torch", 8192, 512, at=256).ops.get("sort", 0) == 0
     assert count_loss("nt_xent_pml", "ours", 8192, 512, at=256).ops.get("sort", 0) >= 1

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 __all__ = ["BYTECODES_PER_OP", "FUSED", "GPUS", "MEASURED", "PATHS", "PEAK_BANDWIDTH", "Counts", "Fused", "Gpu", "Measured", "PathCost", "fit",
-           "fit_bytecodes", "fit_fused", "fit_host", "host_time", "kernels", "predict", "predict_path", "terms"]
+           "fit_bytecodes", "fit_fused", "fit_host", "host_time", "kernels", "path_terms", "predict", "predict_path", "terms"]
 
 
 @dataclass(frozen=True)
@@ -271,11 +271,20 @@ class RelationForms:
 RELATION_FORMS = RelationForms(dense_passes=2.7, grouped_launches=17)
 
 
-def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100") -> bool:
-    """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form."""
+def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100", call: tuple[float, float] | None = None) -> bool:
+    """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form.
+
+    Without ``call``, on the device alone: the mask's extra passes against the grouped form's extra launches.
+    ``call``: the ``(device, host)`` time of the call that reads the relation, counted with the mask
+    (:func:`path_terms` of a :data:`PATHS` entry): the call takes the longer of the two, so the mask's passes
+    cost nothing while the device waits on the host, and the grouped form's launches cost the host too."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    # priced on the device: the form matters to large, device-bound calls (a host-bound call hides both)
-    return RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth < RELATION_FORMS.grouped_launches * g.launch
+    mask = RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth
+    grouped = RELATION_FORMS.grouped_launches * g.launch
+    if call is None:
+        return mask < grouped
+    device, host = call
+    return max(device, host) <= max(device - mask + grouped, host + RELATION_FORMS.grouped_launches * g.host_op)
 
 
 @dataclass(frozen=True)
@@ -441,6 +450,12 @@ def predict_path(path: PathCost, backend: str, rows: int, cols: int, dim: int, d
     logits of ``dim`` features in operand dtype ``dtype`` (``"bfloat16"``, ``"float32"``), ``tiles``
     tiles visited (1: one tile): the longer of the device's time and the host's -- a prediction, not a
     measurement."""
+    return max(path_terms(path, backend, rows, cols, dim, dtype, tiles, gpu))
+
+
+def path_terms(path: PathCost, backend: str, rows: int, cols: int, dim: int, dtype: str, tiles: int,
+               gpu: Gpu | str = "H100") -> tuple[float, float]:
+    """:func:`predict_path`'s two times (seconds, a prediction): ``(device, host)``."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     one = tiles <= 1
     flops = (path.gemms_one if one else path.gemms_strips) * 2.0 * rows * cols * dim
@@ -454,4 +469,4 @@ def predict_path(path: PathCost, backend: str, rows: int, cols: int, dim: int, d
     else:
         gemm = flops / g.gemm_flops[dtype]
     device = gemm + passes * 4.0 * rows * cols / g.bandwidth + launches * g.launch
-    return max(device, (launches - launched) * g.host_op + bytecodes * g.host_bytecode + launched * g.host_kernel)
+    return device, (launches - launched) * g.host_op + bytecodes * g.host_bytecode + launched * g.host_kernel

@@ -33,7 +33,7 @@ import torch
 
 from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
 from .confident import apart_rule
-from .cost import PATHS, dense_relation_pays, predict_path
+from .cost import PATHS, PathCost, dense_relation_pays, path_terms, predict_path
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype, fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
@@ -389,12 +389,20 @@ def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dty
     multiplied in fp32 (exact; not offered while TF32 may round fp32 GEMMs): fewer launches, more GEMM time,
     so the host-bound small calls' choice; fp32 as fp32 (the fused kernels are counted for half operands only);
     fp64 is not priced."""
+    return tuple((label, predict_path(*priced, gpu)) for label, priced in _priced(rows, cols, dtype, other_dtype, chunk_size,
+                                                                                     traits))
+
+
+def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
+            traits: Traits) -> list[tuple[str, tuple[PathCost, str, int, int, int, str, int]]]:
+    """Each backend :func:`predictions` prices, with the arguments of :func:`~.cost.predict_path` (or
+    :func:`~.cost.path_terms`) but the GPU: its counted path, the shape, the GEMM dtype and the tiles visited."""
     if dtype in _HALF and other_dtype == dtype:
         operands, name = "half", "bfloat16"
     elif dtype == other_dtype == torch.float32:
         operands, name = "fp32", "float32"
     else:
-        return ()
+        return []
     kind = traits.pairs or ("columns" if traits.columns else "rows")
     # (name, backend, counts' operands, GEMM dtype): the widened torch products for half inputs while exact
     candidates = [(b, b, operands, name) for b in ("torch", "epilogue", "triton")]
@@ -415,9 +423,8 @@ def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dty
         triangle = traits.symmetric and per_side[0] == per_side[1] and (traits.pairs is None or backend == "torch")
         tiles = math.ceil(rows / strip) if strip else per_side[0] * (per_side[0] + 1) // 2 if triangle \
             else per_side[0] * per_side[1]
-        out.append((label, predict_path(path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles,
-                                        gpu)))
-    return tuple(out)
+        out.append((label, (path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles)))
+    return out
 
 
 def plan(problem: Problem) -> AnyPlan:
@@ -705,7 +712,47 @@ def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int, r
     if entries > GPU_BUDGET:
         return False
     # the strips' rule first: it holds for every small relation, and costs a small call less Python
-    return dense_relation_pays(rows, cols * _SIMULATED_AREA) or (reader is not None and torch_tile_reads(rows, cols, reader))
+    return dense_relation_pays(rows, cols * _SIMULATED_AREA) or (reader is not None and (
+        torch_tile_reads(rows, cols, reader) or mask_pays_in_call(rows, cols, reader)))
+
+
+#: :func:`mask_pays_in_call`'s answers by their key.
+_MASK_PAYS: dict[tuple[Any, ...], bool] = {}
+
+
+def mask_pays_in_call(rows: int, cols: int, reader: Reader) -> bool:
+    """Whether the dense mask is the cheaper form inside the torch loops' call that reads it (``reader``): that
+    call priced on the backend the model picks (or the caller's), its device and host times
+    (:func:`~.cost.path_terms`) against the grouped form's (:func:`~.cost.dense_relation_pays` with ``call``). A
+    host-bound call keeps the mask, whose passes the device hides, where the device alone would choose the
+    grouped form's launches, which the host pays. A kernel backend's reader: False (the keys in registers)."""
+    key = (rows, cols, reader, GPU_BUDGET, PRODUCTS, _tf32(), _SIMULATED_AREA)
+    found = _MASK_PAYS.get(key)
+    if found is None:
+        if len(_MASK_PAYS) > 512:
+            _MASK_PAYS.clear()
+        found = _MASK_PAYS[key] = _mask_pays_in_call(rows, cols, reader)
+    return found
+
+
+def _mask_pays_in_call(rows: int, cols: int, reader: Reader) -> bool:
+    """:func:`mask_pays_in_call` without its cache."""
+    side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
+    rows, cols = round(rows * side), round(cols * side)
+    chunk = None if reader.chunk_size is None else round(reader.chunk_size * side)
+    if reader.dim <= 0:
+        return False
+    priced = dict(_priced(rows, cols, reader.dtype, reader.other_dtype, chunk,
+                          Traits(reader.dim, False, reader.symmetric, reader.pairs)))
+    if reader.backend == "auto":
+        label = min(priced, key=lambda name: predict_path(*priced[name])) if priced else None
+    else:
+        label = reader.backend
+    # the forms' constants were counted on the torch loops' strips; the kernel backends compare the keys in
+    # registers, where a mask only adds bytes (the epilogue holds to its byte budget, issue 34: at most 6 passes)
+    if label not in priced or priced[label][1] != "torch":
+        return False
+    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]))
 
 
 #: :func:`torch_tile_reads`'s answers by their key (a training loop asks the same question every step).
