@@ -60,6 +60,7 @@ KEPT_TESTS = ("tests/losses/test_kept.py",)
 CORE_TESTS_TUPLE = tuple(CORE_TESTS)
 HALF_TILE_TESTS = ("tests/engine/test_one_tile_half.py", "tests/engine/test_planner.py")
 RELATION_READER_TESTS = ("tests/cli/test_traffic.py::test_a_label_relation_read_by_the_one_torch_tile_is_dense",)
+GPU_NORM_TESTS = ("tests/engine/test_engine.py::test_both_forms_of_the_normalisation_backward_are_the_formula",)
 _KEEPS_ROWS = '        ctx.lean = getattr(plan, "operand_dtype", None) is not None and not (plan.single_tile and ONE_TILE_KEEPS_ROWS)\n'
 
 MUTATIONS = [
@@ -96,8 +97,8 @@ MUTATIONS = [
              "one tile, mask relation: transposed positive gradient uses the untransposed mask"),
     Mutation(f"{E}/softmax.py", "                plan.column_comm.all_sum(g_col_c)", "                pass",
              "distributed image-text: column gradient not summed over ranks", tests=tuple(DIST_TESTS)),
-    Mutation(f"{E}/normalization.py", "radial * factors[:, 1:], value=-1)",
-             "radial * factors[:, 1:], value=1)", "L2 normalisation: radial gradient with the wrong sign"),
+    Mutation(f"{E}/normalization.py", "        return torch.addcmul(g, y, radial, value=-1).mul_(factor)",
+             "        return torch.addcmul(g, y, radial, value=1).mul_(factor)", "L2 normalisation: radial gradient with the wrong sign"),
     # engine: mask-in-tile kernels (PML NT-Xent, NT-BXent)
     Mutation(f"{E}/pairwise.py", "g = grads[0][r0:r1] * has_neg", "g = grads[0][r0:r1]",
              "tiled PML NT-Xent: rows without negatives keep a gradient"),
@@ -223,8 +224,8 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_prologue.py", "            coef: Tensor | float = normaliser.clamp_min(1).reciprocal() \\",
              "            coef: Tensor | float = normaliser.clamp_min(1).float() \\",
              "engine_total: the mean multiplies by the count"),
-    Mutation(f"{E}/normalization.py", "torch.tensor([0.0, eps], dtype=like.dtype",
-             "torch.tensor([0.0, 0.0], dtype=like.dtype",
+    Mutation(f"{E}/normalization.py", "        radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)",
+             "        radial = (g * y).sum(1, keepdim=True)",
              "normalisation backward: rows below eps keep the radial term"),
     Mutation(f"{PKG}/_validation.py", "            self.add(value, lambda: _covered_message(pending, overflow), _not_finite)\n        else:",
              "            pass\n        else:", "finite check answered by the loss value: never read",
@@ -1095,8 +1096,8 @@ MUTATIONS = [
     Mutation(f"{E}/softmax_tiles.py", "        tile.view(-1).index_put_((places.roles,), c, accumulate=True)",
              "        tile.view(-1).index_put_((places.roles,), c, accumulate=False)",
              "single set's two roles: the positive coefficients written over the tile, not added", ONE_TILE_TESTS),
-    Mutation(f"{E}/normalization.py", "else torch.addcdiv(zero(denom), masks, denom, value=scale)",
-             "else torch.div(masks, denom)", "normalisation backward: a float scale left out", CORE_TESTS_TUPLE),
+    Mutation(f"{E}/normalization.py", "else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)",
+             "else torch.div(norm > 0, denom)", "normalisation backward: a float scale left out", CORE_TESTS_TUPLE),
     # a label relation's form asked of the problem that reads it; the split product's one buffer; the lean apply
     Mutation(f"{E}/planner.py", "        torch_tile_reads(rows, cols, reader) or mask_pays_in_call(", "        mask_pays_in_call(",
              "GPU label relation: its reader not asked (a large one-tile relation grouped)", RELATION_READER_TESTS),
@@ -1132,8 +1133,8 @@ MUTATIONS = [
              "GPU plan: a dense relation's row counts from its bools off by one", ("tests/test_positives.py",)),
     Mutation(f"{PKG}/positives.py", "            return self.dense.sum(dtype=dtype)\n", "            return self.dense.sum(dtype=dtype) * 2\n",
              "GPU plan: a dense relation's pair count from its bools doubled", ("tests/test_positives.py",)),
-    Mutation(f"{PKG}/losses/nt_bxent.py", "torch.reciprocal(total - n_pos, out=weights[1]).nan_to_num_(posinf=0.0)",
-             "torch.reciprocal(total - n_pos, out=weights[1])",
+    Mutation(f"{PKG}/losses/nt_bxent.py", "(total - n_pos).reciprocal().nan_to_num_(posinf=0.0)), reduced[0]",
+             "(total - n_pos).reciprocal()), reduced[0]",
              "NT-BXent: a row without negatives weighs its (empty) negative sum by infinity, not 0"),
     Mutation(f"{PKG}/losses/_kept.py", "    if (positives.dense is None) is not replay.grouped:\n        return None\n", "",
              "kept label calls: a relation rebuilt in another form than the kept plan's replayed",
@@ -1157,10 +1158,10 @@ MUTATIONS = [
              "kernel backends: fp32 unit rows kept for backward over several tiles too",
              ("tests/engine/test_epilogue.py::test_one_tile_keeps_its_normalised_rows_and_strips_keep_the_half_rows",)),
     Mutation(f"{PKG}/engine/normalization.py", "y, radial * factors[:, 1:]", "y, radial * factors[:, :1]",
-             "normalisation backward: a row shorter than eps keeps its radial part"),
+             "normalisation backward: a row shorter than eps keeps its radial part", GPU_NORM_TESTS),
     Mutation(f"{PKG}/engine/normalization.py", "    masks = torch.gt(norm, _thresholds(eps, norm) if thresholds is None else thresholds)\n",
              "    masks = torch.ge(norm, _thresholds(eps, norm) if thresholds is None else thresholds)\n",
-             "normalisation backward: an all-zero row gets the gradient g / eps, not 0"),
+             "normalisation backward: an all-zero row gets the gradient g / eps, not 0", GPU_NORM_TESTS),
     Mutation(f"{PKG}/engine/pairwise.py", "beta=factor, alpha=factor).view(())", "beta=factor, alpha=1.0).view(())",
              "stacked pair weights: the reduction left off the last output's products", PAIR_TESTS),
     Mutation(f"{PKG}/engine/pairwise.py", "torch.addcmul(zero(weights), weights, g, value=total) if",
@@ -1187,6 +1188,17 @@ MUTATIONS = [
              "max(device + grouped, host + RELATION_FORMS",
              "relation form: the mask's passes counted twice against the grouped form (device-bound strips keep the mask)",
              RELATION_READER_TESTS),
+    Mutation(f"{PKG}/engine/normalization.py", "radial * factors[:, 1:], value=-1)", "radial * factors[:, 1:], value=1)",
+             "normalisation backward, the GPU's six ops: the radial part with the wrong sign", GPU_NORM_TESTS),
+    Mutation(f"{PKG}/engine/normalization.py", "else torch.addcdiv(zero(denom), masks, denom, value=scale)",
+             "else torch.div(masks, denom)", "normalisation backward, the GPU's six ops: a float scale left out", GPU_NORM_TESTS),
+    Mutation(f"{PKG}/losses/nt_bxent.py", "        if not launch_bound(n_pos.device):", "        if True:",
+             "NT-BXent on a GPU: the two means as two tensors (five ops to combine, not two)",
+             ("tests/engine/test_pairwise.py::test_nt_bxent_on_the_gpu_plan_stacks_its_two_means",)),
+    Mutation(f"{PKG}/losses/nt_bxent.py", "torch.reciprocal(total - n_pos, out=weights[1]).nan_to_num_(posinf=0.0)",
+             "torch.reciprocal(total - n_pos, out=weights[1])",
+             "NT-BXent on a GPU: a row without negatives weighs its (empty) negative sum by infinity, not 0",
+             ("tests/engine/test_pairwise.py::test_nt_bxent_on_the_gpu_plan_stacks_its_two_means",)),
 ]
 
 

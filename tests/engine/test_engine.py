@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -330,6 +331,33 @@ def test_rows_below_the_normalisation_floor_get_the_floor_gradient(kind, chunk):
     assert torch.equal(grads[0][1][6], torch.zeros(5, dtype=torch.float64))
     if kind == "clip":
         torch.testing.assert_close(grads[0][2], grads[1][2], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5, "tensor"])
+@pytest.mark.parametrize("gpu_form", [False, True])
+def test_both_forms_of_the_normalisation_backward_are_the_formula(gpu_form, scale):
+    """``l2_normalize_backward`` on a CPU (the row dot product as a multiply and a sum, masked) and in the GPU's
+    six ops (``planner.simulate``: both row masks in one comparison, the dot product as one batched product) --
+    rows above the floor, one below it (``g / eps``, no radial part) and an all-zero row (0) -- against float64
+    autograd of ``x / max(||x||, eps)``, times a float or a tensor scale."""
+    from torch_contrastive.engine import planner
+    from torch_contrastive.engine.normalization import l2_normalize, l2_normalize_backward
+
+    eps = 0.5
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+    x[2] *= 0.3 / x[2].norm()  # below the floor
+    x[5] = 0.0  # all zero
+    g = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+    factor = torch.tensor(1.7, dtype=torch.float64) if scale == "tensor" else scale
+    ref_x = x.clone().requires_grad_()
+    (ref_x / ref_x.norm(dim=1, keepdim=True).clamp_min(eps)).backward(g * float(factor))
+    want = ref_x.grad.clone()
+    want[5] = 0.0  # the library's rule for an all-zero row (autograd's subgradient gives g / eps)
+    y, denom, norm = l2_normalize(x, eps)
+    with planner.simulate("cuda") if gpu_form else contextlib.nullcontext():
+        got = l2_normalize_backward(g, y, denom, norm, eps, factor)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_a_new_statistic_needs_only_its_tile_functions():

@@ -401,6 +401,8 @@ def combined(outputs: tuple[Tensor, ...], combine: Any) -> Tensor:
     one dot product and one fused matrix-vector product per further output, a float ``total`` folded into it:
     two ops for two outputs where separate weights take five."""
     weights, total = combine
+    if weights is UNIT and outputs[0].dim() == 0:  # the kernel summed the rows itself (total_only)
+        return outputs[0] if type(total) is float and total == 1.0 else outputs[0] * total
     if isinstance(weights, Tensor):
         value = torch.dot(weights[0], outputs[0])
         if len(outputs) == 1:
@@ -416,21 +418,25 @@ def combined(outputs: tuple[Tensor, ...], combine: Any) -> Tensor:
     per_row = outputs[0] if type(weights[0]) is float and weights[0] == 1.0 else weights[0] * outputs[0]
     for w, out in zip(weights[1:], outputs[1:]):
         per_row = per_row + (out if _unit(w) else w * out)
-    summed = per_row if per_row.dim() == 0 else per_row.sum()  # (0-dim: the kernel summed the rows itself)
+    summed = per_row.sum()
     return summed if type(total) is float and total == 1.0 else summed * total
 
 
+#: The weights of a combination that weighs its one output 1 everywhere (PML's mean over pairs): the engine then
+#: reads only the rows' total, summed inside the kernel (:func:`total_only`; recognised by identity, no compare).
+UNIT: tuple[float] = (1.0,)
+
+
 def total_only(combine: Any) -> bool:
-    """Whether a combination reads only the rows' total: one output weighted 1 (PML's mean over pairs; a tuple of
-    weights compared, never a tensor: that would be an op)."""
-    return combine is not None and type(combine[0]) is tuple and combine[0] == (1.0,)
+    """Whether a combination reads only the rows' total: its weights are :data:`UNIT` (PML's mean over pairs)."""
+    return combine is not None and combine[0] is UNIT
 
 
 def single_fixed(kernel: Any, s: Tensor, pos: Tensor, combine: Any) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """A lean one tile's ``kernel.single_fixed`` (the self pair on the diagonal), summed over the rows inside the
     kernel when :func:`combined` reads only their total (:func:`total_only`, written out: a small call pays each
     Python call), as the torch loops' one tile does."""
-    if kernel is _PairKernel and type(combine[0]) is tuple and combine[0] == (1.0,):
+    if combine[0] is UNIT and kernel is _PairKernel:
         return kernel.single_fixed(s, pos, 0, True)
     return kernel.single_fixed(s, pos, 0)  # type: ignore[no-any-return]
 

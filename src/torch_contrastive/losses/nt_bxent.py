@@ -7,6 +7,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..engine import Options, PairTerms, Problem, compute_dtype, solve
+from ..engine.planner import launch_bound
 from ..positives import Positives
 from ._kept import kept
 from ._labelled import labelled_pairwise_rows
@@ -75,13 +76,15 @@ def nt_bxent_loss(
     cdtype = compute_dtype(z.dtype)
     reduced = engine_total(reduction, scope, float(n), cdtype)
 
-    def row_weights(positives: Positives) -> tuple[Tensor, Tensor | float] | None:
+    def row_weights(positives: Positives) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | float] | None:
         """The write-up's per-row means: the positive sum over |P_i| + 1 (the diagonal counts,
         unscored), the negative sum over the negatives (none: 0); then the mean over rows."""
         if reduced is None:
             return None
         n_pos = positives.row_counts_as(cdtype) + 1
-        # the two means' weights as the rows of one tensor: the engine combines them in two ops, not five
+        if not launch_bound(n_pos.device):  # a CPU: two tensors, combined in plain ops (fewer views)
+            return (n_pos.reciprocal(), (total - n_pos).reciprocal().nan_to_num_(posinf=0.0)), reduced[0]
+        # on a GPU the two means' weights as the rows of one tensor: the engine combines them in two ops, not five
         weights = torch.empty(2, n_pos.shape[0], dtype=cdtype, device=n_pos.device)
         torch.reciprocal(n_pos, out=weights[0])
         # no negatives: a 0 weight (1 / 0's infinity made 0, two ops where a mask, a floor and a division are three)

@@ -8,6 +8,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..engine import Options, Problem, Scale, Softmax, compute_dtype, solve
+from ..engine.pairwise import UNIT
 from ..positives import Exclusion, Positives
 from ._kept import kept
 from ._labelled import check_reference, labelled_pairwise_rows
@@ -133,7 +134,7 @@ def nt_xent_loss(
 
     def per_pair_mean(positives: Positives) -> tuple[tuple[float], Tensor | float] | None:
         total = engine_total(reduction, scope, positives.pair_count_as(cdtype), cdtype)  # the mean over positive pairs
-        return None if total is None else ((1.0,), total[0])
+        return None if total is None else (UNIT, total[0])
 
     rows = labelled_pairwise_rows(z, z_all, scope.ints(labels), offset, scale, bound, kernel="pair_softplus", checks=checks,
                                   scope=scope, normalize=normalize, inside=inside, eps=eps, chunk_size=chunk_size, memory=memory,
