@@ -53,7 +53,7 @@ def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps
     costs microseconds rather than a launch and a batch of tiny products is slow (a 256 x 128 call's backward:
     58 us against 43, measured), the eight: a row dot product as a multiply and a sum, masked, one factor.
     """
-    if g.device.type != "cuda" and (_PLANNER or _planner())._SIMULATED is None:
+    if not (_PLANNER or _planner()).launch_bound(g.device):
         radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)
         if isinstance(scale, float):  # a float scale folded into the division (addcdiv), a tensor one multiplied after
             factor = torch.div(norm > 0, denom) if scale == 1.0 else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)
@@ -71,7 +71,7 @@ def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps
     return torch.addcmul(g * factors[:, :1], y, radial * factors[:, 1:], value=-1)
 
 
-# the engine's planner (whether a GPU plan is simulated), which imports the engine: imported on first use, then kept
+# the engine's planner (its launch_bound rule), which imports the engine: imported on first use, then kept
 _PLANNER: Any = None
 
 

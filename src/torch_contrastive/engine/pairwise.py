@@ -413,8 +413,8 @@ def combined(outputs: tuple[Tensor, ...], combine: Any) -> Tensor:
             factor = total if folded and k == last else 1.0
             value = torch.addmv(value.view(1), weights[k : k + 1], outputs[k], beta=factor, alpha=factor).view(())
         return value if folded or _unit(total) else value * total
-    # plain loops, no comprehension or cast(): each is a Python call, which a small call pays (a test counts them)
-    # the weight-of-1 test written out (no call): a small call pays each Python call (a test counts them)
+    # plain loops, no comprehension or cast(), the weight-of-1 test written out: each Python call is paid by a small
+    # call (a test counts them)
     per_row = outputs[0] if type(weights[0]) is float and weights[0] == 1.0 else weights[0] * outputs[0]
     for w, out in zip(weights[1:], outputs[1:]):
         per_row = per_row + (out if _unit(w) else w * out)

@@ -312,13 +312,19 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype) \
         and not (PRODUCTS == "auto" and (wide or _wide_pays(predicted)))
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
-    strips = chosen == "epilogue" and (kernel != "softmax" or not traits.symmetric)  # a triangle walk needs squares
+    strips = _walks_strips(chosen, traits, kernel == "softmax")
     tile, tile_cols = _tile_shape(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
                                   if device.type == "cuda" else 8, strips)
     single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
                     predicted, 0 if single else tile_cols)
+
+
+def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
+    """Whether a problem may walk row strips: on the epilogue, unless it is a single set's soft-max triangle (which
+    needs squares; the pair and sigmoid kernels walk every tile)."""
+    return backend == "epilogue" and (not softmax or traits.pairs is not None or not traits.symmetric)
 
 
 def strip_rows(rows: int, cols: int, bytes_per_logit: int, budget: int | None = None) -> int:
@@ -415,8 +421,7 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
             continue
         half = backend == "torch" and counted == "half"
         per_logit = _bytes_per_logit(backend, dtype, other_dtype, half)
-        strip = strip_rows(rows, cols, per_logit) if chunk_size is None and backend == "epilogue" and \
-            (traits.pairs is not None or not traits.symmetric) else 0
+        strip = strip_rows(rows, cols, per_logit) if chunk_size is None and _walks_strips(backend, traits) else 0
         tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
         per_side = math.ceil(rows / tile), math.ceil(cols / tile)
         # a single set's triangle: the soft-max terms on every backend, the pair terms on the torch loops
@@ -700,95 +705,75 @@ class Reader(NamedTuple):
 def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int, reader: Reader | None = None) -> bool:
     """Whether a label relation of ``R x C`` entries is held as a dense mask (else grouped by key):
     on a CPU up to ``cpu_limit`` entries (measured there). On a GPU -- also one :func:`simulate` d -- while the
-    mask fits the scratch budget: when the problem it is built for (``reader``) will run on the torch backend's
-    one tile (:func:`torch_tile_reads`), whose lean executor reads the mask by GEMMs -- fewer passes and
-    launches than the grouped form there, whatever the size; else where the cost model prices the mask's extra
-    passes over strips below the grouped form's extra launches (:func:`~.cost.dense_relation_pays`, the
-    H100's constants for any CUDA device until others are measured). The kernel backends compare the keys
-    themselves: a mask only adds its passes there."""
+    mask fits the scratch budget: where the cost model prices the mask's extra passes over strips below the
+    grouped form's extra launches (:func:`~.cost.dense_relation_pays`, the H100's constants for any CUDA device
+    until others are measured), or where the problem it is built for (``reader``) wants it
+    (:func:`reader_wants_mask`: the torch backend's one tile, whose lean executor reads the mask by GEMMs, or
+    host-bound torch strips). The kernel backends compare the keys themselves: a mask only adds its passes there."""
     entries = rows * cols * _SIMULATED_AREA  # a problem counted small stands for its full size
     if (_SIMULATED or device).type != "cuda":
         return entries <= cpu_limit
     if entries > GPU_BUDGET:
         return False
     # the strips' rule first: it holds for every small relation, and costs a small call less Python
-    return dense_relation_pays(rows, cols * _SIMULATED_AREA) or (reader is not None and (
-        torch_tile_reads(rows, cols, reader) or mask_pays_in_call(rows, cols, reader)))
+    return dense_relation_pays(rows, cols * _SIMULATED_AREA) or (reader is not None and reader_wants_mask(rows, cols, reader))
 
 
-#: :func:`mask_pays_in_call`'s answers by their key.
-_MASK_PAYS: dict[tuple[Any, ...], bool] = {}
+#: :func:`reader_wants_mask`'s answers by their key (a training loop asks the same question every step).
+_READER_MASKS: dict[tuple[Any, ...], bool] = {}
 
 
-def mask_pays_in_call(rows: int, cols: int, reader: Reader) -> bool:
-    """Whether the dense mask is the cheaper form inside the torch loops' call that reads it (``reader``): that
-    call priced on the backend the model picks (or the caller's), its device and host times
-    (:func:`~.cost.path_terms`) against the grouped form's (:func:`~.cost.dense_relation_pays` with ``call``). A
-    host-bound call keeps the mask, whose passes the device hides, where the device alone would choose the
-    grouped form's launches, which the host pays. A kernel backend's reader: False (the keys in registers)."""
+def reader_wants_mask(rows: int, cols: int, reader: Reader) -> bool:
+    """Whether a label relation of ``R x C`` entries is cheaper as a dense mask for the problem that reads it
+    (``reader``), priced at the size it stands for: when that problem runs on the torch backend's one tile
+    (:func:`_torch_tile_reads`), or on the torch loops' strips where the mask costs their call less
+    (:func:`_mask_pays_in_call`). The backend is the caller's, or under ``"auto"`` the one the cost model prices
+    fastest among every backend with counts (one the call cannot use makes the answer False, the grouped form's
+    safe side). Kept per key."""
     key = (rows, cols, reader, GPU_BUDGET, PRODUCTS, _tf32(), _SIMULATED_AREA)
-    found = _MASK_PAYS.get(key)
+    found = _READER_MASKS.get(key)
     if found is None:
-        if len(_MASK_PAYS) > 512:
-            _MASK_PAYS.clear()
-        found = _MASK_PAYS[key] = _mask_pays_in_call(rows, cols, reader)
+        if len(_READER_MASKS) > 512:
+            _READER_MASKS.clear()
+        found = _READER_MASKS[key] = _reader_wants_mask(rows, cols, reader)
     return found
 
 
-def _mask_pays_in_call(rows: int, cols: int, reader: Reader) -> bool:
-    """:func:`mask_pays_in_call` without its cache."""
+def _reader_wants_mask(rows: int, cols: int, reader: Reader) -> bool:
+    """:func:`reader_wants_mask` without its cache: the reader's problem priced once, then asked both ways."""
     side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
     rows, cols = round(rows * side), round(cols * side)
     chunk = None if reader.chunk_size is None else round(reader.chunk_size * side)
-    if reader.dim <= 0:
-        return False
-    priced = dict(_priced(rows, cols, reader.dtype, reader.other_dtype, chunk,
-                          Traits(reader.dim, False, reader.symmetric, reader.pairs)))
-    if reader.backend == "auto":
-        label = min(priced, key=lambda name: predict_path(*priced[name])) if priced else None
-    else:
-        label = reader.backend
-    # the forms' constants were counted on the torch loops' strips; the kernel backends compare the keys in
-    # registers, where a mask only adds bytes (the epilogue holds to its byte budget, issue 34: at most 6 passes)
-    if label not in priced or priced[label][1] != "torch":
-        return False
-    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]))
-
-
-#: :func:`torch_tile_reads`'s answers by their key (a training loop asks the same question every step).
-_TILE_READS: dict[tuple[Any, ...], bool] = {}
-
-
-def torch_tile_reads(rows: int, cols: int, reader: Reader) -> bool:
-    """Whether an ``R x C`` problem on a GPU runs on the torch backend's one tile, as :func:`decide` will choose
-    it: the caller's backend ``"torch"``, or ``"auto"`` where the cost model prices a torch path fastest (among
-    every backend with counts: one the call cannot use makes the answer False, the grouped form's safe side);
-    and one tile at the scratch budget."""
-    key = (rows, cols, reader, GPU_BUDGET, PRODUCTS, _tf32(), _SIMULATED_AREA)
-    found = _TILE_READS.get(key)
-    if found is None:
-        if len(_TILE_READS) > 512:
-            _TILE_READS.clear()
-        found = _TILE_READS[key] = _torch_tile_reads(rows, cols, reader)
-    return found
-
-
-def _torch_tile_reads(rows: int, cols: int, reader: Reader) -> bool:
-    """:func:`torch_tile_reads` without its cache."""
-    side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
-    rows, cols = round(rows * side), round(cols * side)
-    chunk = None if reader.chunk_size is None else round(reader.chunk_size * side)
-    if reader.backend not in ("auto", "torch") or (chunk is not None and chunk < max(rows, cols)):
-        return False
     traits = Traits(reader.dim, False, reader.symmetric, reader.pairs)  # a label relation's problem: no column terms
-    predicted = predictions(rows, cols, reader.dtype, reader.other_dtype, chunk, traits) if reader.dim > 0 else ()
-    if reader.backend == "auto" and predicted and min((t, name) for name, t in predicted)[1] not in ("torch", WIDE):
+    priced = dict(_priced(rows, cols, reader.dtype, reader.other_dtype, chunk, traits)) if reader.dim > 0 else {}
+    predicted = tuple((name, predict_path(*args)) for name, args in priced.items())
+    label = reader.backend if reader.backend != "auto" else min((t, name) for name, t in predicted)[1] if predicted else None
+    return _torch_tile_reads(rows, cols, chunk, reader, label, predicted) or _mask_pays_in_call(rows, cols, label, priced)
+
+
+def _torch_tile_reads(rows: int, cols: int, chunk: int | None, reader: Reader, label: str | None,
+                      predicted: tuple[tuple[str, float], ...]) -> bool:
+    """Whether the reader's problem runs on the torch backend's one tile, as :func:`decide` will choose it: its
+    backend (``label``; None: ``"auto"`` without prices) the torch loops, and one tile at the scratch budget."""
+    if label not in (None, "torch", WIDE) or (chunk is not None and chunk < max(rows, cols)):
         return False
     # the tile's scratch as _decide sizes it: the half gradient copies unless the widened products are chosen
     half = half_products(torch.device("cuda"), reader.dtype, reader.other_dtype) \
         and not (PRODUCTS == "auto" and _wide_pays(predicted))
     return resolve_tile(None, rows, cols, "cuda", _bytes_per_logit("torch", reader.dtype, reader.other_dtype, half)) \
         >= max(rows, cols)
+
+
+def _mask_pays_in_call(rows: int, cols: int, label: str | None, priced: dict[str, Any]) -> bool:
+    """Whether the dense mask is the cheaper form inside the torch loops' call that reads it (backend ``label``):
+    that call's device and host times (:func:`~.cost.path_terms`) against the grouped form's
+    (:func:`~.cost.dense_relation_pays` with ``call``). A host-bound call keeps the mask, whose passes the device
+    hides, where the device alone would choose the grouped form's launches, which the host pays."""
+    # the forms' constants were counted on the torch loops' strips; the kernel backends compare the keys in
+    # registers, where a mask only adds bytes (the epilogue holds to its byte budget, issue 34: at most 6 passes)
+    if label not in priced or priced[label][1] != "torch":
+        return False
+    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]))
 
 
 def counts_from_values(device: torch.device) -> bool:
