@@ -86,6 +86,7 @@ def test_a_gpu_plan_sums_a_dense_relations_bools_in_the_values_dtype(monkeypatch
     from torch_contrastive.engine import planner
 
     monkeypatch.setattr(planner, "_SIMULATED", torch.device("cuda"))
+    monkeypatch.setattr(positives_module, "_dense_pays", lambda rows, cols, device, reader=None: True)  # (a GPU's strips group)
     labels = torch.tensor([0, 1, 0, 2, 1, 0, 3])
     pos = Positives.from_keys(labels)
     assert pos.dense is not None

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from ._tensors import mask_as, self_diagonal
+from .engine.precision import ones
 
 if TYPE_CHECKING:
     from .engine.planner import Reader
@@ -175,7 +176,7 @@ class Positives:
         """
         if _int64_vector(row_keys) and (col_keys is None or _int64_vector(col_keys)):  # a loss's labels: no loops
             rows: tuple[Tensor, ...] = (row_keys,)
-            cols: tuple[Tensor, ...] = rows if col_keys is None else (col_keys,)
+            cols: tuple[Tensor, ...] = rows if col_keys is None or col_keys is row_keys else (col_keys,)
         else:
             rows, cols = _key_vectors(row_keys, col_keys)
         num_rows, num_cols = rows[0].shape[0], cols[0].shape[0]
@@ -435,6 +436,8 @@ class KeyPositives(Positives):
             if _counts_from_values(self.dense):
                 return self.dense_as(dtype).sum(1)
             return self.dense.sum(1, dtype=dtype)
+        if self.dense is None and len(self.key_terms) == 1 and dtype in _EXACT_COUNTS and self.num_cols < 2**24:
+            return self._grouped_row_counts(dtype)  # summed in the dtype: no conversion after
         return super().row_counts_as(dtype)
 
     def pair_count_as(self, dtype: torch.dtype) -> Tensor:
@@ -442,10 +445,16 @@ class KeyPositives(Positives):
             if _counts_from_values(self.dense):
                 return self.dense_as(dtype).sum()
             return self.dense.sum(dtype=dtype)
+        if self.dense is None and len(self.key_terms) == 1 and dtype in _EXACT_COUNTS and self.num_rows * self.num_cols < 2**24:
+            return self._grouped_row_counts(dtype).sum()  # in the dtype, exact below 2**24 pairs (no conversion after)
         return super().pair_count_as(dtype)
 
-    def _grouped_row_counts(self) -> Tensor:
+    def _grouped_row_counts(self, dtype: torch.dtype = torch.int64) -> Tensor:
         device = self.row_keys[0].device
+        if len(self.key_terms) == 1:  # one key: its groups' sizes, less the self pair (five ops)
+            rg, cg, n_bound, _ = self.key_terms[0]
+            per_group = torch.zeros(n_bound, dtype=dtype, device=device).index_add_(0, cg, ones(cg.numel(), dtype, device))
+            return per_group[rg] if self.self_offset is None else per_group[rg] - 1
         counts = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         for rg, cg, n_bound, sign in self.key_terms:
             per_group = torch.zeros(n_bound, dtype=torch.int64, device=device).index_add_(0, cg, torch.ones_like(cg))
@@ -467,8 +476,8 @@ class KeyPositives(Positives):
         if torch.compiler.is_compiling():
             return mask_as(self.dense, dtype)
         values = self._dense_values.get(dtype)
-        if values is None:
-            values = self._dense_values[dtype] = mask_as(self.dense, dtype)
+        if values is None:  # mask_as's eager form inline: a small call pays each Python call
+            values = self._dense_values[dtype] = self.dense.view(torch.uint8).to(dtype)
         return values
 
     def aggregate(self, candidates: Tensor) -> Tensor:
@@ -477,6 +486,10 @@ class KeyPositives(Positives):
                 if _mask_on_tensor_cores(candidates):
                     return _mask_product(self.dense_as(torch.bfloat16), candidates)
                 return self.dense_as(candidates.dtype) @ candidates
+        if len(self.key_terms) == 1:  # one key: its groups' sums, less the self pair (four ops)
+            rg, cg, n_bound, _ = self.key_terms[0]
+            total = candidates.new_zeros(n_bound, candidates.shape[1]).index_add_(0, cg, candidates)[rg]
+            return total if self.self_offset is None else total.sub_(candidates[self.self_offset : self.self_offset + self.num_rows])
         total = candidates.new_zeros(self.num_rows, candidates.shape[1])
         for rg, cg, n_bound, sign in self.key_terms:
             per_group = candidates.new_zeros(n_bound, candidates.shape[1]).index_add_(0, cg, candidates)
@@ -639,13 +652,27 @@ def _key_terms(row_keys: tuple[Tensor, ...], col_keys: tuple[Tensor, ...]) -> tu
     so their intersection (both keys equal) enters with sign -1. Computed once, when
     the object is built: the sort is O(N log N) and counts and aggregates all need it.
     """
-    terms = []
-    for rk, ck in zip(row_keys, col_keys):
-        terms.append((*_groups(torch.cat([rk, ck])[:, None], rk.numel()), 1))
+    if row_keys is col_keys and len(row_keys) == 1:  # one set's one key: no columns to stack
+        return ((*_sorted_ids(row_keys[0], None), 1),)
+    terms = [(*_sorted_ids(rk, ck), 1) for rk, ck in zip(row_keys, col_keys)]
     if len(row_keys) == 2:
         both = torch.cat([torch.stack(row_keys, 1), torch.stack(col_keys, 1)], 0)
         terms.append((*_groups(both, row_keys[0].numel()), -1))
     return tuple(terms)
+
+
+def _sorted_ids(row_keys: Tensor, col_keys: Tensor | None) -> tuple[Tensor, Tensor, int]:
+    """Group ids of one key: where each key first occurs among the sorted keys of both sides (``col_keys`` None:
+    one set, the rows' own keys), so equal keys share an id in ``[0, R + C)`` -- a static bound, nothing read
+    back. Two ops (a sort and a search) where a lexicographic grouping (:func:`_groups`, for key pairs) takes a
+    dozen: the grouped form's launches are what it costs a GPU."""
+    keys = row_keys if col_keys is None else torch.cat([row_keys, col_keys])
+    ordered = torch.sort(keys).values
+    if col_keys is None:
+        ids = torch.searchsorted(ordered, row_keys)
+        return ids, ids, keys.numel()
+    both = torch.searchsorted(ordered, keys)
+    return both[: row_keys.numel()], both[row_keys.numel() :], keys.numel()
 
 
 def _groups(keys: Tensor, num_rows: int) -> tuple[Tensor, Tensor, int]:

@@ -12,7 +12,7 @@ import torch_contrastive as tc
 from torch_contrastive.cli import main
 from torch_contrastive.cli.traffic import EPILOGUE_LOSSES, LOSSES, _Count, cases, count, count_loss, gpu_tiles
 from torch_contrastive.engine import planner
-from torch_contrastive.engine.cost import GPUS, PATHS, RELATION_FORMS, Counts, Gpu, fit, predict, terms
+from torch_contrastive.engine.cost import GPUS, PAIR_RELATION_FORMS, PATHS, RELATION_FORMS, TILE_RELATION_FORMS, Counts, Gpu, fit, predict, terms
 from torch_contrastive.engine.products import HalfProducts
 
 
@@ -259,66 +259,88 @@ def test_every_loss_on_the_gpu_plan_makes_no_host_sync_without_validation(tiles,
 
 def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
     """The counted difference between a label relation's dense mask and its grouped form on the general
-    executor's strips is the one the planner prices (cost.RELATION_FORMS): re-counted here, so a change to
-    either form shows. On one tile the lean executor reads the mask by GEMMs: cheaper in passes and launches."""
+    executor's strips is the one the planner prices (cost.RELATION_FORMS), and on the one tile of SupCon's lean
+    executor (cost.TILE_RELATION_FORMS, both operand forms): re-counted here, so a change to either form shows."""
     from torch_contrastive import positives
+    from torch_contrastive.losses import _kept
 
     monkeypatch.setattr(planner, "PRODUCTS", "half")  # tensor-core products, as counted (the model widens 1,024 rows)
-    got, one = {}, {}
+    got, one, wide = {}, {}, {}
     for dense in (True, False):
         monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, reader=None, dense=dense: dense)
+        _kept.clear()  # each form's own kept call (a kept call of the other form runs the full path)
         got[dense] = count_loss("supcon", "torch", 1024, 500, at=256, tiles=4)
-        one[dense] = count_loss("supcon", "torch", 1024, 500, at=256)
+        one[dense] = count_loss("supcon", "ours", 8192, 512, at=256)
+    monkeypatch.setattr(planner, "PRODUCTS", "auto")  # 1,024 rows: the model widens them
+    for dense in (True, False):
+        monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, reader=None, dense=dense: dense)
+        _kept.clear()
+        wide[dense] = count_loss("supcon", "ours", 1024, 512, at=256)
     assert got[True].passes - got[False].passes == pytest.approx(RELATION_FORMS.dense_passes, abs=0.5)
     assert got[False].launches - got[True].launches == pytest.approx(RELATION_FORMS.grouped_launches, abs=2)
-    assert one[True].passes < one[False].passes and one[True].launches < one[False].launches
+    pairs = {}
+    monkeypatch.setattr(planner, "PRODUCTS", "half")
+    for dense in (True, False):  # the pair terms' strips compare the keys of every tile again
+        monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, reader=None, dense=dense: dense)
+        pairs[dense] = count_loss("nt_xent_pml", "torch", 1024, 500, at=256, tiles=4)
+    assert pairs[True].passes - pairs[False].passes == pytest.approx(PAIR_RELATION_FORMS.dense_passes, abs=0.25)
+    assert pairs[False].launches - pairs[True].launches == pytest.approx(PAIR_RELATION_FORMS.grouped_launches, abs=2)
+    for counted, operands, gemm in ((one, "half", "float16"), (wide, "wide", "float32")):
+        forms = TILE_RELATION_FORMS[operands]
+        mask, grouped = counted[True], counted[False]
+        assert mask.passes - grouped.passes == pytest.approx(forms.dense_passes, abs=0.25), operands
+        extra = (mask.gemm_flops.get(gemm, 0) - grouped.gemm_flops.get(gemm, 0)) / (2 * mask.rows * mask.cols * 512)
+        assert extra == pytest.approx(forms.dense_gemms), operands
+        assert grouped.launches - mask.launches == pytest.approx(forms.grouped_launches, abs=1), operands
+        assert grouped.bytecodes - mask.bytecodes == pytest.approx(forms.grouped_bytecodes, abs=60), operands
 
 
 def test_the_form_of_a_label_relation_is_the_devices_choice():
     cpu = torch.device("cpu")
     limit = 256 * 256
     assert planner.dense_relation(256, 256, cpu, limit) and not planner.dense_relation(257, 256, cpu, limit)
-    with planner.simulate("cuda"):  # the cost model: the mask's passes against the grouped form's launches
-        assert planner.dense_relation(2048, 2048, cpu, limit)
-        assert not planner.dense_relation(16384, 16384, cpu, limit)
-    with planner.simulate("cuda", area=64.0):  # counted at 2,048 rows, standing for 16,384
+    with planner.simulate("cuda"):  # the cost model: on strips the grouped form saves passes and launches alike
         assert not planner.dense_relation(2048, 2048, cpu, limit)
+        assert not planner.dense_relation(16384, 16384, cpu, limit)
     assert planner._SIMULATED_AREA == 1.0
 
 
-def test_a_label_relation_read_by_the_one_torch_tile_is_dense():
-    """On a GPU the one torch tile reads a mask by GEMMs (cheaper than the grouped form at any size): a relation
-    built for a problem the planner will run there is dense. For any other reader the form is priced inside its
-    call (device and host): a host-bound call keeps the mask, whose passes the device hides, a device-bound one
-    takes the grouped form, whose launches it hides."""
+def test_a_label_relation_is_a_mask_where_its_one_torch_tile_reads_it_cheaper():
+    """On a GPU a relation built for a problem the planner will run on the torch backend's one tile is priced
+    there: the pair terms' lean tile reads a mask; SupCon's lean tile reads a mask by GEMMs while the call is
+    host-bound (1,024 rows, the products widened) and sums its rows per key once the device is the longer
+    (8,192 rows: the mask's three GEMM-equivalents and passes cost more than the grouped form's launches). Any
+    other reader -- the torch loops' strips, the epilogue, the fused kernels -- takes the grouped form."""
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     rows, pairs = None, "pair_softplus"
 
     def reader(kernel: str | None = rows, backend: str = "auto", chunk: int | None = None) -> planner.Reader:
         return planner.Reader(bf16, bf16, chunk, backend, 512, True, kernel)
 
+    with planner.simulate("cuda"):
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon, host-bound: the mask
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # strips
     with planner.simulate("cuda", area=64.0):  # counted at 1,024 rows, standing for 8,192
         assert not planner.dense_relation(1024, 1024, cpu, 0)  # by the strips' prices alone: grouped
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon: the model picks the torch tile
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch"))
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon's tile, device-bound: grouped
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch"))
+        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))  # the pair tile's mask
         assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys in registers
         assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="epilogue"))
-        # the torch loops' strips (256 of 1,024 stands for 2,048), host-bound: the grouped form's 17 launches would
-        # cost the host, the mask's passes the device hides
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch", chunk=256))
+        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch", chunk=256))
+        # the pair terms' strips compare the keys of every tile again: host-bound (256 of 1,024 stands for 2,048),
+        # the mask; device-bound (32,768 rows on 8,192-row strips), the grouped form
         assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # "auto" there: the epilogue
-    with planner.simulate("cuda", area=1024.0):  # 32,768 rows on 8,192-row strips: device-bound, the grouped form
+    with planner.simulate("cuda", area=1024.0):
         assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
     with planner.simulate("cuda", budget=1 << 23):  # a mask past the scratch budget is never dense
-        assert not planner.dense_relation(4096, 4096, cpu, 0, reader(backend="torch"))
-    with planner.simulate("cuda"):
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))
-    # the loss passes its reader: SupCon at 8,192 rows on the GPU plan runs the lean tile on a mask
+        assert not planner.dense_relation(4096, 4096, cpu, 0, reader(pairs, backend="torch"))
+    # the loss passes its reader: SupCon on the GPU plan runs the lean tile, on a mask at 1,024 rows, grouped at 8,192
+    small = count_loss("supcon", "ours", 1024, 512, at=256)
     counted = count_loss("supcon", "ours", 8192, 512, at=256)
-    strips = count_loss("supcon", "torch", 8192, 512, at=256, tiles=4)  # host-bound too: a mask, read per tile
-    assert counted.ops.get("sort", 0) == 0 and strips.ops.get("sort", 0) == 0
-    assert counted.launches < strips.launches
+    assert small.ops.get("sort", 0) == 0 and counted.ops.get("sort", 0) == 1 and counted.ops.get("mm", 0) == 2
+    assert counted.launches < count_loss("supcon", "torch", 8192, 512, at=256, tiles=4).launches
     # the pair terms' too, asked for the torch backend (the model's own pick there is the epilogue: keys, no mask)
     assert count_loss("nt_xent_pml", "torch", 8192, 512, at=256).ops.get("sort", 0) == 0
     assert count_loss("nt_xent_pml", "ours", 8192, 512, at=256).ops.get("sort", 0) >= 1

@@ -108,6 +108,7 @@ def test_a_dense_mask_on_tensor_cores_multiplies_fp32_rows_to_fp32_accuracy(monk
     """A dense 0/1 relation times fp32 rows on a GPU (simulated here): the bf16 mask against the rows split in
     three bf16 parts -- fp32-accurate, where one bf16 rounding of the rows would err by 2^-9."""
     monkeypatch.setattr(planner, "_SIMULATED", torch.device("cuda"))
+    monkeypatch.setattr(positives_module, "_dense_pays", lambda rows, cols, device, reader=None: True)  # (a GPU's strips group)
     g = torch.Generator().manual_seed(5)
     labels = torch.randint(0, 4, (40,), generator=g)
     rel = tc.Positives.from_keys(labels, self_offset=0)
@@ -210,3 +211,27 @@ def test_a_gpu_plans_widened_products_equal_the_float64_formulas(monkeypatch, n,
         assert decisions and not any(dec.half for dec in decisions), name  # widened, by the model
         _agrees_with_float64(name, got, (a, b), (x, y), formula, grads)
     assert masks == 2  # SupCon by labels and by views: the lean mask executor, widened
+
+
+@pytest.mark.parametrize("products", ["half", "auto"])
+@pytest.mark.parametrize("n,d", [(12, 5), (38, 16)])
+def test_supcons_lean_tile_on_a_grouped_relation_equals_the_float64_formula(monkeypatch, products, n, d):
+    """SupCon's lean executor on a relation grouped by key (the GPU plan's choice once the device is the longer:
+    the positives summed per key, no mask and no relation GEMM) -- on the split tensor-core products and on the
+    widened fp32 ones -- against float64, value and gradients, by labels and by views; no mask is ever built."""
+    monkeypatch.setattr(planner, "PRODUCTS", products)
+    monkeypatch.setattr(positives_module, "_dense_pays", lambda rows, cols, device, reader=None: False)
+    served = count_applies(monkeypatch, (one_tile_half.HalfOneTileMask,))
+    x, y = _rows(n, d, n + 2)
+    for name, ours, formula, grads in _cases(n):
+        if not name.startswith("supcon"):
+            continue
+        a, b = (t.to(DEVICE).clone().requires_grad_(g) for t, g in zip((x, y), grads))
+        with planner.simulate("cuda"):
+            before = served[0]
+            got = ours(a, b)
+            got.backward()
+            assert served[0] == before + 1, f"{name}: not served by the lean mask executor"
+            decisions = tc.explain(ours, a.detach(), b.detach())
+        assert decisions and all(dec.half == (products == "half") for dec in decisions), name
+        _agrees_with_float64(name, got, (a, b), (x, y), formula, grads)

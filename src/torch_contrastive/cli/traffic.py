@@ -136,6 +136,9 @@ class _Count(TorchDispatchMode):
         # when it is one flattened (a per-row statistic of both directions has 2 max(R, C) numbers)
         if t.ndim < 1 or any(side in self.features for side in t.shape):
             return False
+        base = t._base  # a view of a feature tensor (rows flattened for one dot product) is features
+        if base is not None and any(side in self.features for side in base.shape):
+            return False
         edge = 2 * max(self.rows, self.cols)
         return t.numel() >= edge if t.ndim >= 2 else t.numel() > max(edge, self.rows * self.cols // 64)
 

@@ -30,8 +30,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["BYTECODES_PER_OP", "FUSED", "GPUS", "MEASURED", "PATHS", "PEAK_BANDWIDTH", "Counts", "Fused", "Gpu", "Measured", "PathCost", "fit",
-           "fit_bytecodes", "fit_fused", "fit_host", "host_time", "kernels", "path_terms", "predict", "predict_path", "terms"]
+__all__ = [
+    "BYTECODES_PER_OP",
+    "FUSED",
+    "GPUS",
+    "MEASURED",
+    "PAIR_RELATION_FORMS",
+    "PATHS",
+    "PEAK_BANDWIDTH",
+    "RELATION_FORMS",
+    "TILE_RELATION_FORMS",
+    "Counts",
+    "Fused",
+    "Gpu",
+    "Measured",
+    "PathCost",
+    "fit",
+    "fit_bytecodes",
+    "fit_fused",
+    "fit_host",
+    "host_time",
+    "kernels",
+    "path_terms",
+    "predict",
+    "predict_path",
+    "terms",
+    "tile_mask_pays",
+]
 
 
 @dataclass(frozen=True)
@@ -205,30 +230,33 @@ class PathCost:
 #: mask's bools in one op (the pair terms' epilogue rows' launches and bytecodes too); the epilogue's half rows
 #: once more the same day: one tile keeps its fp32 unit rows for backward (no row kernel rebuilds them); the torch rows
 #: again the same day: the normalisation backward in six ops (was eight), NT-BXent's two means stacked and combined in
-#: two ops, PML's rows summed inside the kernel where only their total is read; Python 3.11.7,
+#: two ops, PML's rows summed inside the kernel where only their total is read; again the same day: one key's groups
+#: from a sort and a search (the kernel backends' relation grouped: the epilogue's pair rows), the pair terms' torch
+#: strips priced by their own forms (:data:`PAIR_RELATION_FORMS`), a Triton launch announced by a class (not a
+#: generator context), the kernels' package kept after its first import; Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(46, 25.3, 9.66, 24.15, 5.0, 4.0, 0, 0.0, 1591, 1352),
-    ("columns", "torch", "wide"): PathCost(42, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1278, 971),
-    ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7633, 1311),
+    ("columns", "torch", "half"): PathCost(46, 25.3, 9.66, 24.15, 5.0, 4.0, 0, 0.0, 1605, 1352),
+    ("columns", "torch", "wide"): PathCost(42, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1292, 971),
+    ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7199, 1179),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
-    ("rows", "torch", "half"): PathCost(35, 24.4, 8.04, 14.26, 4.0, 2.25, 0, 0.0, 1419, 1553),
-    ("rows", "torch", "wide"): PathCost(30, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1153, 1218),
-    ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 6303, 1221),
+    ("rows", "torch", "half"): PathCost(35, 24.4, 8.04, 14.26, 4.0, 2.25, 0, 0.0, 1433, 1553),
+    ("rows", "torch", "wide"): PathCost(30, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1167, 1218),
+    ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 5995, 1105),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
-    ("columns", "torch", "fp32"): PathCost(40, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1273, 971),
-    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 7259, 1029),
-    ("rows", "torch", "fp32"): PathCost(28, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1148, 1218),
-    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 6026, 962),
-    ("pair_softplus", "torch", "half"): PathCost(46, 62.2, 31.76, 66.51, 4.0, 5.0, 0, 0.0, 2284, 2322),
-    ("pair_softplus", "torch", "wide"): PathCost(41, 51.7, 30.76, 52.51, 2.0, 5.0, 0, 0.0, 2138, 1874),
-    ("pair_softplus", "epilogue", "half"): PathCost(33, 10.2, 6.5, 8.5, 3.0, 5.0, 5, 3.07, 7104, 1494),
-    ("binary", "torch", "half"): PathCost(48, 38.0, 31.78, 45.53, 4.0, 4.0, 0, 0.0, 2264, 1427),
-    ("binary", "torch", "wide"): PathCost(43, 29.7, 30.78, 35.53, 2.0, 4.0, 0, 0.0, 2118, 1035),
-    ("binary", "epilogue", "half"): PathCost(29, 8.1, 5.52, 6.52, 3.0, 4.0, 4, 2.07, 6373, 1099),
+    ("columns", "torch", "fp32"): PathCost(40, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1287, 971),
+    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6825, 903),
+    ("rows", "torch", "fp32"): PathCost(28, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1162, 1218),
+    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
+    ("pair_softplus", "torch", "half"): PathCost(46, 62.2, 31.76, 66.51, 4.0, 5.0, 0, 0.0, 2257, 2328),
+    ("pair_softplus", "torch", "wide"): PathCost(41, 51.7, 30.76, 52.51, 2.0, 5.0, 0, 0.0, 2111, 1880),
+    ("pair_softplus", "epilogue", "half"): PathCost(37, 10.2, 6.0, 8.0, 3.0, 5.0, 5, 3.07, 6926, 1365),
+    ("binary", "torch", "half"): PathCost(48, 38.0, 31.78, 45.53, 4.0, 4.0, 0, 0.0, 2300, 1430),
+    ("binary", "torch", "wide"): PathCost(43, 29.7, 30.78, 35.53, 2.0, 4.0, 0, 0.0, 2154, 1038),
+    ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),
 }
 
 
@@ -259,32 +287,86 @@ class RelationForms:
     Attributes:
         dense_passes: fp32 passes over the logits that the dense 0/1 mask adds (built, converted,
             read by the positive sums and the gradient tile).
-        grouped_launches: launches that the grouped form (keys sorted, per-class sums) adds.
+        grouped_launches: launches that the grouped form (keys sorted, per-class sums) adds (negative: saves).
     """
 
     dense_passes: float
     grouped_launches: int
 
 
-#: SupCon with labels, 1,024 rows, bf16, the GPU plan's strips (4 x 4 tiles), counted 2026-11-28. (On one tile
-#: the lean executor reads the mask by GEMMs, engine/one_tile_half.py: there the dense form is the cheaper in both.)
-RELATION_FORMS = RelationForms(dense_passes=2.7, grouped_launches=17)
+#: SupCon with labels, 1,024 rows, bf16, the GPU plan's strips (4 x 4 tiles), counted 2026-11-28; again the same day
+#: after one key's groups came from a sort and a search (was 17 launches more: a lexicographic grouping): the grouped
+#: form is now the cheaper on strips in both, so a GPU's strips group (a one-tile reader is priced apart:
+#: :data:`TILE_RELATION_FORMS`).
+RELATION_FORMS = RelationForms(dense_passes=2.75, grouped_launches=-4)
 
 
-def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100", call: tuple[float, float] | None = None) -> bool:
-    """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form.
+@dataclass(frozen=True)
+class TileRelationForms:
+    """What the two forms of a single set's label relation cost the torch backend's one tile beyond each other
+    (SupCon's lean executor, ``engine/one_tile_half.py``), counted on the GPU plan (``tests/cli/test_traffic.py``
+    re-counts them). The mask is read by GEMMs, ``P x`` forward and ``P (beta x)`` backward; the grouped form sums
+    the rows per key instead (a sort, a search, index-adds: O(N D) work, more launches).
+
+    Attributes:
+        dense_passes: fp32 passes over the logits that the mask adds (built, counted, converted, read by the GEMMs).
+        dense_gemms: GEMM-equivalents (``2 R C D`` FLOPs each) of the mask's products.
+        grouped_launches: launches the grouped form adds.
+        grouped_bytecodes: Python bytecodes the grouped form adds (negative: fewer).
+    """
+
+    dense_passes: float
+    dense_gemms: float
+    grouped_launches: int
+    grouped_bytecodes: int
+
+
+#: Per operands of the tile's products: ``"half"`` (bf16 rows split for fp16 tensor cores, the mask in fp16, its
+#: GEMMs fp16), ``"wide"`` (bf16 inputs widened, fp32 products, :data:`~.planner.WIDE`). SupCon with labels on the
+#: GPU plan, counted 2026-11-28 at 8,192 rows (half) and 1,024 (wide).
+TILE_RELATION_FORMS = {
+    "half": TileRelationForms(dense_passes=2.25, dense_gemms=3.0, grouped_launches=7, grouped_bytecodes=-17),
+    "wide": TileRelationForms(dense_passes=3.75, dense_gemms=2.0, grouped_launches=9, grouped_bytecodes=114),
+}
+
+
+def tile_mask_pays(rows: float, cols: float, dim: int, operands: str, call: tuple[float, float], gpu: Gpu | str = "H100") -> bool:
+    """Whether a single set's label relation is predicted cheaper as a dense mask than grouped by key on the torch
+    backend's one tile (:data:`TILE_RELATION_FORMS`). ``call``: the ``(device, host)`` time of the one tile without
+    the relation (:func:`path_terms`): the call takes the longer, so a host-bound call keeps the mask, whose passes
+    and products the device hides, and a device-bound one groups, whose launches the host hides."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    f = TILE_RELATION_FORMS[operands]
+    products = f.dense_gemms * 2.0 * rows * cols * dim / g.gemm_flops["float16" if operands == "half" else "float32"]
+    mask = f.dense_passes * 4.0 * rows * cols / g.bandwidth + products
+    device, host = call
+    return max(device + mask, host) <= max(device + f.grouped_launches * g.launch,
+                                            host + f.grouped_launches * g.host_op + f.grouped_bytecodes * g.host_bytecode)
+
+
+#: The pair terms' (PML's NT-Xent, NT-BXent with labels) on the torch loops' strips, where the grouped form compares
+#: the keys of every tile again: PML NT-Xent, 1,024 rows, bf16, 4 x 4 tiles, counted 2026-11-28 (NT-BXent's: no
+#: pass apart, 43 launches -- the mask pays for it wherever it pays for PML's).
+PAIR_RELATION_FORMS = RelationForms(dense_passes=0.5, grouped_launches=4)
+
+
+def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100", call: tuple[float, float] | None = None,
+                        forms: RelationForms = RELATION_FORMS) -> bool:
+    """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form, for a
+    reader whose two forms differ by ``forms`` (the soft-max terms' :data:`RELATION_FORMS`, the pair terms'
+    :data:`PAIR_RELATION_FORMS`).
 
     Without ``call``, on the device alone: the mask's extra passes against the grouped form's extra launches.
     ``call``: the ``(device, host)`` time of the call that reads the relation, counted with the mask
     (:func:`path_terms` of a :data:`PATHS` entry): the call takes the longer of the two, so the mask's passes
     cost nothing while the device waits on the host, and the grouped form's launches cost the host too."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    mask = RELATION_FORMS.dense_passes * 4.0 * rows * cols / g.bandwidth
-    grouped = RELATION_FORMS.grouped_launches * g.launch
+    mask = forms.dense_passes * 4.0 * rows * cols / g.bandwidth
+    grouped = forms.grouped_launches * g.launch
     if call is None:
         return mask < grouped
     device, host = call
-    return max(device, host) <= max(device - mask + grouped, host + RELATION_FORMS.grouped_launches * g.host_op)
+    return max(device, host) <= max(device - mask + grouped, host + forms.grouped_launches * g.host_op)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
 from .softmax_tiles import complete_columns, fixed_lse
 from .tiling import Buffers, gradient_sweep, sweep
-from .triton_executors import sigmoid_keys
+from .triton_executors import kernels, sigmoid_keys
 
 if TYPE_CHECKING:
     from .plans import PairPlan, SigmoidPlan, SoftmaxPlan
@@ -113,7 +113,7 @@ class EpilogueProducts:
 def left_out(plan: SoftmaxPlan) -> dict[str, Any]:
     """The kernels' exclusion arguments (:func:`~.triton_backend.exclusion`), with the positives kept
     apart (:mod:`.confident`) left out too: a shifted diagonal, or a pairing rule's partner."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = kernels()  # imports triton: on the first call
 
     out = triton_backend.exclusion(plan.exclude)
     if plan.apart is not None and isinstance(plan.positives, PartnerPositives):
@@ -140,7 +140,7 @@ def _tile_factors(ops: KernelOperands, r0: int, r1: int, c0: int, c1: int) -> tu
 
 def forward(prod: EpilogueProducts, rows: int, cols: int, plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(row_lse, col_lse or None, the one tile kept for backward or None)``."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = kernels()  # imports triton: on the first call
 
     ops, dtype, device = prod.ops, prod.a.dtype, prod.a.device
     low = torch.finfo(dtype).min
@@ -197,7 +197,7 @@ def backward(prod: EpilogueProducts, a: Tensor, b: Tensor, row: Direction, col: 
     ``learned_scale``: the scale is a tensor whose gradient reads ``G @ B`` (half rows then keep
     the row tile's rounding remainder). ``folded``: the positive part's row and column coefficients,
     added to each tile in the kernel (a single set's columns take the rows' coefficients)."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = kernels()  # imports triton: on the first call
 
     ops = prod.ops
     rows, cols = a.shape[0], b.shape[0]
@@ -255,7 +255,7 @@ class EpilogueSigmoid(SigmoidExecutor):
     in the operand dtype and sums it for the bias. Positives on a strided diagonal, by ids, or none."""
 
     def row_sums(self, plan: SigmoidPlan, ops: Operands, a_s: Tensor, bias: Tensor | float) -> tuple[Tensor, tuple[Tensor, ...]]:
-        from . import triton_backend  # imports triton: on the first call
+        triton_backend = kernels()  # imports triton: on the first call
 
         kops = KernelOperands(plan, (ops.a, ops.b), ops.a_c, ops.b_c, ops.scale, ops.norms, a_s)
         prod = EpilogueProducts(kops, ops.a_c)
@@ -277,7 +277,7 @@ class EpilogueSigmoid(SigmoidExecutor):
         return out, (*raw, *kept)
 
     def gradients(self, plan: SigmoidPlan, saved: Saved, g_row: Tensor, bias: Tensor | float) -> tuple[Tensor, Tensor | None, Tensor]:
-        from . import triton_backend  # imports triton: on the first call
+        triton_backend = kernels()  # imports triton: on the first call
 
         a, b, kept = saved.a, saved.b, tuple(saved.keep["kept"])
         n_raw = 2 if plan.operand_dtype is not None else 0
@@ -302,7 +302,7 @@ class EpilogueSigmoid(SigmoidExecutor):
 def _sigmoid_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
     """The ids the kernels compare, by name (:func:`~.triton_executors.sigmoid_keys`; none for a strided
     diagonal or no positive at all)."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = kernels()  # imports triton: on the first call
 
     given = sigmoid_keys(plan.positives, plan.diagonal_offset)
     return {} if given is None else triton_backend.keys(*given)
@@ -319,7 +319,7 @@ class EpiloguePairs(PairExecutor):
     the soft-max epilogue (:func:`~.triton_backend.epilogue_sums`, the positives left out)."""
 
     def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
-        from . import triton_backend  # imports triton: on the first call
+        triton_backend = kernels()  # imports triton: on the first call
 
         raw = (ops.a,) if ops.b is None else (ops.a, ops.b)
         kops = KernelOperands(plan, raw, ops.a_c, ops.b_c, ops.scale, ops.norms)
@@ -347,7 +347,7 @@ class EpiloguePairs(PairExecutor):
         return ((out[:rows], out[rows:]) if binary else (out[:rows],)), keep
 
     def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
-        from . import triton_backend  # imports triton: on the first call
+        triton_backend = kernels()  # imports triton: on the first call
 
         a, b, keep = saved.a, saved.b, saved.keep
         kops = KernelOperands(plan, tuple(keep["operands"]), a, b, saved.scale, saved.norms)
@@ -373,7 +373,7 @@ def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: tuple[int
                    kept: list[Tensor]) -> Tensor:
     """PML NT-Xent's pass 1: each row's log-sum-exp over its negatives (``-inf`` for a row without any),
     the positives and the self pair left out in the soft-max epilogue; a single tile kept in ``kept``."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = kernels()  # imports triton: on the first call
 
     dtype, device = prod.a.dtype, prod.a.device
     run_max = torch.empty(rows, dtype=dtype, device=device) if plan.fixed else \

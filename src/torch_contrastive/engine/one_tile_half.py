@@ -40,7 +40,7 @@ from .normalization import l2_normalize, l2_normalize_backward
 from .pairwise import _KERNELS, combined, combined_grads, single_fixed
 from .precision import zero
 from .products import _mm32, rounded_mul
-from .softmax import _total, _weighted
+from .softmax import _total
 from .softmax_tiles import _put, kept_apart_terms, put_both
 
 if TYPE_CHECKING:
@@ -143,47 +143,67 @@ class HalfOneTileMask(torch.autograd.Function):
                 alpha: Tensor | None, beta: Tensor | None) -> Tensor:
         rows, denom, norm = l2_normalize(a.float(), plan.eps)
         positives = cast("KeyPositives", plan.positives)
+        relation = None  # the grouped form: P x as per-key sums (no mask, no relation GEMM)
         if plan.half:
             x, h, u, v = split_rows(rows, scale, a.dtype)
             s = _mm32(u, v.t())
-            dim = h.shape[1]
-            relation = positives.dense_as(SPLIT)  # converted once per relation
-            both = _mm32(relation, u[:, : 2 * dim])  # P [l | h]
-            px = both[:, :dim] + both[:, dim:]  # P x, fp32
-        else:
-            x = h = rows * math.sqrt(scale)
-            s = x @ x.t()
-            relation = positives.dense_as(torch.float32)
-            px = relation @ x
+            if positives.dense is None:
+                px = positives.aggregate(x)
+            else:
+                dim = h.shape[1]
+                relation = positives.dense_as(SPLIT)  # converted once per relation
+                both = _mm32(relation, u[:, : 2 * dim])  # P [l | h]
+                px = both[:, :dim] + both[:, dim:]  # P x, fp32
+            factor, root = 1.0, math.sqrt(scale)  # x carries the scale's root
+        else:  # the unit rows themselves: the scale applied by the GEMM and to the sums (no scaled copy: a launch)
+            x = h = rows
+            s = torch.addmm(zero(rows), rows, rows.t(), beta=0, alpha=scale)
+            if positives.dense is None:
+                px = positives.aggregate(x)
+            else:
+                relation = positives.dense_as(torch.float32)
+                px = relation @ x
+            factor = root = scale
         n = s.shape[0]
-        row_pos = torch.linalg.vecdot(x, px)
         e = s.exp_()
         e.diagonal().zero_()  # the self pair
         row_sum = e.sum(1)
-        row_out = _weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)
-        ctx.plan, ctx.total, ctx.scale, ctx.dtype = plan, total, scale, a.dtype
-        ctx.save_for_backward(rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta)  # (x is h when widened)
-        return _total(row_out, None, total)
+        lse = log_total(row_sum, None, plan, n)
+        # sum_i alpha_i LSE_i - sum_i beta_i S_i.P_i as two dot products: the positive part over the flat (N, D)
+        # rows, sum_i beta_i x_i . (P x)_i, beta x formed once (backward's relation product reads it) -- four ops
+        # where per-row values weighted, subtracted and summed take seven, each a launch of a host-bound call
+        weighted = x if beta is None else beta[:, None] * x
+        out = torch.sub(lse.sum() if alpha is None else torch.dot(alpha, lse), torch.dot(weighted.view(-1), px.view(-1)),
+                        alpha=factor)
+        ctx.plan, ctx.total, ctx.root, ctx.dtype = plan, total, root, a.dtype
+        ctx.save_for_backward(rows, denom, norm, h, e, row_sum, relation, px, weighted, alpha, beta)  # (h is x when widened)
+        return out if isinstance(total[0], float) and total[0] == 1.0 else out * total[0]
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
-        rows, denom, norm, x, h, e, row_sum, relation, px, alpha, beta = ctx.saved_tensors
+        rows, denom, norm, h, e, row_sum, relation, px, weighted, alpha, beta = ctx.saved_tensors
         plan, dtype, half = ctx.plan, ctx.dtype, ctx.plan.half
         uniform = as_dtype(g * ctx.total[0], rows.dtype)  # d loss / d out_i, the same for every row
-        w = _weighted(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
+        # each row's soft-max weight alpha / sum exp; the uniform factor multiplies the product after the GEMM
+        w = row_sum.reciprocal() if alpha is None else alpha / row_sum
         # both roles of every pair (H = G + G^T), rounded once to bf16 for tensor cores (fp32 when widened)
         tile = rounded_mul(w.unsqueeze(1) + w, e, dtype) if half else torch.mul(w.unsqueeze(1) + w, e)
-        # the relation's part, c_i P_ij + P_ij c_j with c = -u beta (P symmetric: one set's key relation, the
-        # diagonal cleared): -u (beta * P x + P (beta x)); beta x is at most sqrt(scale) in magnitude, fp16's range
+        # the relation's part, c_i P_ij + P_ij c_j with c = -beta (P symmetric: one set's key relation, the
+        # diagonal cleared): -(beta * P x + P (beta x)); beta x is at most sqrt(scale) in magnitude, fp16's range
         if beta is None:
             relation_part = px * 2.0
         else:
-            weighted = beta[:, None] * x
-            relation_part = torch.addcmul(_mm32(relation, weighted.to(SPLIT)) if half else relation @ weighted, beta[:, None], px)
-        gx = (_mm32(tile, h) if half else tile @ h).sub_(relation_part.mul_(uniform))
-        ga = l2_normalize_backward(gx, rows, denom, norm, plan.eps, math.sqrt(ctx.scale))
+            product = plan.positives.aggregate(weighted) if relation is None else _relation_product(relation, weighted, half)
+            relation_part = torch.addcmul(product, beta[:, None], px)
+        gx = (_mm32(tile, h) if half else tile @ h).sub_(relation_part).mul_(uniform)
+        ga = l2_normalize_backward(gx, rows, denom, norm, plan.eps, ctx.root)
         return None, None, None, as_dtype(ga, dtype), None, None
+
+
+def _relation_product(relation: Tensor, rows: Tensor, half: bool) -> Tensor:
+    """``P @ rows`` in fp32 for the dense 0/1 relation ``P`` (fp16 on tensor cores, else fp32)."""
+    return _mm32(relation, rows.to(SPLIT)) if half else relation @ rows
 
 
 class HalfOneTilePairs(torch.autograd.Function):

@@ -33,7 +33,7 @@ import torch
 
 from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
 from .confident import apart_rule
-from .cost import PATHS, PathCost, dense_relation_pays, path_terms, predict_path
+from .cost import PAIR_RELATION_FORMS, PATHS, RELATION_FORMS, PathCost, dense_relation_pays, path_terms, predict_path, tile_mask_pays
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype, fixed_scale_applies
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
@@ -596,8 +596,12 @@ def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
     if places is None:  # a dense label relation read off the tile (SupCon), rows weighted, no column terms
         stat = problem.statistic
         # (two rows or more: every row's sum of exp then holds a candidate, so backward divides by it)
-        masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns and plan.tile_positives \
-            and isinstance(plan.positives, KeyPositives) and isinstance(stat, Softmax) and stat.col_weights == (None, None)
+        positives = plan.positives
+        # (a grouped relation: only the GPU's executor, which sums the positives by key, .one_tile_half)
+        read = plan.tile_positives or (isinstance(positives, KeyPositives) and plan.decision.device == "cuda"
+                                       and problem.anchors.dtype in _HALF)
+        masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns and read \
+            and isinstance(positives, KeyPositives) and isinstance(stat, Softmax) and stat.col_weights == (None, None)
         return bool(masked and _one_bounded_tile(plan, problem))
     if problem.single:
         shape = plan.symmetric and plan.self_offset == 0 and not plan.columns
@@ -715,8 +719,19 @@ def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int, r
         return entries <= cpu_limit
     if entries > GPU_BUDGET:
         return False
-    # the strips' rule first: it holds for every small relation, and costs a small call less Python
-    return dense_relation_pays(rows, cols * _SIMULATED_AREA) or (reader is not None and reader_wants_mask(rows, cols, reader))
+    # the strips' rule first: it holds for every small relation; its answer kept per shape (a training loop asks
+    # the same every step, and a host-bound call pays each bytecode)
+    key = (rows, cols, _SIMULATED_AREA)
+    pays = _RELATION_PAYS.get(key)
+    if pays is None:
+        if len(_RELATION_PAYS) > 512:
+            _RELATION_PAYS.clear()
+        pays = _RELATION_PAYS[key] = dense_relation_pays(rows, cols * _SIMULATED_AREA)
+    return pays or (reader is not None and reader_wants_mask(rows, cols, reader))
+
+
+#: :func:`~.cost.dense_relation_pays`'s answers by ``(rows, cols, simulated area)`` (:func:`dense_relation`).
+_RELATION_PAYS: dict[tuple[int, int, float], bool] = {}
 
 
 #: :func:`reader_wants_mask`'s answers by their key (a training loop asks the same question every step).
@@ -748,7 +763,22 @@ def _reader_wants_mask(rows: int, cols: int, reader: Reader) -> bool:
     priced = dict(_priced(rows, cols, reader.dtype, reader.other_dtype, chunk, traits)) if reader.dim > 0 else {}
     predicted = tuple((name, predict_path(*args)) for name, args in priced.items())
     label = reader.backend if reader.backend != "auto" else min((t, name) for name, t in predicted)[1] if predicted else None
-    return _torch_tile_reads(rows, cols, chunk, reader, label, predicted) or _mask_pays_in_call(rows, cols, label, priced)
+    if _torch_tile_reads(rows, cols, chunk, reader, label, predicted):
+        return _tile_mask_pays(rows, cols, reader, label, priced, predicted)
+    return _mask_pays_in_call(rows, cols, label, priced, reader.pairs is not None)
+
+
+def _tile_mask_pays(rows: int, cols: int, reader: Reader, label: str | None, priced: dict[str, Any],
+                    predicted: tuple[tuple[str, float], ...]) -> bool:
+    """Whether the torch backend's one tile reads the relation as a mask: always, but for a single set's soft-max
+    terms on bf16 rows (SupCon's lean executor, which sums the positives by key in the grouped form), where
+    the mask's products and passes are priced against the grouped form's launches inside the call
+    (:func:`~.cost.tile_mask_pays`)."""
+    if reader.pairs is not None or not reader.symmetric or reader.dtype != torch.bfloat16 or label not in priced:
+        return True
+    wide = label == WIDE or (PRODUCTS == "auto" and _wide_pays(predicted))
+    terms = path_terms(*(priced[WIDE] if wide and WIDE in priced else priced[label]))
+    return tile_mask_pays(rows, cols, reader.dim, "wide" if wide else "half", terms)
 
 
 def _torch_tile_reads(rows: int, cols: int, chunk: int | None, reader: Reader, label: str | None,
@@ -764,16 +794,17 @@ def _torch_tile_reads(rows: int, cols: int, chunk: int | None, reader: Reader, l
         >= max(rows, cols)
 
 
-def _mask_pays_in_call(rows: int, cols: int, label: str | None, priced: dict[str, Any]) -> bool:
+def _mask_pays_in_call(rows: int, cols: int, label: str | None, priced: dict[str, Any], pairs: bool) -> bool:
     """Whether the dense mask is the cheaper form inside the torch loops' call that reads it (backend ``label``):
     that call's device and host times (:func:`~.cost.path_terms`) against the grouped form's
-    (:func:`~.cost.dense_relation_pays` with ``call``). A host-bound call keeps the mask, whose passes the device
-    hides, where the device alone would choose the grouped form's launches, which the host pays."""
+    (:func:`~.cost.dense_relation_pays` with ``call``), by the forms of the terms that read it (``pairs``: the pair
+    terms', which compare the keys of every tile again; else the soft-max terms'). A host-bound call keeps the
+    mask, whose passes the device hides, where the device alone would choose the grouped form's launches."""
     # the forms' constants were counted on the torch loops' strips; the kernel backends compare the keys in
     # registers, where a mask only adds bytes (the epilogue holds to its byte budget, issue 34: at most 6 passes)
     if label not in priced or priced[label][1] != "torch":
         return False
-    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]))
+    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]), forms=PAIR_RELATION_FORMS if pairs else RELATION_FORMS)
 
 
 def counts_from_values(device: torch.device) -> bool:

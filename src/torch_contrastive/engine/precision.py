@@ -48,3 +48,16 @@ def zero(like: Tensor) -> Tensor:
     if found is None:
         found = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
     return found
+
+
+_ONES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``n`` ones of ``dtype`` on ``device`` as one stored value expanded (read-only): a count's summands
+    (``index_add_``'s source) without an op per call."""
+    key = (dtype, device)
+    found = _ONES.get(key)
+    if found is None:
+        found = _ONES[key] = torch.ones((), dtype=dtype, device=device)
+    return found.expand(n)

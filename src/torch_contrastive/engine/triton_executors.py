@@ -44,11 +44,29 @@ class TritonSoftmax(SoftmaxExecutor):
         return _backward_softmax(KernelOperands(plan, raw, a, b, saved.scale, saved.norms), a, b, row, col, plan)
 
 
+# the Triton kernels' package (it imports triton): imported on first use, then kept -- an import statement in a
+# function costs every call of a host-bound loss about 50 bytecodes
+_TRITON: Any = None
+
+
+def _triton() -> Any:
+    global _TRITON
+    from . import triton_backend
+
+    _TRITON = triton_backend
+    return triton_backend
+
+
+def kernels() -> Any:
+    """The Triton kernels' package, imported on the first call (it imports triton)."""
+    return _TRITON or _triton()
+
+
 def _forward_softmax(ops: KernelOperands, plan: SoftmaxPlan, n_cols: int) -> tuple[Tensor, Tensor | None]:
     """Row (and column) log-sum-exp by the Triton kernels: the bounded regime sums rows and
     columns in one pass over the tiles (the upper triangle for a single set); the online
     regime, or deterministic mode, runs the row-owned kernel once per direction."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = _TRITON or _triton()  # imports triton: on the first call
 
     x, y = ops.x, ops.y
     if plan.fixed and triton_backend.fused():
@@ -71,7 +89,7 @@ def _backward_softmax(ops: KernelOperands, a: Tensor, b: Tensor, row: Direction,
                      plan: SoftmaxPlan) -> tuple[Tensor, Tensor | None]:
     """``G @ B`` and ``G.T @ A`` by the Triton kernels: each gradient tile formed once
     (atomics), or -- in deterministic mode -- ``G.T @ A`` as ``G' @ A`` on ``S.T``."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = _TRITON or _triton()  # imports triton: on the first call
 
     x, y, z = ops.x, ops.y, ops.z
     offset = plan.self_offset
@@ -115,7 +133,7 @@ class TritonPairs(PairExecutor):
 def _forward_pairs(plan: PairPlan, ops: KernelOperands) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """The pair kernels' forward: NT-BXent's two sums in one pass; PML NT-Xent's negatives'
     log-sum-exp (the row-owned kernel, same-label pairs excluded), then its pair terms."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = _TRITON or _triton()  # imports triton: on the first call
 
     if plan.kernel == "binary":
         return triton_backend.pair_sums(ops.x, ops.y, plan.positives, True, factors=ops.pair()), ()
@@ -127,7 +145,7 @@ def _forward_pairs(plan: PairPlan, ops: KernelOperands) -> tuple[tuple[Tensor, .
 
 def _backward_pairs(plan: PairPlan, ops: KernelOperands, kernel_saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> Gradients:
     """``G @ B`` and ``G.T @ A`` of the pair terms, each gradient tile formed once (atomics)."""
-    from . import triton_backend  # imports triton: on the first call
+    triton_backend = _TRITON or _triton()  # imports triton: on the first call
 
     binary = plan.kernel == "binary"
     lse, weight = (None, None) if binary else kernel_saved
@@ -141,7 +159,7 @@ class TritonSigmoid(SigmoidExecutor):
     positives on a diagonal, by ids or none."""
 
     def row_sums(self, plan: SigmoidPlan, ops: Operands, a_s: Tensor, bias: Tensor | float) -> tuple[Tensor, tuple[Tensor, ...]]:
-        from . import triton_backend  # imports triton: on the first call
+        triton_backend = _TRITON or _triton()  # imports triton: on the first call
 
         kops = KernelOperands(plan, (ops.a, ops.b), ops.a_c, ops.b_c, ops.scale, ops.norms, a_s)
         keys = sigmoid_keys(plan.positives, plan.diagonal_offset)
@@ -151,7 +169,7 @@ class TritonSigmoid(SigmoidExecutor):
         return out, kept
 
     def gradients(self, plan: SigmoidPlan, saved: Saved, g_row: Tensor, bias: Tensor | float) -> tuple[Tensor, Tensor | None, Tensor]:
-        from . import triton_backend  # imports triton: on the first call
+        triton_backend = _TRITON or _triton()  # imports triton: on the first call
 
         kops = KernelOperands(plan, tuple(saved.keep["kept"]), saved.a, saved.b, saved.scale, saved.norms)
         keys = sigmoid_keys(plan.positives, plan.diagonal_offset)

@@ -146,15 +146,21 @@ DERIVED_EPILOGUE = {"ACC": accumulates_as("s_ptr"), "PRECISION": lambda args: pr
 LAUNCH_LISTENERS: list[Any] = []
 
 
-@contextlib.contextmanager
-def announced(name: str, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...]) -> Iterator[None]:
+class announced:  # (lower case: it reads as the function it replaced, ``with announced(...)``)
     """A kernel launch as a cost count sees it: one launch of ``name`` reading ``reads`` and
-    writing ``writes`` (the tensors it declares; a GPU's kernel touches each once)."""
-    for listener in LAUNCH_LISTENERS:
-        listener.launch_begins(name, reads, writes)
-    try:
-        yield
-    finally:
+    writing ``writes`` (the tensors it declares; a GPU's kernel touches each once). A class, not a generator
+    context manager: every launch of a host-bound call pays its Python (about 45 bytecodes fewer a launch)."""
+
+    __slots__ = ("name", "reads", "writes")
+
+    def __init__(self, name: str, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...]) -> None:
+        self.name, self.reads, self.writes = name, reads, writes
+
+    def __enter__(self) -> None:
+        for listener in LAUNCH_LISTENERS:
+            listener.launch_begins(self.name, self.reads, self.writes)
+
+    def __exit__(self, *exc: object) -> None:
         for listener in LAUNCH_LISTENERS:
             listener.launch_ends()
 
