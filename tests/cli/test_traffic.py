@@ -357,6 +357,20 @@ def test_an_accumulating_product_counts_its_flops():
     assert counter.flops == {"float32": 2 * 2 * 20 * 30 * 6} and counter.launches == 2
 
 
+def test_flattened_feature_rows_are_features_and_a_flattened_tile_is_a_tile():
+    """A dot product over rows flattened to one vector (SupCon's positive part, engine/one_tile_half.py) reads
+    features, however long the vector; a tile's diagonal is a row statistic; a flattened tile is the tile."""
+    rows, tile = torch.randn(64, 6), torch.randn(64, 64)
+    counter = _Count(64, 64, 6)
+    with counter:
+        torch.dot(rows.view(-1), rows.view(-1))  # 384 numbers: past 64 * 64 / 64, yet features
+        tile.diagonal().sum()
+    assert counter.logit_bytes == 0 and counter.launches == 2
+    with counter:
+        tile.view(-1).sum()
+    assert counter.logit_bytes == 64 * 64 * 4
+
+
 #: The soft-max losses whose eager one tile on the GPU plan is the lean bf16 executor (engine/one_tile_half.py).
 LEAN_HALF = ("clip", "nt_xent", "supcon")
 
