@@ -127,12 +127,15 @@ class HalfOneTile(torch.autograd.Function):
 
 
 class HalfOneTileMask(torch.autograd.Function):
-    """:class:`~.one_tile._OneTileMask`'s weighted rows over a dense 0/1 relation ``P`` (SupCon), from the split
+    """:class:`~.one_tile._OneTileMask`'s weighted rows over a label relation ``P`` (SupCon), from the split
     GEMM. ``P`` in fp16 (0/1 exact) is read by GEMMs, never as a tile pass: the positive sums are
     ``sum_j P_ij S_ij = x_i . (P x)_i`` with ``P x = P [h | l]`` summed, and backward's relation part
     ``(c_i + c_j) P_ij`` multiplies as ``c * (P x) + P (c x)``: ``c = -u beta`` with one scalar ``u``, so
     ``P (c x) = -u P (beta x)`` -- one more product with ``P`` when the rows are weighted (``beta``), none
-    otherwise.
+    otherwise. A relation grouped by key (the planner's choice where the device is the longer,
+    :func:`~.planner.reader_wants_mask`) has no ``P``: ``P x`` is then each key's sum of rows less the row's own
+    (:meth:`~torch_contrastive.positives.KeyPositives.aggregate`: one index-add, fp32), O(N D) instead of a GEMM.
+    The rows combine as ``sum_i alpha_i LSE_i - sum_i beta_i x_i . (P x)_i``: two dot products.
 
     A GPU plan whose half inputs the model widens (``plan.half`` False: a host-bound call, whose fewest launches
     are fp32 products, :data:`~.planner.WIDE`) runs the same scheme in fp32: no split, ``P`` in fp32, the
