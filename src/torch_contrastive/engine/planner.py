@@ -368,9 +368,9 @@ def _tile_shape(chunk_size: int | None, rows: int, cols: int, device: torch.devi
 WIDE = "torch-fp32"
 
 
-def _tf32() -> bool:
-    """Whether fp32 GEMMs on a GPU may round their operands to TF32 (then a widened product is not exact)."""
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+#: Whether fp32 GEMMs on a GPU may round their operands to TF32 (then a widened product is not exact): the switch
+#: read in C, without the Python of ``torch.backends.cuda.matmul.allow_tf32`` (a plan key reads it every call).
+_tf32: Callable[[], bool] = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
 
 
 def _wide_pays(predicted: tuple[tuple[str, float], ...]) -> bool:
@@ -721,13 +721,15 @@ def dense_relation(rows: int, cols: int, device: torch.device, cpu_limit: int, r
         return False
     # the strips' rule first: it holds for every small relation; its answer kept per shape (a training loop asks
     # the same every step, and a host-bound call pays each bytecode)
+    if reader is not None and reader_wants_mask(rows, cols, reader):  # (the reader first: a small call's mask)
+        return True
     key = (rows, cols, _SIMULATED_AREA)
     pays = _RELATION_PAYS.get(key)
     if pays is None:
         if len(_RELATION_PAYS) > 512:
             _RELATION_PAYS.clear()
         pays = _RELATION_PAYS[key] = dense_relation_pays(rows, cols * _SIMULATED_AREA)
-    return pays or (reader is not None and reader_wants_mask(rows, cols, reader))
+    return pays
 
 
 #: :func:`~.cost.dense_relation_pays`'s answers by ``(rows, cols, simulated area)`` (:func:`dense_relation`).

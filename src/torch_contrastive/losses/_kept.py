@@ -96,8 +96,7 @@ _transforms_active = one_tile._transforms_active
 _compiling = torch.compiler.is_compiling
 _autocast = torch.is_autocast_enabled
 _dist_initialized = torch.distributed.is_initialized if torch.distributed.is_available() else (lambda: False)
-# the TF32 switch of fp32 GEMMs, read without the Python of ``torch.backends.cuda.matmul.allow_tf32``
-_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
+_tf32 = planner._tf32  # the TF32 switch of fp32 GEMMs, read in C
 
 
 def kept(features: int, labels: bool = False) -> Callable[[F], F]:
