@@ -13,7 +13,8 @@ Module twins: :class:`NTXentLoss`, :class:`NTBXentLoss`,
 """
 
 from .distributed import all_gather_with_grad
-from .engine.planner import Decision, explain
+from .engine.planner import Decision
+from .engine.recorded import explain
 from .grad_cache import RngSnapshot, grad_cache
 from .losses import (
     GlobalContrastiveLoss,

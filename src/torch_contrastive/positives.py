@@ -52,7 +52,7 @@ from ._tensors import mask_as, self_diagonal
 from .engine.precision import ones
 
 if TYPE_CHECKING:
-    from .engine.planner import Reader
+    from .engine.relation_form import Reader
 
 __all__ = [
     "DENSE_KEYS_LIMIT",
@@ -68,39 +68,40 @@ __all__ = [
 
 #: On a CPU, key relations with at most this many (row, column) entries are held as a dense bool
 #: matrix (64 KiB): for small batches a few element-wise ops beat grouping by a sort (measured
-#: here). On a GPU the cost model decides (:func:`torch_contrastive.engine.planner.dense_relation`).
+#: here). On a GPU the cost model decides (:func:`torch_contrastive.engine.relation_form.dense_relation`).
 DENSE_KEYS_LIMIT = 256 * 256
 
 # the floating dtypes whose sums of 0/1 values count exactly (up to 2**24 terms in float32)
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
 
-# the engine's planner, which imports this module: imported on first use, then kept here (an import statement
-# in a function runs the import machinery's Python on every call: some 25 bytecodes a label call each)
-_PLANNER: Any = None
+# the engine's relation-form rules (engine/relation_form.py), whose planner imports this module: imported on first
+# use, then kept here (an import statement in a function runs the import machinery's Python on every call: some 25
+# bytecodes a label call each)
+_FORMS: Any = None
 
 
-def _planner() -> Any:
-    global _PLANNER
-    from .engine import planner
+def _forms() -> Any:
+    global _FORMS
+    from .engine import relation_form
 
-    _PLANNER = planner
-    return planner
+    _FORMS = relation_form
+    return relation_form
 
 
 def _dense_pays(rows: int, cols: int, device: torch.device, reader: Reader | None = None) -> bool:
-    return (_PLANNER or _planner()).dense_relation(rows, cols, device, DENSE_KEYS_LIMIT, reader)
+    return (_FORMS or _forms()).dense_relation(rows, cols, device, DENSE_KEYS_LIMIT, reader)
 
 
 def _counts_from_values(dense: Tensor) -> bool:
     """Whether a dense relation's exact counts (the callers check the dtype and size: see _EXACT_COUNTS) come from
     its 0/1 values rather than its bools: the device's choice."""
-    return (_PLANNER or _planner()).counts_from_values(dense.device)
+    return (_FORMS or _forms()).counts_from_values(dense.device)
 
 
 def _mask_on_tensor_cores(x: Tensor) -> bool:
     """Whether a dense 0/1 relation multiplies fp32 rows on tensor cores (:func:`_mask_product`): on a GPU."""
-    return x.dtype == torch.float32 and (_PLANNER or _planner()).mask_on_tensor_cores(x.device)
+    return x.dtype == torch.float32 and (_FORMS or _forms()).mask_on_tensor_cores(x.device)
 
 
 def _mask_product(mask: Tensor, x: Tensor) -> Tensor:
@@ -172,7 +173,7 @@ class Positives:
             self_offset: anchor ``i`` is candidate ``i + self_offset`` (``None``: none).
             reader: the problem the relation is built for, as the planner prices it (the form of a large
                 relation on a GPU depends on the backend that reads it:
-                :func:`~torch_contrastive.engine.planner.dense_relation`); None: decided by size alone.
+                :func:`~torch_contrastive.engine.relation_form.dense_relation`); None: decided by size alone.
         """
         if _int64_vector(row_keys) and (col_keys is None or _int64_vector(col_keys)):  # a loss's labels: no loops
             rows: tuple[Tensor, ...] = (row_keys,)
@@ -398,7 +399,7 @@ class KeyPositives(Positives):
         row_keys: a tuple of (R,) int64 tensors.
         col_keys: a tuple of (C,) int64 tensors, same length.
         dense: small relations (:data:`DENSE_KEYS_LIMIT` entries on a CPU; on a GPU as the cost model
-            says, :func:`~torch_contrastive.engine.planner.dense_relation`): the (R, C) bool
+            says, :func:`~torch_contrastive.engine.relation_form.dense_relation`): the (R, C) bool
             relation itself, self pairs excluded; None for large ones.
         key_terms: large relations: the sorted grouping of the keys (see :func:`_key_terms`).
     """

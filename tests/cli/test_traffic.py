@@ -11,7 +11,7 @@ import torch
 import torch_contrastive as tc
 from torch_contrastive.cli import main
 from torch_contrastive.cli.traffic import EPILOGUE_LOSSES, LOSSES, _Count, cases, count, count_loss, gpu_tiles
-from torch_contrastive.engine import planner
+from torch_contrastive.engine import planner, problem_plan, relation_form
 from torch_contrastive.engine.cost import GPUS, PAIR_RELATION_FORMS, PATHS, RELATION_FORMS, TILE_RELATION_FORMS, Counts, Gpu, fit, predict, terms
 from torch_contrastive.engine.products import HalfProducts
 
@@ -199,7 +199,7 @@ def test_python_bytecodes_are_counted_per_call_and_a_kept_plan_costs_fewer():
     from torch_contrastive.cli.traffic import bytecodes
 
     ours, dense = cases(64, 16)["clip"]
-    planner._PLANS.clear()
+    problem_plan._PLANS.clear()
     planner._DECISIONS.clear()
     with planner.simulate("cuda"):
         first, second, third = bytecodes(ours), bytecodes(ours), bytecodes(ours)
@@ -298,10 +298,10 @@ def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
 def test_the_form_of_a_label_relation_is_the_devices_choice():
     cpu = torch.device("cpu")
     limit = 256 * 256
-    assert planner.dense_relation(256, 256, cpu, limit) and not planner.dense_relation(257, 256, cpu, limit)
+    assert relation_form.dense_relation(256, 256, cpu, limit) and not relation_form.dense_relation(257, 256, cpu, limit)
     with planner.simulate("cuda"):  # the cost model: on strips the grouped form saves passes and launches alike
-        assert not planner.dense_relation(2048, 2048, cpu, limit)
-        assert not planner.dense_relation(16384, 16384, cpu, limit)
+        assert not relation_form.dense_relation(2048, 2048, cpu, limit)
+        assert not relation_form.dense_relation(16384, 16384, cpu, limit)
     assert planner._SIMULATED_AREA == 1.0
 
 
@@ -314,28 +314,28 @@ def test_a_label_relation_is_a_mask_where_its_one_torch_tile_reads_it_cheaper():
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     rows, pairs = None, "pair_softplus"
 
-    def reader(kernel: str | None = rows, backend: str = "auto", chunk: int | None = None) -> planner.Reader:
-        return planner.Reader(bf16, bf16, chunk, backend, 512, True, kernel)
+    def reader(kernel: str | None = rows, backend: str = "auto", chunk: int | None = None) -> relation_form.Reader:
+        return relation_form.Reader(bf16, bf16, chunk, backend, 512, True, kernel)
 
     with planner.simulate("cuda"):
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon, host-bound: the mask
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # strips
+        assert relation_form.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon, host-bound: the mask
+        assert relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(chunk=256))  # strips
     with planner.simulate("cuda", area=64.0):  # counted at 1,024 rows, standing for 8,192
-        assert not planner.dense_relation(1024, 1024, cpu, 0)  # by the strips' prices alone: grouped
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon's tile, device-bound: grouped
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch"))
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))  # the pair tile's mask
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys in registers
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="epilogue"))
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(backend="torch", chunk=256))
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0)  # by the strips' prices alone: grouped
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader())  # SupCon's tile, device-bound: grouped
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(backend="torch"))
+        assert relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch"))  # the pair tile's mask
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys in registers
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(backend="epilogue"))
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(backend="torch", chunk=256))
         # the pair terms' strips compare the keys of every tile again: host-bound (256 of 1,024 stands for 2,048),
         # the mask; device-bound (32,768 rows on 8,192-row strips), the grouped form
-        assert planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
+        assert relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
     with planner.simulate("cuda", area=1024.0):
-        assert not planner.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
+        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
     with planner.simulate("cuda", budget=1 << 23):  # a mask past the scratch budget is never dense
-        assert not planner.dense_relation(4096, 4096, cpu, 0, reader(pairs, backend="torch"))
+        assert not relation_form.dense_relation(4096, 4096, cpu, 0, reader(pairs, backend="torch"))
     # the loss passes its reader: SupCon on the GPU plan runs the lean tile, on a mask at 1,024 rows, grouped at 8,192
     small = count_loss("supcon", "ours", 1024, 512, at=256)
     counted = count_loss("supcon", "ours", 8192, 512, at=256)

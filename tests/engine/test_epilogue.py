@@ -447,3 +447,65 @@ def test_one_tile_keeps_its_normalised_rows_and_strips_keep_the_half_rows(chunk)
     reference = torch.autograd.grad(tc.image_text_contrastive_loss(x, y, 0.1, chunk_size=chunk, backend="torch"), [x, y])
     for got, want in zip(grads, reference):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+def _launch_names():
+    """A listener on the Triton launches the host code announces, and the names it heard."""
+    from torch_contrastive.engine.triton_backend._host import LAUNCH_LISTENERS
+
+    names: list[str] = []
+
+    class Listener:
+        def launch_begins(self, name, reads, writes):
+            names.append(name)
+
+        def launch_ends(self):
+            pass
+
+    return LAUNCH_LISTENERS, Listener(), names
+
+
+@pytest.mark.parametrize("labels", ["six", "one_alone", "all_equal"])
+@pytest.mark.parametrize("strips", [False, True])
+@pytest.mark.parametrize("fixed", [True, False])
+def test_pml_forward_in_one_launch_per_tile_equals_the_float64_formula(fixed, strips, labels, monkeypatch):
+    """PML NT-Xent where every tile holds all its rows' columns (one tile; row strips across them): each tile's
+    negatives' log-sum-exps and positive terms in one launch -- both regimes (bounded: normalised rows at a
+    float temperature; online maximum: raw dot products), a row whose label no other row has (no positive),
+    and every row alike (no negative: L = -inf, the terms 0) -- against the float64 formula, one
+    ``epilogue_pml_sums`` launch per tile and no separate log-sum-exp pass."""
+    from reference import nt_xent_pml
+    from torch_contrastive.engine import planner
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 6, generator=g, dtype=torch.float64) * (1.0 if fixed else 3.0)
+    keys = {"six": torch.arange(40) % 6, "one_alone": torch.cat([torch.arange(39) % 4, torch.tensor([9])]),
+            "all_equal": torch.zeros(40, dtype=torch.long)}[labels]
+
+    def ours(z, t):
+        return tc.nt_xent_loss(z, 0.2 if fixed else t, labels=keys.to(z.device), normalize=fixed, backend="epilogue")
+
+    def ref(z, t):
+        return nt_xent_pml(z, keys, 0.2 if fixed else t, normalize=fixed)
+
+    monkeypatch.setattr(planner, "_GPU_TILE_QUANTUM", 8)
+    with planner.simulate("cuda", budget=16 * 40 * 8 if strips else None):
+        (decision,) = tc.explain(ours, x.to(DEVICE), torch.tensor(0.2))
+        assert decision.fixed is fixed and (decision.tile == 0) is not strips
+        listeners, listener, names = _launch_names()
+        listeners.append(listener)
+        try:
+            if fixed:  # a float temperature: no temperature gradient to compare
+                z = x.clone().to(DEVICE).requires_grad_()
+                z_ref = x.clone().requires_grad_()
+                value, expected = ours(z, None), ref(z_ref, None)
+                value.backward()
+                expected.backward()
+                assert value.item() == pytest.approx(expected.item(), rel=1e-9, abs=1e-9)
+                torch.testing.assert_close(z.grad.cpu(), z_ref.grad, rtol=1e-9, atol=1e-9)
+            else:
+                compare(ours, ref, [x], 0.2, torch.float64, TOLS[torch.float64])
+        finally:
+            listeners.remove(listener)
+    forward = [n for n in names if n in ("epilogue_pml_sums", "epilogue_sums", "epilogue_pair_sums")]
+    assert forward == ["epilogue_pml_sums"] * (-(-40 // decision.tile) if strips else 1), names

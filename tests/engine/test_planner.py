@@ -10,7 +10,7 @@ import torch_contrastive as tc
 from device import DEVICE
 from helpers import DTYPES, compare
 from reference import image_text, info_nce, nt_bxent, nt_xent, nt_xent_pml, supcon
-from torch_contrastive.engine import planner
+from torch_contrastive.engine import planner, problem_plan
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -316,7 +316,7 @@ def test_a_kept_plan_is_never_another_problems():
     def make(**kw):
         base = dict(positives=pos, self_offset=0, symmetric=True, bound=10.0, options=Options(True, 1e-12, None, "torch"))
         base.update(kw)
-        return planner.plan(Problem(x, x, 10.0, Softmax(), **base))
+        return problem_plan.plan(Problem(x, x, 10.0, Softmax(), **base))
 
     first = make()
     assert make() is first  # the same question: the same plan
@@ -328,10 +328,10 @@ def test_a_kept_plan_is_never_another_problems():
     assert make(bound=None).fixed is False and first.fixed is True
     assert make(options=Options(True, 1e-12, 4, "torch")).tile == 4 and first.tile == 0
     assert make(options=Options(True, 1e-12, None, "auto")).decision.backend == "torch"
-    assert planner.plan(Problem(x[:10], x[:10], 10.0, Softmax(), self_offset=0, symmetric=True, bound=10.0,
+    assert problem_plan.plan(Problem(x[:10], x[:10], 10.0, Softmax(), self_offset=0, symmetric=True, bound=10.0,
                                 options=Options(True, 1e-12, None, "torch"))).decision.rows == 10
     assert make(bound=100.0).fixed is False  # |S| <= 100 overflows fp32's exp, not fp64's
-    assert planner.plan(Problem(x.double(), x.double(), 10.0, Softmax(), positives=pos, self_offset=0, symmetric=True,
+    assert problem_plan.plan(Problem(x.double(), x.double(), 10.0, Softmax(), positives=pos, self_offset=0, symmetric=True,
                                 bound=100.0, options=Options(True, 1e-12, None, "torch"))).fixed is True
 
 
@@ -342,18 +342,18 @@ def test_a_relation_built_per_call_is_not_held_and_its_plan_is_kept_by_shape():
     x = torch.randn(16, 8, device=DEVICE)
     labels = torch.arange(16, device=DEVICE) % 4
     ref = tc.supcon_loss(x.double(), labels.flip(0) % 3, temperature=0.1)
-    planner._PLANS.clear()
+    problem_plan._PLANS.clear()
     seen = []
     for lab in (labels, labels.flip(0) % 3, labels):
         seen.append(float(tc.supcon_loss(x, lab, temperature=0.1)))
         seen.append(float(tc.nt_xent_loss(x, 0.1, labels=lab)))
-    assert len(planner._PLANS) == 2  # one soft-max plan, one pair plan, whatever the labels
-    assert all(kept.positives is None for kept in planner._PLANS.values())
+    assert len(problem_plan._PLANS) == 2  # one soft-max plan, one pair plan, whatever the labels
+    assert all(kept.positives is None for kept in problem_plan._PLANS.values())
     assert seen[:2] == seen[4:] and seen[:2] != seen[2:4]
     assert seen[2] == pytest.approx(float(ref), rel=1e-5)
     tc.nt_xent_loss(x, 0.1, pairing="halves")
     tc.nt_xent_loss(x, 0.1, pairing="halves")
-    assert len(planner._PLANS) == 3  # a pairing rule's relation is built once per shape: its plan is kept with it
+    assert len(problem_plan._PLANS) == 3  # a pairing rule's relation is built once per shape: its plan is kept with it
 
 
 @pytest.mark.parametrize("name", ["clip", "nt_xent", "info_nce", "nt_xent_pml", "nt_bxent"])

@@ -6,7 +6,7 @@ by block without ever holding S (README, "Tiled engine").
 
 A loss describes each call as an immutable :class:`~.problem.Problem` (the rows, the scale, the
 relation of positives, the statistic, the shared :class:`~.problem.Options`);
-:func:`~.planner.plan` turns it and its device into one frozen typed plan (:mod:`.plans`, holding
+:func:`~.problem_plan.plan` turns it and its device into one frozen typed plan (:mod:`.plans`, holding
 the device :class:`~.planner.Decision`) without running anything, and :func:`~.solve.solve` plans
 it and runs the executor registered for its statistic and the plan's backend. The statistics, with
 their keyword forms:
@@ -57,9 +57,12 @@ tile (the common small batch) skips the tile bookkeeping altogether.
 """
 
 from .pairwise import pairwise_rows, tile_label_bounds
-from .planner import Decision, Reader, decide, explain, plan, resolve_tile
+from .planner import Decision, decide, resolve_tile
 from .precision import Scale, compute_dtype, fixed_scale_applies
 from .problem import Options, PairTerms, Problem, SigmoidPairs, Softmax
+from .problem_plan import plan
+from .recorded import explain
+from .relation_form import Reader
 from .sigmoid import sigmoid_rows
 from .softmax import softmax_terms
 from .solve import solve

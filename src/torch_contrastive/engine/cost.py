@@ -225,7 +225,7 @@ class PathCost:
 #: (losses/_kept.py) -- a repeated one-tile call replayed without its set-up -- and the one-op fold of the
 #: scale and of a single set's two roles; the torch rows' again the same day: the split product's operands as
 #: two views of one buffer written by two ops (two launches fewer on tensor cores), the lean functions' apply
-#: called in C, a label relation's form asked of its reader (engine/planner.py, dense_relation), the pair terms'
+#: called in C, a label relation's form asked of its reader (engine/relation_form.py, dense_relation), the pair terms'
 #: repeated one tile kept (a label call's relation rebuilt from its labels: losses/_kept.py), their counts from the
 #: mask's bools in one op (the pair terms' epilogue rows' launches and bytecodes too); the epilogue's half rows
 #: once more the same day: one tile keeps its fp32 unit rows for backward (no row kernel rebuilds them); the torch rows
@@ -233,7 +233,9 @@ class PathCost:
 #: two ops, PML's rows summed inside the kernel where only their total is read; again the same day: one key's groups
 #: from a sort and a search (the kernel backends' relation grouped: the epilogue's pair rows), the pair terms' torch
 #: strips priced by their own forms (:data:`PAIR_RELATION_FORMS`), a Triton launch announced by a class (not a
-#: generator context), the kernels' package kept after its first import; Python 3.11.7,
+#: generator context), the kernels' package kept after its first import; the pair_softplus epilogue row 2026-11-29: PML's
+#: forward in one launch per tile where a tile holds all its rows' columns (the strips' counts, 4 x 4 squares, unchanged);
+#: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
@@ -253,7 +255,7 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
     ("pair_softplus", "torch", "half"): PathCost(46, 62.2, 31.76, 66.51, 4.0, 5.0, 0, 0.0, 2257, 2328),
     ("pair_softplus", "torch", "wide"): PathCost(41, 51.7, 30.76, 52.51, 2.0, 5.0, 0, 0.0, 2111, 1880),
-    ("pair_softplus", "epilogue", "half"): PathCost(37, 10.2, 6.0, 8.0, 3.0, 5.0, 5, 3.07, 6926, 1365),
+    ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
     ("binary", "torch", "half"): PathCost(48, 38.0, 31.78, 45.53, 4.0, 4.0, 0, 0.0, 2300, 1430),
     ("binary", "torch", "wide"): PathCost(43, 29.7, 30.78, 35.53, 2.0, 4.0, 0, 0.0, 2154, 1038),
     ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),

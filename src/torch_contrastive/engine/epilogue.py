@@ -315,8 +315,10 @@ SIGMOID = EpilogueSigmoid()
 # ------------------------------------------------------------------ the mask-in-tile losses
 class EpiloguePairs(PairExecutor):
     """PML NT-Xent's per-pair terms and NT-BXent's binary terms as cuBLAS GEMMs with Triton epilogues:
-    the relation formed in registers in every tile. PML NT-Xent's negatives' log-sum-exps come from
-    the soft-max epilogue (:func:`~.triton_backend.epilogue_sums`, the positives left out)."""
+    the relation formed in registers in every tile. Where every tile holds all of its rows' columns (one tile, or
+    row strips across them) PML NT-Xent's forward is one launch per tile (:func:`~.triton_backend.epilogue_pml_sums`:
+    the negatives' log-sum-exps, then the sums); otherwise those come from the soft-max epilogue first
+    (:func:`~.triton_backend.epilogue_sums`, the positives left out)."""
 
     def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         triton_backend = kernels()  # imports triton: on the first call
@@ -326,22 +328,13 @@ class EpiloguePairs(PairExecutor):
         prod = EpilogueProducts(kops, ops.a_c)
         rows, cols = ops.a_c.shape[0], ops.b_c.shape[0]
         (edge, edge_cols), binary = _edge(plan, rows, cols), plan.kernel == "binary"
-        relation, offset = triton_backend.relation_args(plan.positives), plan.positives.self_offset
+        relation = triton_backend.relation_args(plan.positives)
         kept: list[Tensor] = []
-        lse = None
-        if not binary:  # pass 1: the negatives' log-sum-exp (the positives and the self pair left out)
-            lse = _negatives_lse(prod, rows, cols, (edge, edge_cols), plan, kept)
-            prod.kept = kept[0] if kept else None
-        out = ops.a_c.new_zeros(2 * rows)
-
-        def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
-            if plan.single_tile and not kept:
-                kept.append(s)
-            fx, fy, _ = _tile_factors(kops, r0, r1, c0, c1)
-            triton_backend.epilogue_pair_sums(s, r0, c0, rows, cols, out, lse, None if fx is None or fy is None else (fx, fy),
-                                              offset, relation, binary)
-
-        sweep(prod, rows, cols, edge, False, visit, tile_cols=edge_cols)
+        lse: Tensor | None
+        if not binary and (edge_cols or edge) >= cols:  # every tile holds all its rows' columns: one pass, one launch
+            lse, out = _pml_rows(prod, rows, cols, (edge, edge_cols), plan, relation, kept)
+        else:
+            lse, out = _pair_passes(prod, rows, cols, (edge, edge_cols), plan, relation, kept)
         keep = {"stats": () if lse is None else (lse, out[rows:]), "operands": raw if plan.operand_dtype is not None else (),
                 "logits": kept[0] if kept else None}
         return ((out[:rows], out[rows:]) if binary else (out[:rows],)), keep
@@ -367,6 +360,55 @@ class EpiloguePairs(PairExecutor):
         edge, edge_cols = _edge(plan, rows, cols)
         gb, ga = gradient_sweep(prod, a, b, edge, False, grad_tile, tile_cols=edge_cols)
         return Gradients(gb, ga)
+
+
+def _pair_passes(prod: EpilogueProducts, rows: int, cols: int, edge: tuple[int, int], plan: PairPlan,
+                 relation: dict[str, Any], kept: list[Tensor]) -> tuple[Tensor | None, Tensor]:
+    """The pair terms' forward tile by tile: NT-BXent's sums in one sweep; PML NT-Xent's where a tile may miss
+    some of its rows' columns in two (the negatives' log-sum-exps, then the sums given them). Returns
+    ``(lse, out)``: the (R,) log-sum-exps (None for NT-BXent) and the (2 R,) sums; a single tile kept in
+    ``kept``; ``relation`` as the kernels read it."""
+    triton_backend = kernels()  # imports triton: on the first call
+
+    binary, offset = plan.kernel == "binary", plan.positives.self_offset
+    lse = None
+    if not binary:  # pass 1: the negatives' log-sum-exp (the positives and the self pair left out)
+        lse = _negatives_lse(prod, rows, cols, edge, plan, kept)
+        prod.kept = kept[0] if kept else None
+    out = prod.a.new_zeros(2 * rows)
+
+    def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+        if plan.single_tile and not kept:
+            kept.append(s)
+        fx, fy, _ = _tile_factors(prod.ops, r0, r1, c0, c1)
+        triton_backend.epilogue_pair_sums(s, r0, c0, rows, cols, out, lse, None if fx is None or fy is None else (fx, fy),
+                                          offset, relation, binary)
+
+    sweep(prod, rows, cols, edge[0], False, visit, tile_cols=edge[1])
+    return lse, out
+
+
+def _pml_rows(prod: EpilogueProducts, rows: int, cols: int, edge: tuple[int, int], plan: PairPlan,
+              relation: dict[str, Any], kept: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """PML NT-Xent's forward where every tile spans its rows' columns (one tile, or row strips across them):
+    each tile's negatives' log-sum-exps and pair sums in one launch (:func:`~.triton_backend.epilogue_pml_sums`),
+    so each strip's logits are formed once. Returns ``(lse, out)``: (R,) and the (2 R,) sums; a single tile
+    kept in ``kept``; ``relation`` as the kernels read it."""
+    triton_backend = kernels()  # imports triton: on the first call
+
+    lse = prod.a.new_empty(rows)
+    out = prod.a.new_empty(2 * rows)  # every row is written by the one tile that holds it
+    offset = plan.positives.self_offset
+
+    def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
+        if plan.single_tile:
+            kept.append(s)
+        fx, fy, _ = _tile_factors(prod.ops, r0, r1, c0, c1)
+        triton_backend.epilogue_pml_sums(s, r0, rows, lse, out, None if fx is None or fy is None else (fx, fy), offset,
+                                         relation, plan.fixed)
+
+    sweep(prod, rows, cols, edge[0], False, visit, tile_cols=edge[1])
+    return lse, out
 
 
 def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: tuple[int, int], plan: PairPlan,

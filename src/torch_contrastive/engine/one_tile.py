@@ -47,9 +47,9 @@ from .normalization import l2_normalize, l2_normalize_backward
 from .one_tile_half import HalfOneTile, HalfOneTileMask, HalfOneTilePairs
 from .pairwise import _KERNELS, combined, combined_grads, single_fixed
 from .pairwise import TORCH as TORCH_PAIRS
-from .planner import name_executor
 from .precision import autocast_enabled, zero
 from .problem import PairTerms, Problem, Softmax
+from .recorded import name_executor
 from .softmax import TORCH, _total, _weighted
 from .softmax_tiles import _put, kept_apart_terms, put_both
 
@@ -106,7 +106,7 @@ def lean_apply(function: Any) -> Any:
 
 
 class OneTileSoftmax:
-    """The executor of a plan marked ``one_tile`` (:func:`~.planner.one_tile`): ``run(problem, plan)`` as :class:`~.softmax.TorchSoftmax`'s.
+    """The executor of a plan marked ``one_tile`` (:func:`~.problem_plan.one_tile`): ``run(problem, plan)`` as :class:`~.softmax.TorchSoftmax`'s.
 
     What the plan key cannot see is checked per call, in a few attribute reads, and sends the call to
     the general executor: a reduction outside the engine (per-row values), a tensor scale (a learnable

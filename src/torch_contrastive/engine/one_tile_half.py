@@ -132,7 +132,7 @@ class HalfOneTileMask(torch.autograd.Function):
     ``(c_i + c_j) P_ij`` multiplies as ``c * (P x) + P (c x)``: ``c = -u beta`` with one scalar ``u``, so
     ``P (c x) = -u P (beta x)`` -- one more product with ``P`` when the rows are weighted (``beta``), none
     otherwise. A relation grouped by key (the planner's choice where the device is the longer,
-    :func:`~.planner.reader_wants_mask`) has no ``P``: ``P x`` is then each key's sum of rows less the row's own
+    :func:`~.relation_form.reader_wants_mask`) has no ``P``: ``P x`` is then each key's sum of rows less the row's own
     (:meth:`~torch_contrastive.positives.KeyPositives.aggregate`: one index-add, fp32), O(N D) instead of a GEMM.
     The rows combine as ``sum_i alpha_i LSE_i - sum_i beta_i x_i . (P x)_i``: two dot products.
 

@@ -1,6 +1,6 @@
 """What one engine call will do: one frozen, typed plan per statistic.
 
-:func:`~.planner.plan` builds the plan once per call, by keywords, from the problem and the
+:func:`~.problem_plan.plan` builds the plan once per call, by keywords, from the problem and the
 device :class:`~.planner.Decision`; the statistic's executor reads it and decides nothing
 itself. Every plan holds its ``decision`` (backend, tile, regime, products, operand dtype,
 read through the properties below) and the statistic's own choices.
@@ -130,7 +130,7 @@ class SoftmaxPlan(_Device):
         stack_rows: two sets normalised as one stack of rows (the torch backend, compute-dtype or
             tensor-core products: each normalisation op, forward and backward, runs once for both sets
             instead of once per set).
-        one_tile: the lean one-tile executor serves the plan (:func:`~.planner.one_tile`:
+        one_tile: the lean one-tile executor serves the plan (:func:`~.problem_plan.one_tile`:
             :mod:`.one_tile`, the commonest small call without the general executor's Python).
     """
 

@@ -8,8 +8,8 @@ from typing import Any, overload
 from torch import Tensor
 
 from . import epilogue, one_tile, pairwise, sigmoid, softmax, triton_executors
-from .planner import plan
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
+from .problem_plan import plan
 
 __all__ = ["EXECUTORS", "solve"]
 
@@ -23,7 +23,7 @@ def solve(problem: Problem[SigmoidPairs]) -> Tensor: ...
 
 
 def solve(problem: Problem[Any]) -> Any:
-    """The statistic ``problem`` asks for, computed as :func:`~.planner.plan` decides.
+    """The statistic ``problem`` asks for, computed as :func:`~.problem_plan.plan` decides.
 
     Returns what the statistic's executor returns: :class:`~.problem.Softmax` ``(row_out,
     col_out or None)`` (the scalar first with ``total``), :class:`~.problem.PairTerms` the

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed
-from ..engine import one_tile, planner
+from ..engine import one_tile, planner, recorded
 from ..engine.problem import PairTerms, Softmax
 from ..engine.solve import EXECUTORS
 
@@ -131,7 +131,7 @@ def kept(features: int, labels: bool = False) -> Callable[[F], F]:
                 return loss(*args, **kwargs)
             # whether a kept call may stand for the full path now (the module docstring's conditions), asked
             # before a call is kept as before one is replayed; inline: this is the kept call's whole Python
-            if replay is _NOT_KEPT or type(a) is not Tensor or planner._LOG is not None or _transforms_active() or \
+            if replay is _NOT_KEPT or type(a) is not Tensor or recorded._LOG is not None or _transforms_active() or \
                     _autocast(a.device.type) or (_dist_initialized() and distributed.is_active()):
                 return loss(*args, **kwargs)
             if replay is None:

@@ -61,7 +61,7 @@ from __future__ import annotations
 from ._host import check_device, check_exclusion, directions, exclusion, fused, interpreting, keys, per_index, triton
 
 __all__ = ["bias_vector", "check_device", "check_exclusion", "directions", "epilogue_grad", "epilogue_pair_grad",
-           "epilogue_pair_sums", "epilogue_sigmoid_grad", "epilogue_sigmoid_sums", "epilogue_sums", "exclusion",
+           "epilogue_pair_sums", "epilogue_pml_sums", "epilogue_sigmoid_grad", "epilogue_sigmoid_sums", "epilogue_sums", "exclusion",
            "fold_partials", "fused", "grad_rows", "interpreting", "keys", "pair_grad", "pair_sums", "partial_rows",
            "per_index", "positive_terms", "relation_args", "row_lse", "sigmoid_grad", "sigmoid_sums", "tile_grad",
            "tile_sums"]
@@ -70,6 +70,7 @@ if triton is not None:
     from .epilogue_grad import epilogue_grad, positive_terms
     from .epilogue_pair_grad import epilogue_pair_grad
     from .epilogue_pair_sums import epilogue_pair_sums
+    from .epilogue_pml_sums import epilogue_pml_sums
     from .epilogue_sigmoid_grad import epilogue_sigmoid_grad
     from .epilogue_sigmoid_sums import epilogue_sigmoid_sums
     from .epilogue_sums import epilogue_sums, partial_rows
