@@ -311,3 +311,61 @@ def _local_warning(rank, world):
 
 def test_gather_false_under_a_process_group_warns_once():
     run_ranks(_local_warning, 2)
+
+
+@pytest.mark.parametrize("loss", ["clip", "nt_xent", "supcon"])
+def test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks(loss):
+    """Counted on a fake process group (collectives that move nothing, the c10d Python as on a real one): a gathered
+    call with ``validate=False`` reads every rank's row counts once (one host synchronisation: ranks may hold
+    different numbers of rows) -- not once per rank -- and gathers each input in one collective, so its launches are
+    the same at 4 ranks and at 32."""
+    fake = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch_contrastive.cli.traffic import count
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(8, D, generator=g).requires_grad_() for _ in range(2))
+    labels = torch.arange(8) % 3
+    call = {"clip": lambda: tc.image_text_contrastive_loss(x, y, 0.1, gather=True, validate=False),
+            "nt_xent": lambda: tc.nt_xent_loss(x, 0.1, gather=True, validate=False),
+            "supcon": lambda: tc.supcon_loss(x, labels, temperature=0.1, gather=True, validate=False)}[loss]
+    counted = {}
+    for world in (4, 32):
+        dist.init_process_group("fake", store=fake.FakeStore(), rank=1, world_size=world)
+        try:
+            counted[world] = count(call, 8, 8 * world, D, simulate_device=None)
+        finally:
+            dist.destroy_process_group()
+    assert counted[4].syncs == counted[32].syncs == 1, (counted[4].syncs, counted[32].syncs)
+    assert counted[4].launches == counted[32].launches, (counted[4].ops, counted[32].ops)
+
+
+def test_equal_batches_are_gathered_in_one_collective_and_uneven_ones_padded():
+    """``gather_padded``: equal sizes gather straight into the result (the collective and its output, nothing
+    else); uneven sizes pad, gather and leave the padding out (the rows in rank order, checked on two gloo
+    ranks by the tests above)."""
+    fake = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_contrastive.distributed import gather_padded
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=fake.FakeStore(), rank=0, world_size=4)
+    try:
+        x = torch.randn(3, 2)
+        with Ops() as equal:
+            out = gather_padded(x, [3, 3, 3, 3])
+        with Ops() as uneven:
+            ragged = gather_padded(x, [3, 1, 3, 2])
+    finally:
+        dist.destroy_process_group()
+    assert out.shape == (12, 2) and ragged.shape == (9, 2)
+    assert len(equal.names) == 2 and "empty" in equal.names[0], equal.names
+    assert any(name.startswith("cat") for name in uneven.names), uneven.names

@@ -51,6 +51,8 @@ class Mutation:
 E = f"{PKG}/engine"
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
+GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks",
+                      "tests/test_distributed.py::test_equal_batches_are_gathered_in_one_collective_and_uneven_ones_padded")
 PML_EPILOGUE_TESTS = ("tests/engine/test_epilogue.py::test_pml_forward_in_one_launch_per_tile_equals_the_float64_formula",
                       "tests/engine/test_epilogue.py::test_the_mask_in_tile_losses_with_bf16_rows")
 ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
@@ -1251,6 +1253,17 @@ MUTATIONS = [
              "PML's one-launch forward keeps the wrong sigmoid for backward", PML_EPILOGUE_TESTS),
     Mutation(f"{E}/triton_backend/epilogue_pml_sums.py", "    lse = tl.where(some, total, float(\"-inf\"))", "    lse = total",
              "PML's one-launch forward: a row without negatives gets L = 0, not -inf", PML_EPILOGUE_TESTS),
+    Mutation(f"{PKG}/distributed.py", "    table = everywhere.tolist()", "    table = [int(v) for v in everywhere]",
+             "the ranks' row counts read one rank at a time (a host synchronisation each)", GATHER_COUNT_TESTS),
+    Mutation(f"{PKG}/distributed.py", "    if min(sizes) == longest:\n        out = x.new_empty(", "    if False:\n        out = x.new_empty(",
+             "equal batches padded and gathered as uneven ones", GATHER_COUNT_TESTS),
+    Mutation(f"{PKG}/distributed.py", "        per = _counts_everywhere(tuple(x.shape[0] for x in xs), xs[0].device)",
+             "        per = [_counts_everywhere((x.shape[0],), x.device)[0] for x in xs]",
+             "a call's inputs' row counts gathered and read once per input", GATHER_COUNT_TESTS),
+    Mutation(f"{PKG}/distributed.py", "    return [table[i :: len(counts)] for i in range(len(counts))]",
+             "    return [table[i * dist.get_world_size() : (i + 1) * dist.get_world_size()] for i in range(len(counts))]",
+             "the gathered row counts read per input as if laid out input by input (they are rank by rank)",
+             ("tests/test_distributed.py",)),
 ]
 
 

@@ -39,22 +39,44 @@ def is_active() -> bool:
     return _DIST_BUILT and dist.is_initialized() and dist.get_world_size() > 1
 
 
+#: One collective into (or out of) one tensor: the names torch 2.13 prefers, the earlier ones before them.
+_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCATTER_OUT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _counts_everywhere(counts: tuple[int, ...], device: torch.device) -> list[list[int]]:
+    """Every rank's ``counts`` (one row count per tensor a call gathers), one list per tensor: one all-gather of
+    ``len(counts)`` integers per rank into one tensor, read on the host once -- a gathered call's one
+    synchronisation (ranks may hold different numbers of rows, and the gathers' shapes follow from them). The
+    integers are written on the device (``torch.full``: a host list copied there would synchronise too)."""
+    dtype = torch.int64
+    mine = torch.full((1,), counts[0], dtype=dtype, device=device) if len(counts) == 1 else \
+        torch.cat([torch.full((1,), c, dtype=dtype, device=device) for c in counts])
+    everywhere = mine.new_empty(dist.get_world_size() * len(counts))
+    _GATHER_INTO(everywhere, mine)
+    table = everywhere.tolist()
+    return [table[i :: len(counts)] for i in range(len(counts))]
+
+
 def gather_sizes(n: int, device: torch.device) -> list[int]:
-    """Every rank's row count (one all-gather of one integer)."""
-    size = torch.tensor([n], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    return [int(s) for s in sizes]
+    """Every rank's row count (one all-gather of one integer, read on the host once)."""
+    return _counts_everywhere((n,), device)[0]
 
 
 def gather_padded(x: Tensor, sizes: list[int]) -> Tensor:
-    """Concatenate ``x`` from every rank; ranks may hold different numbers of rows."""
+    """Concatenate ``x`` from every rank; ranks may hold different numbers of rows. Equal sizes (every step but
+    an epoch's last, short batch): one collective straight into the result; else each rank's rows padded to
+    the longest, gathered into one tensor, and the padding left out."""
     longest = max(sizes)
+    if min(sizes) == longest:
+        out = x.new_empty((len(sizes) * longest, *x.shape[1:]))
+        _GATHER_INTO(out, x.contiguous())
+        return out
     padded = x.new_zeros((longest, *x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded.contiguous())
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+    parts = padded.new_empty((len(sizes) * longest, *x.shape[1:]))
+    _GATHER_INTO(parts, padded)
+    return torch.cat([parts[r * longest : r * longest + n] for r, n in enumerate(sizes)], dim=0)
 
 
 class _AllGatherGrad(torch.autograd.Function):
@@ -71,13 +93,17 @@ class _AllGatherGrad(torch.autograd.Function):
         sizes, rank = ctx.sizes, ctx.rank
         if dist.get_backend() == "nccl":
             longest = max(sizes)
+            if min(sizes) == longest:  # equal sizes: the gathered gradient is already in rank order, unpadded
+                mine = grad.new_empty((longest, *grad.shape[1:]))
+                _SCATTER_OUT(mine, grad.contiguous(), op=dist.ReduceOp.SUM)
+                return mine, None, None
             padded = grad.new_zeros((len(sizes) * longest, *grad.shape[1:]))
             start = 0
             for r, n in enumerate(sizes):
                 padded[r * longest : r * longest + n] = grad[start : start + n]
                 start += n
             mine = grad.new_empty((longest, *grad.shape[1:]))
-            dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM)
+            _SCATTER_OUT(mine, padded, op=dist.ReduceOp.SUM)
             return mine[: sizes[rank]], None, None
         total = grad.contiguous().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -136,12 +162,21 @@ class Scope:
         """The global batch of ``x`` (autograd-aware gather); ``x`` itself when local."""
         if not self.distributed:
             return x
-        sizes = gather_sizes(x.shape[0], x.device)
-        if not self.sizes:
-            self.sizes = tuple(sizes)
-        elif tuple(sizes) != self.sizes:
-            raise ValueError(f"inputs of one loss must have the same batch size on each rank, got {sizes} vs {list(self.sizes)}")
-        return _AllGatherGrad.apply(x, sizes, self.rank)
+        return self.rows_of(x)[0]
+
+    def rows_of(self, *xs: Tensor) -> tuple[Tensor, ...]:
+        """The global batch of each of ``xs`` (autograd-aware gathers; ``xs`` themselves when local): their row
+        counts gathered in one collective and read once, whatever their number (a call's one host
+        synchronisation where it gathers its inputs together)."""
+        if not self.distributed:
+            return xs
+        per = _counts_everywhere(tuple(x.shape[0] for x in xs), xs[0].device)
+        for sizes in per:
+            if not self.sizes:
+                self.sizes = tuple(sizes)
+            elif tuple(sizes) != self.sizes:  # every rank read the same counts: every rank raises
+                raise ValueError(f"inputs of one loss must have the same batch size on each rank, got {sizes} vs {list(self.sizes)}")
+        return tuple(_AllGatherGrad.apply(x, sizes, self.rank) for x, sizes in zip(xs, per))
 
     def ints(self, x: Tensor) -> Tensor:
         """The global batch of an integer tensor (labels, ids); no gradient."""

@@ -202,18 +202,19 @@ def _global_ranks(rank: int, world: int, mode: str, temperature_mode: str) -> No
 
 
 def _counting_gathers():
-    """Count the autograd-aware row gathers (``Scope.rows``) from here on, in this rank's process."""
+    """Count the autograd-aware row gathers (the tensors ``Scope.rows_of`` gathers, which ``Scope.rows`` calls)
+    from here on, in this rank's process."""
     from torch_contrastive.distributed import Scope
 
-    original = getattr(Scope.rows, "__wrapped__", Scope.rows)
+    original = getattr(Scope.rows_of, "__wrapped__", Scope.rows_of)
     calls = [0]
 
-    def rows(self, x):
-        calls[0] += 1
-        return original(self, x)
+    def rows_of(self, *xs):
+        calls[0] += len(xs)
+        return original(self, *xs)
 
-    rows.__wrapped__ = original
-    Scope.rows = rows
+    rows_of.__wrapped__ = original
+    Scope.rows_of = rows_of
     return lambda: calls[0]
 
 

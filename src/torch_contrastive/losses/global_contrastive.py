@@ -299,7 +299,7 @@ def _unimodal(a: Tensor, b: Tensor, state: GlobalState, tau: float | Tensor | No
     l_pos = torch.cat([l_pos, l_pos])  # each sample's positive similarity, both views
     negatives: _Negatives | None = None  # given statistics: none built (no gather of the loss's own)
     if given is None and scope.distributed:
-        negatives = _negatives_by_sample(a, torch.cat([scope.rows(a), scope.rows(b)]), 2, scope)
+        negatives = _negatives_by_sample(a, torch.cat(scope.rows_of(a, b)), 2, scope)
     elif given is None:
         negatives = _Negatives(rows, partner_positives(2 * n, "halves", 0, rows.device, 2 * n, 0, "halves"), 0, tau is not None)
     total = given.samples if given is not None else _built(negatives).candidates.shape[0] // 2
@@ -344,8 +344,9 @@ def _bimodal(img: Tensor, txt: Tensor, state: GlobalState, tau: float | Tensor |
     l_pos = (img * txt).sum(1)
     by_img = by_txt = None  # given statistics: none built (no gather of the loss's own)
     if given is None and scope.distributed:
-        by_img = _negatives_by_sample(img, scope.rows(txt), 1, scope)
-        by_txt = _negatives_by_sample(txt, scope.rows(img), 1, scope)
+        every_txt, every_img = scope.rows_of(txt, img)
+        by_img = _negatives_by_sample(img, every_txt, 1, scope)
+        by_txt = _negatives_by_sample(txt, every_img, 1, scope)
     elif given is None:
         pos = Positives.from_partner(torch.arange(n, device=img.device), n, self_offset=None)
         by_img, by_txt = _Negatives(txt, pos, None), _Negatives(img, pos, None)

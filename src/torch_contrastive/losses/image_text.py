@@ -193,7 +193,7 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     n = image_feat.shape[0]
     img = prepare(image_feat, normalize, eps, backend)
     txt = prepare(text_feat.to(image_feat.dtype), normalize, eps, backend)
-    img_all, txt_all = scope.rows(img), scope.rows(txt)
+    img_all, txt_all = scope.rows_of(img, txt)  # both row counts in one collective
     offset = scope.offset  # known once rows() has gathered the sizes
     pos = image_text_positives(image_id, text_id, n, img_all.shape[0], scope, img.device)
     counts = pos.row_counts()

@@ -41,7 +41,7 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     temperature = tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature")
     if loss_fn is image_text_contrastive_loss:
         images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
-        all_texts, all_images = scope.rows(texts), scope.rows(images)
+        all_texts, all_images = scope.rows_of(texts, images)
         # gt is symmetric in the pairs: one relation serves both directions (row j's keys are pair j's)
         targets = _spread(_global_ids(targets, kwargs, scope), scope)
         normaliser = _counted(targets, anchors, by_pairs=True)

@@ -138,7 +138,7 @@ def _gathered(a: Tensor, b: Tensor, module: GlobalContrastiveLoss, one: _Pass) -
     """``gather=True`` among several ranks: this rank's rows against every rank's (gathered once, at full width, with
     their gradients), every candidate of the anchor's own sample left out -- as each module's own call takes them."""
     scope = make_scope(True, module.options["grad_reduction"])
-    every_a, every_b = scope.rows(a), scope.rows(b)
+    every_a, every_b = scope.rows_of(a, b)
     n, total = a.shape[0], every_a.shape[0]
     own = scope.offset + torch.arange(n, device=a.device)
     if module.mode == "unimodal":  # both views of every sample are candidates; a sample's own two views left out
