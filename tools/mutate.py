@@ -1264,6 +1264,10 @@ MUTATIONS = [
              "    return [table[i * dist.get_world_size() : (i + 1) * dist.get_world_size()] for i in range(len(counts))]",
              "the gathered row counts read per input as if laid out input by input (they are rank by rank)",
              ("tests/test_distributed.py",)),
+    Mutation(f"{PKG}/cli/traffic.py", ".scaled(local, local * world)", ".scaled(local, local)",
+             "the distributed shape priced as one rank's square", ("tests/cli/test_traffic.py",)),
+    Mutation(f"{PKG}/distributed.py", "        value, total_norm = both[0] / both[1], both[1]", "        value, total_norm = both[0] / both[1], norm",
+             "a gathered loss's gradient divided by this rank's normaliser, not every rank's", ("tests/test_distributed.py",)),
 ]
 
 

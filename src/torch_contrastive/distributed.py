@@ -225,10 +225,12 @@ class Scope:
         """
         if not self.distributed:
             return local_sum / normaliser
-        if not isinstance(normaliser, Tensor):
-            normaliser = torch.tensor(float(normaliser), dtype=local_sum.dtype, device=local_sum.device)
-        total_norm = self.total(normaliser)
-        value = self.total(local_sum) / total_norm
+        # both sums in one all-reduce; a float normaliser written on the device (a host value copied there syncs)
+        norm = normaliser.to(local_sum.dtype) if isinstance(normaliser, Tensor) else \
+            torch.full((), float(normaliser), dtype=local_sum.dtype, device=local_sum.device)
+        both = torch.stack([local_sum.detach(), norm])
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        value, total_norm = both[0] / both[1], both[1]
         factor = self.world_size if self.grad_reduction == "mean" else 1
         local = local_sum * factor / total_norm
         return local + (value - local).detach()

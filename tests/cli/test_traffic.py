@@ -10,7 +10,7 @@ import torch
 
 import torch_contrastive as tc
 from torch_contrastive.cli import main
-from torch_contrastive.cli.traffic import EPILOGUE_LOSSES, LOSSES, _Count, cases, count, count_loss, gpu_tiles
+from torch_contrastive.cli.traffic import EPILOGUE_LOSSES, GATHERED, LOSSES, _Count, cases, count, count_gathered, count_loss, gpu_tiles
 from torch_contrastive.engine import planner, problem_plan, relation_form
 from torch_contrastive.engine.cost import GPUS, PAIR_RELATION_FORMS, PATHS, RELATION_FORMS, TILE_RELATION_FORMS, Counts, Gpu, fit, predict, terms
 from torch_contrastive.engine.products import HalfProducts
@@ -211,6 +211,10 @@ def test_bench_traffic_writes_the_counts_and_refuses_calibrate_alone(tmp_path, c
     assert main(["bench", "--traffic", "--sizes", "96", "--dim", "16", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "traffic.csv") as fh:
         rows = list(csv.DictReader(fh))
+    gathered = [r for r in rows if r["loss"] == f"clip_gathered_{GATHERED[1]}"]  # the distributed shape: ours, dense
+    assert [(r["impl"], r["n"], r["syncs"], r["default"]) for r in gathered] == \
+        [("torch", str(GATHERED[0]), "1", "True"), ("dense", str(GATHERED[0]), "0", "False")]
+    rows = [r for r in rows if r not in gathered]
     assert [r["loss"] for r in rows if r["impl"] == "torch"] == list(LOSSES) == list(cases(4, 2))
     assert [r["loss"] for r in rows if r["impl"] == "epilogue"] == list(EPILOGUE_LOSSES) == list(LOSSES)
     assert {r["impl"] for r in rows} == {"torch", "epilogue", "dense"}
@@ -530,3 +534,18 @@ def test_the_calibration_counts_the_measured_rows_as_they_ran():
                             other_dtype=torch.bfloat16, chunk_size=None, backend="epilogue", epilogue_serves=lambda: None,
                             traits=planner.Traits(512, columns=True))
     assert (strips.tile, strips.tile_cols) == (8192, 16384)
+
+
+def test_the_distributed_shape_is_predicted_no_slower_than_open_clips_gathered_formula():
+    """Issue 34's distributed shape (1,024 rows per rank against 32,768 gathered, D = 512), counted on a fake process
+    group of 32 ranks: our gathered CLIP (one host read of the ranks' sizes, each input gathered in one collective)
+    against open_clip's (``torch.distributed.nn.all_gather`` of every rank's features, both directions dense), the
+    model's H100 time of ours no longer than the dense formula's. Both are host-bound there."""
+    from torch_contrastive.engine.cost import host_time, predict, terms
+
+    local, world = GATHERED
+    ours, dense = (count_gathered(impl, local, world, 512) for impl in ("ours", "dense"))
+    assert (ours.rows, ours.cols) == (dense.rows, dense.cols) == (local, local * world)
+    assert ours.syncs == 1 and dense.syncs == 0
+    assert predict(ours) <= predict(dense), (predict(ours), predict(dense))
+    assert host_time(ours) >= sum(terms(ours)) and host_time(dense) >= sum(terms(dense))

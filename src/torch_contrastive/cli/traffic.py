@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -317,6 +318,54 @@ def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, t
     return count(dense if impl == "dense" else ours, small, small, d, area=(n / small) ** 2).scaled(n, n)
 
 
+#: The distributed shape of issue 34: 1,024 local rows of CLIP against 32,768 gathered columns (32 ranks).
+GATHERED = (1024, 32)
+
+
+def dense_clip_gathered(img: torch.Tensor, txt: torch.Tensor, tau: float) -> torch.Tensor:
+    """open_clip's gathered CLIP (``local_loss=True, gather_with_grad=True``): every rank's features gathered
+    with their gradients (``torch.distributed.nn.all_gather``), this rank's rows against every rank's, both
+    directions, the dense formula per direction."""
+    from torch.distributed.nn import all_gather
+
+    img, txt = torch.nn.functional.normalize(img, dim=1), torch.nn.functional.normalize(txt, dim=1)
+    world = torch.distributed.group.WORLD  # (the function's default is the group of when it was imported)
+    every_img, every_txt = torch.cat(all_gather(img, group=world)), torch.cat(all_gather(txt, group=world))
+    target = torch.arange(img.shape[0], device=img.device) + img.shape[0] * torch.distributed.get_rank()
+    f = torch.nn.functional.cross_entropy
+    return (f(img @ every_txt.T / tau, target) + f(txt @ every_img.T / tau, target)) / 2
+
+
+def count_gathered(impl: str, local: int, world: int, d: int, at: int = 66) -> Counts:
+    """CLIP under ``gather=True`` on one rank of ``world`` (``impl`` ``"ours"``, the default call, or ``"dense"``,
+    :func:`dense_clip_gathered`) on the simulated GPU at ``local`` rows per rank, counted at ``at`` rows per
+    rank and scaled. The ranks are a fake process group (``torch.testing``'s: its collectives move nothing, the
+    Python around them is a real group's): each collective counts as one launch, and the time it moves data
+    over the network is not in the model. ``at`` moves two rows up while a side would read as features."""
+    if impl not in ("ours", "dense"):
+        raise ValueError(f"impl must be 'ours' or 'dense', got {impl!r}")
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torch_contrastive as tc
+
+    while any(edge % d == 0 and edge // d in FEATURE_SIDES for edge in (at, at * world)):
+        at += 2
+    if dist.is_initialized():
+        raise RuntimeError("count_gathered makes its own process group: none may be running")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randn(at, d, generator=g).to(count_device(), torch.bfloat16).requires_grad_() for _ in range(2))
+        fn = (lambda: tc.image_text_contrastive_loss(x, y, 0.07, gather=True, validate=False)) if impl == "ours" else \
+            (lambda: dense_clip_gathered(x, y, 0.07))
+        with warnings.catch_warnings():  # open_clip's gather, which torch 2.13 deprecates: its formula as it is
+            warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_gather", FutureWarning)
+            return count(fn, at, at * world, d, area=(local / at) ** 2).scaled(local, local * world)
+    finally:
+        dist.destroy_process_group()
+
+
 def gpu_tiles(n: int, impl: str = "torch", name: str = "clip") -> int:
     """Tiles along the rows of a backend's plan for one bf16 loss of :func:`cases` (``name``) at ``n`` rows on a
     GPU, as the planner decides it: square tiles per side, or the epilogue's row strips (``impl``: ``"torch"``
@@ -460,6 +509,24 @@ def _constants(g: Gpu) -> str:
             f"{g.host_bytecode * 1e9:.0f} ns")
 
 
+def _gathered_rows(dim: int, gpu: Gpu) -> list[dict[str, Any]]:
+    """The distributed shape's rows of ``bench --traffic`` (:data:`GATHERED`, :func:`count_gathered`), printed."""
+    local, world = GATHERED
+    rows = []
+    for impl in ("ours", "dense"):
+        c = count_gathered(impl, local, world, dim)
+        label = "torch" if impl == "ours" else impl
+        rows.append({"loss": f"clip_gathered_{world}", "n": local, "d": dim, "impl": label,
+                     "tiles": 1, "launches": c.launches, "passes": round(c.passes, 2),
+                     "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2), "syncs": c.syncs, "bytecodes": c.bytecodes,
+                     "predicted_ms": round(predict(c, gpu) * 1e3, 4), "default": impl == "ours"})
+        row = rows[-1]
+        print(f"{'clip x' + str(world):<12} {local:>6} {label + ('*' if impl == 'ours' else ''):<9} {1:>4} "
+              f"{c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {c.bytecodes:>9} "
+              f"{row['predicted_ms']:>13.3f}   ({local:,} rows per rank against {local * world:,} gathered)", flush=True)
+    return rows
+
+
 def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any, machine: str) -> int:
     """``torch-contrastive bench --traffic``: every loss's counts on the simulated GPU plan beside
     the dense formula's, with the model's predicted H100 time; ``--calibrate`` adds the fit."""
@@ -495,6 +562,7 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
             if picks == "triton":
                 print(f"{name:<12} {n:>6} {'triton*':<9} (the fused kernels: not counted here; the model predicts "
                       f"{1e3 * dict(_predicted(name, n, dim))['triton']:.3f} ms)")
+    rows.extend(_gathered_rows(dim, gpu))
     with open(out_dir / "traffic.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
