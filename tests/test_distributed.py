@@ -81,6 +81,10 @@ def _loss(case, emb, emb_y, labels, ids, pairs, gather, offsets_for_keys=None):
         "info_nce_smooth": lambda: tc.info_nce_loss(emb, emb_y, torch.sin(emb_y) * 2, 0.2, label_smoothing=0.1, gather=gather),
         "clip_dcl_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, None, decoupled=True, gather=gather),
         "clip_smooth_ids": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, ids, labels, label_smoothing=0.2, gather=gather),
+        # without ids: the text direction's positives from the engine's own columns (decoupled), or every image (smoothing)
+        "clip_dcl": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, decoupled=True, gather=gather),
+        "clip_smooth": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, label_smoothing=0.2, gather=gather),
+        "clip_sum": lambda: tc.image_text_contrastive_loss(emb, emb_y, 0.1, reduction="sum", normalize=False, gather=gather),
         "nt_xent_dcl": lambda: tc.nt_xent_loss(emb, 0.3, decoupled=True, gather=gather),
         # a positive weight that requires grad (computed from the rows): its gradient term crosses ranks too
         "nt_xent_dcl_weight": lambda: tc.nt_xent_loss(emb, 0.3, decoupled=True, positive_weight=torch.sigmoid(emb.sum(1)),
@@ -96,7 +100,7 @@ CASES = ["nt_xent_adjacent", "nt_xent_halves", "nt_xent_pml", "nt_bxent_pairs", 
          "clip", "clip_ids", "siglip", "siglip_ids", "supcon_labels", "supcon_views", "supcon_one",
          "info_nce", "info_nce_pool", "info_nce_pool_only", "info_nce_paired", "info_nce_queue", "info_nce_keys_queue",
          "supcon_memory", "nt_xent_pml_memory", "info_nce_ids", "info_nce_guide", "info_nce_dcl", "info_nce_smooth",
-         "clip_dcl_ids", "clip_smooth_ids", "nt_xent_dcl", "nt_xent_dcl_weight"]
+         "clip_dcl_ids", "clip_smooth_ids", "clip_dcl", "clip_smooth", "clip_sum", "nt_xent_dcl", "nt_xent_dcl_weight"]
 
 
 def _check_case(rank, world, case, sizes):
@@ -369,3 +373,41 @@ def test_equal_batches_are_gathered_in_one_collective_and_uneven_ones_padded():
     assert out.shape == (12, 2) and ragged.shape == (9, 2)
     assert len(equal.names) == 2 and "empty" in equal.names[0], equal.names
     assert any(name.startswith("cat") for name in uneven.names), uneven.names
+
+
+def _clip_half_ranks(rank, world, with_ids):
+    """One rank of bf16 CLIP on the tensor-core product scheme (the GPU's, widened to the same numbers here): the
+    caller's half rows gathered as given, normalised inside by fp32 factors, the gathered rows' gradients summed
+    over the ranks in fp32 -- against the float64 formula on the whole batch."""
+    from reference import image_text
+    from torch_contrastive.engine import planner
+
+    planner.PRODUCTS = "half"
+    g = torch.Generator().manual_seed(3)
+    n, d, tau = 6, 16, 0.05
+    x, y = (torch.randn(world * n, d, generator=g).bfloat16() for _ in range(2))
+    ids = torch.arange(world * n) % 4 if with_ids else None
+    mine = slice(rank * n, rank * n + n)
+    xa, ya = x[mine].clone().requires_grad_(), y[mine].clone().requires_grad_()
+    local_ids = None if ids is None else ids[mine]
+
+    def call(a, b):
+        return tc.image_text_contrastive_loss(a, b, tau, local_ids, local_ids, gather=True, grad_reduction="sum")
+
+    (decision,) = tc.explain(call, xa, ya)
+    assert decision.half, str(decision)  # the tensor-core scheme, not fp32 rows
+    loss = call(xa, ya)
+    loss.backward()
+    xr, yr = x.double().requires_grad_(), y.double().requires_grad_()
+    ref = image_text(xr, yr, tau, ids, ids)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for ours, want in ((xa.grad, xr.grad[mine]), (ya.grad, yr.grad[mine])):
+        assert ours.dtype == torch.bfloat16
+        scale = yr.grad.abs().max().item() + xr.grad.abs().max().item()
+        torch.testing.assert_close(ours.double(), want, rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_gathered_bf16_clip_on_tensor_core_products_equals_the_float64_formula(with_ids):
+    run_ranks(_clip_half_ranks, 2, with_ids, timeout=120)

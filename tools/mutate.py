@@ -53,6 +53,8 @@ CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.p
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks",
                       "tests/test_distributed.py::test_equal_batches_are_gathered_in_one_collective_and_uneven_ones_padded")
+GATHERED_CLIP_TESTS = ("tests/test_distributed.py::test_every_loss_matches_single_process",
+                       "tests/test_distributed.py::test_gathered_bf16_clip_on_tensor_core_products_equals_the_float64_formula")
 PML_EPILOGUE_TESTS = ("tests/engine/test_epilogue.py::test_pml_forward_in_one_launch_per_tile_equals_the_float64_formula",
                       "tests/engine/test_epilogue.py::test_the_mask_in_tile_losses_with_bf16_rows")
 ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
@@ -145,7 +147,7 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/image_text.py", "                       columns_share_alpha=True, columns=True,",
              "                       columns_share_alpha=False, columns=True,",
              "image-text with ids: text direction ignores the positive counts"),
-    Mutation(f"{PKG}/losses/image_text.py", "per_text = alpha * col_lse_all[offset : offset + n]", "per_text = col_lse_all[offset : offset + n]",
+    Mutation(f"{PKG}/losses/image_text.py", "per_text = alpha * col_all[offset : offset + n]", "per_text = col_all[offset : offset + n]",
              "distributed image-text: text direction ignores the positive counts", tests=tuple(DIST_TESTS)),
     # (one process reduces inside the engine; the count is summed here only under gather=True)
     Mutation(f"{PKG}/losses/nt_xent.py", "rows.counts.sum(), reduction", "rows.counts.sum() + 1, reduction",
@@ -1268,6 +1270,19 @@ MUTATIONS = [
              "the distributed shape priced as one rank's square", ("tests/cli/test_traffic.py",)),
     Mutation(f"{PKG}/distributed.py", "        value, total_norm = both[0] / both[1], both[1]", "        value, total_norm = both[0] / both[1], norm",
              "a gathered loss's gradient divided by this rank's normaliser, not every rank's", ("tests/test_distributed.py",)),
+    Mutation(f"{PKG}/losses/image_text.py", "columns=True, column_positives=not every_image, column_comm=scope,",
+             "columns=True, column_positives=False, column_comm=scope,",
+             "gathered CLIP without ids: the texts' positives left out of their terms", GATHERED_CLIP_TESTS),
+    Mutation(f"{PKG}/losses/image_text.py", "        return per_image, col_all[offset : offset + n], counts",
+             "        return per_image, col_all[:n], counts", "gathered CLIP: every rank reads the first rank's text terms",
+             GATHERED_CLIP_TESTS),
+    Mutation(f"{PKG}/losses/image_text.py", "    every_image = bool(variant.smoothing) or image_id is not None or text_id is not None",
+             "    every_image = image_id is not None or text_id is not None",
+             "gathered CLIP with label smoothing and no ids: every rank's images not gathered", GATHERED_CLIP_TESTS),
+    Mutation(f"{PKG}/losses/image_text.py",
+             "                                       options=Options(normalize=normalize, eps=eps, chunk_size=chunk_size, backend=backend)))",
+             "                                       options=Options(normalize=False, eps=eps, chunk_size=chunk_size, backend=backend)))",
+             "gathered CLIP: the caller's rows multiplied unnormalised", GATHERED_CLIP_TESTS),
 ]
 
 

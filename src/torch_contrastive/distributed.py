@@ -90,6 +90,9 @@ class _AllGatherGrad(torch.autograd.Function):
         # Every rank holds a gradient for every gathered row; this rank's rows need the
         # sum over ranks: a reduce-scatter. NCCL has one (moves 1/W of the data of an
         # all_reduce); gloo does not, so there the whole gradient is all-reduced.
+        # Half-precision rows' gradients are summed in fp32: each rank's share was rounded once to
+        # the rows' dtype, and W shares summed in that dtype would round at every step.
+        grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
         sizes, rank = ctx.sizes, ctx.rank
         if dist.get_backend() == "nccl":
             longest = max(sizes)

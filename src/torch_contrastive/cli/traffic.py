@@ -320,6 +320,8 @@ def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, t
 
 #: The distributed shape of issue 34: 1,024 local rows of CLIP against 32,768 gathered columns (32 ranks).
 GATHERED = (1024, 32)
+#: The distributed shapes ``bench --traffic`` counts: issue 34's, and issue 35's larger one (4,096 x 65,536).
+GATHERED_SHAPES = (GATHERED, (4096, 16))
 
 
 def dense_clip_gathered(img: torch.Tensor, txt: torch.Tensor, tau: float) -> torch.Tensor:
@@ -510,10 +512,9 @@ def _constants(g: Gpu) -> str:
 
 
 def _gathered_rows(dim: int, gpu: Gpu) -> list[dict[str, Any]]:
-    """The distributed shape's rows of ``bench --traffic`` (:data:`GATHERED`, :func:`count_gathered`), printed."""
-    local, world = GATHERED
+    """The distributed shapes' rows of ``bench --traffic`` (:data:`GATHERED_SHAPES`, :func:`count_gathered`), printed."""
     rows = []
-    for impl in ("ours", "dense"):
+    for (local, world), impl in ((shape, impl) for shape in GATHERED_SHAPES for impl in ("ours", "dense")):
         c = count_gathered(impl, local, world, dim)
         label = "torch" if impl == "ours" else impl
         rows.append({"loss": f"clip_gathered_{world}", "n": local, "d": dim, "impl": label,

@@ -191,26 +191,36 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
     positive part needs all images, so it is computed here from the gathered images.
     """
     n = image_feat.shape[0]
-    img = prepare(image_feat, normalize, eps, backend)
-    txt = prepare(text_feat.to(image_feat.dtype), normalize, eps, backend)
-    img_all, txt_all = scope.rows_of(img, txt)  # both row counts in one collective
-    offset = scope.offset  # known once rows() has gathered the sizes
-    pos = image_text_positives(image_id, text_id, n, img_all.shape[0], scope, img.device)
+    text_feat = as_dtype(text_feat, image_feat.dtype)
+    # every rank's images are read by the text direction's positives only with ids, and by label smoothing;
+    # without either, text j's one positive is this rank's image j: the engine's own column positives
+    every_image = bool(variant.smoothing) or image_id is not None or text_id is not None
+    # the caller's rows gathered as given (half rows: half the bytes of fp32) and normalised inside the engine, as
+    # one process's call is -- on a GPU half rows are multiplied on tensor cores, with fp32 factors
+    gathered = scope.rows_of(*((image_feat, text_feat) if every_image else (text_feat,)))  # their counts read once
+    candidates = gathered[-1]
+    offset, n_all = scope.offset, candidates.shape[0]  # the offset is known once the sizes are gathered
+    pos = image_text_positives(image_id, text_id, n, n_all, scope, image_feat.device)
     counts = pos.row_counts()
-    n_all = img_all.shape[0]
     n_gt = scope.total(counts.sum()) if variant.smoothing else counts.sum()
-    alpha, beta = variant.weights(counts, n_gt, n_all, img.dtype) if variant.smoothing else (counts.to(img.dtype), None)
-    rows_and_columns = Softmax(row_weights=(alpha, beta), columns=True, column_positives=False, column_comm=scope,
+    cdtype = compute_dtype(image_feat.dtype)
+    alpha, beta = variant.weights(counts, n_gt, n_all, cdtype) if variant.smoothing else (counts.to(cdtype), None)
+    rows_and_columns = Softmax(row_weights=(alpha, beta), columns=True, column_positives=not every_image, column_comm=scope,
                                exclude=variant.exclusion(pos))
-    per_image, col_lse_all = solve(Problem(img, txt_all, scale, rows_and_columns, positives=pos, bound=limit,
-                                           options=Options(normalize=False, eps=eps, chunk_size=chunk_size, backend=backend)))
-    if col_lse_all is None:
+    per_image, col_all = solve(Problem(image_feat, candidates, scale, rows_and_columns, positives=pos, bound=limit,
+                                       options=Options(normalize=normalize, eps=eps, chunk_size=chunk_size, backend=backend)))
+    if col_all is None:
         raise RuntimeError("internal: columns=True returns the column terms")
+    if not every_image:  # each text's log-sum-exp less its one positive, this rank's columns
+        return per_image, col_all[offset : offset + n], counts
     # text j's positives are its column of gt: as many as image j's row (gt is symmetric)
-    text_pos = positive_logits(txt, img_all, pos, scale)
-    per_text = alpha * col_lse_all[offset : offset + n] - (text_pos if beta is None else beta * text_pos)
+    img, txt = prepare(image_feat, normalize, eps, backend), prepare(text_feat, normalize, eps, backend)
+    every_img = prepare(gathered[0], normalize, eps, backend)
+    text_pos = positive_logits(txt, every_img, pos, scale)
+    per_text = alpha * col_all[offset : offset + n] - (text_pos if beta is None else beta * text_pos)
     if variant.smoothing:
-        per_image, per_text = variant.smooth(per_image, per_text, img, txt, img_all, txt_all, n_gt, n_all, scale)
+        every_txt = prepare(candidates, normalize, eps, backend)
+        per_image, per_text = variant.smooth(per_image, per_text, img, txt, every_img, every_txt, n_gt, n_all, scale)
     return per_image, per_text, counts
 
 
