@@ -411,3 +411,37 @@ def _clip_half_ranks(rank, world, with_ids):
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_gathered_bf16_clip_on_tensor_core_products_equals_the_float64_formula(with_ids):
     run_ranks(_clip_half_ranks, 2, with_ids, timeout=120)
+
+
+def _single_set_half_ranks(rank, world):
+    """One rank of bf16 NT-Xent (labels: PML's convention) and SupCon on the tensor-core scheme: the caller's half
+    rows gathered as given and normalised inside -- against the float64 formulas on the whole batch."""
+    from reference import nt_xent_pml, supcon
+    from torch_contrastive.engine import planner
+
+    planner.PRODUCTS = "half"
+    g = torch.Generator().manual_seed(4)
+    n, d, tau = 6, 16, 0.1
+    x = torch.randn(world * n, d, generator=g).bfloat16()
+    labels = torch.arange(world * n) % 4
+    mine = slice(rank * n, rank * n + n)
+    calls = {"supcon": (lambda a: tc.supcon_loss(a, labels[mine], temperature=tau, gather=True, grad_reduction="sum"),
+                        lambda a: supcon(a, tau, labels=labels)),
+             "nt_xent_pml": (lambda a: tc.nt_xent_loss(a, tau, labels=labels[mine], gather=True, grad_reduction="sum"),
+                             lambda a: nt_xent_pml(a, labels, tau))}
+    for name, (ours_fn, ref_fn) in calls.items():
+        xa = x[mine].clone().requires_grad_()
+        (decision,) = tc.explain(ours_fn, xa)
+        assert decision.half, (name, str(decision))
+        loss = ours_fn(xa)
+        loss.backward()
+        xr = x.double().requires_grad_()
+        ref = ref_fn(xr)
+        ref.backward()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), name
+        assert xa.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(xa.grad.double(), xr.grad[mine], rtol=1e-2, atol=1e-2 * xr.grad.abs().max().item())
+
+
+def test_gathered_bf16_single_sets_on_tensor_core_products_equal_the_float64_formulas():
+    run_ranks(_single_set_half_ranks, 2, timeout=120)

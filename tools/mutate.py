@@ -55,6 +55,8 @@ GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the
                       "tests/test_distributed.py::test_equal_batches_are_gathered_in_one_collective_and_uneven_ones_padded")
 GATHERED_CLIP_TESTS = ("tests/test_distributed.py::test_every_loss_matches_single_process",
                        "tests/test_distributed.py::test_gathered_bf16_clip_on_tensor_core_products_equals_the_float64_formula")
+GATHERED_SET_TESTS = ("tests/test_distributed.py::test_every_loss_matches_single_process",
+                      "tests/test_distributed.py::test_gathered_bf16_single_sets_on_tensor_core_products_equal_the_float64_formulas")
 PML_EPILOGUE_TESTS = ("tests/engine/test_epilogue.py::test_pml_forward_in_one_launch_per_tile_equals_the_float64_formula",
                       "tests/engine/test_epilogue.py::test_the_mask_in_tile_losses_with_bf16_rows")
 ONE_TILE_TESTS = ("tests/engine/test_one_tile.py",)
@@ -1283,6 +1285,12 @@ MUTATIONS = [
              "                                       options=Options(normalize=normalize, eps=eps, chunk_size=chunk_size, backend=backend)))",
              "                                       options=Options(normalize=False, eps=eps, chunk_size=chunk_size, backend=backend)))",
              "gathered CLIP: the caller's rows multiplied unnormalised", GATHERED_CLIP_TESTS),
+    Mutation(f"{PKG}/losses/_prologue.py", "    return SingleSet(x, scope.rows(x), scope.offset, normalize)",
+             "    return SingleSet(x, scope.rows(x), scope.offset, False)",
+             "gathered single sets: the rows multiplied unnormalised", GATHERED_SET_TESTS),
+    Mutation(f"{PKG}/losses/_prologue.py", "    return SingleSet(x, scope.rows(x), scope.offset, normalize)",
+             "    return SingleSet(x.float(), scope.rows(x.float()), scope.offset, normalize)",
+             "gathered single sets: half rows widened before the gather (fp32 products on a GPU)", GATHERED_SET_TESTS),
 ]
 
 

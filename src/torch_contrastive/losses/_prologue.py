@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from .._normalize import prepare
 from .._tensors import as_dtype
 from ..distributed import Scope, make_scope
 from ..engine.planner import reduce_inside
@@ -81,17 +80,17 @@ class SingleSet(NamedTuple):
 
 def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, checks: v.Checks, *given: bool,
                backend: str = "torch") -> SingleSet:
-    """Shared set-up of the single-set losses: agreement check, normalisation, gather.
+    """Shared set-up of the single-set losses: agreement check, gather.
 
-    Locally the raw rows go to the engine, which normalises them inside its autograd
-    function (fewer autograd nodes); under ``gather=True`` each rank normalises its own
-    rows before they are gathered.
+    The raw rows go to the engine, which normalises them inside its autograd function (fewer
+    autograd nodes); under ``gather=True`` every rank's rows are gathered as the caller gave
+    them (fp16/bf16 rows in half precision: half the bytes, and on a GPU multiplied on tensor
+    cores with fp32 factors, as in one process) and normalised inside too.
     """
     check_agreement(scope, name, x, checks.enabled, *given)
     if not scope.distributed:
         return SingleSet(x, x, 0, normalize)
-    z = prepare(x, normalize, eps, backend)
-    return SingleSet(z, scope.rows(z), scope.offset, False)
+    return SingleSet(x, scope.rows(x), scope.offset, normalize)
 
 
 def reduce(per_anchor: Tensor, normaliser: Tensor | float, reduction: str, scope: Scope, checks: v.Checks,
