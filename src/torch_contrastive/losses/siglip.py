@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from .._normalize import prepare
 from ..engine import Options, Problem, Scale, SigmoidPairs, solve
 from ..positives import PartnerPositives, Positives
 from ._pairing import image_text_positives
@@ -102,12 +101,8 @@ def siglip_loss(
     check_agreement(scope, "image_feat/text_feat", image_feat, validate, *ids_given)
 
     text_feat = text_feat.to(image_feat.dtype)
-    if scope.distributed:
-        img, txt = prepare(image_feat, normalize, eps), prepare(text_feat, normalize, eps)
-        txt_all = scope.rows(txt)
-        inside = False
-    else:
-        img, txt_all, inside = image_feat, text_feat, normalize
+    # every rank's texts gathered as the caller gave them (half rows in half precision), normalised inside the engine
+    img, txt_all, inside = image_feat, scope.rows(text_feat), normalize
     if negative_only:
         positives: Positives = Positives.from_pairs(torch.zeros(0, 2, dtype=torch.long, device=device), n, txt_all.shape[0], self_offset=None)
     else:
