@@ -1291,6 +1291,9 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_prologue.py", "    return SingleSet(x, scope.rows(x), scope.offset, normalize)",
              "    return SingleSet(x.float(), scope.rows(x.float()), scope.offset, normalize)",
              "gathered single sets: half rows widened before the gather (fp32 products on a GPU)", GATHERED_SET_TESTS),
+    Mutation(f"{PKG}/losses/siglip.py", "    img, txt_all, inside = image_feat, scope.rows(text_feat), normalize",
+             "    img, txt_all, inside = image_feat, scope.rows(text_feat), False",
+             "SigLIP: the rows multiplied unnormalised", ("tests/losses/test_siglip.py",)),
 ]
 
 
