@@ -514,17 +514,18 @@ def _constants(g: Gpu) -> str:
 def _gathered_rows(dim: int, gpu: Gpu) -> list[dict[str, Any]]:
     """The distributed shapes' rows of ``bench --traffic`` (:data:`GATHERED_SHAPES`, :func:`count_gathered`), printed."""
     rows = []
-    for (local, world), impl in ((shape, impl) for shape in GATHERED_SHAPES for impl in ("ours", "dense")):
-        c = count_gathered(impl, local, world, dim)
-        label = "torch" if impl == "ours" else impl
-        rows.append({"loss": f"clip_gathered_{world}", "n": local, "d": dim, "impl": label,
-                     "tiles": 1, "launches": c.launches, "passes": round(c.passes, 2),
-                     "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2), "syncs": c.syncs, "bytecodes": c.bytecodes,
-                     "predicted_ms": round(predict(c, gpu) * 1e3, 4), "default": impl == "ours"})
-        row = rows[-1]
-        print(f"{'clip x' + str(world):<12} {local:>6} {label + ('*' if impl == 'ours' else ''):<9} {1:>4} "
-              f"{c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {c.bytecodes:>9} "
-              f"{row['predicted_ms']:>13.3f}   ({local:,} rows per rank against {local * world:,} gathered)", flush=True)
+    for local, world in GATHERED_SHAPES:
+        for impl in ("ours", "dense"):
+            c = count_gathered(impl, local, world, dim)
+            label = "torch" if impl == "ours" else impl
+            row = {"loss": f"clip_gathered_{world}", "n": local, "d": dim, "impl": label, "tiles": 1,
+                   "launches": c.launches, "passes": round(c.passes, 2), "gflop": round(sum(c.gemm_flops.values()) / 1e9, 2),
+                   "syncs": c.syncs, "bytecodes": c.bytecodes, "predicted_ms": round(predict(c, gpu) * 1e3, 4),
+                   "default": impl == "ours"}
+            rows.append(row)
+            print(f"{'clip x' + str(world):<12} {local:>6} {label + ('*' if impl == 'ours' else ''):<9} {1:>4} "
+                  f"{c.launches:>8} {c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {c.bytecodes:>9} "
+                  f"{row['predicted_ms']:>13.3f}   ({local:,} rows per rank against {local * world:,} gathered)", flush=True)
     return rows
 
 

@@ -75,11 +75,10 @@ class SingleSet(NamedTuple):
     z: Tensor  # this rank's rows
     z_all: Tensor  # the global batch (z itself when local)
     offset: int  # global index of this rank's first row
-    normalize_inside: bool  # the engine normalises z (local); else z is normalised already
+    normalize_inside: bool  # the engine normalises z and z_all (the caller's ``normalize``, local or gathered)
 
 
-def single_set(x: Tensor, name: str, normalize: bool, eps: float, scope: Scope, checks: v.Checks, *given: bool,
-               backend: str = "torch") -> SingleSet:
+def single_set(x: Tensor, name: str, normalize: bool, scope: Scope, checks: v.Checks, *given: bool) -> SingleSet:
     """Shared set-up of the single-set losses: agreement check, gather.
 
     The raw rows go to the engine, which normalises them inside its autograd function (fewer

@@ -187,8 +187,9 @@ def _distributed_terms(image_feat: Tensor, text_feat: Tensor, scale: Scale, imag
 
     One pass over this rank's image rows x all texts gives the image rows' terms and the
     column sums; the engine all-reduces those (O(N)) into every text's LSE, so the N x N
-    work is split W ways instead of being done once per direction. Each text row's
-    positive part needs all images, so it is computed here from the gathered images.
+    work is split W ways instead of being done once per direction. A text's positives: without
+    ids its one image is on this rank, and the engine's column terms include it; with ids they
+    may be anywhere, and are summed here from the gathered images.
     """
     n = image_feat.shape[0]
     text_feat = as_dtype(text_feat, image_feat.dtype)

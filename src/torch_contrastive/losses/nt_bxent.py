@@ -71,7 +71,7 @@ def nt_bxent_loss(
         labels = v.check_labels(labels, "labels", n, embeddings.device)
     checks.finite(embeddings, "embeddings", deferred=True)
     scale, bound = v.inverse_temperature(temperature, checks)
-    z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None, backend=backend)
+    z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, scope, checks, labels is not None)
     total = z_all.shape[0]
     cdtype = compute_dtype(z.dtype)
     reduced = engine_total(reduction, scope, float(n), cdtype)

@@ -108,7 +108,7 @@ def nt_xent_loss(
     positive_weight = _check_dcl(decoupled, positive_weight, labels, n, embeddings.device)
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
-    z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, eps, scope, checks, labels is not None, backend=backend)
+    z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, scope, checks, labels is not None)
 
     if labels is None:
         positives = partner_positives(n, pairing, offset, z.device, z_all.shape[0], offset, None if scope.distributed else pairing)

@@ -125,7 +125,7 @@ def supcon_loss(
     if base_temperature is not None:
         base_scale, _ = v.inverse_temperature(base_temperature, checks, name="base_temperature")
         factor = base_scale / scale  # tau / tau_base
-    z, z_all, offset, inside = single_set(flat, "features", normalize, eps, scope, checks, labels is not None, backend=backend)
+    z, z_all, offset, inside = single_set(flat, "features", normalize, scope, checks, labels is not None)
     n_anchor = bsz if contrast_mode == "one" else bsz * n_views
     symmetric = not scope.distributed and n_anchor == z.shape[0] and memory is None and reference is None
     if mask is not None:
