@@ -49,6 +49,7 @@ class Mutation:
 
 
 E = f"{PKG}/engine"
+FACTORED_TESTS = ("tests/engine/test_pair_factored.py",)
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks",
@@ -1053,9 +1054,9 @@ MUTATIONS = [
              "        uniform, count = neg.sum(1) * 0, 0  # each query's own negatives",
              "paired negatives with label smoothing in one pass: the query's own negatives left out of the uniform part",
              ("tests/losses/test_prefix_paired.py",)),
-    Mutation(f"{E}/one_tile_half.py", "        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads).to(ctx.dtype)",
-             "        tile = ctx.kernel.single_grad_fixed(tuple(kept), grads).to(ctx.dtype)",
-             "bf16 pair terms' one tile: each pair's gradient in one role only", HALF_TILE_TESTS),
+    Mutation(f"{E}/one_tile_half.py", "        hx = FORMS[ctx.plan.kernel][1](tuple(kept), grads, x, h, _mm32)",
+             "        hx = FORMS[ctx.plan.kernel][1](tuple(kept), grads, rows, h, _mm32)",
+             "bf16 pair terms' one tile: the scaled rows formed from the unit rows (z for sqrt(scale) z)", HALF_TILE_TESTS),
     Mutation(f"{PKG}/cli/traffic.py", "FEATURE_SIDES = (1, 2, 3)", "FEATURE_SIDES = (1,)",
              "cost counter: a split operand's stacked features counted as logits", ("tests/cli/test_traffic.py",)),
     Mutation(f"{E}/cost.py", "    op, bytecode = (rn * sbb - rb * snb) / det, (snn * rb - snb * rn) / det",
@@ -1294,6 +1295,28 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/siglip.py", "    img, txt_all, inside = image_feat, scope.rows(text_feat), normalize",
              "    img, txt_all, inside = image_feat, scope.rows(text_feat), False",
              "SigLIP: the rows multiplied unnormalised", ("tests/losses/test_siglip.py",)),
+    Mutation(f"{E}/pair_factored.py", "    return out.sub_(second[:, dim:]).addcmul_(", "    return out.addcmul_(",
+             "NT-BXent's factored backward drops Q (c x)", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "addcmul_(c[:, None], second[:, :dim], value=-1)", "addcmul_(b[:, None], second[:, :dim], value=-1)",
+             "NT-BXent's factored backward weighs the positives' tile by b, not a + b", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    return (pos_sum, neg_sum), (sig, torch.mul(sig, pos))", "    return (pos_sum, neg_sum), (sig, sig)",
+             "NT-BXent's kept positives' tile is every pair's sigmoid", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    loss.diagonal().zero_()\n", "",
+             "NT-BXent's factored forward counts the self pair among the negatives", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    out.sub_(mm(sig.t(), ops[:, 2 * dim :]))", "    out.sub_(mm(sig, ops[:, 2 * dim :]))",
+             "PML's factored backward reads the positives' sigmoids as symmetric", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    e = torch.exp(s).masked_fill_(pos, 0.0)", "    e = torch.exp(s)",
+             "PML's factored forward counts the positives among the negatives", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    d = torch.where(pos, torch.sub(neg_sum.log()[:, None], s, out=s), float(\"-inf\"))",
+             "    d = torch.sub(neg_sum.log()[:, None], s, out=s)",
+             "PML's factored forward gives every pair a positive's term", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    r = weight * g / neg_sum.clamp_min(", "    r = g / neg_sum.clamp_min(",
+             "PML's factored backward leaves the sigmoids' weight out of the negatives' coefficient", FACTORED_TESTS),
+    Mutation(f"{E}/pair_factored.py", "    neg_sum = loss.sum(1).sub_(pos_sum)", "    neg_sum = loss.sum(1)",
+             "NT-BXent's factored forward counts the positives' terms among the negatives'", FACTORED_TESTS),
+    Mutation(f"{E}/one_tile_half.py", "total_only(combine), a.dtype)", "total_only(combine), torch.float32)",
+             "the pair terms' bf16 one tile keeps its tiles for backward in fp32",
+             ("tests/cli/test_traffic.py::test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dense_formula",)),
 ]
 
 

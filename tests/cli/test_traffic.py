@@ -387,28 +387,25 @@ def test_flattened_feature_rows_are_features_and_a_flattened_tile_is_a_tile():
     assert counter.logit_bytes == 64 * 64 * 4
 
 
-#: The soft-max losses whose eager one tile on the GPU plan is the lean bf16 executor (engine/one_tile_half.py).
-LEAN_HALF = ("clip", "nt_xent", "supcon")
-
-
 @pytest.mark.parametrize("products", ["auto", "half"])
 @pytest.mark.parametrize("name", LOSSES)
 def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dense_formula(name, products, monkeypatch):
     """Issue 34's budgets for the eager path on the GPU plan, one tile (1,024 rows, bf16), for both product schemes:
     the model's pick at this size (``auto``: widened fp32 products, the fewest launches) and tensor cores
-    (``half``: the lean bf16 executor, fp32 logits from one split product, the gradient tile written once in bf16):
-    no more than 1.5x the dense formula's launches; and for the soft-max losses no more logit bytes than the
-    dense formula, which keeps its logits in bf16 (CLIP 11.2 widened and 9.7 on tensor cores against 13.0,
-    NT-Xent 9.0 and 8.0 against 10.2, SupCon 12.8 and 10.3 against 13.0). The pair terms' eager tiles (PML
-    NT-Xent, NT-BXent: about 33 and 31 passes) still move more: on a GPU their default is the epilogue path from
-    8,192 rows, by the model."""
+    (``half``: the lean bf16 executors, fp32 logits from one split product, the gradient tile written once in bf16):
+    no more than 1.5x the dense formula's launches; on tensor cores no more logit bytes than the dense formula, which
+    keeps its logits in bf16 (CLIP 9.5 against 13.0, NT-Xent 8.0 against 10.2, SupCon 10.3 against 13.0; the pair
+    terms' products factored through their kept tiles, engine/pair_factored.py: PML NT-Xent 19.0 against 20.5,
+    NT-BXent 14.8 against 19.0). Widened -- the model's pick where the host is the longer -- the soft-max losses move
+    fewer bytes too (11.0, 9.0, 12.8); the pair terms keep their gradient tile (about 31 passes), the form with the
+    fewest launches, which is what a host-bound call pays for (the factored form: 46 launches against 41 for PML)."""
     monkeypatch.setattr(planner, "PRODUCTS", products)
     ours = count_loss(name, "torch", 1024, 64)
     dense = count_loss(name, "dense", 1024, 64)
     assert ours.launches <= 1.5 * dense.launches, (ours.launches, dense.launches)
     assert ours.syncs == 0
     assert ("float32" in ours.gemm_flops) == (products == "auto"), ours.gemm_flops
-    if name in LEAN_HALF:
+    if products == "half" or name not in ("nt_xent_pml", "nt_bxent"):
         assert ours.passes <= dense.passes, (ours.passes, dense.passes)
 
 

@@ -36,7 +36,8 @@ from torch import Tensor
 from .._tensors import as_dtype
 from .driver import first_order_only
 from .normalization import l2_normalize, l2_normalize_backward
-from .pairwise import _KERNELS, combined, combined_grads, single_fixed
+from .pair_factored import FORMS
+from .pairwise import combined, combined_grads, total_only
 from .precision import zero
 from .products import _mm32, rounded_mul
 from .softmax import _total
@@ -211,26 +212,26 @@ def _relation_product(relation: Tensor, rows: Tensor, half: bool) -> Tensor:
 
 class HalfOneTilePairs(torch.autograd.Function):
     """:class:`~.one_tile._OneTilePairs`'s pair terms (PML's NT-Xent, NT-BXent with labels: one set's label relation)
-    from the split GEMM: the pair kernel's one-tile functions on the fp32 tile, its ``H = G + G^T`` rounded once to
-    bf16 for the one backward product."""
+    from the split GEMM, in the device form (:mod:`.pair_factored`): the fp32 tile's terms, the tiles backward reads
+    kept in bf16, the products factored through them against ``x`` rounded to bf16 -- no gradient tile formed."""
 
     @staticmethod
     def forward(ctx: Any, plan: PairPlan, combine: Any, scale: float, a: Tensor) -> Tensor:  # type: ignore[override]
         rows, denom, norm = l2_normalize(a.float(), plan.eps)
-        _, h, u, v = split_rows(rows, scale, a.dtype)
+        x, h, u, v = split_rows(rows, scale, a.dtype)
         s = _mm32(u, v.t())
-        pos = plan.positives.tile_values(0, s.shape[0], 0, s.shape[0], s.dtype)  # converted once per relation
-        kernel = _KERNELS[plan.kernel]
-        outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
-        ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
-        ctx.save_for_backward(rows, denom, norm, h, *kept)
+        n = s.shape[0]
+        # the products factored through the kept bf16 tiles (tensor-core products are a GPU's: its form)
+        outputs, kept = FORMS[plan.kernel][0](s, plan.positives.tile(0, n, 0, n), total_only(combine), a.dtype)
+        ctx.plan, ctx.combine, ctx.scale, ctx.dtype = plan, combine, scale, a.dtype
+        ctx.save_for_backward(rows, denom, norm, x, h, *kept)
         return combined(outputs, combine)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
-        rows, denom, norm, h, *kept = ctx.saved_tensors
+        rows, denom, norm, x, h, *kept = ctx.saved_tensors
         grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)
-        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads).to(ctx.dtype)  # H = G + G^T, rounded once
-        ga = l2_normalize_backward(_mm32(tile, h), rows, denom, norm, ctx.plan.eps, math.sqrt(ctx.scale))
+        hx = FORMS[ctx.plan.kernel][1](tuple(kept), grads, x, h, _mm32)
+        ga = l2_normalize_backward(hx, rows, denom, norm, ctx.plan.eps, math.sqrt(ctx.scale))
         return None, None, None, as_dtype(ga, ctx.dtype)
