@@ -396,17 +396,20 @@ def test_one_tile_on_the_gpu_plan_launches_at_most_one_and_a_half_times_the_dens
     no more than 1.5x the dense formula's launches; on tensor cores no more logit bytes than the dense formula, which
     keeps its logits in bf16 (CLIP 9.5 against 13.0, NT-Xent 8.0 against 10.2, SupCon 10.3 against 13.0; the pair
     terms' products factored through their kept tiles, engine/pair_factored.py: PML NT-Xent 19.0 against 20.5,
-    NT-BXent 14.8 against 19.0). Widened -- the model's pick where the host is the longer -- the soft-max losses move
-    fewer bytes too (11.0, 9.0, 12.8); the pair terms keep their gradient tile (about 31 passes), the form with the
-    fewest launches, which is what a host-bound call pays for (the factored form: 46 launches against 41 for PML)."""
+    NT-BXent 14.8 against 19.0). Widened -- the model's pick where the host is the longer, so the forms with the
+    fewest launches -- the soft-max losses move fewer bytes too (11.0, 9.0, 12.8), and so does NT-BXent's one kept
+    tile (18.3, 37 launches); PML's one kept tile moves 22.0 passes in 40 launches (the tensor-core form's 20.0 would
+    take 46: 2.11 ms predicted on the H100 against the dense formula's 1.92, where this one's 1.84)."""
     monkeypatch.setattr(planner, "PRODUCTS", products)
     ours = count_loss(name, "torch", 1024, 64)
     dense = count_loss(name, "dense", 1024, 64)
     assert ours.launches <= 1.5 * dense.launches, (ours.launches, dense.launches)
     assert ours.syncs == 0
     assert ("float32" in ours.gemm_flops) == (products == "auto"), ours.gemm_flops
-    if products == "half" or name not in ("nt_xent_pml", "nt_bxent"):
+    if products == "half" or name != "nt_xent_pml":
         assert ours.passes <= dense.passes, (ours.passes, dense.passes)
+    else:
+        assert ours.passes <= 1.1 * dense.passes and ours.launches < 0.85 * dense.launches, (ours.passes, ours.launches)
 
 
 def test_an_announced_kernel_launch_counts_once_with_the_bytes_it_declares():

@@ -1,6 +1,6 @@
-"""The pair terms' bf16 one tile on a GPU plan (engine/pair_factored.py): the products factored through the kept
-tiles, against the float64 formulas on bf16 tensor-core products (to bf16's rounding), and the forms' pieces in
-float64 against naive loops (to round-off)."""
+"""The pair terms' one tile on a GPU plan (engine/pair_factored.py): on tensor cores the products factored through
+the kept bf16 tiles, widened one tile kept for two GEMMs -- against the float64 formulas (float64 rows to round-off,
+bf16 rows to bf16's rounding), and the forms' pieces in float64 against naive loops (to round-off)."""
 
 from __future__ import annotations
 
@@ -75,19 +75,64 @@ def test_the_factored_one_tile_on_bf16_rows(monkeypatch, forms_run, name, kind):
     assert err < 1e-2, err
 
 
+@pytest.fixture
+def one_kept_run(monkeypatch):
+    """How many forward calls the widened one tile's one-kept forms served (kernel name -> count)."""
+    runs = {name: 0 for name in pair_factored.ONE_KEPT}
+    for name, (forward, sign, serves) in list(pair_factored.ONE_KEPT.items()):
+        def counted(*args, _f=forward, _n=name):
+            runs[_n] += 1
+            return _f(*args)
+        monkeypatch.setitem(pair_factored.ONE_KEPT, name, (counted, sign, serves))
+    return runs
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["mixed", "one class"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_widened_one_tile_keeps_the_gradient_tile(monkeypatch, forms_run, name):
-    """Where the model widens a GPU plan's products (a host-bound call: fp32 GEMMs, the fewest launches) the pair
-    terms keep the gradient-tile form -- fewer launches than the factored one, which is what a host-bound call
-    pays for (issue 34: PML 41 launches against 46, 1.91 ms predicted against 2.11 on the H100)."""
-    monkeypatch.setattr(planner, "PRODUCTS", "auto")
-    kernel, ours, _ = CASES[name]
-    labels = _labels(24, "mixed")
-    x = torch.randn(24, 8, dtype=torch.bfloat16, requires_grad=True)
+def test_the_widened_one_kept_tile_equals_the_float64_formula(one_kept_run, name, kind, reduction):
+    """A GPU plan's products in the compute dtype (float64 here; fp32 where the model widens bf16 rows): one tile kept
+    from forward (``K``, the positives' and negatives' parts in one) and backward two GEMMs -- value and gradients
+    the formula's to round-off, rows with no positive and (one class) with no negative included."""
+    kernel, ours, formula = CASES[name]
+    n = 22
+    labels = _labels(n, kind).to(DEVICE)
+    x = torch.randn(n, 7, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want_x = x.clone().requires_grad_()
+    count = n if reduction == "sum" and name == "nt_bxent" else 1  # (PML's sum: over pairs, their count below)
+    want = formula(want_x, labels.cpu())
+    if reduction == "sum" and name == "pml":
+        count = int((labels[:, None] == labels[None, :]).sum()) - n
+    (want * count).backward()
+    got_x = x.to(DEVICE).clone().requires_grad_()
     with planner.simulate("cuda"):
-        assert [d.half for d in tc.explain(lambda t: ours(t, labels, "mean"), x.detach())] == [False]
-        ours(x, labels, "mean").backward()
-    assert forms_run[kernel] == [0, 0]
+        got = ours(got_x, labels, reduction)
+        got.backward()
+    assert one_kept_run[kernel] == 1, one_kept_run
+    assert float(got.detach()) == pytest.approx(float(want.detach()) * count, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(got_x.grad.cpu(), want_x.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_widened_one_kept_tile_on_bf16_rows(monkeypatch, one_kept_run, forms_run, name):
+    """bf16 rows where the model widens the products (a host-bound call): fp32 throughout, the one-kept form (not
+    the tensor-core form) -- the value to fp32 round-off, the gradient to its one rounding to bf16."""
+    monkeypatch.setattr(planner, "PRODUCTS", "auto")
+    kernel, ours, formula = CASES[name]
+    labels = _labels(40, "mixed")
+    x = (torch.randn(40, 16, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    got_x = x.to(DEVICE).clone().requires_grad_()
+    with planner.simulate("cuda"):
+        assert [d.half for d in tc.explain(lambda t: ours(t, labels.to(DEVICE), "mean"), got_x.detach())] == [False]
+        got = ours(got_x, labels.to(DEVICE), "mean")
+        got.backward()
+    assert one_kept_run[kernel] == 2 and forms_run[kernel] == [0, 0], (one_kept_run, forms_run)  # (explain ran once)
+    want_x = x.double().requires_grad_()
+    want = formula(want_x, labels)
+    want.backward()
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=2e-6)
+    err = float((got_x.grad.double().cpu() - want_x.grad).abs().max() / want_x.grad.abs().max())
+    assert got_x.grad.dtype == torch.bfloat16 and err < 4e-3, err
 
 
 def _tile(n, seed):
@@ -99,6 +144,25 @@ def _tile(n, seed):
     return z, z @ z.t() * 4.0, pos
 
 
+def _pml_loops(s, pos, g):
+    """PML's per-row terms ``softplus(log N_i - S_ip)`` and its gradient tile ``G`` (``r_i e^{S_ij}`` on negatives,
+    ``-g_i sigmoid(log N_i - S_ij)`` on positives) by loops over the pairs, for per-row coefficients ``g``."""
+    n = s.shape[0]
+    rows, grad = torch.zeros(n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        negs = [j for j in range(n) if j != i and not pos[i, j]]
+        big_n = sum(math.exp(s[i, j]) for j in negs)
+        w = 0.0
+        for p in (j for j in range(n) if pos[i, j]):
+            d = math.log(big_n) - float(s[i, p])
+            rows[i] += math.log1p(math.exp(d))
+            w += 1 / (1 + math.exp(-d))
+            grad[i, p] = -g[i] / (1 + math.exp(-d))
+        for j in negs:
+            grad[i, j] = g[i] * w * math.exp(s[i, j]) / big_n
+    return rows, grad
+
+
 def test_the_softplus_forms_per_row_terms_and_products_follow_naive_loops():
     """``softplus_forward`` per row (not summed) and ``softplus_rows``'s ``(G + G^T) x`` against loops over the
     pairs: ``G_ij = r_i e^{S_ij}`` on negatives, ``-g_i sigmoid(log N_i - S_ij)`` on positives."""
@@ -107,19 +171,7 @@ def test_the_softplus_forms_per_row_terms_and_products_follow_naive_loops():
     (per_row,), kept = pair_factored.softplus_forward(s.clone(), pos, False, torch.float64)
     g = torch.linspace(0.5, 1.5, n, dtype=torch.float64)
     hx = pair_factored.softplus_rows(kept, (g,), z, z, torch.mm)
-    want_rows = torch.zeros(n, dtype=torch.float64)
-    grad = torch.zeros(n, n, dtype=torch.float64)
-    for i in range(n):
-        negs = [j for j in range(n) if j != i and not pos[i, j]]
-        big_n = sum(math.exp(s[i, j]) for j in negs)
-        w = 0.0
-        for p in (j for j in range(n) if pos[i, j]):
-            d = math.log(big_n) - float(s[i, p])
-            want_rows[i] += math.log1p(math.exp(d))
-            w += 1 / (1 + math.exp(-d))
-            grad[i, p] = -g[i] / (1 + math.exp(-d))
-        for j in negs:
-            grad[i, j] = g[i] * w * math.exp(s[i, j]) / big_n
+    want_rows, grad = _pml_loops(s, pos, g)
     torch.testing.assert_close(per_row, want_rows, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)
 
@@ -143,4 +195,29 @@ def test_the_binary_forms_sums_and_products_follow_naive_loops():
             want[0 if pos[i, j] else 1, i] += math.log1p(math.exp(sign * float(s[i, j])))
             grad[i, j] = (-a[i] if pos[i, j] else b[i]) / (1 + math.exp(-sign * float(s[i, j])))
     torch.testing.assert_close(torch.stack((pos_sum, neg_sum)), want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)
+
+
+def test_the_one_kept_tiles_follow_naive_loops():
+    """The widened forms' values and ``H @ x`` against loops over the pairs, for weighted rows and a total."""
+    n = 9
+    z, s, pos = _tile(n, 3)
+    g = torch.tensor(0.7, dtype=torch.float64)
+    (value, kept) = pair_factored.softplus_one_kept(s.clone(), pos, (pair_factored.UNIT, 0.25))
+    hx = pair_factored.one_kept_rows(kept, g, 0.25, -1.0, z)
+    rows, grad = _pml_loops(s, pos, (0.25 * g).expand(n))
+    assert float(value) == pytest.approx(0.25 * float(rows.sum()), rel=1e-12)
+    torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)
+
+    weights = torch.stack((torch.linspace(0.2, 1.0, n, dtype=torch.float64), torch.linspace(1.5, 0.1, n, dtype=torch.float64)))
+    total = torch.tensor(0.5, dtype=torch.float64)
+    (value, kept) = pair_factored.binary_one_kept(s.clone(), pos, (weights, total))
+    hx = pair_factored.one_kept_rows(kept, g, total, 1.0, z)
+    want, grad = 0.0, torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in (j for j in range(n) if j != i):
+            sign, w = (-1.0, weights[0, i]) if pos[i, j] else (1.0, weights[1, i])
+            want += 0.5 * w * math.log1p(math.exp(sign * float(s[i, j])))
+            grad[i, j] = 0.5 * g * sign * w / (1 + math.exp(-sign * float(s[i, j])))
+    assert float(value) == pytest.approx(float(want), rel=1e-12)
     torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)

@@ -236,7 +236,8 @@ class PathCost:
 #: generator context), the kernels' package kept after its first import; the pair_softplus epilogue row 2026-11-29: PML's
 #: forward in one launch per tile where a tile holds all its rows' columns (the strips' counts, 4 x 4 squares, unchanged);
 #: the pair terms' bf16 one tile 2026-11-29 again: the products factored through the kept tiles (engine/pair_factored.py:
-#: PML 19.0 passes, NT-BXent 14.8, for 7 GEMM-equivalents; the widened one tile, the host-bound pick, unchanged);
+#: PML 19.0 passes, NT-BXent 14.8, for 7 GEMM-equivalents) and the widened one tile (the host-bound pick) keeping one
+#: tile for backward's two GEMMs (PML 40 launches and 22.0 passes where 41 and 30.8, NT-BXent 37 and 18.3 where 43 and 30.8);
 #: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
@@ -256,10 +257,10 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("rows", "torch", "fp32"): PathCost(28, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1162, 1218),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
     ("pair_softplus", "torch", "half"): PathCost(51, 61.9, 19.01, 66.51, 7.0, 5.0, 0, 0.0, 2421, 2315),
-    ("pair_softplus", "torch", "wide"): PathCost(41, 51.7, 30.76, 52.51, 2.0, 5.0, 0, 0.0, 2111, 1880),
+    ("pair_softplus", "torch", "wide"): PathCost(40, 51.8, 22.01, 52.51, 3.0, 5.0, 0, 0.0, 1940, 1888),
     ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
     ("binary", "torch", "half"): PathCost(49, 37.9, 14.78, 45.53, 7.0, 4.0, 0, 0.0, 2425, 1418),
-    ("binary", "torch", "wide"): PathCost(43, 29.7, 30.78, 35.53, 2.0, 4.0, 0, 0.0, 2154, 1038),
+    ("binary", "torch", "wide"): PathCost(37, 30.1, 18.26, 35.53, 3.0, 4.0, 0, 0.0, 1959, 1048),
     ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),
 }
 

@@ -45,6 +45,7 @@ from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
 from .one_tile_half import HalfOneTile, HalfOneTileMask, HalfOneTilePairs
+from .pair_factored import ONE_KEPT, one_kept_rows
 from .pairwise import _KERNELS, combined, combined_grads, single_fixed
 from .pairwise import TORCH as TORCH_PAIRS
 from .precision import autocast_enabled, zero
@@ -264,10 +265,16 @@ class _OneTilePairs(torch.autograd.Function):
         rows, denom, norm = l2_normalize(to_compute(a, None, 1.0)[0], plan.eps)
         s = torch.addmm(zero(rows), rows, rows.t(), beta=0, alpha=scale)
         n = s.shape[0]
-        pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
         kernel = _KERNELS[plan.kernel]
-        outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
+        form = ONE_KEPT[plan.kernel]
+        ctx.one_kept = plan.decision.device != "cpu" and form[2](combine)
+        if ctx.one_kept:  # a GPU's widened products (a host-bound call): one kept tile, backward two GEMMs
+            value, tile = form[0](s, plan.positives.tile(0, n, 0, n), combine)
+            ctx.save_for_backward(rows, denom, norm, tile)
+            return value
+        pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
+        outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
         ctx.save_for_backward(rows, denom, norm, *kept)
         return combined(outputs, combine)
 
@@ -275,9 +282,12 @@ class _OneTilePairs(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
         rows, denom, norm, *kept = ctx.saved_tensors
-        grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)  # d loss / d out_k,i = total * w_k,i
-        tile = ctx.kernel.single_grad_fixed_both(tuple(kept), grads)  # H = G + G^T: one set's relation is symmetric
-        ga = l2_normalize_backward(tile @ rows, rows, denom, norm, ctx.plan.eps, ctx.scale)
+        if ctx.one_kept:
+            hx = one_kept_rows(kept[0], g, ctx.combine[1], ONE_KEPT[ctx.plan.kernel][1], rows)
+        else:
+            grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)  # d loss / d out_k,i = total * w_k,i
+            hx = ctx.kernel.single_grad_fixed_both(tuple(kept), grads) @ rows  # H = G + G^T: the relation is symmetric
+        ga = l2_normalize_backward(hx, rows, denom, norm, ctx.plan.eps, ctx.scale)
         return None, None, None, as_dtype(ga, ctx.dtype)
 
 

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .pairwise import UNIT
+from .precision import zero
+
 #: ``mm(tile, operand)``: the backward product (fp32 ``torch.mm``, or tensor cores with an fp32 result).
 Product = Callable[[Tensor, Tensor], Tensor]
 
@@ -77,15 +80,21 @@ def binary_rows(tiles: tuple[Tensor, ...], grads: tuple[Tensor, ...], x: Tensor,
     return out.sub_(second[:, dim:]).addcmul_(c[:, None], second[:, :dim], value=-1)
 
 
+def _negatives_and_arguments(s: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """PML's ``E`` (the negatives' exponentials, the self pair and the positives 0), ``N_i`` (their row sums) and
+    ``d = log N_i - S`` on the positives, ``-inf`` elsewhere (``s`` overwritten)."""
+    e = torch.exp(s).masked_fill_(pos, 0.0)
+    e.diagonal().zero_()
+    neg_sum = e.sum(1)
+    return e, neg_sum, torch.where(pos, torch.sub(neg_sum.log()[:, None], s, out=s), float("-inf"))
+
+
 def softplus_forward(s: Tensor, pos: Tensor, summed: bool, kept: torch.dtype) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """PML NT-Xent's per-row sums of ``softplus(log N_i - S_ip)`` over the positives (``summed``: their total, a
     0-dim output) on one set's tile ``s`` (fp32, overwritten) and the bool relation ``pos`` (the self pair in
     neither; every other pair a negative); ``|S| <= 40``, so ``e^S`` needs no shift. A row without negatives has
     ``log N_i = -inf``: each of its terms and sigmoids is 0."""
-    e = torch.exp(s).masked_fill_(pos, 0.0)  # the negatives' exponentials
-    e.diagonal().zero_()
-    neg_sum = e.sum(1)
-    d = torch.where(pos, torch.sub(neg_sum.log()[:, None], s, out=s), float("-inf"))  # the positives' arguments only
+    e, neg_sum, d = _negatives_and_arguments(s, pos)
     terms = torch.nn.functional.softplus(d)
     out = terms.sum() if summed else terms.sum(1)
     sig = torch.sigmoid_(d) if kept == d.dtype else torch.sigmoid(d, out=torch.empty(d.shape, dtype=kept, device=d.device))
@@ -105,6 +114,51 @@ def softplus_rows(tiles: tuple[Tensor, ...], grads: tuple[Tensor, ...], x: Tenso
     out = torch.addcmul(first[:, :dim], r[:, None], first[:, dim:])
     out.sub_(mm(sig.t(), ops[:, 2 * dim :]))  # T^T (g x)
     return out.addcmul_(g[:, None], mm(sig, ops[:, dim : 2 * dim]), value=-1)
+
+
+# ----------------------------------------------------------------------- widened: one kept tile, fewest launches
+def softplus_one_kept(s: Tensor, pos: Tensor, combine: Any) -> tuple[Tensor, Tensor]:
+    """PML NT-Xent's total (``combine = (UNIT, total)``: the mean over pairs) and the one tile backward reads,
+    ``K = T - rho E`` (``rho_i = w_i / N_i``; the two parts never overlap), so that ``G = -g K`` for the incoming
+    ``g`` times the total: backward is two GEMMs and a scaling."""
+    e, neg_sum, d = _negatives_and_arguments(s, pos)
+    value = torch.nn.functional.softplus(d).sum()
+    sig = torch.sigmoid_(d)
+    rho = sig.sum(1).div_(neg_sum.clamp_min(torch.finfo(neg_sum.dtype).tiny))  # 0 on a row without negatives
+    total = combine[1]
+    return (value if type(total) is float and total == 1.0 else value * total), sig.addcmul_(e, rho[:, None], value=-1)
+
+
+def binary_one_kept(s: Tensor, pos: Tensor, combine: Any) -> tuple[Tensor, Tensor]:
+    """NT-BXent's value ``total * sum_i (alpha_i P_i + beta_i N_i)`` (``combine = (weights, total)``, the weights
+    stacked as one (2, N) tensor) as one dot product of the loss tile with ``W' = alpha_i`` on positives, ``beta_i``
+    on negatives; the one tile backward reads, ``K = sigmoid(z S) W`` with ``W = -alpha_i`` on positives, so that
+    ``G = g K`` for the incoming ``g`` times the total."""
+    weights, total = combine
+    alpha, beta = weights[0][:, None], weights[1][:, None]
+    zs = s.addcmul_(s, pos, value=-2)
+    loss = torch.nn.functional.softplus(zs)
+    loss.diagonal().zero_()  # the self pair: no term
+    value = torch.dot(loss.view(-1), torch.where(pos, alpha, beta).view(-1))
+    sig = torch.sigmoid_(zs)
+    sig.diagonal().zero_()  # ... and no gradient
+    kept = sig.mul_(torch.where(pos, alpha.neg(), beta))
+    return (value * total if isinstance(total, Tensor) or total != 1.0 else value), kept
+
+
+def one_kept_rows(kept: Tensor, g: Tensor, total: Any, sign: float, x: Tensor) -> Tensor:
+    """``H @ x = sign * g * total * (K + K^T) @ x`` for a kernel's one kept tile ``K`` (``G = sign g total K``)."""
+    alpha = sign * total if isinstance(total, float) else sign
+    out = torch.addmm(zero(x), kept, x, beta=0, alpha=alpha).addmm_(kept.t(), x, alpha=alpha)
+    return out.mul_(g if isinstance(total, float) else g * total)
+
+
+#: The widened one tile's forms (a GPU plan's fp32 products: a host-bound call, fewest launches): ``kernel ->
+#: (forward(s, pos, combine) -> (value, K), the sign of G = sign g total K, whether it serves a combine)``.
+ONE_KEPT: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], float, Callable[[Any], bool]]] = {
+    "pair_softplus": (softplus_one_kept, -1.0, lambda combine: combine[0] is UNIT),
+    "binary": (binary_one_kept, 1.0, lambda combine: isinstance(combine[0], Tensor)),
+}
 
 
 #: Each pair kernel's device form: ``(forward(s, pos, summed, kept), rows(tiles, grads, x, operand, mm))``.
