@@ -50,6 +50,7 @@ class Mutation:
 
 E = f"{PKG}/engine"
 FACTORED_TESTS = ("tests/engine/test_pair_factored.py",)
+PRODUCT_TESTS = ("tests/engine/test_products.py",)
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks",
@@ -1003,7 +1004,7 @@ MUTATIONS = [
              "global loss given its rows' statistics under gather: gathers the rows again for negatives it never reads",
              ("tests/losses/test_matryoshka_gather.py",)),
     # the lean bf16 one tile (engine/one_tile_half.py) and what the GPU plan counts of it
-    Mutation(f"{E}/one_tile_half.py", "    torch.sub(wide, high, out=parts[:, ::3])",
+    Mutation(f"{E}/products.py", "    torch.sub(wide, high, out=parts[:, ::3])",
              "    torch.sub(wide, high, out=parts[:, ::3])\n    parts[:, 3].zero_()",
              "bf16 one tile: the split product drops the rows' remainder on one side", HALF_TILE_TESTS),
     Mutation(f"{E}/one_tile_half.py", "            relation_part = px * 2.0", "            relation_part = px",
@@ -1121,7 +1122,7 @@ MUTATIONS = [
     Mutation(f"{PKG}/losses/_labelled.py", "    return Positives.from_keys(row_keys, keys, self_offset=offset, reader=reader)",
              "    return Positives.from_keys(row_keys, keys, self_offset=offset)",
              "pair terms by labels: their label relation built without its reader", RELATION_READER_TESTS),
-    Mutation(f"{E}/one_tile_half.py", "    high.copy_(wide)  #", "    high[:, :1].copy_(wide[:, :1])  #",
+    Mutation(f"{E}/products.py", "    high.copy_(wide)  #", "    high[:, :1].copy_(wide[:, :1])  #",
              "bf16 one tile: the split product's second high block left unwritten", HALF_TILE_TESTS),
     Mutation(f"{E}/one_tile.py", "    if _transforms_active() or \"apply\" in function.__dict__:", "    if _transforms_active():",
              "lean apply: a replaced apply on the class bypassed", ONE_TILE_TESTS),
@@ -1333,6 +1334,17 @@ MUTATIONS = [
              "        ctx.one_kept = False",
              "the pair terms' widened one tile on a GPU plan builds the gradient tile (the CPU form)",
              ("tests/engine/test_pair_factored.py", "tests/cli/test_traffic.py")),
+    Mutation(f"{E}/products.py", "        return torch.mul(g, self.inverse_root, out=", "        return torch.mul(g, 1.0, out=",
+             "the split products' gradient tiles keep sqrt(scale) (the backward operands carry it)", PRODUCT_TESTS),
+    Mutation(f"{E}/products.py", "        return _mm32(self._rounded(g), self.low_b[c0:c1])",
+             "        return _mm32(self._rounded(g), self.low_a[c0:c1])",
+             "the split products' row product multiplies the anchors, not the candidates", PRODUCT_TESTS),
+    Mutation(f"{E}/products.py", "        return _mm32(self.u[r0:r1], self.v[c0:c1].t(), out)",
+             "        return _mm32(self.u[r0:r1], self.u[c0:c1].t(), out)",
+             "the split logits multiply [l | h | h] by itself (the low parts twice, no h l)", PRODUCT_TESTS),
+    Mutation(f"{E}/products.py", "        if b is a:  # one set: its split serves both sides",
+             "        if True:  # one set: its split serves both sides",
+             "two sets' split products take the anchors' split for the candidates", PRODUCT_TESTS),
 ]
 
 

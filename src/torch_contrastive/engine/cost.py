@@ -238,17 +238,19 @@ class PathCost:
 #: the pair terms' bf16 one tile 2026-11-29 again: the products factored through the kept tiles (engine/pair_factored.py:
 #: PML 19.0 passes, NT-BXent 14.8, for 7 GEMM-equivalents) and the widened one tile (the host-bound pick) keeping one
 #: tile for backward's two GEMMs (PML 40 launches and 22.0 passes where 41 and 30.8, NT-BXent 37 and 18.3 where 43 and 30.8);
+#: the torch loops' strips on tensor cores the same day from split operands (engine/products.py, SplitProducts: a logit
+#: tile one write where three passes; 8 GEMM-equivalents with column terms where 5);
 #: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(46, 25.3, 9.66, 24.15, 5.0, 4.0, 0, 0.0, 1605, 1352),
+    ("columns", "torch", "half"): PathCost(46, 21.7, 9.66, 16.15, 5.0, 8.0, 0, 0.0, 1605, 1170),
     ("columns", "torch", "wide"): PathCost(42, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1292, 971),
     ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7199, 1179),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
-    ("rows", "torch", "half"): PathCost(35, 24.4, 8.04, 14.26, 4.0, 2.25, 0, 0.0, 1433, 1553),
+    ("rows", "torch", "half"): PathCost(35, 20.4, 8.04, 9.26, 4.0, 4.75, 0, 0.0, 1433, 1379),
     ("rows", "torch", "wide"): PathCost(30, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1167, 1218),
     ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 5995, 1105),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
@@ -256,10 +258,10 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6825, 903),
     ("rows", "torch", "fp32"): PathCost(28, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1162, 1218),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
-    ("pair_softplus", "torch", "half"): PathCost(51, 61.9, 19.01, 66.51, 7.0, 5.0, 0, 0.0, 2421, 2315),
+    ("pair_softplus", "torch", "half"): PathCost(51, 55.7, 19.01, 54.51, 7.0, 11.0, 0, 0.0, 2433, 2068),
     ("pair_softplus", "torch", "wide"): PathCost(40, 51.8, 22.01, 52.51, 3.0, 5.0, 0, 0.0, 1940, 1888),
     ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
-    ("binary", "torch", "half"): PathCost(49, 37.9, 14.78, 45.53, 7.0, 4.0, 0, 0.0, 2425, 1418),
+    ("binary", "torch", "half"): PathCost(49, 33.9, 14.78, 37.53, 7.0, 8.0, 0, 0.0, 2425, 1223),
     ("binary", "torch", "wide"): PathCost(37, 30.1, 18.26, 35.53, 3.0, 4.0, 0, 0.0, 1959, 1048),
     ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),
 }

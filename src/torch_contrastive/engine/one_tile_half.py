@@ -39,7 +39,7 @@ from .normalization import l2_normalize, l2_normalize_backward
 from .pair_factored import FORMS
 from .pairwise import combined, combined_grads, total_only
 from .precision import zero
-from .products import _mm32, rounded_mul
+from .products import SPLIT, _mm32, rounded_mul, split_rows
 from .softmax import _total
 from .softmax_tiles import _put, kept_apart_terms, put_both
 
@@ -49,30 +49,6 @@ if TYPE_CHECKING:
     from .softmax_tiles import FlatPlaces
 
 __all__ = ["HalfOneTile", "HalfOneTileMask", "HalfOneTilePairs", "split_rows"]
-
-
-#: The split product's operand dtype: fp16's 11 bits give the two parts 22 (bf16's 8 would give 16).
-SPLIT = torch.float16
-
-
-def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(x, x_low, u, v)`` of fp32 unit rows: ``x = sqrt(scale) * rows`` (fp32), ``x_low`` its rounding to
-    ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [l | h | h]``,
-    ``v = [h | h | l]`` (``h`` the fp16 rounding of ``x``, ``l = x - h`` rounded), so that ``u_i . v_j =
-    x_i . x_j`` to about 2^-21 of ``|x_i| |x_j|``; ``u[:, :2D]`` holds both parts of ``x``.
-
-    Both operands are views of one ``[l | h | h | l]`` buffer (a leading dimension of 4D, which a GEMM reads
-    without a copy), written by two ops: ``h`` into its two adjacent blocks at once, ``l`` into the outer
-    two (a concatenation would add two launches)."""
-    x = rows * math.sqrt(scale)
-    n, dim = x.shape
-    parts = torch.empty(n, 4, dim, dtype=SPLIT, device=x.device)
-    wide = x.unsqueeze(1).expand(n, 2, dim)
-    high = parts[:, 1:3]
-    high.copy_(wide)  # h, rounded as it is written
-    torch.sub(wide, high, out=parts[:, ::3])  # l = x - h, the remainder rounded as it is written
-    flat = parts.view(n, 4 * dim)
-    return x, x.to(dtype), flat[:, : 3 * dim], flat[:, dim:]
 
 
 class HalfOneTile(torch.autograd.Function):

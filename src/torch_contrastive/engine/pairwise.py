@@ -464,7 +464,7 @@ class TorchPairs(PairExecutor):
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
-        prod = make_products(plan.half, (ops.a, ops.b), None, a_c, b_c, scale_c, ops.norms, plan.normalize)
+        prod = make_products(plan.half, (ops.a, ops.b), None, a_c, b_c, scale_c, ops.norms, plan.normalize, not plan.single_tile)
         if plan.single_tile:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             s = prod.logits(0, R, 0, C)
@@ -499,7 +499,7 @@ class TorchPairs(PairExecutor):
         kernel = _KERNELS[plan.kernel]
         raw = (*saved.keep["raw"], None, None)  # a single set's candidates are its anchors
         prod = make_products(plan.half, (raw[0], raw[1]), None, a, a if plan.symmetric else b,
-                             scale, saved.norms, plan.normalize)
+                             scale, saved.norms, plan.normalize, not plan.single_tile)
         if kept:
             if ctx.single and plan.fixed and isinstance(plan.positives, KeyPositives):  # a symmetric relation
                 return Gradients(prod.row_product(kernel.single_grad_fixed_both(tuple(kept), grads)), None, True)

@@ -28,11 +28,13 @@ multiplied is a planning decision (:mod:`.planner`), made here in one place:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .cost import GPUS
 from .precision import Scale, zero
 from .tiling import logits_tile
 
@@ -133,6 +135,30 @@ def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
 WIDENING = [0]
 
 
+#: The split product's operand dtype: fp16's 11 bits give the two parts 22 (bf16's 8 would give 16).
+SPLIT = torch.float16
+
+
+def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(x, x_low, u, v)`` of fp32 unit rows: ``x = sqrt(scale) * rows`` (fp32), ``x_low`` its rounding to
+    ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [l | h | h]``,
+    ``v = [h | h | l]`` (``h`` the fp16 rounding of ``x``, ``l = x - h`` rounded), so that ``u_i . v_j =
+    x_i . x_j`` to about 2^-21 of ``|x_i| |x_j|``; ``u[:, :2D]`` holds both parts of ``x``.
+
+    Both operands are views of one ``[l | h | h | l]`` buffer (a leading dimension of 4D, which a GEMM reads
+    without a copy), written by two ops: ``h`` into its two adjacent blocks at once, ``l`` into the outer
+    two (a concatenation would add two launches)."""
+    x = rows * math.sqrt(scale)
+    n, dim = x.shape
+    parts = torch.empty(n, 4, dim, dtype=SPLIT, device=x.device)
+    wide = x.unsqueeze(1).expand(n, 2, dim)
+    high = parts[:, 1:3]
+    high.copy_(wide)  # h, rounded as it is written
+    torch.sub(wide, high, out=parts[:, ::3])  # l = x - h, the remainder rounded as it is written
+    flat = parts.view(n, 4 * dim)
+    return x, x.to(dtype), flat[:, : 3 * dim], flat[:, dim:]
+
+
 class HalfProducts:
     """Products on tensor cores from the caller's fp16/bf16 rows (see the module docstring).
 
@@ -219,7 +245,57 @@ class HalfProducts:
         acc.add_(self.column_product(_first_columns(g, acc.shape[0]), r0, r1))
 
 
-AnyProducts = Products | HalfProducts
+#: Features below which the split product pays (:class:`SplitProducts`): per logit entry it saves two read-write
+#: passes of fp32 (16 bytes) for two more GEMM-equivalents (4 D FLOPs), so ``D < 4 * FLOP rate / bandwidth`` --
+#: from the cost model's table (the H100's constants: about 1,100 features).
+SPLIT_FEATURES = int(4 * GPUS["H100"].gemm_flops["bfloat16"] / GPUS["H100"].bandwidth)
+
+
+class SplitProducts:
+    """Tensor-core products for bf16 rows with a positive float scale, from split operands: the logits from one
+    GEMM of fp16 parts, ``[l | h | h] @ [h | h | l]^T = x_a . x_b`` to about 2^-21 of the scale (``x = sqrt(scale)
+    z``, ``z`` the fp32 unit rows; :func:`split_rows`), so a logit tile costs one write where
+    :class:`HalfProducts`' factors add two read-write passes per tile, forward and backward; the backward products
+    multiply the gradient tile, rounded once to bf16 with ``1 / sqrt(scale)`` folded in, by ``x`` rounded to bf16 --
+    the same 2^-9 rounding as the tile's own (the lean one tile's scheme, :mod:`.one_tile_half`, on every tile).
+
+    Args:
+        a: ``Â`` (R, D) in fp32 (the unit rows, or the rows as given when not normalised).
+        b: ``B̂`` (C, D); ``a`` itself for a single set.
+        scale: the logit scale (a positive float).
+        dtype: the operand dtype of the backward products (bf16).
+    """
+
+    half = True
+
+    def __init__(self, a: Tensor, b: Tensor, scale: float, dtype: torch.dtype) -> None:
+        self.a, self.dtype, self.inverse_root = a, dtype, 1.0 / math.sqrt(scale)
+        _, self.low_a, self.u, v = split_rows(a, scale, dtype)
+        if b is a:  # one set: its split serves both sides
+            self.low_b, self.v = self.low_a, v
+        else:
+            _, self.low_b, _, self.v = split_rows(b, scale, dtype)
+
+    def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
+        return _mm32(self.u[r0:r1], self.v[c0:c1].t(), out)
+
+    def _rounded(self, g: Tensor) -> Tensor:
+        return torch.mul(g, self.inverse_root, out=torch.empty(g.shape, dtype=self.dtype, device=g.device))
+
+    def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor:
+        return _mm32(self._rounded(g), self.low_b[c0:c1])
+
+    def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
+        return _mm32(self._rounded(g).t(), self.low_a[r0:r1])
+
+    def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
+        acc.add_(self.row_product(g, c0, c1))
+
+    def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
+        acc.add_(self.column_product(_first_columns(g, acc.shape[0]), r0, r1))
+
+
+AnyProducts = Products | HalfProducts | SplitProducts
 
 
 class KernelOperands:
@@ -254,7 +330,7 @@ class KernelOperands:
 
 
 def make_products(half: bool, raw: tuple[Tensor | None, ...], a_s: Tensor | None, a: Tensor, b: Tensor, scale: Scale,
-                  norms: list[Tensor], normalize: bool) -> AnyProducts:
+                  norms: list[Tensor], normalize: bool, tiles: bool = False) -> AnyProducts:
     """The products a plan asked for.
 
     Args:
@@ -264,12 +340,19 @@ def make_products(half: bool, raw: tuple[Tensor | None, ...], a_s: Tensor | None
         a, b: ``Â``, ``B̂`` in the compute dtype.
         norms: ``(denominator, norm)`` of the anchors, then of the candidates unless they
             are the anchors, as the engine's normalisation returned them.
+        tiles: the problem spans tiles (the split's few launches per call pay back on every tile's two passes;
+            one tile, host-bound where the general executor serves it, keeps the factors).
     """
     if not half:
         return Products(a_s, a, b, scale)
     a_raw, b_raw = raw[0], raw[1]
     if a_raw is None:
         raise ValueError("half-precision products need the raw inputs")
+    # unit rows keep the split's fp16 parts in range (rows as given may not); fp16 tiles need a rescale; a tensor
+    # scale (a learnable temperature) needs the remainder product (HalfProducts.split_rows)
+    if tiles and normalize and a_raw.dtype == torch.bfloat16 and isinstance(scale, float) and scale > 0 \
+            and a.shape[1] < SPLIT_FEATURES:
+        return SplitProducts(a, b, scale, a_raw.dtype)
     inv_a = inv_b = None
     if normalize:
         inv_a = norms[0].reciprocal().squeeze(1)
