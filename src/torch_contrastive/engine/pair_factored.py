@@ -23,7 +23,14 @@ FLOPs of one product, which a one-tile size (a few thousand rows) has to spare. 
   ``-g_i sigmoid(log N_i - S_ij)`` on positives; kept ``E`` (the negatives' exponentials: symmetric) and ``T``
   (the positives' sigmoids: not symmetric), so ``H X = r * (E X) + E (r X) - g * (T X) - T^T (g X)`` -- the two
   parts never overlap, so nothing cancels. The positives' terms come from ``d = log N_i - S`` set to ``-inf``
-  off the positives (``softplus(-inf) = sigmoid(-inf) = 0``: no mask multiplies)."""
+  off the positives (``softplus(-inf) = sigmoid(-inf) = 0``: no mask multiplies).
+
+That form is the tensor-core one tile's (the model's pick where the device is the longer: fewest bytes, 7
+GEMM-equivalents). Where the model widens the products instead (a host-bound call, where launches cost more than
+passes: :data:`ONE_KEPT`), forward folds everything but the incoming gradient into **one** kept tile -- PML's
+``K = T - rho E`` (``rho_i = w_i / N_i``), NT-BXent's ``K = sigmoid(z S) W`` (``W`` its two means' weights laid
+over the relation, ``-alpha_i`` on positives) -- and backward is ``K X + K^T X`` and one scaling: three launches
+where the gradient tile took seven. On CPUs neither form runs: a tile in cache pays for passes less than for GEMMs."""
 
 from __future__ import annotations
 
