@@ -1330,7 +1330,7 @@ MUTATIONS = [
              "NT-BXent's one kept tile: the positives' gradient with the negatives' sign", FACTORED_TESTS),
     Mutation(f"{E}/pair_factored.py", ".addmm_(kept.t(), x, alpha=alpha)", ".addmm_(kept, x, alpha=alpha)",
              "the one kept tile read as symmetric (K for K^T)", FACTORED_TESTS),
-    Mutation(f"{E}/one_tile.py", "        ctx.one_kept = plan.decision.device != \"cpu\" and form[2](combine)",
+    Mutation(f"{E}/one_tile.py", "        ctx.one_kept = plan.decision.device != \"cpu\" and ONE_KEPT[plan.kernel][2](combine)",
              "        ctx.one_kept = False",
              "the pair terms' widened one tile on a GPU plan builds the gradient tile (the CPU form)",
              ("tests/engine/test_pair_factored.py", "tests/cli/test_traffic.py")),

@@ -267,10 +267,9 @@ class _OneTilePairs(torch.autograd.Function):
         n = s.shape[0]
         kernel = _KERNELS[plan.kernel]
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
-        form = ONE_KEPT[plan.kernel]
-        ctx.one_kept = plan.decision.device != "cpu" and form[2](combine)
+        ctx.one_kept = plan.decision.device != "cpu" and ONE_KEPT[plan.kernel][2](combine)
         if ctx.one_kept:  # a GPU's widened products (a host-bound call): one kept tile, backward two GEMMs
-            value, tile = form[0](s, plan.positives.tile(0, n, 0, n), combine)
+            value, tile = ONE_KEPT[plan.kernel][0](s, plan.positives.tile(0, n, 0, n), combine)
             ctx.save_for_backward(rows, denom, norm, tile)
             return value
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation

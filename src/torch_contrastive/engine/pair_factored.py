@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .pairwise import UNIT
+from .pairwise import UNIT, _unit
 from .precision import zero
 
 #: ``mm(tile, operand)``: the backward product (fp32 ``torch.mm``, or tensor cores with an fp32 result).
@@ -133,7 +133,7 @@ def softplus_one_kept(s: Tensor, pos: Tensor, combine: Any) -> tuple[Tensor, Ten
     sig = torch.sigmoid_(d)
     rho = sig.sum(1).div_(neg_sum.clamp_min(torch.finfo(neg_sum.dtype).tiny))  # 0 on a row without negatives
     total = combine[1]
-    return (value if type(total) is float and total == 1.0 else value * total), sig.addcmul_(e, rho[:, None], value=-1)
+    return (value if _unit(total) else value * total), sig.addcmul_(e, rho[:, None], value=-1)
 
 
 def binary_one_kept(s: Tensor, pos: Tensor, combine: Any) -> tuple[Tensor, Tensor]:
@@ -150,7 +150,7 @@ def binary_one_kept(s: Tensor, pos: Tensor, combine: Any) -> tuple[Tensor, Tenso
     sig = torch.sigmoid_(zs)
     sig.diagonal().zero_()  # ... and no gradient
     kept = sig.mul_(torch.where(pos, alpha.neg(), beta))
-    return (value * total if isinstance(total, Tensor) or total != 1.0 else value), kept
+    return (value if _unit(total) else value * total), kept
 
 
 def one_kept_rows(kept: Tensor, g: Tensor, total: Any, sign: float, x: Tensor) -> Tensor:

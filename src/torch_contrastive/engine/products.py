@@ -29,6 +29,7 @@ multiplied is a planning decision (:mod:`.planner`), made here in one place:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -159,7 +160,24 @@ def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, 
     return x, x.to(dtype), flat[:, : 3 * dim], flat[:, dim:]
 
 
-class HalfProducts:
+class _AddedProducts(ABC):
+    """The tile loops' accumulation for products that return each tile's product (fp32 from tensor cores): added
+    into the accumulator's slice, where :class:`Products` accumulates in its GEMM (``addmm_``)."""
+
+    @abstractmethod
+    def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor: ...
+
+    @abstractmethod
+    def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor: ...
+
+    def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
+        acc.add_(self.row_product(g, c0, c1))
+
+    def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
+        acc.add_(self.column_product(_first_columns(g, acc.shape[0]), r0, r1))
+
+
+class HalfProducts(_AddedProducts):
     """Products on tensor cores from the caller's fp16/bf16 rows (see the module docstring).
 
     Args:
@@ -238,12 +256,6 @@ class HalfProducts:
         out = _mm32(wide.to(self.dtype).t(), self.a_raw[r0:r1])
         return out if peak is None else out.mul_(peak)
 
-    def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
-        acc.add_(self.row_product(g, c0, c1))
-
-    def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
-        acc.add_(self.column_product(_first_columns(g, acc.shape[0]), r0, r1))
-
 
 #: Features below which the split product pays (:class:`SplitProducts`): per logit entry it saves two read-write
 #: passes of fp32 (16 bytes) for two more GEMM-equivalents (4 D FLOPs), so ``D < 4 * FLOP rate / bandwidth`` --
@@ -251,7 +263,7 @@ class HalfProducts:
 SPLIT_FEATURES = int(4 * GPUS["H100"].gemm_flops["bfloat16"] / GPUS["H100"].bandwidth)
 
 
-class SplitProducts:
+class SplitProducts(_AddedProducts):
     """Tensor-core products for bf16 rows with a positive float scale, from split operands: the logits from one
     GEMM of fp16 parts, ``[l | h | h] @ [h | h | l]^T = x_a . x_b`` to about 2^-21 of the scale (``x = sqrt(scale)
     z``, ``z`` the fp32 unit rows; :func:`split_rows`), so a logit tile costs one write where
@@ -287,12 +299,6 @@ class SplitProducts:
 
     def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
         return _mm32(self._rounded(g).t(), self.low_a[r0:r1])
-
-    def add_rows(self, acc: Tensor, g: Tensor, c0: int, c1: int) -> None:
-        acc.add_(self.row_product(g, c0, c1))
-
-    def add_columns(self, acc: Tensor, g: Tensor, r0: int, r1: int) -> None:
-        acc.add_(self.column_product(_first_columns(g, acc.shape[0]), r0, r1))
 
 
 AnyProducts = Products | HalfProducts | SplitProducts
