@@ -135,6 +135,11 @@ def test_the_widened_one_kept_tile_on_bf16_rows(monkeypatch, one_kept_run, forms
     assert got_x.grad.dtype == torch.bfloat16 and err < 4e-3, err
 
 
+def _on(*tensors):
+    """Copies of ``tensors`` on the test device (the forms run there; the loops read the CPU originals)."""
+    return tuple(x.to(DEVICE, copy=True) for x in tensors)
+
+
 def _tile(n, seed):
     g = torch.Generator().manual_seed(seed)
     z = torch.nn.functional.normalize(torch.randn(n, 5, generator=g, dtype=torch.float64), dim=1)
@@ -168,9 +173,10 @@ def test_the_softplus_forms_per_row_terms_and_products_follow_naive_loops():
     pairs: ``G_ij = r_i e^{S_ij}`` on negatives, ``-g_i sigmoid(log N_i - S_ij)`` on positives."""
     n = 9
     z, s, pos = _tile(n, 1)
-    (per_row,), kept = pair_factored.softplus_forward(s.clone(), pos, False, torch.float64)
+    (per_row,), kept = pair_factored.softplus_forward(*_on(s, pos), False, torch.float64)
     g = torch.linspace(0.5, 1.5, n, dtype=torch.float64)
-    hx = pair_factored.softplus_rows(kept, (g,), z, z, torch.mm)
+    hx = pair_factored.softplus_rows(kept, _on(g), *_on(z, z), torch.mm).cpu()
+    per_row = per_row.cpu()
     want_rows, grad = _pml_loops(s, pos, g)
     torch.testing.assert_close(per_row, want_rows, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)
@@ -181,10 +187,10 @@ def test_the_binary_forms_sums_and_products_follow_naive_loops():
     ``softplus(-S)`` and ``-a_i sigmoid(-S)`` on positives, ``softplus(S)`` and ``b_i sigmoid(S)`` on negatives."""
     n = 9
     z, s, pos = _tile(n, 2)
-    (pos_sum, neg_sum), kept = pair_factored.binary_forward(s.clone(), pos, torch.float64)
+    (pos_sum, neg_sum), kept = pair_factored.binary_forward(*_on(s, pos), torch.float64)
     a = torch.linspace(0.2, 1.0, n, dtype=torch.float64)
     b = torch.linspace(1.5, 0.1, n, dtype=torch.float64)
-    hx = pair_factored.binary_rows(kept, (a, b), z, z, torch.mm)
+    hx = pair_factored.binary_rows(kept, _on(a, b), *_on(z, z), torch.mm).cpu()
     want = torch.zeros(2, n, dtype=torch.float64)
     grad = torch.zeros(n, n, dtype=torch.float64)
     for i in range(n):
@@ -194,7 +200,7 @@ def test_the_binary_forms_sums_and_products_follow_naive_loops():
             sign = -1.0 if pos[i, j] else 1.0
             want[0 if pos[i, j] else 1, i] += math.log1p(math.exp(sign * float(s[i, j])))
             grad[i, j] = (-a[i] if pos[i, j] else b[i]) / (1 + math.exp(-sign * float(s[i, j])))
-    torch.testing.assert_close(torch.stack((pos_sum, neg_sum)), want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.stack((pos_sum, neg_sum)).cpu(), want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)
 
 
@@ -203,16 +209,16 @@ def test_the_one_kept_tiles_follow_naive_loops():
     n = 9
     z, s, pos = _tile(n, 3)
     g = torch.tensor(0.7, dtype=torch.float64)
-    (value, kept) = pair_factored.softplus_one_kept(s.clone(), pos, (pair_factored.UNIT, 0.25))
-    hx = pair_factored.one_kept_rows(kept, g, 0.25, -1.0, z)
+    (value, kept) = pair_factored.softplus_one_kept(*_on(s, pos), (pair_factored.UNIT, 0.25))
+    hx = pair_factored.one_kept_rows(kept, *_on(g), 0.25, -1.0, *_on(z)).cpu()
     rows, grad = _pml_loops(s, pos, (0.25 * g).expand(n))
     assert float(value) == pytest.approx(0.25 * float(rows.sum()), rel=1e-12)
     torch.testing.assert_close(hx, (grad + grad.t()) @ z, rtol=1e-12, atol=1e-14)
 
     weights = torch.stack((torch.linspace(0.2, 1.0, n, dtype=torch.float64), torch.linspace(1.5, 0.1, n, dtype=torch.float64)))
     total = torch.tensor(0.5, dtype=torch.float64)
-    (value, kept) = pair_factored.binary_one_kept(s.clone(), pos, (weights, total))
-    hx = pair_factored.one_kept_rows(kept, g, total, 1.0, z)
+    (value, kept) = pair_factored.binary_one_kept(*_on(s, pos), tuple(_on(weights, total)))
+    hx = pair_factored.one_kept_rows(kept, *_on(g), *_on(total), 1.0, *_on(z)).cpu()
     want, grad = 0.0, torch.zeros(n, n, dtype=torch.float64)
     for i in range(n):
         for j in (j for j in range(n) if j != i):

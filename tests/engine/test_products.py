@@ -69,8 +69,8 @@ def test_a_learnable_temperature_keeps_the_factor_products(monkeypatch):
     monkeypatch.setattr(planner, "PRODUCTS", "half")
     made = []
     monkeypatch.setattr(products.SplitProducts, "__init__", lambda self, *args: made.append(args))
-    x = torch.randn(20, 8, dtype=torch.bfloat16, requires_grad=True)
-    tau = torch.tensor(0.1, requires_grad=True)
+    x = torch.randn(20, 8, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    tau = torch.tensor(0.1, device=DEVICE, requires_grad=True)
     with planner.simulate("cuda"):
         tc.image_text_contrastive_loss(x, x.detach().flip(0), tau, chunk_size=8).backward()
     assert made == [] and tau.grad is not None
@@ -85,7 +85,7 @@ def test_the_split_pays_below_the_features_the_cost_model_sets():
     h100 = GPUS["H100"]
     assert products.SPLIT_FEATURES == int(4 * h100.gemm_flops["bfloat16"] / h100.bandwidth)
     for dim, split in ((products.SPLIT_FEATURES - 1, True), (products.SPLIT_FEATURES, False)):
-        raw = torch.randn(4, dim).bfloat16()
+        raw = torch.randn(4, dim, device=DEVICE).bfloat16()
         rows, norm = torch.nn.functional.normalize(raw.float(), dim=1), raw.float().norm(dim=1, keepdim=True)
         made = products.make_products(True, (raw, None), None, rows, rows, 10.0, [norm, norm], True, True)
         assert isinstance(made, products.SplitProducts) == split, dim
