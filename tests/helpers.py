@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from device import DEVICE
 
-__all__ = ["DTYPES", "TAU_TOLS", "compare", "count_applies", "queue_problem", "rand_rows", "two_set_problem"]
+__all__ = ["DTYPES", "TAU_TOLS", "compare", "count_applies", "queue_problem", "rand_rows", "softmax_cases", "two_set_problem"]
 
 
 def count_applies(monkeypatch, functions):
@@ -143,3 +143,21 @@ class OpNames(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
+
+
+def softmax_cases(labels):
+    """The soft-max losses on the torch backend at temperature 0.07 or 0.1 beside their float64 formulas: ``(name,
+    ours(a, b, chunk), formula(a, b), which of a and b take a gradient)`` (SupCon on ``labels``)."""
+    import reference as ref
+    import torch_contrastive as tc
+
+    return [
+        ("clip", lambda a, b, chunk: tc.image_text_contrastive_loss(a, b, 0.07, chunk_size=chunk, backend="torch"),
+         lambda a, b: ref.image_text(a, b, 0.07), (True, True)),
+        ("clip constant texts", lambda a, b, chunk: tc.image_text_contrastive_loss(a, b, 0.1, chunk_size=chunk, backend="torch"),
+         lambda a, b: ref.image_text(a, b, 0.1), (True, False)),
+        ("nt_xent", lambda a, b, chunk: tc.nt_xent_loss(a, 0.1, pairing="halves", chunk_size=chunk, backend="torch"),
+         lambda a, b: ref.nt_xent(a, 0.1, pairing="halves"), (True, False)),
+        ("supcon", lambda a, b, chunk: tc.supcon_loss(a, labels, temperature=0.1, chunk_size=chunk, backend="torch"),
+         lambda a, b: ref.supcon(a, 0.1, labels=labels.cpu()), (True, False)),
+    ]

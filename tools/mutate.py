@@ -51,6 +51,7 @@ class Mutation:
 E = f"{PKG}/engine"
 FACTORED_TESTS = ("tests/engine/test_pair_factored.py",)
 PRODUCT_TESTS = ("tests/engine/test_products.py",)
+FACTORED_STRIP_TESTS = ("tests/engine/test_factored_strips.py",)
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks",
@@ -638,8 +639,8 @@ MUTATIONS = [
              "NT-Xent's pairings swapped in the one pass", ("tests/losses/test_matryoshka.py",)),
     Mutation(f"{E}/prefix_sigmoid.py", "            db = db + weight * tile.sum()", "            db = db + tile.sum()",
              "the bias's gradient ignores the prefix weight and the incoming gradient", ("tests/losses/test_matryoshka.py",)),
-    Mutation(f"{E}/problem_plan.py", "stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, _tf32(), relation,",
-             "stat.fixed, None, planner.GPU_BUDGET, planner.PRODUCTS, _tf32(), relation,",
+    Mutation(f"{E}/problem_plan.py", "stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, _tf32(), relation,",
+             "stat.fixed, None, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, _tf32(), relation,",
              "a kept plan answers a problem with another bound (the regime decided for the first)",
              ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/problem_plan.py",
@@ -1075,7 +1076,7 @@ MUTATIONS = [
     Mutation(f"{E}/problem_plan.py", "    return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED,",
              "    return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, None,",
              "a simulated GPU's kept plan served to this machine's own call", ("tests/engine/test_planner.py",)),
-    Mutation(f"{E}/planner.py", "           traits, _tf32(), _SIMULATED_AREA)", "           traits, _tf32())",
+    Mutation(f"{E}/planner.py", "           traits, _tf32(), _SIMULATED_AREA, FACTORED)", "           traits, _tf32(), FACTORED)",
              "a decision kept for a small count served to the size it stands for", ("tests/cli/test_traffic.py",)),
     Mutation(f"{E}/problem_plan.py",
              "                choose_backend(problem.options.backend, lambda: triton_refusal(problem), lambda: epilogue_refusal(problem))\n",
@@ -1345,6 +1346,33 @@ MUTATIONS = [
     Mutation(f"{E}/products.py", "        if b is a:  # one set: its split serves both sides",
              "        if True:  # one set: its split serves both sides",
              "two sets' split products take the anchors' split for the candidates", PRODUCT_TESTS),
+    Mutation(f"{E}/factored_strips.py", "    return torch.addcmul(acc[:, dim:], acc[:, :dim], outer[:, None])",
+             "    return torch.addcmul(acc[:, :dim], acc[:, dim:], outer[:, None])",
+             "the factored strips finish a side with the two halves of its product swapped", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/factored_strips.py", "    torch.mul(m, inner[:, None], out=both[:, 1])  # rounded as it is written",
+             "    torch.mul(m, outer[:, None], out=both[:, 1])  # rounded as it is written",
+             "the factored strips' operand carries the outer coefficient, not the inner one", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/factored_strips.py", "        return acc.mul_(outer[:, None])", "        return acc",
+             "without column terms the factored strips leave the rows' coefficient out", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/factored_strips.py", "        leave_out(e, r0, r1, c0, c1, plan)", "        pass",
+             "the factored strips keep the excluded entries of exp(S)", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/factored_strips.py", "            if c0 != r0:  # a diagonal tile's E already holds both roles of its pairs",
+             "            if True:  # a diagonal tile's E already holds both roles of its pairs",
+             "the factored triangle adds a diagonal tile's transpose again", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/factored_strips.py", "    b_op = _operand(a, u, u, dtype) if plan.symmetric else _operand(b, v, u, dtype)",
+             "    b_op = _operand(a, u, u, dtype) if plan.symmetric else _operand(b, u, v, dtype)",
+             "the factored strips' row operand takes the rows' coefficient inside", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/planner.py", "        and _factors(device, dtype, other_dtype, half, (rows, cols, tile), traits)",
+             "        and True",
+             "the planner factors every bounded strip (fp16 too, and fp32 at any width)",
+             ("tests/engine/test_factored_strips.py::test_the_planner_factors_where_the_model_prices_it_lower",)),
+    Mutation(f"{E}/cost.py", "    return predict_path(path, \"torch\", rows, cols, dim, dtype, tiles, gpu) <= \\",
+             "    return predict_path(path, \"torch\", rows, cols, dim, dtype, tiles, gpu) >= \\",
+             "factoring is taken where the model prices it higher", FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/problem_plan.py", "        factored=decision.factored and not (decision.half and isinstance(problem.scale, torch.Tensor)))",
+             "        factored=decision.factored)",
+             "a learnable temperature on tensor cores factors (its gradient loses the remainder product)",
+             FACTORED_STRIP_TESTS),
 ]
 
 

@@ -9,19 +9,13 @@ import torch
 import reference as ref
 import torch_contrastive as tc
 from device import DEVICE
+from helpers import softmax_cases
 from torch_contrastive.engine import planner, products
 
 
 def _cases(labels):
     return [
-        ("clip", lambda a, b, chunk: tc.image_text_contrastive_loss(a, b, 0.07, chunk_size=chunk, backend="torch"),
-         lambda a, b: ref.image_text(a, b, 0.07), (True, True)),
-        ("clip constant texts", lambda a, b, chunk: tc.image_text_contrastive_loss(a, b, 0.1, chunk_size=chunk, backend="torch"),
-         lambda a, b: ref.image_text(a, b, 0.1), (True, False)),
-        ("nt_xent", lambda a, b, chunk: tc.nt_xent_loss(a, 0.1, pairing="halves", chunk_size=chunk, backend="torch"),
-         lambda a, b: ref.nt_xent(a, 0.1, pairing="halves"), (True, False)),
-        ("supcon", lambda a, b, chunk: tc.supcon_loss(a, labels, temperature=0.1, chunk_size=chunk, backend="torch"),
-         lambda a, b: ref.supcon(a, 0.1, labels=labels.cpu()), (True, False)),
+        *softmax_cases(labels),
         ("pml", lambda a, b, chunk: tc.nt_xent_loss(a, 0.1, labels=labels, chunk_size=chunk, backend="torch"),
          lambda a, b: ref.nt_xent_pml(a, labels.cpu(), 0.1), (True, False)),
         ("nt_bxent", lambda a, b, chunk: tc.nt_bxent_loss(a, temperature=0.2, labels=labels, chunk_size=chunk, backend="torch"),

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 __all__ = [
     "BYTECODES_PER_OP",
+    "FORMED_STRIPS",
     "FUSED",
     "GPUS",
     "MEASURED",
@@ -41,14 +42,17 @@ __all__ = [
     "RELATION_FORMS",
     "TILE_RELATION_FORMS",
     "Counts",
+    "FormedStrips",
     "Fused",
     "Gpu",
     "Measured",
     "PathCost",
+    "factoring_pays",
     "fit",
     "fit_bytecodes",
     "fit_fused",
     "fit_host",
+    "formed",
     "host_time",
     "kernels",
     "path_terms",
@@ -239,24 +243,27 @@ class PathCost:
 #: PML 19.0 passes, NT-BXent 14.8, for 7 GEMM-equivalents) and the widened one tile (the host-bound pick) keeping one
 #: tile for backward's two GEMMs (PML 40 launches and 22.0 passes where 41 and 30.8, NT-BXent 37 and 18.3 where 43 and 30.8);
 #: the torch loops' strips on tensor cores the same day from split operands (engine/products.py, SplitProducts: a logit
-#: tile one write where three passes; 8 GEMM-equivalents with column terms where 5);
+#: tile one write where three passes; 8 GEMM-equivalents with column terms where 5); the soft-max terms' torch strips
+#: 2026-11-29 again with their backward factored (engine/factored_strips.py: CLIP 8.65 passes on tensor cores where
+#: 16.15, 10.15 widened where 14.15; NT-Xent 4.95 and 5.76 where 9.26 and 8.26; the formed tile's counts beside them in
+#: :data:`FORMED_STRIPS`, which the planner prices where factoring does not pay);
 #: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
 #: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
 #: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(46, 21.7, 9.66, 16.15, 5.0, 8.0, 0, 0.0, 1605, 1170),
-    ("columns", "torch", "wide"): PathCost(42, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1292, 971),
+    ("columns", "torch", "half"): PathCost(46, 17.8, 9.66, 8.65, 5.0, 10.0, 0, 0.0, 1605, 1078),
+    ("columns", "torch", "wide"): PathCost(42, 14.9, 11.16, 10.15, 3.0, 6.0, 0, 0.0, 1292, 919),
     ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7199, 1179),
     ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
-    ("rows", "torch", "half"): PathCost(35, 20.4, 8.04, 9.26, 4.0, 4.75, 0, 0.0, 1433, 1379),
-    ("rows", "torch", "wide"): PathCost(30, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1167, 1218),
+    ("rows", "torch", "half"): PathCost(35, 16.8, 8.04, 4.95, 4.0, 5.75, 0, 0.0, 1433, 1294),
+    ("rows", "torch", "wide"): PathCost(30, 14.8, 9.04, 5.76, 2.0, 3.25, 0, 0.0, 1167, 1157),
     ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 5995, 1105),
     ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
-    ("columns", "torch", "fp32"): PathCost(40, 16.7, 11.16, 14.15, 3.0, 4.0, 0, 0.0, 1287, 971),
+    ("columns", "torch", "fp32"): PathCost(40, 14.9, 11.16, 10.15, 3.0, 6.0, 0, 0.0, 1287, 918),
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6825, 903),
-    ("rows", "torch", "fp32"): PathCost(28, 16.7, 9.04, 8.26, 2.0, 2.25, 0, 0.0, 1162, 1218),
+    ("rows", "torch", "fp32"): PathCost(28, 14.8, 9.04, 5.76, 2.0, 3.25, 0, 0.0, 1162, 1157),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
     ("pair_softplus", "torch", "half"): PathCost(51, 55.7, 19.01, 54.51, 7.0, 11.0, 0, 0.0, 2433, 2068),
     ("pair_softplus", "torch", "wide"): PathCost(40, 51.8, 22.01, 52.51, 3.0, 5.0, 0, 0.0, 1940, 1888),
@@ -265,6 +272,56 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("binary", "torch", "wide"): PathCost(37, 30.1, 18.26, 35.53, 3.0, 4.0, 0, 0.0, 1959, 1048),
     ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),
 }
+
+
+@dataclass(frozen=True)
+class FormedStrips:
+    """What the torch loops' bounded strips of the soft-max terms cost with the gradient tile formed
+    (``G = (u_i + v_j) exp(S)``, then its two products) beyond the factored form that :data:`PATHS` counts
+    (:mod:`~.factored_strips`: the products multiply ``exp(S)`` against operands twice as wide). Counted on the
+    GPU plan with each form forced (``tests/cli/test_traffic.py`` re-counts them).
+
+    Attributes:
+        passes: fp32 passes over the logits the formed tile adds (strips).
+        per_tile: launches it adds per further tile (as :attr:`PathCost.per_tile`: the call's own difference
+            spread over the tiles counted).
+        gemms: GEMM-equivalents it adds (negative: its products are half as wide).
+        bytecodes_per_tile: Python bytecodes it adds per further tile.
+    """
+
+    passes: float
+    per_tile: float
+    gemms: float
+    bytecodes_per_tile: float
+
+
+#: Per (problem kind, operands) of :data:`PATHS`' torch rows: CLIP (``"columns"``) and NT-Xent (``"rows"``), 256
+#: rows of 48 features, 4 x 4 tiles of 64, counted 2026-11-29. Tensor-core operands only in bf16 (fp16's ``exp(S)``
+#: overflows past ``S = 11``: its strips keep the formed tile, priced by these entries added to the factored ones).
+FORMED_STRIPS: dict[tuple[str, str], FormedStrips] = {
+    ("columns", "half"): FormedStrips(7.5, 3.9, -2.0, 92),
+    ("columns", "wide"): FormedStrips(4.0, 1.7, -2.0, 53),
+    ("columns", "fp32"): FormedStrips(4.0, 1.7, -2.0, 53),
+    ("rows", "half"): FormedStrips(4.31, 3.7, -1.0, 86),
+    ("rows", "wide"): FormedStrips(2.5, 1.9, -1.0, 62),
+    ("rows", "fp32"): FormedStrips(2.5, 1.9, -1.0, 62),
+}
+
+
+def formed(path: PathCost, extra: FormedStrips) -> PathCost:
+    """``path`` (a torch row of :data:`PATHS`, the factored strips) with the gradient tile formed instead."""
+    return replace(path, passes_strips=path.passes_strips + extra.passes, per_tile=path.per_tile + extra.per_tile,
+                   gemms_strips=path.gemms_strips + extra.gemms,
+                   bytecodes_per_tile=path.bytecodes_per_tile + extra.bytecodes_per_tile)
+
+
+def factoring_pays(path: PathCost, extra: FormedStrips, rows: int, cols: int, dim: int, dtype: str, tiles: int,
+                   gpu: Gpu | str = "H100") -> bool:
+    """Whether the factored strips (``path``) are predicted no slower than the formed tile (``path`` plus
+    ``extra``): their wider GEMMs against the formed tile's passes and launches; ``dtype`` the GEMMs' (a
+    widened call's fp32 GEMMs price the width at the fp32 rate, so there it pays only at small ``dim``)."""
+    return predict_path(path, "torch", rows, cols, dim, dtype, tiles, gpu) <= \
+        predict_path(formed(path, extra), "torch", rows, cols, dim, dtype, tiles, gpu)
 
 
 @dataclass(frozen=True)

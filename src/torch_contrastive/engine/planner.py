@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cost import PATHS, PathCost, predict_path
+from .cost import FORMED_STRIPS, PATHS, PathCost, factoring_pays, formed, predict_path
 from .precision import fixed_scale_applies
 from .recorded import record
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
@@ -66,6 +66,9 @@ class Decision:
             rows as given (one half dtype on both sides); None: the compute dtype.
         predicted: on a GPU, the cost model's time of each backend it has counts for (a prediction,
             in seconds): what ``"auto"`` chose from.
+        factored: the torch loops' bounded soft-max strips multiply ``exp(S)`` itself in backward, the
+            coefficients on the operands (:mod:`.factored_strips`): where the cost model prices that lower
+            (:data:`FACTORED`).
         executor: in :func:`~.recorded.explain`'s answer, the executor that ran the plan (``"one_tile"``: the lean
             one-tile executor, :mod:`.one_tile`; else the backend's); ``""`` from :func:`decide` alone, which
             makes no plan. Not compared: the same decision, whichever executor ran it.
@@ -83,6 +86,7 @@ class Decision:
     operand_dtype: torch.dtype | None = None
     predicted: tuple[tuple[str, float], ...] = ()
     tile_cols: int = 0
+    factored: bool = False
     executor: str = field(default="", compare=False)
 
     def __str__(self) -> str:
@@ -246,7 +250,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
     served = (triton_serves() is None, epilogue_serves is not None and epilogue_serves() is None) if by_model else None
     cacheable = backend in ("auto", "torch")
     key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS, served,
-           traits, _tf32(), _SIMULATED_AREA)
+           traits, _tf32(), _SIMULATED_AREA, FACTORED)
     decision = _DECISIONS.get(key) if cacheable else None
     if decision is None:
         decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed,
@@ -315,8 +319,38 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
                                   if device.type == "cuda" else 8, strips)
     single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
+    factored = kernel == "softmax" and chosen == "torch" and fixed and not single and not tile_cols \
+        and _factors(device, dtype, other_dtype, half, (rows, cols, tile), traits)
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
-                    predicted, 0 if single else tile_cols)
+                    predicted, 0 if single else tile_cols, factored)
+
+
+#: The torch loops' bounded soft-max strips in backward: ``"auto"`` factored (:mod:`.factored_strips`) where the cost
+#: model prices it below the formed gradient tile on a GPU, ``"on"`` on any device (tests: a CPU runs the GPU's form),
+#: ``"off"`` never. fp16 tensor-core products always form the tile (``exp(S)`` overflows fp16).
+FACTORED = "auto"
+
+
+def _factors(device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype, half: bool, shape: tuple[int, int, int],
+             traits: Traits) -> bool:
+    """Whether the bounded strips' backward is factored (:data:`FACTORED`): on a GPU by the model at the size the
+    problem stands for (:func:`simulate`'s area), over the tiles ``shape = (rows, cols, tile)`` visits."""
+    if half and dtype == torch.float16:
+        return False
+    if FACTORED != "auto":
+        return FACTORED == "on"
+    operands = "half" if half else "wide" if dtype in _HALF and other_dtype == dtype else "fp32" \
+        if dtype == other_dtype == torch.float32 else None
+    kind = "columns" if traits.columns else "rows"
+    path, extra = PATHS.get((kind, "torch", operands or "")), FORMED_STRIPS.get((kind, operands or ""))
+    if device.type != "cuda" or path is None or extra is None:
+        return False
+    rows, cols, tile = shape
+    per_side = math.ceil(rows / tile), math.ceil(cols / tile)
+    visited = per_side[0] * (per_side[0] + 1) // 2 if traits.symmetric and per_side[0] == per_side[1] else per_side[0] * per_side[1]
+    side = math.sqrt(_SIMULATED_AREA)
+    return factoring_pays(path, extra, round(rows * side), round(cols * side), traits.dim,
+                          "bfloat16" if half else "float32", visited)
 
 
 def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
@@ -426,6 +460,10 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
         triangle = traits.symmetric and per_side[0] == per_side[1] and (traits.pairs is None or backend == "torch")
         tiles = math.ceil(rows / strip) if strip else per_side[0] * (per_side[0] + 1) // 2 if triangle \
             else per_side[0] * per_side[1]
+        extra = FORMED_STRIPS.get((kind, counted)) if backend == "torch" and tiles > 1 else None
+        if extra is not None and (FACTORED == "off" or (counted == "half" and dtype == torch.float16) or (
+                FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, traits.dim, gemm_dtype, tiles))):
+            path = formed(path, extra)  # the strips' backward forms its gradient tile (the planner's ``factored``)
         out.append((label, (path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles)))
     return out
 

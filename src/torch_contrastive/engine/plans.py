@@ -132,6 +132,9 @@ class SoftmaxPlan(_Device):
             instead of once per set).
         one_tile: the lean one-tile executor serves the plan (:func:`~.problem_plan.one_tile`:
             :mod:`.one_tile`, the commonest small call without the general executor's Python).
+        factored: the bounded tile loop's backward multiplies ``exp(S)`` itself, its coefficients applied to the
+            operands and accumulators (:mod:`.factored_strips`): the planner's ``factored`` where a tensor-core
+            call's scale is a float (a learnable one keeps the formed tile, whose rounding remainder it multiplies).
     """
 
     decision: Decision
@@ -153,6 +156,7 @@ class SoftmaxPlan(_Device):
     weighted: bool = False
     stack_rows: bool = False
     one_tile: bool = False
+    factored: bool = False
 
     @property
     def executor(self) -> str:

@@ -106,7 +106,8 @@ def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
         return None
     a, c, opts = problem.anchors, problem.candidates, problem.options
     return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
-            opts.chunk_size, opts.backend, stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, _tf32(), relation, problem.self_offset,
+            opts.chunk_size, opts.backend, stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, _tf32(), relation,
+            problem.self_offset,
             problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
             stat.columns_share_alpha, stat.row_weights[0] is not None, stat.row_weights[1] is not None,
             stat.col_weights[0] is not None, stat.col_weights[1] is not None)
@@ -175,7 +176,8 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
                          decision.backend),
         places=places,
         weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)),
-        stack_rows=_stacks(decision, problem))
+        stack_rows=_stacks(decision, problem),
+        factored=decision.factored and not (decision.half and isinstance(problem.scale, torch.Tensor)))
     return replace(chosen, one_tile=True) if one_tile(chosen, problem) else chosen
 
 

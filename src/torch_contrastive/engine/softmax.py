@@ -26,6 +26,7 @@ from torch import Tensor
 from .._tensors import as_dtype
 from .confident import coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
+from .factored_strips import backward_factored
 from .left_out import Direction
 from .precision import Scale
 from .problem import Options, Problem, Softmax
@@ -184,6 +185,8 @@ class TorchSoftmax(SoftmaxExecutor):
                              not plan.single_tile)
         if kept is not None:
             return single_backward(kept, prod, b, row, col, *folded, plan, by_sums)
+        if plan.factored:
+            return backward_factored(prod, a, b, row, col, plan)
         return (backward_fixed if plan.fixed else backward_online)(prod, a, b, row, col, plan)
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..positives import Positives
     from .plans import SoftmaxPlan
 
-__all__ = ["backward_fixed", "backward_online", "complete_columns", "fixed_lse", "forward_fixed", "forward_online", "single_backward",
+__all__ = ["backward_fixed", "backward_online", "complete_columns", "fixed_lse", "forward_fixed", "forward_online", "leave_out", "single_backward",
            "single_forward"]
 
 
@@ -432,7 +432,7 @@ def backward_fixed(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col:
             g.mul_(torch.add(u[r0:r1, None], v[None, c0:c1], out=bufs.get(r1 - r0, c1 - c0, 1)))
         else:
             g.mul_(u[r0:r1, None])
-        _leave_out(g, r0, r1, c0, c1, plan)
+        leave_out(g, r0, r1, c0, c1, plan)
         return g
 
     return gradient_sweep(prod, a, b, plan.tile, plan.symmetric, grad_tile, plan.grad_columns)
@@ -447,13 +447,13 @@ def backward_online(prod: AnyProducts, a: Tensor, b: Tensor, row: Direction, col
         g = torch.sub(s, row_lse[r0:r1, None], out=bufs.get(r1 - r0, c1 - c0, 1)).exp_().mul_(g_row[r0:r1, None])
         if col is not None:
             g.add_(s.sub_(col[1][None, c0:c1]).exp_().mul_(col[0][None, c0:c1]))
-        _leave_out(g, r0, r1, c0, c1, plan)
+        leave_out(g, r0, r1, c0, c1, plan)
         return g
 
     return gradient_sweep(prod, a, b, plan.tile, plan.symmetric, grad_tile, plan.grad_columns)
 
 
-def _leave_out(g: Tensor, r0: int, r1: int, c0: int, c1: int, plan: SoftmaxPlan) -> None:
+def leave_out(g: Tensor, r0: int, r1: int, c0: int, c1: int, plan: SoftmaxPlan) -> None:
     """Zero the self pairs and the excluded entries of a gradient tile."""
     diag = self_diagonal(g, r0, c0, plan.self_offset)
     if diag is not None:
