@@ -52,6 +52,7 @@ E = f"{PKG}/engine"
 FACTORED_TESTS = ("tests/engine/test_pair_factored.py",)
 PRODUCT_TESTS = ("tests/engine/test_products.py",)
 FACTORED_STRIP_TESTS = ("tests/engine/test_factored_strips.py",)
+PAIR_STRIP_TESTS = ("tests/engine/test_pair_strips.py",)
 CONFIDENT_TESTS = ("tests/engine/test_confident.py", "tests/engine/test_engine.py")
 EPILOGUE_TESTS = ("tests/engine/test_epilogue.py",)
 GATHER_COUNT_TESTS = ("tests/test_distributed.py::test_a_gathered_call_reads_the_ranks_sizes_once_and_its_launches_do_not_grow_with_the_ranks",
@@ -1373,6 +1374,39 @@ MUTATIONS = [
              "        factored=decision.factored)",
              "a learnable temperature on tensor cores factors (its gradient loses the remainder product)",
              FACTORED_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "    return s if pos is None else s.addcmul_(s, pos, value=-2)",
+             "    return s if pos is None else s.addcmul_(s, pos, value=-1)",
+             "NT-BXent's strips: the positives' logits zeroed, not negated", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "            row_sum[c0:c1] += loss.sum(0)", "            row_sum[c0:c1] += loss.sum(1)",
+             "NT-BXent's triangle: a tile's column block takes its row sums", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "                pos_sum[c0:c1] += part.sum(0)", "                pass",
+             "NT-BXent's triangle: the column block's positives left out of its positives' sum", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "    if diag is not None:  # the self pair: no gradient\n        diag.zero_()",
+             "    if diag is not None:  # the self pair: no gradient\n        pass",
+             "NT-BXent's strips: the self pair keeps a gradient", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "        torch.mul(sig, pos, out=stack[n:])", "        stack[n:].copy_(sig)",
+             "NT-BXent's strips: Q is every pair's sigmoid, not the positives'", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "prod_rows[:n]).addcmul_(both[r0:r1, None], prod_rows[n:], value=-1)",
+             "prod_rows[:n]).addcmul_(coef_neg[r0:r1, None], prod_rows[n:], value=-1)",
+             "NT-BXent's full walk weighs Q by b, not a + b", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "            weighted = _weighted(a[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)",
+             "            weighted = _weighted(a[r0:r1], both[r0:r1], coef_neg[r0:r1], dtype)",
+             "NT-BXent's full walk: the column operand's two coefficients swapped", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "            out.addcmul_(both[r0:r1, None], top[n:, :dim], value=-1).sub_(top[n:, 2 * dim :])",
+             "            out.addcmul_(both[r0:r1, None], top[n:, :dim], value=-1)",
+             "NT-BXent's triangle drops Q (c X) from a tile's rows", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "        if c0 == r0:  # a diagonal tile's H already holds both roles of its pairs",
+             "        if False:  # a diagonal tile's H already holds both roles of its pairs",
+             "NT-BXent's triangle adds a diagonal tile's columns again", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "            out.addcmul_(both[c0:c1, None], side[:, 2 * dim :])",
+             "            out.addcmul_(coef_neg[c0:c1, None], side[:, 2 * dim :])",
+             "NT-BXent's triangle weighs the columns' Q part by b, not a + b", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/pair_strips.py", "    out[n:, 2 * dim :].neg_()", "    pass",
+             "NT-BXent's triangle: the column operand's last block is +X", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/problem_plan.py", "                              and positives.self_offset == 0)",
+             "                              and positives.self_offset == 0 and False)",
+             "NT-BXent's GPU strips on an unsorted label relation walk every tile (not its triangle)",
+             (*PAIR_STRIP_TESTS, "tests/cli/test_traffic.py::test_the_torch_strips_on_the_gpu_plan_move_no_more_than_the_dense_formula")),
 ]
 
 

@@ -246,7 +246,10 @@ class PathCost:
 #: tile one write where three passes; 8 GEMM-equivalents with column terms where 5); the soft-max terms' torch strips
 #: 2026-11-29 again with their backward factored (engine/factored_strips.py: CLIP 8.65 passes on tensor cores where
 #: 16.15, 10.15 widened where 14.15; NT-Xent 4.95 and 5.76 where 9.26 and 8.26; the formed tile's counts beside them in
-#: :data:`FORMED_STRIPS`, which the planner prices where factoring does not pay);
+#: :data:`FORMED_STRIPS`, which the planner prices where factoring does not pay); NT-BXent's torch strips the same day
+#: from one signed tile each, a label relation's triangle, backward factored through [sig ; Q] (engine/pair_strips.py:
+#: 13.21 passes on tensor cores where 37.53, 15.15 widened where 35.53; its per-tile counts over the 10 tiles of the
+#: triangle it now walks);
 #: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
@@ -268,8 +271,8 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("pair_softplus", "torch", "half"): PathCost(51, 55.7, 19.01, 54.51, 7.0, 11.0, 0, 0.0, 2433, 2068),
     ("pair_softplus", "torch", "wide"): PathCost(40, 51.8, 22.01, 52.51, 3.0, 5.0, 0, 0.0, 1940, 1888),
     ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
-    ("binary", "torch", "half"): PathCost(49, 33.9, 14.78, 37.53, 7.0, 8.0, 0, 0.0, 2425, 1223),
-    ("binary", "torch", "wide"): PathCost(37, 30.1, 18.26, 35.53, 3.0, 4.0, 0, 0.0, 1959, 1048),
+    ("binary", "torch", "half"): PathCost(49, 31.8, 14.78, 13.21, 7.0, 9.75, 0, 0.0, 2425, 1346),
+    ("binary", "torch", "wide"): PathCost(37, 32.4, 18.26, 15.15, 3.0, 7.25, 0, 0.0, 1962, 1263),
     ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),
 }
 

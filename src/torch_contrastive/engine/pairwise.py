@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .._tensors import as_dtype, clear_self_diagonal
 from ..positives import KeyPositives
+from . import pair_strips
 from .driver import Gradients, Operands, Saved, run
 from .precision import Scale, zero
 from .problem import Combine, Options, PairTerms, Problem
@@ -477,6 +478,8 @@ class TorchPairs(PairExecutor):
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)
             return outputs, {"kernel": (), "kept": kept}
+        if pair_strips.serves(plan):  # NT-BXent's strips on a GPU plan: one signed tile each, backward factored
+            return pair_strips.binary_forward(prod, R, C, plan), {"kernel": (), "kept": ()}
         kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
         if plan.symmetric:
             _symmetric_forward(kernel, prod, R, plan)
@@ -507,6 +510,8 @@ class TorchPairs(PairExecutor):
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients(prod.row_product(g + g.t()), None, True)
             return Gradients(prod.row_product(g), prod.column_product(g))
+        if pair_strips.serves(plan):
+            return Gradients(*pair_strips.binary_backward(prod, a, b, grads, plan, columns=True))
 
         def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
             if not plan.is_mixed(r0, c0):

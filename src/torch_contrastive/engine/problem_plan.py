@@ -237,6 +237,11 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
+    # NT-BXent's strips on a GPU plan (engine/pair_strips.py) walk a label relation's triangle sorted or not: its
+    # factored tiles then do half the elementwise work
+    symmetric = symmetric or (stat.kernel == "binary" and decision.device != "cpu" and decision.backend == "torch"
+                              and decision.tile != 0 and problem.single and isinstance(positives, KeyPositives)
+                              and positives.self_offset == 0)
     # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
     # (in the compute dtype, or bf16 on tensor cores: engine/one_tile_half.py; fp16 keeps the general scheme)
     one_tile = (problem.single and isinstance(positives, KeyPositives) and positives.self_offset == 0

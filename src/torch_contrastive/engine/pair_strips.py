@@ -1,0 +1,200 @@
+"""NT-BXent's strips on a GPU plan: each tile's terms from one signed tile, and backward's products factored
+through ``sigmoid(z S)`` and its positives' part, stacked into one buffer -- no gradient tile is formed.
+
+Every pair's loss is ``softplus(z_ij S_ij)`` (``z = -1`` on positives, the self pair left out), and with the
+per-row coefficients ``a`` of the positives' sum and ``b`` of the negatives' the gradient tile is
+
+    G_ij = sigmoid(z_ij S_ij) (b_i - P_ij c_i),   c = a + b,
+
+so with ``sig = sigmoid(z S)`` and ``Q = sig * P`` (both written once, stacked as ``[sig ; Q]`` in the products'
+dtype -- bf16 on tensor cores, rounded as written)::
+
+    G X_c   = b * (sig X_c) - c * (Q X_c)            -- one GEMM of [sig ; Q] against X_c
+    G^T X_r = sig^T (b X_r) - Q^T (c X_r)            -- one GEMM of [sig ; Q]^T against [b X_r ; -c X_r]
+
+Forward writes ``z S`` over the logit tile (``S - 2 P S``: one op on the bool relation), then its softplus; a
+row's negatives' sum is its whole sum less its positives' (an absolute error of a rounding of the row's sum, as
+the one tile's, :mod:`.pair_factored`). A tile without a positive or self pair skips the relation. The CPU keeps
+the formed tile (:mod:`.pairwise`): in cache, passes cost less than the wider products.
+
+One set's symmetric relation (labels: ``plan.symmetric``, sorted or not) walks the upper triangle: with ``sig`` and
+``Q`` symmetric, ``H = G + G^T`` is ``sig_ij (b_i + b_j) - Q_ij (c_i + c_j)``, so each tile's rows and, off the
+diagonal, its columns take one GEMM each (:func:`_triangle`) -- half the tiles' elementwise work of the full walk.
+Another relation (listed index pairs) visits every tile.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .._tensors import self_diagonal
+from .products import AnyProducts, _mm32
+from .tiling import Buffers, tiles
+
+if TYPE_CHECKING:
+    from .plans import PairPlan
+
+__all__ = ["binary_backward", "binary_forward", "serves"]
+
+
+def serves(plan: PairPlan) -> bool:
+    """Whether these strips run ``plan``: NT-BXent on a GPU plan's tile loop."""
+    return plan.kernel == "binary" and plan.decision.device != "cpu" and not plan.single_tile
+
+
+def _signed(s: Tensor, pos: Tensor | None) -> Tensor:
+    """``z S`` in place: ``-S`` on the positives (``pos`` None: a tile of negatives only)."""
+    return s if pos is None else s.addcmul_(s, pos, value=-2)
+
+
+def binary_forward(prod: AnyProducts, rows: int, cols: int, plan: PairPlan) -> tuple[Tensor, Tensor]:
+    """``(sum over positives, sum over negatives)`` of ``softplus(z S)`` per row, over every tile (a symmetric
+    relation's upper triangle: an off-diagonal tile's sums down its columns are its column block's rows')."""
+    a = prod.a
+    pos_sum, row_sum = a.new_zeros(rows), a.new_zeros(rows)
+    bufs = Buffers(a.dtype, a.device)
+    offset = plan.positives.self_offset
+    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, plan.symmetric):
+        s = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0))
+        pos = plan.positives.tile(r0, r1, c0, c1) if plan.is_mixed(r0, c0) else None
+        loss = torch.nn.functional.softplus(_signed(s, pos))
+        diag = self_diagonal(loss, r0, c0, offset)
+        if diag is not None:  # the self pair: no term
+            diag.zero_()
+        both = plan.symmetric and c0 != r0
+        row_sum[r0:r1] += loss.sum(1)
+        if both:
+            row_sum[c0:c1] += loss.sum(0)
+        if pos is not None:
+            part = torch.mul(loss, pos)
+            pos_sum[r0:r1] += part.sum(1)
+            if both:
+                pos_sum[c0:c1] += part.sum(0)
+    return pos_sum, row_sum.sub_(pos_sum)
+
+
+def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor, ...], plan: PairPlan,
+                    columns: bool) -> tuple[Tensor, Tensor | None]:
+    """``G @ B̂`` and (``columns``) ``G.T @ Â`` (unscaled) of every tile, factored (the module docstring); a symmetric
+    relation's triangle: ``(G + G^T) @ Â`` alone (see :func:`_triangle`).
+
+    Args:
+        prod: the call's products (the logits).
+        a: ``Â`` (R, D) in the compute dtype.
+        b: ``B̂`` (C, D).
+        grads: ``(a, b)``: the coefficients of each row's positives' and negatives' sums.
+        plan: the plan (tile, relation, mixed tiles, the triangle walk).
+        columns: the candidates take a gradient.
+
+    Memory: the logit tile and the stacked ``[sig ; Q]`` (twice a tile in bf16 on tensor cores).
+    """
+    coef_neg, both = grads[1], grads[0] + grads[1]
+    dtype = torch.bfloat16 if prod.half else a.dtype
+    if plan.symmetric:
+        return _triangle(prod, a, coef_neg, both, plan, dtype), None
+    rows, cols = a.shape[0], b.shape[0]
+    x_cols = b.to(dtype)
+    acc_rows = a.new_zeros(rows, a.shape[1])
+    acc_cols = a.new_zeros(cols, a.shape[1]) if columns else None
+    bufs, stacks = Buffers(a.dtype, a.device), Buffers(dtype, a.device)
+    weighted: Any = None
+    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):
+        n = r1 - r0
+        stack, mixed = _stack(prod, plan, bufs, stacks, (r0, r1, c0, c1))
+        if c0 == 0 and columns:  # this row block's [b X ; -c X], formed once for its tiles
+            weighted = _weighted(a[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
+        if not mixed:  # negatives only: G = b * sig
+            acc_rows[r0:r1].addcmul_(coef_neg[r0:r1, None], _mm(stack, x_cols[c0:c1]))
+            if acc_cols is not None:
+                acc_cols[c0:c1].add_(_mm(stack.t(), weighted[:n]))
+            continue
+        prod_rows = _mm(stack, x_cols[c0:c1])  # [sig X ; Q X]
+        acc_rows[r0:r1].addcmul_(coef_neg[r0:r1, None], prod_rows[:n]).addcmul_(both[r0:r1, None], prod_rows[n:], value=-1)
+        if acc_cols is not None:
+            acc_cols[c0:c1].add_(_mm(stack.t(), weighted))
+    return acc_rows, acc_cols
+
+
+def _stack(prod: AnyProducts, plan: PairPlan, bufs: Buffers, stacks: Buffers, at: tuple[int, int, int, int]) -> tuple[Tensor, bool]:
+    """One tile's ``[sig ; Q]`` (2n, m) in the stacks' dtype, or ``sig`` alone (n, m) on a tile of negatives only,
+    and whether the tile is mixed; ``sig`` 0 at the self pair, ``Q`` from the rounded ``sig`` (exact)."""
+    r0, r1, c0, c1 = at
+    n, m = r1 - r0, c1 - c0
+    s = prod.logits(r0, r1, c0, c1, bufs.get(n, m))
+    pos = plan.positives.tile(r0, r1, c0, c1) if plan.is_mixed(r0, c0) else None
+    stack = stacks.get(2 * n, m) if pos is not None else stacks.get(n, m, 1)
+    sig = torch.sigmoid(_signed(s, pos), out=stack[:n])
+    diag = self_diagonal(sig, r0, c0, plan.positives.self_offset)
+    if diag is not None:  # the self pair: no gradient
+        diag.zero_()
+    if pos is not None:
+        torch.mul(sig, pos, out=stack[n:])
+    return stack, pos is not None
+
+
+def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan: PairPlan, dtype: torch.dtype) -> Tensor:
+    """``H @ X`` for one set's symmetric relation over the upper-triangle tiles, ``H = G + G^T``: with ``sig`` and
+    ``Q`` symmetric, ``H_ij = sig_ij (b_i + b_j) - Q_ij (c_i + c_j)``, so a tile's rows take ``[sig ; Q] @ [X | b X |
+    c X]`` (three blocks of which four of the six products are read) and, off the diagonal, its columns ``[sig ;
+    Q]^T @ [[X | b X | 0] ; [0 | -c X | -X]]``."""
+    rows, dim = x.shape
+    z = _blocks(x, (None, coef_neg, both), dtype)  # [X | b X | c X]
+    acc = x.new_zeros(rows, dim)
+    bufs, stacks = Buffers(x.dtype, x.device), Buffers(dtype, x.device)
+    w: Any = None
+    for r0, r1, c0, c1 in tiles(rows, rows, plan.tile, True):
+        n = r1 - r0
+        stack, mixed = _stack(prod, plan, bufs, stacks, (r0, r1, c0, c1))
+        if c0 == r0:  # this row block's column operand, formed once for its tiles
+            w = _column_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
+        top = _mm(stack, z[c0:c1] if mixed else z[c0:c1, : 2 * dim])
+        out = acc[r0:r1].addcmul_(coef_neg[r0:r1, None], top[:n, :dim]).add_(top[:n, dim : 2 * dim])
+        if mixed:
+            out.addcmul_(both[r0:r1, None], top[n:, :dim], value=-1).sub_(top[n:, 2 * dim :])
+        if c0 == r0:  # a diagonal tile's H already holds both roles of its pairs
+            continue
+        side = _mm(stack.t(), w if mixed else w[:n, : 2 * dim])  # [sig^T X | sig^T b X - Q^T c X | -Q^T X]
+        out = acc[c0:c1].addcmul_(coef_neg[c0:c1, None], side[:, :dim]).add_(side[:, dim : 2 * dim])
+        if mixed:
+            out.addcmul_(both[c0:c1, None], side[:, 2 * dim :])
+    return acc
+
+
+def _blocks(x: Tensor, coefs: tuple[Tensor | None, ...], dtype: torch.dtype) -> Tensor:
+    """``[k_0 x | k_1 x | ...]`` (n, len(coefs) D) in ``dtype`` (a None coefficient: ``x`` itself), each block rounded
+    as written."""
+    n, dim = x.shape
+    out = torch.empty(n, len(coefs) * dim, dtype=dtype, device=x.device)
+    for k, coef in enumerate(coefs):
+        block = out[:, k * dim : (k + 1) * dim]
+        if coef is None:
+            block.copy_(x)
+        else:
+            torch.mul(x, coef[:, None], out=block)
+    return out
+
+
+def _column_blocks(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[[X | b X | 0] ; [0 | -c X | -X]]`` (2n, 3D) in ``dtype``: an off-diagonal tile's column operand."""
+    n, dim = x.shape
+    out = torch.zeros(2 * n, 3 * dim, dtype=dtype, device=x.device)
+    out[:n, : 2 * dim] = _blocks(x, (None, coef_neg), dtype)
+    out[n:, dim:] = _blocks(x, (both.neg(), None), dtype)
+    out[n:, 2 * dim :].neg_()
+    return out
+
+
+def _weighted(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[b x ; -c x]`` (2n, D) in ``dtype``: the column product's other operand for one row block."""
+    out = torch.empty(2 * x.shape[0], x.shape[1], dtype=dtype, device=x.device)
+    torch.mul(x, coef_neg[:, None], out=out[: x.shape[0]])
+    torch.mul(x, both.neg()[:, None], out=out[x.shape[0] :])
+    return out
+
+
+def _mm(tile: Tensor, operand: Tensor) -> Tensor:
+    """``tile @ operand`` with an fp32 result (tensor cores for bf16)."""
+    return _mm32(tile, operand) if tile.dtype == torch.bfloat16 else tile @ operand
