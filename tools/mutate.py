@@ -1407,6 +1407,8 @@ MUTATIONS = [
              "                              and positives.self_offset == 0 and False)",
              "NT-BXent's GPU strips on an unsorted label relation walk every tile (not its triangle)",
              (*PAIR_STRIP_TESTS, "tests/cli/test_traffic.py::test_the_torch_strips_on_the_gpu_plan_move_no_more_than_the_dense_formula")),
+    Mutation(f"{E}/pairwise.py", "            return Gradients(rows, cols, plan.symmetric)", "            return Gradients(rows, cols, False)",
+             "NT-BXent's triangle strips: a learnable temperature's gradient counts every pair twice", PAIR_STRIP_TESTS),
 ]
 
 

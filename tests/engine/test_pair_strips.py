@@ -62,3 +62,22 @@ def test_the_cpu_plan_keeps_the_formed_tile(monkeypatch):
     x = torch.randn(20, 6, dtype=torch.float64, device=DEVICE if DEVICE.type == "cpu" else "cpu", requires_grad=True)
     tc.nt_bxent_loss(x, temperature=0.2, labels=torch.arange(20, device=x.device) % 3, chunk_size=8, backend="torch").backward()
     assert walks == []
+
+
+@pytest.mark.parametrize("relation", ["labels", "index pairs"])
+def test_a_learnable_temperature_takes_the_gradient_of_the_formula(relation, monkeypatch):
+    """A tensor temperature's gradient from the strips' products (a triangle's ``H @ A`` counts every pair twice) --
+    against float64."""
+    walks = _spied(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(26, 5, generator=g, dtype=torch.float64)
+    labels = torch.arange(26) % 4
+    pairs = torch.tensor([[0, 5], [5, 0], [7, 19], [25, 1]])
+    kwargs = {"pos_indices": pairs.to(DEVICE)} if relation == "index pairs" else {"labels": labels.to(DEVICE)}
+    tau = torch.tensor(0.3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    with planner.simulate("cuda"):
+        tc.nt_bxent_loss(x.to(DEVICE), temperature=tau, chunk_size=8, backend="torch", validate=False, **kwargs).backward()
+    assert walks == [(relation == "labels", False)]
+    want_tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    ref.nt_bxent(x, want_tau, **({"pos_indices": pairs} if relation == "index pairs" else {"labels": labels})).backward()
+    assert float(tau.grad) == pytest.approx(float(want_tau.grad), rel=1e-9)

@@ -346,11 +346,15 @@ def _factors(device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
     if device.type != "cuda" or path is None or extra is None:
         return False
     rows, cols, tile = shape
-    per_side = math.ceil(rows / tile), math.ceil(cols / tile)
-    visited = per_side[0] * (per_side[0] + 1) // 2 if traits.symmetric and per_side[0] == per_side[1] else per_side[0] * per_side[1]
     side = math.sqrt(_SIMULATED_AREA)
     return factoring_pays(path, extra, round(rows * side), round(cols * side), traits.dim,
-                          "bfloat16" if half else "float32", visited)
+                          "bfloat16" if half else "float32", _visited(rows, cols, tile, traits.symmetric))
+
+
+def _visited(rows: int, cols: int, tile: int, triangle: bool) -> int:
+    """Square tiles of ``tile`` a walk visits: every one, or a square problem's upper triangle when ``triangle``."""
+    per_side = math.ceil(rows / tile), math.ceil(cols / tile)
+    return per_side[0] * (per_side[0] + 1) // 2 if triangle and per_side[0] == per_side[1] else per_side[0] * per_side[1]
 
 
 def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
@@ -455,11 +459,9 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
         per_logit = _bytes_per_logit(backend, dtype, other_dtype, half)
         strip = strip_rows(rows, cols, per_logit) if chunk_size is None and _walks_strips(backend, traits) else 0
         tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
-        per_side = math.ceil(rows / tile), math.ceil(cols / tile)
         # a single set's triangle: the soft-max terms on every backend, the pair terms on the torch loops
-        triangle = traits.symmetric and per_side[0] == per_side[1] and (traits.pairs is None or backend == "torch")
-        tiles = math.ceil(rows / strip) if strip else per_side[0] * (per_side[0] + 1) // 2 if triangle \
-            else per_side[0] * per_side[1]
+        triangle = traits.symmetric and (traits.pairs is None or backend == "torch")
+        tiles = math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
         extra = FORMED_STRIPS.get((kind, counted)) if backend == "torch" and tiles > 1 else None
         if extra is not None and (FACTORED == "off" or (counted == "half" and dtype == torch.float16) or (
                 FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, traits.dim, gemm_dtype, tiles))):
