@@ -12,6 +12,9 @@ dtype -- bf16 on tensor cores, rounded as written)::
     G X_c   = b * (sig X_c) - c * (Q X_c)            -- one GEMM of [sig ; Q] against X_c
     G^T X_r = sig^T (b X_r) - Q^T (c X_r)            -- one GEMM of [sig ; Q]^T against [b X_r ; -c X_r]
 
+A positive's ``-a_i sig`` is then ``b_i sig - c_i sig`` across two fp32-accumulated products: a rounding of ``c_i /
+a_i`` times 2^-24, far below ``sig``'s own bf16 rounding (the one tile's argument, :mod:`.pair_factored`).
+
 Forward writes ``z S`` over the logit tile (``S - 2 P S``: one op on the bool relation), then its softplus; a
 row's negatives' sum is its whole sum less its positives' (an absolute error of a rounding of the row's sum, as
 the one tile's, :mod:`.pair_factored`). A tile without a positive or self pair skips the relation. The CPU keeps
