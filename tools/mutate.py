@@ -1409,6 +1409,9 @@ MUTATIONS = [
              (*PAIR_STRIP_TESTS, "tests/cli/test_traffic.py::test_the_torch_strips_on_the_gpu_plan_move_no_more_than_the_dense_formula")),
     Mutation(f"{E}/pairwise.py", "            return Gradients(rows, cols, plan.symmetric)", "            return Gradients(rows, cols, False)",
              "NT-BXent's triangle strips: a learnable temperature's gradient counts every pair twice", PAIR_STRIP_TESTS),
+    Mutation(f"{E}/cost.py", "    return gemms * 2.0 * dim / rate < passes * 4.0 / g.bandwidth",
+             "    return gemms * 2.0 * dim / rate > passes * 4.0 / g.bandwidth",
+             "NT-BXent's strips factor where the model prices the formed tile lower", PAIR_STRIP_TESTS),
 ]
 
 

@@ -11,6 +11,7 @@ import reference as ref
 import torch_contrastive as tc
 from device import DEVICE
 from torch_contrastive.engine import pair_strips, pairwise, planner
+from torch_contrastive.engine.cost import pair_factoring_pays
 
 
 def _spied(monkeypatch):
@@ -81,3 +82,26 @@ def test_a_learnable_temperature_takes_the_gradient_of_the_formula(relation, mon
     want_tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     ref.nt_bxent(x, want_tau, **({"pos_indices": pairs} if relation == "index pairs" else {"labels": labels})).backward()
     assert float(tau.grad) == pytest.approx(float(want_tau.grad), rel=1e-9)
+
+
+def test_the_fp32_rate_keeps_the_formed_tile_past_the_features_the_model_sets(monkeypatch):
+    """The factored products add GEMM FLOPs for the formed tile's passes (cost.PAIR_FORMED): on tensor cores they pay
+    up to thousands of features, at the fp32 rate (widened or fp32 inputs) below about 280 -- past it the general
+    loop forms the tile over every tile, and still equals the float64 formula."""
+    assert pair_factoring_pays("half", 4096) and not pair_factoring_pays("half", 16384)
+    assert pair_factoring_pays("wide", 256) and not pair_factoring_pays("wide", 320)
+    monkeypatch.setattr(planner, "PRODUCTS", "compute")
+    walks = _spied(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 320, generator=g, dtype=torch.float64)
+    labels = torch.arange(24) % 3
+    ours = x.to(DEVICE).clone().requires_grad_()
+    with planner.simulate("cuda"):
+        got = tc.nt_bxent_loss(ours, temperature=0.2, labels=labels.to(DEVICE), chunk_size=8, backend="torch", validate=False)
+        got.backward()
+    assert walks == []
+    wide = x.clone().requires_grad_()
+    want = ref.nt_bxent(wide, 0.2, labels=labels)
+    want.backward()
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-10)
+    assert float((ours.grad.cpu() - wide.grad).abs().max() / wide.grad.abs().max()) < 1e-10

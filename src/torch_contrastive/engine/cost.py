@@ -36,6 +36,7 @@ __all__ = [
     "FUSED",
     "GPUS",
     "MEASURED",
+    "PAIR_FORMED",
     "PAIR_RELATION_FORMS",
     "PATHS",
     "PEAK_BANDWIDTH",
@@ -55,6 +56,7 @@ __all__ = [
     "formed",
     "host_time",
     "kernels",
+    "pair_factoring_pays",
     "path_terms",
     "predict",
     "predict_path",
@@ -325,6 +327,24 @@ def factoring_pays(path: PathCost, extra: FormedStrips, rows: int, cols: int, di
     widened call's fp32 GEMMs price the width at the fp32 rate, so there it pays only at small ``dim``)."""
     return predict_path(path, "torch", rows, cols, dim, dtype, tiles, gpu) <= \
         predict_path(formed(path, extra), "torch", rows, cols, dim, dtype, tiles, gpu)
+
+
+#: NT-BXent's torch strips on the GPU plan, formed (the general loop, every tile) beside factored (engine/pair_strips.py,
+#: a label relation's triangle): ``(fp32 passes over the logits the formed tile adds, GEMM-equivalents the factored
+#: products add)`` per operands, 1,024 rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29 (37.53 and 35.53 passes for
+#: 8 and 4 GEMM-equivalents; factored 13.21 and 15.15 for 9.75 and 7.25).
+PAIR_FORMED: dict[str, tuple[float, float]] = {"half": (24.32, 1.75), "wide": (20.38, 3.25)}
+
+
+def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100") -> bool:
+    """Whether NT-BXent's factored strips are predicted faster on the device than the formed tile at ``dim``
+    features: the formed tile's passes (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at
+    the products' rate -- ``operands`` ``"half"`` (tensor cores: up to about 7,800 features) or ``"wide"`` (fp32 GEMMs,
+    widened or fp32 inputs: below about 280)."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    passes, gemms = PAIR_FORMED[operands]
+    rate = g.gemm_flops["bfloat16" if operands == "half" else "float32"]
+    return gemms * 2.0 * dim / rate < passes * 4.0 / g.bandwidth
 
 
 @dataclass(frozen=True)

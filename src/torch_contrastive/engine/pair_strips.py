@@ -18,7 +18,8 @@ a_i`` times 2^-24, far below ``sig``'s own bf16 rounding (the one tile's argumen
 Forward writes ``z S`` over the logit tile (``S - 2 P S``: one op on the bool relation), then its softplus; a
 row's negatives' sum is its whole sum less its positives' (an absolute error of a rounding of the row's sum, as
 the one tile's, :mod:`.pair_factored`). A tile without a positive or self pair skips the relation. The CPU keeps
-the formed tile (:mod:`.pairwise`): in cache, passes cost less than the wider products.
+the formed tile (:mod:`.pairwise`): in cache, passes cost less than the wider products; so does a GPU plan whose
+products run at the fp32 rate past about 280 features (:func:`~.cost.pair_factoring_pays`).
 
 One set's symmetric relation (labels: ``plan.symmetric``, sorted or not) walks the upper triangle: with ``sig`` and
 ``Q`` symmetric, ``H = G + G^T`` is ``sig_ij (b_i + b_j) - Q_ij (c_i + c_j)``, so each tile's rows and, off the
@@ -44,8 +45,9 @@ __all__ = ["binary_backward", "binary_forward", "serves"]
 
 
 def serves(plan: PairPlan) -> bool:
-    """Whether these strips run ``plan``: NT-BXent on a GPU plan's tile loop."""
-    return plan.kernel == "binary" and plan.decision.device != "cpu" and not plan.single_tile
+    """Whether these strips run ``plan``: NT-BXent on a GPU plan's tile loop where the model prices them lower
+    (``plan.factored``)."""
+    return plan.factored and not plan.single_tile
 
 
 def _signed(s: Tensor, pos: Tensor | None) -> Tensor:

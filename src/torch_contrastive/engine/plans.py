@@ -180,6 +180,8 @@ class PairPlan(_Device):
             feeding its row block and its column block.
         one_tile: the lean one-tile executor serves the plan (one set's label relation on the torch
             backend's one bounded tile, rows normalised inside: :mod:`.one_tile`).
+        factored: NT-BXent's strips on a GPU plan run :mod:`.pair_strips` (one signed tile each, backward factored;
+            :func:`~.cost.pair_factoring_pays`).
     """
 
     decision: Decision
@@ -190,6 +192,7 @@ class PairPlan(_Device):
     mixed: tuple[tuple[bool, ...], ...] | None = None
     symmetric: bool = False
     one_tile: bool = False
+    factored: bool = False
 
     @property
     def executor(self) -> str:

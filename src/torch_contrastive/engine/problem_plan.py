@@ -17,6 +17,7 @@ import torch
 from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
 from . import planner
 from .confident import apart_rule
+from .cost import pair_factoring_pays
 from .planner import _HALF, Decision, Traits, _tf32, choose_backend, decide
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
@@ -237,10 +238,11 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
-    # NT-BXent's strips on a GPU plan (engine/pair_strips.py) walk a label relation's triangle sorted or not: its
-    # factored tiles then do half the elementwise work
-    symmetric = symmetric or (stat.kernel == "binary" and decision.device != "cpu" and decision.backend == "torch"
-                              and decision.tile != 0 and problem.single and isinstance(positives, KeyPositives)
+    # NT-BXent's strips on a GPU plan, factored where the model prices it lower (engine/pair_strips.py), walk a label
+    # relation's triangle sorted or not: the factored tiles then do half the elementwise work
+    factored = (stat.kernel == "binary" and decision.device != "cpu" and decision.backend == "torch" and decision.tile != 0
+                and pair_factoring_pays("half" if decision.half else "wide", int(problem.anchors.shape[-1])))
+    symmetric = symmetric or (factored and problem.single and isinstance(positives, KeyPositives)
                               and positives.self_offset == 0)
     # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
     # (in the compute dtype, or bf16 on tensor cores: engine/one_tile_half.py; fp16 keeps the general scheme)
@@ -249,7 +251,7 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
                 and (not decision.half or problem.anchors.dtype == torch.bfloat16)
                 and decision.operand_dtype is None and problem.options.normalize)
     return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
-                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile)
+                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile, factored=factored)
 
 
 def triton_refusal(problem: Problem) -> str | None:
