@@ -18,9 +18,9 @@ def _spied(monkeypatch):
     walks = []
     real = pair_strips.binary_backward
 
-    def spy(prod, a, b, grads, plan, columns):
+    def spy(prod, a, b, grads, plan):
         walks.append((plan.symmetric, prod.half))
-        return real(prod, a, b, grads, plan, columns)
+        return real(prod, a, b, grads, plan)
     monkeypatch.setattr(pairwise.pair_strips, "binary_backward", spy)
     return walks
 

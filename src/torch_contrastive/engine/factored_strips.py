@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .left_out import Direction, inverse_exp
-from .products import AnyProducts, _mm32
+from .products import AnyProducts, _mm32, scaled_blocks
 from .softmax_tiles import leave_out
 from .tiling import Buffers, tiles
 
@@ -49,10 +49,7 @@ def _operand(m: Tensor, inner: Tensor | None, outer: Tensor | None, dtype: torch
         return m.to(dtype)
     if outer is None:
         return torch.mul(m, inner[:, None], out=torch.empty(m.shape, dtype=dtype, device=m.device))
-    both = torch.empty(m.shape[0], 2, m.shape[1], dtype=dtype, device=m.device)
-    both[:, 0] = m
-    torch.mul(m, inner[:, None], out=both[:, 1])  # rounded as it is written
-    return both.view(m.shape[0], 2 * m.shape[1])
+    return scaled_blocks(m, (None, inner), dtype)
 
 
 def _finish(acc: Tensor, inner: Tensor | None, outer: Tensor | None) -> Tensor:

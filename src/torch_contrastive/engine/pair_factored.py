@@ -42,21 +42,16 @@ from torch import Tensor
 
 from .pairwise import UNIT, _unit
 from .precision import zero
+from .products import scaled_blocks
 
 #: ``mm(tile, operand)``: the backward product (fp32 ``torch.mm``, or tensor cores with an fp32 result).
 Product = Callable[[Tensor, Tensor], Tensor]
 
 
 def _operands(x: Tensor, operand: Tensor, left: Tensor, right: Tensor) -> Tensor:
-    """``[left * x | operand | right * x]`` (N, 3D) in ``operand``'s dtype, written by three ops into one buffer: a
-    GEMM reads ``[:, :2D]`` and ``[:, D:]`` as they lie (a leading dimension of 3D, no copy). ``x``: the fp32
-    rows ``operand`` stands for (its rounding to bf16 on tensor cores); each scaled block rounded as written."""
-    n, dim = operand.shape
-    buf = torch.empty(n, 3 * dim, dtype=operand.dtype, device=operand.device)
-    torch.mul(x, left[:, None], out=buf[:, :dim])
-    buf[:, dim : 2 * dim].copy_(operand)
-    torch.mul(x, right[:, None], out=buf[:, 2 * dim :])
-    return buf
+    """``[left * x | x | right * x]`` (N, 3D) in ``operand``'s dtype (``operand``: ``x`` rounded to it, the middle
+    block's bits): a GEMM reads ``[:, :2D]`` and ``[:, D:]`` as they lie."""
+    return scaled_blocks(x, (left, None, right), operand.dtype)
 
 
 def binary_forward(s: Tensor, pos: Tensor, kept: torch.dtype) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import self_diagonal
-from .products import AnyProducts, _mm32
+from .products import AnyProducts, _mm32, scaled_blocks
 from .tiling import Buffers, tiles
 
 if TYPE_CHECKING:
@@ -81,9 +81,8 @@ def binary_forward(prod: AnyProducts, rows: int, cols: int, plan: PairPlan) -> t
     return pos_sum, row_sum.sub_(pos_sum)
 
 
-def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor, ...], plan: PairPlan,
-                    columns: bool) -> tuple[Tensor, Tensor | None]:
-    """``G @ B̂`` and (``columns``) ``G.T @ Â`` (unscaled) of every tile, factored (the module docstring); a symmetric
+def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor, ...], plan: PairPlan) -> tuple[Tensor, Tensor | None]:
+    """``G @ B̂`` and ``G.T @ Â`` (unscaled; one set's two roles, both needed) of every tile, factored (the module docstring); a symmetric
     relation's triangle: ``(G + G^T) @ Â`` alone (see :func:`_triangle`).
 
     Args:
@@ -92,7 +91,6 @@ def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor
         b: ``B̂`` (C, D).
         grads: ``(a, b)``: the coefficients of each row's positives' and negatives' sums.
         plan: the plan (tile, relation, mixed tiles, the triangle walk).
-        columns: the candidates take a gradient.
 
     Memory: the logit tile and the stacked ``[sig ; Q]`` (twice a tile in bf16 on tensor cores).
     """
@@ -103,23 +101,21 @@ def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor
     rows, cols = a.shape[0], b.shape[0]
     x_cols = b.to(dtype)
     acc_rows = a.new_zeros(rows, a.shape[1])
-    acc_cols = a.new_zeros(cols, a.shape[1]) if columns else None
+    acc_cols = a.new_zeros(cols, a.shape[1])
     bufs, stacks = Buffers(a.dtype, a.device), Buffers(dtype, a.device)
     weighted: Any = None
     for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):
         n = r1 - r0
         stack, mixed = _stack(prod, plan, bufs, stacks, (r0, r1, c0, c1))
-        if c0 == 0 and columns:  # this row block's [b X ; -c X], formed once for its tiles
+        if c0 == 0:  # this row block's [b X ; -c X], formed once for its tiles
             weighted = _weighted(a[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
         if not mixed:  # negatives only: G = b * sig
             acc_rows[r0:r1].addcmul_(coef_neg[r0:r1, None], _mm(stack, x_cols[c0:c1]))
-            if acc_cols is not None:
-                acc_cols[c0:c1].add_(_mm(stack.t(), weighted[:n]))
+            acc_cols[c0:c1].add_(_mm(stack.t(), weighted[:n]))
             continue
         prod_rows = _mm(stack, x_cols[c0:c1])  # [sig X ; Q X]
         acc_rows[r0:r1].addcmul_(coef_neg[r0:r1, None], prod_rows[:n]).addcmul_(both[r0:r1, None], prod_rows[n:], value=-1)
-        if acc_cols is not None:
-            acc_cols[c0:c1].add_(_mm(stack.t(), weighted))
+        acc_cols[c0:c1].add_(_mm(stack.t(), weighted))
     return acc_rows, acc_cols
 
 
@@ -146,7 +142,7 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
     c X]`` (three blocks of which four of the six products are read) and, off the diagonal, its columns ``[sig ;
     Q]^T @ [[X | b X | 0] ; [0 | -c X | -X]]``."""
     rows, dim = x.shape
-    z = _blocks(x, (None, coef_neg, both), dtype)  # [X | b X | c X]
+    z = scaled_blocks(x, (None, coef_neg, both), dtype)  # [X | b X | c X]
     acc = x.new_zeros(rows, dim)
     bufs, stacks = Buffers(x.dtype, x.device), Buffers(dtype, x.device)
     w: Any = None
@@ -154,7 +150,7 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
         n = r1 - r0
         stack, mixed = _stack(prod, plan, bufs, stacks, (r0, r1, c0, c1))
         if c0 == r0:  # this row block's column operand, formed once for its tiles
-            w = _column_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
+            w = _columnscaled_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
         top = _mm(stack, z[c0:c1] if mixed else z[c0:c1, : 2 * dim])
         out = acc[r0:r1].addcmul_(coef_neg[r0:r1, None], top[:n, :dim]).add_(top[:n, dim : 2 * dim])
         if mixed:
@@ -168,26 +164,12 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
     return acc
 
 
-def _blocks(x: Tensor, coefs: tuple[Tensor | None, ...], dtype: torch.dtype) -> Tensor:
-    """``[k_0 x | k_1 x | ...]`` (n, len(coefs) D) in ``dtype`` (a None coefficient: ``x`` itself), each block rounded
-    as written."""
-    n, dim = x.shape
-    out = torch.empty(n, len(coefs) * dim, dtype=dtype, device=x.device)
-    for k, coef in enumerate(coefs):
-        block = out[:, k * dim : (k + 1) * dim]
-        if coef is None:
-            block.copy_(x)
-        else:
-            torch.mul(x, coef[:, None], out=block)
-    return out
-
-
-def _column_blocks(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
+def _columnscaled_blocks(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
     """``[[X | b X | 0] ; [0 | -c X | -X]]`` (2n, 3D) in ``dtype``: an off-diagonal tile's column operand."""
     n, dim = x.shape
     out = torch.zeros(2 * n, 3 * dim, dtype=dtype, device=x.device)
-    out[:n, : 2 * dim] = _blocks(x, (None, coef_neg), dtype)
-    out[n:, dim:] = _blocks(x, (both.neg(), None), dtype)
+    out[:n, : 2 * dim] = scaled_blocks(x, (None, coef_neg), dtype)
+    out[n:, dim:] = scaled_blocks(x, (both.neg(), None), dtype)
     out[n:, 2 * dim :].neg_()
     return out
 

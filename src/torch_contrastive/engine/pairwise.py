@@ -226,7 +226,7 @@ class TorchPairs(PairExecutor):
                 return Gradients(prod.row_product(g + g.t()), None, True)
             return Gradients(prod.row_product(g), prod.column_product(g))
         if pair_strips.serves(plan):  # a triangle's rows hold H @ A, H = G + G^T: both roles of every pair
-            rows, cols = pair_strips.binary_backward(prod, a, b, grads, plan, columns=True)
+            rows, cols = pair_strips.binary_backward(prod, a, b, grads, plan)
             return Gradients(rows, cols, plan.symmetric)
 
         def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:

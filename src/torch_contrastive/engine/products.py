@@ -160,6 +160,22 @@ def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, 
     return x, x.to(dtype), flat[:, : 3 * dim], flat[:, dim:]
 
 
+
+def scaled_blocks(x: Tensor, coefs: tuple[Tensor | None, ...], dtype: torch.dtype) -> Tensor:
+    """``[k_0 * x | k_1 * x | ...]`` (n, len(coefs) D) in ``dtype``, each ``k`` a per-row coefficient (None: ``x``
+    itself), each block rounded as it is written: the other operand of a product that takes its coefficients out of
+    the tile (:mod:`.factored_strips`, :mod:`.pair_factored`, :mod:`.pair_strips`); a GEMM reads any run of adjacent
+    blocks as it lies (a leading dimension of ``len(coefs) D``, no copy)."""
+    n, dim = x.shape
+    out = torch.empty(n, len(coefs) * dim, dtype=dtype, device=x.device)
+    for k, coef in enumerate(coefs):
+        block = out[:, k * dim : (k + 1) * dim]
+        if coef is None:
+            block.copy_(x)
+        else:
+            torch.mul(x, coef[:, None], out=block)
+    return out
+
 class _AddedProducts(ABC):
     """The tile loops' accumulation for products that return each tile's product (fp32 from tensor cores): added
     into the accumulator's slice, where :class:`Products` accumulates in its GEMM (``addmm_``)."""
