@@ -161,3 +161,16 @@ def softmax_cases(labels):
         ("supcon", lambda a, b, chunk: tc.supcon_loss(a, labels, temperature=0.1, chunk_size=chunk, backend="torch"),
          lambda a, b: ref.supcon(a, 0.1, labels=labels.cpu()), (True, False)),
     ]
+
+
+def assert_pml_memory(value, a, m, x, mem, labels, mem_labels, tau=0.2):
+    """PML NT-Xent with a labelled memory: ``value`` and the gradients in ``a.grad`` (the batch) and ``m.grad`` (the
+    memory), from the float64 inputs ``x`` and ``mem``, against the float64 loops (``reference.nt_xent_pml_memory``)."""
+    import reference as ref
+
+    b, n = x.clone().requires_grad_(), mem.clone().requires_grad_()
+    want = ref.nt_xent_pml_memory(b, labels, n, mem_labels, tau)
+    want.backward()
+    assert value.item() == pytest.approx(want.item(), rel=1e-10)
+    torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(m.grad.cpu(), n.grad, rtol=1e-9, atol=1e-12)

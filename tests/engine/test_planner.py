@@ -392,3 +392,14 @@ def test_a_kept_plan_is_the_devices_and_an_explicit_backends_refusal_is_asked_ag
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"backend='epilogue' cannot run this call: .*CUDA tensors"):
         tc.image_text_contrastive_loss(x, y, 0.1, backend="epilogue")
+
+
+def test_the_pair_terms_torch_strips_are_priced_over_the_tiles_they_walk():
+    """A single set's label relation: NT-BXent's torch strips walk the upper triangle (engine/pair_strips.py), PML's
+    every tile (engine/pml_strips.py: sweep 2 and backward need each row's own log-sum-exp) -- the model prices each
+    over those tiles, as cost.PATHS counts them."""
+    rows, tile = 16384, 4096
+    for pairs, want in (("binary", 10), ("pair_softplus", 16)):
+        priced = dict(planner._priced(rows, rows, torch.bfloat16, torch.bfloat16, tile,
+                                      planner.Traits(512, symmetric=True, pairs=pairs)))
+        assert priced["torch"][-1] == want, (pairs, priced["torch"])

@@ -251,7 +251,9 @@ class PathCost:
 #: :data:`FORMED_STRIPS`, which the planner prices where factoring does not pay); NT-BXent's torch strips the same day
 #: from one signed tile each, a label relation's triangle, backward factored through [sig ; Q] (engine/pair_strips.py:
 #: 13.21 passes on tensor cores where 37.53, 15.15 widened where 35.53; its per-tile counts over the 10 tiles of the
-#: triangle it now walks);
+#: triangle it now walks); PML NT-Xent's torch strips the same day in two sweeps of few passes, backward factored
+#: through [E ; T] (engine/pml_strips.py: 26.54 passes on tensor cores where 54.51, 31.54 widened where 52.51; every
+#: tile, as the pricing now assumes for PML);
 #: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
@@ -270,8 +272,8 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6825, 903),
     ("rows", "torch", "fp32"): PathCost(28, 14.8, 9.04, 5.76, 2.0, 3.25, 0, 0.0, 1162, 1157),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
-    ("pair_softplus", "torch", "half"): PathCost(51, 55.7, 19.01, 54.51, 7.0, 11.0, 0, 0.0, 2433, 2068),
-    ("pair_softplus", "torch", "wide"): PathCost(40, 51.8, 22.01, 52.51, 3.0, 5.0, 0, 0.0, 1940, 1888),
+    ("pair_softplus", "torch", "half"): PathCost(51, 29.5, 19.01, 26.54, 7.0, 11.875, 0, 0.0, 2493, 1125),
+    ("pair_softplus", "torch", "wide"): PathCost(40, 29.7, 22.01, 31.54, 3.0, 6.625, 0, 0.0, 1956, 1020),
     ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
     ("binary", "torch", "half"): PathCost(49, 31.8, 14.78, 13.21, 7.0, 9.75, 0, 0.0, 2425, 1346),
     ("binary", "torch", "wide"): PathCost(37, 32.4, 18.26, 15.15, 3.0, 7.25, 0, 0.0, 1962, 1263),
@@ -329,20 +331,26 @@ def factoring_pays(path: PathCost, extra: FormedStrips, rows: int, cols: int, di
         predict_path(formed(path, extra), "torch", rows, cols, dim, dtype, tiles, gpu)
 
 
-#: NT-BXent's torch strips on the GPU plan, formed (the general loop, every tile) beside factored (engine/pair_strips.py,
-#: a label relation's triangle): ``(fp32 passes over the logits the formed tile adds, GEMM-equivalents the factored
-#: products add)`` per operands, 1,024 rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29 (37.53 and 35.53 passes for
-#: 8 and 4 GEMM-equivalents; factored 13.21 and 15.15 for 9.75 and 7.25).
-PAIR_FORMED: dict[str, tuple[float, float]] = {"half": (24.32, 1.75), "wide": (20.38, 3.25)}
+#: The pair terms' torch strips on the GPU plan, formed (the general loop, every tile) beside factored, per (kernel,
+#: operands): ``(fp32 passes over the logits the formed tile adds, GEMM-equivalents the factored products add)``, 1,024
+#: rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29. NT-BXent (engine/pair_strips.py, a label relation's triangle):
+#: 37.53 and 35.53 passes for 8 and 4 GEMM-equivalents, factored 13.21 and 15.15 for 9.75 and 7.25. PML NT-Xent
+#: (engine/pml_strips.py, sweep 1 over a label relation's triangle): 54.51 and 52.51 passes for 11.0 and 5.0
+#: GEMM-equivalents, factored 26.54 and 31.54 for 11.875 and 6.625.
+PAIR_FORMED: dict[tuple[str, str], tuple[float, float]] = {
+    ("binary", "half"): (24.32, 1.75), ("binary", "wide"): (20.38, 3.25),
+    ("pair_softplus", "half"): (27.97, 0.875), ("pair_softplus", "wide"): (20.97, 1.625),
+}
 
 
-def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100") -> bool:
-    """Whether NT-BXent's factored strips are predicted faster on the device than the formed tile at ``dim``
-    features: the formed tile's passes (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at
-    the products' rate -- ``operands`` ``"half"`` (tensor cores: up to about 7,800 features) or ``"wide"`` (fp32 GEMMs,
-    widened or fp32 inputs: below about 280)."""
+def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100", kernel: str = "binary") -> bool:
+    """Whether the pair terms' factored strips (``kernel``: NT-BXent's ``"binary"``, PML's ``"pair_softplus"``) are
+    predicted faster on the device than the formed tile at ``dim`` features: the formed tile's passes
+    (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at the products' rate -- ``operands``
+    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features) or ``"wide"`` (fp32 GEMMs, widened or fp32 inputs:
+    NT-BXent below about 280)."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    passes, gemms = PAIR_FORMED[operands]
+    passes, gemms = PAIR_FORMED[(kernel, operands)]
     rate = g.gemm_flops["bfloat16" if operands == "half" else "float32"]
     return gemms * 2.0 * dim / rate < passes * 4.0 / g.bandwidth
 

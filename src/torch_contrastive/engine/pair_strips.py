@@ -24,11 +24,13 @@ products run at the fp32 rate past about 280 features (:func:`~.cost.pair_factor
 One set's symmetric relation (labels: ``plan.symmetric``, sorted or not) walks the upper triangle: with ``sig`` and
 ``Q`` symmetric, ``H = G + G^T`` is ``sig_ij (b_i + b_j) - Q_ij (c_i + c_j)``, so each tile's rows and, off the
 diagonal, its columns take one GEMM each (:func:`_triangle`) -- half the tiles' elementwise work of the full walk.
-Another relation (listed index pairs) visits every tile.
+Another relation (listed index pairs) visits every tile, on :func:`factored_walk` -- which PML's strips
+(:mod:`.pml_strips`) share with their own two factors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +43,7 @@ from .tiling import Buffers, tiles
 if TYPE_CHECKING:
     from .plans import PairPlan
 
-__all__ = ["binary_backward", "binary_forward", "serves"]
+__all__ = ["binary_backward", "binary_forward", "factored_walk", "serves"]
 
 
 def serves(plan: PairPlan) -> bool:
@@ -95,9 +97,41 @@ def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor
     Memory: the logit tile and the stacked ``[sig ; Q]`` (twice a tile in bf16 on tensor cores).
     """
     coef_neg, both = grads[1], grads[0] + grads[1]
-    dtype = torch.bfloat16 if prod.half else a.dtype
     if plan.symmetric:
+        dtype = torch.bfloat16 if prod.half else a.dtype
         return _triangle(prod, a, coef_neg, both, plan, dtype), None
+    offset = plan.positives.self_offset
+
+    def stack(s: Tensor, out: Tensor, r0: int, r1: int, c0: int, c1: int) -> bool:
+        return _signed_stack(s, out, plan, offset, (r0, r1, c0, c1))
+
+    return factored_walk(prod, a, b, (coef_neg, both), plan, stack)
+
+
+#: A tile's stack: ``stack(s, out, r0, r1, c0, c1)`` writes the tile's two factors into ``out`` (2n, m) from its
+#: logits ``s`` (fp32, may be overwritten) -- the first into ``out[:n]``, the second, on a tile that holds a positive,
+#: into ``out[n:]`` -- and says whether it did (a tile of negatives only has the first alone).
+Stack = Callable[[Tensor, Tensor, int, int, int, int], bool]
+
+
+def factored_walk(prod: AnyProducts, a: Tensor, b: Tensor, coefs: tuple[Tensor, Tensor], plan: PairPlan,
+                  stack: Stack) -> tuple[Tensor, Tensor]:
+    """``G @ X_c`` and ``G.T @ X_r`` over every tile for ``G = u * F - v * F'`` (per-row coefficients ``u, v``;
+    ``F, F'`` the two factors ``stack`` writes; ``F'`` 0 on a tile of negatives only): one GEMM of ``[F ; F']``
+    against the columns' rows, one of its transpose against ``[u X_r ; -v X_r]`` (formed once per row block).
+
+    Args:
+        prod: the call's products (the logits).
+        a: ``X_r = Â`` (R, D) in the compute dtype.
+        b: ``X_c = B̂`` (C, D).
+        coefs: ``(u, v)``, each (R,).
+        plan: the plan (tile).
+        stack: writes a tile's factors (:data:`Stack`).
+
+    Memory: the logit tile and the stacked factors (twice a tile in bf16 on tensor cores).
+    """
+    first, second = coefs
+    dtype = torch.bfloat16 if prod.half else a.dtype
     rows, cols = a.shape[0], b.shape[0]
     x_cols = b.to(dtype)
     acc_rows = a.new_zeros(rows, a.shape[1])
@@ -105,35 +139,35 @@ def binary_backward(prod: AnyProducts, a: Tensor, b: Tensor, grads: tuple[Tensor
     bufs, stacks = Buffers(a.dtype, a.device), Buffers(dtype, a.device)
     weighted: Any = None
     for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):
-        n = r1 - r0
-        stack, mixed = _stack(prod, plan, bufs, stacks, (r0, r1, c0, c1))
-        if c0 == 0:  # this row block's [b X ; -c X], formed once for its tiles
-            weighted = _weighted(a[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
-        if not mixed:  # negatives only: G = b * sig
-            acc_rows[r0:r1].addcmul_(coef_neg[r0:r1, None], _mm(stack, x_cols[c0:c1]))
-            acc_cols[c0:c1].add_(_mm(stack.t(), weighted[:n]))
+        n, m = r1 - r0, c1 - c0
+        out = stacks.get(2 * n, m)
+        mixed = stack(prod.logits(r0, r1, c0, c1, bufs.get(n, m)), out, r0, r1, c0, c1)
+        if c0 == 0:  # this row block's [u X ; -v X], formed once for its tiles
+            weighted = _weighted(a[r0:r1], first[r0:r1], second[r0:r1], dtype)
+        if not mixed:  # the first factor alone: G = u * F
+            acc_rows[r0:r1].addcmul_(first[r0:r1, None], _mm(out[:n], x_cols[c0:c1]))
+            acc_cols[c0:c1].add_(_mm(out[:n].t(), weighted[:n]))
             continue
-        prod_rows = _mm(stack, x_cols[c0:c1])  # [sig X ; Q X]
-        acc_rows[r0:r1].addcmul_(coef_neg[r0:r1, None], prod_rows[:n]).addcmul_(both[r0:r1, None], prod_rows[n:], value=-1)
-        acc_cols[c0:c1].add_(_mm(stack.t(), weighted))
+        prod_rows = _mm(out, x_cols[c0:c1])  # [F X ; F' X]
+        acc_rows[r0:r1].addcmul_(first[r0:r1, None], prod_rows[:n]).addcmul_(second[r0:r1, None], prod_rows[n:], value=-1)
+        acc_cols[c0:c1].add_(_mm(out.t(), weighted))
     return acc_rows, acc_cols
 
 
-def _stack(prod: AnyProducts, plan: PairPlan, bufs: Buffers, stacks: Buffers, at: tuple[int, int, int, int]) -> tuple[Tensor, bool]:
-    """One tile's ``[sig ; Q]`` (2n, m) in the stacks' dtype, or ``sig`` alone (n, m) on a tile of negatives only,
-    and whether the tile is mixed; ``sig`` 0 at the self pair, ``Q`` from the rounded ``sig`` (exact)."""
+def _signed_stack(s: Tensor, out: Tensor, plan: PairPlan, offset: int | None, at: tuple[int, int, int, int]) -> bool:
+    """One tile's ``[sig ; Q]`` into ``out`` (2n, m) in the stacks' dtype, or ``sig`` alone (into ``out[:n]``) on a
+    tile of negatives only, and whether the tile is mixed; ``sig`` 0 at the self pair, ``Q`` from the rounded ``sig``
+    (exact)."""
     r0, r1, c0, c1 = at
-    n, m = r1 - r0, c1 - c0
-    s = prod.logits(r0, r1, c0, c1, bufs.get(n, m))
+    n = r1 - r0
     pos = plan.positives.tile(r0, r1, c0, c1) if plan.is_mixed(r0, c0) else None
-    stack = stacks.get(2 * n, m) if pos is not None else stacks.get(n, m, 1)
-    sig = torch.sigmoid(_signed(s, pos), out=stack[:n])
-    diag = self_diagonal(sig, r0, c0, plan.positives.self_offset)
+    sig = torch.sigmoid(_signed(s, pos), out=out[:n])
+    diag = self_diagonal(sig, r0, c0, offset)
     if diag is not None:  # the self pair: no gradient
         diag.zero_()
     if pos is not None:
-        torch.mul(sig, pos, out=stack[n:])
-    return stack, pos is not None
+        torch.mul(sig, pos, out=out[n:])
+    return pos is not None
 
 
 def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan: PairPlan, dtype: torch.dtype) -> Tensor:
@@ -148,7 +182,10 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
     w: Any = None
     for r0, r1, c0, c1 in tiles(rows, rows, plan.tile, True):
         n = r1 - r0
-        stack, mixed = _stack(prod, plan, bufs, stacks, (r0, r1, c0, c1))
+        full = stacks.get(2 * n, c1 - c0)
+        mixed = _signed_stack(prod.logits(r0, r1, c0, c1, bufs.get(n, c1 - c0)), full, plan, plan.positives.self_offset,
+                              (r0, r1, c0, c1))
+        stack = full if mixed else full[:n]
         if c0 == r0:  # this row block's column operand, formed once for its tiles
             w = _columnscaled_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
         top = _mm(stack, z[c0:c1] if mixed else z[c0:c1, : 2 * dim])

@@ -5,7 +5,8 @@ and NT-BXent's element-wise binary cross-entropy (``kernel="binary"``) are not l
 the positive mask, so each tile asks :meth:`~torch_contrastive.positives.Positives.tile`
 for its block of the mask. Forward keeps O(N) statistics, backward recomputes each tile
 (a single tile -- the small-batch case -- is kept from forward instead). The kernels' tile
-arithmetic is in :mod:`.pair_kernels`; NT-BXent's strips on a GPU plan in :mod:`.pair_strips`.
+arithmetic is in :mod:`.pair_kernels`; the strips on a GPU plan, backward factored, in :mod:`.pair_strips`
+(NT-BXent) and :mod:`.pml_strips` (PML).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .._tensors import as_dtype, clear_self_diagonal
 from ..positives import KeyPositives
-from . import pair_strips
+from . import pair_strips, pml_strips
 from .driver import Gradients, Operands, Saved, run
 from .pair_kernels import KERNELS as _KERNELS
 from .pair_kernels import _PairKernel
@@ -193,8 +194,11 @@ class TorchPairs(PairExecutor):
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)
             return outputs, {"kernel": (), "kept": kept}
-        if pair_strips.serves(plan):  # NT-BXent's strips on a GPU plan: one signed tile each, backward factored
-            return pair_strips.binary_forward(prod, R, C, plan), {"kernel": (), "kept": ()}
+        if pair_strips.serves(plan):  # the strips on a GPU plan, backward factored: NT-BXent's one signed tile each,
+            if plan.kernel == "binary":  # PML's two sweeps of few passes
+                return pair_strips.binary_forward(prod, R, C, plan), {"kernel": (), "kept": ()}
+            out, kept = pml_strips.softplus_forward(prod, R, C, plan, ops.b is None)
+            return (out,), {"kernel": kept, "kept": ()}
         kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
         if plan.symmetric:
             _symmetric_forward(kernel, prod, R, plan)
@@ -225,6 +229,9 @@ class TorchPairs(PairExecutor):
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients(prod.row_product(g + g.t()), None, True)
             return Gradients(prod.row_product(g), prod.column_product(g))
+        if pair_strips.serves(plan) and plan.kernel != "binary":  # PML's: every tile, G @ B and G.T @ A
+            rows, columns = pml_strips.softplus_backward(prod, a, b, grads[0], kernel_saved, plan)
+            return Gradients(rows, columns)
         if pair_strips.serves(plan):  # a triangle's rows hold H @ A, H = G + G^T: both roles of every pair
             rows, cols = pair_strips.binary_backward(prod, a, b, grads, plan)
             return Gradients(rows, cols, plan.symmetric)

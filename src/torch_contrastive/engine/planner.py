@@ -459,8 +459,9 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
         per_logit = _bytes_per_logit(backend, dtype, other_dtype, half)
         strip = strip_rows(rows, cols, per_logit) if chunk_size is None and _walks_strips(backend, traits) else 0
         tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
-        # a single set's triangle: the soft-max terms on every backend, the pair terms on the torch loops
-        triangle = traits.symmetric and (traits.pairs is None or backend == "torch")
+        # a single set's triangle: the soft-max terms on every backend, NT-BXent on the torch loops (PML's torch strips
+        # walk every tile: their sweep 2 and backward need each row's own log-sum-exp)
+        triangle = traits.symmetric and (traits.pairs is None or (backend == "torch" and traits.pairs == "binary"))
         tiles = math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
         extra = FORMED_STRIPS.get((kind, counted)) if backend == "torch" and tiles > 1 else None
         if extra is not None and (FACTORED == "off" or (counted == "half" and dtype == torch.float16) or (

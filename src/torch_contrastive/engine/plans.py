@@ -180,8 +180,8 @@ class PairPlan(_Device):
             feeding its row block and its column block.
         one_tile: the lean one-tile executor serves the plan (one set's label relation on the torch
             backend's one bounded tile, rows normalised inside: :mod:`.one_tile`).
-        factored: NT-BXent's strips on a GPU plan run :mod:`.pair_strips` (one signed tile each, backward factored;
-            :func:`~.cost.pair_factoring_pays`).
+        factored: the strips on a GPU plan factor backward (:func:`~.cost.pair_factoring_pays`): NT-BXent's run
+            :mod:`.pair_strips` (one signed tile each), PML's :mod:`.pml_strips` (bounded regime, two sweeps).
     """
 
     decision: Decision

@@ -240,9 +240,11 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
                  and (stat.kernel == "binary" or decision.fixed))
     # NT-BXent's strips on a GPU plan, factored where the model prices it lower (engine/pair_strips.py), walk a label
     # relation's triangle sorted or not: the factored tiles then do half the elementwise work
-    factored = (stat.kernel == "binary" and decision.device != "cpu" and decision.backend == "torch" and decision.tile != 0
-                and pair_factoring_pays("half" if decision.half else "wide", int(problem.anchors.shape[-1])))
-    symmetric = symmetric or (factored and problem.single and isinstance(positives, KeyPositives)
+    # PML's (engine/pml_strips.py) in the bounded regime, without fp16 products (e^S overflows fp16 past S = 11)
+    factored = (decision.device != "cpu" and decision.backend == "torch" and decision.tile != 0
+                and (stat.kernel == "binary" or (decision.fixed and not (decision.half and problem.anchors.dtype == torch.float16)))
+                and pair_factoring_pays("half" if decision.half else "wide", int(problem.anchors.shape[-1]), kernel=stat.kernel))
+    symmetric = symmetric or (factored and stat.kernel == "binary" and problem.single and isinstance(positives, KeyPositives)
                               and positives.self_offset == 0)
     # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
     # (in the compute dtype, or bf16 on tensor cores: engine/one_tile_half.py; fp16 keeps the general scheme)
