@@ -306,13 +306,15 @@ def test_the_relation_forms_cost_what_the_model_says(monkeypatch):
         wide[dense] = count_loss("supcon", "ours", 1024, 512, at=256)
     assert got[True].passes - got[False].passes == pytest.approx(RELATION_FORMS.dense_passes, abs=0.5)
     assert got[False].launches - got[True].launches == pytest.approx(RELATION_FORMS.grouped_launches, abs=2)
-    pairs = {}
     monkeypatch.setattr(planner, "PRODUCTS", "half")
-    for dense in (True, False):  # the pair terms' strips compare the keys of every tile again
-        monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, reader=None, dense=dense: dense)
-        pairs[dense] = count_loss("nt_xent_pml", "torch", 1024, 500, at=256, tiles=4)
-    assert pairs[True].passes - pairs[False].passes == pytest.approx(PAIR_RELATION_FORMS.dense_passes, abs=0.25)
-    assert pairs[False].launches - pairs[True].launches == pytest.approx(PAIR_RELATION_FORMS.grouped_launches, abs=2)
+    for name, kernel in (("nt_xent_pml", "pair_softplus"), ("nt_bxent", "binary")):
+        pairs = {}
+        for dense in (True, False):  # the pair terms' strips compare the keys of every tile again
+            monkeypatch.setattr(positives, "_dense_pays", lambda r, c, d, reader=None, dense=dense: dense)
+            pairs[dense] = count_loss(name, "torch", 1024, 500, at=256, tiles=4)
+        forms = PAIR_RELATION_FORMS[kernel]
+        assert pairs[True].passes - pairs[False].passes == pytest.approx(forms.dense_passes, abs=0.1), kernel
+        assert pairs[False].launches - pairs[True].launches == pytest.approx(forms.grouped_launches, abs=2), kernel
     for counted, operands, gemm in ((one, "half", "float16"), (wide, "wide", "float32")):
         forms = TILE_RELATION_FORMS[operands]
         mask, grouped = counted[True], counted[False]
@@ -357,11 +359,16 @@ def test_a_label_relation_is_a_mask_where_its_one_torch_tile_reads_it_cheaper():
         assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs))  # PML: the epilogue's keys in registers
         assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(backend="epilogue"))
         assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(backend="torch", chunk=256))
-        # the pair terms' strips compare the keys of every tile again: host-bound (256 of 1,024 stands for 2,048),
-        # the mask; device-bound (32,768 rows on 8,192-row strips), the grouped form
-        assert relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
-    with planner.simulate("cuda", area=1024.0):
-        assert not relation_form.dense_relation(1024, 1024, cpu, 0, reader(pairs, backend="torch", chunk=256))
+        # the pair terms' strips compare the keys of every tile again (cost.PAIR_RELATION_FORMS): host-bound (256 of
+        # 1,024 stands for 2,048) and device-bound (32,768 rows on 8,192-row strips) alike the mask -- PML's moves fewer
+        # bytes than the keys compared again, NT-BXent's fewer than the grouped form's 31 launches -- up to the
+        # scratch budget (65,536 rows: grouped)
+        for kernel in (pairs, "binary"):
+            assert relation_form.dense_relation(1024, 1024, cpu, 0, reader(kernel, backend="torch", chunk=256))
+    for area, mask in ((1024.0, True), (4096.0, False)):
+        with planner.simulate("cuda", area=area):
+            for kernel in (pairs, "binary"):
+                assert relation_form.dense_relation(1024, 1024, cpu, 0, reader(kernel, backend="torch", chunk=256)) == mask
     with planner.simulate("cuda", budget=1 << 23):  # a mask past the scratch budget is never dense
         assert not relation_form.dense_relation(4096, 4096, cpu, 0, reader(pairs, backend="torch"))
     # the loss passes its reader: SupCon on the GPU plan runs the lean tile, on a mask at 1,024 rows, grouped at 8,192
@@ -453,8 +460,9 @@ def test_the_torch_strips_on_the_gpu_plan_move_no_more_than_the_dense_formula(na
 @pytest.mark.parametrize("name", ["nt_xent_pml", "nt_bxent"])
 def test_the_pair_terms_factored_strips_save_what_the_model_prices(name, operands, monkeypatch):
     """The pair terms' two strips forms, each forced (engine/pml_strips.py and engine/pair_strips.py beside the
-    general loop), differ by cost.PAIR_FORMED -- the formed tile's extra passes, the factored products' extra
-    GEMM-equivalents -- which cost.pair_factoring_pays weighs (1,024 rows counted at 256, 4 x 4 tiles, D 64)."""
+    general loop), differ by cost.PAIR_FORMED -- the formed tile's extra passes, launches and bytecodes, the factored
+    products' extra GEMM-equivalents -- which cost.pair_factoring_pays weighs and the planner prices the general loop
+    by where it runs (1,024 rows counted at 256, 4 x 4 tiles, D 64)."""
     from torch_contrastive.engine import problem_plan
     from torch_contrastive.engine.cost import PAIR_FORMED
 
@@ -464,11 +472,15 @@ def test_the_pair_terms_factored_strips_save_what_the_model_prices(name, operand
         monkeypatch.setattr(problem_plan, "pair_factoring_pays", lambda *args, f=factored, **kwargs: f)
         monkeypatch.setattr(problem_plan, "_PLANS", {})  # plans are cached by problem: this one's is re-made
         counts[factored] = count_loss(name, "torch", 1024, 64, at=256, tiles=4)
-    passes, gemms = PAIR_FORMED[({"nt_xent_pml": "pair_softplus", "nt_bxent": "binary"}[name], operands)]
+    extra = PAIR_FORMED[({"nt_xent_pml": "pair_softplus", "nt_bxent": "binary"}[name], operands)]
+    visited = 16 if name == "nt_xent_pml" else 10  # the tiles cost.PATHS spreads the per-tile counts over
     on, off = counts[True], counts[False]
-    assert off.passes - on.passes == pytest.approx(passes, abs=0.3)
+    assert off.passes - on.passes == pytest.approx(extra.passes, abs=0.3)
+    assert (off.launches - on.launches) / (visited - 1) == pytest.approx(extra.per_tile, abs=0.3)
     unit = 2.0 * 1024 * 1024 * 64
-    assert (sum(on.gemm_flops.values()) - sum(off.gemm_flops.values())) / unit == pytest.approx(gemms, abs=0.01)
+    assert (sum(off.gemm_flops.values()) - sum(on.gemm_flops.values())) / unit == pytest.approx(extra.gemms, abs=0.01)
+    if sys.version_info[:2] == (3, 11):
+        assert (off.bytecodes - on.bytecodes) / (visited - 1) == pytest.approx(extra.bytecodes_per_tile, rel=0.15)
 
 
 @pytest.mark.parametrize("name", ["clip", "nt_xent"])

@@ -403,3 +403,23 @@ def test_the_pair_terms_torch_strips_are_priced_over_the_tiles_they_walk():
         priced = dict(planner._priced(rows, rows, torch.bfloat16, torch.bfloat16, tile,
                                       planner.Traits(512, symmetric=True, pairs=pairs)))
         assert priced["torch"][-1] == want, (pairs, priced["torch"])
+
+
+@pytest.mark.parametrize("case", ["PML online", "PML fp16", "NT-BXent widened past 280 features"])
+def test_the_pair_terms_general_loop_is_priced_where_it_runs(case):
+    """Where the pair terms' strips keep the general loop (engine/problem_plan.py's ``factored``: PML outside the
+    bounded regime or on fp16 products, either kernel where cost.pair_factoring_pays says the formed tile is faster)
+    the torch loops are priced as that loop -- cost.PAIR_FORMED added to the factored count of cost.PATHS."""
+    from torch_contrastive.engine.cost import PAIR_FORMED, PATHS, formed
+
+    pairs = "binary" if case.startswith("NT-BXent") else "pair_softplus"
+    dtype = torch.float16 if case == "PML fp16" else torch.bfloat16
+    dim = 512 if case.startswith("NT-BXent") else 64
+    traits = planner.Traits(dim, symmetric=True, pairs=pairs)
+    label = planner.WIDE if case.startswith("NT-BXent") else "torch"
+    counted = "wide" if case.startswith("NT-BXent") else "half"
+    priced = dict(planner._priced(16384, 16384, dtype, dtype, 4096, traits, fixed=case != "PML online"))
+    assert priced[label][0] == formed(PATHS[(pairs, "torch", counted)], PAIR_FORMED[(pairs, counted)])
+    bounded = dict(planner._priced(16384, 16384, torch.bfloat16, torch.bfloat16, 4096, planner.Traits(64, symmetric=True,
+                                                                                                        pairs=pairs)))
+    assert bounded["torch"][0] == PATHS[(pairs, "torch", "half")]  # factored: the count as it stands

@@ -331,15 +331,17 @@ def factoring_pays(path: PathCost, extra: FormedStrips, rows: int, cols: int, di
         predict_path(formed(path, extra), "torch", rows, cols, dim, dtype, tiles, gpu)
 
 
-#: The pair terms' torch strips on the GPU plan, formed (the general loop, every tile) beside factored, per (kernel,
-#: operands): ``(fp32 passes over the logits the formed tile adds, GEMM-equivalents the factored products add)``, 1,024
-#: rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29. NT-BXent (engine/pair_strips.py, a label relation's triangle):
-#: 37.53 and 35.53 passes for 8 and 4 GEMM-equivalents, factored 13.21 and 15.15 for 9.75 and 7.25. PML NT-Xent
-#: (engine/pml_strips.py, sweep 1 over a label relation's triangle): 54.51 and 52.51 passes for 11.0 and 5.0
-#: GEMM-equivalents, factored 26.54 and 31.54 for 11.875 and 6.625.
-PAIR_FORMED: dict[tuple[str, str], tuple[float, float]] = {
-    ("binary", "half"): (24.32, 1.75), ("binary", "wide"): (20.38, 3.25),
-    ("pair_softplus", "half"): (27.97, 0.875), ("pair_softplus", "wide"): (20.97, 1.625),
+#: The pair terms' torch strips on the GPU plan, formed (the general loop, every tile) beyond factored, per (kernel,
+#: operands), as :data:`FORMED_STRIPS` (launches and bytecodes per further tile spread over the tiles :data:`PATHS`
+#: counts them over: NT-BXent's triangle 10, PML's 16), 1,024 rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29.
+#: NT-BXent (engine/pair_strips.py, a label relation's triangle): 37.53 and 35.53 passes for 8 and 4
+#: GEMM-equivalents, factored 13.21 and 15.15 for 9.75 and 7.25. PML NT-Xent (engine/pml_strips.py, sweep 1 over a
+#: label relation's triangle): 54.51 and 52.51 for 11.0 and 5.0, factored 26.54 and 31.54 for 11.875 and 6.625.
+PAIR_FORMED: dict[tuple[str, str], FormedStrips] = {
+    ("binary", "half"): FormedStrips(24.31, 24.8, -1.75, 708),
+    ("binary", "wide"): FormedStrips(20.37, 17.7, -3.25, 502),
+    ("pair_softplus", "half"): FormedStrips(27.97, 26.3, -0.875, 963),
+    ("pair_softplus", "wide"): FormedStrips(20.97, 22.1, -1.625, 893),
 }
 
 
@@ -347,12 +349,12 @@ def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100", kernel
     """Whether the pair terms' factored strips (``kernel``: NT-BXent's ``"binary"``, PML's ``"pair_softplus"``) are
     predicted faster on the device than the formed tile at ``dim`` features: the formed tile's passes
     (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at the products' rate -- ``operands``
-    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features) or ``"wide"`` (fp32 GEMMs, widened or fp32 inputs:
-    NT-BXent below about 280)."""
+    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features, PML about 20,000) or ``"wide"`` (fp32 GEMMs,
+    widened or fp32 inputs: NT-BXent below about 280, PML about 650). Per logit: the launches are the same order."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    passes, gemms = PAIR_FORMED[(kernel, operands)]
+    extra = PAIR_FORMED[(kernel, operands)]
     rate = g.gemm_flops["bfloat16" if operands == "half" else "float32"]
-    return gemms * 2.0 * dim / rate < passes * 4.0 / g.bandwidth
+    return -extra.gemms * 2.0 * dim / rate < extra.passes * 4.0 / g.bandwidth
 
 
 @dataclass(frozen=True)
@@ -439,16 +441,20 @@ def tile_mask_pays(rows: float, cols: float, dim: int, operands: str, call: tupl
                                             host + f.grouped_launches * g.host_op + f.grouped_bytecodes * g.host_bytecode)
 
 
-#: The pair terms' (PML's NT-Xent, NT-BXent with labels) on the torch loops' strips, where the grouped form compares
-#: the keys of every tile again: PML NT-Xent, 1,024 rows, bf16, 4 x 4 tiles, counted 2026-11-28 (NT-BXent's: no
-#: pass apart, 43 launches -- the mask pays for it wherever it pays for PML's).
-PAIR_RELATION_FORMS = RelationForms(dense_passes=0.5, grouped_launches=4)
+#: The pair terms' on the torch loops' strips, per kernel, where the grouped form compares the keys of every tile
+#: again: 1,024 rows, bf16, 4 x 4 tiles, D 500, counted 2026-11-29 with their strips factored (engine/pml_strips.py:
+#: PML's sweeps read the relation of 42 tiles, so the mask moves fewer bytes too; engine/pair_strips.py: NT-BXent's
+#: triangle reads 20).
+PAIR_RELATION_FORMS: dict[str, RelationForms] = {
+    "pair_softplus": RelationForms(dense_passes=-0.16, grouped_launches=58),
+    "binary": RelationForms(dense_passes=0.19, grouped_launches=31),
+}
 
 
 def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100", call: tuple[float, float] | None = None,
                         forms: RelationForms = RELATION_FORMS) -> bool:
     """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form, for a
-    reader whose two forms differ by ``forms`` (the soft-max terms' :data:`RELATION_FORMS`, the pair terms'
+    reader whose two forms differ by ``forms`` (the soft-max terms' :data:`RELATION_FORMS`, a pair kernel's entry of
     :data:`PAIR_RELATION_FORMS`).
 
     Without ``call``, on the device alone: the mask's extra passes against the grouped form's extra launches.

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cost import FORMED_STRIPS, PATHS, PathCost, factoring_pays, formed, predict_path
+from .cost import FORMED_STRIPS, PAIR_FORMED, PATHS, PathCost, factoring_pays, formed, pair_factoring_pays, predict_path
 from .precision import fixed_scale_applies
 from .recorded import record
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
@@ -303,7 +303,7 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
     if device.type == "cuda" and kernel in ("softmax", "pairwise") and traits.dim > 0:
         side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
         predicted = predictions(round(rows * side), round(cols * side), dtype, other_dtype,
-                                None if chunk_size is None else round(chunk_size * side), traits)
+                                None if chunk_size is None else round(chunk_size * side), traits, fixed=fixed)
     if chosen == "auto":
         chosen = "torch"
         if served is not None and predicted:
@@ -423,20 +423,21 @@ def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype,
 
 
 def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
-                traits: Traits, gpu: str = "H100") -> tuple[tuple[str, float], ...]:
+                traits: Traits, gpu: str = "H100", fixed: bool = True) -> tuple[tuple[str, float], ...]:
     """The cost model's time (seconds, a prediction) of each backend that has counts for this soft-max or
     pair-term problem (:data:`~.cost.PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available --
     the H100's constants for any CUDA device until others are measured. Half operands of one dtype are
     priced as tensor-core products, and the torch backend also as :data:`WIDE` -- the operands widened and
     multiplied in fp32 (exact; not offered while TF32 may round fp32 GEMMs): fewer launches, more GEMM time,
     so the host-bound small calls' choice; fp32 as fp32 (the fused kernels are counted for half operands only);
-    fp64 is not priced."""
+    fp64 is not priced. ``fixed``: the call runs the bounded regime (the torch strips' factored forms need it for
+    PML)."""
     return tuple((label, predict_path(*priced, gpu)) for label, priced in _priced(rows, cols, dtype, other_dtype, chunk_size,
-                                                                                     traits))
+                                                                                     traits, fixed))
 
 
 def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
-            traits: Traits) -> list[tuple[str, tuple[PathCost, str, int, int, int, str, int]]]:
+            traits: Traits, fixed: bool = True) -> list[tuple[str, tuple[PathCost, str, int, int, int, str, int]]]:
     """Each backend :func:`predictions` prices, with the arguments of :func:`~.cost.predict_path` (or
     :func:`~.cost.path_terms`) but the GPU: its counted path, the shape, the GEMM dtype and the tiles visited."""
     if dtype in _HALF and other_dtype == dtype:
@@ -463,12 +464,30 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
         # walk every tile: their sweep 2 and backward need each row's own log-sum-exp)
         triangle = traits.symmetric and (traits.pairs is None or (backend == "torch" and traits.pairs == "binary"))
         tiles = math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
-        extra = FORMED_STRIPS.get((kind, counted)) if backend == "torch" and tiles > 1 else None
-        if extra is not None and (FACTORED == "off" or (counted == "half" and dtype == torch.float16) or (
-                FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, traits.dim, gemm_dtype, tiles))):
-            path = formed(path, extra)  # the strips' backward forms its gradient tile (the planner's ``factored``)
+        if backend == "torch" and tiles > 1:  # the strips' backward form: factored (PATHS' count) or formed
+            path = _strips_form(path, (kind, counted), dtype, (rows, cols, traits.dim, tiles), gemm_dtype, fixed)
         out.append((label, (path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles)))
     return out
+
+
+def _strips_form(path: PathCost, key: tuple[str, str], dtype: torch.dtype, shape: tuple[int, int, int, int], gemm_dtype: str,
+                 fixed: bool) -> PathCost:
+    """A torch strips row of :data:`~.cost.PATHS` (the factored backward) as the form the plan runs: with the gradient
+    tile formed where it does (:data:`~.cost.FORMED_STRIPS`, :data:`~.cost.PAIR_FORMED`) -- the planner's
+    ``factored`` (the soft-max terms) and :func:`~.problem_plan._pair_plan`'s (the pair terms) by the same model.
+    ``key``: (problem kind, counted operands); ``shape``: (rows, cols, features, tiles visited)."""
+    kind, counted = key
+    rows, cols, dim, tiles = shape
+    fp16 = counted == "half" and dtype == torch.float16
+    pair = PAIR_FORMED.get(key)
+    if pair is not None:  # the pair terms: NT-BXent factors in either regime, PML in the bounded one, neither on fp16's PML
+        serves = kind == "binary" or (fixed and not fp16)
+        return path if serves and pair_factoring_pays(counted, dim, kernel=kind) else formed(path, pair)
+    extra = FORMED_STRIPS.get(key)
+    if extra is not None and (FACTORED == "off" or fp16 or (
+            FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, dim, gemm_dtype, tiles))):
+        return formed(path, extra)  # the strips' backward forms its gradient tile (the planner's ``factored``)
+    return path
 
 
 def launch_bound(device: torch.device) -> bool:

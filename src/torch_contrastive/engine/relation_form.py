@@ -98,7 +98,7 @@ def _reader_wants_mask(rows: int, cols: int, reader: Reader) -> bool:
     label = reader.backend if reader.backend != "auto" else min((t, name) for name, t in predicted)[1] if predicted else None
     if _torch_tile_reads(rows, cols, chunk, reader, label, predicted):
         return _tile_mask_pays(rows, cols, reader, label, priced, predicted)
-    return _mask_pays_in_call(rows, cols, label, priced, reader.pairs is not None)
+    return _mask_pays_in_call(rows, cols, label, priced, reader.pairs)
 
 
 def _tile_mask_pays(rows: int, cols: int, reader: Reader, label: str | None, priced: dict[str, Any],
@@ -127,17 +127,17 @@ def _torch_tile_reads(rows: int, cols: int, chunk: int | None, reader: Reader, l
         >= max(rows, cols)
 
 
-def _mask_pays_in_call(rows: int, cols: int, label: str | None, priced: dict[str, Any], pairs: bool) -> bool:
+def _mask_pays_in_call(rows: int, cols: int, label: str | None, priced: dict[str, Any], pairs: str | None) -> bool:
     """Whether the dense mask is the cheaper form inside the torch loops' call that reads it (backend ``label``):
     that call's device and host times (:func:`~.cost.path_terms`) against the grouped form's
     (:func:`~.cost.dense_relation_pays` with ``call``), by the forms of the terms that read it (``pairs``: the pair
-    terms', which compare the keys of every tile again; else the soft-max terms'). A host-bound call keeps the
+    kernel's, whose strips compare the keys of every tile again; None: the soft-max terms'). A host-bound call keeps the
     mask, whose passes the device hides, where the device alone would choose the grouped form's launches."""
     # the forms' constants were counted on the torch loops' strips; the kernel backends compare the keys in
     # registers, where a mask only adds bytes (the epilogue holds to its byte budget, issue 34: at most 6 passes)
     if label not in priced or priced[label][1] != "torch":
         return False
-    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]), forms=PAIR_RELATION_FORMS if pairs else RELATION_FORMS)
+    return dense_relation_pays(rows, cols, call=path_terms(*priced[label]), forms=RELATION_FORMS if pairs is None else PAIR_RELATION_FORMS[pairs])
 
 
 def counts_from_values(device: torch.device) -> bool:
