@@ -463,14 +463,12 @@ def test_the_pair_terms_factored_strips_save_what_the_model_prices(name, operand
     general loop), differ by cost.PAIR_FORMED -- the formed tile's extra passes, launches and bytecodes, the factored
     products' extra GEMM-equivalents -- which cost.pair_factoring_pays weighs and the planner prices the general loop
     by where it runs (1,024 rows counted at 256, 4 x 4 tiles, D 64)."""
-    from torch_contrastive.engine import problem_plan
     from torch_contrastive.engine.cost import PAIR_FORMED
 
     monkeypatch.setattr(planner, "PRODUCTS", {"half": "half", "wide": "compute"}[operands])
     counts = {}
     for factored in (True, False):
-        monkeypatch.setattr(problem_plan, "pair_factoring_pays", lambda *args, f=factored, **kwargs: f)
-        monkeypatch.setattr(problem_plan, "_PLANS", {})  # plans are cached by problem: this one's is re-made
+        monkeypatch.setattr(planner, "FACTORED", "on" if factored else "off")
         counts[factored] = count_loss(name, "torch", 1024, 64, at=256, tiles=4)
     extra = PAIR_FORMED[({"nt_xent_pml": "pair_softplus", "nt_bxent": "binary"}[name], operands)]
     visited = 16 if name == "nt_xent_pml" else 10  # the tiles cost.PATHS spreads the per-tile counts over

@@ -154,3 +154,15 @@ def test_the_model_factors_pmls_strips_below_the_features_it_prices():
     assert not pair_factoring_pays("half", 32768, kernel="pair_softplus")
     assert pair_factoring_pays("wide", 512, kernel="pair_softplus")
     assert not pair_factoring_pays("wide", 1024, kernel="pair_softplus")
+
+
+def test_explain_shows_the_factored_strips_decision():
+    """The pair terms' factoring is the planner's decision (``Decision.factored``, one place): ``tc.explain`` shows it
+    for PML's strips on a GPU plan in the bounded regime, and not in the online one."""
+    x = torch.randn(64, 8, dtype=torch.float32, device=DEVICE)
+    labels = (torch.arange(64) % 5).to(DEVICE)
+    with planner.simulate("cuda"):
+        bounded = tc.explain(lambda: tc.nt_xent_loss(x, 0.2, labels=labels, chunk_size=16, backend="torch", validate=False))
+        online = tc.explain(lambda: tc.nt_xent_loss(x, 0.01, labels=labels, chunk_size=16, backend="torch", validate=False))
+    assert [d.factored for d in bounded] == [True] and "backward factored" in str(bounded[0])
+    assert [d.factored for d in online] == [False] and "backward factored" not in str(online[0])

@@ -66,8 +66,9 @@ class Decision:
             rows as given (one half dtype on both sides); None: the compute dtype.
         predicted: on a GPU, the cost model's time of each backend it has counts for (a prediction,
             in seconds): what ``"auto"`` chose from.
-        factored: the torch loops' bounded soft-max strips multiply ``exp(S)`` itself in backward, the
-            coefficients on the operands (:mod:`.factored_strips`): where the cost model prices that lower
+        factored: the torch loops' strips factor their backward -- the bounded soft-max terms multiply ``exp(S)``
+            itself, the coefficients on the operands (:mod:`.factored_strips`); the pair terms multiply two stacked
+            factors (:mod:`.pair_strips`, :mod:`.pml_strips`) -- where the cost model prices that lower
             (:data:`FACTORED`).
         executor: in :func:`~.recorded.explain`'s answer, the executor that ran the plan (``"one_tile"``: the lean
             one-tile executor, :mod:`.one_tile`; else the backend's); ``""`` from :func:`decide` alone, which
@@ -110,8 +111,9 @@ class Decision:
             model = "; predicted (H100 cost model, not a measurement): " + ", ".join(
                 f"{name} {1e3 * t:.3g} ms" for name, t in self.predicted)
         lean = ", the lean one-tile executor" if self.executor == "one_tile" else ""
+        factored = ", backward factored (no gradient tile)" if self.factored else ""
         return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
-                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{lean}{model}")
+                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{factored}{lean}{model}")
 
 
 def _budget_from_environment() -> int:
@@ -319,16 +321,37 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
                                   if device.type == "cuda" else 8, strips)
     single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
-    factored = kernel == "softmax" and chosen == "torch" and fixed and not single and not tile_cols \
-        and _factors(device, dtype, other_dtype, half, (rows, cols, tile), traits)
+    factored = chosen == "torch" and not single and not tile_cols \
+        and _strips_factor(kernel, device, (dtype, other_dtype), half, fixed, (rows, cols, tile), traits)
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
                     predicted, 0 if single else tile_cols, factored)
 
 
-#: The torch loops' bounded soft-max strips in backward: ``"auto"`` factored (:mod:`.factored_strips`) where the cost
-#: model prices it below the formed gradient tile on a GPU, ``"on"`` on any device (tests: a CPU runs the GPU's form),
-#: ``"off"`` never. fp16 tensor-core products always form the tile (``exp(S)`` overflows fp16).
+#: The torch loops' strips in backward: ``"auto"`` factored (the soft-max terms' :mod:`.factored_strips`, the pair
+#: terms' :mod:`.pair_strips` and :mod:`.pml_strips`) where the cost model prices it below the formed gradient tile
+#: on a GPU, ``"on"`` wherever a factored form serves, on any device (tests: a CPU runs the GPU's form), ``"off"``
+#: never. fp16 tensor-core products form the tile where the factored form takes ``exp(S)`` (it overflows fp16).
 FACTORED = "auto"
+
+
+def _strips_factor(kernel: str, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype], half: bool, fixed: bool,
+                   shape: tuple[int, int, int], traits: Traits) -> bool:
+    """Whether the torch loops' strips factor their backward (:data:`FACTORED`): the bounded soft-max terms'
+    (:func:`_factors`), or the pair terms' (:func:`pair_factors`) on a GPU plan -- one decision, in the plan."""
+    if kernel == "softmax":
+        return fixed and _factors(device, dtypes[0], dtypes[1], half, shape, traits)
+    if kernel != "pairwise" or traits.pairs is None or FACTORED == "off" or (device.type != "cuda" and FACTORED == "auto"):
+        return False
+    fp16 = half and dtypes[0] == torch.float16
+    return pair_factors(traits.pairs, "half" if half else "wide", traits.dim, fixed, fp16, FACTORED == "on")
+
+
+def pair_factors(pairs: str, operands: str, dim: int, fixed: bool, fp16: bool, forced: bool = False) -> bool:
+    """Whether a pair kernel's strips run factored (:mod:`.pair_strips`, :mod:`.pml_strips`): NT-BXent in either
+    regime, PML in the bounded one and not on fp16 products (``e^S`` overflows fp16 past 11); where the model prices it
+    below the general loop (:func:`~.cost.pair_factoring_pays`) unless ``forced``."""
+    serves = pairs == "binary" or (fixed and not fp16)
+    return serves and (forced or pair_factoring_pays(operands, dim, kernel=pairs))
 
 
 def _factors(device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype, half: bool, shape: tuple[int, int, int],
@@ -480,9 +503,9 @@ def _strips_form(path: PathCost, key: tuple[str, str], dtype: torch.dtype, shape
     rows, cols, dim, tiles = shape
     fp16 = counted == "half" and dtype == torch.float16
     pair = PAIR_FORMED.get(key)
-    if pair is not None:  # the pair terms: NT-BXent factors in either regime, PML in the bounded one, neither on fp16's PML
-        serves = kind == "binary" or (fixed and not fp16)
-        return path if serves and pair_factoring_pays(counted, dim, kernel=kind) else formed(path, pair)
+    if pair is not None:  # the pair terms, as _strips_factor decides
+        return path if FACTORED != "off" and pair_factors(kind, counted, dim, fixed, fp16, FACTORED == "on") \
+            else formed(path, pair)
     extra = FORMED_STRIPS.get(key)
     if extra is not None and (FACTORED == "off" or fp16 or (
             FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, dim, gemm_dtype, tiles))):

@@ -17,7 +17,6 @@ import torch
 from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
 from . import planner
 from .confident import apart_rule
-from .cost import pair_factoring_pays
 from .planner import _HALF, Decision, Traits, _tf32, choose_backend, decide
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
@@ -124,8 +123,8 @@ def _pair_key(problem: Problem, stat: PairTerms) -> tuple[Any, ...] | None:
     a, c, opts = problem.anchors, problem.candidates, problem.options
     return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
             _tf32(), opts.chunk_size, opts.backend,
-            stat.fixed, stat.kernel, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, relation, problem.self_offset, problem.symmetric,
-            problem.single, opts.normalize, opts.eps)
+            stat.fixed, stat.kernel, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, relation, problem.self_offset,
+            problem.symmetric, problem.single, opts.normalize, opts.eps)
 
 
 def _keyed(problem: Problem) -> bool:
@@ -238,12 +237,10 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
-    # NT-BXent's strips on a GPU plan, factored where the model prices it lower (engine/pair_strips.py), walk a label
-    # relation's triangle sorted or not: the factored tiles then do half the elementwise work
-    # PML's (engine/pml_strips.py) in the bounded regime, without fp16 products (e^S overflows fp16 past S = 11)
-    factored = (decision.device != "cpu" and decision.backend == "torch" and decision.tile != 0
-                and (stat.kernel == "binary" or (decision.fixed and not (decision.half and problem.anchors.dtype == torch.float16)))
-                and pair_factoring_pays("half" if decision.half else "wide", int(problem.anchors.shape[-1]), kernel=stat.kernel))
+    # The strips on a GPU plan, factored where the model prices it lower (the planner's decision, planner.pair_factors):
+    # NT-BXent's (engine/pair_strips.py) walk a label relation's triangle sorted or not -- the factored tiles then do
+    # half the elementwise work; PML's (engine/pml_strips.py) run in the bounded regime
+    factored = decision.factored
     symmetric = symmetric or (factored and stat.kernel == "binary" and problem.single and isinstance(positives, KeyPositives)
                               and positives.self_offset == 0)
     # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
