@@ -166,3 +166,37 @@ def test_explain_shows_the_factored_strips_decision():
         online = tc.explain(lambda: tc.nt_xent_loss(x, 0.01, labels=labels, chunk_size=16, backend="torch", validate=False))
     assert [d.factored for d in bounded] == [True] and "backward factored" in str(bounded[0])
     assert [d.factored for d in online] == [False] and "backward factored" not in str(online[0])
+
+
+def test_a_ranks_rows_against_the_gathered_columns(monkeypatch):
+    """A rank's rows against every rank's columns (the self pair at ``i + offset``, as a distributed call's): the
+    strips walk every tile and clear the shifted self diagonal -- rows and column gradients against float64."""
+    from torch_contrastive.engine.pairwise import pairwise_rows
+    from torch_contrastive.positives import Positives
+
+    walks = _spied(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(30, 6, generator=g, dtype=torch.float64)
+    labels = torch.arange(30) % 4
+    offset, rows = 10, 12
+    a = x[offset : offset + rows].clone().to(DEVICE).requires_grad_()
+    b = x.clone().to(DEVICE).requires_grad_()
+    weights = torch.rand(rows, generator=g, dtype=torch.float64)
+    relation = Positives.from_keys(labels[offset : offset + rows].to(DEVICE), labels.to(DEVICE), self_offset=offset)
+    with planner.simulate("cuda"):
+        (out,) = pairwise_rows(a, b, 5.0, relation, kernel="pair_softplus", normalize=True, chunk_size=8, fixed=True,
+                               backend="torch")
+        (out * weights.to(DEVICE)).sum().backward()
+    assert walks == [False]
+    wa, wb = x[offset : offset + rows].clone().requires_grad_(), x.clone().requires_grad_()
+    za, zb = torch.nn.functional.normalize(wa, dim=1), torch.nn.functional.normalize(wb, dim=1)
+    s = 5.0 * za @ zb.T
+    same = labels[offset : offset + rows, None] == labels[None, :]
+    own = torch.zeros_like(same)
+    own[torch.arange(rows), torch.arange(rows) + offset] = True
+    lse = torch.logsumexp(s.masked_fill(same, float("-inf")), dim=1, keepdim=True)
+    want = torch.where(same & ~own, torch.nn.functional.softplus(lse - s), 0.0).sum(1)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(a.grad.cpu(), wa.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(b.grad.cpu(), wb.grad, rtol=1e-9, atol=1e-12)
