@@ -349,8 +349,8 @@ def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100", kernel
     """Whether the pair terms' factored strips (``kernel``: NT-BXent's ``"binary"``, PML's ``"pair_softplus"``) are
     predicted faster on the device than the formed tile at ``dim`` features: the formed tile's passes
     (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at the products' rate -- ``operands``
-    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features, PML about 20,000) or ``"wide"`` (fp32 GEMMs,
-    widened or fp32 inputs: NT-BXent below about 280, PML about 650). Per logit: the launches are the same order."""
+    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features, PML about 18,000) or ``"wide"`` (fp32 GEMMs,
+    widened or fp32 inputs: NT-BXent below about 280, PML about 580). Per logit: the launches are the same order."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     extra = PAIR_FORMED[(kernel, operands)]
     rate = g.gemm_flops["bfloat16" if operands == "half" else "float32"]
