@@ -187,7 +187,7 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
                               (r0, r1, c0, c1))
         stack = full if mixed else full[:n]
         if c0 == r0:  # this row block's column operand, formed once for its tiles
-            w = _columnscaled_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
+            w = _column_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
         top = _mm(stack, z[c0:c1] if mixed else z[c0:c1, : 2 * dim])
         out = acc[r0:r1].addcmul_(coef_neg[r0:r1, None], top[:n, :dim]).add_(top[:n, dim : 2 * dim])
         if mixed:
@@ -201,7 +201,7 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
     return acc
 
 
-def _columnscaled_blocks(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
+def _column_blocks(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
     """``[[X | b X | 0] ; [0 | -c X | -X]]`` (2n, 3D) in ``dtype``: an off-diagonal tile's column operand."""
     n, dim = x.shape
     out = torch.zeros(2 * n, 3 * dim, dtype=dtype, device=x.device)
@@ -211,11 +211,12 @@ def _columnscaled_blocks(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch
     return out
 
 
-def _weighted(x: Tensor, coef_neg: Tensor, both: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[b x ; -c x]`` (2n, D) in ``dtype``: the column product's other operand for one row block."""
+def _weighted(x: Tensor, first: Tensor, second: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[u x ; -v x]`` (2n, D) in ``dtype`` for the coefficients ``(u, v)`` of :func:`factored_walk` (NT-BXent's
+    ``(b, c)``, PML's ``(r, g)``): the column product's other operand for one row block."""
     out = torch.empty(2 * x.shape[0], x.shape[1], dtype=dtype, device=x.device)
-    torch.mul(x, coef_neg[:, None], out=out[: x.shape[0]])
-    torch.mul(x, both.neg()[:, None], out=out[x.shape[0] :])
+    torch.mul(x, first[:, None], out=out[: x.shape[0]])
+    torch.mul(x, second.neg()[:, None], out=out[x.shape[0] :])
     return out
 
 

@@ -194,10 +194,10 @@ class TorchPairs(PairExecutor):
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)
             return outputs, {"kernel": (), "kept": kept}
-        if pair_strips.serves(plan):  # the strips on a GPU plan, backward factored: NT-BXent's one signed tile each,
-            if plan.kernel == "binary":  # PML's two sweeps of few passes
+        if pair_strips.serves(plan):  # the strips on a GPU plan, backward factored
+            if plan.kernel == "binary":  # NT-BXent's: one signed tile each
                 return pair_strips.binary_forward(prod, R, C, plan), {"kernel": (), "kept": ()}
-            out, kept = pml_strips.softplus_forward(prod, R, C, plan, ops.b is None)
+            out, kept = pml_strips.softplus_forward(prod, R, C, plan, ops.b is None)  # PML's: two sweeps of few passes
             return (out,), {"kernel": kept, "kept": ()}
         kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
         if plan.symmetric:
@@ -229,10 +229,11 @@ class TorchPairs(PairExecutor):
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients(prod.row_product(g + g.t()), None, True)
             return Gradients(prod.row_product(g), prod.column_product(g))
-        if pair_strips.serves(plan) and plan.kernel != "binary":  # PML's: every tile, G @ B and G.T @ A
-            rows, columns = pml_strips.softplus_backward(prod, a, b, grads[0], kernel_saved, plan)
-            return Gradients(rows, columns)
-        if pair_strips.serves(plan):  # a triangle's rows hold H @ A, H = G + G^T: both roles of every pair
+        if pair_strips.serves(plan):
+            if plan.kernel != "binary":  # PML's: every tile, G @ B and G.T @ A
+                rows, columns = pml_strips.softplus_backward(prod, a, b, grads[0], kernel_saved, plan)
+                return Gradients(rows, columns)
+            # NT-BXent's: a triangle's rows hold H @ A, H = G + G^T -- both roles of every pair
             rows, cols = pair_strips.binary_backward(prod, a, b, grads, plan)
             return Gradients(rows, cols, plan.symmetric)
 

@@ -496,8 +496,8 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
 def _strips_form(path: PathCost, key: tuple[str, str], dtype: torch.dtype, shape: tuple[int, int, int, int], gemm_dtype: str,
                  fixed: bool) -> PathCost:
     """A torch strips row of :data:`~.cost.PATHS` (the factored backward) as the form the plan runs: with the gradient
-    tile formed where it does (:data:`~.cost.FORMED_STRIPS`, :data:`~.cost.PAIR_FORMED`) -- the planner's
-    ``factored`` (the soft-max terms) and :func:`~.problem_plan._pair_plan`'s (the pair terms) by the same model.
+    tile formed where it does (:data:`~.cost.FORMED_STRIPS`, :data:`~.cost.PAIR_FORMED`) -- as
+    :func:`_strips_factor` decides the plan's ``factored``, by the same model.
     ``key``: (problem kind, counted operands); ``shape``: (rows, cols, features, tiles visited)."""
     kind, counted = key
     rows, cols, dim, tiles = shape
