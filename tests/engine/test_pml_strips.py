@@ -16,13 +16,20 @@ from torch_contrastive.engine.cost import pair_factoring_pays
 
 
 def _spied(monkeypatch):
+    """Which factored form ran, and on which products: ``("eager", half)`` -- backward's products formed in forward
+    (a reduced value) -- or ``("backward", half)``."""
     walks = []
-    real = pml_strips.softplus_backward
+    real_backward, real_eager = pml_strips.softplus_backward, pml_strips.softplus_with_gradient
 
-    def spy(prod, a, b, grad, kept, plan):
-        walks.append(prod.half)
-        return real(prod, a, b, grad, kept, plan)
-    monkeypatch.setattr(pairwise.pml_strips, "softplus_backward", spy)
+    def backward(prod, *args):
+        walks.append(("backward", prod.half))
+        return real_backward(prod, *args)
+
+    def eager(prod, *args):
+        walks.append(("eager", prod.half))
+        return real_eager(prod, *args)
+    monkeypatch.setattr(pairwise.pml_strips, "softplus_backward", backward)
+    monkeypatch.setattr(pairwise.pml_strips, "softplus_with_gradient", eager)
     return walks
 
 
@@ -52,7 +59,7 @@ def test_the_strips_equal_the_float64_formula(relation, products, monkeypatch):
         got = tc.nt_xent_loss(ours, 0.2, labels=labels.to(DEVICE), chunk_size=8, backend="torch",
                               validate=relation == "sorted labels")
         got.backward()
-    assert walks == [products == "half"]
+    assert walks == [("eager", products == "half")]
     wide = x.to(dtype).double().clone().requires_grad_()
     want = ref.nt_xent_pml(wide, labels, 0.2)
     want.backward()
@@ -77,7 +84,7 @@ def test_a_memory_walks_every_tile_and_takes_its_column_gradient(monkeypatch):
         ours = tc.nt_xent_loss(a, 0.2, labels=labels.to(DEVICE), memory_emb=m, memory_labels=mem_labels.to(DEVICE),
                                chunk_size=8, backend="torch", validate=False)
         ours.backward()
-    assert walks == [False]
+    assert walks == [("eager", False)]
     assert_pml_memory(ours, a, m, x, mem, labels, mem_labels)
 
 
@@ -91,9 +98,11 @@ def _dense_rows(x: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> t
     return torch.where(same & ~eye, torch.nn.functional.softplus(lse - s), 0.0).sum(1)
 
 
-def test_a_learnable_scale_takes_the_gradient_of_the_formula(monkeypatch):
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_learnable_scale_takes_the_gradient_of_the_formula(reduced, monkeypatch):
     """A tensor scale's gradient from the factored products' rows and columns (the engine's bounded mode forced: a
-    loss's learnable temperature has no host-known bound, so it keeps the general loop) -- against float64."""
+    loss's learnable temperature has no host-known bound, so it keeps the general loop) -- against float64; per-row
+    outputs (backward's products) and a weighted sum reduced inside (``combine``: the products formed in forward)."""
     from torch_contrastive.engine.pairwise import pairwise_rows
     from torch_contrastive.positives import Positives
 
@@ -106,14 +115,16 @@ def test_a_learnable_scale_takes_the_gradient_of_the_formula(monkeypatch):
     ours = x.clone().to(DEVICE).requires_grad_()
     with planner.simulate("cuda"):
         (out,) = pairwise_rows(ours, ours, scale, Positives.from_keys(labels.to(DEVICE)), kernel="pair_softplus",
-                               normalize=True, chunk_size=8, fixed=True, backend="torch")
-        (out * weights.to(DEVICE)).sum().backward()
-    assert walks == [False]
+                               normalize=True, chunk_size=8, fixed=True, backend="torch",
+                               combine=((weights.to(DEVICE),), 0.5) if reduced else None)
+        (out if reduced else (out * weights.to(DEVICE)).sum() * 0.5).backward()
+    assert walks == [("eager" if reduced else "backward", False)]
     want_scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
     wide = x.clone().requires_grad_()
     want = _dense_rows(wide, labels, want_scale)
-    (want * weights).sum().backward()
-    torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-10, atol=1e-12)
+    (want * weights).sum().mul(0.5).backward()
+    torch.testing.assert_close(out.detach().cpu(), (want * weights).sum().mul(0.5).detach() if reduced else want.detach(),
+                               rtol=1e-10, atol=1e-12)
     assert float(scale.grad) == pytest.approx(float(want_scale.grad), rel=1e-9)
     torch.testing.assert_close(ours.grad.cpu(), wide.grad, rtol=1e-9, atol=1e-12)
 
@@ -168,9 +179,11 @@ def test_explain_shows_the_factored_strips_decision():
     assert [d.factored for d in online] == [False] and "backward factored" not in str(online[0])
 
 
-def test_a_ranks_rows_against_the_gathered_columns(monkeypatch):
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_ranks_rows_against_the_gathered_columns(reduced, monkeypatch):
     """A rank's rows against every rank's columns (the self pair at ``i + offset``, as a distributed call's): the
-    strips walk every tile and clear the shifted self diagonal -- rows and column gradients against float64."""
+    strips walk every tile and clear the shifted self diagonal -- rows and column gradients against float64, both
+    forms (per-row outputs; a weighted sum reduced inside, its products formed in forward)."""
     from torch_contrastive.engine.pairwise import pairwise_rows
     from torch_contrastive.positives import Positives
 
@@ -185,9 +198,9 @@ def test_a_ranks_rows_against_the_gathered_columns(monkeypatch):
     relation = Positives.from_keys(labels[offset : offset + rows].to(DEVICE), labels.to(DEVICE), self_offset=offset)
     with planner.simulate("cuda"):
         (out,) = pairwise_rows(a, b, 5.0, relation, kernel="pair_softplus", normalize=True, chunk_size=8, fixed=True,
-                               backend="torch")
-        (out * weights.to(DEVICE)).sum().backward()
-    assert walks == [False]
+                               backend="torch", combine=((weights.to(DEVICE),), 1.0) if reduced else None)
+        (out if reduced else (out * weights.to(DEVICE)).sum()).backward()
+    assert walks == [("eager" if reduced else "backward", False)]
     wa, wb = x[offset : offset + rows].clone().requires_grad_(), x.clone().requires_grad_()
     za, zb = torch.nn.functional.normalize(wa, dim=1), torch.nn.functional.normalize(wb, dim=1)
     s = 5.0 * za @ zb.T
@@ -197,6 +210,32 @@ def test_a_ranks_rows_against_the_gathered_columns(monkeypatch):
     lse = torch.logsumexp(s.masked_fill(same, float("-inf")), dim=1, keepdim=True)
     want = torch.where(same & ~own, torch.nn.functional.softplus(lse - s), 0.0).sum(1)
     (want * weights).sum().backward()
-    torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.detach().cpu(), (want * weights).sum().detach() if reduced else want.detach(),
+                               rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(a.grad.cpu(), wa.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(b.grad.cpu(), wb.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_the_products_formed_in_forward_are_scaled_by_the_incoming_gradient_and_skipped_without_one(monkeypatch):
+    """A reduced loss's products are formed in forward for a unit incoming gradient: a loss scaled by 3 before
+    backward gets 3 times the float64 gradient; under ``no_grad``, or with rows that need no gradient, forward forms
+    none (the plain two sweeps) -- the same value."""
+    walks = _spied(monkeypatch)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(27, 6, generator=g, dtype=torch.float64)
+    labels = torch.arange(27) % 4
+    ours = x.clone().to(DEVICE).requires_grad_()
+    with planner.simulate("cuda"):
+        got = tc.nt_xent_loss(ours, 0.2, labels=labels.to(DEVICE), chunk_size=8, backend="torch", validate=False)
+        (3 * got).backward()
+        with torch.no_grad():
+            quiet = tc.nt_xent_loss(ours, 0.2, labels=labels.to(DEVICE), chunk_size=8, backend="torch", validate=False)
+        detached = tc.nt_xent_loss(ours.detach(), 0.2, labels=labels.to(DEVICE), chunk_size=8, backend="torch",
+                                   validate=False)
+    assert walks == [("eager", False)]
+    wide = x.clone().requires_grad_()
+    want = ref.nt_xent_pml(wide, labels, 0.2)
+    (3 * want).backward()
+    for value in (got, quiet, detached):
+        assert float(value.detach()) == pytest.approx(float(want.detach()), rel=1e-10)
+    torch.testing.assert_close(ours.grad.cpu(), wide.grad, rtol=1e-9, atol=1e-12)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import self_diagonal
-from .products import AnyProducts, _mm32, scaled_blocks
+from .products import AnyProducts, scaled_blocks, tile_mm
 from .tiling import Buffers, tiles
 
 if TYPE_CHECKING:
@@ -145,12 +145,12 @@ def factored_walk(prod: AnyProducts, a: Tensor, b: Tensor, coefs: tuple[Tensor, 
         if c0 == 0:  # this row block's [u X ; -v X], formed once for its tiles
             weighted = _weighted(a[r0:r1], first[r0:r1], second[r0:r1], dtype)
         if not mixed:  # the first factor alone: G = u * F
-            acc_rows[r0:r1].addcmul_(first[r0:r1, None], _mm(out[:n], x_cols[c0:c1]))
-            acc_cols[c0:c1].add_(_mm(out[:n].t(), weighted[:n]))
+            acc_rows[r0:r1].addcmul_(first[r0:r1, None], tile_mm(out[:n], x_cols[c0:c1]))
+            acc_cols[c0:c1].add_(tile_mm(out[:n].t(), weighted[:n]))
             continue
-        prod_rows = _mm(out, x_cols[c0:c1])  # [F X ; F' X]
+        prod_rows = tile_mm(out, x_cols[c0:c1])  # [F X ; F' X]
         acc_rows[r0:r1].addcmul_(first[r0:r1, None], prod_rows[:n]).addcmul_(second[r0:r1, None], prod_rows[n:], value=-1)
-        acc_cols[c0:c1].add_(_mm(out.t(), weighted))
+        acc_cols[c0:c1].add_(tile_mm(out.t(), weighted))
     return acc_rows, acc_cols
 
 
@@ -188,13 +188,13 @@ def _triangle(prod: AnyProducts, x: Tensor, coef_neg: Tensor, both: Tensor, plan
         stack = full if mixed else full[:n]
         if c0 == r0:  # this row block's column operand, formed once for its tiles
             w = _column_blocks(x[r0:r1], coef_neg[r0:r1], both[r0:r1], dtype)
-        top = _mm(stack, z[c0:c1] if mixed else z[c0:c1, : 2 * dim])
+        top = tile_mm(stack, z[c0:c1] if mixed else z[c0:c1, : 2 * dim])
         out = acc[r0:r1].addcmul_(coef_neg[r0:r1, None], top[:n, :dim]).add_(top[:n, dim : 2 * dim])
         if mixed:
             out.addcmul_(both[r0:r1, None], top[n:, :dim], value=-1).sub_(top[n:, 2 * dim :])
         if c0 == r0:  # a diagonal tile's H already holds both roles of its pairs
             continue
-        side = _mm(stack.t(), w if mixed else w[:n, : 2 * dim])  # [sig^T X | sig^T b X - Q^T c X | -Q^T X]
+        side = tile_mm(stack.t(), w if mixed else w[:n, : 2 * dim])  # [sig^T X | sig^T b X - Q^T c X | -Q^T X]
         out = acc[c0:c1].addcmul_(coef_neg[c0:c1, None], side[:, :dim]).add_(side[:, dim : 2 * dim])
         if mixed:
             out.addcmul_(both[c0:c1, None], side[:, 2 * dim :])
@@ -219,7 +219,3 @@ def _weighted(x: Tensor, first: Tensor, second: Tensor, dtype: torch.dtype) -> T
     torch.mul(x, second.neg()[:, None], out=out[x.shape[0] :])
     return out
 
-
-def _mm(tile: Tensor, operand: Tensor) -> Tensor:
-    """``tile @ operand`` with an fp32 result (tensor cores for bf16)."""
-    return _mm32(tile, operand) if tile.dtype == torch.bfloat16 else tile @ operand

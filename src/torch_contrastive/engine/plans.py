@@ -157,6 +157,7 @@ class SoftmaxPlan(_Device):
     stack_rows: bool = False
     one_tile: bool = False
     factored: bool = False
+    eager: bool = False
 
     @property
     def executor(self) -> str:
@@ -182,6 +183,9 @@ class PairPlan(_Device):
             backend's one bounded tile, rows normalised inside: :mod:`.one_tile`).
         factored: the strips on a GPU plan factor backward (:func:`~.cost.pair_factoring_pays`): NT-BXent's run
             :mod:`.pair_strips` (one signed tile each), PML's :mod:`.pml_strips` (bounded regime, two sweeps).
+        eager: PML's factored strips of a reduced value (``combine``) form backward's products in forward, for a
+            unit incoming gradient that backward scales (:func:`~.pml_strips.softplus_with_gradient`): three
+            sweeps in all where forward and backward take four.
     """
 
     decision: Decision
@@ -193,6 +197,7 @@ class PairPlan(_Device):
     symmetric: bool = False
     one_tile: bool = False
     factored: bool = False
+    eager: bool = False
 
     @property
     def executor(self) -> str:

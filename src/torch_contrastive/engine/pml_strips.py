@@ -40,13 +40,14 @@ from torch import Tensor
 from .._tensors import self_diagonal
 from ..positives import KeyPositives
 from .pair_strips import factored_walk
+from .products import scaled_blocks, tile_mm
 from .tiling import Buffers, tiles
 
 if TYPE_CHECKING:
     from .plans import PairPlan
     from .products import AnyProducts
 
-__all__ = ["softplus_backward", "softplus_forward"]
+__all__ = ["softplus_backward", "softplus_forward", "softplus_with_gradient"]
 
 
 def _negative_sums(prod: AnyProducts, rows: int, cols: int, plan: PairPlan, triangle: bool) -> Tensor:
@@ -68,12 +69,16 @@ def _negative_sums(prod: AnyProducts, rows: int, cols: int, plan: PairPlan, tria
     return neg_sum
 
 
+def _symmetric(plan: PairPlan, single: bool) -> bool:
+    """One set's label relation is symmetric (the self pair on the main diagonal): its upper triangle serves every
+    sweep over the negatives."""
+    return single and isinstance(plan.positives, KeyPositives) and plan.positives.self_offset == 0
+
+
 def softplus_forward(prod: AnyProducts, rows: int, cols: int, plan: PairPlan, single: bool) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """Each row's ``sum_p softplus(L_i - S_ip)``, and what backward keeps: ``(N, w)`` (the negatives' sums and the
     positives' sigmoid sums). ``single``: one set (its label relation walks the triangle in sweep 1)."""
-    # one set's label relation is symmetric (the self pair on the main diagonal): its triangle serves sweep 1
-    symmetric = single and isinstance(plan.positives, KeyPositives) and plan.positives.self_offset == 0
-    neg_sum = _negative_sums(prod, rows, cols, plan, symmetric)
+    neg_sum = _negative_sums(prod, rows, cols, plan, _symmetric(plan, single))
     lse = neg_sum.log()  # -inf on a row without negatives
     a = prod.a
     out, weight = a.new_zeros(rows), a.new_zeros(rows)
@@ -124,3 +129,89 @@ def softplus_backward(prod: AnyProducts, a: Tensor, b: Tensor, grad: Tensor, kep
         return True
 
     return factored_walk(prod, a, b, (coef, grad), plan, stack)
+
+
+def softplus_with_gradient(prod: AnyProducts, a: Tensor, b: Tensor, plan: PairPlan, single: bool,
+                           unit: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Each row's ``sum_p softplus(L_i - S_ip)`` and backward's products for the incoming per-row gradient
+    ``unit``, formed in forward: a reduced loss (``combine``) is linear in its one incoming number, so backward
+    only scales these (as Liger-Kernel's fused linear cross-entropy forms its gradient in forward).
+
+    Sweep 1 sums the negatives (:func:`softplus_forward`'s). Sweep 2, over the tiles holding a positive, takes the
+    terms and writes ``T`` once, in the products' dtype: ``T`` feeds its two products there (``T X_c`` and ``T^T
+    (-g X_r)``) and its rounded row sums give ``w`` -- the ``T`` the products read, so a row's gradient sums to
+    zero as the exact one does. With ``w`` known, sweep 3 writes ``E`` once and takes its products: ``r * (E X_c)``
+    and ``E^T (r X_r)``; one set's symmetric relation walks the upper triangle there too (``E`` is symmetric), one
+    GEMM of ``E`` against ``[X | r X]`` per tile side. Backward's recomputed tile and its ``[E ; T]`` stack are
+    gone: the ``T`` written in sweep 2 is read where it is written.
+
+    Args:
+        prod: the call's products (the logits).
+        a: ``X_r`` (R, D) in the compute dtype.
+        b: ``X_c`` (C, D) (``a`` for one set).
+        plan: the plan (tile, relation, mixed tiles).
+        single: one set (both roles of every row).
+        unit: (R,) the per-row gradient of the outputs a unit incoming gradient gives.
+
+    Returns:
+        ``(per-row terms, products)``: ``products`` is ``((G + G^T) @ X,)`` for one set, else ``(G @ X_c, G^T @
+        X_r)`` -- unscaled, for a unit incoming gradient.
+
+    Memory: the logit tile, ``T`` or ``E`` (a tile in bf16 on tensor cores) and (R + C) x D fp32 accumulators.
+    """
+    rows, cols, dim = a.shape[0], b.shape[0], a.shape[1]
+    symmetric = _symmetric(plan, single)
+    neg_sum = _negative_sums(prod, rows, cols, plan, symmetric)
+    lse = neg_sum.log()  # -inf on a row without negatives
+    dtype = torch.bfloat16 if prod.half else a.dtype
+    x_cols = b.to(dtype)
+    out, weight = a.new_zeros(rows), a.new_zeros(rows)
+    t_rows, cols_acc = a.new_zeros(rows, dim), a.new_zeros(cols, dim)
+    bufs, factors = Buffers(a.dtype, a.device), Buffers(dtype, a.device)
+    off = torch.full((), float("-inf"), dtype=a.dtype, device=a.device)  # d off the positives
+    neg_g: Tensor | None = None
+    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):  # sweep 2: the positives' terms and T's products
+        if not plan.is_mixed(r0, c0):  # no positive: no term, no T
+            continue
+        n, m = r1 - r0, c1 - c0
+        if neg_g is None:
+            neg_g = (a * unit.neg()[:, None]).to(dtype)  # -g X_r, formed once
+        s = prod.logits(r0, r1, c0, c1, bufs.get(n, m))
+        d = torch.where(plan.positives.tile(r0, r1, c0, c1), torch.sub(lse[r0:r1, None], s, out=s), off,
+                        out=bufs.get(n, m, 1))
+        out[r0:r1] += torch.nn.functional.softplus(d).sum(1)  # keeps a confident pair's small term
+        t = torch.sigmoid(d, out=factors.get(n, m))  # 0 off the positives (d = -inf there)
+        weight[r0:r1] += t.sum(1, dtype=a.dtype)
+        t_rows[r0:r1] += tile_mm(t, x_cols[c0:c1])
+        cols_acc[c0:c1] += tile_mm(t.t(), neg_g[r0:r1])
+    coef = weight * unit / neg_sum.clamp_min(torch.finfo(neg_sum.dtype).tiny)  # r: 0 on a row without negatives
+    offset = plan.positives.self_offset
+
+    def negatives(r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        """The tile's ``E``: ``e^S`` on its negatives, in the products' dtype."""
+        n, m = r1 - r0, c1 - c0
+        e = torch.exp(prod.logits(r0, r1, c0, c1, bufs.get(n, m)), out=factors.get(n, m))
+        if plan.is_mixed(r0, c0):
+            e.masked_fill_(plan.positives.tile(r0, r1, c0, c1), 0.0)
+        diag = self_diagonal(e, r0, c0, offset)
+        if diag is not None:  # the self pair: neither positive nor negative
+            diag.zero_()
+        return e
+
+    if symmetric:  # rows and columns one set: (G + G^T) X = r (E X) + E (r X) - g (T X) + T^T (-g X)
+        both = scaled_blocks(a, (None, coef), dtype)  # [X | r X]
+        e_acc = a.new_zeros(rows, 2 * dim)
+        for r0, r1, c0, c1 in tiles(rows, rows, plan.tile, True):
+            e = negatives(r0, r1, c0, c1)
+            e_acc[r0:r1] += tile_mm(e, both[c0:c1])
+            if c0 != r0:  # E symmetric: the tile's transpose is its column block's
+                e_acc[c0:c1] += tile_mm(e.t(), both[r0:r1])
+        total = cols_acc.addcmul_(coef[:, None], e_acc[:, :dim]).add_(e_acc[:, dim:])
+        return out, (total.addcmul_(unit[:, None], t_rows, value=-1),)
+    coef_x = (a * coef[:, None]).to(dtype)  # r X_r
+    e_rows = a.new_zeros(rows, dim)
+    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):  # sweep 3: E's products
+        e = negatives(r0, r1, c0, c1)
+        e_rows[r0:r1] += tile_mm(e, x_cols[c0:c1])
+        cols_acc[c0:c1] += tile_mm(e.t(), coef_x[r0:r1])
+    return out, (e_rows.mul_(coef[:, None]).addcmul_(unit[:, None], t_rows, value=-1), cols_acc)

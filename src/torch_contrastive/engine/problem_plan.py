@@ -124,7 +124,7 @@ def _pair_key(problem: Problem, stat: PairTerms) -> tuple[Any, ...] | None:
     return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
             _tf32(), opts.chunk_size, opts.backend,
             stat.fixed, stat.kernel, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, relation, problem.self_offset,
-            problem.symmetric, problem.single, opts.normalize, opts.eps)
+            problem.symmetric, problem.single, opts.normalize, opts.eps, stat.combine is None)
 
 
 def _keyed(problem: Problem) -> bool:
@@ -249,8 +249,11 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
                 and decision.backend == "torch" and decision.tile == 0 and decision.fixed
                 and (not decision.half or problem.anchors.dtype == torch.bfloat16)
                 and decision.operand_dtype is None and problem.options.normalize)
+    # PML's factored strips of a reduced value form backward's products in forward (one sweep fewer in all)
+    eager = factored and stat.kernel == "pair_softplus" and stat.combine is not None and decision.tile != 0
     return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
-                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile, factored=factored)
+                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile, factored=factored,
+                    eager=eager)
 
 
 def triton_refusal(problem: Problem) -> str | None:

@@ -140,6 +140,12 @@ WIDENING = [0]
 SPLIT = torch.float16
 
 
+def tile_mm(tile: Tensor, operand: Tensor) -> Tensor:
+    """``tile @ operand`` with an fp32 result where the tile is bf16 (tensor cores), else in the tile's dtype: a
+    factored strip's product of its written factor against rows."""
+    return _mm32(tile, operand) if tile.dtype == torch.bfloat16 else tile @ operand
+
+
 def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(x, x_low, u, v)`` of fp32 unit rows: ``x = sqrt(scale) * rows`` (fp32), ``x_low`` its rounding to
     ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [l | h | h]``,
