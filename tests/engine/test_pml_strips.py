@@ -159,12 +159,17 @@ def test_the_general_loop_stays_where_factoring_does_not_serve(case, monkeypatch
 
 
 def test_the_model_factors_pmls_strips_below_the_features_it_prices():
-    """PML's factored strips save about 28 passes on tensor cores for under one GEMM-equivalent (cost.PAIR_FORMED):
-    they pay up to about 18,000 features there, at the fp32 rate below about 580."""
-    assert pair_factoring_pays("half", 16384, kernel="pair_softplus")
-    assert not pair_factoring_pays("half", 32768, kernel="pair_softplus")
-    assert pair_factoring_pays("wide", 512, kernel="pair_softplus")
-    assert not pair_factoring_pays("wide", 1024, kernel="pair_softplus")
+    """PML's factored strips of a reduced value save about 38 passes on tensor cores and do fewer GEMM FLOPs than the
+    general loop (cost.PAIR_FORMED): they pay at any width there, and at the fp32 rate below about 1,050 features.
+    Per-row outputs keep backward's [E ; T] (cost.PAIR_PER_ROW): about 30 passes for one GEMM-equivalent more, so up
+    to about 17,000 features on tensor cores, about 590 at the fp32 rate."""
+    assert pair_factoring_pays("half", 1 << 20, kernel="pair_softplus")
+    assert pair_factoring_pays("wide", 1024, kernel="pair_softplus")
+    assert not pair_factoring_pays("wide", 1152, kernel="pair_softplus")
+    assert pair_factoring_pays("half", 16384, kernel="pair_softplus", per_row=True)
+    assert not pair_factoring_pays("half", 32768, kernel="pair_softplus", per_row=True)
+    assert pair_factoring_pays("wide", 512, kernel="pair_softplus", per_row=True)
+    assert not pair_factoring_pays("wide", 1024, kernel="pair_softplus", per_row=True)
 
 
 def test_explain_shows_the_factored_strips_decision():

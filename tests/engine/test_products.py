@@ -87,3 +87,35 @@ def test_the_split_pays_below_the_features_the_cost_model_sets():
                           products.HalfProducts)  # rows as given: the split's fp16 parts may leave their range
         assert isinstance(products.make_products(True, (raw, None), None, rows, rows, 10.0, [norm, norm], True, False),
                           products.HalfProducts)  # one tile: the split's launches are not paid back
+
+
+@pytest.mark.parametrize("kind", ["split", "fp32", "fp64", "factors"])
+def test_offset_logits_equal_the_offset_less_the_float64_logits(kind):
+    """``o_i - S_ij`` from one GEMM of widened operands (products.offset_logits) -- the split products' fp16 parts of
+    ``o`` to fp32 round-off of the logits' size, the compute-dtype products as exact as their GEMM, the factor
+    products subtracting -- on an inner tile, a row's ``-inf`` (no negatives) kept as ``-inf``."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.nn.functional.normalize(torch.randn(21, 24, generator=g, dtype=torch.float64), dim=1)
+    b = torch.nn.functional.normalize(torch.randn(17, 24, generator=g, dtype=torch.float64), dim=1)
+    offsets = torch.randn(21, generator=g, dtype=torch.float64) * 30
+    offsets[5] = float("-inf")
+    scale = 10.0
+    if kind == "split":
+        dtype = torch.float32
+        prod = products.SplitProducts(a.float(), b.float(), scale, torch.bfloat16)
+    elif kind == "factors":
+        dtype = torch.float32
+        raw_a, raw_b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        a, b = raw_a.double(), raw_b.double()
+        prod = products.HalfProducts(raw_a, raw_b, a.float(), None, None, scale)
+    else:
+        dtype = torch.float32 if kind == "fp32" else torch.float64
+        prod = products.Products(None, a.to(dtype), b.to(dtype), scale)
+    tile = products.offset_logits(prod, offsets.to(dtype))
+    got = tile(3, 19, 2, 15, torch.empty(16, 13, dtype=dtype))
+    want = offsets[3:19, None] - scale * a[3:19] @ b[2:15].T
+    assert torch.isneginf(got[2]).all()
+    finite = torch.ones(16, dtype=torch.bool)
+    finite[2] = False
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got[finite].double(), want[finite], rtol=0, atol=tol)

@@ -62,6 +62,7 @@ from ..engine.cost import (
     predict,
 )
 from ..engine.planner import WIDE, Traits, predictions, simulate
+from ..engine.products import OFFSET_COLUMNS
 from .synccount import SYNC_OPERATORS, host_sync_events
 
 #: Ops that make no kernel launch on a GPU (allocation or metadata only).
@@ -73,8 +74,14 @@ _INDEXED = frozenset({"take", "index_fill", "index_fill_", "index_add", "index_a
                       "index_select"})
 _GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})  # in-place forms accumulate
 #: The sides of a feature tensor, in multiples of ``D``: the features, and the features stacked along a
-#: product's inner side (two or three blocks: :mod:`~torch_contrastive.engine.one_tile_half`'s split operands).
+#: product's inner side (two or three blocks: :mod:`~torch_contrastive.engine.one_tile_half`'s split operands) --
+#: each also widened by an offset's columns (:data:`~torch_contrastive.engine.products.OFFSET_COLUMNS`).
 FEATURE_SIDES = (1, 2, 3)
+
+
+def feature_sides(dim: int) -> frozenset[int]:
+    """Every side a feature tensor of ``dim`` features may have (:data:`FEATURE_SIDES`)."""
+    return frozenset(k * dim + extra for k in FEATURE_SIDES for extra in (0, OFFSET_COLUMNS))
 #: The losses :func:`cases` builds, in the order ``bench --traffic`` prints them.
 LOSSES = ("clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent")
 
@@ -83,7 +90,7 @@ class _Count(TorchDispatchMode):
     def __init__(self, rows: int, cols: int, dim: int) -> None:
         super().__init__()
         self.rows, self.cols, self.dim = rows, cols, dim
-        self.features = frozenset(k * dim for k in FEATURE_SIDES)
+        self.features = feature_sides(dim)
         self.launches = 0
         self.logit_bytes = 0
         self.flops: Counter[str] = Counter()
@@ -311,7 +318,7 @@ def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, t
     small = at or n
     per_side = tiles if tiles is not None else 1 if impl == "dense" else \
         gpu_tiles(n, default_backend(name, n, d) if impl == "ours" else impl, name)
-    while any(edge % d == 0 and edge // d in FEATURE_SIDES for edge in (small, -(-small // per_side))):
+    while any(edge in feature_sides(d) for edge in (small, -(-small // per_side))):
         small += 2  # a tile edge of D, 2D or 3D would read as features: count two rows more (pairings stay even)
     chunk = None if tiles is None or tiles <= 1 else -(-small // tiles)
     ours, dense = cases(small, d, chunk=chunk, backend="auto" if impl in ("ours", "dense") else impl)[name]
@@ -351,7 +358,7 @@ def count_gathered(impl: str, local: int, world: int, d: int, at: int = 66) -> C
 
     import torch_contrastive as tc
 
-    while any(edge % d == 0 and edge // d in FEATURE_SIDES for edge in (at, at * world)):
+    while any(edge in feature_sides(d) for edge in (at, at * world)):
         at += 2
     if dist.is_initialized():
         raise RuntimeError("count_gathered makes its own process group: none may be running")

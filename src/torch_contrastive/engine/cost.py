@@ -37,6 +37,7 @@ __all__ = [
     "GPUS",
     "MEASURED",
     "PAIR_FORMED",
+    "PAIR_PER_ROW",
     "PAIR_RELATION_FORMS",
     "PATHS",
     "PEAK_BANDWIDTH",
@@ -253,7 +254,9 @@ class PathCost:
 #: 13.21 passes on tensor cores where 37.53, 15.15 widened where 35.53; its per-tile counts over the 10 tiles of the
 #: triangle it now walks); PML NT-Xent's torch strips the same day in two sweeps of few passes, backward factored
 #: through [E ; T] (engine/pml_strips.py: 26.54 passes on tensor cores where 54.51, 31.54 widened where 52.51; every
-#: tile, as the pricing now assumes for PML);
+#: tile, as the pricing now assumes for PML), and again 2026-11-29 with a reduced value's products formed in forward
+#: (three sweeps in all) and sweep 2's ``L_i - S`` written by its GEMM (products.offset_logits): 16.9 passes on
+#: tensor cores, 20.32 widened; a per-row call's backward priced by :data:`PAIR_PER_ROW`;
 #: Python 3.11.7,
 #: the epilogue's kernels in Triton's interpreter, whose
 #: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
@@ -272,8 +275,8 @@ PATHS: dict[tuple[str, str, str], PathCost] = {
     ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6825, 903),
     ("rows", "torch", "fp32"): PathCost(28, 14.8, 9.04, 5.76, 2.0, 3.25, 0, 0.0, 1162, 1157),
     ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
-    ("pair_softplus", "torch", "half"): PathCost(51, 29.5, 19.01, 26.54, 7.0, 11.875, 0, 0.0, 2493, 1125),
-    ("pair_softplus", "torch", "wide"): PathCost(40, 29.7, 22.01, 31.54, 3.0, 6.625, 0, 0.0, 1956, 1020),
+    ("pair_softplus", "torch", "half"): PathCost(51, 28.9, 19.01, 16.9, 7.0, 10.92, 0, 0.0, 2493, 1042),
+    ("pair_softplus", "torch", "wide"): PathCost(40, 28.6, 22.01, 20.32, 3.0, 6.42, 0, 0.0, 1956, 866),
     ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
     ("binary", "torch", "half"): PathCost(49, 31.8, 14.78, 13.21, 7.0, 9.75, 0, 0.0, 2425, 1346),
     ("binary", "torch", "wide"): PathCost(37, 32.4, 18.26, 15.15, 3.0, 7.25, 0, 0.0, 1962, 1263),
@@ -335,26 +338,42 @@ def factoring_pays(path: PathCost, extra: FormedStrips, rows: int, cols: int, di
 #: operands), as :data:`FORMED_STRIPS` (launches and bytecodes per further tile spread over the tiles :data:`PATHS`
 #: counts them over: NT-BXent's triangle 10, PML's 16), 1,024 rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29.
 #: NT-BXent (engine/pair_strips.py, a label relation's triangle): 37.53 and 35.53 passes for 8 and 4
-#: GEMM-equivalents, factored 13.21 and 15.15 for 9.75 and 7.25. PML NT-Xent (engine/pml_strips.py, sweep 1 over a
-#: label relation's triangle): 54.51 and 52.51 for 11.0 and 5.0, factored 26.54 and 31.54 for 11.875 and 6.625.
+#: GEMM-equivalents, factored 13.21 and 15.15 for 9.75 and 7.25. PML NT-Xent (engine/pml_strips.py, sweeps 1 and 3
+#: over a label relation's triangle, a reduced value's products formed in forward): 54.51 and 52.51 for 11.0 and 5.0,
+#: factored 16.9 and 20.32 for 10.92 and 6.42.
 PAIR_FORMED: dict[tuple[str, str], FormedStrips] = {
     ("binary", "half"): FormedStrips(24.31, 24.8, -1.75, 708),
     ("binary", "wide"): FormedStrips(20.37, 17.7, -3.25, 502),
-    ("pair_softplus", "half"): FormedStrips(27.97, 26.3, -0.875, 963),
-    ("pair_softplus", "wide"): FormedStrips(20.97, 22.1, -1.625, 893),
+    ("pair_softplus", "half"): FormedStrips(37.61, 26.8, 0.125, 1051),
+    ("pair_softplus", "wide"): FormedStrips(32.19, 23.2, -1.375, 1052),
+}
+
+#: PML NT-Xent's factored strips with per-row outputs (no ``combine``: a distributed call, ``reduction="none"``)
+#: beyond a reduced value's, per operands: backward recomputes each tile and forms ``[E ; T]``
+#: (:func:`~.pml_strips.softplus_backward`) where a reduced value formed its products in forward
+#: (:func:`~.pml_strips.softplus_with_gradient`). Counted as :data:`PAIR_FORMED` (1,024 rows counted at 256, 4 x 4
+#: tiles, D 64, 2026-11-29): 24.56 passes on tensor cores against 16.9, 29.54 widened against 20.32.
+PAIR_PER_ROW: dict[tuple[str, str], FormedStrips] = {
+    ("pair_softplus", "half"): FormedStrips(7.66, 0.4, 1.125, 66),
+    ("pair_softplus", "wide"): FormedStrips(9.22, 0.3, 0.375, 102),
 }
 
 
-def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100", kernel: str = "binary") -> bool:
+def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100", kernel: str = "binary",
+                        per_row: bool = False) -> bool:
     """Whether the pair terms' factored strips (``kernel``: NT-BXent's ``"binary"``, PML's ``"pair_softplus"``) are
     predicted faster on the device than the formed tile at ``dim`` features: the formed tile's passes
     (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at the products' rate -- ``operands``
-    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features, PML about 18,000) or ``"wide"`` (fp32 GEMMs,
-    widened or fp32 inputs: NT-BXent below about 280, PML about 580). Per logit: the launches are the same order."""
+    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features; PML's reduced value at any, its products formed
+    in forward doing fewer FLOPs than the general loop, per-row outputs up to about 17,000) or ``"wide"`` (fp32 GEMMs,
+    widened or fp32 inputs: NT-BXent below about 280; PML below about 1,050, per-row outputs about 590).
+    ``per_row``: PML's outputs per row (:data:`PAIR_PER_ROW`). Per logit: the launches are the same order."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     extra = PAIR_FORMED[(kernel, operands)]
+    kept = PAIR_PER_ROW.get((kernel, operands)) if per_row else None
+    passes, gemms = (extra.passes, extra.gemms) if kept is None else (extra.passes - kept.passes, extra.gemms - kept.gemms)
     rate = g.gemm_flops["bfloat16" if operands == "half" else "float32"]
-    return -extra.gemms * 2.0 * dim / rate < extra.passes * 4.0 / g.bandwidth
+    return -gemms * 2.0 * dim / rate < passes * 4.0 / g.bandwidth
 
 
 @dataclass(frozen=True)
@@ -443,10 +462,10 @@ def tile_mask_pays(rows: float, cols: float, dim: int, operands: str, call: tupl
 
 #: The pair terms' on the torch loops' strips, per kernel, where the grouped form compares the keys of every tile
 #: again: 1,024 rows, bf16, 4 x 4 tiles, D 500, counted 2026-11-29 with their strips factored (engine/pml_strips.py:
-#: PML's sweeps read the relation of 42 tiles, so the mask moves fewer bytes too; engine/pair_strips.py: NT-BXent's
-#: triangle reads 20).
+#: PML's three sweeps read the relation of 36 tiles, so the mask moves fewer bytes too; engine/pair_strips.py:
+#: NT-BXent's triangle reads 20).
 PAIR_RELATION_FORMS: dict[str, RelationForms] = {
-    "pair_softplus": RelationForms(dense_passes=-0.16, grouped_launches=58),
+    "pair_softplus": RelationForms(dense_passes=-0.06, grouped_launches=52),
     "binary": RelationForms(dense_passes=0.19, grouped_launches=31),
 }
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cost import FORMED_STRIPS, PAIR_FORMED, PATHS, PathCost, factoring_pays, formed, pair_factoring_pays, predict_path
+from .cost import FORMED_STRIPS, PAIR_FORMED, PAIR_PER_ROW, PATHS, PathCost, factoring_pays, formed, pair_factoring_pays, predict_path
 from .precision import fixed_scale_applies
 from .recorded import record
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
@@ -204,13 +204,15 @@ def choose_backend(backend: str, triton_serves: Callable[[], str | None],
 
 class Traits(NamedTuple):
     """What the cost model needs of a problem besides its shape: the feature size, whether it has
-    column terms (two sets, CLIP), whether it is a single set's triangle, and for pair terms their
-    kernel (``"pair_softplus"``, ``"binary"``; None for the soft-max terms)."""
+    column terms (two sets, CLIP), whether it is a single set's triangle, for pair terms their
+    kernel (``"pair_softplus"``, ``"binary"``; None for the soft-max terms) and whether their outputs come back
+    per row (no ``combine``: PML's strips then form backward's products in backward, :data:`~.cost.PAIR_PER_ROW`)."""
 
     dim: int = 0
     columns: bool = False
     symmetric: bool = False
     pairs: str | None = None
+    per_row: bool = False
 
 
 #: No traits: a decision without the cost model (``dim`` 0).
@@ -343,15 +345,17 @@ def _strips_factor(kernel: str, device: torch.device, dtypes: tuple[torch.dtype,
     if kernel != "pairwise" or traits.pairs is None or FACTORED == "off" or (device.type != "cuda" and FACTORED == "auto"):
         return False
     fp16 = half and dtypes[0] == torch.float16
-    return pair_factors(traits.pairs, "half" if half else "wide", traits.dim, fixed, fp16, FACTORED == "on")
+    return pair_factors(traits.pairs, "half" if half else "wide", traits.dim, fixed, fp16, FACTORED == "on", traits.per_row)
 
 
-def pair_factors(pairs: str, operands: str, dim: int, fixed: bool, fp16: bool, forced: bool = False) -> bool:
+def pair_factors(pairs: str, operands: str, dim: int, fixed: bool, fp16: bool, forced: bool = False,
+                 per_row: bool = False) -> bool:
     """Whether a pair kernel's strips run factored (:mod:`.pair_strips`, :mod:`.pml_strips`): NT-BXent in either
     regime, PML in the bounded one and not on fp16 products (``e^S`` overflows fp16 past 11); where the model prices it
-    below the general loop (:func:`~.cost.pair_factoring_pays`) unless ``forced``."""
+    below the general loop (:func:`~.cost.pair_factoring_pays`, ``per_row`` outputs or a reduced value) unless
+    ``forced``."""
     serves = pairs == "binary" or (fixed and not fp16)
-    return serves and (forced or pair_factoring_pays(operands, dim, kernel=pairs))
+    return serves and (forced or pair_factoring_pays(operands, dim, kernel=pairs, per_row=per_row))
 
 
 def _factors(device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype, half: bool, shape: tuple[int, int, int],
@@ -488,24 +492,28 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
         triangle = traits.symmetric and (traits.pairs is None or (backend == "torch" and traits.pairs == "binary"))
         tiles = math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
         if backend == "torch" and tiles > 1:  # the strips' backward form: factored (PATHS' count) or formed
-            path = _strips_form(path, (kind, counted), dtype, (rows, cols, traits.dim, tiles), gemm_dtype, fixed)
+            path = _strips_form(path, (kind, counted), dtype, (rows, cols, traits.dim, tiles), gemm_dtype, fixed,
+                                traits.per_row)
         out.append((label, (path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles)))
     return out
 
 
 def _strips_form(path: PathCost, key: tuple[str, str], dtype: torch.dtype, shape: tuple[int, int, int, int], gemm_dtype: str,
-                 fixed: bool) -> PathCost:
+                 fixed: bool, per_row: bool = False) -> PathCost:
     """A torch strips row of :data:`~.cost.PATHS` (the factored backward) as the form the plan runs: with the gradient
     tile formed where it does (:data:`~.cost.FORMED_STRIPS`, :data:`~.cost.PAIR_FORMED`) -- as
-    :func:`_strips_factor` decides the plan's ``factored``, by the same model.
+    :func:`_strips_factor` decides the plan's ``factored``, by the same model -- and PML's factored backward where its
+    outputs come back ``per_row`` (:data:`~.cost.PAIR_PER_ROW`).
     ``key``: (problem kind, counted operands); ``shape``: (rows, cols, features, tiles visited)."""
     kind, counted = key
     rows, cols, dim, tiles = shape
     fp16 = counted == "half" and dtype == torch.float16
     pair = PAIR_FORMED.get(key)
     if pair is not None:  # the pair terms, as _strips_factor decides
-        return path if FACTORED != "off" and pair_factors(kind, counted, dim, fixed, fp16, FACTORED == "on") \
-            else formed(path, pair)
+        if FACTORED == "off" or not pair_factors(kind, counted, dim, fixed, fp16, FACTORED == "on", per_row):
+            return formed(path, pair)
+        kept = PAIR_PER_ROW.get(key) if per_row else None
+        return path if kept is None else formed(path, kept)
     extra = FORMED_STRIPS.get(key)
     if extra is not None and (FACTORED == "off" or fp16 or (
             FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, dim, gemm_dtype, tiles))):

@@ -40,7 +40,7 @@ from torch import Tensor
 from .._tensors import self_diagonal
 from ..positives import KeyPositives
 from .pair_strips import factored_walk
-from .products import scaled_blocks, tile_mm
+from .products import OffsetTile, offset_logits, scaled_blocks, tile_mm
 from .tiling import Buffers, tiles
 
 if TYPE_CHECKING:
@@ -84,12 +84,14 @@ def softplus_forward(prod: AnyProducts, rows: int, cols: int, plan: PairPlan, si
     out, weight = a.new_zeros(rows), a.new_zeros(rows)
     bufs = Buffers(a.dtype, a.device)
     off = torch.full((), float("-inf"), dtype=a.dtype, device=a.device)  # d off the positives
+    offset_tile: OffsetTile | None = None
     for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):
         if not plan.is_mixed(r0, c0):  # no positive: no term, not even the logits
             continue
         n, m = r1 - r0, c1 - c0
-        s = prod.logits(r0, r1, c0, c1, bufs.get(n, m))
-        d = torch.where(plan.positives.tile(r0, r1, c0, c1), torch.sub(lse[r0:r1, None], s, out=s), off,
+        if offset_tile is None:  # L_i - S from the GEMM itself, its operands formed once
+            offset_tile = offset_logits(prod, lse)
+        d = torch.where(plan.positives.tile(r0, r1, c0, c1), offset_tile(r0, r1, c0, c1, bufs.get(n, m)), off,
                         out=bufs.get(n, m, 1))
         out[r0:r1] += torch.nn.functional.softplus(d).sum(1)  # keeps a confident pair's small term
         weight[r0:r1] += d.sigmoid_().sum(1)
@@ -170,14 +172,15 @@ def softplus_with_gradient(prod: AnyProducts, a: Tensor, b: Tensor, plan: PairPl
     bufs, factors = Buffers(a.dtype, a.device), Buffers(dtype, a.device)
     off = torch.full((), float("-inf"), dtype=a.dtype, device=a.device)  # d off the positives
     neg_g: Tensor | None = None
+    offset_tile: OffsetTile | None = None
     for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):  # sweep 2: the positives' terms and T's products
         if not plan.is_mixed(r0, c0):  # no positive: no term, no T
             continue
         n, m = r1 - r0, c1 - c0
-        if neg_g is None:
-            neg_g = (a * unit.neg()[:, None]).to(dtype)  # -g X_r, formed once
-        s = prod.logits(r0, r1, c0, c1, bufs.get(n, m))
-        d = torch.where(plan.positives.tile(r0, r1, c0, c1), torch.sub(lse[r0:r1, None], s, out=s), off,
+        if neg_g is None or offset_tile is None:  # formed once: -g X_r, and the operands of L_i - S
+            neg_g = (a * unit.neg()[:, None]).to(dtype)
+            offset_tile = offset_logits(prod, lse)
+        d = torch.where(plan.positives.tile(r0, r1, c0, c1), offset_tile(r0, r1, c0, c1, bufs.get(n, m)), off,
                         out=bufs.get(n, m, 1))
         out[r0:r1] += torch.nn.functional.softplus(d).sum(1)  # keeps a confident pair's small term
         t = torch.sigmoid(d, out=factors.get(n, m))  # 0 off the positives (d = -inf there)

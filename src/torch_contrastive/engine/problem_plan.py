@@ -86,7 +86,8 @@ def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Dec
                   bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
                   half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),
                   traits=Traits(int(anchors.shape[-1]), isinstance(stat, Softmax) and stat.columns, problem.symmetric,
-                                stat.kernel if isinstance(stat, PairTerms) else None),
+                                stat.kernel if isinstance(stat, PairTerms) else None,
+                                isinstance(stat, PairTerms) and stat.combine is None),
                   triton_serves=lambda: triton_refusal(problem),
                   epilogue_serves=lambda: epilogue_refusal(problem))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -324,6 +325,60 @@ class SplitProducts(_AddedProducts):
 
 
 AnyProducts = Products | HalfProducts | SplitProducts
+
+#: Columns an offset adds to a product's operands (:func:`offset_logits`): its parts, a factor of 1 each, then zeros
+#: to a multiple of 8 (tensor cores and vectorised GEMMs read the inner dimension in eights).
+OFFSET_COLUMNS = 8
+
+#: A tile of ``o_i - S_ij``: ``tile(r0, r1, c0, c1, out)``.
+OffsetTile = Callable[[int, int, int, int, Tensor], Tensor]
+
+
+def offset_logits(prod: AnyProducts, offsets: Tensor) -> OffsetTile:
+    """``o_i - S_ij`` tile by tile, written once by the GEMM itself: the operands carry ``o`` as extra columns against
+    columns of 1, so no tile-wide subtraction reads and writes the tile again (two passes saved per tile).
+
+    :class:`SplitProducts` negate their fp16 ``u`` and carry ``o`` in three fp16 parts (``o = h + m + l`` to about
+    2^-33 of ``|o|``, finer than the split product's own 2^-21) and a fourth for a row's ``-inf`` (a row without
+    negatives: no remainder of it is taken), and
+    :class:`Products` carry ``-scale * Â`` and ``o`` in the compute dtype (exact as the product is) -- except on a GPU
+    that may round fp32 GEMMs to TF32 (``o`` would lose digits the logits keep): there, as for
+    :class:`HalfProducts` (whose factors apply after the product), the tile is formed and subtracted from ``o``.
+    The operands are built once per call: O((R + C) D), a few launches.
+    """
+    if isinstance(prod, SplitProducts):
+        rows, width = prod.u.shape
+        left = prod.u.new_zeros(rows, width + OFFSET_COLUMNS)
+        torch.neg(prod.u, out=left[:, :width])
+        finite = torch.where(offsets.isfinite(), offsets, 0.0)
+        parts = left[:, width : width + 4]
+        parts[:, 0].copy_(finite)  # o rounded
+        torch.sub(finite, parts[:, 0], out=parts[:, 1])  # the remainder, rounded
+        torch.sub(finite, parts[:, :2].float().sum(1), out=parts[:, 2])  # the remainder's, rounded
+        torch.sub(offsets, finite, out=parts[:, 3])  # a row's -inf (0 elsewhere): no part subtracts from it
+        right = prod.v.new_zeros(prod.v.shape[0], width + OFFSET_COLUMNS)
+        right[:, :width].copy_(prod.v)
+        right[:, width : width + 4].fill_(1.0)
+        return lambda r0, r1, c0, c1, out: _mm32(left[r0:r1], right[c0:c1].t(), out)
+    if isinstance(prod, Products) and not (prod.a.is_cuda and _tf32_allowed()):
+        dim = prod.a.shape[1]
+        left = prod.a.new_zeros(prod.a.shape[0], dim + OFFSET_COLUMNS)
+        torch.neg(prod.a_s, out=left[:, :dim])
+        left[:, dim].copy_(offsets)
+        right = prod.b.new_zeros(prod.b.shape[0], dim + OFFSET_COLUMNS)
+        right[:, :dim].copy_(prod.b)
+        right[:, dim].fill_(1.0)
+        return lambda r0, r1, c0, c1, out: logits_tile(out, left[r0:r1], right[c0:c1])
+
+    def subtracted(r0: int, r1: int, c0: int, c1: int, out: Tensor) -> Tensor:
+        return torch.sub(offsets[r0:r1, None], prod.logits(r0, r1, c0, c1, out), out=out)
+
+    return subtracted
+
+
+#: Whether a CUDA fp32 GEMM may round to TF32 (read in C, as the planner reads it).
+_tf32_allowed: Callable[[], bool] = getattr(torch._C, "_get_cublas_allow_tf32",
+                                            lambda: bool(torch.backends.cuda.matmul.allow_tf32))
 
 
 class KernelOperands:
