@@ -396,8 +396,8 @@ def test_a_kept_plan_is_the_devices_and_an_explicit_backends_refusal_is_asked_ag
 
 def test_the_pair_terms_torch_strips_are_priced_over_the_tiles_they_walk():
     """A single set's label relation: NT-BXent's torch strips walk the upper triangle (engine/pair_strips.py), PML's
-    every tile (engine/pml_strips.py: sweep 2 and backward need each row's own log-sum-exp) -- the model prices each
-    over those tiles, as cost.PATHS counts them."""
+    every tile (engine/pml_strips.py: sweep 2 needs each row's own log-sum-exp) -- the model prices each over those
+    tiles, as cost.PATHS counts them."""
     rows, tile = 16384, 4096
     for pairs, want in (("binary", 10), ("pair_softplus", 16)):
         priced = dict(planner._priced(rows, rows, torch.bfloat16, torch.bfloat16, tile,
@@ -423,3 +423,19 @@ def test_the_pair_terms_general_loop_is_priced_where_it_runs(case):
     bounded = dict(planner._priced(16384, 16384, torch.bfloat16, torch.bfloat16, 4096, planner.Traits(64, symmetric=True,
                                                                                                         pairs=pairs)))
     assert bounded["torch"][0] == PATHS[(pairs, "torch", "half")]  # factored: the count as it stands
+
+
+def test_pmls_per_row_strips_are_priced_with_backwards_products():
+    """PML's factored strips of a reduced value form backward's products in forward (cost.PATHS counts that form);
+    with per-row outputs (``Traits.per_row``: no combine) backward forms them, which the planner prices by adding
+    cost.PAIR_PER_ROW -- and NT-BXent, whose strips are one form, is priced the same either way."""
+    from torch_contrastive.engine.cost import PAIR_PER_ROW, PATHS, formed
+
+    def torch_row(pairs: str, per_row: bool):
+        traits = planner.Traits(64, symmetric=True, pairs=pairs, per_row=per_row)
+        return dict(planner._priced(16384, 16384, torch.bfloat16, torch.bfloat16, 4096, traits))["torch"][0]
+
+    half = ("pair_softplus", "torch", "half")
+    assert torch_row("pair_softplus", False) == PATHS[half]
+    assert torch_row("pair_softplus", True) == formed(PATHS[half], PAIR_PER_ROW[("pair_softplus", "half")])
+    assert torch_row("binary", True) == torch_row("binary", False) == PATHS[("binary", "torch", "half")]

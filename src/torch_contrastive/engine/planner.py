@@ -487,8 +487,8 @@ def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, 
         per_logit = _bytes_per_logit(backend, dtype, other_dtype, half)
         strip = strip_rows(rows, cols, per_logit) if chunk_size is None and _walks_strips(backend, traits) else 0
         tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
-        # a single set's triangle: the soft-max terms on every backend, NT-BXent on the torch loops (PML's torch strips
-        # walk every tile: their sweep 2 and backward need each row's own log-sum-exp)
+        # a single set's triangle: the soft-max terms on every backend, NT-BXent on the torch loops (PML's torch strips'
+        # sweep 2 walks every tile, needing each row's own log-sum-exp: cost.PATHS spreads their counts over every tile)
         triangle = traits.symmetric and (traits.pairs is None or (backend == "torch" and traits.pairs == "binary"))
         tiles = math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
         if backend == "torch" and tiles > 1:  # the strips' backward form: factored (PATHS' count) or formed

@@ -25,6 +25,12 @@ needs every row's ``L_i``: ``d = L_i - S`` set to ``-inf`` off the positives (``
 0``: no mask multiplies), and each row's softplus and sigmoid sums; a tile without a positive (label-sorted rows)
 is skipped there. A row without negatives has ``L_i = -inf``: its terms, sigmoids and gradient are 0.
 
+A reduced value (``combine``: the loss's mean over pairs) is linear in its one incoming number, so backward's
+products are formed in forward for an incoming 1 (:func:`softplus_with_gradient`): sweep 2 writes ``T`` once and
+takes its two products there, a sweep 3 writes ``E`` once (a label relation's triangle again) -- three sweeps in all
+where per-row outputs take four (two forward, :func:`softplus_backward`'s recomputed tile). Sweep 2's ``L_i - S`` is
+written by its GEMM (:func:`~.products.offset_logits`), in both forms.
+
 The online regime (a small temperature, no bound on ``|S|``) keeps the general loop, which shifts by a running
 maximum; so do fp16 products (``e^S`` overflows fp16 past ``S = 11``) and the CPU (in cache, passes cost less than
 the factored form's wider products). :func:`~.cost.pair_factoring_pays` decides on a GPU plan.
@@ -194,10 +200,10 @@ def softplus_with_gradient(prod: AnyProducts, a: Tensor, b: Tensor, plan: PairPl
         """The tile's ``E``: ``e^S`` on its negatives, in the products' dtype."""
         n, m = r1 - r0, c1 - c0
         e = torch.exp(prod.logits(r0, r1, c0, c1, bufs.get(n, m)), out=factors.get(n, m))
-        if plan.is_mixed(r0, c0):
+        if plan.is_mixed(r0, c0):  # the positives: T's part
             e.masked_fill_(plan.positives.tile(r0, r1, c0, c1), 0.0)
         diag = self_diagonal(e, r0, c0, offset)
-        if diag is not None:  # the self pair: neither positive nor negative
+        if diag is not None:  # the self pair: no term, no gradient
             diag.zero_()
         return e
 
