@@ -244,3 +244,21 @@ def test_the_products_formed_in_forward_are_scaled_by_the_incoming_gradient_and_
     for value in (got, quiet, detached):
         assert float(value.detach()) == pytest.approx(float(want.detach()), rel=1e-10)
     torch.testing.assert_close(ours.grad.cpu(), wide.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_rows_without_negatives_have_no_term_and_no_gradient_in_both_forms(reduced, monkeypatch):
+    """One class: no row has a negative (``log N = -inf``), so every term, sigmoid and gradient is 0 -- not ``0 / 0``
+    -- with per-row outputs (backward's products) and a reduced value (formed in forward)."""
+    from torch_contrastive.engine.pairwise import pairwise_rows
+    from torch_contrastive.positives import Positives
+
+    walks = _spied(monkeypatch)
+    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE).requires_grad_()
+    relation = Positives.from_keys(torch.zeros(20, dtype=torch.long, device=DEVICE))
+    with planner.simulate("cuda"):
+        (out,) = pairwise_rows(x, x, 5.0, relation, kernel="pair_softplus", normalize=True, chunk_size=8, fixed=True,
+                               backend="torch", combine=((torch.ones(20, dtype=torch.float64, device=DEVICE),), 1.0) if reduced else None)
+        out.sum().backward()
+    assert walks == [("eager" if reduced else "backward", False)]
+    assert not out.detach().any() and not x.grad.isnan().any() and not x.grad.any()
