@@ -360,7 +360,7 @@ def offset_logits(prod: AnyProducts, offsets: Tensor) -> OffsetTile:
         right[:, :width].copy_(prod.v)
         right[:, width : width + 4].fill_(1.0)
         return lambda r0, r1, c0, c1, out: _mm32(left[r0:r1], right[c0:c1].t(), out)
-    if isinstance(prod, Products) and not (prod.a.is_cuda and _tf32_allowed()):
+    if isinstance(prod, Products) and not (prod.a.is_cuda and prod.a.dtype == torch.float32 and _tf32_allowed()):
         dim = prod.a.shape[1]
         left = prod.a.new_zeros(prod.a.shape[0], dim + OFFSET_COLUMNS)
         torch.neg(prod.a_s, out=left[:, :dim])
