@@ -157,7 +157,6 @@ class SoftmaxPlan(_Device):
     stack_rows: bool = False
     one_tile: bool = False
     factored: bool = False
-    eager: bool = False
 
     @property
     def executor(self) -> str:
