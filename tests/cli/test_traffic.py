@@ -18,6 +18,7 @@ from torch_contrastive.cli.traffic import (
     _Count,
     cases,
     count,
+    count_device,
     count_gathered,
     count_loss,
     gpu_tiles,
@@ -484,8 +485,8 @@ def test_pmls_per_row_strips_cost_what_the_model_adds(operands, monkeypatch):
     monkeypatch.setattr(planner, "PRODUCTS", {"half": "half", "wide": "compute"}[operands])
     monkeypatch.setattr(planner, "FACTORED", "on")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(258, 64, generator=g).to(torch.bfloat16).requires_grad_()
-    labels = torch.randint(0, CLASSES, (258,), generator=g)
+    x = torch.randn(258, 64, generator=g).to(count_device(), torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, CLASSES, (258,), generator=g).to(count_device())
     opts = {"labels": labels, "chunk_size": 65, "validate": False, "backend": "torch"}
     reduced = count(lambda: tc.nt_xent_loss(x, 0.1, **opts), 258, 258, 64, area=(1024 / 258) ** 2).scaled(1024, 1024)
     per_row = count(lambda: tc.nt_xent_loss(x, 0.1, reduction="none", **opts).sum(), 258, 258, 64,

@@ -95,9 +95,9 @@ def test_offset_logits_equal_the_offset_less_the_float64_logits(kind):
     ``o`` to fp32 round-off of the logits' size, the compute-dtype products as exact as their GEMM, the factor
     products subtracting -- on an inner tile, a row's ``-inf`` (no negatives) kept as ``-inf``."""
     g = torch.Generator().manual_seed(4)
-    a = torch.nn.functional.normalize(torch.randn(21, 24, generator=g, dtype=torch.float64), dim=1)
-    b = torch.nn.functional.normalize(torch.randn(17, 24, generator=g, dtype=torch.float64), dim=1)
-    offsets = torch.randn(21, generator=g, dtype=torch.float64) * 30
+    a = torch.nn.functional.normalize(torch.randn(21, 24, generator=g, dtype=torch.float64), dim=1).to(DEVICE)
+    b = torch.nn.functional.normalize(torch.randn(17, 24, generator=g, dtype=torch.float64), dim=1).to(DEVICE)
+    offsets = torch.randn(21, generator=g, dtype=torch.float64).to(DEVICE) * 30
     offsets[5] = float("-inf")
     scale = 10.0
     if kind == "split":
@@ -112,10 +112,10 @@ def test_offset_logits_equal_the_offset_less_the_float64_logits(kind):
         dtype = torch.float32 if kind == "fp32" else torch.float64
         prod = products.Products(None, a.to(dtype), b.to(dtype), scale)
     tile = products.offset_logits(prod, offsets.to(dtype))
-    got = tile(3, 19, 2, 15, torch.empty(16, 13, dtype=dtype))
+    got = tile(3, 19, 2, 15, torch.empty(16, 13, dtype=dtype, device=DEVICE))
     want = offsets[3:19, None] - scale * a[3:19] @ b[2:15].T
     assert torch.isneginf(got[2]).all()
-    finite = torch.ones(16, dtype=torch.bool)
+    finite = torch.ones(16, dtype=torch.bool, device=DEVICE)
     finite[2] = False
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(got[finite].double(), want[finite], rtol=0, atol=tol)

@@ -38,6 +38,7 @@ the factored form's wider products). :func:`~.cost.pair_factoring_pays` decides 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,23 +57,50 @@ if TYPE_CHECKING:
 __all__ = ["softplus_backward", "softplus_forward", "softplus_with_gradient"]
 
 
+def _negatives(prod: AnyProducts, plan: PairPlan, at: tuple[int, int, int, int], scratch: Tensor, out: Tensor) -> Tensor:
+    """One tile's ``E``: ``e^S`` on its negatives (``|S| <= 40``: no shift), 0 on its positives and self pair, written
+    into ``out`` (``scratch`` itself, or the products' dtype) from the logits formed in ``scratch``."""
+    r0, r1, c0, c1 = at
+    e = torch.exp(prod.logits(r0, r1, c0, c1, scratch), out=out)
+    if plan.is_mixed(r0, c0):  # the positives: an exact zero, not a subtraction
+        e.masked_fill_(plan.positives.tile(r0, r1, c0, c1), 0.0)
+    diag = self_diagonal(e, r0, c0, plan.positives.self_offset)
+    if diag is not None:  # the self pair: neither positive nor negative
+        diag.zero_()
+    return e
+
+
 def _negative_sums(prod: AnyProducts, rows: int, cols: int, plan: PairPlan, triangle: bool) -> Tensor:
     """Sweep 1: ``N_i``, each row's sum of ``e^S`` over its negatives (a symmetric relation's upper triangle)."""
     a = prod.a
     neg_sum = a.new_zeros(rows)
     bufs = Buffers(a.dtype, a.device)
-    offset = plan.positives.self_offset
     for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, triangle):
-        e = prod.logits(r0, r1, c0, c1, bufs.get(r1 - r0, c1 - c0)).exp_()  # |S| <= 40: no shift
-        if plan.is_mixed(r0, c0):
-            e.masked_fill_(plan.positives.tile(r0, r1, c0, c1), 0.0)
-        diag = self_diagonal(e, r0, c0, offset)
-        if diag is not None:  # the self pair: neither positive nor negative
-            diag.zero_()
+        scratch = bufs.get(r1 - r0, c1 - c0)
+        e = _negatives(prod, plan, (r0, r1, c0, c1), scratch, scratch)
         neg_sum[r0:r1] += e.sum(1)
         if triangle and c0 != r0:
             neg_sum[c0:c1] += e.sum(0)
     return neg_sum
+
+
+def _arguments(prod: AnyProducts, rows: int, cols: int, plan: PairPlan,
+               lse: Tensor) -> Iterator[tuple[int, int, int, int, Tensor]]:
+    """Sweep 2's tiles: ``(r0, r1, c0, c1, d)`` with ``d = L_i - S`` (written by the GEMM, :func:`~.products.offset_logits`)
+    on the positives and ``-inf`` elsewhere (``softplus(-inf) = sigmoid(-inf) = 0``: no mask multiplies), over every
+    tile that holds a positive (fp32, overwritten by the next tile)."""
+    a = prod.a
+    bufs = Buffers(a.dtype, a.device)
+    off = torch.full((), float("-inf"), dtype=a.dtype, device=a.device)  # d off the positives
+    offset_tile: OffsetTile | None = None
+    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):
+        if not plan.is_mixed(r0, c0):  # no positive: no term, not even the logits
+            continue
+        n, m = r1 - r0, c1 - c0
+        if offset_tile is None:  # its operands formed once
+            offset_tile = offset_logits(prod, lse)
+        yield r0, r1, c0, c1, torch.where(plan.positives.tile(r0, r1, c0, c1), offset_tile(r0, r1, c0, c1, bufs.get(n, m)),
+                                          off, out=bufs.get(n, m, 1))
 
 
 def _symmetric(plan: PairPlan, single: bool) -> bool:
@@ -85,20 +113,8 @@ def softplus_forward(prod: AnyProducts, rows: int, cols: int, plan: PairPlan, si
     """Each row's ``sum_p softplus(L_i - S_ip)``, and what backward keeps: ``(N, w)`` (the negatives' sums and the
     positives' sigmoid sums). ``single``: one set (its label relation walks the triangle in sweep 1)."""
     neg_sum = _negative_sums(prod, rows, cols, plan, _symmetric(plan, single))
-    lse = neg_sum.log()  # -inf on a row without negatives
-    a = prod.a
-    out, weight = a.new_zeros(rows), a.new_zeros(rows)
-    bufs = Buffers(a.dtype, a.device)
-    off = torch.full((), float("-inf"), dtype=a.dtype, device=a.device)  # d off the positives
-    offset_tile: OffsetTile | None = None
-    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):
-        if not plan.is_mixed(r0, c0):  # no positive: no term, not even the logits
-            continue
-        n, m = r1 - r0, c1 - c0
-        if offset_tile is None:  # L_i - S from the GEMM itself, its operands formed once
-            offset_tile = offset_logits(prod, lse)
-        d = torch.where(plan.positives.tile(r0, r1, c0, c1), offset_tile(r0, r1, c0, c1, bufs.get(n, m)), off,
-                        out=bufs.get(n, m, 1))
+    out, weight = prod.a.new_zeros(rows), prod.a.new_zeros(rows)
+    for r0, r1, _, _, d in _arguments(prod, rows, cols, plan, neg_sum.log()):  # log: -inf on a row without negatives
         out[r0:r1] += torch.nn.functional.softplus(d).sum(1)  # keeps a confident pair's small term
         weight[r0:r1] += d.sigmoid_().sum(1)
     return out, (neg_sum, weight)
@@ -170,42 +186,23 @@ def softplus_with_gradient(prod: AnyProducts, a: Tensor, b: Tensor, plan: PairPl
     rows, cols, dim = a.shape[0], b.shape[0], a.shape[1]
     symmetric = _symmetric(plan, single)
     neg_sum = _negative_sums(prod, rows, cols, plan, symmetric)
-    lse = neg_sum.log()  # -inf on a row without negatives
     dtype = torch.bfloat16 if prod.half else a.dtype
     x_cols = b.to(dtype)
+    neg_g = (a * unit.neg()[:, None]).to(dtype)  # -g X_r
     out, weight = a.new_zeros(rows), a.new_zeros(rows)
     t_rows, cols_acc = a.new_zeros(rows, dim), a.new_zeros(cols, dim)
     bufs, factors = Buffers(a.dtype, a.device), Buffers(dtype, a.device)
-    off = torch.full((), float("-inf"), dtype=a.dtype, device=a.device)  # d off the positives
-    neg_g: Tensor | None = None
-    offset_tile: OffsetTile | None = None
-    for r0, r1, c0, c1 in tiles(rows, cols, plan.tile, False):  # sweep 2: the positives' terms and T's products
-        if not plan.is_mixed(r0, c0):  # no positive: no term, no T
-            continue
-        n, m = r1 - r0, c1 - c0
-        if neg_g is None or offset_tile is None:  # formed once: -g X_r, and the operands of L_i - S
-            neg_g = (a * unit.neg()[:, None]).to(dtype)
-            offset_tile = offset_logits(prod, lse)
-        d = torch.where(plan.positives.tile(r0, r1, c0, c1), offset_tile(r0, r1, c0, c1, bufs.get(n, m)), off,
-                        out=bufs.get(n, m, 1))
+    for r0, r1, c0, c1, d in _arguments(prod, rows, cols, plan, neg_sum.log()):  # sweep 2: the terms, T's products
         out[r0:r1] += torch.nn.functional.softplus(d).sum(1)  # keeps a confident pair's small term
-        t = torch.sigmoid(d, out=factors.get(n, m))  # 0 off the positives (d = -inf there)
+        t = torch.sigmoid(d, out=factors.get(r1 - r0, c1 - c0))  # 0 off the positives (d = -inf there)
         weight[r0:r1] += t.sum(1, dtype=a.dtype)
         t_rows[r0:r1] += tile_mm(t, x_cols[c0:c1])
         cols_acc[c0:c1] += tile_mm(t.t(), neg_g[r0:r1])
     coef = weight * unit / neg_sum.clamp_min(torch.finfo(neg_sum.dtype).tiny)  # r: 0 on a row without negatives
-    offset = plan.positives.self_offset
 
     def negatives(r0: int, r1: int, c0: int, c1: int) -> Tensor:
-        """The tile's ``E``: ``e^S`` on its negatives, in the products' dtype."""
-        n, m = r1 - r0, c1 - c0
-        e = torch.exp(prod.logits(r0, r1, c0, c1, bufs.get(n, m)), out=factors.get(n, m))
-        if plan.is_mixed(r0, c0):  # the positives: T's part
-            e.masked_fill_(plan.positives.tile(r0, r1, c0, c1), 0.0)
-        diag = self_diagonal(e, r0, c0, offset)
-        if diag is not None:  # the self pair: no term, no gradient
-            diag.zero_()
-        return e
+        """Sweep 3's ``E`` of a tile, in the products' dtype."""
+        return _negatives(prod, plan, (r0, r1, c0, c1), bufs.get(r1 - r0, c1 - c0), factors.get(r1 - r0, c1 - c0))
 
     if symmetric:  # rows and columns one set: (G + G^T) X = r (E X) + E (r X) - g (T X) + T^T (-g X)
         both = scaled_blocks(a, (None, coef), dtype)  # [X | r X]
