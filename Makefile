@@ -24,7 +24,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	# --strict counts warnings only when they are printed: no --quiet here
 	$(BIN)/mkdocs build --strict -d $(VENV)/site
-	$(BIN)/python -m pytest
+	# both cores: one worker per core, each test file on one worker (a file's tests share module state)
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests tools examples

@@ -15,6 +15,10 @@ if not torch.cuda.is_available():
 
 from device import DEVICE
 
+# one intra-op thread per xdist worker: two workers on two cores, not four threads fighting for them
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def device() -> torch.device:

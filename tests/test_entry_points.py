@@ -1,6 +1,6 @@
 """Every public entry point refuses bad input (issue 36; README, "Errors").
 
-One table, :data:`DOORS`, holds every name of ``torch_contrastive.__all__`` and of the
+One table, :data:`doors.DOORS`, holds every name of ``torch_contrastive.__all__`` and of the
 integrations' ``__all__`` -- a loss function, a module (its constructor and its call), a helper
 -- with the tensors it takes. Each tensor argument is attacked with every bad kind of value in
 :data:`ATTACKS` (wrong ndim, integer dtype, a list, NaN, inf, no rows): the call must raise a
@@ -15,9 +15,9 @@ its checks.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -25,122 +25,14 @@ import torch
 from torch import nn
 
 import torch_contrastive as tc
+from doors import ATTACKS, DOORS, N5, L, X, Y, _with, public_names
 from torch_contrastive.integrations import open_clip as oc
 from torch_contrastive.integrations import sentence_transformers as st
 from torch_contrastive.losses.global_contrastive import GlobalState
 
-X = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
-Y = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
-N5 = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
-L = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
-
-
-def _with(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    def attack(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        t.view(-1)[1] = value
-        return t
-
-    return attack
-
-
-#: kind of bad value -> (how a good tensor is spoiled, the exception it must raise)
-ATTACKS: dict[str, tuple[Callable[[torch.Tensor], Any], type[Exception]]] = {
-    "1-D": (lambda t: t[0], ValueError),
-    "4-D": (lambda t: t[None, None], ValueError),
-    "integer dtype": (lambda t: t.long(), TypeError),
-    "a list": (lambda t: t.tolist(), TypeError),
-    "NaN": (_with(float("nan")), ValueError),
-    "inf": (_with(float("inf")), ValueError),
-    "no rows": (lambda t: t[:0], ValueError),
-}
-
-
-@dataclass
-class Door:
-    """One public name: ``call(**tensors)`` is a good call; ``skip`` lists (argument, attack) pairs
-    that are not bad input for it, with the reason."""
-
-    call: Callable[..., Any] | None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    skip: dict[tuple[str, str], str] = field(default_factory=dict)
-    note: str = ""
-
-
-_AUTHORS_VIEWS = "the SupCon authors' code takes (bsz, n_views, ...) and flattens the trailing dimensions"
-
-DOORS: dict[str, Door] = {
-    # the loss functions
-    "clip_loss": Door(lambda image_feat, text_feat: tc.clip_loss(image_feat, text_feat), {"image_feat": X, "text_feat": Y}),
-    "image_text_contrastive_loss": Door(lambda image_feat, text_feat: tc.image_text_contrastive_loss(image_feat, text_feat),
-                                        {"image_feat": X, "text_feat": Y}),
-    "info_nce_loss": Door(lambda query, key, negatives: tc.info_nce_loss(query, key, negatives),
-                          {"query": X, "key": Y, "negatives": N5},
-                          skip={("negatives", "no rows"): "an empty pool beside the in-batch negatives is a loss"}),
-    "matryoshka_info_nce_loss": Door(lambda query, key, negatives: tc.matryoshka_info_nce_loss(query, key, [6, 3], negatives=negatives),
-                                     {"query": X, "key": Y, "negatives": N5},
-                                     skip={("negatives", "no rows"): "an empty pool beside the in-batch negatives is a loss"}),
-    "matryoshka_loss": Door(lambda embeddings: tc.matryoshka_loss(tc.nt_xent_loss, [embeddings], [6, 3]), {"embeddings": X}),
-    "nt_bxent_loss": Door(lambda embeddings: tc.nt_bxent_loss(embeddings, labels=L), {"embeddings": X}),
-    "nt_xent_loss": Door(lambda embeddings: tc.nt_xent_loss(embeddings), {"embeddings": X}),
-    "siglip_loss": Door(lambda image_feat, text_feat: tc.siglip_loss(image_feat, text_feat, 10.0, -10.0),
-                        {"image_feat": X, "text_feat": Y}),
-    "global_contrastive_loss": Door(lambda a, b: tc.global_contrastive_loss(a, b, GlobalState(torch.full((8, 2), -math.inf)))[0],
-                                    {"a": X, "b": Y}),
-    "supcon_loss": Door(lambda features: tc.supcon_loss(features, L), {"features": X}, skip={("features", "4-D"): _AUTHORS_VIEWS}),
-    # the modules (constructed, then called)
-    "ClipLoss": Door(lambda image_features, text_features: tc.ClipLoss()(image_features, text_features),
-                     {"image_features": X, "text_features": Y}),
-    "ImageTextContrastiveLoss": Door(lambda image_features, text_features: tc.ImageTextContrastiveLoss()(image_features, text_features),
-                                     {"image_features": X, "text_features": Y}),
-    "DCLLoss": Door(lambda out0, out1: tc.DCLLoss()(out0, out1), {"out0": X, "out1": Y}),
-    "DCLWLoss": Door(lambda out0, out1: tc.DCLWLoss()(out0, out1), {"out0": X, "out1": Y}),
-    "InfoNCELoss": Door(lambda query, key: tc.InfoNCELoss()(query, key), {"query": X, "key": Y}),
-    "NTBXentLoss": Door(lambda embeddings: tc.NTBXentLoss()(embeddings, labels=L), {"embeddings": X}),
-    "NTXentLoss": Door(lambda embeddings: tc.NTXentLoss()(embeddings), {"embeddings": X}),
-    "SigLipLoss": Door(lambda image_features, text_features: tc.SigLipLoss()(image_features, text_features),
-                       {"image_features": X, "text_features": Y}),
-    "GlobalContrastiveLoss": Door(lambda a, b: tc.GlobalContrastiveLoss(16, "bimodal")(a, b, torch.arange(a.shape[0]) if
-                                                                                       isinstance(a, torch.Tensor) and a.ndim else
-                                                                                       torch.arange(8)),
-                                  {"a": X, "b": Y}),
-    "SupConLoss": Door(lambda features: tc.SupConLoss()(features, L), {"features": X}, skip={("features", "4-D"): _AUTHORS_VIEWS}),
-    # the helpers: their tensors are not loss rows; their bad input is in CASES
-    "FeatureQueue": Door(None, note="CASES: size, dim, dtype, fill, overflow and push's rows"),
-    "Positives": Door(None, note="CASES: keys that are not 1-D integer tensors"),
-    "RngSnapshot": Door(None, note="CASES: devices"),
-    "all_gather_with_grad": Door(None, note="CASES: a non-tensor, a 0-dim tensor (any other tensor is gathered as it is)"),
-    "explain": Door(None, note="CASES: a non-callable, a bad call"),
-    "grad_cache": Door(None, note="CASES: encoders, inputs, loss_fn, micro_batch"),
-    "pair_keys": Door(None, note="CASES: n_rows, pairing"),
-    "text_ids": Door(None, note="CASES: texts"),
-    "Decision": Door(None, note="not a door: the planner's answer (explain returns it); users read it, never build one"),
-    # the integrations
-    "open_clip.ClipLoss": Door(lambda image_features, text_features: oc.ClipLoss()(image_features, text_features, torch.tensor(14.0)),
-                               {"image_features": X, "text_features": Y}),
-    "open_clip.SigLipLoss": Door(lambda image_features, text_features: oc.SigLipLoss()(image_features, text_features,
-                                                                                      torch.tensor(10.0), torch.tensor(-10.0)),
-                                 {"image_features": X, "text_features": Y}),
-    "sentence_transformers.mnrl_loss": Door(lambda queries, docs: st.mnrl_loss(queries, [docs]), {"queries": X, "docs": Y}),
-    "sentence_transformers.MultipleNegativesRankingLoss": Door(None, note="CASES: model, scale, similarity_fct; its rows go through mnrl_loss"),
-    "sentence_transformers.CachedMultipleNegativesRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
-    "sentence_transformers.GISTEmbedLoss": Door(None, note="CASES: model, guide, temperature, margin_strategy"),
-    "sentence_transformers.CachedGISTEmbedLoss": Door(None, note="CASES: guide, mini_batch_size"),
-    "sentence_transformers.MultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, scale"),
-    "sentence_transformers.CachedMultipleNegativesSymmetricRankingLoss": Door(None, note="CASES: model, mini_batch_size"),
-    "sentence_transformers.MatryoshkaLoss": Door(None, note="CASES: model, loss, matryoshka_dims, n_dims_per_step; its rows go through "
-                                                            "matryoshka_info_nce_loss"),
-}
-
-
-def _public_names() -> set[str]:
-    names = set(tc.__all__)
-    names |= {f"open_clip.{n}" for n in oc.__all__} | {f"sentence_transformers.{n}" for n in st.__all__}
-    return names
-
 
 def test_every_public_name_has_a_row():
-    assert set(DOORS) == _public_names()
+    assert set(DOORS) == public_names()
     assert all(door.call is not None or door.note for door in DOORS.values())
 
 
@@ -303,6 +195,7 @@ def test_a_helper_refuses_bad_input(name, call, exc, words):
 #: subcommand -> bad argument lists (each: one line on stderr, exit 2, no traceback)
 CLI: dict[str, list[list[str]]] = {
     "explain": [["--rows", "3"], ["--rows", "1", "--loss", "supcon"], ["--dim", "0"], ["--temperature", "-1"],
+                ["--labels", "0,1,0,1,0,1,0,99999999999999999999999"],
                 ["--labels", "0,1"], ["--labels", "a,b"], ["--loss", "bogus"]],
     "train": [["--epochs", "0"], ["--batch-size", "1"], ["--lr", "nan"], ["--loss", "bogus"], ["--seed", "-1"],
               ["--data", "/no/such/folder"], ["--resume", "/no/such/run"], ["--out", "/proc/x/run"], ["--chunk-size", "0"],
@@ -339,3 +232,80 @@ def test_a_subcommand_answers_bad_arguments_in_one_line_with_exit_2(argv, capsys
     assert code == 2, (code, err)
     assert err and "\n" not in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing is written"
+
+
+# ------------------------------------------------------------------ the functions' options (issue 63)
+#: every public function that takes the shared options, called well with ``**options`` added
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "clip_loss": lambda **kw: tc.clip_loss(X, Y, **kw),
+    "image_text_contrastive_loss": lambda **kw: tc.image_text_contrastive_loss(X, Y, **kw),
+    "info_nce_loss": lambda **kw: tc.info_nce_loss(X, Y, N5, **kw),
+    "nt_bxent_loss": lambda **kw: tc.nt_bxent_loss(X, labels=L, **kw),
+    "nt_xent_loss": lambda **kw: tc.nt_xent_loss(X, **kw),
+    "siglip_loss": lambda **kw: tc.siglip_loss(X, Y, 10.0, -10.0, **kw),
+    "global_contrastive_loss": lambda **kw: tc.global_contrastive_loss(X, Y, GlobalState(torch.full((8, 2), -math.inf)), **kw)[0],
+    "supcon_loss": lambda **kw: tc.supcon_loss(X, L, **kw),
+    "matryoshka_info_nce_loss": lambda **kw: tc.matryoshka_info_nce_loss(X, Y, [6, 3], **kw),
+    "sentence_transformers.mnrl_loss": lambda **kw: st.mnrl_loss(X, [Y], **kw),
+}
+
+
+def _takes_options(fn: Any) -> set[str]:
+    return set(inspect.signature(fn).parameters) & set(OPTIONS)
+
+
+def test_every_function_with_options_is_walked():
+    public = {name: getattr(tc, name) for name in tc.__all__} | {f"sentence_transformers.{n}": getattr(st, n) for n in st.__all__}
+    with_options = {name for name, fn in public.items() if inspect.isfunction(fn) and _takes_options(fn)}
+    assert with_options == set(FUNCTIONS)
+
+
+def _option_attacks() -> list[tuple[str, str, Any]]:
+    public = {name: getattr(tc, name) for name in tc.__all__} | {f"sentence_transformers.{n}": getattr(st, n) for n in st.__all__}
+    return [(name, option, value) for name in FUNCTIONS for option in sorted(_takes_options(public[name]))
+            for value in OPTIONS[option]]
+
+
+@pytest.mark.parametrize("name,option,value", _option_attacks(), ids=lambda x: repr(x) if not isinstance(x, str) else x)
+def test_a_function_refuses_a_bad_option(name, option, value):
+    """The functions check every shared option as the modules do: ``normalize="no"`` is not a silent True, nor 0 a
+    silent False."""
+    with pytest.raises((ValueError, TypeError), match=option):
+        FUNCTIONS[name](**{option: value})
+
+
+OPTIONS_ALSO = {"normalize": [0, 1, "no"], "validate": [0, "no"], "gather": [0]}
+
+
+@pytest.mark.parametrize("option,value", [(k, val) for k, vals in OPTIONS_ALSO.items() for val in vals])
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_zero_and_one_are_not_bools(name, option, value):
+    fn = {"sentence_transformers.mnrl_loss": st.mnrl_loss}.get(name) or getattr(tc, name)
+    if option not in inspect.signature(fn).parameters:
+        pytest.skip(f"{name} takes no {option}")
+    with pytest.raises(TypeError, match=option):
+        FUNCTIONS[name](**{option: value})
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_positive_weight_is_refused(weight):
+    w = torch.ones(8)
+    w[3] = weight
+    with pytest.raises(ValueError, match="positive_weight"):
+        tc.nt_xent_loss(X, 0.2, decoupled=True, positive_weight=w)
+    with pytest.raises(ValueError, match="weight_fn"):
+        tc.DCLLoss(weight_fn=lambda a, b: w)(X, Y)
+
+
+def test_pairing_is_checked_with_labels_too():
+    with pytest.raises(ValueError, match="pairing"):
+        tc.nt_xent_loss(X, 0.2, labels=L, pairing="bogus")
+
+
+def test_a_learnable_global_temperature_driven_below_zero_is_refused():
+    loss = tc.GlobalContrastiveLoss(16, "bimodal", temperature_mode="global")
+    assert loss(X, Y, torch.arange(8)) > 0
+    with torch.no_grad():
+        loss.tau.fill_(-0.1)
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        loss(X, Y, torch.arange(8))

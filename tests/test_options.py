@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 import torch_contrastive as tc
 from device import DEVICE
-from torch_contrastive import _validation, options
+from torch_contrastive import _validation, environment, options
 
 
 def test_a_set_of_options_is_checked_once(monkeypatch):
@@ -50,3 +51,38 @@ def test_bad_options_are_refused_even_after_good_ones(bad, message):
         options.shared(**bad)
     with pytest.raises((ValueError, TypeError), match=message):
         tc.clip_loss(torch.randn(4, 3, device=DEVICE), torch.randn(4, 3, device=DEVICE), 0.1, **bad)
+
+
+@pytest.mark.parametrize("variable", ["TORCH_CONTRASTIVE_TILE", "TORCH_CONTRASTIVE_DENSE_BUDGET", "TORCH_CONTRASTIVE_GPU_BUDGET"])
+@pytest.mark.parametrize("given", ["-5", "0", "abc", "2.5"])
+def test_a_bad_size_in_the_environment_is_refused_by_name(variable, given):
+    """Each environment variable is checked where it is read (``torch_contrastive.environment``): ``-5`` once made every
+    tiled call return 0 with zero gradients, ``abc`` failed at import with a bare ``int()`` error."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(variable, given)
+        with pytest.raises(ValueError, match=variable):
+            environment.positive_int(variable, 1024)
+
+
+def test_good_sizes_switches_and_choices_in_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_CONTRASTIVE_TILE", "2048")
+    assert environment.positive_int("TORCH_CONTRASTIVE_TILE", 1024) == 2048
+    monkeypatch.setenv("TORCH_CONTRASTIVE_TILE", "1e3")
+    assert environment.positive_int("TORCH_CONTRASTIVE_TILE", 1024) == 1000
+    monkeypatch.delenv("TORCH_CONTRASTIVE_TILE")
+    assert environment.positive_int("TORCH_CONTRASTIVE_TILE", 1024) == 1024
+    monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="TORCH_CONTRASTIVE_AUTOTUNE"):
+        environment.switch("TORCH_CONTRASTIVE_AUTOTUNE", True)
+    monkeypatch.setenv("TORCH_CONTRASTIVE_PRODUCTS", "fast")
+    with pytest.raises(ValueError, match="TORCH_CONTRASTIVE_PRODUCTS"):
+        environment.choice("TORCH_CONTRASTIVE_PRODUCTS", "auto", ("auto", "half", "compute"))
+
+
+def test_the_library_refuses_a_bad_tile_at_import():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_CONTRASTIVE_TILE": "-5"}
+    done = subprocess.run([sys.executable, "-c", "import torch_contrastive"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "TORCH_CONTRASTIVE_TILE must be a positive integer, got '-5'" in done.stderr

@@ -12,6 +12,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from ._tensors import save_for_backward
 from .engine.driver import first_order_only
 from .engine.normalization import KERNEL_DTYPES, l2_normalize, l2_normalize_backward
 from .engine.precision import compute_dtype
@@ -32,7 +33,7 @@ class _L2Normalize(torch.autograd.Function):
         else:
             y, denom, norm = l2_normalize(x, eps)
         ctx.eps, ctx.kernel, ctx.in_dtype = eps, kernel, x.dtype
-        ctx.save_for_backward(y, denom, norm)
+        save_for_backward(ctx, y, denom, norm)
         return y
 
     @staticmethod

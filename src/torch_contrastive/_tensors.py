@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["as_dtype", "clear_self_diagonal", "mask_as", "self_diagonal"]
+__all__ = ["as_dtype", "clear_self_diagonal", "mask_as", "refuse_transforms", "save_for_backward", "self_diagonal"]
 
 
 def self_diagonal(tile: Tensor, r0: int, c0: int, self_offset: int | None) -> Tensor | None:
@@ -42,3 +42,27 @@ def mask_as(mask: Tensor, dtype: torch.dtype) -> Tensor:
 def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` in ``dtype`` (itself when it already is: ``.to`` costs a dispatch even then)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def save_for_backward(ctx: object, *tensors: Tensor | None) -> None:
+    """``ctx.save_for_backward(*tensors)``, each saved tensor its own storage while ``torch.compile`` traces.
+
+    Dynamo traces an autograd function's forward as a subgraph whose saved tensors become extra outputs, and
+    it refuses one that shares storage with an earlier tensor of that subgraph -- a view, or the result of an
+    in-place op such as ``exp_()`` on a tile (torch 2.13: "an intermediate tensor ... aliases an input or
+    output"). A traced call therefore saves copies, which the compiler plans as ordinary buffers; an eager
+    call saves the tensors themselves, copying nothing.
+    """
+    if torch.compiler.is_compiling():
+        tensors = tuple(None if t is None else t.clone() for t in tensors)
+    ctx.save_for_backward(*tensors)  # type: ignore[attr-defined]
+
+
+def refuse_transforms() -> None:
+    """Refuse a call under a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...): the losses are custom
+    autograd functions without functorch rules, and autograd's own refusal ("must override the setup_context
+    staticmethod") does not say what to do instead."""
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError("torch-contrastive losses do not support torch.func transforms (grad, vmap, jacrev, ...): "
+                                  "differentiate with loss.backward() or torch.autograd.grad, "
+                                  "and batch by concatenating rows instead of vmap")

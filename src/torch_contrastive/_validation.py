@@ -12,6 +12,11 @@ Two kinds of check:
   device values. They are collected as 0-dim flags in a :class:`Checks` object and
   read back together in **one** transfer, so a call with ``validate=True`` makes at
   most one host synchronisation; ``validate=False`` skips them all.
+
+Under ``torch.compile`` a read would break the graph (and fail ``fullgraph=True``), so a traced call with
+``validate=True`` asserts each value check inside the graph instead (``torch._assert_async``): the compiled
+step still refuses bad input, with a ``RuntimeError`` that names the argument (on CUDA a device-side
+assertion, which ends the process), and nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -56,7 +61,12 @@ class Checks:
     """
 
     def __init__(self, enabled: bool, scope: Any = None) -> None:
-        self.enabled = bool(enabled)
+        #: value checks asserted inside a traced graph (``torch.compile`` with ``validate=True``): nothing is read
+        self.asserting = bool(enabled) and torch.compiler.is_compiling()
+        #: value checks read on the host (``validate=True`` outside a trace)
+        self.enabled = bool(enabled) and not self.asserting
+        #: value checks made at all, read or asserted
+        self.active = bool(enabled)
         self.scope = scope
         self._values: list[Tensor] = []
         self._bad: list[Callable[[float], bool]] = []
@@ -65,10 +75,15 @@ class Checks:
         self._pending: list[tuple[Tensor, str]] = []
         self.reads = 0  # transfers so far (a caller adding values to the last one checks it is still to come)
 
-    def add(self, value: Tensor, message: Callable[[], str | None], bad: Callable[[float], bool] = bool) -> None:
+    def add(self, value: Tensor, message: Callable[[], str | None], bad: Callable[[float], bool] = bool, *,
+            what: str = "an input failed its value check") -> None:
         """Record ``value`` (0-dim); the call fails with ``message()`` when ``bad(value)``
-        (unless the message is ``None``: the flag was a false alarm)."""
-        if self.enabled:
+        (unless the message is ``None``: the flag was a false alarm). ``bad`` is one of this module's
+        predicates (``bool``: any non-zero flag is bad), each with a tensor twin; ``what`` is the message of a
+        traced call, which cannot read values to build ``message()``."""
+        if self.asserting:
+            torch._assert_async(_TENSOR_OK[bad](value.detach()), f"torch-contrastive (validate=True, compiled): {what}")
+        elif self.enabled:
             # a 0-dim value is kept as it is (its one read needs no view of it); packing several
             # happens without grad mode (see _pack)
             self._values.append(value if value.ndim == 0 else value.reshape(()))
@@ -85,7 +100,10 @@ class Checks:
         with ``covers=True``), which costs no reduction at all; any earlier read, or a
         ``finish`` that cannot vouch for ``x``, runs the reduction as usual.
         """
-        if not self.enabled or x.numel() == 0:
+        if not self.active or x.numel() == 0:
+            return
+        if self.asserting:  # one exact flag inside the graph (no false alarm to clear later)
+            self.add(torch.isfinite(x.detach()).all(), lambda: None, _false, what=f"{name} contains non-finite values (NaN or inf)")
             return
         if deferred:
             self._pending.append((x, name))
@@ -121,6 +139,11 @@ class Checks:
         ``extra``: ``(values, receive)``: a 1-D tensor read in the same transfer, whose host
         values go to ``receive`` (e.g. an exclusion's per-tile flags, for the backward pass).
         """
+        if self.asserting:
+            if overflow is not None:
+                self.add(value.detach().abs().amax(), lambda: None, _not_finite, what="the loss is not finite although every "
+                         "input is: with normalize=False the logits overflowed; use normalize=True or a larger temperature")
+            return
         if not self.enabled:
             return
         pending = self._pending
@@ -214,6 +237,31 @@ def _finite_message(x: Tensor, name: str) -> Callable[[], str]:
 
 def _not_finite(value: float) -> bool:
     return not math.isfinite(value)
+
+
+#: the host predicate of a value that must be finite (:meth:`Checks.add`)
+not_finite = _not_finite
+
+
+def _not_positive(value: float) -> bool:
+    return not (math.isfinite(value) and value > 0)
+
+
+#: the host predicate of a value that must be positive and finite (:meth:`Checks.add`)
+not_positive = _not_positive
+
+
+def _false(value: float) -> bool:
+    return not value
+
+
+#: Each host predicate of :meth:`Checks.add` as a tensor that is True where the value is good (a traced call's assertion).
+_TENSOR_OK: dict[Callable[[float], bool], Callable[[Tensor], Tensor]] = {
+    bool: lambda t: t == 0,
+    _not_finite: torch.isfinite,
+    _not_positive: lambda t: torch.isfinite(t) & (t > 0),
+    _false: lambda t: t != 0,
+}
 
 
 def _pack(values: list[Tensor]) -> Tensor:
@@ -373,10 +421,11 @@ def check_pos_indices(pos_indices: object, n: int, device: torch.device, checks:
     if pos_indices.ndim != 2 or pos_indices.shape[1] != 2:
         raise ValueError(f"pos_indices must have shape (P, 2), got {tuple(pos_indices.shape)}")
     p = pos_indices.to(device=device, dtype=torch.int64)
-    if not checks.enabled or p.numel() == 0:
+    if not checks.active or p.numel() == 0:
         return p
     checks.add(((p < 0) | (p >= n)).any(), lambda: (
-        f"pos_indices must lie in [0, {n}) (rows of embeddings), got values in [{int(p.min())}, {int(p.max())}]"))
+        f"pos_indices must lie in [0, {n}) (rows of embeddings), got values in [{int(p.min())}, {int(p.max())}]"),
+        what=f"pos_indices must lie in [0, {n}) (rows of embeddings)")
     return p.clamp(0, n - 1)
 
 
@@ -387,7 +436,7 @@ def check_mask(mask: object, bsz: int, device: torch.device, checks: Checks) -> 
     if mask.shape != (bsz, bsz):
         raise ValueError(f"mask must have shape ({bsz}, {bsz}), got {tuple(mask.shape)}")
     if mask.dtype != torch.bool:
-        checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must contain only 0 and 1")
+        checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must contain only 0 and 1", what="mask must contain only 0 and 1")
     return mask.to(device=device) != 0
 
 
@@ -413,8 +462,8 @@ def inverse_temperature(temperature: object, checks: Checks, *, name: str = "tem
             raise ValueError(f"{name} must be positive and finite, got {value}")
         return 1.0 / value, 1.0 / value
     t = check_scalar_tensor(temperature, name)
-    checks.add(t, lambda: f"{name} must be positive and finite, got {float(t.detach())}",
-               lambda value: not (math.isfinite(value) and value > 0))
+    checks.add(t, lambda: f"{name} must be positive and finite, got {float(t.detach())}", _not_positive,
+               what=f"{name} must be positive and finite")
     scale = 1.0 / t
     if need_bound and checks.enabled:
         return scale, checks.flush(scale)

@@ -372,7 +372,10 @@ class DCLLoss(_Loss):
             return nt_xent_loss(torch.cat([out0, out1.to(out0.dtype)]), self.temperature, pairing="halves", decoupled=True,
                                 positive_weight=self.positive_weight(out0, out1), **self.options)
         except ValueError as err:  # the loss sees one stacked tensor: a non-finite row is named in out0 or out1
-            raise v.named_non_finite(err, (("out0", out0), ("out1", out1))) from None
+            named = v.named_non_finite(err, (("out0", out0), ("out1", out1)))  # a non-finite input first: the weights follow it
+            if named is err and "positive_weight" in str(err):  # the caller never passed one: the weights are weight_fn's
+                raise ValueError(str(err).replace("positive_weight", "the weights weight_fn returned")) from None
+            raise named from None
 
 
 def _must(weight: Tensor | None) -> Tensor:

@@ -85,7 +85,8 @@ def _forms() -> Any:
     global _FORMS
     from .engine import relation_form
 
-    _FORMS = relation_form
+    if not torch.compiler.is_compiling():  # (a traced call may not write a module global: Dynamo refuses the side effect)
+        _FORMS = relation_form
     return relation_form
 
 

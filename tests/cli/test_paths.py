@@ -114,3 +114,180 @@ def test_a_training_run_that_fails_leaves_no_half_written_folder(tmp_path, monke
     with pytest.raises(RuntimeError):
         main(["train", "--epochs", "1", "--out", str(kept), "--quiet", "--overwrite"])
     assert (kept / "notes.txt").read_text() == "mine"  # a folder that was there before is never removed
+
+
+def _finished_run(out: Path) -> None:
+    assert main(["train", "--loss", "nt_xent", "--epochs", "1", "--out", str(out), "--quiet"]) == 0
+    assert {p.name for p in out.iterdir()} >= {"metrics.json", "checkpoint.pt", "config.json", "loss.png", "embedding.png"}
+
+
+def test_a_run_that_fails_after_training_keeps_its_checkpoint_and_looks_unfinished(tmp_path, monkeypatch, capsys):
+    """A failure at the last step (the plots) deletes nothing an earlier step finished: the checkpoint stays, metrics.json
+    (written last, the mark of a finished run) is not there, and --resume finishes the run."""
+    from torch_contrastive.cli import train
+
+    def no_plots(*args, **kwargs):
+        raise OSError("disk full while writing loss.png")
+
+    monkeypatch.setattr(train, "plots", no_plots)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="disk full"):
+        main(["train", "--loss", "nt_xent", "--epochs", "1", "--out", str(out), "--quiet"])
+    assert {p.name for p in out.iterdir()} == {"checkpoint.pt", "config.json"}
+    assert "keeps the checkpoint of its finished epochs" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(out), "--quiet"]) == 0
+    assert (out / "metrics.json").exists() and (out / "loss.png").exists()
+
+
+def test_a_failed_overwrite_leaves_the_earlier_run_readable_aside(tmp_path, monkeypatch, capsys):
+    from torch_contrastive.cli import train
+
+    out = tmp_path / "run"
+    _finished_run(out)
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def broken(cfg, **kwargs):
+        (Path(cfg.out) / "config.json").write_text('{"new": true}')
+        raise RuntimeError("a failure inside training")
+
+    monkeypatch.setattr(train, "train", broken)
+    with pytest.raises(RuntimeError, match="inside training"):
+        main(["train", "--loss", "nt_xent", "--epochs", "1", "--out", str(out), "--quiet", "--overwrite"])
+    err = capsys.readouterr().err
+    aside = tmp_path / "run.replaced"
+    assert f"kept in {aside}" in err and "moved the earlier run's" in err
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == earlier  # the earlier run, whole
+    assert not (out / "metrics.json").exists() and not (out / "checkpoint.pt").exists()  # nothing here reads as finished
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(aside), "--quiet"]) == 0  # readable: "already finished"
+    assert "already finished" in capsys.readouterr().out
+
+
+def test_a_successful_overwrite_replaces_the_earlier_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    _finished_run(out)
+    assert main(["train", "--loss", "nt_xent", "--epochs", "1", "--out", str(out), "--quiet", "--overwrite"]) == 0
+    assert not (tmp_path / "run.replaced").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_an_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    """Every file of a run folder is written under a temporary name, then renamed: a write that fails leaves the
+    earlier file (or none) and no temporary file."""
+    from torch_contrastive.cli import _paths
+
+    target = tmp_path / "metrics.json"
+    target.write_text("earlier")
+
+    def failing(fd, *args, **kwargs):
+        class Handle:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                os.close(fd)
+
+            def write(self, payload):
+                raise OSError("interrupted")
+
+        return Handle()
+
+    monkeypatch.setattr(_paths.os, "fdopen", failing)
+    with pytest.raises(OSError, match="interrupted"):
+        _paths.write_atomically(target, b"new")
+    assert target.read_text() == "earlier" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+    with pytest.raises(OSError, match="interrupted"):
+        _paths.write_atomically(tmp_path / "config.json", b"{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def test_the_run_folder_writers_go_through_the_atomic_write():
+    """No run-folder writer writes in place: the train, report, checkpoint and embed modules never call ``write_text``,
+    ``savefig`` on a path, ``np.save`` or ``torch.save`` on a path (they hand bytes to ``write_atomically``)."""
+    import inspect
+
+    from torch_contrastive.cli import checkpoint, embed, report, train
+
+    for module in (train, report, checkpoint, embed):
+        source = inspect.getsource(module)
+        for call in (".write_text(", "np.save(", "savefig(out", "torch.save(state, out", "open(out"):
+            assert call not in source, (module.__name__, call)
+
+
+# ------------------------------------------------------------------ one line and exit 2, never a traceback (issue 63)
+def _extra_field_csv(root: Path) -> list[str]:
+    _, csv_path = make_digit_files(root, per_class=3, classes=2)
+    lines = csv_path.read_text().splitlines()
+    lines[2] += ",an extra field"
+    csv_path.write_text("\n".join(lines) + "\n")
+    return ["--loss", "clip", "--data", str(csv_path)]
+
+
+def _too_few_for_the_split(root: Path) -> list[str]:
+    folder, _ = make_digit_files(root, per_class=2, classes=5)
+    return ["--loss", "supcon", "--data", str(folder)]
+
+
+def _decompression_bomb(root: Path) -> list[str]:
+    folder, _ = make_digit_files(root, per_class=3, classes=2)
+    big = next(p for p in folder.iterdir() if p.is_dir()) / "huge.png"
+    PIL.new("L", (14000, 14000)).save(big)  # 196 M pixels: past Pillow's bomb limit, a few kB on disk
+    return ["--loss", "supcon", "--data", str(folder)]
+
+
+def _diverging(root: Path) -> list[str]:
+    return ["--loss", "nt_xent", "--lr", "1e30"]
+
+
+def _foreign_checkpoint(root: Path) -> list[str]:
+    import torch
+
+    (root / "foreign").mkdir()
+    torch.save({"format": 1, "weights": [1.0]}, root / "foreign" / "checkpoint.pt")
+    return ["--resume", str(root / "foreign")]
+
+
+def _changed_data(root: Path) -> list[str]:
+    import torch
+
+    assert main(["train", "--loss", "supcon", "--epochs", "2", "--out", str(root / "done"), "--quiet"]) == 0
+    (root / "done" / "metrics.json").unlink()
+    state = torch.load(root / "done" / "checkpoint.pt", weights_only=False)
+    state["epochs_done"], state["split"]["images"] = 1, 5  # as if trained on another data set
+    torch.save(state, root / "done" / "checkpoint.pt")
+    return ["--resume", str(root / "done")]
+
+
+def _rank_without_world(root: Path) -> list[str]:
+    os.environ["RANK"] = "0"  # (the test's monkeypatch restores the environment)
+    return ["--distributed"]
+
+
+TRAIN_FAILURES = {
+    "a CSV row with more fields than its header": (_extra_field_csv, "fields where the header has 2"),
+    "5 class folders of 2 images": (_too_few_for_the_split, "needs one image of each of the 5 classes"),
+    "a decompression-bomb PNG": (_decompression_bomb, "could be decompression bomb"),
+    "--lr 1e30 diverging": (_diverging, "training diverged"),
+    "--resume of a checkpoint this program did not write": (_foreign_checkpoint, "is not a checkpoint this program wrote"),
+    "--resume after the data changed": (_changed_data, "the data changed since the checkpoint was written"),
+    "--distributed with RANK but no WORLD_SIZE": (_rank_without_world, "WORLD_SIZE"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_FAILURES))
+def test_train_answers_a_problem_the_user_can_fix_in_one_line(case, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", os.environ.get("RANK", ""))
+    monkeypatch.delenv("RANK")
+    build, words = TRAIN_FAILURES[case]
+    argv = build(tmp_path)
+    capsys.readouterr()
+    out = tmp_path / "run"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    fresh = [] if "--resume" in argv else ["--epochs", "1", "--out", str(out)]
+    code = main(["train", "--quiet", *fresh, *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and "Traceback" not in err, (code, err)
+    assert words in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no run folder left behind

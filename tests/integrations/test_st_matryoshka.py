@@ -157,3 +157,63 @@ def test_gather_across_devices_keeps_the_one_pass(symmetric):
     from dist_helpers import run_ranks
 
     run_ranks(_gathered_ranks, 2, symmetric, timeout=180)
+
+
+# ------------------------------------------------------------------ where the peer's users look (issue 63)
+@pytest.mark.parametrize("name,kwargs", [("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2}),
+                                         ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2, "mini_batch_num_tokens": 9})])
+def test_the_peers_matryoshka_around_our_cached_loss_matches_the_peers_own(st_models, name, kwargs):
+    """sentence-transformers' own MatryoshkaLoss wraps a gradient-caching loss's ``calculate_loss`` (our loss says it is
+    one: ``uses_gradient_cache``); around ours it equals the peer's pair, values and parameter gradients, where it once
+    raised a shape mismatch (the replay re-embedded at the full width)."""
+    model, _, words = st_models
+    _, features = st_features(model, words, 7, 2, seed=8)
+    ref = _run(model, st_losses.MatryoshkaLoss, getattr(st_losses, name)(model, **kwargs), features, -1, seed=2)
+    _assert_same(ref, _run(model, st_losses.MatryoshkaLoss, getattr(ours_st, name)(model, **kwargs), features, -1, seed=2))
+
+
+def test_a_mini_batch_is_trimmed_to_its_own_longest_sequence_as_the_peers(st_models):
+    """Each mini-batch drops the padding columns all its rows share at the end (the peer's ``_create_minibatch``): the
+    features the model sees are the peer's, for right padding and left padding."""
+    from sentence_transformers.base.losses.gradcache import _create_minibatch
+
+    from torch_contrastive.integrations.sentence_transformers import _row_ends, _rows_of
+
+    model, _, words = st_models
+    _, (features,) = st_features(model, words, 9, 1, seed=11)
+    left = {k: (v.flip(1) if k in ("input_ids", "attention_mask", "token_type_ids") else v) for k, v in features.items()}
+    for given in (features, left):
+        ends, n = _row_ends(given), given["input_ids"].shape[0]
+        for start, stop in ((0, 3), (3, 6), (6, 9), (2, 3)):
+            ours, peers = _rows_of(given, start, stop, n, ends), _create_minibatch(given, start, stop)
+            assert set(ours) == set(peers)
+            for key in peers:
+                assert torch.equal(ours[key], peers[key]) if isinstance(peers[key], torch.Tensor) else ours[key] == peers[key], key
+    widths = {_rows_of(features, s, s + 3, 9, _row_ends(features))["input_ids"].shape[1] for s in (0, 3, 6)}
+    assert max(widths) == features["input_ids"].shape[1] or len(widths) > 1  # the texts' lengths differ: so do the widths
+
+
+def test_the_model_card_reads_what_the_peer_writes(st_models):
+    """``citation``, ``get_config_dict`` (the similarity as ``"cos_sim"``, the cached losses' budgets, the GIST losses'
+    options) and the class's public path: the same keys and values as the peer's losses."""
+    model, guide, _ = st_models
+    pairs = [
+        (ours_st.MultipleNegativesRankingLoss(model), st_losses.MultipleNegativesRankingLoss(model)),
+        (ours_st.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, mini_batch_num_tokens=64),
+         st_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, mini_batch_num_tokens=64)),
+        (ours_st.GISTEmbedLoss(model, guide), st_losses.GISTEmbedLoss(model, guide)),
+        (ours_st.CachedGISTEmbedLoss(model, guide, mini_batch_size=4), st_losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=4)),
+        (ours_st.MatryoshkaLoss(model, ours_st.MultipleNegativesRankingLoss(model), [16, 8]),
+         st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model), [16, 8])),
+    ]
+    for ours, peers in pairs:
+        mine, theirs = ours.get_config_dict(), peers.get_config_dict()
+        assert {k: mine[k] for k in theirs} == theirs, type(ours).__name__
+        assert ours.citation.strip().startswith("@") and "title" in ours.citation
+        assert type(ours).__module__ == "torch_contrastive.integrations.sentence_transformers"
+    mnrl = ours_st.MultipleNegativesRankingLoss(model)
+    a, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    from sentence_transformers import util
+
+    torch.testing.assert_close(mnrl.similarity_fct(a, b), util.cos_sim(a, b))
+    assert ours_st.MultipleNegativesRankingLoss(model, similarity_fct=util.dot_score).get_config_dict()["similarity_fct"] == "dot_score"

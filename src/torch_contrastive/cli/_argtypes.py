@@ -13,9 +13,13 @@ import math
 def int_list(text: str) -> list[int]:
     """Comma-separated integers, e.g. ``0,1,0,1``."""
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        values = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,0,1; got {text!r}") from None
+    big = [v for v in values if not -(2**63) <= v < 2**63]
+    if big:  # a label tensor is int64
+        raise argparse.ArgumentTypeError(f"expected integers within int64 (|value| < 2**63); got {big[0]}")
+    return values
 
 
 def batch_sizes(text: str) -> list[int]:

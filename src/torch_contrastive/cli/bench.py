@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ._argtypes import batch_sizes, int_list, positive_float, positive_int
-from ._paths import cannot_write
+from ._paths import cannot_write, save_figure
 
 #: Above this many rows the matmul reference (two N x N fp32 matrices) is not run.
 MAX_REFERENCE_ROWS = 16384
@@ -501,7 +501,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[1].set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="extra peak memory (MiB)", title="memory")
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, Path(path))
     plt.close(fig)
 
 

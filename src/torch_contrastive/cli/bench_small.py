@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 
 import torch_contrastive as tc
 
+from ._paths import save_figure
 from .bench import dense_clip, dense_nt_xent
 from .synccount import count_host_syncs
 
@@ -132,7 +134,7 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> None:
            title="small batches: time ratio to the plain PyTorch formula")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, Path(path))
     plt.close(fig)
 
 

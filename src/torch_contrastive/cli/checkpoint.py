@@ -15,14 +15,14 @@ with ``os.replace``: a kill at any moment leaves either the previous or the new 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from ._paths import write_atomically
 
 if TYPE_CHECKING:
     from .data import Data
@@ -42,21 +42,6 @@ class State:
     """A loaded checkpoint."""
 
     values: dict[str, Any]
-
-
-def write_atomically(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` through a temporary file and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save(out: Path, cfg: Config, epochs_done: int, history: list[float], untrained: dict[str, float], seconds: float,
@@ -97,7 +82,15 @@ def load_state(run_dir: str | Path) -> dict[str, Any]:
         raise ResumeError(f"cannot read {path}: {err}") from None
     if not isinstance(values, dict) or values.get("format") != FORMAT:
         raise ResumeError(f"{path} is not a torch-contrastive training checkpoint")
+    lacking = [key for key in _KEYS if key not in values]
+    if lacking or not isinstance(values["config"], dict) or not isinstance(values["split"], dict):
+        raise ResumeError(f"{path} is not a checkpoint this program wrote (it lacks {', '.join(lacking) or 'a config'})")
     return values
+
+
+#: what every checkpoint this program writes holds (:func:`save`)
+_KEYS = ("config", "epochs_done", "loss_history", "untrained", "train_seconds", "modules", "optimizer", "scheduler", "rng",
+         "split")
 
 
 def open_run(run_dir: str, epochs: int | None = None) -> tuple[Config, State | None]:
@@ -110,7 +103,10 @@ def open_run(run_dir: str, epochs: int | None = None) -> tuple[Config, State | N
     from .train import Config
 
     values = load_state(run_dir)
-    cfg = Config.from_dict(values["config"])
+    try:
+        cfg = Config.from_dict(values["config"])
+    except (TypeError, ValueError) as err:
+        raise ResumeError(f"{run_dir}: its checkpoint's config cannot be read ({err})") from None
     cfg.out = str(run_dir)
     if cfg.distributed:
         raise ResumeError(f"{run_dir} was trained with --distributed; resuming is supported for single-process runs")
@@ -128,14 +124,20 @@ def open_run(run_dir: str, epochs: int | None = None) -> tuple[Config, State | N
     return cfg, State(values)
 
 
-def restore(state: State, data: Data, modules: list[nn.Module], opt: torch.optim.Optimizer, sched: Any,
-            gen: torch.Generator, order_gen: torch.Generator) -> tuple[int, list[float], dict[str, float], float]:
-    """Load a checkpoint into freshly built objects: ``(next epoch, history, untrained metrics, seconds so far)``."""
+def check_split(state: State, data: Data) -> None:
+    """Refuse to resume on data other than the run's (other images, or another split of them)."""
     values = state.values
     split = values["split"]
     if split["images"] != len(data.images) or not torch.equal(split["train"], data.train_idx):
         raise ResumeError("the data changed since the checkpoint was written (different images or split); "
                           f"the run was trained on {json.dumps(values['config'].get('data'))}")
+
+
+def restore(state: State, data: Data, modules: list[nn.Module], opt: torch.optim.Optimizer, sched: Any,
+            gen: torch.Generator, order_gen: torch.Generator) -> tuple[int, list[float], dict[str, float], float]:
+    """Load a checkpoint into freshly built objects: ``(next epoch, history, untrained metrics, seconds so far)``."""
+    check_split(state, data)
+    values = state.values
     for module, saved in zip(modules, values["modules"]):
         module.load_state_dict(saved)
     opt.load_state_dict(values["optimizer"])

@@ -17,6 +17,7 @@ column; the command turns it into a message and exit code 2 before writing anyth
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,12 +92,12 @@ def _decode(path: Path, channels: int, size: int) -> Tensor:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as source:
+        with Image.open(path) as source:  # Pillow refuses a decompression bomb (an image past ~179 M pixels) here
             img = source.convert("L" if channels == 1 else "RGB").resize((size, size), Image.Resampling.BILINEAR)
             data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
     except FileNotFoundError:
         raise DataError(f"image file not found: {path}") from None
-    except (UnidentifiedImageError, OSError, ValueError) as err:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as err:
         raise DataError(f"cannot read image {path}: {err}") from None
     return data.reshape(size, size, channels).permute(2, 0, 1).float() / 255.0
 
@@ -128,7 +129,12 @@ def load_caption_csv(path: Path, *, channels: int, size: int, seed: int) -> Data
         with open(path, newline="", encoding="utf-8") as fh:
             reader = csv.DictReader(fh)
             columns = [c.strip() for c in (reader.fieldnames or [])]
-            rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
+            rows = []
+            for row in reader:
+                if None in row:  # DictReader keeps the fields past the header under None
+                    raise DataError(f"{path}, line {reader.line_num}: {len(columns) + len(row[None])} fields where the header has "
+                                    f"{len(columns)} (quote a caption that holds a comma)")
+                rows.append({(k or "").strip(): (v or "").strip() for k, v in row.items()})
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise DataError(f"cannot read {path}: {err}") from None
     missing = [c for c in ("image", "caption") if c not in columns]
@@ -178,6 +184,20 @@ def _progress(items: list[Any], desc: str) -> Any:
 def _stratified_split(labels: Tensor, seed: int) -> tuple[Tensor, Tensor]:
     from sklearn.model_selection import train_test_split
 
-    idx = torch.arange(len(labels)).numpy()
+    n, classes = len(labels), int(labels.unique().numel())
+    test = math.ceil(TEST_FRACTION * n)  # scikit-learn's rounding: each side must hold one image of every class
+    if test < classes or n - test < classes:
+        raise DataError(f"--data: a stratified 70/30 split of {n} images needs one image of each of the {classes} classes on "
+                        f"both sides ({test} test and {n - test} training images here); add images, at least "
+                        f"{_fewest_images(classes)} in all")
+    idx = torch.arange(n).numpy()
     train, test = train_test_split(idx, test_size=TEST_FRACTION, random_state=seed, stratify=labels.numpy())
     return torch.as_tensor(train), torch.as_tensor(test)
+
+
+def _fewest_images(classes: int) -> int:
+    """The fewest images whose 70/30 split holds ``classes`` images on each side."""
+    n = 2 * classes
+    while math.ceil(TEST_FRACTION * n) < classes or n - math.ceil(TEST_FRACTION * n) < classes:
+        n += 1
+    return n

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpoint as ckpt
-from ._paths import cannot_write
+from ._paths import cannot_write, save_npy, write_atomically
 from .data import DataError, load
 from .device import DEVICES, DeviceError, resolve_device
 from .models import ImageEncoder, TextEncoder, Vocabulary, embed, embed_text
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from .train import Config
 
@@ -57,22 +56,22 @@ def run(args: argparse.Namespace) -> int:
     enc.to(device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(out, embed(enc, data.images).numpy())
+    save_npy(out, embed(enc, data.images).numpy())  # each output lands whole (a temporary name, then renamed)
     written = [str(out)]
     if data.labels is not None:
-        np.save(out.parent / "labels.npy", data.labels.numpy())
-        (out.parent / "classes.json").write_text(json.dumps(data.class_names, indent=2) + "\n")
+        save_npy(out.parent / "labels.npy", data.labels.numpy())
+        write_atomically(out.parent / "classes.json", (json.dumps(data.class_names, indent=2) + "\n").encode())
         written += ["labels.npy", "classes.json"]
     if data.row_image is not None:
         rows = [{"image_index": int(i), "image": data.paths[int(i)], "caption": c} for i, c in zip(data.row_image, data.captions)]
-        (out.parent / "captions.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_atomically(out.parent / "captions.json", (json.dumps(rows, indent=2) + "\n").encode())
         written.append("captions.json")
         if values.get("vocabulary") is not None:
             vocab = Vocabulary.from_words(values["vocabulary"])
             text = TextEncoder(len(vocab.words), cfg.dim)
             text.load_state_dict(values["modules"][1])
             text.to(device)
-            np.save(out.parent / "text_emb.npy", embed_text(text, vocab, data.captions).numpy())
+            save_npy(out.parent / "text_emb.npy", embed_text(text, vocab, data.captions).numpy())
             written.append("text_emb.npy")
     print(f"embedded {len(data.images)} images with {args.run}'s encoder ({cfg.dim}-d, on {device}); wrote {', '.join(written)}")
     return 0

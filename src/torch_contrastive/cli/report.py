@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._paths import save_figure
 from .data import Data
 from .models import Vocabulary, embed
 
@@ -33,7 +34,7 @@ def plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: st
         right.tick_params(axis="y", colors="tab:orange")
         ax.legend(handles=ax.get_lines() + right.get_lines(), fontsize=7, loc="center right")
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
+    save_figure(fig, out / "loss.png")
     plt.close(fig)
     e = embed(enc, data.images[data.test_idx])
     centred = e - e.mean(0)
@@ -56,7 +57,7 @@ def plots(out: Path, history: list[float], enc: nn.Module, data: Data, title: st
             join_pairs(ax, data, e.mean(0), v[:, :2], xy, *pairs)
     ax.set(title=f"{title}: test embeddings (PCA)", xticks=[], yticks=[])
     fig.tight_layout()
-    fig.savefig(out / "embedding.png", dpi=110)
+    save_figure(fig, out / "embedding.png")
     plt.close(fig)
 
 

@@ -74,6 +74,10 @@ DEFAULT_EPOCHS = 30
 DEFAULT_BATCH_SIZE = {"clip": 256, "siglip": 128, "nt_xent": 128, "nt_bxent": 128, "supcon": 128, "sogclr": 128, "fastclip": 128}
 
 
+class Diverged(Exception):
+    """Training diverged (non-finite outputs or loss): a setting the user can change, said in one line."""
+
+
 @dataclass
 class Config:
     loss: str = "clip"
@@ -417,7 +421,7 @@ def train(cfg: Config, progress: bool = True, resume: ckpt.State | None = None, 
         tracked = [(int(e), float(m)) for e, m in resume.values.get("tracked", [])]
     if rank == 0:  # (again when a resumed run is extended: its epochs changed)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        ckpt.write_atomically(out / "config.json", (json.dumps(asdict(cfg), indent=2) + "\n").encode())
     plain = models  # the unwrapped modules: evaluated, plotted, checkpointed
     if cfg.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -475,10 +479,11 @@ def _finish(result: dict[str, Any], cfg: Config, data: Data, plain: Models, loss
     name = "image_to_text_recall@1" if data.labels is None else "knn_accuracy"
     result.update(untrained=before, trained=after, tracked={"metric": name, "points": tracked})
     result.update(_learned_loss_parameters(loss))
-    ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
     start_point = [(0, before[name])] if name in before else []  # the untrained encoder, scored before training
     pairs = (plain.text, plain.vocab) if data.source == "csv" and plain.text is not None and plain.vocab is not None else None
     plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked), pairs)
+    # last: metrics.json says the run finished, so it lands only when everything else has
+    ckpt.write_atomically(out / "metrics.json", (json.dumps(result, indent=2) + "\n").encode())
     if progress:
         print(f"\n{cfg.loss}: {cfg.epochs} epochs ({where}) in {seconds:.1f}s, loss {history[0]:.4f} -> {history[-1]:.4f}")
         print(table(before, after))
@@ -522,7 +527,13 @@ def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor 
     ahead = cfg.prefetch == "on" or (cfg.prefetch == "auto" and models.device.type == "cuda")
     for batch, parts in _ahead(local, lambda b: recipe_parts(cfg, data, b, models, text_keys, gen), ahead):
         opt.zero_grad()
-        loss = recipe_step(cfg, data, batch, models, text_keys, gen, scaler, parts)
+        try:
+            loss = recipe_step(cfg, data, batch, models, text_keys, gen, scaler, parts)
+        except ValueError as err:  # the loss refuses non-finite embeddings: the weights diverged
+            if "non-finite" not in str(err):
+                raise
+            raise Diverged(f"training diverged at step {count + 1} of the epoch (the encoder's outputs are no longer "
+                           f"finite); lower --lr (now {cfg.lr:g})") from None
         if cfg.distributed and models.loss is not None:
             _average_gradient(models.loss.parameters(), world)  # logit_scale lives outside DDP
         if scaler is None:
@@ -531,6 +542,9 @@ def _epoch(cfg: Config, data: Data, bar: Any, models: Models, text_keys: Tensor 
             scaler.step(opt)
             scaler.update()
         sched.step()
-        total, count = total + loss.item(), count + 1
+        value = loss.item()  # after the step's kernels are queued (the epoch's mean reads it anyway)
+        if not math.isfinite(value):
+            raise Diverged(f"training diverged at step {count + 1} of the epoch (the loss is {value}); lower --lr (now {cfg.lr:g})")
+        total, count = total + value, count + 1
         bar.set_postfix(loss=f"{total / count:.4f}")
     return total / max(count, 1)

@@ -62,24 +62,36 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if cfg.distributed and "RANK" not in os.environ:
-        print("error: --distributed must run under torchrun, e.g. "
+    unset = [name for name in _RENDEZVOUS if name not in os.environ] if cfg.distributed else []
+    if unset:
+        print(f"error: --distributed must run under torchrun ({', '.join(unset)} not set), e.g. "
               "torchrun --nproc_per_node=2 -m torch_contrastive train --distributed", file=sys.stderr)
         return 2
     try:
         # read and check the data before anything is written
         data = load(cfg.data, channels=cfg.channels, size=cfg.image_size, seed=cfg.seed)
         check_recipe_data(cfg, data)
-    except DataError as err:
+        if resume is not None:
+            ckpt.check_split(resume, data)
+    except (DataError, ckpt.ResumeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    created = not Path(cfg.out).exists()
+    out = Path(cfg.out)
+    created = not out.exists()
+    # --overwrite: the earlier run's files move aside first, so a failure of this one never leaves its config beside
+    # the earlier checkpoint and metrics (a --resume would call that run finished); they go once this run finishes
+    aside = _move_aside(out) if resume is None and getattr(args, "overwrite", False) else None
     try:
         training.train(cfg, progress=not args.quiet, resume=resume, data=data)  # through the module: tests may stand in for it
-    except Exception:
-        if created:  # a run that fails leaves no half-written folder behind (an interrupted one keeps its checkpoint)
-            shutil.rmtree(cfg.out, ignore_errors=True)
+    except training.Diverged as err:
+        _after_failure(out, created, aside)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except BaseException:
+        _after_failure(out, created, aside)
         raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     if cfg.distributed:
         import torch.distributed as dist
 
@@ -94,6 +106,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 RUN_FILES = ("metrics.json", "checkpoint.pt", "config.json")
+#: what torchrun sets for each process (the env:// rendezvous reads all four)
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: everything a run writes into its folder
+RUN_OUTPUTS = (*RUN_FILES, "loss.png", "embedding.png")
+
+
+def _move_aside(out: Path) -> Path | None:
+    """The earlier run's files in ``out`` moved into a sibling folder (said in one line), or None when there are none."""
+    found = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not found:
+        return None
+    aside = out.with_name(f"{out.name}.replaced")
+    stamp = 1
+    while aside.exists():
+        stamp += 1
+        aside = out.with_name(f"{out.name}.replaced-{stamp}")
+    aside.mkdir()
+    for path in found:
+        os.replace(path, aside / path.name)
+    print(f"--overwrite: moved the earlier run's {', '.join(p.name for p in found)} to {aside} until this run finishes",
+          file=sys.stderr)
+    return aside
+
+
+def _after_failure(out: Path, created: bool, aside: Path | None) -> None:
+    """What a failed run leaves: a folder it created without a finished epoch goes (nothing in it was finished); a
+    checkpoint of finished epochs stays, to resume; an earlier run moved aside by --overwrite stays where it was moved."""
+    finished = (out / ckpt.CHECKPOINT).exists()
+    if created and not finished:
+        shutil.rmtree(out, ignore_errors=True)
+    elif finished:
+        print(f"this run failed; {out} keeps the checkpoint of its finished epochs (--resume {out} continues it)", file=sys.stderr)
+    if aside is not None:
+        print(f"this run failed; the earlier run {out} held is kept in {aside}", file=sys.stderr)
 
 
 def _check_run(cfg: Config, args: argparse.Namespace, resuming: bool) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import Tensor
 
-from .._tensors import as_dtype
+from .._tensors import as_dtype, save_for_backward
 from .normalization import KERNEL_DTYPES, l2_normalize, l2_normalize_backward
 from .precision import Scale, autocast_enabled, compute_dtype
 
@@ -105,7 +105,7 @@ def save(ctx: Any, scale: Scale, a: Tensor, b: Tensor, *tensors: Tensor | None) 
     scale on ``ctx`` (it is not a tensor)."""
     ctx.float_scale = None if isinstance(scale, Tensor) else scale
     ctx.single = b is a
-    ctx.save_for_backward(a, *(() if ctx.single else (b,)), *tensors, *((scale,) if isinstance(scale, Tensor) else ()))
+    save_for_backward(ctx, a, *(() if ctx.single else (b,)), *tensors, *((scale,) if isinstance(scale, Tensor) else ()))
 
 
 def saved(ctx: Any) -> tuple[Tensor, Tensor, list[Tensor], Scale]:

@@ -79,7 +79,8 @@ def _planner() -> Any:
     global _PLANNER
     from . import planner
 
-    _PLANNER = planner
+    if not torch.compiler.is_compiling():  # (a traced call may not write a module global: Dynamo refuses the side effect)
+        _PLANNER = planner
     return planner
 
 
@@ -91,5 +92,7 @@ def _thresholds(eps: float, like: Tensor) -> Tensor:
     key = (eps, like.dtype, like.device)
     found = _THRESHOLDS.get(key)
     if found is None:
-        found = _THRESHOLDS[key] = torch.tensor([0.0, eps], dtype=like.dtype, device=like.device)
+        found = torch.tensor([0.0, eps], dtype=like.dtype, device=like.device)
+        if not torch.compiler.is_compiling():  # a traced tensor kept in a module would outlive its trace
+            _THRESHOLDS[key] = found
     return found

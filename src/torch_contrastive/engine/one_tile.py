@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from .._tensors import as_dtype
+from .._tensors import as_dtype, refuse_transforms, save_for_backward
 from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
@@ -100,8 +100,11 @@ _transforms_active = torch._C._are_functorch_transforms_active
 
 def lean_apply(function: Any) -> Any:
     """``function.apply`` (a lean autograd function's), as its C part where that serves: no functorch transform
-    active, and ``apply`` not replaced on the class (a test may count its calls)."""
-    if _transforms_active() or "apply" in function.__dict__:
+    active, not traced by ``torch.compile`` (Dynamo traces the Python ``apply``, never its C part), and ``apply``
+    not replaced on the class (a test may count its calls)."""
+    if _transforms_active():
+        refuse_transforms()
+    if torch.compiler.is_compiling() or "apply" in function.__dict__:
         return function.apply
     return _APPLIES[function]
 
@@ -155,7 +158,7 @@ class _OneTile(torch.autograd.Function):
         d, d_col, row_total, excess, col_total, col_excess = kept_apart_terms(e, places, plan.columns)
         # one attribute for backward's constants (the planner gave two sets one dtype)
         ctx.constants = (plan, total, scale, a.dtype, b is None, base)
-        ctx.save_for_backward(rows, denom, norm, e, row_total, excess, col_total, col_excess)
+        save_for_backward(ctx, rows, denom, norm, e, row_total, excess, col_total, col_excess)
         return _total(d, d_col, total)
 
     @staticmethod
@@ -211,7 +214,7 @@ class _OneTileMask(torch.autograd.Function):
         row_sum = e.sum(1)
         row_out = _weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)
         ctx.plan, ctx.total, ctx.scale, ctx.dtype = plan, total, scale, a.dtype
-        ctx.save_for_backward(rows, denom, norm, e, row_sum, weight, alpha, beta)
+        save_for_backward(ctx, rows, denom, norm, e, row_sum, weight, alpha, beta)
         return _total(row_out, None, total)
 
     @staticmethod
@@ -270,11 +273,11 @@ class _OneTilePairs(torch.autograd.Function):
         ctx.one_kept = plan.decision.device != "cpu" and ONE_KEPT[plan.kernel][2](combine)
         if ctx.one_kept:  # a GPU's widened products (a host-bound call): one kept tile, backward two GEMMs
             value, tile = ONE_KEPT[plan.kernel][0](s, plan.positives.tile(0, n, 0, n), combine)
-            ctx.save_for_backward(rows, denom, norm, tile)
+            save_for_backward(ctx, rows, denom, norm, tile)
             return value
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
         outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
-        ctx.save_for_backward(rows, denom, norm, *kept)
+        save_for_backward(ctx, rows, denom, norm, *kept)
         return combined(outputs, combine)
 
     @staticmethod

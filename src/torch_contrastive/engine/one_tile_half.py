@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .._tensors import as_dtype
+from .._tensors import as_dtype, save_for_backward
 from .driver import first_order_only
 from .normalization import l2_normalize, l2_normalize_backward
 from .pair_factored import FORMS
@@ -66,7 +66,7 @@ class HalfOneTile(torch.autograd.Function):
         e = e.exp_()
         d, d_col, row_total, excess, col_total, col_excess = kept_apart_terms(e, places, plan.columns)
         ctx.plan, ctx.total, ctx.scale, ctx.single, ctx.dtype = plan, total, scale, b is None, a.dtype
-        ctx.save_for_backward(rows, denom, norm, h, e, row_total, excess, col_total, col_excess)
+        save_for_backward(ctx, rows, denom, norm, h, e, row_total, excess, col_total, col_excess)
         return _total(d, d_col, total)
 
     @staticmethod
@@ -156,7 +156,7 @@ class HalfOneTileMask(torch.autograd.Function):
         out = torch.sub(lse.sum() if alpha is None else torch.dot(alpha, lse), torch.dot(weighted.view(-1), px.view(-1)),
                         alpha=factor)
         ctx.plan, ctx.total, ctx.root, ctx.dtype = plan, total, root, a.dtype
-        ctx.save_for_backward(rows, denom, norm, h, e, row_sum, relation, px, weighted, alpha, beta)  # (h is x when widened)
+        save_for_backward(ctx, rows, denom, norm, h, e, row_sum, relation, px, weighted, alpha, beta)  # (h is x when widened)
         return out if isinstance(total[0], float) and total[0] == 1.0 else out * total[0]
 
     @staticmethod
@@ -200,7 +200,7 @@ class HalfOneTilePairs(torch.autograd.Function):
         # the products factored through the kept bf16 tiles (tensor-core products are a GPU's: its form)
         outputs, kept = FORMS[plan.kernel][0](s, plan.positives.tile(0, n, 0, n), total_only(combine), a.dtype)
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype = plan, combine, scale, a.dtype
-        ctx.save_for_backward(rows, denom, norm, x, h, *kept)
+        save_for_backward(ctx, rows, denom, norm, x, h, *kept)
         return combined(outputs, combine)
 
     @staticmethod

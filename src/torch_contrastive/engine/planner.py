@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
+from ..environment import choice, positive_int
 from .cost import FORMED_STRIPS, PAIR_FORMED, PAIR_PER_ROW, PATHS, PathCost, factoring_pays, formed, pair_factoring_pays, predict_path
 from .precision import fixed_scale_applies
 from .recorded import record
@@ -117,23 +117,11 @@ class Decision:
 
 
 def _budget_from_environment() -> int:
-    given = os.environ.get("TORCH_CONTRASTIVE_GPU_BUDGET")
-    if not given:
-        return GPU_BUDGET_DEFAULT
-    try:
-        value = int(float(given))
-    except ValueError:
-        raise ValueError(f"TORCH_CONTRASTIVE_GPU_BUDGET must be a number of bytes, got {given!r}") from None
-    if value <= 0:
-        raise ValueError(f"TORCH_CONTRASTIVE_GPU_BUDGET must be positive, got {given!r}")
-    return value
+    return positive_int("TORCH_CONTRASTIVE_GPU_BUDGET", GPU_BUDGET_DEFAULT)
 
 
 def _products_from_environment() -> str:
-    mode = os.environ.get("TORCH_CONTRASTIVE_PRODUCTS", "auto")
-    if mode not in ("auto", "half", "compute"):
-        raise ValueError(f"TORCH_CONTRASTIVE_PRODUCTS must be 'auto', 'half' or 'compute', got {mode!r}")
-    return mode
+    return choice("TORCH_CONTRASTIVE_PRODUCTS", "auto", ("auto", "half", "compute"))
 
 
 # Read once at import: a call must not consult the environment (or the driver) on its hot

@@ -46,7 +46,9 @@ def zero(like: Tensor) -> Tensor:
     key = (like.dtype, like.device)
     found = _ZEROS.get(key)
     if found is None:
-        found = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+        found = torch.zeros((), dtype=like.dtype, device=like.device)
+        if not torch.compiler.is_compiling():  # a traced tensor kept in a module would outlive its trace
+            _ZEROS[key] = found
     return found
 
 
@@ -59,5 +61,7 @@ def ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     key = (dtype, device)
     found = _ONES.get(key)
     if found is None:
-        found = _ONES[key] = torch.ones((), dtype=dtype, device=device)
+        found = torch.ones((), dtype=dtype, device=device)
+        if not torch.compiler.is_compiling():  # a traced tensor kept in a module would outlive its trace
+            _ONES[key] = found
     return found.expand(n)

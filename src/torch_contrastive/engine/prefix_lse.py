@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .._tensors import save_for_backward
 from .prefixes import PerStrip, PrefixPlan, _operands, _prefix_products, _scaled, prefix_backward
 
 if TYPE_CHECKING:
@@ -69,9 +70,12 @@ class PrefixRowLSE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, which: tuple[int, ...],  # type: ignore[override]
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor | None, plan: PrefixPlan, which: tuple[int, ...],  # type: ignore[override]
                 leave_out: Tensor, columns: bool, scales: Tensor, shifts: tuple[float, ...] | None = None,
                 upper: bool = False, expected: bool = False, exclude: Exclusion | None = None) -> Tensor:
+        # candidates None: the anchors themselves (one set). Dynamo traces no apply that is given one tensor twice.
+        ctx.single = candidates is None
+        candidates = anchors if candidates is None else candidates
         if plan.scale != 1.0 or (not plan.normalize and shifts is not None):
             raise ValueError("internal: PrefixRowLSE takes its scales per prefix (plan.scale 1), a fixed shift unit rows")
         if upper and (shifts is None or columns or anchors is not candidates):
@@ -94,13 +98,14 @@ class PrefixRowLSE(torch.autograd.Function):
                 for p in at_cut[k]:
                     sums.add(cos, p, start, stop, rows, left, upper, mask)
         out = sums.finish(upper)
-        ctx.save_for_backward(anchors, candidates, leave_out, scales, out)
+        save_for_backward(ctx, anchors, *(() if ctx.single else (candidates,)), leave_out, scales, out)
         ctx.plan, ctx.which, ctx.columns, ctx.shifts, ctx.upper, ctx.exclude = plan, which, columns, shifts, upper, exclude
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        anchors, candidates, leave_out, scales, out = ctx.saved_tensors
+        anchors, *saved = ctx.saved_tensors
+        candidates, leave_out, scales, out = (anchors, *saved) if ctx.single else saved
         plan: PrefixPlan = ctx.plan
         shifts: tuple[float, ...] | None = ctx.shifts
         prefixes = len(ctx.which)
@@ -156,6 +161,9 @@ class PrefixRowLSE(torch.autograd.Function):
             return tile
 
         da, dc = prefix_backward(anchors, candidates, plan, torch.ones((), dtype=dtype, device=out.device), grad_tile, upper)
+        if ctx.single:  # both roles of the one set
+            return ((da + dc).to(anchors.dtype) if ctx.needs_input_grad[0] else None, None, None, None, None, None,
+                    d_scales.to(scales.dtype) if learned else None, None, None, None, None)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None,
                 d_scales.to(scales.dtype) if learned else None, None, None, None, None)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._tensors import save_for_backward
 from .prefixes import LearnedScale, PerStrip, PrefixPlan, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
 
 __all__ = ["PrefixPairs"]
@@ -59,7 +60,7 @@ class PrefixPairs(torch.autograd.Function):
                 elif signs is not None:
                     terms = signs.terms(logits)
                 per_anchor[start:stop] += _weight_of(plan, k) * terms
-        ctx.save_for_backward(anchors, candidates, labels, lse, counted, labels if col_labels is None else col_labels,
+        save_for_backward(ctx, anchors, candidates, labels, lse, counted, labels if col_labels is None else col_labels,
                               *(() if scale is None else (scale,)))
         ctx.plan, ctx.kernel, ctx.own = plan, kernel, own
         total = per_anchor.sum()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._tensors import save_for_backward
 from .prefixes import PerStrip, PrefixPlan, Targets, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
 
 __all__ = ["PrefixSigmoid"]
@@ -35,7 +36,7 @@ class PrefixSigmoid(torch.autograd.Function):
             for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
                 u = _signed(_scaled(raw, plan, inv_a, inv_c, k, start, stop), t_, b_, start + shift, positive)
                 total = total + _weight_of(plan, k) * torch.nn.functional.softplus(u).sum()
-        ctx.save_for_backward(anchors, candidates, t, b)
+        save_for_backward(ctx, anchors, candidates, t, b)
         ctx.plan, ctx.targets = plan, targets
         return (total / n if plan.mean else total).to(torch.promote_types(anchors.dtype, torch.float32))
 

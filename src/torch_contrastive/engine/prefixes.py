@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
+from .._tensors import refuse_transforms, save_for_backward
+
 if TYPE_CHECKING:
     from ..positives import Exclusion
 
@@ -194,8 +196,11 @@ class PrefixSoftmax(torch.autograd.Function):
     one product pass for the two, forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, targets: Targets,  # type: ignore[override]
+    def forward(ctx: Any, anchors: Tensor, candidates: Tensor | None, plan: PrefixPlan, targets: Targets,  # type: ignore[override]
                 scale: Tensor | None = None) -> Tensor:
+        # candidates None: the anchors themselves (one set). Dynamo traces no apply that is given one tensor twice.
+        ctx.single = candidates is None
+        candidates = anchors if candidates is None else candidates
         if scale is not None and (plan.scale != 1.0 or targets.columns):
             raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits) and no column pass")
         a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
@@ -234,7 +239,8 @@ class PrefixSoftmax(torch.autograd.Function):
                 per_anchor = 0.5 * (per_anchor + col_values)
             else:
                 total = 0.5 * (total + col_values.sum())
-        ctx.save_for_backward(anchors, candidates, lse, counted, col_lse, col_count, *(() if scale is None else (scale,)))
+        save_for_backward(ctx, anchors, *(() if ctx.single else (candidates,)), lse, counted, col_lse, col_count,
+                          *(() if scale is None else (scale,)))
         ctx.plan, ctx.targets, ctx.smooth = plan, targets, smooth
         if per_anchor is not None:  # by pairs (CLIP with ids): N / sum gt, so that the rows' mean is the loss
             value = per_anchor * (n / counted.clamp_min(1)) if targets.by_pairs else per_anchor
@@ -244,7 +250,8 @@ class PrefixSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        anchors, candidates, lse, counted, col_lse, col_count, *given = ctx.saved_tensors
+        anchors, *saved = ctx.saved_tensors
+        candidates, lse, counted, col_lse, col_count, *given = (anchors, *saved) if ctx.single else saved
         plan: PrefixPlan = ctx.plan
         targets: Targets = ctx.targets
         smooth: _Smoothing | None = ctx.smooth
@@ -266,6 +273,9 @@ class PrefixSoftmax(torch.autograd.Function):
 
         g, g_rows, g_cols = _incoming(grad.to(dtype), plan, targets, counted.to(dtype), anchors.shape[0])
         da, dc = prefix_backward(anchors, candidates, plan, g, grad_tile)
+        if ctx.single:  # both roles of the one set
+            return ((da + dc).to(anchors.dtype) if ctx.needs_input_grad[0] else None, None, None, None,
+                    learned.grad.to(given[0]) if given and ctx.needs_input_grad[4] else None)
         return (da.to(anchors.dtype) if ctx.needs_input_grad[0] else None,
                 dc.to(candidates.dtype) if ctx.needs_input_grad[1] else None, None, None,
                 learned.grad.to(given[0]) if given and ctx.needs_input_grad[4] else None)
@@ -590,6 +600,7 @@ def prefix_plan(dims: list[int], weights: list[float], width: int, scale: float,
     """The plan of one call: the distinct prefix ends and each prefix's place among them, and the strip
     height (``strip``, or as many rows as keep one strip's tiles -- a running sum, a tile per prefix --
     near 64 MiB); ``mean`` / ``per_row``: see :class:`PrefixPlan` (``mean`` and ``rows``)."""
+    refuse_transforms()
     cuts = tuple(sorted(set(dims)))
     if cuts[-1] > width:
         raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {cuts[-1]}")

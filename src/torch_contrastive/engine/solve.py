@@ -7,6 +7,7 @@ from typing import Any, overload
 
 from torch import Tensor
 
+from .._tensors import refuse_transforms
 from . import epilogue, one_tile, pairwise, sigmoid, softmax, triton_executors
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 from .problem_plan import plan
@@ -30,6 +31,7 @@ def solve(problem: Problem[Any]) -> Any:
     kernel's per-row outputs (one scalar with ``combine``), :class:`~.problem.SigmoidPairs` the
     (R,) row sums.
     """
+    refuse_transforms()
     chosen = plan(problem)
     return EXECUTORS[type(problem.statistic), chosen.executor].run(problem, chosen)
 

@@ -5,12 +5,13 @@ statistic's tile function) and :func:`gradient_sweep` (backward: each tile's gra
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from ..environment import positive_int
 
 
 class TileProducts(Protocol):
@@ -28,12 +29,12 @@ class TileProducts(Protocol):
 #: Rows (and columns) per tile when ``chunk_size=None`` and the batch is too big for
 #: one tile. 1024 x 1024 fp32 logit tiles (4 MiB) stay in a CPU's L3 cache and were
 #: fastest on the 2-core benchmark machine (512 and 256 were 5-30 % slower).
-DEFAULT_TILE = int(os.environ.get("TORCH_CONTRASTIVE_TILE", "1024"))
+DEFAULT_TILE = positive_int("TORCH_CONTRASTIVE_TILE", 1024)
 
 
 #: ``chunk_size=None`` computes the whole R x C logit matrix as one tile while it
 #: needs at most this many bytes (two fp32 buffers); larger batches are tiled.
-DENSE_BUDGET_BYTES = int(os.environ.get("TORCH_CONTRASTIVE_DENSE_BUDGET", str(8 * 2**20)))
+DENSE_BUDGET_BYTES = positive_int("TORCH_CONTRASTIVE_DENSE_BUDGET", 8 * 2**20)
 
 # Largest 1/tau for which exp(+-scale) and a sum of 2**40 such terms stay normal numbers
 # (fp32: exp(40) * 2**40 ~ 2.6e29 < 3.4e38 and exp(-40) ~ 4e-18 > 1.2e-38).

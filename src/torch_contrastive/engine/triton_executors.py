@@ -53,7 +53,8 @@ def _triton() -> Any:
     global _TRITON
     from . import triton_backend
 
-    _TRITON = triton_backend
+    if not torch.compiler.is_compiling():  # (a traced call may not write a module global: Dynamo refuses the side effect)
+        _TRITON = triton_backend
     return triton_backend
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .. import _validation as v
 from ..distributed import all_gather_with_grad, is_active
+from ._citations import GIST, GRADCACHE
 from ._strips import per_row_losses
 from .sentence_transformers import _embed, _GradientCache, _module, _wide
 
@@ -59,6 +60,16 @@ class GISTEmbedLoss(nn.Module):
         self.gather_across_devices = v.check_flag(gather_across_devices, "gather_across_devices")
         self.chunk_size = chunk_size
         self.must_retokenize = self._must_retokenize()
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """What the trainer's model card shows, as the peer's."""
+        return {"guide": self.guide, "temperature": self.temperature, "margin_strategy": self.margin_strategy,
+                "margin": self.margin, "contrast_anchors": self.contrast_anchors, "contrast_positives": self.contrast_positives,
+                "gather_across_devices": self.gather_across_devices}
+
+    @property
+    def citation(self) -> str:
+        return GIST
 
     def _must_retokenize(self) -> bool:
         mine, theirs = getattr(self.model, "tokenizer", None), getattr(self.guide, "tokenizer", None)
@@ -211,3 +222,11 @@ class CachedGISTEmbedLoss(GISTEmbedLoss, _GradientCache):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         return self.cached_forward(sentence_features, labels)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens}
+
+    @property
+    def citation(self) -> str:
+        return GRADCACHE

@@ -21,6 +21,7 @@ from ..distributed import all_gather_with_grad, is_active
 from ..engine.prefixes import Targets
 from ..losses.matryoshka import matryoshka_info_nce_loss, one_pass_softmax
 from ..losses.prefix_calls import check_prefixes, prefix_sum, shrink
+from ._citations import MATRYOSHKA
 from ._gist import GISTEmbedLoss
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
@@ -203,6 +204,10 @@ class MatryoshkaLoss(nn.Module):
             return prefix_sum(dims, weights, term)
         finally:
             del self.model.forward  # the instance attribute: the class's forward again
+
+    @property
+    def citation(self) -> str:
+        return MATRYOSHKA
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"loss": type(self.loss).__name__, "matryoshka_dims": self.matryoshka_dims,

@@ -39,6 +39,7 @@ from .. import _validation as v
 from ..distributed import all_gather_with_grad, is_active
 from ..grad_cache import RngSnapshot
 from ..losses import info_nce_loss
+from ._citations import GRADCACHE, GTE, SMART_REPLY
 from ._strips import per_row_losses
 
 __all__ = ["CachedGISTEmbedLoss", "CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
@@ -50,6 +51,26 @@ SYMMETRIC_DIRECTIONS, SYMMETRIC_PARTITION = ("query_to_doc", "doc_to_query"), "p
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def cos_sim(a: Tensor, b: Tensor) -> Tensor:
+    """The cosine of every row of ``a`` with every row of ``b``: (len(a), len(b)) (sentence-transformers' ``util.cos_sim``,
+    under its name: the model card and ``get_config_dict`` say ``"cos_sim"``, as the peer's do)."""
+    a, b = (x if x.ndim == 2 else x.reshape(1, -1) for x in (torch.as_tensor(a), torch.as_tensor(b)))
+    return F.normalize(a, dim=1) @ F.normalize(b, dim=1).T
+
+
+def dot_score(a: Tensor, b: Tensor) -> Tensor:
+    """The dot product of every row of ``a`` with every row of ``b`` (sentence-transformers' ``util.dot_score``)."""
+    a, b = (x if x.ndim == 2 else x.reshape(1, -1) for x in (torch.as_tensor(a), torch.as_tensor(b)))
+    return a @ b.T
+
+
+def _similarity_function(similarity_fct: Callable[..., Tensor] | str) -> Callable[..., Tensor]:
+    """The callable a loss keeps as ``similarity_fct``: the caller's own, or :func:`cos_sim` / :func:`dot_score` for a name."""
+    if callable(similarity_fct):
+        return similarity_fct
+    return cos_sim if _similarity_name(similarity_fct) == "cosine" else dot_score
 
 
 def _similarity_name(similarity_fct: Callable[..., Tensor] | str) -> str:
@@ -94,6 +115,7 @@ def _module(model: object, name: str) -> nn.Module:
 def _check_mnrl_inputs(queries: object, docs: object, similarity: object, chunk_size: object) -> list[Tensor]:
     """The tensors and options every direction reads, checked in the caller's words before any work
     (the default direction's :func:`~torch_contrastive.info_nce_loss` checks them again, as its own)."""
+    v.check_chunk_size(chunk_size)
     q = v.check_embeddings(queries, "queries")
     if not isinstance(docs, (list, tuple)):
         raise TypeError(f"docs must be a list of (B, D) tensors (the positives first), got {type(docs).__name__}")
@@ -154,6 +176,7 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
     Returns:
         0-dim fp32 loss.
     """
+    v.check_flag(gather, "gather")  # "yes" or 0 would read as a silent True / False
     directions = _check_mnrl(scale, directions, partition_mode, hardness_mode, hardness_strength)
     docs = _check_mnrl_inputs(queries, docs, similarity, chunk_size)
     cols = [d.to(queries.dtype) for d in docs]
@@ -279,6 +302,7 @@ class MultipleNegativesRankingLoss(nn.Module):
         self.model = _module(model, "model")
         self.scale = float(scale)
         self.similarity = _similarity_name(similarity_fct)
+        self.similarity_fct = _similarity_function(similarity_fct)  # (read by the peer's users; the engine takes the name)
         self.gather_across_devices = v.check_flag(gather_across_devices, "gather_across_devices")
         self.partition_mode = partition_mode
         self.hardness_mode = hardness_mode
@@ -302,9 +326,18 @@ class MultipleNegativesRankingLoss(nn.Module):
                          chunk_size=self.chunk_size)
 
     def get_config_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "similarity_fct": self.similarity, "gather_across_devices": self.gather_across_devices,
-                "directions": self.directions, "partition_mode": self.partition_mode, "hardness_mode": self.hardness_mode,
+        """What the trainer's model card shows, as the peer's (the similarity by its function's name: ``"cos_sim"``)."""
+        return {"scale": self.scale, "similarity_fct": getattr(self.similarity_fct, "__name__", self.similarity),
+                "gather_across_devices": self.gather_across_devices, "directions": self.directions,
+                "partition_mode": self.partition_mode, "hardness_mode": self.hardness_mode,
                 "hardness_strength": self.hardness_strength}
+
+    @property
+    def citation(self) -> str:
+        """The paper of this loss (BibTeX; GTE's improved contrastive loss when every direction shares one soft-max)."""
+        if set(self.directions) == set(DIRECTIONS) and self.partition_mode == "joint":
+            return GTE
+        return SMART_REPLY
 
 
 def _batch_rows(features: dict[str, Any]) -> int:
@@ -340,8 +373,35 @@ def mini_batch_ranges(features: dict[str, Any], mini_batch_size: int, mini_batch
     return ranges
 
 
-def _rows_of(features: dict[str, Any], start: int, stop: int, n: int) -> dict[str, Any]:
-    return {k: (v[start:stop] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v) for k, v in features.items()}
+def _row_ends(features: dict[str, Any]) -> list[int] | None:
+    """Each row's last real token + 1 (its attention mask), read once per column; None without a 2-D mask."""
+    mask = features.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.ndim != 2:
+        return None
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * positions).amax(dim=1).tolist()
+
+
+def _rows_of(features: dict[str, Any], start: int, stop: int, n: int, ends: list[int] | None = None) -> dict[str, Any]:
+    """Rows ``start:stop`` of a features dict, trimmed to the mini-batch's own longest sequence: the columns of padding
+    that every one of its rows has at the end are dropped (leading padding stays: positions are kept), as the peer's
+    gradient-caching losses do -- a mini-batch of short texts is not embedded at the whole batch's width, and the
+    model (its dropout draws too) sees what the peer's sees."""
+    width = None
+    if ends is not None:
+        mask = features["attention_mask"]
+        longest = max(ends[start:stop])
+        if 0 < longest < mask.shape[1]:
+            width = (mask.shape[1], longest)
+    out = {}
+    for key, value in features.items():
+        if not isinstance(value, Tensor) or value.ndim == 0 or value.shape[0] != n:
+            out[key] = value
+        elif width is not None and value.ndim >= 2 and value.shape[1] == width[0]:
+            out[key] = value[start:stop, : width[1]]
+        else:
+            out[key] = value[start:stop]
+    return out
 
 
 class _ReplayBackward(torch.autograd.Function):
@@ -374,11 +434,30 @@ class _GradientCache:
         self.mini_batch_size = int(mini_batch_size)  # type: ignore[call-overload]
         self.mini_batch_num_tokens = mini_batch_num_tokens  # type: ignore[assignment]
 
+    #: sentence-transformers' mark of a loss that back-propagates later, from its own replay: the peer's MatryoshkaLoss
+    #: then wraps :meth:`calculate_loss` (it cannot patch the model's forward for a backward it does not see)
+    uses_gradient_cache = True
+
     def _mini_batches(self, columns: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any]]]:
         for k, features in enumerate(columns):
             n = _batch_rows(features)
+            ends = _row_ends(features)
             for start, stop in mini_batch_ranges(features, self.mini_batch_size, self.mini_batch_num_tokens):
-                yield k, _rows_of(features, start, stop, n)
+                yield k, _rows_of(features, start, stop, n, ends)
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None) -> Tensor:
+        """The loss of the mini-batches' embeddings ``reps[column][mini_batch]``; with grad mode on, back-propagated into
+        them (their ``.grad``) and returned detached -- the peer's protocol, which its ``MatryoshkaLoss`` wraps to add
+        each prefix's loss."""
+        compute = self._compute
+        if compute is None:
+            raise RuntimeError("calculate_loss runs inside the loss's forward (the batch's loss function is set there)")
+        value = compute([torch.cat(column) for column in reps], labels)
+        if torch.is_grad_enabled() and value.requires_grad:
+            value.backward()
+        return value.detach()
+
+    _compute: Callable[[list[Tensor], Tensor | None], Tensor] | None = None
 
     def embedding_loss(self, columns: list[dict[str, Any]], labels: Tensor | None) -> Callable[[list[Tensor], Tensor | None], Tensor]:
         """The loss of the whole batch's embeddings, for :meth:`cached_forward` (a guide's embeddings, if
@@ -399,11 +478,14 @@ class _GradientCache:
             for k, features in self._mini_batches(columns):
                 snapshots.append(RngSnapshot())
                 parts[k].append(_embed(self.model, features))
-        leaves = [torch.cat(p).detach().requires_grad_() for p in parts]
-        with torch.enable_grad():
-            loss = compute(leaves, labels)
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        cached = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+        reps = [[p.detach().requires_grad_() for p in column] for column in parts]
+        self._compute = compute
+        try:
+            with torch.enable_grad():
+                loss = self.calculate_loss(reps, labels)  # (an instance attribute when the peer's MatryoshkaLoss wraps it)
+        finally:
+            self._compute = None
+        cached = [torch.cat([torch.zeros_like(r) if r.grad is None else r.grad for r in column]) for column in reps]
 
         def replay(grad_output: Tensor) -> None:
             offsets = [0] * len(columns)
@@ -455,6 +537,14 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss, _Gradient
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         return self.cached_forward(sentence_features, labels)
 
+    def get_config_dict(self) -> dict[str, Any]:
+        return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens}
+
+    @property
+    def citation(self) -> str:
+        return GRADCACHE
+
 
 class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
     """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``: each query finds its document
@@ -502,3 +592,8 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
 
 from ._gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402 -- they use the pieces above
 from ._matryoshka import MatryoshkaLoss  # noqa: E402 -- it wraps the classes above
+
+# Every drop-in by its public path (a saved model card names a loss by its class's module: never a private one).
+for _public in (CachedGISTEmbedLoss, GISTEmbedLoss, MatryoshkaLoss):
+    _public.__module__ = __name__
+del _public

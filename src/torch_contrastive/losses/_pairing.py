@@ -55,6 +55,8 @@ def pair_partner(n_rows: int, pairing: str, offset: int = 0, device: torch.devic
     cached = _PARTNERS.get(key)
     if cached is None:
         cached = Strided.of(pairing, n_rows).columns(torch.arange(n_rows, device=device)) + offset
+        if torch.compiler.is_compiling():  # a traced tensor kept in a module would outlive its trace
+            return cached
         if len(_PARTNERS) > 256:  # many distinct shapes: keep the cache small
             _PARTNERS.clear()
         _PARTNERS[key] = cached
@@ -73,6 +75,8 @@ def partner_positives(n_rows: int, pairing: str, offset: int, device: torch.devi
     if cached is None:
         cached = Positives.from_partner(pair_partner(n_rows, pairing, offset, device), num_cols, self_offset=self_offset,
                                         layout=layout, shift=offset if pairing == "identity" else None)
+        if torch.compiler.is_compiling():  # a traced tensor kept in a module would outlive its trace
+            return cached
         if len(_PARTNER_POSITIVES) > 256:
             _PARTNER_POSITIVES.clear()
         _PARTNER_POSITIVES[key] = cached

@@ -22,11 +22,11 @@ from ..engine.planner import reduce_inside
 from ..options import shared
 
 
-def begin(*, reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, backend: str, gather: bool,
+def begin(*, normalize: bool, reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, backend: str, gather: bool,
           validate: bool, stacklevel: int = 4) -> tuple[Scope, v.Checks]:
     """Every loss's prologue: the shared options checked (:mod:`torch_contrastive.options`), the
     call's :class:`~torch_contrastive.distributed.Scope` and its :class:`~torch_contrastive._validation.Checks`."""
-    shared(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend, gather=gather,
+    shared(normalize=normalize, reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend, gather=gather,
            validate=validate)  # checked the first time these values are seen
     scope = make_scope(gather, grad_reduction, stacklevel=stacklevel)  # a warning names the caller's line
     return scope, v.Checks(validate, scope)
@@ -53,14 +53,14 @@ class ImageTextInputs(NamedTuple):
 
 
 def image_text_inputs(image_feat: Tensor, text_feat: Tensor, image_id: Tensor | None, text_id: Tensor | None, *,
-                      reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, gather: bool,
+                      normalize: bool, reduction: str, chunk_size: int | None, grad_reduction: str, eps: float, gather: bool,
                       validate: bool, backend: str) -> ImageTextInputs:
     """Checks and set-up shared by the two-set image-text losses (CLIP's and SigLIP)."""
     v.check_embeddings(image_feat, "image_feat")
     v.check_embeddings(text_feat, "text_feat")
     v.check_same_rows(image_feat, "image_feat", text_feat, "text_feat")
-    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
-                          gather=gather, validate=validate, stacklevel=5)
+    scope, checks = begin(normalize=normalize, reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps,
+                          backend=backend, gather=gather, validate=validate, stacklevel=5)
     n = image_feat.shape[0]
     device = image_feat.device
     ids_given = (image_id is not None, text_id is not None)
@@ -153,7 +153,7 @@ def finish_checks(values: Tensor | tuple[Tensor, ...], checks: v.Checks, check_o
     ``covers``: ``values`` is the scalar loss and answers the deferred finite checks
     (:meth:`~torch_contrastive._validation.Checks.finish`).
     """
-    if not checks.enabled:
+    if not checks.active:
         return
     parts = values if isinstance(values, tuple) else (values,)
     value = parts[0]

@@ -186,12 +186,16 @@ def _global_loss(a: Tensor, b: Tensor, state: GlobalState, temperature: float | 
         tau = temperature
     elif temperature_mode == "fixed":
         tau = v.check_positive(temperature, "temperature")
-    scope, checks = begin(reduction="mean", chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+    scope, checks = begin(normalize=normalize, reduction="mean", chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
                           gather=gather, validate=validate)
     if a.shape[0] < 2 and not scope.distributed:
         raise ValueError(f"a global contrastive loss needs a batch of at least 2 samples (negatives), got {a.shape[0]}")
     checks.finite(a, "a", deferred=True)
     checks.finite(b, "b", deferred=True)
+    if isinstance(tau, Tensor):  # a learnable tau an optimiser step may have driven to 0 or below
+        learned = tau.detach()
+        checks.add(learned, lambda: f"temperature must be positive and finite, got {float(learned)} (the learnable tau of "
+                   "temperature_mode='global')", v.not_positive, what="temperature must be positive and finite")
     call = _Call(gamma, rule, Options(False, eps, chunk_size, backend), scope)
     img, txt = prepare(a, normalize, eps), prepare(b.to(a.dtype), normalize, eps)
     if given is not None and tau is None and given.expected is None:
@@ -574,6 +578,7 @@ class GlobalContrastiveLoss(nn.Module):
 
     def _state_buffers(self) -> list[Tensor]:
         return [self.log_u, self.tau_state, self.tau_grad] if self.temperature_mode == "individual" else [self.log_u]
+
     def _checked_index(self, index: object, a: object) -> Tensor:
         if not isinstance(index, Tensor) or index.dtype not in v.INDEX_DTYPES or index.ndim != 1:
             what = f"{tuple(index.shape)} {index.dtype}" if isinstance(index, Tensor) else type(index).__name__
@@ -584,7 +589,13 @@ class GlobalContrastiveLoss(nn.Module):
         if index.shape[0] > self.num_samples:
             raise ValueError(f"a batch of {index.shape[0]} samples is larger than the data set (num_samples={self.num_samples})")
         index = index.long()
-        if self.options["validate"] and index.numel():
+        if self.options["validate"] and index.numel() and torch.compiler.is_compiling():  # asserted in the graph: no read
+            ordered = index.sort().values
+            torch._assert_async((ordered[0] >= 0) & (ordered[-1] < self.num_samples),
+                                f"torch-contrastive (validate=True, compiled): index must lie in [0, {self.num_samples}) (num_samples)")
+            torch._assert_async((ordered[1:] != ordered[:-1]).all(),
+                                "torch-contrastive (validate=True, compiled): index must not repeat within a batch")
+        elif self.options["validate"] and index.numel():
             # one host read: every index inside the data set, none repeated (two updates of one state would collide)
             ordered = index.sort().values
             low, high, repeats = torch.stack([ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).sum()]).tolist()

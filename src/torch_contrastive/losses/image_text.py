@@ -93,7 +93,7 @@ def image_text_contrastive_loss(
     Memory: O(N * D + tile^2); forward+backward cost about four N x N x D matrix
     multiplies, one ``exp`` per logit when the fixed shift applies.
     """
-    pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
+    pair = image_text_inputs(image_feat, text_feat, image_id, text_id, normalize=normalize, reduction=reduction, chunk_size=chunk_size,
                              grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate, backend=backend)
     n, device, image_id, text_id, ids_given, scope, checks = pair
     if not isinstance(decoupled, bool):

@@ -111,7 +111,7 @@ def info_nce_loss(
     grad (a queue) skip their ``G.T @ Q`` products in backward.
     """
     n, paired = _check_inputs(query, key, negatives, negative_mode, in_batch_negatives)
-    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+    scope, checks = begin(normalize=normalize, reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
                           gather=gather, validate=validate)
     if gather_negatives is not None and not isinstance(gather_negatives, bool):
         raise TypeError(f"gather_negatives must be None or a bool, got {type(gather_negatives).__name__}")

@@ -60,7 +60,7 @@ def nt_bxent_loss(
     Memory: O(M * D + tile^2).
     """
     v.check_embeddings(embeddings, "embeddings")
-    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+    scope, checks = begin(normalize=normalize, reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
                           gather=gather, validate=validate)
     n = embeddings.shape[0]
     if (pos_indices is None) == (labels is None):

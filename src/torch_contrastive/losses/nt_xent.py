@@ -91,11 +91,11 @@ def nt_xent_loss(
     N x N x D matrix multiplies (symmetric tiles); with labels about five (two forward passes).
     """
     v.check_embeddings(embeddings, "embeddings")
-    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+    scope, checks = begin(normalize=normalize, reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
                           gather=gather, validate=validate)
     n = embeddings.shape[0]
+    v.check_choice(pairing, "pairing", v.PAIRINGS)  # with labels it is unused, but a misspelt rule is still a mistake
     if labels is None:
-        v.check_choice(pairing, "pairing", v.PAIRINGS)
         if n % 2 != 0:
             raise ValueError(f"embeddings must have an even number of rows (2N views) for pairing={pairing!r}, got {n}")
     else:
@@ -105,7 +105,7 @@ def nt_xent_loss(
     if memory is not None and labels is None:
         raise ValueError("memory_emb needs labels (positives with memory rows are found by label); pairing rules have none")
     reference = check_reference(ref_emb, ref_labels, labels, embeddings.shape[1], embeddings.device, checks, gather, memory)
-    positive_weight = _check_dcl(decoupled, positive_weight, labels, n, embeddings.device)
+    positive_weight = _check_dcl(decoupled, positive_weight, labels, n, embeddings.device, checks)
     # The fixed-shift choice (pairing rules) needs tau's value on the host; the labelled kernels do not.
     scale, bound = v.inverse_temperature(temperature, checks, need_bound=normalize and labels is None)
     z, z_all, offset, inside = single_set(embeddings, "embeddings", normalize, scope, checks, labels is not None)
@@ -148,13 +148,18 @@ def nt_xent_loss(
 
 
 def _check_dcl(decoupled: object, positive_weight: object, labels: Tensor | None, n: int,
-               device: torch.device) -> Tensor | None:
-    """DCL's options checked: pairing rules only; the weight a (2N,) floating tensor (or None)."""
+               device: torch.device, checks: v.Checks) -> Tensor | None:
+    """DCL's options checked: pairing rules only; the weight a (2N,) floating tensor (or None) of finite values
+    (a value check: an inf or NaN weight would give a wrong finite mean or NaN)."""
     if not isinstance(decoupled, bool):
         raise TypeError(f"decoupled must be a bool, got {type(decoupled).__name__}")
     if labels is not None and (decoupled or positive_weight is not None):
         raise ValueError("decoupled and positive_weight apply to pairing rules (one positive per row), not to labels")
-    return None if positive_weight is None else v.check_row_weight(positive_weight, "positive_weight", n, device)
+    if positive_weight is None:
+        return None
+    weight = v.check_row_weight(positive_weight, "positive_weight", n, device)
+    checks.finite(weight, "positive_weight")
+    return weight
 
 
 def _weight_term(weight: Tensor, z: Tensor, z_all: Tensor, positives: Positives, scale: Scale, inside: bool,

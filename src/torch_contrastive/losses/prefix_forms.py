@@ -52,13 +52,16 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
         reverse = None
     elif reverse is candidates and scale_t is None and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
         # the candidates' direction from the same tiles (CLIP): one product pass for both directions
-        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, replace(targets, columns=True), None)
+        same = candidates.to(anchors.dtype)
+        loss = PrefixSoftmax.apply(anchors, None if same is anchors else same, plan, replace(targets, columns=True), None)
         reverse = None
     else:
-        loss = PrefixSoftmax.apply(anchors, candidates.to(anchors.dtype), plan, targets, scale_t)
+        same = candidates.to(anchors.dtype)
+        loss = PrefixSoftmax.apply(anchors, None if same is anchors else same, plan, targets, scale_t)
     if reverse is not None:
         back = prefix_plan(dims, weights, width, scale, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean, per_row)
-        loss = 0.5 * (loss + PrefixSoftmax.apply(reverse.to(anchors.dtype), anchors, back, targets, scale_t))
+        flipped = reverse.to(anchors.dtype)
+        loss = 0.5 * (loss + PrefixSoftmax.apply(flipped, None if flipped is anchors else anchors, back, targets, scale_t))
     if factor != 1.0:
         loss = loss * factor
     if named is not None:

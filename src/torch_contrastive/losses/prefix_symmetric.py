@@ -48,7 +48,7 @@ def upper_softmax(z: Tensor, targets: Targets, dims: list[int], weights: list[fl
     leave = rows[:, None] if not targets.exclude_positive else torch.stack([rows, targets.partner], 1)  # type: ignore[list-item]
     plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, eps, n, n, chunk)
     plan = replace(plan, strip=upper_strip(n, plan.strip, chunk))
-    lse = PrefixRowLSE.apply(z, z, plan, which, leave, False, torch.full((len(dims),), scale, dtype=dtype, device=z.device),
+    lse = PrefixRowLSE.apply(z, None, plan, which, leave, False, torch.full((len(dims),), scale, dtype=dtype, device=z.device),
                              (scale,) * len(dims), True)
     x = z.to(dtype)
     inv = _inverse_norms(x, cuts, eps)

@@ -21,7 +21,7 @@ def _check_bias(bias: object, checks: v.Checks) -> Scale:
         raise TypeError(f"logit_bias must be a float or a 0-dim tensor, got {type(bias).__name__}")
     if isinstance(bias, Tensor):
         b = v.check_scalar_tensor(bias, "logit_bias")
-        checks.add(b, lambda: f"logit_bias must be finite, got {float(b.detach())}", lambda value: not math.isfinite(value))
+        checks.add(b, lambda: f"logit_bias must be finite, got {float(b.detach())}", v.not_finite, what="logit_bias must be finite")
         return b
     if not math.isfinite(float(bias)):
         raise ValueError(f"logit_bias must be finite, got {bias}")
@@ -91,7 +91,7 @@ def siglip_loss(
     if negative_only:
         if image_id is not None or text_id is not None:
             raise ValueError("negative_only=True has no positives: do not pass image_id/text_id")
-    pair = image_text_inputs(image_feat, text_feat, image_id, text_id, reduction=reduction, chunk_size=chunk_size,
+    pair = image_text_inputs(image_feat, text_feat, image_id, text_id, normalize=normalize, reduction=reduction, chunk_size=chunk_size,
                              grad_reduction=grad_reduction, eps=eps, gather=gather, validate=validate, backend=backend)
     n, device, image_id, text_id, ids_given, scope, checks = pair
     # The scale is a multiplier: 1 / scale is a "temperature" that must be positive and finite.

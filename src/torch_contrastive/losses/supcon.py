@@ -96,7 +96,7 @@ def supcon_loss(
     direction with a memory).
     """
     v.check_embeddings(features, "features", min_ndim=2, max_ndim=None)
-    scope, checks = begin(reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
+    scope, checks = begin(normalize=normalize, reduction=reduction, chunk_size=chunk_size, grad_reduction=grad_reduction, eps=eps, backend=backend,
                           gather=gather, validate=validate)
     v.check_choice(contrast_mode, "contrast_mode", v.CONTRAST_MODES)
     if labels is not None and mask is not None:

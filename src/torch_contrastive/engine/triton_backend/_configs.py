@@ -20,11 +20,11 @@ themselves, so the last, smaller batch of an epoch does not trigger another roun
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from ...environment import switch
 from ._host import interpreting, triton
 
 #: The tile side under the interpreter (CPU tests): small problems still span tiles.
@@ -164,7 +164,7 @@ _DTYPE_ARGS = ("x_ptr", "s_ptr", "part_sum_ptr")
 
 def tuning() -> bool:
     """Whether the kernels time their configs (``TORCH_CONTRASTIVE_AUTOTUNE=0`` turns it off)."""
-    return os.environ.get("TORCH_CONTRASTIVE_AUTOTUNE", "1") != "0"
+    return switch("TORCH_CONTRASTIVE_AUTOTUNE", True)
 
 
 def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
