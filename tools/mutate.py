@@ -124,7 +124,7 @@ MUTATIONS = [
              "self.pos[r0:r1] += torch.where(pos, torch.nn.functional.softplus(s)", "tiled NT-BXent: positive term with the wrong sign"),
     Mutation(f"{E}/pair_kernels.py", "torch.where(neg, torch.sigmoid(s) * g_neg, 0.0)", "torch.where(neg, torch.sigmoid(-s) * g_neg, 0.0)",
              "tiled NT-BXent: negative gradient with the wrong sign"),
-    Mutation(f"{E}/problem_plan.py", "mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for", "mixed = tuple(tuple(r_lo == c_lo for",
+    Mutation(f"{E}/problem.py", "return tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for", "return tuple(tuple(r_lo == c_lo for",
              "label-sorted tiles: a tile holding positives taken for all-negative"),
     Mutation(f"{E}/pair_kernels.py", "            self.neg_sum[r0:r1] += s.exp_().sum(1)  # s is a scratch tile buffer", "            pass",
              "label-sorted PML NT-Xent (fixed): all-negative tiles left out of the negatives' sum",
@@ -1522,6 +1522,15 @@ MUTATIONS = [
     Mutation(f"{PKG}/cli/traffic.py", "for extra in (0, OFFSET_COLUMNS))", "for extra in (0,))",
              "the cost counter reads an offset's widened operands as logits",
              ("tests/cli/test_traffic.py::test_the_torch_strips_on_the_gpu_plan_move_no_more_than_the_dense_formula",)),
+    Mutation(f"{E}/problem.py", "        return [(blocks[start // step][0], blocks[(min(start + tile, n) - 1) // step][1])",
+             "        return [(blocks[start // step][0], blocks[start // step][1])",
+             "a tile's label range read from its first block alone: a positive in a later block is skipped",
+             ("tests/engine/test_planner.py::test_label_ranges_are_read_at_the_plans_tile_and_never_narrower_than_the_labels",
+              "tests/losses/test_label_sort.py")),
+    Mutation(f"{PKG}/losses/_labelled.py", "    bounds = tile_label_bounds(sorted_labels, tile)",
+             "    bounds = tile_label_bounds(sorted_labels, tile + 1)",
+             "the label sort reads its ranges at another step than the one it names",
+             ("tests/losses/test_label_sort.py", "tests/losses/test_losses.py")),
 ]
 
 

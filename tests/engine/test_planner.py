@@ -89,14 +89,26 @@ def test_the_kernels_take_half_rows_as_given_only_on_triton():
 
 
 def test_label_sorting_and_reductions_inside_are_planner_decisions():
-    """Sorting labelled rows pays only with the validation read, one process, unit rows and several
-    tiles, and never for the Triton kernels; a reduction moves inside the engine on one process only."""
-    kw = dict(reads_anyway=True, distributed=False, normalized=True, backend="torch")
-    assert planner.label_sorted(4096, 1024, **kw)
-    assert not planner.label_sorted(1024, 1024, **kw)  # one tile: nothing to skip
-    for change in (dict(reads_anyway=False), dict(distributed=True), dict(normalized=False), dict(backend="triton")):
-        assert not planner.label_sorted(4096, 1024, **{**kw, **change}), change
-    assert planner.label_sorted(4096, 1024, **{**kw, "backend": "auto"})
+    """The label sort's tile is the plan's: the torch loops' tile when the batch spans several, else 0 (one tile);
+    a reduction moves inside the engine on one process only."""
+    from torch_contrastive.engine import Options, PairTerms, Problem, label_sort_tile, plan
+    from torch_contrastive.positives import Positives
+
+    def labelled(n, **options):
+        x = torch.randn(n, 4)
+        labels = torch.arange(n) % 7
+        return Problem(x, x, 2.0, PairTerms("binary"), positives=Positives.from_keys(labels, self_offset=0), self_offset=0,
+                       options=Options(True, **options))
+
+    assert label_sort_tile(labelled(4096)) == 1024  # a CPU's cache-sized tiles
+    assert label_sort_tile(labelled(1024)) == 0  # one tile: nothing to skip
+    assert label_sort_tile(labelled(40, chunk_size=4)) == 4
+    with planner.simulate("cuda", budget=12 * 768 * 768):  # bf16 on tensor cores: 12 bytes a logit
+        x = torch.randn(2048, 4).bfloat16()
+        bf16 = Problem(x, x, 2.0, PairTerms("binary"), positives=Positives.from_keys(torch.arange(2048) % 7, self_offset=0),
+                       self_offset=0, bound=2.0, options=Options(True, backend="torch"))
+        assert label_sort_tile(bf16) == plan(bf16).tile == 768
+    assert tc.explain(label_sort_tile, labelled(4096)) == []  # a question, not an engine call
     assert planner.reduce_inside("mean", False) and planner.reduce_inside("sum", False)
     assert not planner.reduce_inside("none", False) and not planner.reduce_inside("mean", True)
 
@@ -138,7 +150,7 @@ def test_plan_says_what_solve_runs(statistic):
 
 def test_the_plan_holds_every_statistic_decision():
     """What the executors used to re-derive is decided once, in the plan."""
-    from torch_contrastive.engine import Options, PairTerms, Problem, Softmax, plan
+    from torch_contrastive.engine import LabelRanges, Options, PairTerms, Problem, Softmax, plan
     from torch_contrastive.positives import Positives
 
     x, y = torch.randn(8, 4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
@@ -156,7 +168,8 @@ def test_the_plan_holds_every_statistic_decision():
 
     labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2], device=DEVICE)
     by_label = Positives.from_keys(labels, self_offset=0)
-    ranges = ([(0.0, 0.0), (0.0, 1.0), (2.0, 2.0)], [(0.0, 0.0), (0.0, 1.0), (2.0, 2.0)])
+    blocks = ((0.0, 0.0), (0.0, 1.0), (2.0, 2.0))
+    ranges = LabelRanges(3, blocks, blocks)
     pairs = plan(Problem(x, x, 2.0, PairTerms("binary", label_ranges=ranges), positives=by_label, self_offset=0,
                          options=Options(True, chunk_size=3)))
     assert pairs.mixed == ((True, True, False), (True, True, False), (False, False, True))
@@ -167,6 +180,40 @@ def test_the_plan_holds_every_statistic_decision():
     assert online.mixed is not None and not online.fixed and not online.symmetric
     whole = plan(Problem(x, x, 2.0, PairTerms("binary", label_ranges=ranges), positives=by_label, self_offset=0))
     assert whole.mixed is None and not whole.symmetric  # one tile: nothing to skip
+
+
+def test_label_ranges_are_read_at_the_plans_tile_and_never_narrower_than_the_labels():
+    """Ranges read at one step serve any tile: exact where the tile covers whole blocks, wider otherwise -- a tile
+    is never taken for all-negative while it holds two rows of one label."""
+    from torch_contrastive.engine import LabelRanges, Options, PairTerms, Problem, tile_label_bounds
+    from torch_contrastive.positives import Positives
+
+    g = torch.Generator().manual_seed(4)
+    for n, classes in ((37, 5), (64, 3), (50, 50)):
+        labels = torch.sort(torch.randint(0, classes, (n,), generator=g)).values
+        for step in (1, 3, 4, 8, 13, n):
+            values = tile_label_bounds(labels, step).tolist()
+            blocks = tuple((values[2 * i], values[2 * i + 1]) for i in range(len(values) // 2))
+            ranges = LabelRanges(step, blocks, blocks)
+            for tile in (2, 3, 4, 5, 8, 16, n):
+                mixed = ranges.over(tile, n, n)
+                starts = range(0, n, tile)
+                assert len(mixed) == len(starts) and all(len(row) == len(starts) for row in mixed)
+                for i, r0 in enumerate(starts):
+                    for j, c0 in enumerate(starts):
+                        shares = bool(set(labels[r0 : r0 + tile].tolist()) & set(labels[c0 : c0 + tile].tolist()))
+                        assert mixed[i][j] or not shares, (n, step, tile, i, j)  # never a positive skipped
+                        if tile % step == 0 or tile >= n:  # whole blocks: the exact answer
+                            assert mixed[i][j] == shares, (n, step, tile, i, j)
+    x = torch.randn(10, 4)
+    keys = Positives.from_keys(torch.arange(10) % 3, self_offset=0)
+    short = LabelRanges(4, ((0.0, 1.0),) * 2, ((0.0, 1.0),) * 2)  # 8 rows' blocks for 10
+    with pytest.raises(ValueError, match="do not cover 10 x 10"):
+        Problem(x, x, 2.0, PairTerms("binary", label_ranges=short), positives=keys, self_offset=0, options=Options(True))
+    with pytest.raises(TypeError, match="LabelRanges"):
+        PairTerms("binary", label_ranges=([(0.0, 1.0)], [(0.0, 1.0)]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="step"):
+        LabelRanges(0, (), ())
 
 
 def test_a_problem_is_immutable_and_checked():

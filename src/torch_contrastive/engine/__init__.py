@@ -59,8 +59,8 @@ tile (the common small batch) skips the tile bookkeeping altogether.
 from .pairwise import pairwise_rows, tile_label_bounds
 from .planner import Decision, decide, resolve_tile
 from .precision import Scale, compute_dtype, fixed_scale_applies
-from .problem import Options, PairTerms, Problem, SigmoidPairs, Softmax
-from .problem_plan import plan
+from .problem import LabelRanges, Options, PairTerms, Problem, SigmoidPairs, Softmax
+from .problem_plan import label_sort_tile, plan
 from .recorded import explain
 from .relation_form import Reader
 from .sigmoid import sigmoid_rows
@@ -72,6 +72,7 @@ __all__ = [
     "DEFAULT_TILE",
     "DENSE_BUDGET_BYTES",
     "Decision",
+    "LabelRanges",
     "Options",
     "PairTerms",
     "Problem",
@@ -83,6 +84,7 @@ __all__ = [
     "decide",
     "explain",
     "fixed_scale_applies",
+    "label_sort_tile",
     "pairwise_rows",
     "plan",
     "resolve_tile",

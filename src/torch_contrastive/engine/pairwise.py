@@ -23,7 +23,7 @@ from .driver import Gradients, Operands, Saved, run
 from .pair_kernels import KERNELS as _KERNELS
 from .pair_kernels import _PairKernel
 from .precision import Scale, zero
-from .problem import Combine, Options, PairTerms, Problem
+from .problem import Combine, LabelRanges, Options, PairTerms, Problem
 from .products import AnyProducts, make_products
 from .tiling import Buffers, GradTile, gradient_sweep, sweep
 
@@ -318,7 +318,7 @@ def pairwise_rows(
     normalize: bool = False,
     eps: float = 1e-12,
     chunk_size: int | None = None,
-    label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None,
+    label_ranges: LabelRanges | None = None,
     fixed: bool = False,
     bound: float | None = None,
     combine: Combine | None = None,
@@ -336,7 +336,8 @@ def pairwise_rows(
         normalize, eps: L2-normalise both inputs inside the function.
         chunk_size: tile edge (see :func:`resolve_tile`).
         label_ranges: for rows and columns sorted by label (a key relation), the (lowest,
-            highest) label of every row tile and every column tile (see :func:`tile_label_bounds`).
+            highest) label of every block of rows and of columns (:class:`~.problem.LabelRanges`, from
+            :func:`tile_label_bounds`).
             A tile whose two ranges do not overlap holds only negatives and takes the fast
             path: no mask, no per-positive work (PML NT-Xent skips it in its second pass).
         fixed: force the bounded mode (every ``|S|`` small enough for plain ``exp``): PML
@@ -364,7 +365,8 @@ def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:
     """(2 * n_tiles,) the first and last label of every ``tile``-row block of sorted labels.
 
     A device tensor: the caller reads it on the host together with its other checks
-    (one transfer) and passes the pairs as ``label_ranges`` to :func:`pairwise_rows`.
+    (one transfer) and passes the pairs, with ``tile`` as their step, as ``label_ranges``
+    (:class:`~.problem.LabelRanges`) to :func:`pairwise_rows`.
     """
     n = sorted_labels.shape[0]
     starts = torch.arange(0, n, tile, device=sorted_labels.device)

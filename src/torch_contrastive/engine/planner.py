@@ -521,13 +521,3 @@ def reduce_inside(reduction: str, distributed: bool) -> bool:
     process: the per-row values never come back, which saves a small batch a few nodes); not
     for ``"none"`` or a distributed loss, whose value needs the ranks' sums."""
     return reduction != "none" and not distributed
-
-
-def label_sorted(rows: int, tile: int, *, reads_anyway: bool, distributed: bool, normalized: bool, backend: str) -> bool:
-    """Whether a labelled mask-in-tile loss sorts its rows by label first (most tiles then hold
-    only negatives and skip the mask work). Which tiles do is known from values on the device,
-    read in the call's one validation transfer -- so only when that read happens anyway
-    (``validate=True``), on one process, for normalised inputs (raw dot products need a second
-    read) and when the batch spans several tiles. The Triton kernels form every tile's mask in
-    registers and gain nothing from it."""
-    return reads_anyway and not distributed and normalized and tile < rows and backend != "triton"

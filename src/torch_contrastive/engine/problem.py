@@ -95,27 +95,66 @@ class Softmax:
 
 
 @dataclass(frozen=True)
+class LabelRanges:
+    """The first and last label of every ``step``-row block of rows and of columns sorted by label.
+
+    The plan reads them at its own tile (:meth:`over`), whatever step they were read at: a tile's labels lie
+    between the first label of the block holding its first row and the last label of the block holding its
+    last row, so a tile that covers blocks exactly gets its exact range and any other tile a wider one --
+    which can only treat an all-negative tile as mixed (slower), never skip a tile that holds a positive.
+
+    Attributes:
+        step: rows per block (the last block may be shorter).
+        rows, cols: ``(first, last)`` label of each block of rows, of columns.
+    """
+
+    step: int
+    rows: tuple[tuple[float, float], ...]
+    cols: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 1:
+            raise ValueError(f"LabelRanges.step must be a positive int, got {self.step!r}")
+
+    def covers(self, rows: int, cols: int) -> bool:
+        """Whether the blocks are exactly those of ``rows`` rows and ``cols`` columns."""
+        return len(self.rows) == -(-rows // self.step) and len(self.cols) == -(-cols // self.step)
+
+    def over(self, tile: int, rows: int, cols: int) -> tuple[tuple[bool, ...], ...]:
+        """Which ``tile`` x ``tile`` tiles of a ``rows`` x ``cols`` problem can hold a positive: their row and
+        column label ranges overlap."""
+        row_ranges, col_ranges = self._ranges(self.rows, tile, rows), self._ranges(self.cols, tile, cols)
+        return tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in col_ranges) for r_lo, r_hi in row_ranges)
+
+    def _ranges(self, blocks: tuple[tuple[float, float], ...], tile: int, n: int) -> list[tuple[float, float]]:
+        step = self.step
+        return [(blocks[start // step][0], blocks[(min(start + tile, n) - 1) // step][1]) for start in range(0, n, tile)]
+
+
+@dataclass(frozen=True)
 class PairTerms:
     """Per-row statistics with the positive mask in every tile.
 
     Attributes:
         kernel: ``"pair_softplus"`` (``(sum_p softplus(L_i - S_ip),)``, PML's NT-Xent numerators)
             or ``"binary"`` (``(sum_pos softplus(-S_ij), sum_neg softplus(S_ij))``, NT-BXent).
-        label_ranges: rows and columns sorted by label: the (lowest, highest) label of every
-            row tile and column tile (tiles whose ranges do not overlap hold only negatives).
+        label_ranges: rows and columns sorted by label: the (lowest, highest) label of every block of
+            rows and of columns (:class:`LabelRanges`; tiles whose ranges do not overlap hold only negatives).
         combine: ``(weights, total)``: return ``total * sum_i sum_k weights[k]_i out_k,i``
             instead (the loss's row combination and reduction inside the autograd node).
         fixed: force the bounded mode (tests).
     """
 
     kernel: str
-    label_ranges: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None
+    label_ranges: LabelRanges | None = None
     combine: Combine | None = None
     fixed: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in ("pair_softplus", "binary"):
             raise ValueError(f"PairTerms.kernel must be 'pair_softplus' or 'binary', got {self.kernel!r}")
+        if self.label_ranges is not None and not isinstance(self.label_ranges, LabelRanges):
+            raise TypeError(f"PairTerms.label_ranges must be a LabelRanges, got {type(self.label_ranges).__name__}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +222,11 @@ class Problem(Generic[S]):
                 raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
         elif self.positives is None:
             raise ValueError(f"{type(stat).__name__} needs positives")
+        elif isinstance(stat, PairTerms) and stat.label_ranges is not None \
+                and not stat.label_ranges.covers(*self.shape):
+            ranges = stat.label_ranges
+            raise ValueError(f"PairTerms.label_ranges: {len(ranges.rows)} row and {len(ranges.cols)} column blocks of "
+                             f"{ranges.step} do not cover {self.shape[0]} x {self.shape[1]}")
         elif self.self_offset != self.positives.self_offset:
             # the pair and sigmoid kernels read the self pair off the relation: one value, not two
             raise ValueError(f"{type(stat).__name__}: self_offset {self.self_offset} disagrees with the positives' "

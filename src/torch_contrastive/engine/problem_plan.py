@@ -21,10 +21,10 @@ from .planner import _HALF, Decision, Traits, _tf32, choose_backend, decide
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
-from .recorded import name_executor, record_plan
+from .recorded import name_executor, quiet, record_plan
 from .softmax_tiles import flat_places
 
-__all__ = ["epilogue_refusal", "one_tile", "plan", "triton_refusal"]
+__all__ = ["epilogue_refusal", "label_sort_tile", "one_tile", "plan", "triton_refusal"]
 
 
 def plan(problem: Problem) -> AnyPlan:
@@ -73,6 +73,17 @@ def plan(problem: Problem) -> AnyPlan:
                           stack_rows=_stacks(decision, problem))
     name_executor(sigmoid.executor)
     return sigmoid
+
+
+def label_sort_tile(problem: Problem) -> int:
+    """The tile of the torch loops that ``problem``'s plan walks when it spans several tiles, else 0 (one tile, or the
+    Triton kernels, which form every tile's mask in registers): sorted by label, its rows' blocks of this many rows
+    are what the plan's skipped tiles are read from (:class:`~.problem.LabelRanges`). Not logged by
+    :func:`~.recorded.explain`: the call that follows is."""
+    with quiet():
+        chosen = plan(problem)
+    rows = problem.shape[0]
+    return chosen.tile if chosen.backend == "torch" and 0 < chosen.tile < rows else 0
 
 
 def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Decision:
@@ -232,9 +243,9 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
         raise ValueError("PairTerms needs positives")
     mixed = None
     # The Triton kernels form every tile's mask in registers: no skipped tiles, no triangle walk.
+    # The ranges are read at the plan's tile whatever step the loss read them at (LabelRanges.over).
     if stat.label_ranges is not None and decision.tile != 0 and decision.backend == "torch":
-        row_ranges, col_ranges = stat.label_ranges
-        mixed = tuple(tuple(not (r_hi < c_lo or c_hi < r_lo) for c_lo, c_hi in col_ranges) for r_lo, r_hi in row_ranges)
+        mixed = stat.label_ranges.over(decision.tile, *problem.shape)
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))

@@ -7,7 +7,8 @@ here while :func:`explain` runs; an executor that hands a call on names the one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from .planner import Decision
     from .plans import AnyPlan
 
-__all__ = ["explain", "name_executor", "record", "record_plan"]
+__all__ = ["explain", "name_executor", "quiet", "record", "record_plan"]
 
 # Set only while explain() runs (a module global: torch.compile guards on it being None).
 _LOG: list[Decision] | None = None
@@ -40,6 +41,18 @@ def name_executor(executor: str) -> None:
     executor that hands a call on (:mod:`.one_tile`'s per-call checks) names the one that ran it."""
     if _LOG:
         _LOG[-1] = replace(_LOG[-1], executor=executor)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Plan without logging: a loss that asks the plan a question before its call (the label sort's tile) is
+    not a second engine call in :func:`explain`'s answer."""
+    global _LOG
+    previous, _LOG = _LOG, None
+    try:
+        yield
+    finally:
+        _LOG = previous
 
 
 def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Decision]:

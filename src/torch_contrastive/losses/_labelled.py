@@ -11,9 +11,8 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope
-from ..engine import Options, PairTerms, Problem, Reader, Scale, resolve_tile, solve, tile_label_bounds
+from ..engine import LabelRanges, Options, PairTerms, Problem, Reader, Scale, label_sort_tile, solve, tile_label_bounds
 from ..engine.one_tile import note_rebuild
-from ..engine.planner import label_sorted
 from ..positives import KeyPositives, Positives
 
 
@@ -71,26 +70,28 @@ def check_reference(ref_emb: object, ref_labels: object, labels: object, width: 
 class SortedByLabel(NamedTuple):
     rows: Tensor  # the rows, sorted by label
     labels: Tensor  # their labels, sorted
-    ranges: list[tuple[float, float]]  # (first, last) label of every tile of sorted rows
+    ranges: LabelRanges  # (first, last) label of every block of sorted rows, blocks of the plan's tile
     order: Tensor  # sorted position of every original row: per_row_sorted[order] is in the caller's order
     scale_bound: float | None  # the value of a tensor scale, read in the same transfer (None for a float scale)
 
 
-def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.Checks, scope: Scope,
-                  normalize: bool, scale: Scale, backend: str = "auto") -> SortedByLabel | None:
+def sort_by_label(z: Tensor, labels: Tensor, problem: Problem, checks: v.Checks, scope: Scope,
+                  normalize: bool, scale: Scale) -> SortedByLabel | None:
     """Rows sorted by label and the tile plan of the mask-in-tile kernels, or None.
 
     Sorted by label, the positives of a single-set labelled loss are contiguous diagonal
     blocks, so most tiles hold only negatives and skip the mask work. Which tiles do is
     known from each tile's first and last label, read in the call's one validation
-    transfer; when to sort is the planner's decision (:func:`~..engine.planner.label_sorted`).
-    A tensor scale is read in the same transfer, so no output check (a second read) is
-    needed afterwards.
+    transfer -- so only when that read happens anyway (``validate=True``), on one process,
+    for normalised inputs (raw dot products need a second read). Whether the batch spans
+    several tiles, and how large they are, is the plan's answer for ``problem`` (the
+    unsorted call: :func:`~..engine.label_sort_tile`), not the loss's. A tensor scale is
+    read in the same transfer, so no output check (a second read) is needed afterwards.
     """
-    n = z.shape[0]
-    tile = resolve_tile(chunk_size, n, n, z.device, 16 if z.dtype == torch.float64 else 8)
-    if not label_sorted(n, tile, reads_anyway=checks.enabled, distributed=scope.distributed, normalized=normalize,
-                        backend=backend):
+    if not checks.enabled or scope.distributed or not normalize:
+        return None
+    tile = label_sort_tile(problem)
+    if tile == 0:
         return None
     sorted_labels, perm = torch.sort(labels, stable=True)
     bounds = tile_label_bounds(sorted_labels, tile)
@@ -98,8 +99,8 @@ def sort_by_label(z: Tensor, labels: Tensor, chunk_size: int | None, checks: v.C
         bounds = torch.cat([bounds.to(torch.float64), scale.detach().reshape(1).to(device=bounds.device, dtype=torch.float64)])
     values = checks.flush_values(bounds)
     scale_bound = values.pop() if isinstance(scale, Tensor) else None
-    ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(values) // 2)]
-    return SortedByLabel(z[perm], sorted_labels, ranges, torch.argsort(perm), scale_bound)
+    blocks = tuple((values[2 * i], values[2 * i + 1]) for i in range(len(values) // 2))
+    return SortedByLabel(z[perm], sorted_labels, LabelRanges(tile, blocks, blocks), torch.argsort(perm), scale_bound)
 
 
 def _rebuild_pairs(n: int, device: torch.device, offset: int, reader: Reader, kernel: str,
@@ -139,25 +140,26 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     """
     given_order = memory is not None or reference is not None
     options = Options(inside, eps, chunk_size, backend)
-    by_label = None if given_order else sort_by_label(z, keys, chunk_size, checks, scope, normalize, scale, backend)
+    # the relation's form follows the backend that will read it (a GPU's one torch tile reads a mask)
+    reader = Reader(z.dtype, z_all.dtype, chunk_size, backend, z.shape[-1], not scope.distributed, kernel)
+    positives: Positives = _same_key(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, offset, reader)
+    if reference is not None:
+        z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
+    if memory is not None:
+        z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
+    stat = PairTerms(kernel, combine=combine and combine(positives))
+    problem = Problem(z, z_all, scale, stat, positives=positives, self_offset=positives.self_offset,
+                      bound=bound if normalize else None, options=options)
+    by_label = None if given_order else sort_by_label(z, keys, problem, checks, scope, normalize, scale)
     if by_label is None:
-        # the relation's form follows the backend that will read it (a GPU's one torch tile reads a mask)
-        reader = Reader(z.dtype, z_all.dtype, chunk_size, backend, z.shape[-1], not scope.distributed, kernel)
-        positives: Positives = _same_key(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, offset, reader)
-        if reference is not None:
-            z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
-        if memory is not None:
-            z_all, positives, _ = with_memory(z_all, memory, positives, inside, normalize, eps)
-        stat = PairTerms(kernel, combine=combine and combine(positives))
         if memory is reference is None and not scope.distributed:  # the labels alone: a kept call rebuilds these
             note_rebuild(positives, stat, _rebuild_pairs, z.shape[0], z.device, offset, reader, kernel, combine)
-        outputs = solve(Problem(z, z_all, scale, stat, positives=positives,
-                                self_offset=positives.self_offset, bound=bound if normalize else None, options=options))
+        outputs = solve(problem)
         return LabelledRows(outputs, None if combine else positives.row_counts(), bound)
     # Sorted: most tiles hold only negatives.
     known = bound if by_label.scale_bound is None else by_label.scale_bound
     positives = Positives.from_keys(by_label.labels, self_offset=0)
-    stat = PairTerms(kernel, label_ranges=(by_label.ranges, by_label.ranges), combine=combine and combine(positives))
+    stat = PairTerms(kernel, label_ranges=by_label.ranges, combine=combine and combine(positives))
     outputs = solve(Problem(by_label.rows, by_label.rows, scale, stat, positives=positives, self_offset=0,
                             bound=known if normalize else None, options=options))
     order = by_label.order
