@@ -584,8 +584,9 @@ MUTATIONS = [
              "the peer's MatryoshkaLoss around our cached loss raises a shape mismatch", ("tests/integrations/test_st_matryoshka.py",)),
     Mutation(f"{PKG}/cli/data.py", "                if None in row:", "                if False:",
              "a CSV row with more fields than its header ends in an AttributeError", ("tests/cli/test_paths.py",)),
-    Mutation(f"{PKG}/cli/train.py", "    # last: metrics.json says the run finished",
-             "    ckpt.write_atomically(out / 'metrics.json', b'{}')\n    # last: metrics.json says",
+    Mutation(f"{PKG}/cli/train.py", "    plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked), pairs)\n",
+             "    ckpt.write_atomically(out / 'metrics.json', b'{}')\n"
+             "    plots(out, history, plain.enc, data, cfg.loss, (name, start_point + tracked), pairs)\n",
              "metrics.json lands before the plots (an interrupted run looks finished)", ("tests/cli/test_paths.py",)),
     Mutation(f"{PKG}/losses/_pairing.py", "    if n_rows % 2:", "    if False:",
              "pair_keys keys an odd number of rows", ("tests/test_entry_points.py",)),
