@@ -75,8 +75,7 @@ class SortedByLabel(NamedTuple):
     scale_bound: float | None  # the value of a tensor scale, read in the same transfer (None for a float scale)
 
 
-def sort_by_label(z: Tensor, labels: Tensor, problem: Problem, checks: v.Checks, scope: Scope,
-                  normalize: bool, scale: Scale) -> SortedByLabel | None:
+def sort_by_label(problem: Problem, labels: Tensor, checks: v.Checks, scope: Scope, normalize: bool) -> SortedByLabel | None:
     """Rows sorted by label and the tile plan of the mask-in-tile kernels, or None.
 
     Sorted by label, the positives of a single-set labelled loss are contiguous diagonal
@@ -85,14 +84,16 @@ def sort_by_label(z: Tensor, labels: Tensor, problem: Problem, checks: v.Checks,
     transfer -- so only when that read happens anyway (``validate=True``), on one process,
     for normalised inputs (raw dot products need a second read). Whether the batch spans
     several tiles, and how large they are, is the plan's answer for ``problem`` (the
-    unsorted call: :func:`~..engine.label_sort_tile`), not the loss's. A tensor scale is
-    read in the same transfer, so no output check (a second read) is needed afterwards.
+    unsorted call, whose anchors and scale are the ones sorted and read here:
+    :func:`~..engine.label_sort_tile`), not the loss's. A tensor scale is read in the same
+    transfer, so no output check (a second read) is needed afterwards.
     """
     if not checks.enabled or scope.distributed or not normalize:
         return None
     tile = label_sort_tile(problem)
     if tile == 0:
         return None
+    z, scale = problem.anchors, problem.scale
     sorted_labels, perm = torch.sort(labels, stable=True)
     bounds = tile_label_bounds(sorted_labels, tile)
     if isinstance(scale, Tensor):
@@ -150,7 +151,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     stat = PairTerms(kernel, combine=combine and combine(positives))
     problem = Problem(z, z_all, scale, stat, positives=positives, self_offset=positives.self_offset,
                       bound=bound if normalize else None, options=options)
-    by_label = None if given_order else sort_by_label(z, keys, problem, checks, scope, normalize, scale)
+    by_label = None if given_order else sort_by_label(problem, keys, checks, scope, normalize)
     if by_label is None:
         if memory is reference is None and not scope.distributed:  # the labels alone: a kept call rebuilds these
             note_rebuild(positives, stat, _rebuild_pairs, z.shape[0], z.device, offset, reader, kernel, combine)
