@@ -80,26 +80,6 @@ def test_a_dense_relation_is_converted_to_values_once_per_dtype():
     assert torch.equal(first, pos.dense.float())
 
 
-def test_a_gpu_plan_sums_a_dense_relations_bools_in_the_values_dtype(monkeypatch):
-    """On a GPU (simulated) the counts come from the bools summed in the dtype -- one op, exact -- not from values."""
-    from helpers import OpNames
-    from torch_contrastive.engine import planner
-
-    monkeypatch.setattr(planner, "_SIMULATED", torch.device("cuda"))
-    monkeypatch.setattr(positives_module, "_dense_pays", lambda rows, cols, device, reader=None: True)  # (a GPU's strips group)
-    labels = torch.tensor([0, 1, 0, 2, 1, 0, 3])
-    pos = Positives.from_keys(labels)
-    assert pos.dense is not None
-    expected = (labels[:, None] == labels[None, :]) & ~torch.eye(7, dtype=torch.bool)
-
-    for dtype in (torch.float32, torch.float64):
-        with OpNames() as ops:
-            counts, total = pos.row_counts_as(dtype), pos.pair_count_as(dtype)
-        assert ops.names == ["sum", "sum"] and not pos._dense_values  # no 0/1 values formed
-        assert counts.dtype == total.dtype == dtype
-        assert torch.equal(counts, expected.sum(1).to(dtype)) and float(total) == float(expected.sum())
-
-
 def test_self_pairs_are_never_positive():
     pos = Positives.from_keys(torch.zeros(6, dtype=torch.int64))
     assert not pos.tile(0, 6, 0, 6).diagonal().any()

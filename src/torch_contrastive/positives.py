@@ -66,18 +66,17 @@ __all__ = [
     "Strided",
 ]
 
-#: On a CPU, key relations with at most this many (row, column) entries are held as a dense bool
-#: matrix (64 KiB): for small batches a few element-wise ops beat grouping by a sort (measured
-#: here). On a GPU the cost model decides (:func:`torch_contrastive.engine.relation_form.dense_relation`).
+#: Key relations with at most this many (row, column) entries are held as a dense bool matrix (64 KiB): for small
+#: batches a few element-wise ops beat grouping by a sort (measured on a CPU). One rule on every device: the forms a
+#: GPU would price otherwise are ones no GPU has measured.
 DENSE_KEYS_LIMIT = 256 * 256
 
 # the floating dtypes whose sums of 0/1 values count exactly (up to 2**24 terms in float32)
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
 
-# the engine's relation-form rules (engine/relation_form.py), whose planner imports this module: imported on first
-# use, then kept here (an import statement in a function runs the import machinery's Python on every call: some 25
-# bytecodes a label call each)
+# the engine's relation-form rule (engine/relation_form.py), whose planner imports this module: imported on first
+# use, then kept here (an import statement in a function runs the import machinery's Python on every call)
 _FORMS: Any = None
 
 
@@ -91,34 +90,9 @@ def _forms() -> Any:
 
 
 def _dense_pays(rows: int, cols: int, device: torch.device, reader: Reader | None = None) -> bool:
-    return (_FORMS or _forms()).dense_relation(rows, cols, device, DENSE_KEYS_LIMIT, reader)
-
-
-def _counts_from_values(dense: Tensor) -> bool:
-    """Whether a dense relation's exact counts (the callers check the dtype and size: see _EXACT_COUNTS) come from
-    its 0/1 values rather than its bools: the device's choice."""
-    return (_FORMS or _forms()).counts_from_values(dense.device)
-
-
-def _mask_on_tensor_cores(x: Tensor) -> bool:
-    """Whether a dense 0/1 relation multiplies fp32 rows on tensor cores (:func:`_mask_product`): on a GPU."""
-    return x.dtype == torch.float32 and (_FORMS or _forms()).mask_on_tensor_cores(x.device)
-
-
-def _mask_product(mask: Tensor, x: Tensor) -> Tensor:
-    """``mask @ x`` for a bf16 0/1 ``mask`` (exact) and fp32 ``x``, to fp32 accuracy on tensor cores: ``x`` split
-    into three bf16 parts (``x = hi + mid + lo`` to 2^-24 of it), multiplied as one product over the parts
-    side by side, the three results summed in fp32. The mask is read once at half width (an fp32 mask would
-    be read at full width, by a GEMM several times slower than bf16's)."""
-    from .engine.products import _mm32
-
-    hi = x.to(torch.bfloat16)
-    rest = x - hi
-    mid = rest.to(torch.bfloat16)
-    lo = torch.sub(rest, mid, out=torch.empty_like(mid))
-    dim = x.shape[1]
-    parts = _mm32(mask, torch.cat((hi, mid, lo), 1))
-    return parts[:, :dim] + parts[:, dim : 2 * dim] + parts[:, 2 * dim :]
+    """Whether a key relation is held as a dense mask (else grouped by key): up to :data:`DENSE_KEYS_LIMIT` entries
+    (``device`` and ``reader`` are not read: the rule is one on every device)."""
+    return (_FORMS or _forms()).dense_relation(rows, cols, DENSE_KEYS_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -174,7 +148,7 @@ class Positives:
             self_offset: anchor ``i`` is candidate ``i + self_offset`` (``None``: none).
             reader: the problem the relation is built for, as the planner prices it (the form of a large
                 relation on a GPU depends on the backend that reads it:
-                :func:`~torch_contrastive.engine.relation_form.dense_relation`); None: decided by size alone.
+                not read: the form is decided by size alone, on every device).
         """
         if _int64_vector(row_keys) and (col_keys is None or _int64_vector(col_keys)):  # a loss's labels: no loops
             rows: tuple[Tensor, ...] = (row_keys,)
@@ -399,8 +373,7 @@ class KeyPositives(Positives):
     Attributes:
         row_keys: a tuple of (R,) int64 tensors.
         col_keys: a tuple of (C,) int64 tensors, same length.
-        dense: small relations (:data:`DENSE_KEYS_LIMIT` entries on a CPU; on a GPU as the cost model
-            says, :func:`~torch_contrastive.engine.relation_form.dense_relation`): the (R, C) bool
+        dense: small relations (:data:`DENSE_KEYS_LIMIT` entries, on every device): the (R, C) bool
             relation itself, self pairs excluded; None for large ones.
         key_terms: large relations: the sorted grouping of the keys (see :func:`_key_terms`).
     """
@@ -432,21 +405,16 @@ class KeyPositives(Positives):
 
     def row_counts_as(self, dtype: torch.dtype) -> Tensor:
         # A dense relation's counts in one op, exactly: every count is an integer below 2**24 (float32's exact range).
-        # On a CPU its 0/1 values (converted once, read again by the tile) sum faster than its bools; on a GPU the
-        # bools are summed in the dtype (no cast after: a launch fewer).
+        # Its 0/1 values (converted once, read again by the tile) sum faster than its bools on a CPU.
         if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.shape[1] < 2**24:
-            if _counts_from_values(self.dense):
-                return self.dense_as(dtype).sum(1)
-            return self.dense.sum(1, dtype=dtype)
+            return self.dense_as(dtype).sum(1)
         if self.dense is None and len(self.key_terms) == 1 and dtype in _EXACT_COUNTS and self.num_cols < 2**24:
             return self._grouped_row_counts(dtype)  # summed in the dtype: no conversion after
         return super().row_counts_as(dtype)
 
     def pair_count_as(self, dtype: torch.dtype) -> Tensor:
         if self.dense is not None and dtype in _EXACT_COUNTS and self.dense.numel() < 2**24:
-            if _counts_from_values(self.dense):
-                return self.dense_as(dtype).sum()
-            return self.dense.sum(dtype=dtype)
+            return self.dense_as(dtype).sum()
         if self.dense is None and len(self.key_terms) == 1 and dtype in _EXACT_COUNTS and self.num_rows * self.num_cols < 2**24:
             return self._grouped_row_counts(dtype).sum()  # in the dtype, exact below 2**24 pairs (no conversion after)
         return super().pair_count_as(dtype)
@@ -485,8 +453,6 @@ class KeyPositives(Positives):
     def aggregate(self, candidates: Tensor) -> Tensor:
         if self.dense is not None:
             with torch.autocast(candidates.device.type, enabled=False):
-                if _mask_on_tensor_cores(candidates):
-                    return _mask_product(self.dense_as(torch.bfloat16), candidates)
                 return self.dense_as(candidates.dtype) @ candidates
         if len(self.key_terms) == 1:  # one key: its groups' sums, less the self pair (four ops)
             rg, cg, n_bound, _ = self.key_terms[0]
@@ -503,8 +469,6 @@ class KeyPositives(Positives):
     def aggregate_transposed(self, rows: Tensor) -> Tensor:
         if self.dense is not None:
             with torch.autocast(rows.device.type, enabled=False):
-                if _mask_on_tensor_cores(rows):
-                    return _mask_product(self.dense_as(torch.bfloat16).t(), rows)
                 return self.dense_as(rows.dtype).t() @ rows
         width = rows.shape[1]
         total = rows.new_zeros(self.num_cols, width)

@@ -334,12 +334,11 @@ def test_rows_below_the_normalisation_floor_get_the_floor_gradient(kind, chunk):
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.5, "tensor"])
-@pytest.mark.parametrize("gpu_form", [False, True])
-def test_both_forms_of_the_normalisation_backward_are_the_formula(gpu_form, scale):
-    """``l2_normalize_backward`` on a CPU (the row dot product as a multiply and a sum, masked) and in the GPU's
-    six ops (``planner.simulate``: both row masks in one comparison, the dot product as one batched product) --
-    rows above the floor, one below it (``g / eps``, no radial part) and an all-zero row (0) -- against float64
-    autograd of ``x / max(||x||, eps)``, times a float or a tensor scale."""
+@pytest.mark.parametrize("gpu_plan", [False, True])
+def test_the_normalisation_backward_is_the_formula(gpu_plan, scale):
+    """``l2_normalize_backward`` (the row dot product as a multiply and a sum, masked; one form on every device plan,
+    ``planner.simulate`` included) -- rows above the floor, one below it (``g / eps``, no radial part) and an all-zero
+    row (0) -- against float64 autograd of ``x / max(||x||, eps)``, times a float or a tensor scale."""
     from torch_contrastive.engine import planner
     from torch_contrastive.engine.normalization import l2_normalize, l2_normalize_backward
 
@@ -355,7 +354,7 @@ def test_both_forms_of_the_normalisation_backward_are_the_formula(gpu_form, scal
     want = ref_x.grad.clone()
     want[5] = 0.0  # the library's rule for an all-zero row (autograd's subgradient gives g / eps)
     y, denom, norm = l2_normalize(x, eps)
-    with planner.simulate("cuda") if gpu_form else contextlib.nullcontext():
+    with planner.simulate("cuda") if gpu_plan else contextlib.nullcontext():
         got = l2_normalize_backward(g, y, denom, norm, eps, factor)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

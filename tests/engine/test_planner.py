@@ -306,49 +306,41 @@ def test_tensor_core_products_equal_the_float64_references(name, chunk, tau, dty
         compare(lambda a, b, t: ours(a, b, t, chunk), lambda a, b, t: ref(a, b, t), inputs, tau, dtype, tols)
 
 
-def test_auto_on_a_gpu_takes_the_backend_the_model_predicts_fastest():
-    """On CUDA "auto" is the cost model's choice among the backends that serve the call: every priced
-    candidate is in the decision, the chosen one is the fastest of those allowed, and nothing changes
-    on a CPU or without the problem's traits."""
-    from torch_contrastive.engine.cost import PATHS, predict_path
+def test_auto_on_a_gpu_is_the_measured_policy():
+    """On CUDA "auto" is the policy's first rule whose backend serves the call (engine/policy.py): the epilogue for
+    bf16 soft-max terms from the measured 8,192 rows, the torch loops on tensor cores below, and for everything the
+    epilogue was not measured on; no prediction is made or read, and the decision says which rule chose."""
+    from torch_contrastive.engine import policy
 
     clip = planner.Traits(512, columns=True)
     serve = dict(epilogue_serves=lambda: None, traits=clip)
-    small, big = _decide(CUDA, torch.bfloat16, 1024, **serve), _decide(CUDA, torch.bfloat16, 65536, **serve)
-    for d in (small, big):
-        assert [name for name, _ in d.predicted] == ["torch", "epilogue", "triton", planner.WIDE]
-        fastest = min((t, name) for name, t in d.predicted)[1]
-        assert d.backend == ("torch" if fastest == planner.WIDE else fastest) and d.half == (fastest == "torch")
-        assert "predicted (H100 cost model, not a measurement)" in str(d)
-    # 1,024 rows, one tile: host-bound, and a Triton launch costs the host several eager ops (measured on
-    # the H100: the torch loops 3.6 ms, the epilogue 6.2), so the torch loops, whose device work is as hidden --
-    # on widened fp32 products, the fewest launches
-    assert small.backend == "torch" and small.tile == 0 and not small.half
-    assert dict(small.predicted)[planner.WIDE] < dict(small.predicted)["torch"] < dict(small.predicted)["epilogue"]
-    # the host's price: the epilogue's Triton launches and Python (on the device alone the two are within 3 %)
-    assert dict(small.predicted)["epilogue"] > 1.5 * dict(small.predicted)["torch"]
-    assert big.backend == "epilogue" and big.operand_dtype == torch.bfloat16 and not big.half
-    torch_65k = dict(big.predicted)["torch"]
+    small, below, at, big = (_decide(CUDA, torch.bfloat16, n, **serve) for n in (1024, 8191, 8192, 65536))
+    for d in (small, below, at, big):
+        assert not hasattr(d, "predicted") and "predicted" not in str(d)
+    assert (small.backend, small.tile, small.half) == ("torch", 0, True) and below.backend == "torch"
+    assert "policy: torch" in str(small) and "measured: H100, commit 04b01f4" in small.reason
+    assert at.backend == big.backend == "epilogue" and big.operand_dtype == torch.bfloat16 and not big.half
+    assert at.reason == policy.CUDA[0].reason() and "from 8,192 rows" in str(at)
     # the epilogue's tiles hold 8 bytes per logit (the torch loops' 12), as row strips across all 65,536 columns:
     # 32 strips of 2,048 rows within the 1 GiB budget, fewer than 6 x 6 squares of 11,520
     assert (big.tile, big.tile_cols) == (2048, 65536) and "32 strips of 2048x65536" in str(big)
     assert planner.resolve_tile(None, 65536, 65536, "cuda", 8) == 11520 > planner.resolve_tile(None, 65536, 65536, "cuda", 12)
-    assert torch_65k == pytest.approx(predict_path(PATHS[("columns", "torch", "half")], "torch", 65536, 65536, 512,
-                                                   "bfloat16", 8 * 8))
-    # only what serves the call is chosen: without the epilogue the fused kernels, without both the torch loops
-    assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: "no", traits=clip).backend == "triton"
-    assert _decide(CUDA, torch.bfloat16, 65536, traits=clip, triton_serves=lambda: "no").backend == "torch"
-    assert _decide(CUDA, torch.float32, 65536, **serve).backend == "epilogue"  # fp32: the fused kernels are not priced
-    assert [n for n, _ in _decide(CUDA, torch.float32, 65536, **serve).predicted] == ["torch", "epilogue"]
-    assert _decide(CUDA, torch.float64, 65536, **serve).backend == "torch"  # fp64: not priced
-    assert _decide(CPU, torch.bfloat16, 65536, **serve).backend == "torch" and not _decide(CPU, torch.bfloat16, 65536,
-                                                                                          **serve).predicted
-    assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: None).backend == "torch"  # no traits: no model
-    # the pair terms: the torch loops and the epilogue are priced (the fused pair kernels are not)
-    pml = dict(kernel="pairwise", epilogue_serves=lambda: None, traits=planner.Traits(512, pairs="pair_softplus"))
-    assert _decide(CUDA, torch.bfloat16, 65536, **pml).backend == "epilogue"
-    assert [n for n, _ in _decide(CUDA, torch.bfloat16, 65536, **pml).predicted] == ["torch", "epilogue", planner.WIDE]
-    assert _decide(CUDA, torch.bfloat16, 65536, **{**pml, "epilogue_serves": lambda: "no"}).backend == "torch"
+    # only what serves: without the epilogue the torch loops (the fused kernels are no rule's: asked for by name)
+    assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: "no", traits=clip).backend == "torch"
+    assert _decide(CUDA, torch.bfloat16, 65536, traits=clip).backend == "torch"  # no epilogue kernels for it
+    for dtype in (torch.float32, torch.float16, torch.float64):  # measured on bf16 only
+        assert _decide(CUDA, dtype, 65536, **serve).backend == "torch"
+    assert _decide(CUDA, torch.bfloat16, 65536, kernel="pairwise", **serve).backend == "torch"  # not measured
+    assert _decide(CPU, torch.bfloat16, 65536, **serve).backend == "torch"
+    # an explicit backend is the caller's, and says so
+    asked = _decide(CUDA, torch.bfloat16, 1024, backend="epilogue", **serve)
+    assert asked.backend == "epilogue" and asked.reason == "backend='epilogue' as asked"
+    # the policy alone: first rule that covers and serves
+    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.bfloat16, {"epilogue": True})[0] == "epilogue"
+    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.float32, {"epilogue": True})[0] == "torch"
+    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.bfloat16, {"epilogue": False})[0] == "torch"
+    assert policy.choose("cpu", "softmax", 65536, torch.bfloat16, torch.bfloat16, {"epilogue": True})[0] == "torch"
+    assert all(rule.measured for rule in policy.CUDA)  # every CUDA rule names its measurement
 
 
 def test_a_kept_plan_is_never_another_problems():
@@ -439,50 +431,3 @@ def test_a_kept_plan_is_the_devices_and_an_explicit_backends_refusal_is_asked_ag
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"backend='epilogue' cannot run this call: .*CUDA tensors"):
         tc.image_text_contrastive_loss(x, y, 0.1, backend="epilogue")
-
-
-def test_the_pair_terms_torch_strips_are_priced_over_the_tiles_they_walk():
-    """A single set's label relation: NT-BXent's torch strips walk the upper triangle (engine/pair_strips.py), PML's
-    every tile (engine/pml_strips.py: sweep 2 needs each row's own log-sum-exp) -- the model prices each over those
-    tiles, as cost.PATHS counts them."""
-    rows, tile = 16384, 4096
-    for pairs, want in (("binary", 10), ("pair_softplus", 16)):
-        priced = dict(planner._priced(rows, rows, torch.bfloat16, torch.bfloat16, tile,
-                                      planner.Traits(512, symmetric=True, pairs=pairs)))
-        assert priced["torch"][-1] == want, (pairs, priced["torch"])
-
-
-@pytest.mark.parametrize("case", ["PML online", "PML fp16", "NT-BXent widened past 280 features"])
-def test_the_pair_terms_general_loop_is_priced_where_it_runs(case):
-    """Where the pair terms' strips keep the general loop (engine/problem_plan.py's ``factored``: PML outside the
-    bounded regime or on fp16 products, either kernel where cost.pair_factoring_pays says the formed tile is faster)
-    the torch loops are priced as that loop -- cost.PAIR_FORMED added to the factored count of cost.PATHS."""
-    from torch_contrastive.engine.cost import PAIR_FORMED, PATHS, formed
-
-    pairs = "binary" if case.startswith("NT-BXent") else "pair_softplus"
-    dtype = torch.float16 if case == "PML fp16" else torch.bfloat16
-    dim = 512 if case.startswith("NT-BXent") else 64
-    traits = planner.Traits(dim, symmetric=True, pairs=pairs)
-    label = planner.WIDE if case.startswith("NT-BXent") else "torch"
-    counted = "wide" if case.startswith("NT-BXent") else "half"
-    priced = dict(planner._priced(16384, 16384, dtype, dtype, 4096, traits, fixed=case != "PML online"))
-    assert priced[label][0] == formed(PATHS[(pairs, "torch", counted)], PAIR_FORMED[(pairs, counted)])
-    bounded = dict(planner._priced(16384, 16384, torch.bfloat16, torch.bfloat16, 4096, planner.Traits(64, symmetric=True,
-                                                                                                        pairs=pairs)))
-    assert bounded["torch"][0] == PATHS[(pairs, "torch", "half")]  # factored: the count as it stands
-
-
-def test_pmls_per_row_strips_are_priced_with_backwards_products():
-    """PML's factored strips of a reduced value form backward's products in forward (cost.PATHS counts that form);
-    with per-row outputs (``Traits.per_row``: no combine) backward forms them, which the planner prices by adding
-    cost.PAIR_PER_ROW -- and NT-BXent, whose strips are one form, is priced the same either way."""
-    from torch_contrastive.engine.cost import PAIR_PER_ROW, PATHS, formed
-
-    def torch_row(pairs: str, per_row: bool):
-        traits = planner.Traits(64, symmetric=True, pairs=pairs, per_row=per_row)
-        return dict(planner._priced(16384, 16384, torch.bfloat16, torch.bfloat16, 4096, traits))["torch"][0]
-
-    half = ("pair_softplus", "torch", "half")
-    assert torch_row("pair_softplus", False) == PATHS[half]
-    assert torch_row("pair_softplus", True) == formed(PATHS[half], PAIR_PER_ROW[("pair_softplus", "half")])
-    assert torch_row("binary", True) == torch_row("binary", False) == PATHS[("binary", "torch", "half")]

@@ -21,7 +21,8 @@ its tensor-core products), so a CPU runs the GPU's plan and the counts are the G
 * **Python bytecodes** the call runs on the host (a run of its own under ``sys.settrace``, autograd's
   backward on the calling thread; a Triton launch's inside is not counted, the model prices the launch).
 
-:func:`torch_contrastive.engine.cost.predict` turns the counts into a predicted time.
+:func:`torch_contrastive.cli.cost.predict` turns the counts into a predicted time (offline: the engine's policy
+does not read the model).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..engine import products
-from ..engine.cost import (
+from ..engine import policy, products
+from ..engine.planner import Traits, simulate
+from .cost import (
     BYTECODES_PER_OP,
     DEVICE_ROWS,
     GPUS,
@@ -60,9 +62,8 @@ from ..engine.cost import (
     fit_fused,
     fit_host,
     predict,
+    predictions,
 )
-from ..engine.planner import WIDE, Traits, predictions, simulate
-from ..engine.products import OFFSET_COLUMNS
 from .synccount import SYNC_OPERATORS, host_sync_events
 
 #: Ops that make no kernel launch on a GPU (allocation or metadata only).
@@ -74,14 +75,13 @@ _INDEXED = frozenset({"take", "index_fill", "index_fill_", "index_add", "index_a
                       "index_select"})
 _GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})  # in-place forms accumulate
 #: The sides of a feature tensor, in multiples of ``D``: the features, and the features stacked along a
-#: product's inner side (two or three blocks: :mod:`~torch_contrastive.engine.one_tile_half`'s split operands) --
-#: each also widened by an offset's columns (:data:`~torch_contrastive.engine.products.OFFSET_COLUMNS`).
+#: product's inner side (two or three blocks), so that no such tensor reads as logit-sized.
 FEATURE_SIDES = (1, 2, 3)
 
 
 def feature_sides(dim: int) -> frozenset[int]:
     """Every side a feature tensor of ``dim`` features may have (:data:`FEATURE_SIDES`)."""
-    return frozenset(k * dim + extra for k in FEATURE_SIDES for extra in (0, OFFSET_COLUMNS))
+    return frozenset(k * dim for k in FEATURE_SIDES)
 #: The losses :func:`cases` builds, in the order ``bench --traffic`` prints them.
 LOSSES = ("clip", "nt_xent", "supcon", "nt_xent_pml", "nt_bxent")
 
@@ -414,9 +414,9 @@ def _square_tiles(n: int, impl: str) -> int:
 
 
 def calibration(at: int = 256) -> tuple[Gpu, float, list[tuple[Measured, Counts]]]:
-    """The H100 constants fitted to :data:`~torch_contrastive.engine.cost.MEASURED` -- the host's on the
-    host-bound rows (up to :data:`~torch_contrastive.engine.cost.HOST_ROWS`), the device's on the
-    device-bound ones (from :data:`~torch_contrastive.engine.cost.DEVICE_ROWS`) -- the RMS relative
+    """The H100 constants fitted to :data:`~torch_contrastive.cli.cost.MEASURED` -- the host's on the
+    host-bound rows (up to :data:`~torch_contrastive.cli.cost.HOST_ROWS`), the device's on the
+    device-bound ones (from :data:`~torch_contrastive.cli.cost.DEVICE_ROWS`) -- the RMS relative
     error of the whole model over every counted row, and each row's counts (counted at ``at`` rows with
     the row's tile structure, scaled to its size; the epilogue's rows where its kernels can run)."""
     impls = ("torch", "dense", "epilogue") if epilogue_countable() else ("torch", "dense")
@@ -440,22 +440,23 @@ def _traits(name: str, dim: int) -> Traits:
     return Traits(dim, columns=name == "clip", symmetric=name in ("nt_xent", "supcon"), pairs=pairs)
 
 
-def _predicted(name: str, n: int, dim: int) -> tuple[tuple[str, float], ...]:
-    """The planner's predictions for one bf16 loss of :func:`cases` at ``n`` rows."""
-    return predictions(n, n, torch.bfloat16, torch.bfloat16, None, _traits(name, dim))
+def proposed(name: str, n: int, dim: int) -> str:
+    """The backend the cost model prices fastest for one bf16 loss of :func:`cases` at ``n`` rows: a proposal
+    for a GPU run to measure, not what the default call runs (:func:`default_backend`)."""
+    predicted = predictions(n, n, torch.bfloat16, torch.bfloat16, None, _traits(name, dim))
+    return min((t, b) for b, t in predicted)[1] if predicted else "torch"
 
 
 def default_backend(name: str, n: int, dim: int) -> str:
-    """The backend our default call picks on a GPU for one bf16 loss of :func:`cases` (every kernel
-    backend serving it): the model's fastest."""
-    predicted = _predicted(name, n, dim)
-    picked = min((t, b) for b, t in predicted)[1] if predicted else "torch"
-    return "torch" if picked == WIDE else picked  # the torch loops on widened fp32 products
+    """The backend our default call runs on a GPU for one bf16 loss of :func:`cases` (the epilogue serving it):
+    the CUDA policy's first rule that takes the call (``engine/policy.py``)."""
+    kernel = "pairwise" if name in ("nt_xent_pml", "nt_bxent") else "softmax"
+    return policy.choose("cuda", kernel, n, torch.bfloat16, torch.bfloat16, {"epilogue": True})[0]
 
 
 def fused_calibration() -> tuple[Fused, float]:
     """The fused kernels' constants fitted to the ``"triton"`` rows of
-    :data:`~torch_contrastive.engine.cost.MEASURED` (their GEMM-equivalents from :data:`~torch_contrastive.engine.cost.PATHS`)."""
+    :data:`~torch_contrastive.cli.cost.MEASURED` (their GEMM-equivalents from :data:`~torch_contrastive.cli.cost.PATHS`)."""
     rows = []
     for m in MEASURED:
         if m.impl == "triton":
@@ -468,7 +469,7 @@ def host_ratio(reps: int = 200, rounds: int = 5) -> tuple[list[tuple[str, str, i
     """Time every loss of :func:`cases` at 16 rows of 8 features in fp32 on this CPU, ours and the plain
     formula, forward + backward (best of ``rounds`` means of ``reps`` calls), with their launches and
     bytecodes counted on this machine's own plan; fit seconds per op and per bytecode
-    (:func:`~torch_contrastive.engine.cost.fit_bytecodes`). Returns the rows ``(loss, impl, launches,
+    (:func:`~torch_contrastive.cli.cost.fit_bytecodes`). Returns the rows ``(loss, impl, launches,
     bytecodes, seconds)`` and the fit ``(op, bytecode, rms)``."""
     rows = []
     for name, (ours, dense) in cases(16, 8, dtype=torch.float32).items():
@@ -545,7 +546,8 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
     sizes = sizes or [1024]
     print(f"torch-contrastive bench --traffic: D = {dim}, bf16, fwd+bwd, the CUDA plan counted on {machine}")
     print("passes = logit bytes / (4 R C); predicted = the model's H100 time (a prediction, not a measurement); "
-          "* = the backend the default call (backend='auto') picks on a GPU, by the model")
+          "* = the backend the default call (backend='auto') runs on a GPU, by the CUDA policy; "
+          "the model's proposal (its fastest) after each loss")
     print(f"{'loss':<12} {'N':>6} {'impl':<9} {'tiles':>4} {'launches':>8} {'passes':>7} {'GFLOP':>8} {'syncs':>5} "
           f"{'bytecodes':>9} {'predicted ms':>13}")
     rows = []
@@ -568,9 +570,7 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
                 rows.append(row)
                 print(f"{name:<12} {n:>6} {impl + ('*' if impl == picks else ''):<9} {row['tiles']:>4} {c.launches:>8} "
                       f"{c.passes:>7.1f} {row['gflop']:>8.1f} {c.syncs:>5} {c.bytecodes:>9} {row['predicted_ms']:>13.3f}", flush=True)
-            if picks == "triton":
-                print(f"{name:<12} {n:>6} {'triton*':<9} (the fused kernels: not counted here; the model predicts "
-                      f"{1e3 * dict(_predicted(name, n, dim))['triton']:.3f} ms)")
+            print(f"{name:<12} {n:>6} (the model proposes: {proposed(name, n, dim)}; a prediction, to be measured)")
     rows.extend(_gathered_rows(dim, gpu))
     with open(out_dir / "traffic.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -583,7 +583,7 @@ def run_traffic(sizes: list[int] | None, dim: int, calibrate: bool, out_dir: Any
               f"{fused.overhead * 1e3:.2f} ms per call, RMS relative error {100 * fused_rms:.1f} %")
         fitted, rms, counted = calibration()
         print(f"\nfit to the measured H100 rows: {_constants(fitted)}; RMS relative error {100 * rms:.0f} %\n"
-              f"(the table in engine/cost.py: {_constants(gpu)})")
+              f"(the table in cli/cost.py: {_constants(gpu)})")
         print(f"{'loss':<10} {'impl':<9} {'N':>6} {'D':>4} {'measured ms':>12} {'predicted ms':>13} {'error':>7}  bound")
         for measured, c in counted:
             p = predict(c, gpu) * 1e3

@@ -320,8 +320,7 @@ class EpiloguePairs(PairExecutor):
     the negatives' log-sum-exps, then the sums); otherwise those come from the soft-max epilogue first
     (:func:`~.triton_backend.epilogue_sums`, the positives left out)."""
 
-    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False,
-              unit: Tensor | None = None) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         triton_backend = kernels()  # imports triton: on the first call
 
         raw = (ops.a,) if ops.b is None else (ops.a, ops.b)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -45,54 +43,13 @@ def l2_normalize_backward(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps
     ``scale (g - y (g . y)) / ||x||`` for rows with ``||x|| > eps``, ``scale g / eps`` for
     smaller non-zero rows, 0 for all-zero rows.
 
-    On a GPU (also a :func:`~.planner.simulate` d one) written ``g f - y (g . y) k`` with two per-row factors,
-    ``f = scale [||x|| > 0] / denom`` and ``k = scale [||x|| > eps] / denom``, formed together: the norms against
-    the two thresholds ``(0, eps)`` in one comparison, divided in one op -- six ops in all (a row dot product as
-    one batched product, the two factors, one multiply, one fused multiply-add), where masking the dot product
-    and the factor separately takes eight: a host-bound call's launches are its time. On a CPU, where an op
-    costs microseconds rather than a launch and a batch of tiny products is slow (a 256 x 128 call's backward:
-    58 us against 43, measured), the eight: a row dot product as a multiply and a sum, masked, one factor.
+    Written as a row dot product (a multiply and a sum), masked, and one factor -- on every device: the form
+    with fewer launches (one batched product and two factors at once) is one no GPU has measured, and on a CPU
+    it is slower (a 256 x 128 call's backward: 58 us against 43, measured).
     """
-    if not (_PLANNER or _planner()).launch_bound(g.device):
-        radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)
-        if isinstance(scale, float):  # a float scale folded into the division (addcdiv), a tensor one multiplied after
-            factor = torch.div(norm > 0, denom) if scale == 1.0 else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)
-        else:
-            factor = torch.div(norm > 0, denom).mul_(scale)
-        return torch.addcmul(g, y, radial, value=-1).mul_(factor)
-    # (N, 2): [||x|| > 0, ||x|| > eps]; the thresholds looked up inline (a small call pays each Python call)
-    thresholds = _THRESHOLDS.get((eps, norm.dtype, norm.device))
-    masks = torch.gt(norm, _thresholds(eps, norm) if thresholds is None else thresholds)
-    if isinstance(scale, float):
-        factors = torch.div(masks, denom) if scale == 1.0 else torch.addcdiv(zero(denom), masks, denom, value=scale)
+    radial = (g * y).sum(1, keepdim=True).masked_fill_(norm <= eps, 0.0)
+    if isinstance(scale, float):  # a float scale folded into the division (addcdiv), a tensor one multiplied after
+        factor = torch.div(norm > 0, denom) if scale == 1.0 else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)
     else:
-        factors = torch.div(masks, denom).mul_(scale)
-    radial = torch.bmm(g.unsqueeze(1), y.unsqueeze(2)).view(-1, 1)  # g . y per row, one op
-    return torch.addcmul(g * factors[:, :1], y, radial * factors[:, 1:], value=-1)
-
-
-# the engine's planner (its launch_bound rule), which imports the engine: imported on first use, then kept
-_PLANNER: Any = None
-
-
-def _planner() -> Any:
-    global _PLANNER
-    from . import planner
-
-    if not torch.compiler.is_compiling():  # (a traced call may not write a module global: Dynamo refuses the side effect)
-        _PLANNER = planner
-    return planner
-
-
-#: ``(0, eps)`` per (eps, dtype, device), made once (:func:`l2_normalize_backward`'s two row masks in one comparison).
-_THRESHOLDS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
-
-
-def _thresholds(eps: float, like: Tensor) -> Tensor:
-    key = (eps, like.dtype, like.device)
-    found = _THRESHOLDS.get(key)
-    if found is None:
-        found = torch.tensor([0.0, eps], dtype=like.dtype, device=like.device)
-        if not torch.compiler.is_compiling():  # a traced tensor kept in a module would outlive its trace
-            _THRESHOLDS[key] = found
-    return found
+        factor = torch.div(norm > 0, denom).mul_(scale)
+    return torch.addcmul(g, y, radial, value=-1).mul_(factor)

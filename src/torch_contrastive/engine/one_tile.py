@@ -26,8 +26,8 @@ a single set's dense label relation read off the tile with rows weighted (SupCon
 :class:`_OneTileMask`), and a single set's label relation under the pair conventions (PML's NT-Xent and
 NT-BXent, :class:`_OneTilePairs`, the pair kernel's one-tile functions on the 0/1 label masks).
 
-On a GPU, bf16 inputs take each executor's tensor-core variant (:mod:`.one_tile_half`): the logits from one split
-product, the gradient tile written once in bf16.
+The lean executors run in the compute dtype on every device: fp16/bf16 inputs on a GPU's tensor cores take the
+general executor (:mod:`.products`' ``HalfProducts``), the form a GPU has measured (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ from .._tensors import as_dtype, refuse_transforms, save_for_backward
 from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
-from .one_tile_half import HalfOneTile, HalfOneTileMask, HalfOneTilePairs
-from .pair_factored import ONE_KEPT, one_kept_rows
 from .pairwise import _KERNELS, combined, combined_grads, single_fixed
 from .pairwise import TORCH as TORCH_PAIRS
 from .precision import autocast_enabled, zero
@@ -81,9 +79,9 @@ def note_rebuild(positives: Positives, stat: Any, rebuild: Callable[..., tuple[P
 def arguments(function: Any, plan: Any, stat: Any, scale: float, a: Tensor, b: Tensor | None) -> tuple[Any, ...]:
     """A lean function's arguments from its plan, the problem's statistic, scale and features (the executors'
     and a kept call's one mapping)."""
-    if function is _OneTile or function is HalfOneTile:
+    if function is _OneTile:
         return plan, stat.total, scale, a, b
-    if function is _OneTileMask or function is HalfOneTileMask:
+    if function is _OneTileMask:
         return (plan, stat.total, scale, a, *stat.row_weights)
     return plan, stat.combine, scale, a  # the pair functions
 
@@ -121,17 +119,15 @@ class OneTileSoftmax:
         if not isinstance(stat, Softmax):
             raise TypeError(f"the soft-max executor runs Softmax problems, got {type(stat).__name__}")
         total, scale, a = stat.total, problem.scale, problem.anchors
-        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type) or (plan.half and scale <= 0):
+        if total is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH.run(problem, plan)
         if plan.places is None:  # a dense label relation (SupCon): the weighted form
-            # tensor cores, or a GPU's widened fp32 products: the relation read by GEMMs; the CPU's own one tile
-            wide = plan.decision.device == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
-            function: Any = HalfOneTileMask if plan.half or wide else _OneTileMask
+            function: Any = _OneTileMask
             b = None
             out = lean_apply(function)(plan, total, scale, unwrap(a), *stat.row_weights)
         else:
-            function = HalfOneTile if plan.half else _OneTile  # bf16 on tensor cores (.one_tile_half), else the compute dtype
+            function = _OneTile
             b = None if problem.single else problem.candidates
             out = lean_apply(function)(plan, total, scale, unwrap(a), b if b is None else unwrap(b))
         noted = getattr(NOTED, "calls", None)
@@ -244,10 +240,10 @@ class OneTilePairs:
         if not isinstance(stat, PairTerms):
             raise TypeError(f"the pair executor runs PairTerms problems, got {type(stat).__name__}")
         combine, scale, a = stat.combine, problem.scale, problem.anchors
-        if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type) or (plan.decision.half and scale <= 0):
+        if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH_PAIRS.run(problem, plan)
-        pairs = HalfOneTilePairs if plan.decision.half else _OneTilePairs  # bf16 on tensor cores, else the compute dtype
+        pairs = _OneTilePairs
         out = lean_apply(pairs)(plan, combine, scale, unwrap(a))
         noted = getattr(NOTED, "calls", None)
         if noted is not None:
@@ -270,11 +266,6 @@ class _OneTilePairs(torch.autograd.Function):
         n = s.shape[0]
         kernel = _KERNELS[plan.kernel]
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
-        ctx.one_kept = plan.decision.device != "cpu" and ONE_KEPT[plan.kernel][2](combine)
-        if ctx.one_kept:  # a GPU's widened products (a host-bound call): one kept tile, backward two GEMMs
-            value, tile = ONE_KEPT[plan.kernel][0](s, plan.positives.tile(0, n, 0, n), combine)
-            save_for_backward(ctx, rows, denom, norm, tile)
-            return value
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
         outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
         save_for_backward(ctx, rows, denom, norm, *kept)
@@ -284,15 +275,11 @@ class _OneTilePairs(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         first_order_only()
         rows, denom, norm, *kept = ctx.saved_tensors
-        if ctx.one_kept:
-            hx = one_kept_rows(kept[0], g, ctx.combine[1], ONE_KEPT[ctx.plan.kernel][1], rows)
-        else:
-            grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)  # d loss / d out_k,i = total * w_k,i
-            hx = ctx.kernel.single_grad_fixed_both(tuple(kept), grads) @ rows  # H = G + G^T: the relation is symmetric
+        grads = combined_grads(g, ctx.combine, rows.shape[0], rows.dtype)  # d loss / d out_k,i = total * w_k,i
+        hx = ctx.kernel.single_grad_fixed_both(tuple(kept), grads) @ rows  # H = G + G^T: the relation is symmetric
         ga = l2_normalize_backward(hx, rows, denom, norm, ctx.plan.eps, ctx.scale)
         return None, None, None, as_dtype(ga, ctx.dtype)
 
 
 #: Each lean function's ``apply`` C part, bound (:func:`lean_apply`).
-_APPLIES = {f: C_APPLY.__get__(None, f) for f in (_OneTile, _OneTileMask, _OneTilePairs, HalfOneTile, HalfOneTileMask,
-                                                   HalfOneTilePairs)}
+_APPLIES = {f: C_APPLY.__get__(None, f) for f in (_OneTile, _OneTileMask, _OneTilePairs)}

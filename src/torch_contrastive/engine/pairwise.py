@@ -5,8 +5,7 @@ and NT-BXent's element-wise binary cross-entropy (``kernel="binary"``) are not l
 the positive mask, so each tile asks :meth:`~torch_contrastive.positives.Positives.tile`
 for its block of the mask. Forward keeps O(N) statistics, backward recomputes each tile
 (a single tile -- the small-batch case -- is kept from forward instead). The kernels' tile
-arithmetic is in :mod:`.pair_kernels`; the strips on a GPU plan, backward factored, in :mod:`.pair_strips`
-(NT-BXent) and :mod:`.pml_strips` (PML).
+arithmetic is in :mod:`.pair_kernels`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from torch import Tensor
 
 from .._tensors import as_dtype, clear_self_diagonal
 from ..positives import KeyPositives
-from . import pair_strips, pml_strips
 from .driver import Gradients, Operands, Saved, run
 from .pair_kernels import KERNELS as _KERNELS
 from .pair_kernels import _PairKernel
@@ -76,30 +74,21 @@ class PairExecutor:
         stat = problem.statistic
         if not isinstance(stat, PairTerms):
             raise TypeError(f"the pair executor runs PairTerms problems, got {type(stat).__name__}")
-        # grad mode as the caller has it (a forward that forms backward's products asks: under no_grad it would waste them)
         return tuple(run(self, plan, problem.anchors, None if problem.single else problem.candidates, problem.scale,
-                         stat.combine, torch.is_grad_enabled()))
+                         stat.combine))
 
-    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False,
-              unit: Tensor | None = None) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         """The kernel's per-row outputs and what backward keeps. ``total_only``: the combination reads only the rows'
         total (:func:`total_only`): a backend may return it as one 0-dim output (the torch loops' one tile does).
-        ``unit``: where the plan forms backward's products in forward (``plan.eager``) and a gradient will be
-        wanted, the per-row gradient a unit incoming gradient gives; a backend that does keeps them as
-        ``"eager"``, which backward only scales."""
+"""
         raise NotImplementedError
 
     def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
         raise NotImplementedError
 
     def forward(self, ctx: Any, plan: PairPlan, ops: Operands, extras: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
-        combine, grad_mode = extras
-        unit = None
-        if plan.eager and combine is not None and grad_mode and any(ctx.needs_input_grad[2:5]):
-            # the value is linear in its one incoming number: backward's products for 1, formed in forward
-            unit = combined_grads(torch.ones((), dtype=ops.a_c.dtype, device=ops.a_c.device), combine,
-                                  ops.a_c.shape[0], ops.a_c.dtype)[0]
-        outputs, keep = self.terms(plan, ops, total_only(combine), unit)
+        (combine,) = extras
+        outputs, keep = self.terms(plan, ops, total_only(combine))
         # tensor-core products multiply the caller's half rows as given, in backward too
         keep["raw"] = () if not plan.half else (ops.a,) if ops.b is None else (ops.a, ops.b)
         ctx.combine = combine
@@ -111,10 +100,6 @@ class PairExecutor:
 
     def backward(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor | None, ...]) -> Gradients:
         a = saved.a
-        eager = saved.keep.get("eager")
-        if eager:  # products formed in forward for a unit incoming gradient: scaled by the one given
-            g = as_dtype(cast(Tensor, grads[0]), a.dtype)
-            return Gradients(eager[0] * g, eager[1] * g if len(eager) == 2 else None, len(eager) == 1)
         if ctx.combine is not None:  # d loss / d out_k,i = total * w_k,i
             return self.gradients(ctx, plan, saved, combined_grads(cast(Tensor, grads[0]), ctx.combine, a.shape[0], a.dtype))
         return self.gradients(ctx, plan, saved, tuple(as_dtype(g, a.dtype) for g in grads))  # type: ignore[arg-type]
@@ -191,12 +176,11 @@ class TorchPairs(PairExecutor):
     """The pair terms on torch: one kept tile, or tile passes (the upper triangle for a
     label-sorted single set, all-negative tiles without masks)."""
 
-    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False,
-              unit: Tensor | None = None) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
         kernel_cls = _KERNELS[plan.kernel]
-        prod = make_products(plan.half, (ops.a, ops.b), None, a_c, b_c, scale_c, ops.norms, plan.normalize, not plan.single_tile)
+        prod = make_products(plan.half, (ops.a, ops.b), None, a_c, b_c, scale_c, ops.norms, plan.normalize)
         if plan.single_tile:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
             s = prod.logits(0, R, 0, C)
@@ -209,14 +193,6 @@ class TorchPairs(PairExecutor):
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)
             return outputs, {"kernel": (), "kept": kept}
-        if pair_strips.serves(plan):  # the strips on a GPU plan, backward factored
-            if plan.kernel == "binary":  # NT-BXent's: one signed tile each
-                return pair_strips.binary_forward(prod, R, C, plan), {"kernel": (), "kept": ()}
-            if unit is not None:  # PML's, a reduced value: backward's products formed in forward, three sweeps
-                out, products = pml_strips.softplus_with_gradient(prod, a_c, b_c, plan, ops.b is None, unit)
-                return (out,), {"kernel": (), "kept": (), "eager": products}
-            out, kept = pml_strips.softplus_forward(prod, R, C, plan, ops.b is None)  # PML's: two sweeps of few passes
-            return (out,), {"kernel": kept, "kept": ()}
         kernel = kernel_cls(R, a_c.dtype, a_c.device, plan.fixed)
         if plan.symmetric:
             _symmetric_forward(kernel, prod, R, plan)
@@ -239,7 +215,7 @@ class TorchPairs(PairExecutor):
         kernel = _KERNELS[plan.kernel]
         raw = (*saved.keep["raw"], None, None)  # a single set's candidates are its anchors
         prod = make_products(plan.half, (raw[0], raw[1]), None, a, a if plan.symmetric else b,
-                             scale, saved.norms, plan.normalize, not plan.single_tile)
+                             scale, saved.norms, plan.normalize)
         if kept:
             if ctx.single and plan.fixed and isinstance(plan.positives, KeyPositives):  # a symmetric relation
                 return Gradients(prod.row_product(kernel.single_grad_fixed_both(tuple(kept), grads)), None, True)
@@ -247,13 +223,6 @@ class TorchPairs(PairExecutor):
             if ctx.single:  # one set: both roles of every row in one product, (G + G.T) @ A counts every pair twice
                 return Gradients(prod.row_product(g + g.t()), None, True)
             return Gradients(prod.row_product(g), prod.column_product(g))
-        if pair_strips.serves(plan):
-            if plan.kernel != "binary":  # PML's: every tile, G @ B and G.T @ A
-                rows, columns = pml_strips.softplus_backward(prod, a, b, grads[0], kernel_saved, plan)
-                return Gradients(rows, columns)
-            # NT-BXent's: a triangle's rows hold H @ A, H = G + G^T -- both roles of every pair
-            rows, cols = pair_strips.binary_backward(prod, a, b, grads, plan)
-            return Gradients(rows, cols, plan.symmetric)
 
         def grad_tile(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> Tensor:
             if not plan.is_mixed(r0, c0):

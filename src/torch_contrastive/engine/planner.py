@@ -3,10 +3,11 @@
 A loss describes its problem (rows, columns, dtype, the exactness regime it may use) and the
 engine asks :func:`decide` how to run it on the inputs' device:
 
-* **backend** -- ``"auto"`` picks the fastest exact path: on a CPU the torch tile loops, on a GPU
-  the backend the cost model (:mod:`.cost`) predicts fastest among those that serve the call
-  (:func:`predictions`; ``str(decision)`` lists them); an explicit ``"torch"`` / ``"triton"`` /
-  ``"epilogue"`` is honoured or refused with a ``ValueError`` (never a silent switch).
+* **backend** -- ``"auto"`` is the device's policy (:mod:`.policy`): an ordered list of rules whose crossovers
+  come from measured rows, the first that serves the call wins (``str(decision)`` says which and why); an
+  explicit ``"torch"`` / ``"triton"`` / ``"epilogue"`` is honoured or refused with a ``ValueError`` (never a
+  silent switch). The cost model (:mod:`torch_contrastive.cli.cost`) is an offline tool that proposes
+  crossovers (``torch-contrastive bench --traffic``); the engine does not import it.
 * **products** -- fp16/bf16 inputs on a GPU are multiplied as given on tensor cores with fp32
   accumulation and fp32 logits (:class:`~.products.HalfProducts`); everything else in the
   compute dtype (fp32 on a GPU follows ``torch.backends.cuda.matmul.allow_tf32``).
@@ -33,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..environment import choice, positive_int
-from .cost import FORMED_STRIPS, PAIR_FORMED, PAIR_PER_ROW, PATHS, PathCost, factoring_pays, formed, pair_factoring_pays, predict_path
+from . import policy
 from .precision import fixed_scale_applies
 from .recorded import record
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
@@ -64,12 +65,7 @@ class Decision:
         rows, cols: the problem's shape.
         operand_dtype: the Triton kernels' operand dtype when they take the caller's fp16/bf16
             rows as given (one half dtype on both sides); None: the compute dtype.
-        predicted: on a GPU, the cost model's time of each backend it has counts for (a prediction,
-            in seconds): what ``"auto"`` chose from.
-        factored: the torch loops' strips factor their backward -- the bounded soft-max terms multiply ``exp(S)``
-            itself, the coefficients on the operands (:mod:`.factored_strips`); the pair terms multiply two stacked
-            factors (:mod:`.pair_strips`, :mod:`.pml_strips`) -- where the cost model prices that lower
-            (:data:`FACTORED`).
+        reason: why the backend was chosen (the policy rule, or the caller's explicit backend).
         executor: in :func:`~.recorded.explain`'s answer, the executor that ran the plan (``"one_tile"``: the lean
             one-tile executor, :mod:`.one_tile`; else the backend's); ``""`` from :func:`decide` alone, which
             makes no plan. Not compared: the same decision, whichever executor ran it.
@@ -85,10 +81,9 @@ class Decision:
     rows: int
     cols: int
     operand_dtype: torch.dtype | None = None
-    predicted: tuple[tuple[str, float], ...] = ()
     tile_cols: int = 0
-    factored: bool = False
     executor: str = field(default="", compare=False)
+    reason: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         if self.backend == "triton":
@@ -106,14 +101,10 @@ class Decision:
             products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "kernel operands" \
                 if self.backend == "triton" else "compute-dtype products"
         regime = "bounded (one exp)" if self.fixed else "online maximum"
-        model = ""
-        if self.predicted:
-            model = "; predicted (H100 cost model, not a measurement): " + ", ".join(
-                f"{name} {1e3 * t:.3g} ms" for name, t in self.predicted)
         lean = ", the lean one-tile executor" if self.executor == "one_tile" else ""
-        factored = ", backward factored (no gradient tile)" if self.factored else ""
+        reason = f"; {self.reason}" if self.reason else ""
         return (f"{self.kernel} {self.rows}x{self.cols} on {self.device}: backend={self.backend}, {tiles} "
-                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{factored}{lean}{model}")
+                f"(scratch budget {self.budget / 2**20:.0f} MiB), {products}, {regime}{lean}{reason}")
 
 
 def _budget_from_environment() -> int:
@@ -191,19 +182,18 @@ def choose_backend(backend: str, triton_serves: Callable[[], str | None],
 
 
 class Traits(NamedTuple):
-    """What the cost model needs of a problem besides its shape: the feature size, whether it has
-    column terms (two sets, CLIP), whether it is a single set's triangle, for pair terms their
-    kernel (``"pair_softplus"``, ``"binary"``; None for the soft-max terms) and whether their outputs come back
-    per row (no ``combine``: PML's strips then form backward's products in backward, :data:`~.cost.PAIR_PER_ROW`)."""
+    """What a plan reads of a problem besides its shape: whether it is a single set's triangle (the epilogue then
+    walks squares, not row strips) and, for pair terms, their kernel (``"pair_softplus"``, ``"binary"``; None for
+    the soft-max terms). The feature size and the column terms are carried for the offline cost model
+    (:mod:`torch_contrastive.cli.cost`), which prices a problem from the same traits."""
 
     dim: int = 0
     columns: bool = False
     symmetric: bool = False
     pairs: str | None = None
-    per_row: bool = False
 
 
-#: No traits: a decision without the cost model (``dim`` 0).
+#: No traits: a problem of one set's rows is not assumed.
 NO_TRAITS = Traits()
 
 
@@ -229,20 +219,20 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         epilogue_serves: the same for the epilogue kernels (None: the statistic has none).
         one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
         half_ok: the kernel can take tensor-core products (:mod:`.products`).
-        auto_triton: ``"auto"`` may pick a kernel backend on a GPU, by the cost model (:func:`predictions`);
-            False keeps ``"auto"`` on torch (kernels not yet counted for the model).
-        traits: the problem's feature size and kind, which the cost model prices.
+        auto_triton: ``"auto"`` may pick a kernel backend on a GPU, by the device's policy (:mod:`.policy`);
+            False keeps ``"auto"`` on torch.
+        traits: the problem's kind (:class:`Traits`).
     """
     if _SIMULATED is not None:  # a cost count of another device's plan (simulate())
         device = _SIMULATED
     fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
-    # On a GPU "auto" is the cost model's choice among the backends that serve this problem: which
-    # serve is part of the key, so a training loop's same question is answered from the cache.
-    by_model = backend == "auto" and device.type == "cuda" and auto_triton and traits.dim > 0
-    served = (triton_serves() is None, epilogue_serves is not None and epilogue_serves() is None) if by_model else None
+    # On a GPU "auto" is the policy's first rule whose backend serves this problem: whether the epilogue
+    # serves is part of the key, so a training loop's same question is answered from the cache.
+    by_policy = backend == "auto" and device.type == "cuda" and auto_triton
+    served = (False, epilogue_serves is not None and epilogue_serves() is None) if by_policy else None
     cacheable = backend in ("auto", "torch")
     key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS, served,
-           traits, _tf32(), _SIMULATED_AREA, FACTORED)
+           traits, _tf32(), _SIMULATED_AREA)
     decision = _DECISIONS.get(key) if cacheable else None
     if decision is None:
         decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed,
@@ -291,85 +281,21 @@ def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torc
             half_ok: bool, served: tuple[bool, bool] | None, traits: Traits) -> Decision:
     """:func:`decide` without its cache."""
     chosen = choose_backend(backend, serves[0], serves[1])
-    predicted: tuple[tuple[str, float], ...] = ()
-    if device.type == "cuda" and kernel in ("softmax", "pairwise") and traits.dim > 0:
-        side = math.sqrt(_SIMULATED_AREA)  # a problem counted small is priced at the size it stands for
-        predicted = predictions(round(rows * side), round(cols * side), dtype, other_dtype,
-                                None if chunk_size is None else round(chunk_size * side), traits, fixed=fixed)
+    reason = f"backend={backend!r} as asked"
     if chosen == "auto":
-        chosen = "torch"
-        if served is not None and predicted:
-            allowed = {"torch": True, WIDE: True, "triton": served[0], "epilogue": served[1]}
-            chosen = min((t, name) for name, t in predicted if allowed[name])[1]
-    wide = chosen == WIDE
-    chosen = "torch" if wide else chosen
-    half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype) \
-        and not (PRODUCTS == "auto" and (wide or _wide_pays(predicted)))
+        chosen, reason = "torch", "policy: torch"
+        if served is not None:  # a problem counted small under simulate() is placed at the size it stands for
+            side = round(math.sqrt(rows * cols * _SIMULATED_AREA))  # the square with as many logits (policy.Rule)
+            chosen, reason = policy.choose(device.type, kernel, side, dtype, other_dtype, {"epilogue": served[1]})
+    half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
     budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
     strips = _walks_strips(chosen, traits, kernel == "softmax")
     tile, tile_cols = _tile_shape(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
                                   if device.type == "cuda" else 8, strips)
     single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
-    factored = chosen == "torch" and not single and not tile_cols \
-        and _strips_factor(kernel, device, (dtype, other_dtype), half, fixed, (rows, cols, tile), traits)
     return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
-                    predicted, 0 if single else tile_cols, factored)
-
-
-#: The torch loops' strips in backward: ``"auto"`` factored (the soft-max terms' :mod:`.factored_strips`, the pair
-#: terms' :mod:`.pair_strips` and :mod:`.pml_strips`) where the cost model prices it below the formed gradient tile
-#: on a GPU, ``"on"`` wherever a factored form serves, on any device (tests: a CPU runs the GPU's form), ``"off"``
-#: never. fp16 tensor-core products form the tile where the factored form takes ``exp(S)`` (it overflows fp16).
-FACTORED = "auto"
-
-
-def _strips_factor(kernel: str, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype], half: bool, fixed: bool,
-                   shape: tuple[int, int, int], traits: Traits) -> bool:
-    """Whether the torch loops' strips factor their backward (:data:`FACTORED`): the bounded soft-max terms'
-    (:func:`_factors`), or the pair terms' (:func:`pair_factors`) on a GPU plan -- one decision, in the plan."""
-    if kernel == "softmax":
-        return fixed and _factors(device, dtypes[0], dtypes[1], half, shape, traits)
-    if kernel != "pairwise" or traits.pairs is None or FACTORED == "off" or (device.type != "cuda" and FACTORED == "auto"):
-        return False
-    fp16 = half and dtypes[0] == torch.float16
-    return pair_factors(traits.pairs, "half" if half else "wide", traits.dim, fixed, fp16, FACTORED == "on", traits.per_row)
-
-
-def pair_factors(pairs: str, operands: str, dim: int, fixed: bool, fp16: bool, forced: bool = False,
-                 per_row: bool = False) -> bool:
-    """Whether a pair kernel's strips run factored (:mod:`.pair_strips`, :mod:`.pml_strips`): NT-BXent in either
-    regime, PML in the bounded one and not on fp16 products (``e^S`` overflows fp16 past 11); where the model prices it
-    below the general loop (:func:`~.cost.pair_factoring_pays`, ``per_row`` outputs or a reduced value) unless
-    ``forced``."""
-    serves = pairs == "binary" or (fixed and not fp16)
-    return serves and (forced or pair_factoring_pays(operands, dim, kernel=pairs, per_row=per_row))
-
-
-def _factors(device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype, half: bool, shape: tuple[int, int, int],
-             traits: Traits) -> bool:
-    """Whether the bounded strips' backward is factored (:data:`FACTORED`): on a GPU by the model at the size the
-    problem stands for (:func:`simulate`'s area), over the tiles ``shape = (rows, cols, tile)`` visits."""
-    if half and dtype == torch.float16:
-        return False
-    if FACTORED != "auto":
-        return FACTORED == "on"
-    operands = "half" if half else "wide" if dtype in _HALF and other_dtype == dtype else "fp32" \
-        if dtype == other_dtype == torch.float32 else None
-    kind = "columns" if traits.columns else "rows"
-    path, extra = PATHS.get((kind, "torch", operands or "")), FORMED_STRIPS.get((kind, operands or ""))
-    if device.type != "cuda" or path is None or extra is None:
-        return False
-    rows, cols, tile = shape
-    side = math.sqrt(_SIMULATED_AREA)
-    return factoring_pays(path, extra, round(rows * side), round(cols * side), traits.dim,
-                          "bfloat16" if half else "float32", _visited(rows, cols, tile, traits.symmetric))
-
-
-def _visited(rows: int, cols: int, tile: int, triangle: bool) -> int:
-    """Square tiles of ``tile`` a walk visits: every one, or a square problem's upper triangle when ``triangle``."""
-    per_side = math.ceil(rows / tile), math.ceil(cols / tile)
-    return per_side[0] * (per_side[0] + 1) // 2 if triangle and per_side[0] == per_side[1] else per_side[0] * per_side[1]
+                    0 if single else tile_cols, reason=reason)
 
 
 def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
@@ -414,20 +340,9 @@ def _tile_shape(chunk_size: int | None, rows: int, cols: int, device: torch.devi
     return math.ceil(max(rows, cols) / math.ceil(max(big_rows, big_cols) / edge)), 0
 
 
-#: The torch backend with half inputs widened to fp32 and multiplied in fp32 (no tensor cores), as the cost model
-#: names it among the backends (:func:`predictions`): a host-bound call's fewest launches.
-WIDE = "torch-fp32"
-
-
 #: Whether fp32 GEMMs on a GPU may round their operands to TF32 (then a widened product is not exact): the switch
 #: read in C, without the Python of ``torch.backends.cuda.matmul.allow_tf32`` (a plan key reads it every call).
 _tf32: Callable[[], bool] = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
-
-
-def _wide_pays(predicted: tuple[tuple[str, float], ...]) -> bool:
-    """Whether the model prices the torch backend's widened fp32 products below its tensor-core products."""
-    times = dict(predicted)
-    return times.get(WIDE, math.inf) < times.get("torch", math.inf)
 
 
 def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype, half: bool) -> int:
@@ -435,85 +350,6 @@ def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype,
     torch backend's gradient tile (the epilogue's gradient tiles fit the second buffer's bytes)."""
     wide = 16 if torch.float64 in (dtype, other_dtype) else 8
     return wide + (4 if half and backend == "torch" else 0)
-
-
-def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
-                traits: Traits, gpu: str = "H100", fixed: bool = True) -> tuple[tuple[str, float], ...]:
-    """The cost model's time (seconds, a prediction) of each backend that has counts for this soft-max or
-    pair-term problem (:data:`~.cost.PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available --
-    the H100's constants for any CUDA device until others are measured. Half operands of one dtype are
-    priced as tensor-core products, and the torch backend also as :data:`WIDE` -- the operands widened and
-    multiplied in fp32 (exact; not offered while TF32 may round fp32 GEMMs): fewer launches, more GEMM time,
-    so the host-bound small calls' choice; fp32 as fp32 (the fused kernels are counted for half operands only);
-    fp64 is not priced. ``fixed``: the call runs the bounded regime (the torch strips' factored forms need it for
-    PML)."""
-    return tuple((label, predict_path(*priced, gpu)) for label, priced in _priced(rows, cols, dtype, other_dtype, chunk_size,
-                                                                                     traits, fixed))
-
-
-def _priced(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
-            traits: Traits, fixed: bool = True) -> list[tuple[str, tuple[PathCost, str, int, int, int, str, int]]]:
-    """Each backend :func:`predictions` prices, with the arguments of :func:`~.cost.predict_path` (or
-    :func:`~.cost.path_terms`) but the GPU: its counted path, the shape, the GEMM dtype and the tiles visited."""
-    if dtype in _HALF and other_dtype == dtype:
-        operands, name = "half", "bfloat16"
-    elif dtype == other_dtype == torch.float32:
-        operands, name = "fp32", "float32"
-    else:
-        return []
-    kind = traits.pairs or ("columns" if traits.columns else "rows")
-    # (name, backend, counts' operands, GEMM dtype): the widened torch products for half inputs while exact
-    candidates = [(b, b, operands, name) for b in ("torch", "epilogue", "triton")]
-    if operands == "half" and not _tf32():
-        candidates.append((WIDE, "torch", "wide", "float32"))
-    out = []
-    for label, backend, counted, gemm_dtype in candidates:
-        path = PATHS.get((kind, backend, counted))
-        if path is None:
-            continue
-        half = backend == "torch" and counted == "half"
-        per_logit = _bytes_per_logit(backend, dtype, other_dtype, half)
-        strip = strip_rows(rows, cols, per_logit) if chunk_size is None and _walks_strips(backend, traits) else 0
-        tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
-        # a single set's triangle: the soft-max terms on every backend, NT-BXent on the torch loops (PML's torch strips'
-        # sweep 2 walks every tile, needing each row's own log-sum-exp: cost.PATHS spreads their counts over every tile)
-        triangle = traits.symmetric and (traits.pairs is None or (backend == "torch" and traits.pairs == "binary"))
-        tiles = math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
-        if backend == "torch" and tiles > 1:  # the strips' backward form: factored (PATHS' count) or formed
-            path = _strips_form(path, (kind, counted), dtype, (rows, cols, traits.dim, tiles), gemm_dtype, fixed,
-                                traits.per_row)
-        out.append((label, (path, backend, rows, cols, traits.dim, gemm_dtype, 1 if backend == "triton" else tiles)))
-    return out
-
-
-def _strips_form(path: PathCost, key: tuple[str, str], dtype: torch.dtype, shape: tuple[int, int, int, int], gemm_dtype: str,
-                 fixed: bool, per_row: bool = False) -> PathCost:
-    """A torch strips row of :data:`~.cost.PATHS` (the factored backward) as the form the plan runs: with the gradient
-    tile formed where it does (:data:`~.cost.FORMED_STRIPS`, :data:`~.cost.PAIR_FORMED`) -- as
-    :func:`_strips_factor` decides the plan's ``factored``, by the same model -- and PML's factored backward where its
-    outputs come back ``per_row`` (:data:`~.cost.PAIR_PER_ROW`).
-    ``key``: (problem kind, counted operands); ``shape``: (rows, cols, features, tiles visited)."""
-    kind, counted = key
-    rows, cols, dim, tiles = shape
-    fp16 = counted == "half" and dtype == torch.float16
-    pair = PAIR_FORMED.get(key)
-    if pair is not None:  # the pair terms, as _strips_factor decides
-        if FACTORED == "off" or not pair_factors(kind, counted, dim, fixed, fp16, FACTORED == "on", per_row):
-            return formed(path, pair)
-        kept = PAIR_PER_ROW.get(key) if per_row else None
-        return path if kept is None else formed(path, kept)
-    extra = FORMED_STRIPS.get(key)
-    if extra is not None and (FACTORED == "off" or fp16 or (
-            FACTORED == "auto" and not factoring_pays(path, extra, rows, cols, dim, gemm_dtype, tiles))):
-        return formed(path, extra)  # the strips' backward forms its gradient tile (the planner's ``factored``)
-    return path
-
-
-def launch_bound(device: torch.device) -> bool:
-    """Whether a call's small ops are priced as launches (a GPU, also one :func:`simulate` d): there fewer ops
-    win even through more views; on a CPU an op costs microseconds and a view about as much, so the plain forms
-    stay (NT-BXent's stacked weights measured 7 % slower on a CPU at 64 rows)."""
-    return (_SIMULATED or device).type == "cuda"
 
 
 def reduce_inside(reduction: str, distributed: bool) -> bool:

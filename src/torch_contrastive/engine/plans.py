@@ -132,9 +132,6 @@ class SoftmaxPlan(_Device):
             instead of once per set).
         one_tile: the lean one-tile executor serves the plan (:func:`~.problem_plan.one_tile`:
             :mod:`.one_tile`, the commonest small call without the general executor's Python).
-        factored: the bounded tile loop's backward multiplies ``exp(S)`` itself, its coefficients applied to the
-            operands and accumulators (:mod:`.factored_strips`): the planner's ``factored`` where a tensor-core
-            call's scale is a float (a learnable one keeps the formed tile, whose rounding remainder it multiplies).
     """
 
     decision: Decision
@@ -156,7 +153,6 @@ class SoftmaxPlan(_Device):
     weighted: bool = False
     stack_rows: bool = False
     one_tile: bool = False
-    factored: bool = False
 
     @property
     def executor(self) -> str:
@@ -180,11 +176,6 @@ class PairPlan(_Device):
             feeding its row block and its column block.
         one_tile: the lean one-tile executor serves the plan (one set's label relation on the torch
             backend's one bounded tile, rows normalised inside: :mod:`.one_tile`).
-        factored: the strips on a GPU plan factor backward (:func:`~.cost.pair_factoring_pays`): NT-BXent's run
-            :mod:`.pair_strips` (one signed tile each), PML's :mod:`.pml_strips` (bounded regime, two sweeps).
-        eager: PML's factored strips of a reduced value (``combine``) form backward's products in forward, for a
-            unit incoming gradient that backward scales (:func:`~.pml_strips.softplus_with_gradient`): three
-            sweeps in all where forward and backward take four.
     """
 
     decision: Decision
@@ -195,8 +186,6 @@ class PairPlan(_Device):
     mixed: tuple[tuple[bool, ...], ...] | None = None
     symmetric: bool = False
     one_tile: bool = False
-    factored: bool = False
-    eager: bool = False
 
     @property
     def executor(self) -> str:

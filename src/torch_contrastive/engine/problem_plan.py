@@ -17,7 +17,7 @@ import torch
 from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
 from . import planner
 from .confident import apart_rule
-from .planner import _HALF, Decision, Traits, _tf32, choose_backend, decide
+from .planner import Decision, Traits, _tf32, choose_backend, decide
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
@@ -97,8 +97,7 @@ def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Dec
                   bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
                   half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),
                   traits=Traits(int(anchors.shape[-1]), isinstance(stat, Softmax) and stat.columns, problem.symmetric,
-                                stat.kernel if isinstance(stat, PairTerms) else None,
-                                isinstance(stat, PairTerms) and stat.combine is None),
+                                stat.kernel if isinstance(stat, PairTerms) else None),
                   triton_serves=lambda: triton_refusal(problem),
                   epilogue_serves=lambda: epilogue_refusal(problem))
 
@@ -118,7 +117,7 @@ def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
         return None
     a, c, opts = problem.anchors, problem.candidates, problem.options
     return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
-            opts.chunk_size, opts.backend, stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, _tf32(), relation,
+            opts.chunk_size, opts.backend, stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, _tf32(), relation,
             problem.self_offset,
             problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
             stat.columns_share_alpha, stat.row_weights[0] is not None, stat.row_weights[1] is not None,
@@ -135,7 +134,7 @@ def _pair_key(problem: Problem, stat: PairTerms) -> tuple[Any, ...] | None:
     a, c, opts = problem.anchors, problem.candidates, problem.options
     return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
             _tf32(), opts.chunk_size, opts.backend,
-            stat.fixed, stat.kernel, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, planner.FACTORED, relation, problem.self_offset,
+            stat.fixed, stat.kernel, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, relation, problem.self_offset,
             problem.symmetric, problem.single, opts.normalize, opts.eps, stat.combine is None)
 
 
@@ -188,8 +187,7 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
                          decision.backend),
         places=places,
         weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)),
-        stack_rows=_stacks(decision, problem),
-        factored=decision.factored and not (decision.half and isinstance(problem.scale, torch.Tensor)))
+        stack_rows=_stacks(decision, problem))
     return replace(chosen, one_tile=True) if one_tile(chosen, problem) else chosen
 
 
@@ -206,9 +204,7 @@ def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
         stat = problem.statistic
         # (two rows or more: every row's sum of exp then holds a candidate, so backward divides by it)
         positives = plan.positives
-        # (a grouped relation: only the GPU's executor, which sums the positives by key, .one_tile_half)
-        read = plan.tile_positives or (isinstance(positives, KeyPositives) and plan.decision.device == "cuda"
-                                       and problem.anchors.dtype in _HALF)
+        read = plan.tile_positives
         masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns and read \
             and isinstance(positives, KeyPositives) and isinstance(stat, Softmax) and stat.col_weights == (None, None)
         return bool(masked and _one_bounded_tile(plan, problem))
@@ -222,10 +218,10 @@ def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
 
 
 def _one_bounded_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
-    """The torch backend's one bounded tile, rows normalised inside, nothing excluded, one process; in the compute
-    dtype, or bf16 on tensor cores (:mod:`.one_tile_half`; fp16 keeps the general scheme's rescaled rounding)."""
+    """The torch backend's one bounded tile, rows normalised inside, nothing excluded, one process, in the compute
+    dtype (tensor-core products take the general executor, the form a GPU has measured)."""
     return (plan.backend == "torch" and plan.single_tile and plan.fixed and plan.operand_dtype is None
-            and (not plan.half or problem.anchors.dtype == torch.bfloat16)
+            and not plan.half
             and plan.normalize and plan.exclude is None and plan.column_comm is None)
 
 
@@ -249,23 +245,14 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
-    # The strips on a GPU plan, factored where the model prices it lower (the planner's decision, planner.pair_factors):
-    # NT-BXent's (engine/pair_strips.py) walk a label relation's triangle sorted or not -- the factored tiles then do
-    # half the elementwise work; PML's (engine/pml_strips.py) run in the bounded regime
-    factored = decision.factored
-    symmetric = symmetric or (factored and stat.kernel == "binary" and problem.single and isinstance(positives, KeyPositives)
-                              and positives.self_offset == 0)
     # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
-    # (in the compute dtype, or bf16 on tensor cores: engine/one_tile_half.py; fp16 keeps the general scheme)
+    # (in the compute dtype: tensor-core products take the general executor)
     one_tile = (problem.single and isinstance(positives, KeyPositives) and positives.self_offset == 0
                 and decision.backend == "torch" and decision.tile == 0 and decision.fixed
-                and (not decision.half or problem.anchors.dtype == torch.bfloat16)
+                and not decision.half
                 and decision.operand_dtype is None and problem.options.normalize)
-    # PML's factored strips of a reduced value form backward's products in forward (one sweep fewer in all)
-    eager = factored and stat.kernel == "pair_softplus" and stat.combine is not None and decision.tile != 0
     return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
-                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile, factored=factored,
-                    eager=eager)
+                    eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile)
 
 
 def triton_refusal(problem: Problem) -> str | None:

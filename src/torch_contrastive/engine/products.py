@@ -28,15 +28,12 @@ multiplied is a planning decision (:mod:`.planner`), made here in one place:
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .cost import GPUS
 from .precision import Scale, zero
 from .tiling import logits_tile
 
@@ -137,52 +134,6 @@ def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
 WIDENING = [0]
 
 
-#: The split product's operand dtype: fp16's 11 bits give the two parts 22 (bf16's 8 would give 16).
-SPLIT = torch.float16
-
-
-def tile_mm(tile: Tensor, operand: Tensor) -> Tensor:
-    """``tile @ operand`` with an fp32 result where the tile is bf16 (tensor cores), else in the tile's dtype: a
-    factored strip's product of its written factor against rows."""
-    return _mm32(tile, operand) if tile.dtype == torch.bfloat16 else tile @ operand
-
-
-def split_rows(rows: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(x, x_low, u, v)`` of fp32 unit rows: ``x = sqrt(scale) * rows`` (fp32), ``x_low`` its rounding to
-    ``dtype`` (the backward products' operand), and the forward GEMM's fp16 operands ``u = [l | h | h]``,
-    ``v = [h | h | l]`` (``h`` the fp16 rounding of ``x``, ``l = x - h`` rounded), so that ``u_i . v_j =
-    x_i . x_j`` to about 2^-21 of ``|x_i| |x_j|``; ``u[:, :2D]`` holds both parts of ``x``.
-
-    Both operands are views of one ``[l | h | h | l]`` buffer (a leading dimension of 4D, which a GEMM reads
-    without a copy), written by two ops: ``h`` into its two adjacent blocks at once, ``l`` into the outer
-    two (a concatenation would add two launches)."""
-    x = rows * math.sqrt(scale)
-    n, dim = x.shape
-    parts = torch.empty(n, 4, dim, dtype=SPLIT, device=x.device)
-    wide = x.unsqueeze(1).expand(n, 2, dim)
-    high = parts[:, 1:3]
-    high.copy_(wide)  # h, rounded as it is written
-    torch.sub(wide, high, out=parts[:, ::3])  # l = x - h, the remainder rounded as it is written
-    flat = parts.view(n, 4 * dim)
-    return x, x.to(dtype), flat[:, : 3 * dim], flat[:, dim:]
-
-
-
-def scaled_blocks(x: Tensor, coefs: tuple[Tensor | None, ...], dtype: torch.dtype) -> Tensor:
-    """``[k_0 * x | k_1 * x | ...]`` (n, len(coefs) D) in ``dtype``, each ``k`` a per-row coefficient (None: ``x``
-    itself), each block rounded as it is written: the other operand of a product that takes its coefficients out of
-    the tile (:mod:`.factored_strips`, :mod:`.pair_factored`, :mod:`.pair_strips`); a GEMM reads any run of adjacent
-    blocks as it lies (a leading dimension of ``len(coefs) D``, no copy)."""
-    n, dim = x.shape
-    out = torch.empty(n, len(coefs) * dim, dtype=dtype, device=x.device)
-    for k, coef in enumerate(coefs):
-        block = out[:, k * dim : (k + 1) * dim]
-        if coef is None:
-            block.copy_(x)
-        else:
-            torch.mul(x, coef[:, None], out=block)
-    return out
-
 class _AddedProducts(ABC):
     """The tile loops' accumulation for products that return each tile's product (fp32 from tensor cores): added
     into the accumulator's slice, where :class:`Products` accumulates in its GEMM (``addmm_``)."""
@@ -280,105 +231,7 @@ class HalfProducts(_AddedProducts):
         return out if peak is None else out.mul_(peak)
 
 
-#: Features below which the split product pays (:class:`SplitProducts`): per logit entry it saves two read-write
-#: passes of fp32 (16 bytes) for two more GEMM-equivalents (4 D FLOPs), so ``D < 4 * FLOP rate / bandwidth`` --
-#: from the cost model's table (the H100's constants: about 1,100 features).
-SPLIT_FEATURES = int(4 * GPUS["H100"].gemm_flops["bfloat16"] / GPUS["H100"].bandwidth)
-
-
-class SplitProducts(_AddedProducts):
-    """Tensor-core products for bf16 rows with a positive float scale, from split operands: the logits from one
-    GEMM of fp16 parts, ``[l | h | h] @ [h | h | l]^T = x_a . x_b`` to about 2^-21 of the scale (``x = sqrt(scale)
-    z``, ``z`` the fp32 unit rows; :func:`split_rows`), so a logit tile costs one write where
-    :class:`HalfProducts`' factors add two read-write passes per tile, forward and backward; the backward products
-    multiply the gradient tile, rounded once to bf16 with ``1 / sqrt(scale)`` folded in, by ``x`` rounded to bf16 --
-    the same 2^-9 rounding as the tile's own (the lean one tile's scheme, :mod:`.one_tile_half`, on every tile).
-
-    Args:
-        a: ``Â`` (R, D) in fp32 (the unit rows, or the rows as given when not normalised).
-        b: ``B̂`` (C, D); ``a`` itself for a single set.
-        scale: the logit scale (a positive float).
-        dtype: the operand dtype of the backward products (bf16).
-    """
-
-    half = True
-
-    def __init__(self, a: Tensor, b: Tensor, scale: float, dtype: torch.dtype) -> None:
-        self.a, self.dtype, self.inverse_root = a, dtype, 1.0 / math.sqrt(scale)
-        _, self.low_a, self.u, v = split_rows(a, scale, dtype)
-        if b is a:  # one set: its split serves both sides
-            self.low_b, self.v = self.low_a, v
-        else:
-            _, self.low_b, _, self.v = split_rows(b, scale, dtype)
-
-    def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
-        return _mm32(self.u[r0:r1], self.v[c0:c1].t(), out)
-
-    def _rounded(self, g: Tensor) -> Tensor:
-        return torch.mul(g, self.inverse_root, out=torch.empty(g.shape, dtype=self.dtype, device=g.device))
-
-    def row_product(self, g: Tensor, c0: int = 0, c1: int | None = None) -> Tensor:
-        return _mm32(self._rounded(g), self.low_b[c0:c1])
-
-    def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
-        return _mm32(self._rounded(g).t(), self.low_a[r0:r1])
-
-
-AnyProducts = Products | HalfProducts | SplitProducts
-
-#: Columns an offset adds to a product's operands (:func:`offset_logits`): its parts, a factor of 1 each, then zeros
-#: to a multiple of 8 (tensor cores and vectorised GEMMs read the inner dimension in eights).
-OFFSET_COLUMNS = 8
-
-#: A tile of ``o_i - S_ij``: ``tile(r0, r1, c0, c1, out)``.
-OffsetTile = Callable[[int, int, int, int, Tensor], Tensor]
-
-
-def offset_logits(prod: AnyProducts, offsets: Tensor) -> OffsetTile:
-    """``o_i - S_ij`` tile by tile, written once by the GEMM itself: the operands carry ``o`` as extra columns against
-    columns of 1, so no tile-wide subtraction reads and writes the tile again (two passes saved per tile).
-
-    :class:`SplitProducts` negate their fp16 ``u`` and carry ``o`` in three fp16 parts (``o = h + m + l`` to about
-    2^-33 of ``|o|``, finer than the split product's own 2^-21) and a fourth for a row's ``-inf`` (a row without
-    negatives: no remainder of it is taken), and
-    :class:`Products` carry ``-scale * Â`` and ``o`` in the compute dtype (exact as the product is) -- except on a GPU
-    that may round fp32 GEMMs to TF32 (``o`` would lose digits the logits keep): there, as for
-    :class:`HalfProducts` (whose factors apply after the product), the tile is formed and subtracted from ``o``.
-    The operands are built once per call: O((R + C) D), a few launches.
-    """
-    if isinstance(prod, SplitProducts):
-        rows, width = prod.u.shape
-        left = prod.u.new_zeros(rows, width + OFFSET_COLUMNS)
-        torch.neg(prod.u, out=left[:, :width])
-        finite = torch.where(offsets.isfinite(), offsets, 0.0)
-        parts = left[:, width : width + 4]
-        parts[:, 0].copy_(finite)  # o rounded
-        torch.sub(finite, parts[:, 0], out=parts[:, 1])  # the remainder, rounded
-        torch.sub(finite, parts[:, :2].float().sum(1), out=parts[:, 2])  # the remainder's, rounded
-        torch.sub(offsets, finite, out=parts[:, 3])  # a row's -inf (0 elsewhere): no part subtracts from it
-        right = prod.v.new_zeros(prod.v.shape[0], width + OFFSET_COLUMNS)
-        right[:, :width].copy_(prod.v)
-        right[:, width : width + 4].fill_(1.0)
-        return lambda r0, r1, c0, c1, out: _mm32(left[r0:r1], right[c0:c1].t(), out)
-    if isinstance(prod, Products) and not (prod.a.is_cuda and prod.a.dtype == torch.float32 and _tf32_allowed()):
-        dim = prod.a.shape[1]
-        left = prod.a.new_zeros(prod.a.shape[0], dim + OFFSET_COLUMNS)
-        torch.neg(prod.a_s, out=left[:, :dim])
-        left[:, dim].copy_(offsets)
-        right = prod.b.new_zeros(prod.b.shape[0], dim + OFFSET_COLUMNS)
-        right[:, :dim].copy_(prod.b)
-        right[:, dim].fill_(1.0)
-        return lambda r0, r1, c0, c1, out: logits_tile(out, left[r0:r1], right[c0:c1])
-
-    def subtracted(r0: int, r1: int, c0: int, c1: int, out: Tensor) -> Tensor:
-        return torch.sub(offsets[r0:r1, None], prod.logits(r0, r1, c0, c1, out), out=out)
-
-    return subtracted
-
-
-#: Whether a CUDA fp32 GEMM may round to TF32 (read in C, as the planner reads it).
-_tf32_allowed: Callable[[], bool] = getattr(torch._C, "_get_cublas_allow_tf32",
-                                            lambda: bool(torch.backends.cuda.matmul.allow_tf32))
+AnyProducts = Products | HalfProducts
 
 
 class KernelOperands:
@@ -413,7 +266,7 @@ class KernelOperands:
 
 
 def make_products(half: bool, raw: tuple[Tensor | None, ...], a_s: Tensor | None, a: Tensor, b: Tensor, scale: Scale,
-                  norms: list[Tensor], normalize: bool, tiles: bool = False) -> AnyProducts:
+                  norms: list[Tensor], normalize: bool) -> AnyProducts:
     """The products a plan asked for.
 
     Args:
@@ -423,19 +276,12 @@ def make_products(half: bool, raw: tuple[Tensor | None, ...], a_s: Tensor | None
         a, b: ``Â``, ``B̂`` in the compute dtype.
         norms: ``(denominator, norm)`` of the anchors, then of the candidates unless they
             are the anchors, as the engine's normalisation returned them.
-        tiles: the problem spans tiles (the split's few launches per call pay back on every tile's two passes;
-            one tile, host-bound where the general executor serves it, keeps the factors).
     """
     if not half:
         return Products(a_s, a, b, scale)
     a_raw, b_raw = raw[0], raw[1]
     if a_raw is None:
         raise ValueError("half-precision products need the raw inputs")
-    # unit rows keep the split's fp16 parts in range (rows as given may not); fp16 tiles need a rescale; a tensor
-    # scale (a learnable temperature) needs the remainder product (HalfProducts.split_rows)
-    if tiles and normalize and a_raw.dtype == torch.bfloat16 and isinstance(scale, float) and scale > 0 \
-            and a.shape[1] < SPLIT_FEATURES:
-        return SplitProducts(a, b, scale, a_raw.dtype)
     inv_a = inv_b = None
     if normalize:
         inv_a = norms[0].reciprocal().squeeze(1)

@@ -26,7 +26,6 @@ from torch import Tensor
 from .._tensors import as_dtype
 from .confident import coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
-from .factored_strips import backward_factored
 from .left_out import Direction
 from .precision import Scale
 from .problem import Options, Problem, Softmax
@@ -172,7 +171,7 @@ class TorchSoftmax(SoftmaxExecutor):
 
     def statistics(self, plan: SoftmaxPlan, ops: Operands, raw: tuple[Tensor | None, ...]) -> Statistics:
         a_c, b_c = ops.a_c, ops.b_c
-        prod = make_products(plan.half, raw, None, a_c, b_c, ops.scale, ops.norms, plan.normalize, not plan.single_tile)
+        prod = make_products(plan.half, raw, None, a_c, b_c, ops.scale, ops.norms, plan.normalize)
         if plan.single_tile:
             return Statistics(prod, *single_forward(prod, a_c.shape[0], b_c.shape[0], plan))
         return Statistics(prod, *(forward_fixed if plan.fixed else forward_online)(prod, a_c, b_c.shape[0], plan))
@@ -181,12 +180,9 @@ class TorchSoftmax(SoftmaxExecutor):
                        col: Direction | None, folded: tuple[Tensor | None, Tensor | None],
                        by_sums: bool) -> tuple[Tensor, Tensor | None]:
         a, b, kept = saved.a, saved.b, saved.keep["kept"]
-        prod = make_products(plan.half, raw if plan.half else (), None, a, b, saved.scale, saved.norms, plan.normalize,
-                             not plan.single_tile)
+        prod = make_products(plan.half, raw if plan.half else (), None, a, b, saved.scale, saved.norms, plan.normalize)
         if kept is not None:
             return single_backward(kept, prod, b, row, col, *folded, plan, by_sums)
-        if plan.factored:
-            return backward_factored(prod, a, b, row, col, plan)
         return (backward_fixed if plan.fixed else backward_online)(prod, a, b, row, col, plan)
 
 

@@ -120,8 +120,7 @@ class TritonPairs(PairExecutor):
     """The pair terms as the fused pair kernels (:mod:`.triton_backend.pair_terms`); every tile's
     mask is formed in registers."""
 
-    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False,
-              unit: Tensor | None = None) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         outputs, kernel_saved = _forward_pairs(plan, KernelOperands(plan, (ops.a, ops.b), ops.a_c, ops.b_c, ops.scale, ops.norms))
         raw = tuple(t for t in (ops.a, ops.b) if t is not None) if plan.operand_dtype is not None else ()
         return outputs, {"kernel": kernel_saved, "raw": raw}

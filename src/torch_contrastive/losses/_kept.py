@@ -59,9 +59,9 @@ _ONE_TILE_KEY = (Softmax, "one_tile")
 _PAIRS_KEY = (PairTerms, "one_tile")
 #: The lean executors by their registry key, and the pair terms' lean functions.
 _LEAN = {_ONE_TILE_KEY: one_tile.ONE_TILE, _PAIRS_KEY: one_tile.ONE_TILE_PAIRS}
-_PAIRS = (one_tile._OneTilePairs, one_tile.HalfOneTilePairs)
+_PAIRS = (one_tile._OneTilePairs,)
 #: The lean functions of a call without labels (a single positive on a strided layout): kept with their plan.
-_STRIDED = (one_tile._OneTile, one_tile.HalfOneTile)
+_STRIDED = (one_tile._OneTile,)
 #: The types a kept call's other arguments may have: values, never tensors or containers the set-up reads.
 _SCALARS = frozenset({bool, int, float, str, type(None)})
 

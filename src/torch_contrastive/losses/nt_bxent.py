@@ -7,7 +7,6 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..engine import Options, PairTerms, Problem, compute_dtype, solve
-from ..engine.planner import launch_bound
 from ..positives import Positives
 from ._kept import kept
 from ._labelled import labelled_pairwise_rows
@@ -82,14 +81,8 @@ def nt_bxent_loss(
         if reduced is None:
             return None
         n_pos = positives.row_counts_as(cdtype) + 1
-        if not launch_bound(n_pos.device):  # a CPU: two tensors, combined in plain ops (fewer views)
-            return (n_pos.reciprocal(), (total - n_pos).reciprocal().nan_to_num_(posinf=0.0)), reduced[0]
-        # on a GPU the two means' weights as the rows of one tensor: the engine combines them in two ops, not five
-        weights = torch.empty(2, n_pos.shape[0], dtype=cdtype, device=n_pos.device)
-        torch.reciprocal(n_pos, out=weights[0])
-        # no negatives: a 0 weight (1 / 0's infinity made 0, two ops where a mask, a floor and a division are three)
-        torch.reciprocal(total - n_pos, out=weights[1]).nan_to_num_(posinf=0.0)
-        return weights, reduced[0]
+        # no negatives: a 0 weight (1 / 0's infinity made 0)
+        return (n_pos.reciprocal(), (total - n_pos).reciprocal().nan_to_num_(posinf=0.0)), reduced[0]
 
     if pos_indices is not None:
         # pos_indices index this rank's own batch: shift the columns to global rows.

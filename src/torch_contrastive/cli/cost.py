@@ -28,41 +28,37 @@ the measured rows). Every figure the model gives is a prediction, and is labelle
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..engine.planner import Traits, resolve_tile, strip_rows
 
 __all__ = [
     "BYTECODES_PER_OP",
-    "FORMED_STRIPS",
     "FUSED",
     "GPUS",
     "MEASURED",
-    "PAIR_FORMED",
-    "PAIR_PER_ROW",
-    "PAIR_RELATION_FORMS",
     "PATHS",
     "PEAK_BANDWIDTH",
-    "RELATION_FORMS",
-    "TILE_RELATION_FORMS",
+    "WIDE",
     "Counts",
-    "FormedStrips",
     "Fused",
     "Gpu",
     "Measured",
     "PathCost",
-    "factoring_pays",
     "fit",
     "fit_bytecodes",
     "fit_fused",
     "fit_host",
-    "formed",
     "host_time",
     "kernels",
-    "pair_factoring_pays",
     "path_terms",
     "predict",
     "predict_path",
+    "predictions",
     "terms",
-    "tile_mask_pays",
 ]
 
 
@@ -188,7 +184,8 @@ DEVICE_ROWS = 16384
 @dataclass(frozen=True)
 class PathCost:
     """What one backend's call costs besides its GEMMs, counted on the GPU plan for one kind of problem
-    (``tests/cli/test_traffic.py`` re-counts every entry of :data:`PATHS`, so a change to a path shows).
+    (``tests/cli/test_traffic.py`` re-counts every entry of :data:`PATHS`, so a change to a path shows; its
+    failure message prints the re-counted entry).
 
     Attributes:
         launches: launches when the whole problem is one tile.
@@ -218,162 +215,36 @@ class PathCost:
 
 #: The counts of each (problem kind, backend, operands): ``"columns"`` two sets with column terms (CLIP),
 #: ``"rows"`` row terms (a single set's triangle: NT-Xent; SupCon and InfoNCE cost about the same),
-#: the pair terms ``"pair_softplus"`` (PML NT-Xent) and ``"binary"`` (NT-BXent) with labels;
-#: operands ``"half"`` (bf16 on tensor cores), ``"wide"`` (bf16 inputs widened, fp32 products: the torch loops' choice
-#: where the model prices them lower, :data:`~.planner.WIDE`) or ``"fp32"``. Counted 2026-11-24 (the torch rows again 2026-11-25:
-#: two sets normalised as one stack, a strided tile's writes by ``put_``; the pair_softplus rows' launches again
-#: the same day: PML's per-pair mean from one count of the relation; the columns' half row: the two sets stacked
-#: on tensor-core products too; the pair terms' one tile again 2026-11-27: PML's masked parts kept, NT-BXent's
-#: log1p / sigmoid off one exp and its H = G + G^T formed directly; once more the same day: no negative mask,
-#: NT-BXent's zS in one op and its negative sum from the row's, PML's sigmoid in one op; the soft-max half rows' one tile
-#: again 2026-11-28: the lean bf16 executor, engine/one_tile_half.py, its split product three GEMM-equivalents; the pair
-#: terms' one tile the same day: their bf16 lean executor; every row again 2026-11-28 with its Python bytecodes, the plans
-#: kept as on a GPU, and the "wide" rows added; the launches and bytecodes once more the same day: kept calls
-#: (losses/_kept.py) -- a repeated one-tile call replayed without its set-up -- and the one-op fold of the
-#: scale and of a single set's two roles; the torch rows' again the same day: the split product's operands as
-#: two views of one buffer written by two ops (two launches fewer on tensor cores), the lean functions' apply
-#: called in C, a label relation's form asked of its reader (engine/relation_form.py, dense_relation), the pair terms'
-#: repeated one tile kept (a label call's relation rebuilt from its labels: losses/_kept.py), their counts from the
-#: mask's bools in one op (the pair terms' epilogue rows' launches and bytecodes too); the epilogue's half rows
-#: once more the same day: one tile keeps its fp32 unit rows for backward (no row kernel rebuilds them); the torch rows
-#: again the same day: the normalisation backward in six ops (was eight), NT-BXent's two means stacked and combined in
-#: two ops, PML's rows summed inside the kernel where only their total is read; again the same day: one key's groups
-#: from a sort and a search (the kernel backends' relation grouped: the epilogue's pair rows), the pair terms' torch
-#: strips priced by their own forms (:data:`PAIR_RELATION_FORMS`), a Triton launch announced by a class (not a
-#: generator context), the kernels' package kept after its first import; the pair_softplus epilogue row 2026-11-29: PML's
-#: forward in one launch per tile where a tile holds all its rows' columns (the strips' counts, 4 x 4 squares, unchanged);
-#: the pair terms' bf16 one tile 2026-11-29 again: the products factored through the kept tiles (engine/pair_factored.py:
-#: PML 19.0 passes, NT-BXent 14.8, for 7 GEMM-equivalents) and the widened one tile (the host-bound pick) keeping one
-#: tile for backward's two GEMMs (PML 40 launches and 22.0 passes where 41 and 30.8, NT-BXent 37 and 18.3 where 43 and 30.8);
-#: the torch loops' strips on tensor cores the same day from split operands (engine/products.py, SplitProducts: a logit
-#: tile one write where three passes; 8 GEMM-equivalents with column terms where 5); the soft-max terms' torch strips
-#: 2026-11-29 again with their backward factored (engine/factored_strips.py: CLIP 8.65 passes on tensor cores where
-#: 16.15, 10.15 widened where 14.15; NT-Xent 4.95 and 5.76 where 9.26 and 8.26; the formed tile's counts beside them in
-#: :data:`FORMED_STRIPS`, which the planner prices where factoring does not pay); NT-BXent's torch strips the same day
-#: from one signed tile each, a label relation's triangle, backward factored through [sig ; Q] (engine/pair_strips.py:
-#: 13.21 passes on tensor cores where 37.53, 15.15 widened where 35.53; its per-tile counts over the 10 tiles of the
-#: triangle it now walks); PML NT-Xent's torch strips the same day in two sweeps of few passes, backward factored
-#: through [E ; T] (engine/pml_strips.py: 26.54 passes on tensor cores where 54.51, 31.54 widened where 52.51; every
-#: tile, as the pricing now assumes for PML), and again 2026-11-29 with a reduced value's products formed in forward
-#: (three sweeps in all) and sweep 2's ``L_i - S`` written by its GEMM (products.offset_logits): 16.9 passes on
-#: tensor cores, 20.32 widened; a per-row call's backward priced by :data:`PAIR_PER_ROW`;
-#: Python 3.11.7,
-#: the epilogue's kernels in Triton's interpreter, whose
-#: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows, one tile and
-#: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not
-#: visible to the counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle).
+#: the pair terms ``"pair_softplus"`` (PML NT-Xent) and ``"binary"`` (NT-BXent) with labels (every tile visited:
+#: the few classes of :func:`~torch_contrastive.cli.traffic.cases` put a positive in every tile);
+#: operands ``"half"`` (bf16 on tensor cores), ``"wide"`` (bf16 inputs widened, fp32 products,
+#: ``TORCH_CONTRASTIVE_PRODUCTS=compute``: :data:`WIDE`) or ``"fp32"``. Counted 2026-12-02 on the CUDA plan of
+#: issue 64's policy (the torch loops' general executors, no factored or split forms) by
+#: ``tests/cli/test_traffic.py``'s own count (Python 3.11.7, the epilogue's kernels in Triton's interpreter, whose
+#: host-side checks add bytecodes a GPU's compiled launch would not) at 256 rows of 48 features, one tile and
+#: 4 x 4 tiles (``bench --traffic`` counts any loss at any size; the fused kernels' own GEMMs are not visible to the
+#: counter: their GEMM-equivalents are the kernels' design, 4 with column terms, 2 for a triangle). Earlier counts,
+#: of forms since removed, are in git's history of this table.
 PATHS: dict[tuple[str, str, str], PathCost] = {
-    ("columns", "torch", "half"): PathCost(46, 17.8, 9.66, 8.65, 5.0, 10.0, 0, 0.0, 1605, 1078),
-    ("columns", "torch", "wide"): PathCost(42, 14.9, 11.16, 10.15, 3.0, 6.0, 0, 0.0, 1292, 919),
-    ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7199, 1179),
-    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7586, 0),
-    ("rows", "torch", "half"): PathCost(35, 16.8, 8.04, 4.95, 4.0, 5.75, 0, 0.0, 1433, 1294),
-    ("rows", "torch", "wide"): PathCost(30, 14.8, 9.04, 5.76, 2.0, 3.25, 0, 0.0, 1167, 1157),
-    ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 5995, 1105),
-    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6366, 0),
-    ("columns", "torch", "fp32"): PathCost(40, 14.9, 11.16, 10.15, 3.0, 6.0, 0, 0.0, 1287, 918),
-    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6825, 903),
-    ("rows", "torch", "fp32"): PathCost(28, 14.8, 9.04, 5.76, 2.0, 3.25, 0, 0.0, 1162, 1157),
-    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5718, 850),
-    ("pair_softplus", "torch", "half"): PathCost(51, 28.9, 19.01, 16.9, 7.0, 10.92, 0, 0.0, 2493, 1094),
-    ("pair_softplus", "torch", "wide"): PathCost(40, 28.6, 22.01, 20.32, 3.0, 6.42, 0, 0.0, 1956, 918),
-    ("pair_softplus", "epilogue", "half"): PathCost(30, 10.7, 5.0, 8.0, 3.0, 5.0, 4, 3.13, 6227, 1413),
-    ("binary", "torch", "half"): PathCost(49, 31.8, 14.78, 13.21, 7.0, 9.75, 0, 0.0, 2425, 1346),
-    ("binary", "torch", "wide"): PathCost(37, 32.4, 18.26, 15.15, 3.0, 7.25, 0, 0.0, 1962, 1263),
-    ("binary", "epilogue", "half"): PathCost(32, 8.1, 5.02, 6.02, 3.0, 4.0, 4, 2.07, 6275, 1012),
+    ("columns", "torch", "half"): PathCost(54, 24.9, 17.16, 24.14, 3.0, 4.0, 0, 0.0, 4898, 1132),
+    ("columns", "torch", "wide"): PathCost(44, 16.7, 11.16, 14.14, 3.0, 4.0, 0, 0.0, 1265, 972),
+    ("columns", "epilogue", "half"): PathCost(51, 9.2, 5.0, 6.0, 3.0, 4.0, 7, 3.13, 7236, 1179),
+    ("columns", "triton", "half"): PathCost(48, 0.0, 0.0, 0.0, 4.0, 4.0, 8, 0.0, 7220, 0),
+    ("rows", "torch", "half"): PathCost(39, 24.2, 14.03, 14.25, 2.0, 2.25, 0, 0.0, 4205, 1243),
+    ("rows", "torch", "wide"): PathCost(32, 16.7, 9.03, 8.25, 2.0, 2.25, 0, 0.0, 1140, 1219),
+    ("rows", "epilogue", "half"): PathCost(31, 8.2, 4.0, 3.5, 2.0, 2.25, 4, 2.78, 6028, 1105),
+    ("rows", "triton", "half"): PathCost(36, 0.0, 0.0, 0.0, 2.0, 2.0, 5, 0.0, 6122, 0),
+    ("columns", "torch", "fp32"): PathCost(42, 16.7, 11.16, 14.14, 3.0, 4.0, 0, 0.0, 1260, 972),
+    ("columns", "epilogue", "fp32"): PathCost(44, 7.1, 6.0, 7.0, 3.0, 4.0, 7, 3.0, 6862, 903),
+    ("rows", "torch", "fp32"): PathCost(30, 16.7, 9.03, 8.25, 2.0, 2.25, 0, 0.0, 1135, 1219),
+    ("rows", "epilogue", "fp32"): PathCost(27, 6.4, 5.0, 4.12, 2.0, 2.25, 4, 2.67, 5751, 850),
+    ("pair_softplus", "torch", "half"): PathCost(50, 62.1, 36.5, 68.5, 2.0, 5.0, 0, 0.0, 4622, 2166),
+    ("pair_softplus", "torch", "wide"): PathCost(43, 51.8, 31.5, 54.5, 2.0, 5.0, 0, 0.0, 2014, 1881),
+    ("pair_softplus", "epilogue", "half"): PathCost(27, 10.7, 7.5, 10.5, 3.0, 5.0, 4, 3.13, 6132, 1414),
+    ("binary", "torch", "half"): PathCost(57, 37.9, 36.5, 47.5, 2.0, 4.0, 0, 0.0, 4623, 1268),
+    ("binary", "torch", "wide"): PathCost(50, 29.7, 31.5, 37.5, 2.0, 4.0, 0, 0.0, 2044, 1039),
+    ("binary", "epilogue", "half"): PathCost(35, 8.1, 7.5, 8.5, 3.0, 4.0, 4, 2.07, 6164, 1014),
 }
-
-
-@dataclass(frozen=True)
-class FormedStrips:
-    """What the torch loops' bounded strips of the soft-max terms cost with the gradient tile formed
-    (``G = (u_i + v_j) exp(S)``, then its two products) beyond the factored form that :data:`PATHS` counts
-    (:mod:`~.factored_strips`: the products multiply ``exp(S)`` against operands twice as wide). Counted on the
-    GPU plan with each form forced (``tests/cli/test_traffic.py`` re-counts them).
-
-    Attributes:
-        passes: fp32 passes over the logits the formed tile adds (strips).
-        per_tile: launches it adds per further tile (as :attr:`PathCost.per_tile`: the call's own difference
-            spread over the tiles counted).
-        gemms: GEMM-equivalents it adds (negative: its products are half as wide).
-        bytecodes_per_tile: Python bytecodes it adds per further tile.
-    """
-
-    passes: float
-    per_tile: float
-    gemms: float
-    bytecodes_per_tile: float
-
-
-#: Per (problem kind, operands) of :data:`PATHS`' torch rows: CLIP (``"columns"``) and NT-Xent (``"rows"``), 256
-#: rows of 48 features, 4 x 4 tiles of 64, counted 2026-11-29. Tensor-core operands only in bf16 (fp16's ``exp(S)``
-#: overflows past ``S = 11``: its strips keep the formed tile, priced by these entries added to the factored ones).
-FORMED_STRIPS: dict[tuple[str, str], FormedStrips] = {
-    ("columns", "half"): FormedStrips(7.5, 3.9, -2.0, 92),
-    ("columns", "wide"): FormedStrips(4.0, 1.7, -2.0, 53),
-    ("columns", "fp32"): FormedStrips(4.0, 1.7, -2.0, 53),
-    ("rows", "half"): FormedStrips(4.31, 3.7, -1.0, 86),
-    ("rows", "wide"): FormedStrips(2.5, 1.9, -1.0, 62),
-    ("rows", "fp32"): FormedStrips(2.5, 1.9, -1.0, 62),
-}
-
-
-def formed(path: PathCost, extra: FormedStrips) -> PathCost:
-    """``path`` (a torch row of :data:`PATHS`, the factored strips) with the gradient tile formed instead."""
-    return replace(path, passes_strips=path.passes_strips + extra.passes, per_tile=path.per_tile + extra.per_tile,
-                   gemms_strips=path.gemms_strips + extra.gemms,
-                   bytecodes_per_tile=path.bytecodes_per_tile + extra.bytecodes_per_tile)
-
-
-def factoring_pays(path: PathCost, extra: FormedStrips, rows: int, cols: int, dim: int, dtype: str, tiles: int,
-                   gpu: Gpu | str = "H100") -> bool:
-    """Whether the factored strips (``path``) are predicted no slower than the formed tile (``path`` plus
-    ``extra``): their wider GEMMs against the formed tile's passes and launches; ``dtype`` the GEMMs' (a
-    widened call's fp32 GEMMs price the width at the fp32 rate, so there it pays only at small ``dim``)."""
-    return predict_path(path, "torch", rows, cols, dim, dtype, tiles, gpu) <= \
-        predict_path(formed(path, extra), "torch", rows, cols, dim, dtype, tiles, gpu)
-
-
-#: The pair terms' torch strips on the GPU plan, formed (the general loop, every tile) beyond factored, per (kernel,
-#: operands), as :data:`FORMED_STRIPS` (launches and bytecodes per further tile spread over the tiles :data:`PATHS`
-#: counts them over: NT-BXent's triangle 10, PML's 16), 1,024 rows counted at 256, 4 x 4 tiles, D 64, 2026-11-29.
-#: NT-BXent (engine/pair_strips.py, a label relation's triangle): 37.53 and 35.53 passes for 8 and 4
-#: GEMM-equivalents, factored 13.21 and 15.15 for 9.75 and 7.25. PML NT-Xent (engine/pml_strips.py, sweeps 1 and 3
-#: over a label relation's triangle, a reduced value's products formed in forward): 54.51 and 52.51 for 11.0 and 5.0,
-#: factored 16.9 and 20.32 for 10.92 and 6.42.
-PAIR_FORMED: dict[tuple[str, str], FormedStrips] = {
-    ("binary", "half"): FormedStrips(24.31, 24.8, -1.75, 708),
-    ("binary", "wide"): FormedStrips(20.37, 17.7, -3.25, 502),
-    ("pair_softplus", "half"): FormedStrips(37.61, 26.8, 0.125, 997),
-    ("pair_softplus", "wide"): FormedStrips(32.19, 23.2, -1.375, 997),
-}
-
-#: PML NT-Xent's factored strips with per-row outputs (no ``combine``: a distributed call, ``reduction="none"``)
-#: beyond a reduced value's, per operands: backward recomputes each tile and forms ``[E ; T]``
-#: (:func:`~.pml_strips.softplus_backward`) where a reduced value formed its products in forward
-#: (:func:`~.pml_strips.softplus_with_gradient`). Counted as :data:`PAIR_FORMED` (1,024 rows counted at 256, 4 x 4
-#: tiles, D 64, 2026-11-29): 24.56 passes on tensor cores against 16.9, 29.54 widened against 20.32.
-PAIR_PER_ROW: dict[tuple[str, str], FormedStrips] = {
-    ("pair_softplus", "half"): FormedStrips(7.66, 0.4, 1.125, 46),
-    ("pair_softplus", "wide"): FormedStrips(9.22, 0.3, 0.375, 82),
-}
-
-
-def pair_factoring_pays(operands: str, dim: int, gpu: Gpu | str = "H100", kernel: str = "binary",
-                        per_row: bool = False) -> bool:
-    """Whether the pair terms' factored strips (``kernel``: NT-BXent's ``"binary"``, PML's ``"pair_softplus"``) are
-    predicted faster on the device than the formed tile at ``dim`` features: the formed tile's passes
-    (:data:`PAIR_FORMED`) against the factored products' GEMM FLOPs, per logit, at the products' rate -- ``operands``
-    ``"half"`` (tensor cores: NT-BXent up to about 7,800 features; PML's reduced value at any, its products formed
-    in forward doing fewer FLOPs than the general loop, per-row outputs up to about 17,000) or ``"wide"`` (fp32 GEMMs,
-    widened or fp32 inputs: NT-BXent below about 280; PML below about 1,050, per-row outputs about 590).
-    ``per_row``: PML's outputs per row (:data:`PAIR_PER_ROW`). Per logit: the launches are the same order."""
-    g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    extra = PAIR_FORMED[(kernel, operands)]
-    kept = PAIR_PER_ROW.get((kernel, operands)) if per_row else None
-    passes, gemms = (extra.passes, extra.gemms) if kept is None else (extra.passes - kept.passes, extra.gemms - kept.gemms)
-    rate = g.gemm_flops["bfloat16" if operands == "half" else "float32"]
-    return -gemms * 2.0 * dim / rate < passes * 4.0 / g.bandwidth
 
 
 @dataclass(frozen=True)
@@ -393,100 +264,6 @@ FUSED: dict[str, Fused] = {
     "H100": Fused(rate=143.2e12, overhead=2.17e-3,
                   source="fitted 2026-11-24 to the 3 measured Triton rows of docs/gpu.md (RMS relative error 0.2 %)"),
 }
-
-
-@dataclass(frozen=True)
-class RelationForms:
-    """What the two forms of a label relation cost a call beyond each other, counted on the GPU plan
-    (``tests/cli/test_traffic.py`` re-counts them, so a change to either form shows).
-
-    Attributes:
-        dense_passes: fp32 passes over the logits that the dense 0/1 mask adds (built, converted,
-            read by the positive sums and the gradient tile).
-        grouped_launches: launches that the grouped form (keys sorted, per-class sums) adds (negative: saves).
-    """
-
-    dense_passes: float
-    grouped_launches: int
-
-
-#: SupCon with labels, 1,024 rows, bf16, the GPU plan's strips (4 x 4 tiles), counted 2026-11-28; again the same day
-#: after one key's groups came from a sort and a search (was 17 launches more: a lexicographic grouping): the grouped
-#: form is now the cheaper on strips in both, so a GPU's strips group (a one-tile reader is priced apart:
-#: :data:`TILE_RELATION_FORMS`).
-RELATION_FORMS = RelationForms(dense_passes=2.75, grouped_launches=-4)
-
-
-@dataclass(frozen=True)
-class TileRelationForms:
-    """What the two forms of a single set's label relation cost the torch backend's one tile beyond each other
-    (SupCon's lean executor, ``engine/one_tile_half.py``), counted on the GPU plan (``tests/cli/test_traffic.py``
-    re-counts them). The mask is read by GEMMs, ``P x`` forward and ``P (beta x)`` backward; the grouped form sums
-    the rows per key instead (a sort, a search, index-adds: O(N D) work, more launches).
-
-    Attributes:
-        dense_passes: fp32 passes over the logits that the mask adds (built, counted, converted, read by the GEMMs).
-        dense_gemms: GEMM-equivalents (``2 R C D`` FLOPs each) of the mask's products.
-        grouped_launches: launches the grouped form adds.
-        grouped_bytecodes: Python bytecodes the grouped form adds (negative: fewer).
-    """
-
-    dense_passes: float
-    dense_gemms: float
-    grouped_launches: int
-    grouped_bytecodes: int
-
-
-#: Per operands of the tile's products: ``"half"`` (bf16 rows split for fp16 tensor cores, the mask in fp16, its
-#: GEMMs fp16), ``"wide"`` (bf16 inputs widened, fp32 products, :data:`~.planner.WIDE`). SupCon with labels on the
-#: GPU plan, counted 2026-11-28 at 8,192 rows (half) and 1,024 (wide).
-TILE_RELATION_FORMS = {
-    "half": TileRelationForms(dense_passes=2.25, dense_gemms=3.0, grouped_launches=7, grouped_bytecodes=-17),
-    "wide": TileRelationForms(dense_passes=3.75, dense_gemms=2.0, grouped_launches=9, grouped_bytecodes=114),
-}
-
-
-def tile_mask_pays(rows: float, cols: float, dim: int, operands: str, call: tuple[float, float], gpu: Gpu | str = "H100") -> bool:
-    """Whether a single set's label relation is predicted cheaper as a dense mask than grouped by key on the torch
-    backend's one tile (:data:`TILE_RELATION_FORMS`). ``call``: the ``(device, host)`` time of the one tile without
-    the relation (:func:`path_terms`): the call takes the longer, so a host-bound call keeps the mask, whose passes
-    and products the device hides, and a device-bound one groups, whose launches the host hides."""
-    g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    f = TILE_RELATION_FORMS[operands]
-    products = f.dense_gemms * 2.0 * rows * cols * dim / g.gemm_flops["float16" if operands == "half" else "float32"]
-    mask = f.dense_passes * 4.0 * rows * cols / g.bandwidth + products
-    device, host = call
-    return max(device + mask, host) <= max(device + f.grouped_launches * g.launch,
-                                            host + f.grouped_launches * g.host_op + f.grouped_bytecodes * g.host_bytecode)
-
-
-#: The pair terms' on the torch loops' strips, per kernel, where the grouped form compares the keys of every tile
-#: again: 1,024 rows, bf16, 4 x 4 tiles, D 500, counted 2026-11-29 with their strips factored (engine/pml_strips.py:
-#: PML's three sweeps read the relation of 36 tiles, so the mask moves fewer bytes too; engine/pair_strips.py:
-#: NT-BXent's triangle reads 20).
-PAIR_RELATION_FORMS: dict[str, RelationForms] = {
-    "pair_softplus": RelationForms(dense_passes=-0.06, grouped_launches=52),
-    "binary": RelationForms(dense_passes=0.19, grouped_launches=31),
-}
-
-
-def dense_relation_pays(rows: float, cols: float, gpu: Gpu | str = "H100", call: tuple[float, float] | None = None,
-                        forms: RelationForms = RELATION_FORMS) -> bool:
-    """Whether the dense mask of an ``R x C`` label relation is predicted cheaper than the grouped form, for a
-    reader whose two forms differ by ``forms`` (the soft-max terms' :data:`RELATION_FORMS`, a pair kernel's entry of
-    :data:`PAIR_RELATION_FORMS`).
-
-    Without ``call``, on the device alone: the mask's extra passes against the grouped form's extra launches.
-    ``call``: the ``(device, host)`` time of the call that reads the relation, counted with the mask
-    (:func:`path_terms` of a :data:`PATHS` entry): the call takes the longer of the two, so the mask's passes
-    cost nothing while the device waits on the host, and the grouped form's launches cost the host too."""
-    g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    mask = forms.dense_passes * 4.0 * rows * cols / g.bandwidth
-    grouped = forms.grouped_launches * g.launch
-    if call is None:
-        return mask < grouped
-    device, host = call
-    return max(device, host) <= max(device - mask + grouped, host + forms.grouped_launches * g.host_op)
 
 
 @dataclass(frozen=True)
@@ -672,3 +449,55 @@ def path_terms(path: PathCost, backend: str, rows: int, cols: int, dim: int, dty
         gemm = flops / g.gemm_flops[dtype]
     device = gemm + passes * 4.0 * rows * cols / g.bandwidth + launches * g.launch
     return device, (launches - launched) * g.host_op + bytecodes * g.host_bytecode + launched * g.host_kernel
+
+
+#: The torch backend with half inputs widened to fp32 and multiplied in fp32 (no tensor cores:
+#: ``TORCH_CONTRASTIVE_PRODUCTS=compute``), as :func:`predictions` names it beside the backends.
+WIDE = "torch-fp32"
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _visited(rows: int, cols: int, tile: int, triangle: bool) -> int:
+    """Square tiles of ``tile`` a walk visits: every one, or a square problem's upper triangle when ``triangle``."""
+    per_side = math.ceil(rows / tile), math.ceil(cols / tile)
+    return per_side[0] * (per_side[0] + 1) // 2 if triangle and per_side[0] == per_side[1] else per_side[0] * per_side[1]
+
+
+def _bytes_per_logit(backend: str, half: bool) -> int:
+    """The planner's scratch per logit of a GPU tile (two fp32 buffers, and the torch loops' two half copies of
+    their gradient tile on tensor-core products), for the tile the plan would take."""
+    return 8 + (4 if half and backend == "torch" else 0)
+
+
+def predictions(rows: int, cols: int, dtype: torch.dtype, other_dtype: torch.dtype, chunk_size: int | None,
+                traits: Traits, gpu: str = "H100") -> tuple[tuple[str, float], ...]:
+    """The model's time (seconds, a prediction) of each backend that has counts for this soft-max or pair-term
+    problem (:data:`PATHS`): ``(("torch", t), ("epilogue", t), ("triton", t))`` as available, and for half inputs
+    the torch loops on widened fp32 products as :data:`WIDE` (not while TF32 may round fp32 GEMMs) -- the H100's constants for any CUDA device until
+    others are measured. Offline only: the engine's policy (``engine/policy.py``) takes measured crossovers, and
+    this proposes where a GPU run should look. fp64 is not priced."""
+    if dtype in _HALF and other_dtype == dtype:
+        operands, name = "half", "bfloat16"
+    elif dtype == other_dtype == torch.float32:
+        operands, name = "fp32", "float32"
+    else:
+        return ()
+    kind = traits.pairs or ("columns" if traits.columns else "rows")
+    candidates = [(b, b, operands, name) for b in ("torch", "epilogue", "triton")]
+    if operands == "half" and not torch.backends.cuda.matmul.allow_tf32:  # widened products are exact only without TF32
+        candidates.append((WIDE, "torch", "wide", "float32"))
+    out = []
+    for label, backend, counted, gemm_dtype in candidates:
+        path = PATHS.get((kind, backend, counted))
+        if path is None:
+            continue
+        per_logit = _bytes_per_logit(backend, counted == "half")
+        walks_strips = backend == "epilogue" and (traits.pairs is not None or not traits.symmetric)
+        strip = strip_rows(rows, cols, per_logit) if chunk_size is None and walks_strips else 0
+        tile = resolve_tile(chunk_size, rows, cols, "cuda", per_logit)
+        # a single set's triangle: the soft-max terms on every backend; the pair terms visit every tile (as counted)
+        triangle = traits.symmetric and traits.pairs is None
+        tiles = 1 if backend == "triton" else math.ceil(rows / strip) if strip else _visited(rows, cols, tile, triangle)
+        out.append((label, predict_path(path, backend, rows, cols, traits.dim, gemm_dtype, tiles, gpu)))
+    return tuple(out)
