@@ -1227,7 +1227,10 @@ MUTATIONS = [
     Mutation(f"{E}/problem_plan.py", "            problem.symmetric, problem.single, opts.normalize, opts.eps, stat.combine is None)",
              "            problem.symmetric, problem.single, opts.normalize, opts.eps)",
              "a kept pair plan of per-row outputs serves a reduced value (or the reverse)",
-             ("tests/losses/test_kept.py", "tests/engine/test_pairwise.py")),
+             ("tests/losses/test_kept.py", "tests/engine/test_pairwise.py"),
+             reason="equivalent since 2026-12-02: no field of a pair plan depends on the combine now that PML's strips "
+             "(which formed backward's products in forward for a reduced value) are gone; the key entry goes with "
+             "issue 64's one plan key"),
     Mutation(f"{E}/problem.py", "        return [(blocks[start // step][0], blocks[(min(start + tile, n) - 1) // step][1])",
              "        return [(blocks[start // step][0], blocks[start // step][1])",
              "a tile's label range read from its first block alone: a positive in a later block is skipped",
