@@ -1,5 +1,5 @@
 """Global contrastive losses: a per-sample moving average instead of the in-batch normaliser
-(SogCLR, Yuan et al. 2022; FastCLIP / GCL bimodal, Wei et al. 2024). SPEC §17.
+(SogCLR, Yuan et al. 2022; FastCLIP / GCL bimodal, Wei et al. 2024). docs/losses.md states the options.
 
 An in-batch loss normalises anchor ``i`` by its batch's negatives, so its quality follows the batch
 size. The global loss keeps, for every sample of the data set and every direction, an estimate
@@ -433,7 +433,7 @@ def _check_state(state: object, n: int, dtype: torch.dtype, individual: bool) ->
 
 
 class GlobalContrastiveLoss(nn.Module):
-    """Global contrastive loss with its per-sample state (SogCLR, iSogCLR, FastCLIP; SPEC §17).
+    """Global contrastive loss with its per-sample state (SogCLR, Yuan et al. 2022; iSogCLR, Qiu et al. 2023; FastCLIP, Wei et al. 2024).
 
     Called as ``loss_fn(a, b, index)`` with ``index`` (B,) the batch's dataset indices (from the
     data loader); it refreshes the visited samples' states and returns the running estimate of the

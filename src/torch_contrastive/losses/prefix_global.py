@@ -1,4 +1,4 @@
-"""The global contrastive losses over every prefix of the embedding in one pass (Matryoshka, SPEC §17).
+"""The global contrastive losses over every prefix of the embedding in one pass (Matryoshka: Kusupati et al. 2022).
 
 A global contrastive loss keeps one normaliser ``u_i`` per sample for the embedding it is given, so a
 Matryoshka model keeps one :class:`~.global_contrastive.GlobalContrastiveLoss` per prefix
