@@ -6,15 +6,13 @@ each rank normalises its own rows first (with this op) and gathers the result.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 from torch import Tensor
 
 from ._tensors import save_for_backward
 from .engine.driver import first_order_only
-from .engine.normalization import KERNEL_DTYPES, l2_normalize, l2_normalize_backward
+from .engine.normalization import l2_normalize, l2_normalize_backward
+from .engine.planner import rows_by_kernel
 from .engine.precision import compute_dtype
 
 __all__ = ["prepare"]
@@ -47,26 +45,10 @@ class _L2Normalize(torch.autograd.Function):
         return l2_normalize_backward(g, y, denom, norm, ctx.eps), None, None
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def by_kernel(backend: str, x: Tensor) -> bool:
-    """Whether rows normalised before a gather go through the Triton row kernels: on the kernel
-    backends, and for ``"auto"`` on a CUDA device with triton installed (the call is launch-bound at
-    a few thousand rows: one launch each way instead of five and ten); fp64 keeps the torch form."""
-    if x.dtype not in KERNEL_DTYPES:
-        return False
-    if backend in ("epilogue", "triton"):
-        return True
-    return backend == "auto" and x.device.type == "cuda" and _triton_installed()
-
-
 def prepare(x: Tensor, normalize: bool, eps: float, backend: str = "torch") -> Tensor:
     """Cast to the compute dtype (fp32 for fp16/bf16) and, if asked, L2-normalise rows (by the
-    Triton row kernels where :func:`by_kernel` says so for ``backend``)."""
-    if normalize and by_kernel(backend, x):
+    Triton row kernels where :func:`~.engine.planner.rows_by_kernel` says so for ``backend``)."""
+    if normalize and rows_by_kernel(x.device, x.dtype, backend):
         return _L2Normalize.apply(x, float(eps), True)
     x = x.to(compute_dtype(x.dtype))
     if not normalize:

@@ -75,18 +75,18 @@ DENSE_KEYS_LIMIT = 256 * 256
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
 
-# the engine's relation-form rule (engine/relation_form.py), whose planner imports this module: imported on first
+# the engine's relation-form rule (engine/planner.py; the engine's package imports this module): imported on first
 # use, then kept here (an import statement in a function runs the import machinery's Python on every call)
 _FORMS: Any = None
 
 
 def _forms() -> Any:
     global _FORMS
-    from .engine import relation_form
+    from .engine import planner
 
     if not torch.compiler.is_compiling():  # (a traced call may not write a module global: Dynamo refuses the side effect)
-        _FORMS = relation_form
-    return relation_form
+        _FORMS = planner
+    return planner
 
 
 def _dense_pays(rows: int, cols: int, device: torch.device, reader: Reader | None = None) -> bool:

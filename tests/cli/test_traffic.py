@@ -99,10 +99,10 @@ def test_simulate_plans_as_on_a_gpu_and_restores_the_planner():
     cpu = planner.decide(**args)
     with planner.simulate("cuda", budget=2048 * 2048 * 12 // 4):
         gpu = planner.decide(**args)
-        assert planner.GPU_BUDGET == 2048 * 2048 * 12 // 4
+        assert planner.target(torch.device("cpu")).budget == 2048 * 2048 * 12 // 4 and gpu.budget == 2048 * 2048 * 12 // 4
     assert not cpu.half and cpu.device == "cpu"
     assert gpu.half and gpu.device == "cuda" and gpu.backend == "torch" and gpu.tile == 1024  # two tiles per side
-    assert planner.GPU_BUDGET == before and planner._SIMULATED is None
+    assert planner.GPU_BUDGET == before and not planner.SIMULATING
     assert gpu_tiles(8192) == 1 and gpu_tiles(65536) > 1
 
 
@@ -220,7 +220,6 @@ def test_python_bytecodes_are_counted_per_call_and_a_kept_plan_costs_fewer():
 
     ours, dense = cases(64, 16)["clip"]
     problem_plan._PLANS.clear()
-    planner._DECISIONS.clear()
     with planner.simulate("cuda"):
         first, second, third = bytecodes(ours), bytecodes(ours), bytecodes(ours)
     assert first > second + 300 and second == third

@@ -141,7 +141,8 @@ def test_the_kernel_backends_gradients_equal_the_torch_backend(dtype, backend):
 def test_rows_normalised_before_a_gather_take_the_kernels_on_the_kernel_backends(dtype):
     """``gather=True`` normalises each rank's rows before the gather (``_normalize.prepare``): on the
     kernel backends by the row kernels, with the torch form's values and gradients."""
-    from torch_contrastive._normalize import by_kernel, prepare
+    from torch_contrastive._normalize import prepare
+    from torch_contrastive.engine.planner import rows_by_kernel
 
     x0 = _rows(9, 20, dtype)
     g = torch.randn(9, 20, generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -154,6 +155,6 @@ def test_rows_normalised_before_a_gather_take_the_kernels_on_the_kernel_backends
     assert out["epilogue"][1].dtype == dtype and out["epilogue"][0].dtype == torch.float32
     for got, want in zip(out["epilogue"], out["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
-    cpu = torch.ones(2, 2)
-    assert by_kernel("epilogue", cpu) and by_kernel("triton", cpu) and not by_kernel("torch", cpu)
-    assert not by_kernel("auto", cpu) and not by_kernel("epilogue", cpu.double())
+    cpu, f32, f64 = torch.device("cpu"), torch.float32, torch.float64
+    assert rows_by_kernel(cpu, f32, "epilogue") and rows_by_kernel(cpu, f32, "triton") and not rows_by_kernel(cpu, f32, "torch")
+    assert not rows_by_kernel(cpu, f32, "auto") and not rows_by_kernel(cpu, f64, "epilogue")

@@ -18,7 +18,7 @@ from torch_contrastive.engine import one_tile, pairwise, softmax
 solve_module = importlib.import_module("torch_contrastive.engine.solve")  # the module (the package exports the function)
 
 
-LEAN_FUNCTIONS = (one_tile._OneTile, one_tile._OneTileMask, one_tile._OneTilePairs)
+LEAN_FUNCTIONS = (one_tile.OneTileFunction, one_tile._OneTileMask, one_tile.OneTilePairsFunction)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 import torch_contrastive as tc
 from device import DEVICE
 from helpers import assert_pml_memory
-from torch_contrastive.engine.pairwise import _KERNELS
+from torch_contrastive.engine.pair_kernels import KERNELS as PAIR_KERNELS
 
 KERNELS = ("pair_softplus", "binary")
 
@@ -56,7 +56,7 @@ LABELS = {"mixed": torch.tensor([0, 1, 0, 2, 1, 0, 3, 1, 1]), "one class": torch
 def test_single_fixed_equals_softplus_and_sigmoid(kernel, labels, dtype, tol, bound):
     lab = LABELS[labels]
     s, pos, neg = _tile(lab.numel(), lab, bound, dtype, seed=int(bound))
-    fn = _KERNELS[kernel]
+    fn = PAIR_KERNELS[kernel]
     want, s64 = _softplus_terms(kernel, s, pos, neg)
     outputs, kept = fn.single_fixed(s.clone(), pos, 0)
     assert len(outputs) == len(want)
@@ -87,7 +87,7 @@ def test_single_fixed_finds_the_self_pair_off_the_diagonal(kernel, self_offset):
     if self_offset is not None:
         pos.diagonal(self_offset).zero_()
         neg.diagonal(self_offset).zero_()
-    fn = _KERNELS[kernel]
+    fn = PAIR_KERNELS[kernel]
     want, s64 = _softplus_terms(kernel, s, pos, neg)
     outputs, kept = fn.single_fixed(s.clone().to(DEVICE), pos.to(DEVICE), self_offset)
     for got, w in zip(outputs, want):
@@ -103,7 +103,7 @@ def test_single_fixed_finds_the_self_pair_off_the_diagonal(kernel, self_offset):
 def test_single_grad_fixed_both_is_g_plus_its_transpose(kernel, labels):
     lab = LABELS[labels]
     s, pos, _ = _tile(lab.numel(), lab, 10.0, torch.float64, seed=3)
-    fn = _KERNELS[kernel]
+    fn = PAIR_KERNELS[kernel]
     _, kept = fn.single_fixed(s.clone(), pos, 0)
     g = torch.Generator().manual_seed(2)
     grads = tuple(torch.rand(lab.numel(), generator=g, dtype=torch.float64).to(DEVICE) for _ in range(2 if kernel == "binary" else 1))
@@ -169,7 +169,7 @@ def test_a_confident_tile_keeps_the_digits_of_its_small_terms(kernel):
     pos.fill_diagonal_(0)
     neg = 1 - same.double()
     want, _ = _softplus_terms(kernel, s64, pos, neg)
-    got, _ = _KERNELS[kernel].single_fixed(s64.float().to(DEVICE), pos.float().to(DEVICE), 0)
+    got, _ = PAIR_KERNELS[kernel].single_fixed(s64.float().to(DEVICE), pos.float().to(DEVICE), 0)
     for g32, w in zip(got, want):
         assert (w > 0).all() and (w < 1e-9).all()  # the regime: every row's sum is tiny
         torch.testing.assert_close(g32.double().cpu(), w.detach(), rtol=1e-3 if kernel == "pair_softplus" else 1e-5, atol=0)

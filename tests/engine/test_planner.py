@@ -46,21 +46,70 @@ def test_budget_and_chunk_size_override_the_plan(monkeypatch):
     assert _decide(CUDA, torch.bfloat16, 8192, chunk_size=500).tile == 500
 
 
-def test_a_kept_answer_is_the_answer_to_the_same_question_only():
-    """The planner keeps its answers per key (a training loop asks the same question every step):
-    every input that decides something -- the tile, the backend, the dtype, the regime, the
-    scratch budget -- asks anew, and the kept answer is the one decide() computes afresh."""
-    planner._DECISIONS.clear()
-    first = _decide(CPU, torch.float32, 4096)
-    assert _decide(CPU, torch.float32, 4096) is first  # kept
-    assert first.tile == 1024
-    assert _decide(CPU, torch.float32, 4096, chunk_size=500).tile == 500
-    assert _decide(CPU, torch.float32, 4096, chunk_size=7).tile == 7
-    assert _decide(CPU, torch.float64, 4096).fixed and not _decide(CPU, torch.float32, 4096, fixed=False).fixed
-    assert _decide(CPU, torch.float32, 4096, backend="torch").backend == "torch"
-    assert _decide(CPU, torch.float32, 4096, kernel="pairwise").kernel == "pairwise"
-    planner._DECISIONS.clear()
-    assert _decide(CPU, torch.float32, 4096, chunk_size=7) == _decide(CPU, torch.float32, 4096, chunk_size=7)
+def _problem(n=512, dtype=torch.float32, chunk_size=None, backend="auto", kernel=None, normalize=True):
+    """A soft-max (or, with ``kernel``, a pair) problem of one set's ``n`` rows, labelled by 4 keys."""
+    from torch_contrastive.engine import Options, PairTerms, Problem, Softmax
+    from torch_contrastive.positives import Positives
+
+    x = torch.randn(n, 8, dtype=dtype, device=DEVICE)
+    keys = torch.arange(n, device=DEVICE) % 4
+    stat = Softmax() if kernel is None else PairTerms(kernel)
+    return Problem(x, x, 10.0, stat, positives=Positives.from_keys(keys, self_offset=0), self_offset=0,
+                   symmetric=True, bound=10.0, options=Options(normalize, 1e-12, chunk_size, backend))
+
+
+def test_a_kept_plan_answers_the_same_question_only():
+    """The engine keeps one plan per key (a training loop asks the same question every step). Walked over what a
+    plan is decided from -- the shape, the dtype, the tile, the backend, the statistic, the options and the
+    :class:`~torch_contrastive.engine.planner.Target` (a simulated device, its scratch budget, the area a counted
+    problem stands for) -- each variant is planned anew, and its kept plan is the one a cleared cache computes
+    afresh; the same question is a look-up."""
+    problem_plan._PLANS.clear()
+    base = problem_plan.plan(_problem())
+    problem_plan.plan(_problem())
+    assert len(problem_plan._PLANS) == 1  # kept (by the relation's shape: each call's relation is put in)
+    variants = {
+        "rows": lambda: _problem(n=520), "dtype": lambda: _problem(dtype=torch.float64),
+        "tile": lambda: _problem(chunk_size=16), "pairs": lambda: _problem(kernel="binary"),
+        "normalize": lambda: _problem(normalize=False),
+    }
+    targets = {"cuda": planner.Target("cuda", planner.GPU_BUDGET, planner.PRODUCTS),
+               "budget": planner.Target("cuda", 256 * 256 * 8, planner.PRODUCTS),  # 2 x 2 tiles of 256
+               "area": planner.Target("cuda", 256 * 256 * 8, planner.PRODUCTS, 16.0)}  # as at 2,048 rows: 8 x 8
+    seen = {"base": base}
+    for name, make in variants.items():
+        seen[name] = problem_plan.plan(make())
+    for name, on in targets.items():
+        with planner.simulate(on):
+            seen[name] = problem_plan.plan(_problem())
+            problem_plan.plan(_problem())  # its own kept plan, under its own key
+    assert len(problem_plan._PLANS) == len(seen)  # every variant a plan of its own, each kept once
+    assert seen["tile"].tile == 16 and seen["budget"].tile == 256 and seen["area"].tile == 64 and base.tile == 0
+    assert seen["cuda"].decision.device == "cuda" and base.decision.device == DEVICE.type
+    problem_plan._PLANS.clear()
+    fresh = {name: problem_plan.plan(make()) for name, make in variants.items()}
+    for name, on in targets.items():
+        with planner.simulate(on):
+            fresh[name] = problem_plan.plan(_problem())
+    for name, got in fresh.items():
+        assert got.with_relation(None) == seen[name].with_relation(None), name
+
+
+def test_simulate_rebinds_nothing_and_nests():
+    """:func:`~torch_contrastive.engine.planner.simulate` pushes a device description and pops it: the planner's
+    module globals are the same objects inside, and nested simulations plan for the innermost."""
+    before = dict(vars(planner))
+    with planner.simulate("cuda", budget=1 << 20) as outer:
+        assert planner.target(CPU) == outer == planner.Target("cuda", 1 << 20, planner.PRODUCTS)
+        with planner.simulate(planner.Target("cpu", 1, "compute")) as inner:
+            assert planner.target(CPU) is inner
+            inside = {name: value for name, value in vars(planner).items() if value is not before.get(name)}
+        assert planner.target(CPU) is outer
+    assert planner.target(CPU) == planner.Target("cpu", planner.GPU_BUDGET, planner.PRODUCTS)
+    assert inside == {} and not planner.SIMULATING
+    with pytest.raises(ValueError, match="inside the Target"):
+        with planner.simulate(planner.Target("cuda", 1, "auto"), budget=2):
+            pass
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])

@@ -100,7 +100,7 @@ def test_a_kept_call_equals_the_float64_formula():
 
 
 @pytest.mark.parametrize("change", ["rows", "dtype", "requires_grad", "temperature", "reduction", "positional",
-                                    "simulated", "budget", "products"])
+                                    "simulated", "area", "budget", "products"])
 def test_a_different_signature_or_plan_state_runs_the_full_path(change, full_paths, monkeypatch):
     x = _rows(12, 5)
     call = {"tau": 0.1, "kw": {"pairing": "halves"}}
@@ -121,7 +121,9 @@ def test_a_different_signature_or_plan_state_runs_the_full_path(change, full_pat
     elif change == "positional":  # the same value passed by keyword: its own signature (the full path once more)
         call["kw"]["temperature"] = call.pop("tau")
     elif change == "simulated":
-        monkeypatch.setattr(planner, "_SIMULATED", torch.device("cuda"))
+        monkeypatch.setattr(planner, "SIMULATING", [planner.Target("cuda", planner.GPU_BUDGET, planner.PRODUCTS)])
+    elif change == "area":  # the simulated target standing for a larger problem
+        monkeypatch.setattr(planner, "SIMULATING", [planner.Target(DEVICE.type, planner.GPU_BUDGET, planner.PRODUCTS, 4.0)])
     elif change == "budget":
         monkeypatch.setattr(planner, "GPU_BUDGET", planner.GPU_BUDGET // 2)
     else:

@@ -343,7 +343,7 @@ def test_label_sorted_path_skips_the_mask_in_negative_tiles(monkeypatch):
     import torch_contrastive.engine.pair_kernels as pair_kernels
 
     calls = {"negatives": 0}
-    for kernel in (pair_kernels._PairKernel, pair_kernels._BinaryKernel):
+    for kernel in (pair_kernels.PairKernel, pair_kernels._BinaryKernel):
         for method in ("visit_negatives", "visit_negatives_both"):  # tiled / symmetric (upper-triangle) path
             original = getattr(kernel, method)
 

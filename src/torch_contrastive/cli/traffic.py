@@ -406,10 +406,10 @@ def _as_measured() -> Any:
 
 def _square_tiles(n: int, impl: str) -> int:
     """Square tiles per side of a bf16 ``n x n`` problem on a backend's GPU budget (the plans of the measured rows)."""
-    from ..engine.planner import _bytes_per_logit, resolve_tile
+    from ..engine.planner import bytes_per_logit, resolve_tile
 
     bf16 = torch.bfloat16
-    tile = resolve_tile(None, n, n, "cuda", _bytes_per_logit(impl, bf16, bf16, impl == "torch"))
+    tile = resolve_tile(None, n, n, "cuda", bytes_per_logit(impl, bf16, bf16, impl == "torch"))
     return -(-n // tile)
 
 

@@ -56,15 +56,14 @@ block, and ``H = G + G.T`` feeds both ``dZ_I`` and ``dZ_J``. A problem that fits
 tile (the common small batch) skips the tile bookkeeping altogether.
 """
 
-from .pairwise import pairwise_rows, tile_label_bounds
+from .keywords import pairwise_rows, sigmoid_rows, softmax_terms
+from .pairwise import tile_label_bounds
 from .planner import Decision, decide, resolve_tile
 from .precision import Scale, compute_dtype, fixed_scale_applies
 from .problem import LabelRanges, Options, PairTerms, Problem, SigmoidPairs, Softmax
 from .problem_plan import label_sort_tile, plan
 from .recorded import explain
 from .relation_form import Reader
-from .sigmoid import sigmoid_rows
-from .softmax import softmax_terms
 from .solve import solve
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
 

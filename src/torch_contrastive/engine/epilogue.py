@@ -30,7 +30,7 @@ from ..positives import Exclusion, PartnerPositives
 from .driver import Gradients, Operands, Saved
 from .left_out import Direction, log_total
 from .pairwise import PairExecutor
-from .products import KernelOperands, Products, _mm32
+from .products import KernelOperands, Products, mm32
 from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
 from .softmax_tiles import complete_columns, fixed_lse
@@ -93,7 +93,7 @@ class EpilogueProducts:
         rows = x if (r0, r1) == (0, x.shape[0]) else x[r0:r1]
         cols = y if (c0, c1) == (0, y.shape[0]) else y[c0:c1]
         if rows.dtype in (torch.float16, torch.bfloat16):
-            return _mm32(rows, cols.t(), out)
+            return mm32(rows, cols.t(), out)
         return torch.mm(rows, cols.t(), out=out) if out is not None else torch.mm(rows, cols.t())
 
     def add_rows(self, acc: Tensor, g: GradTiles, c0: int, c1: int) -> None:
@@ -101,13 +101,13 @@ class EpilogueProducts:
         y = self.ops.y[c0:c1]
         for tile in (g.rows, g.low):
             if tile is not None:
-                acc.add_(_mm32(tile, y)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile, y)
+                acc.add_(mm32(tile, y)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile, y)
 
     def add_columns(self, acc: Tensor, g: GradTiles, r0: int, r1: int) -> None:
         """``acc += (diag(fz) G).T @ z[r0:r1]`` over ``G``'s first ``len(acc)`` columns."""
         tile, z = g.cols, self.ops.z[r0:r1]
         tile = tile if tile.shape[1] == acc.shape[0] else tile[:, : acc.shape[0]]
-        acc.add_(_mm32(tile.t(), z)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile.t(), z)
+        acc.add_(mm32(tile.t(), z)) if tile.dtype in (torch.float16, torch.bfloat16) else acc.addmm_(tile.t(), z)
 
 
 def left_out(plan: SoftmaxPlan) -> dict[str, Any]:

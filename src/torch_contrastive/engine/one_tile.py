@@ -24,7 +24,7 @@ finishes the normalisation's backward -- two sets as one stack of rows.
 Two more narrow plans get the same treatment, each the general executor's one-tile ops in the same order:
 a single set's dense label relation read off the tile with rows weighted (SupCon by labels or by sample,
 :class:`_OneTileMask`), and a single set's label relation under the pair conventions (PML's NT-Xent and
-NT-BXent, :class:`_OneTilePairs`, the pair kernel's one-tile functions on the 0/1 label masks).
+NT-BXent, :class:`OneTilePairsFunction`, the pair kernel's one-tile functions on the 0/1 label masks).
 
 The lean executors run in the compute dtype on every device: fp16/bf16 inputs on a GPU's tensor cores take the
 general executor (:mod:`.products`' ``HalfProducts``), the form a GPU has measured (docs/gpu.md).
@@ -44,13 +44,14 @@ from .._tensors import as_dtype, refuse_transforms, save_for_backward
 from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
-from .pairwise import _KERNELS, combined, combined_grads, single_fixed
+from .pair_kernels import KERNELS
 from .pairwise import TORCH as TORCH_PAIRS
+from .pairwise import combined, combined_grads, single_fixed
 from .precision import autocast_enabled, zero
 from .problem import PairTerms, Problem, Softmax
 from .recorded import name_executor
-from .softmax import TORCH, _total, _weighted
-from .softmax_tiles import _put, kept_apart_terms, put_both
+from .softmax import TORCH, scalar_total, weighted_grad
+from .softmax_tiles import kept_apart_terms, put_at, put_both
 
 if TYPE_CHECKING:
     from ..positives import Positives
@@ -79,7 +80,7 @@ def note_rebuild(positives: Positives, stat: Any, rebuild: Callable[..., tuple[P
 def arguments(function: Any, plan: Any, stat: Any, scale: float, a: Tensor, b: Tensor | None) -> tuple[Any, ...]:
     """A lean function's arguments from its plan, the problem's statistic, scale and features (the executors'
     and a kept call's one mapping)."""
-    if function is _OneTile:
+    if function is OneTileFunction:
         return plan, stat.total, scale, a, b
     if function is _OneTileMask:
         return (plan, stat.total, scale, a, *stat.row_weights)
@@ -93,14 +94,14 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)
 # under a functorch transform to functorch (then the wrapper runs): about 110 bytecodes a call, counted.
 C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 unwrap = torch._C._functorch.unwrap_if_dead
-_transforms_active = torch._C._are_functorch_transforms_active
+transforms_active = torch._C._are_functorch_transforms_active
 
 
 def lean_apply(function: Any) -> Any:
     """``function.apply`` (a lean autograd function's), as its C part where that serves: no functorch transform
     active, not traced by ``torch.compile`` (Dynamo traces the Python ``apply``, never its C part), and ``apply``
     not replaced on the class (a test may count its calls)."""
-    if _transforms_active():
+    if transforms_active():
         refuse_transforms()
     if torch.compiler.is_compiling() or "apply" in function.__dict__:
         return function.apply
@@ -127,7 +128,7 @@ class OneTileSoftmax:
             b = None
             out = lean_apply(function)(plan, total, scale, unwrap(a), *stat.row_weights)
         else:
-            function = _OneTile
+            function = OneTileFunction
             b = None if problem.single else problem.candidates
             out = lean_apply(function)(plan, total, scale, unwrap(a), b if b is None else unwrap(b))
         noted = getattr(NOTED, "calls", None)
@@ -140,7 +141,7 @@ class OneTileSoftmax:
 ONE_TILE = OneTileSoftmax()
 
 
-class _OneTile(torch.autograd.Function):
+class OneTileFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: SoftmaxPlan, total: tuple[Any, Any], scale: float, a: Tensor,  # type: ignore[override]
                 b: Tensor | None) -> Tensor:
@@ -155,7 +156,7 @@ class _OneTile(torch.autograd.Function):
         # one attribute for backward's constants (the planner gave two sets one dtype)
         ctx.constants = (plan, total, scale, a.dtype, b is None, base)
         save_for_backward(ctx, rows, denom, norm, e, row_total, excess, col_total, col_excess)
-        return _total(d, d_col, total)
+        return scalar_total(d, d_col, total)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -182,7 +183,7 @@ class _OneTile(torch.autograd.Function):
             grad_tile.diagonal().add_(c + torch.addcmul(base, w_col, col_excess, value=-1))
         else:
             grad_tile = e * w[:, None]
-            _put(grad_tile, places.positives, c, accumulate=True)
+            put_at(grad_tile, places.positives, c, accumulate=True)
         need_a, need_b = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         if not need_b:
             ga = l2_normalize_backward(grad_tile @ zb, za, denom[:n], norm[:n], plan.eps, scale)
@@ -208,10 +209,10 @@ class _OneTileMask(torch.autograd.Function):
         e = s.exp_()
         e.diagonal().zero_()  # the self pair
         row_sum = e.sum(1)
-        row_out = _weighted(log_total(row_sum, None, plan, n), alpha) - _weighted(row_pos, beta)
+        row_out = weighted_grad(log_total(row_sum, None, plan, n), alpha) - weighted_grad(row_pos, beta)
         ctx.plan, ctx.total, ctx.scale, ctx.dtype = plan, total, scale, a.dtype
         save_for_backward(ctx, rows, denom, norm, e, row_sum, weight, alpha, beta)
-        return _total(row_out, None, total)
+        return scalar_total(row_out, None, total)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -219,8 +220,8 @@ class _OneTileMask(torch.autograd.Function):
         rows, denom, norm, e, row_sum, weight, alpha, beta = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         uniform = as_dtype(g * ctx.total[0], rows.dtype)  # d loss / d out_i, the same for every row
-        w = _weighted(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
-        c = (-uniform if beta is None else -_weighted(uniform, beta)).expand(rows.shape[0])  # the positives' coefficient
+        w = weighted_grad(uniform, alpha) / row_sum  # each row's soft-max weight u / sum exp
+        c = (-uniform if beta is None else -weighted_grad(uniform, beta)).expand(rows.shape[0])  # the positives' coefficient
         grad_tile = (w.unsqueeze(1) + w).mul_(e)  # both roles of every pair (H = G + G^T)
         grad_tile.addcmul_(weight, c[:, None])
         # P^T read as P: one set's key relation is symmetric (the same keys both ways, the diagonal cleared),
@@ -243,7 +244,7 @@ class OneTilePairs:
         if combine is None or not isinstance(scale, float) or autocast_enabled(a.device.type):
             name_executor(plan.backend)  # explain() says which executor ran
             return TORCH_PAIRS.run(problem, plan)
-        pairs = _OneTilePairs
+        pairs = OneTilePairsFunction
         out = lean_apply(pairs)(plan, combine, scale, unwrap(a))
         noted = getattr(NOTED, "calls", None)
         if noted is not None:
@@ -255,7 +256,7 @@ class OneTilePairs:
 ONE_TILE_PAIRS = OneTilePairs()
 
 
-class _OneTilePairs(torch.autograd.Function):
+class OneTilePairsFunction(torch.autograd.Function):
     """One set's pair terms on one bounded tile: the kernel's ``single_fixed`` on the 0/1 label masks (the self pair
     in neither), combined and reduced (``combine``); backward ``(G + G^T) @ Z`` from ``single_grad_fixed_both``."""
 
@@ -264,7 +265,7 @@ class _OneTilePairs(torch.autograd.Function):
         rows, denom, norm = l2_normalize(to_compute(a, None, 1.0)[0], plan.eps)
         s = torch.addmm(zero(rows), rows, rows.t(), beta=0, alpha=scale)
         n = s.shape[0]
-        kernel = _KERNELS[plan.kernel]
+        kernel = KERNELS[plan.kernel]
         ctx.plan, ctx.combine, ctx.scale, ctx.dtype, ctx.kernel = plan, combine, scale, a.dtype, kernel
         pos = plan.positives.tile_values(0, n, 0, n, rows.dtype)  # converted once per relation
         outputs, kept = single_fixed(kernel, s, pos, combine)  # the self pair on the diagonal; every other pair a negative
@@ -282,4 +283,4 @@ class _OneTilePairs(torch.autograd.Function):
 
 
 #: Each lean function's ``apply`` C part, bound (:func:`lean_apply`).
-_APPLIES = {f: C_APPLY.__get__(None, f) for f in (_OneTile, _OneTileMask, _OneTilePairs)}
+_APPLIES = {f: C_APPLY.__get__(None, f) for f in (OneTileFunction, _OneTileMask, OneTilePairsFunction)}

@@ -17,7 +17,7 @@ from .tiling import Buffers, raise_max
 __all__ = ["KERNELS"]
 
 
-class _PairKernel:
+class PairKernel:
     """Per-positive-pair NT-Xent (pytorch-metric-learning's convention).
 
     Pass 1: ``L_i = log sum_{n in N(i)} exp(S_in)`` over the negatives of row i.
@@ -303,4 +303,4 @@ class _BinaryKernel:
 
 
 #: Each pair kernel by its name (:class:`~.problem.PairTerms`' ``kernel``).
-KERNELS: dict[str, Any] = {"pair_softplus": _PairKernel, "binary": _BinaryKernel}
+KERNELS: dict[str, Any] = {"pair_softplus": PairKernel, "binary": _BinaryKernel}

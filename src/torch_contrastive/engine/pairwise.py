@@ -18,10 +18,9 @@ from torch import Tensor
 from .._tensors import as_dtype, clear_self_diagonal
 from ..positives import KeyPositives
 from .driver import Gradients, Operands, Saved, run
-from .pair_kernels import KERNELS as _KERNELS
-from .pair_kernels import _PairKernel
-from .precision import Scale, zero
-from .problem import Combine, LabelRanges, Options, PairTerms, Problem
+from .pair_kernels import KERNELS, PairKernel
+from .precision import zero
+from .problem import PairTerms, Problem
 from .products import AnyProducts, make_products
 from .tiling import Buffers, GradTile, gradient_sweep, sweep
 
@@ -152,7 +151,7 @@ def single_fixed(kernel: Any, s: Tensor, pos: Tensor, combine: Any) -> tuple[tup
     """A lean one tile's ``kernel.single_fixed`` (the self pair on the diagonal), summed over the rows inside the
     kernel when :func:`combined` reads only their total (:func:`total_only`, written out: a small call pays each
     Python call), as the torch loops' one tile does."""
-    if combine[0] is UNIT and kernel is _PairKernel:
+    if combine[0] is UNIT and kernel is PairKernel:
         return kernel.single_fixed(s, pos, 0, True)
     return kernel.single_fixed(s, pos, 0)  # type: ignore[no-any-return]
 
@@ -179,7 +178,7 @@ class TorchPairs(PairExecutor):
     def terms(self, plan: PairPlan, ops: Operands, total_only: bool = False) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
         a_c, b_c, scale_c = ops.a_c, ops.b_c, ops.scale
         R, C = a_c.shape[0], b_c.shape[0]
-        kernel_cls = _KERNELS[plan.kernel]
+        kernel_cls = KERNELS[plan.kernel]
         prod = make_products(plan.half, (ops.a, ops.b), None, a_c, b_c, scale_c, ops.norms, plan.normalize)
         if plan.single_tile:
             # One tile: compute it once and keep what backward needs instead of recomputing it.
@@ -188,7 +187,7 @@ class TorchPairs(PairExecutor):
                 pos_f = plan.positives.tile_values(0, R, 0, C, a_c.dtype)  # every other pair but the self pair: negative
                 # the rows' total summed inside the kernel where only it is read: the lean one tile's arithmetic
                 outputs, kept = kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset, True) \
-                    if total_only and kernel_cls is _PairKernel else kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset)
+                    if total_only and kernel_cls is PairKernel else kernel_cls.single_fixed(s, pos_f, plan.positives.self_offset)
             else:
                 pos, neg = _masks(plan.positives, 0, R, 0, C)
                 outputs, kept = kernel_cls.single(s, pos, neg)
@@ -212,7 +211,7 @@ class TorchPairs(PairExecutor):
     def gradients(self, ctx: Any, plan: PairPlan, saved: Saved, grads: tuple[Tensor, ...]) -> Gradients:
         a, b, scale = saved.a, saved.b, saved.scale
         kernel_saved, kept = saved.keep["kernel"], saved.keep["kept"]
-        kernel = _KERNELS[plan.kernel]
+        kernel = KERNELS[plan.kernel]
         raw = (*saved.keep["raw"], None, None)  # a single set's candidates are its anchors
         prod = make_products(plan.half, (raw[0], raw[1]), None, a, a if plan.symmetric else b,
                              scale, saved.norms, plan.normalize)
@@ -275,59 +274,6 @@ def _symmetric_grad_tile(kernel: Any, plan: PairPlan, saved: tuple[Tensor, ...],
         return h.add_(kernel.grad_tile(s.t(), pos.t(), neg.t(), c0, c1, saved, grads, _scratch(bufs, c1 - c0, r1 - r0, 6)).t())
 
     return grad_tile
-
-
-def pairwise_rows(
-    anchors: Tensor,
-    candidates: Tensor,
-    scale: Scale,
-    positives: Positives,
-    *,
-    kernel: str,
-    normalize: bool = False,
-    eps: float = 1e-12,
-    chunk_size: int | None = None,
-    label_ranges: LabelRanges | None = None,
-    fixed: bool = False,
-    bound: float | None = None,
-    combine: Combine | None = None,
-    backend: str = "auto",
-) -> tuple[Tensor, ...]:
-    """Per-row statistics that need the positive mask in every tile.
-
-    Args:
-        anchors: (R, D); candidates: (C, D) (``anchors`` itself for a single set);
-            scale: ``1 / temperature``, float or 0-dim tensor.
-        positives: a :class:`~torch_contrastive.positives.Positives` for R x C.
-        kernel: ``"pair_softplus"`` (returns ``(sum_p softplus(L_i - S_ip),)``, the
-            pytorch-metric-learning NT-Xent numerators) or ``"binary"`` (returns
-            ``(sum_pos softplus(-S_ij), sum_neg softplus(S_ij))``, NT-BXent).
-        normalize, eps: L2-normalise both inputs inside the function.
-        chunk_size: tile edge (see :func:`resolve_tile`).
-        label_ranges: for rows and columns sorted by label (a key relation), the (lowest,
-            highest) label of every block of rows and of columns (:class:`~.problem.LabelRanges`, from
-            :func:`tile_label_bounds`).
-            A tile whose two ranges do not overlap holds only negatives and takes the fast
-            path: no mask, no per-positive work (PML NT-Xent skips it in its second pass).
-        fixed: force the bounded mode (every ``|S|`` small enough for plain ``exp``): PML
-            NT-Xent then needs no running maximum.
-        bound: the caller's promise that every ``|S| <= bound``; the planner picks the bounded
-            mode where it is exact (:func:`~torch_contrastive.engine.fixed_scale_applies`).
-        combine: ``(weights, total)``: return ``(total * sum_i sum_k weights[k]_i out_k,i,)``
-            instead -- a loss's per-row combination and reduction inside the autograd function.
-            ``weights`` holds one (R,) tensor (or float) per output, ``total`` a float or 0-dim
-            tensor; none of them gets a gradient.
-        backend: ``"torch"``, ``"triton"`` (fused pair kernels, :mod:`.triton_backend.pair_terms`:
-            positives by ids or a partner; ``label_ranges`` are not needed there) or ``"auto"`` --
-            the torch backend until the kernels are measured faster on a GPU.
-
-    Memory: O((R + C) * D) plus a few tile-sized temporaries.
-    """
-    problem = Problem(anchors, candidates, scale, PairTerms(kernel, label_ranges, combine, fixed), positives=positives,
-                      self_offset=positives.self_offset, bound=bound, options=Options(normalize, float(eps), chunk_size, backend))
-    from .solve import solve  # the keyword form builds a Problem; solve imports this module
-
-    return solve(problem)
 
 
 def tile_label_bounds(sorted_labels: Tensor, tile: int) -> Tensor:

@@ -26,15 +26,18 @@ executor and the choices that follow from the problem itself) is built from thes
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..environment import choice, positive_int
 from . import policy
+from .normalization import KERNEL_DTYPES
 from .precision import fixed_scale_applies
 from .recorded import record
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
@@ -148,7 +151,7 @@ def resolve_tile(chunk_size: int | None, rows: int, cols: int, device: torch.dev
     return max(_GPU_TILE_QUANTUM, edge // _GPU_TILE_QUANTUM * _GPU_TILE_QUANTUM)
 
 
-def half_products(device: torch.device, dtype: torch.dtype, other: torch.dtype) -> bool:
+def half_products(on: Target, dtype: torch.dtype, other: torch.dtype) -> bool:
     """Whether the torch backend multiplies the inputs as given on tensor cores.
 
     fp16/bf16 inputs of one dtype on a GPU. ``TORCH_CONTRASTIVE_PRODUCTS=half`` asks for the
@@ -157,9 +160,9 @@ def half_products(device: torch.device, dtype: torch.dtype, other: torch.dtype) 
     """
     if dtype not in _HALF or other != dtype:
         return False
-    if PRODUCTS == "auto":
-        return device.type == "cuda"
-    return PRODUCTS == "half"
+    if on.products == "auto":
+        return on.device == "cuda"
+    return on.products == "half"
 
 
 def choose_backend(backend: str, triton_serves: Callable[[], str | None],
@@ -201,7 +204,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
            chunk_size: int | None, backend: str, fixed: bool = False, bound: float | None = None,
            triton_serves: Callable[[], str | None] = lambda: None, epilogue_serves: Callable[[], str | None] | None = None,
            one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True,
-           traits: Traits = NO_TRAITS) -> Decision:
+           traits: Traits = NO_TRAITS, on: Target | None = None) -> Decision:
     """Every decision for one engine call (see the module docstring).
 
     Args:
@@ -222,80 +225,104 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         auto_triton: ``"auto"`` may pick a kernel backend on a GPU, by the device's policy (:mod:`.policy`);
             False keeps ``"auto"`` on torch.
         traits: the problem's kind (:class:`Traits`).
+        on: the device planned for (None: :func:`target` of ``device``, the simulated one inside :func:`simulate`).
     """
-    if _SIMULATED is not None:  # a cost count of another device's plan (simulate())
-        device = _SIMULATED
+    on = target(device) if on is None else on
     fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
-    # On a GPU "auto" is the policy's first rule whose backend serves this problem: whether the epilogue
-    # serves is part of the key, so a training loop's same question is answered from the cache.
-    by_policy = backend == "auto" and device.type == "cuda" and auto_triton
-    served = (False, epilogue_serves is not None and epilogue_serves() is None) if by_policy else None
-    cacheable = backend in ("auto", "torch")
-    key = (kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed, half_ok, GPU_BUDGET, PRODUCTS, served,
-           traits, _tf32(), _SIMULATED_AREA)
-    decision = _DECISIONS.get(key) if cacheable else None
-    if decision is None:
-        decision = _decide(kernel, rows, cols, device, dtype, other_dtype, chunk_size, backend, fixed,
-                           (triton_serves, epilogue_serves), one_tile_torch_only, half_ok, served, traits)
-        if cacheable:
-            if len(_DECISIONS) > 512:  # many distinct shapes: keep the cache small
-                _DECISIONS.clear()
-            _DECISIONS[key] = decision
+    chosen = choose_backend(backend, triton_serves, epilogue_serves)
+    reason = f"backend={backend!r} as asked"
+    if chosen == "auto":
+        chosen, reason = "torch", "policy: torch"
+        if on.device == "cuda" and auto_triton:  # the policy's first rule whose backend serves this problem
+            # a problem counted small under simulate() is placed at the size it stands for: the square with as many
+            # logits (policy.Rule)
+            side = round(math.sqrt(rows * cols * on.area))
+            serves = {"epilogue": epilogue_serves is not None and epilogue_serves() is None}
+            chosen, reason = policy.choose(on.device, kernel, side, dtype, other_dtype, serves)
+    half = half_ok and chosen == "torch" and half_products(on, dtype, other_dtype)
+    gpu = on.device == "cuda"
+    strips = _walks_strips(chosen, traits, kernel == "softmax")
+    tile, tile_cols = _tile_shape(chunk_size, rows, cols, on, bytes_per_logit(chosen, dtype, other_dtype, half)
+                                  if gpu else 8, strips)
+    single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
+    operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
+    decision = Decision(kernel, on.device, chosen, 0 if single else tile, half, fixed,
+                        on.budget if gpu else DENSE_BUDGET_BYTES, rows, cols, operand_dtype, 0 if single else tile_cols,
+                        reason=reason)
     record(decision)
     return decision
 
 
-# Set only while simulate() runs (a module global: torch.compile guards on it being None).
-_SIMULATED: torch.device | None = None
-_SIMULATED_AREA = 1.0
+class Target(NamedTuple):
+    """The device a call is planned for -- what a plan reads of the machine besides the tensors.
+
+    Attributes:
+        device: the device type whose policy and tile rules apply (``"cpu"``, ``"cuda"``).
+        budget: the GPU scratch budget in bytes (:data:`GPU_BUDGET` unless simulated with another).
+        products: the product scheme (:data:`PRODUCTS`).
+        area: the counted problem stands for one with this many times its logits (:func:`simulate`; 1: itself).
+    """
+
+    device: str
+    budget: int
+    products: str
+    area: float = 1.0
+
+
+#: The targets :func:`simulate` holds, innermost last (a list that is pushed and popped, never rebound: a traced
+#: call reads it as a constant, and each plan key holds the target it was planned for).
+SIMULATING: list[Target] = []
+
+
+def target(device: torch.device) -> Target:
+    """The device a call on ``device`` is planned for: the innermost :func:`simulate` d one, else ``device`` itself
+    with this process's scratch budget and product scheme. Part of every plan key (:mod:`.problem_plan`) and of a
+    kept call's signature: what a plan reads outside the problem, in one object."""
+    if SIMULATING:
+        return SIMULATING[-1]
+    return Target(device.type, GPU_BUDGET, PRODUCTS)
 
 
 @contextlib.contextmanager
-def simulate(device: str, budget: int | None = None, area: float = 1.0) -> Iterator[None]:
-    """Plan every engine call as for ``device`` (``"cuda"``) while the tensors stay where they are:
-    a CPU then runs the GPU's plan -- its tile budget, its tensor-core product scheme (half
-    operands, widened here to the same numbers) -- so its launches, bytes and FLOPs can be counted
-    (:mod:`torch_contrastive.cli.traffic`). ``budget``: the GPU scratch budget in bytes for the
-    duration (default :data:`GPU_BUDGET`). ``area``: the counted problem stands for one with this
-    many times its logits (counted small, scaled after): size rules that are not the tile's (the
-    form of a label relation) are decided at that size. The Triton kernels are not simulated: a
-    plan that would choose them needs the device itself."""
-    global _SIMULATED, GPU_BUDGET, _SIMULATED_AREA
-    previous = (_SIMULATED, GPU_BUDGET, _SIMULATED_AREA)
-    _SIMULATED, _SIMULATED_AREA = torch.device(device), float(area)
-    if budget is not None:
-        GPU_BUDGET = int(budget)
+def simulate(device: str | Target, budget: int | None = None, area: float = 1.0) -> Iterator[Target]:
+    """Plan every engine call as for ``device`` while the tensors stay where they are.
+
+    A CPU then runs the GPU's plan -- its policy, its tile budget, its tensor-core product scheme (half operands,
+    widened here to the same numbers) -- so the suite checks the CUDA plans' values on any machine and
+    :mod:`torch_contrastive.cli.traffic` counts their launches, bytes and FLOPs. Nothing is rebound: the
+    :class:`Target` is pushed on :data:`SIMULATING` for the duration, and every plan key holds it.
+
+    Args:
+        device: a device type (``"cuda"``) or a whole :class:`Target`.
+        budget: the GPU scratch budget in bytes (default :data:`GPU_BUDGET`); with a device type only.
+        area: the counted problem stands for one with this many times its logits (counted small, scaled after):
+            the policy's crossover, the tile shape and the form of a label relation are decided at that size.
+
+    The Triton kernels are not simulated: a plan that would choose them needs the device itself.
+
+    Yields:
+        the target planned for.
+    """
+    if isinstance(device, Target):
+        if budget is not None or area != 1.0:
+            raise ValueError("simulate(): give budget and area inside the Target, not beside it")
+        on = device
+    else:
+        on = Target(torch.device(device).type, GPU_BUDGET if budget is None else int(budget), PRODUCTS, float(area))
+    SIMULATING.append(on)
     try:
-        yield
+        yield on
     finally:
-        _SIMULATED, GPU_BUDGET, _SIMULATED_AREA = previous
+        SIMULATING.pop()
 
 
-#: ``decide``'s answers by their key (the problem's shape, dtypes, device and options).
-_DECISIONS: dict[tuple[Any, ...], Decision] = {}
+def dense_relation(rows: int, cols: int, limit: int) -> bool:
+    """Whether a label relation of ``R x C`` entries is held as a dense 0/1 mask (else grouped by key): up to
+    ``limit`` entries, on every device -- at the size a problem counted small under :func:`simulate` stands for.
 
-
-def _decide(kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
-            chunk_size: int | None, backend: str, fixed: bool,
-            serves: tuple[Callable[[], str | None], Callable[[], str | None] | None], one_tile_torch_only: bool,
-            half_ok: bool, served: tuple[bool, bool] | None, traits: Traits) -> Decision:
-    """:func:`decide` without its cache."""
-    chosen = choose_backend(backend, serves[0], serves[1])
-    reason = f"backend={backend!r} as asked"
-    if chosen == "auto":
-        chosen, reason = "torch", "policy: torch"
-        if served is not None:  # a problem counted small under simulate() is placed at the size it stands for
-            side = round(math.sqrt(rows * cols * _SIMULATED_AREA))  # the square with as many logits (policy.Rule)
-            chosen, reason = policy.choose(device.type, kernel, side, dtype, other_dtype, {"epilogue": served[1]})
-    half = half_ok and chosen == "torch" and half_products(device, dtype, other_dtype)
-    budget = GPU_BUDGET if device.type == "cuda" else DENSE_BUDGET_BYTES
-    strips = _walks_strips(chosen, traits, kernel == "softmax")
-    tile, tile_cols = _tile_shape(chunk_size, rows, cols, device, _bytes_per_logit(chosen, dtype, other_dtype, half)
-                                  if device.type == "cuda" else 8, strips)
-    single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
-    operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
-    return Decision(kernel, device.type, chosen, 0 if single else tile, half, fixed, budget, rows, cols, operand_dtype,
-                    0 if single else tile_cols, reason=reason)
+    The forms a GPU would choose by price (a mask sized by a cost model, read on tensor cores) are ones no GPU has
+    measured (CHANGELOG, issue 64); a rule measured on a GPU comes back here, through the plan."""
+    return rows * cols * (SIMULATING[-1].area if SIMULATING else 1.0) <= limit
 
 
 def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
@@ -321,20 +348,20 @@ def strip_rows(rows: int, cols: int, bytes_per_logit: int, budget: int | None = 
     return strip if math.ceil(rows / strip) < squares else 0
 
 
-def _tile_shape(chunk_size: int | None, rows: int, cols: int, device: torch.device, bytes_per_logit: int,
+def _tile_shape(chunk_size: int | None, rows: int, cols: int, on: Target, bytes_per_logit: int,
                 strips: bool) -> tuple[int, int]:
     """``(tile, tile_cols)`` of :class:`Decision` before the one-tile test: a caller's ``chunk_size`` and a
     CPU's tiles as :func:`resolve_tile` gives them; on a GPU row strips (:func:`strip_rows`) where ``strips``
     allows them and they are fewer. A problem counted small under :func:`simulate` (an area above 1) is
     shaped at the size it stands for and its tiles scaled down to as many per side."""
-    if chunk_size is not None or device.type != "cuda":
-        return resolve_tile(chunk_size, rows, cols, device, bytes_per_logit), 0
-    side = math.sqrt(_SIMULATED_AREA)
+    if chunk_size is not None or on.device != "cuda":
+        return resolve_tile(chunk_size, rows, cols, on.device, bytes_per_logit), 0
+    side = math.sqrt(on.area)
     big_rows, big_cols = round(rows * side), round(cols * side)
-    strip = strip_rows(big_rows, big_cols, bytes_per_logit) if strips else 0
+    strip = strip_rows(big_rows, big_cols, bytes_per_logit, on.budget) if strips else 0
     if strip:
         return (strip if side == 1.0 else math.ceil(rows / math.ceil(big_rows / strip))), cols
-    edge = resolve_tile(None, big_rows, big_cols, device, bytes_per_logit)
+    edge = resolve_tile(None, big_rows, big_cols, on.device, bytes_per_logit, on.budget)
     if side == 1.0 or edge >= max(big_rows, big_cols):
         return (edge if side == 1.0 else max(rows, cols, 1)), 0
     return math.ceil(max(rows, cols) / math.ceil(max(big_rows, big_cols) / edge)), 0
@@ -342,14 +369,31 @@ def _tile_shape(chunk_size: int | None, rows: int, cols: int, device: torch.devi
 
 #: Whether fp32 GEMMs on a GPU may round their operands to TF32 (then a widened product is not exact): the switch
 #: read in C, without the Python of ``torch.backends.cuda.matmul.allow_tf32`` (a plan key reads it every call).
-_tf32: Callable[[], bool] = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
+tf32: Callable[[], bool] = getattr(torch._C, "_get_cublas_allow_tf32", lambda: bool(torch.backends.cuda.matmul.allow_tf32))
 
 
-def _bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype, half: bool) -> int:
+def bytes_per_logit(backend: str, dtype: torch.dtype, other_dtype: torch.dtype, half: bool) -> int:
     """Scratch per logit of a GPU tile: two fp32 tile buffers (fp64: 16 bytes), plus two half copies of the
     torch backend's gradient tile (the epilogue's gradient tiles fit the second buffer's bytes)."""
     wide = 16 if torch.float64 in (dtype, other_dtype) else 8
     return wide + (4 if half and backend == "torch" else 0)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def rows_by_kernel(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
+    """Whether rows normalised before a gather go through the Triton row kernels: on the kernel backends, and for
+    ``"auto"`` on a CUDA device with triton installed (the call is launch-bound at a few thousand rows: one launch
+    each way instead of five and ten); fp64 keeps the torch form. The device is the tensors' own, never a simulated
+    one: the Triton kernels are not simulated (:func:`simulate`)."""
+    if dtype not in KERNEL_DTYPES:
+        return False
+    if backend in ("epilogue", "triton"):
+        return True
+    return backend == "auto" and device.type == "cuda" and _triton_installed()
 
 
 def reduce_inside(reduction: str, distributed: bool) -> bool:

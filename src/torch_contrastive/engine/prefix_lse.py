@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import save_for_backward
-from .prefixes import PerStrip, PrefixPlan, _operands, _prefix_products, _scaled, prefix_backward
+from .prefixes import PerStrip, PrefixPlan, operands, prefix_backward, prefix_products, scaled
 
 if TYPE_CHECKING:
     from ..positives import Exclusion
@@ -83,7 +83,7 @@ class PrefixRowLSE(torch.autograd.Function):
         if (scales.ndim == 2 and (shifts is not None or columns or upper)) or ((expected or exclude) and (columns or upper)):
             raise ValueError("internal: per-row scales take the online maximum, rows only; the soft-max means and an "
                              "exclusion rows only")
-        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        a, c, inv_a, inv_c = operands(anchors, candidates, plan)
         sums = _Sums(a.shape[0], c.shape[0], len(which), a, columns or upper, shifts, scales.detach().to(a.dtype), expected)
         at_cut = _prefixes_at(plan, which)
         for start in range(0, a.shape[0], plan.strip):
@@ -91,10 +91,10 @@ class PrefixRowLSE(torch.autograd.Function):
             first = start if upper else 0
             rows, left = _left_out(leave_out, start, stop, first)
             mask = None if exclude is None else exclude.tile(start, stop, 0, c.shape[0])  # rows only: first is 0
-            for k, raw in enumerate(_prefix_products(a[start:stop], c[first:], plan.cuts)):
+            for k, raw in enumerate(prefix_products(a[start:stop], c[first:], plan.cuts)):
                 if not at_cut[k]:
                     continue
-                cos = _scaled(raw, plan, inv_a, None if inv_c is None else inv_c[first:], k, start, stop)
+                cos = scaled(raw, plan, inv_a, None if inv_c is None else inv_c[first:], k, start, stop)
                 for p in at_cut[k]:
                     sums.add(cos, p, start, stop, rows, left, upper, mask)
         out = sums.finish(upper)

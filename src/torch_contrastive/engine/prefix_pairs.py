@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import save_for_backward
-from .prefixes import LearnedScale, PerStrip, PrefixPlan, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
+from .prefixes import LearnedScale, PerStrip, PrefixPlan, compute_dtype_of, operands, prefix_backward, prefix_products, scaled, weight_of
 
 __all__ = ["PrefixPairs"]
 
@@ -39,7 +39,7 @@ class PrefixPairs(torch.autograd.Function):
                 kernel: str, scale: Tensor | None = None, col_labels: Tensor | None = None, own: int | None = 0) -> Tensor:
         if scale is not None and plan.scale != 1.0:
             raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits)")
-        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        a, c, inv_a, inv_c = operands(anchors, candidates, plan)
         s = None if scale is None else scale.detach().to(a.dtype)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
@@ -50,8 +50,8 @@ class PrefixPairs(torch.autograd.Function):
             pos, neg, n_pos, n_neg = _pair_masks(labels, start, stop, c.shape[0], col_labels, own)
             counted = counted + (pos.sum() if kernel == "pair_softplus" else stop - start)
             signs = _BinarySigns.of(pos, neg, n_pos, n_neg, a.dtype) if kernel == "binary" else None
-            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
-                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+            for k, raw in enumerate(prefix_products(a[start:stop], c, cuts)):
+                logits = scaled(raw, plan, inv_a, inv_c, k, start, stop)
                 if s is not None:  # a learnable scale: the plan's logits are the cosines
                     logits.mul_(s)
                 if kernel == "pair_softplus":
@@ -59,7 +59,7 @@ class PrefixPairs(torch.autograd.Function):
                     terms = torch.where(pos, torch.nn.functional.softplus(lse[start:stop, k, None] - logits), 0.0).sum(1)
                 elif signs is not None:
                     terms = signs.terms(logits)
-                per_anchor[start:stop] += _weight_of(plan, k) * terms
+                per_anchor[start:stop] += weight_of(plan, k) * terms
         save_for_backward(ctx, anchors, candidates, labels, lse, counted, labels if col_labels is None else col_labels,
                               *(() if scale is None else (scale,)))
         ctx.plan, ctx.kernel, ctx.own = plan, kernel, own
@@ -72,7 +72,7 @@ class PrefixPairs(torch.autograd.Function):
         anchors, candidates, labels, lse, counted, col_labels, *given = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         kernel: str = ctx.kernel
-        dtype = _compute_dtype(anchors)
+        dtype = compute_dtype_of(anchors)
         learned = LearnedScale(given, dtype, grad.device)
         masks = PerStrip(lambda start, stop: _pair_masks(labels, start, stop, candidates.shape[0], col_labels, ctx.own))
         def signs_of(start: int, stop: int) -> _BinarySigns | None:

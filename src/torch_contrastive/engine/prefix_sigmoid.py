@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import save_for_backward
-from .prefixes import PerStrip, PrefixPlan, Targets, _compute_dtype, _operands, _prefix_products, _scaled, _weight_of, prefix_backward
+from .prefixes import PerStrip, PrefixPlan, Targets, compute_dtype_of, operands, prefix_backward, prefix_products, scaled, weight_of
 
 __all__ = ["PrefixSigmoid"]
 
@@ -25,7 +25,7 @@ class PrefixSigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchors: Tensor, candidates: Tensor, plan: PrefixPlan, t: Tensor,  # type: ignore[override]
                 b: Tensor, targets: Targets | None = None) -> Tensor:
-        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        a, c, inv_a, inv_c = operands(anchors, candidates, plan)
         n, cuts = a.shape[0], plan.cuts
         t_, b_ = t.to(a.dtype), b.to(a.dtype)
         total = a.new_zeros(())
@@ -33,9 +33,9 @@ class PrefixSigmoid(torch.autograd.Function):
         for start in range(0, n, plan.strip):
             stop = min(start + plan.strip, n)
             positive = _sigmoid_positives(targets, start, stop, a.device)
-            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
-                u = _signed(_scaled(raw, plan, inv_a, inv_c, k, start, stop), t_, b_, start + shift, positive)
-                total = total + _weight_of(plan, k) * torch.nn.functional.softplus(u).sum()
+            for k, raw in enumerate(prefix_products(a[start:stop], c, cuts)):
+                u = _signed(scaled(raw, plan, inv_a, inv_c, k, start, stop), t_, b_, start + shift, positive)
+                total = total + weight_of(plan, k) * torch.nn.functional.softplus(u).sum()
         save_for_backward(ctx, anchors, candidates, t, b)
         ctx.plan, ctx.targets = plan, targets
         return (total / n if plan.mean else total).to(torch.promote_types(anchors.dtype, torch.float32))
@@ -45,7 +45,7 @@ class PrefixSigmoid(torch.autograd.Function):
         anchors, candidates, t, b = ctx.saved_tensors
         plan: PrefixPlan = ctx.plan
         targets: Targets | None = ctx.targets
-        dtype = _compute_dtype(anchors)
+        dtype = compute_dtype_of(anchors)
         t_, b_ = t.to(dtype), b.to(dtype)
         dt, db = t_.new_zeros(()), t_.new_zeros(())
         strip = PerStrip(lambda start, stop: _sigmoid_positives(targets, start, stop, anchors.device))

@@ -163,7 +163,7 @@ class Targets:
         return torch.cat([cast(Tensor, self.strip(lo, min(lo + strip, n), device)[2]) for lo in range(0, n, strip)])
 
 
-def _inverse_norms(x: Tensor, cuts: tuple[int, ...] | list[int], eps: float) -> Tensor:
+def inverse_norms(x: Tensor, cuts: tuple[int, ...] | list[int], eps: float) -> Tensor:
     """(..., len(cuts)): ``1 / max(||x[..., :cut]||, eps)`` for every cut, from band sums of squares (the floor
     ``F.normalize`` takes; autograd-ready for the callers that differentiate through it)."""
     return prefix_dots(x, x, cuts).sqrt().clamp_min(eps).reciprocal()
@@ -176,7 +176,7 @@ def prefix_dots(x: Tensor, y: Tensor, cuts: tuple[int, ...] | list[int]) -> Tens
     return torch.stack(bands, -1).cumsum(-1)
 
 
-def _prefix_products(a: Tensor, c: Tensor, cuts: tuple[int, ...]) -> Iterator[Tensor]:
+def prefix_products(a: Tensor, c: Tensor, cuts: tuple[int, ...]) -> Iterator[Tensor]:
     """The raw dot products ``a[:, :cut] @ c[:, :cut].T`` of each cut in turn, as one running sum over
     the bands accumulated in place by the GEMMs: each yielded tile is overwritten by the next band, so
     a caller uses it before asking for the next."""
@@ -203,7 +203,7 @@ class PrefixSoftmax(torch.autograd.Function):
         candidates = anchors if candidates is None else candidates
         if scale is not None and (plan.scale != 1.0 or targets.columns):
             raise ValueError("a tensor scale needs plan.scale 1 (the cosines are the engine's logits) and no column pass")
-        a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+        a, c, inv_a, inv_c = operands(anchors, candidates, plan)
         s = None if scale is None else scale.detach().to(a.dtype)
         n, cuts = a.shape[0], plan.cuts
         lse = a.new_empty(n, len(cuts))
@@ -217,8 +217,8 @@ class PrefixSoftmax(torch.autograd.Function):
             cols, mask, count = targets.strip(start, stop, a.device)
             left = targets.left_out(start, stop, c.shape[0], a.device) if targets.leave_out else None
             counted = counted + (stop - start if count is None else count.sum() if targets.by_pairs else (count > 0).sum())
-            for k, raw in enumerate(_prefix_products(a[start:stop], c, cuts)):
-                logits = _scaled(raw, plan, inv_a, inv_c, k, start, stop)
+            for k, raw in enumerate(prefix_products(a[start:stop], c, cuts)):
+                logits = scaled(raw, plan, inv_a, inv_c, k, start, stop)
                 if s is not None:  # a learnable scale: the plan's logits are the cosines
                     logits.mul_(s)
                 if left is not None:  # InfoNCE's false negatives leave the soft-max (the mask never holds the positive)
@@ -227,9 +227,9 @@ class PrefixSoftmax(torch.autograd.Function):
                 if smooth is not None:
                     per_row = smooth.terms(per_row, lse[start:stop, k], logits.sum(1))
                 if per_anchor is not None:
-                    per_anchor[start:stop] += _weight_of(plan, k) * per_row
+                    per_anchor[start:stop] += weight_of(plan, k) * per_row
                 else:
-                    total = total + _weight_of(plan, k) * per_row.sum()
+                    total = total + weight_of(plan, k) * per_row.sum()
                 if columns is not None:
                     columns.add(logits, k, plan.scale, cols, positive, mask, first=k == 0, exclude=targets.exclude_positive)
         col_lse = col_count = a.new_empty(0)
@@ -256,7 +256,7 @@ class PrefixSoftmax(torch.autograd.Function):
         targets: Targets = ctx.targets
         smooth: _Smoothing | None = ctx.smooth
         device = anchors.device
-        dtype = _compute_dtype(anchors)
+        dtype = compute_dtype_of(anchors)
         learned = LearnedScale(given, dtype, device)
         strip = PerStrip(lambda start, stop: targets.strip(start, stop, device))
         left = PerStrip(lambda start, stop: targets.left_out(start, stop, candidates.shape[0], device) if targets.leave_out else None)
@@ -442,7 +442,7 @@ class _Columns:
             per_col = smooth.terms(per_col, col_lse, self.linear)
         if targets.exclude_positive:  # a column left without a candidate: 0
             per_col = torch.where(torch.isneginf(col_lse), 0.0, per_col)
-        weights = torch.tensor([_weight_of(plan, k) for k in range(len(plan.cuts))], dtype=per_col.dtype, device=per_col.device)
+        weights = torch.tensor([weight_of(plan, k) for k in range(len(plan.cuts))], dtype=per_col.dtype, device=per_col.device)
         return col_lse, self.count, per_col @ weights
 
 
@@ -487,7 +487,7 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
     the candidates from ``start`` on only (its tiles are ``(stop - start, M - start)``), and ``grad_tile`` returns
     the gradient of both entries ``(i, j)`` and ``(j, i)`` at ``(i, j)``, the strip's own square block halved (both
     of its entries are there): the products then cost half the square."""
-    a, c, inv_a, inv_c = _operands(anchors, candidates, plan)
+    a, c, inv_a, inv_c = operands(anchors, candidates, plan)
     n, cuts = a.shape[0], plan.cuts
     da, dc = torch.zeros_like(a), torch.zeros_like(c)
     # d loss / d (inverse norm) of each row and cut, for the normalisation's chain rule at the end
@@ -499,10 +499,10 @@ def prefix_backward(anchors: Tensor, candidates: Tensor, plan: PrefixPlan, g: Te
         first = start if upper else 0  # the strip's first candidate
         cs, inv_cs = c[first:], (None if inv_c is None else inv_c[first:])
         d_raw = []
-        for k, raw in enumerate(_prefix_products(a[start:stop], cs, cuts)):
-            weight = float(_weight_of(plan, k)) * g
+        for k, raw in enumerate(prefix_products(a[start:stop], cs, cuts)):
+            weight = float(weight_of(plan, k)) * g
             coeff = weight * plan.scale  # d loss / d (raw * inverse norms), per tile entry
-            logits = _scaled(raw, plan, inv_a, inv_cs, k, start, stop)
+            logits = scaled(raw, plan, inv_a, inv_cs, k, start, stop)
             tile = grad_tile(logits, k, start, stop, weight)
             if inv_a is not None and inv_cs is not None and d_inv_a is not None and d_inv_c is not None:
                 # d / d inv_a[i] = sum_j tile * s * raw * inv_c = sum_j tile * logits / inv_a[i] (and so for columns)
@@ -560,25 +560,25 @@ class PerStrip:
         return self.value
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def compute_dtype_of(x: Tensor) -> torch.dtype:
     """Half inputs compute in fp32; fp32 and fp64 in their own precision."""
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _operands(anchors: Tensor, candidates: Tensor, plan: PrefixPlan) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+def operands(anchors: Tensor, candidates: Tensor, plan: PrefixPlan) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Both inputs in the compute dtype and, when the plan normalises, their inverse norms at every cut."""
-    a, c = anchors.to(_compute_dtype(anchors)), candidates.to(_compute_dtype(candidates))
+    a, c = anchors.to(compute_dtype_of(anchors)), candidates.to(compute_dtype_of(candidates))
     if not plan.normalize:
         return a, c, None, None
-    return a, c, _inverse_norms(a, plan.cuts, plan.eps), _inverse_norms(c, plan.cuts, plan.eps)
+    return a, c, inverse_norms(a, plan.cuts, plan.eps), inverse_norms(c, plan.cuts, plan.eps)
 
 
-def _weight_of(plan: PrefixPlan, cut: int) -> float:
+def weight_of(plan: PrefixPlan, cut: int) -> float:
     """The summed weight of the prefixes ending at ``cut`` (a prefix listed twice counts twice)."""
     return sum(w for w, k in zip(plan.weights, plan.which) if k == cut)
 
 
-def _scaled(raw: Tensor, plan: PrefixPlan, inv_a: Tensor | None, inv_c: Tensor | None, k: int, start: int, stop: int) -> Tensor:
+def scaled(raw: Tensor, plan: PrefixPlan, inv_a: Tensor | None, inv_c: Tensor | None, k: int, start: int, stop: int) -> Tensor:
     """A new tile: the prefix's logits ``s * raw * inv_a[i] * inv_c[j]`` (raw is the running sum, kept)."""
     if inv_a is None or inv_c is None:
         return raw * plan.scale

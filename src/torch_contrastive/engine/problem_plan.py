@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
-from . import planner
 from .confident import apart_rule
-from .planner import Decision, Traits, _tf32, choose_backend, decide
+from .planner import Decision, Target, Traits, choose_backend, decide, target, tf32
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
@@ -38,12 +37,12 @@ def plan(problem: Problem) -> AnyPlan:
     torch under ``"auto"`` until measured faster on a GPU. :func:`triton_refusal` says whether the Triton
     kernels serve the problem.
 
-    A soft-max plan is kept per key (:func:`_softmax_key`): a training loop asks the same question
+    A soft-max or pair plan is kept per key (:func:`plan_key`): a training loop asks the same question
     every step, and the answer costs one dictionary look-up instead of a decision and a plan.
     """
     stat = problem.statistic
-    kind = type(stat)
-    key = _softmax_key(problem, stat) if kind is Softmax else _pair_key(problem, stat) if kind is PairTerms else None
+    on = target(problem.anchors.device)
+    key = plan_key(problem, on)
     if key is not None:
         found = _PLANS.get(key)
         if found is not None:
@@ -56,7 +55,7 @@ def plan(problem: Problem) -> AnyPlan:
             if found.positives is None and isinstance(relation, KeyPositives):  # the plan of its shape, kept without it
                 record_plan(found)
                 return found.with_relation(relation)
-    decision = _decision(problem, stat)
+    decision = _decision(problem, stat, on)
     if isinstance(stat, (Softmax, PairTerms)):
         chosen = _softmax_plan(problem, stat, decision) if isinstance(stat, Softmax) else _pair_plan(problem, stat, decision)
         if key is not None:
@@ -86,8 +85,8 @@ def label_sort_tile(problem: Problem) -> int:
     return chosen.tile if chosen.backend == "torch" and 0 < chosen.tile < rows else 0
 
 
-def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Decision:
-    """:func:`decide` asked about ``problem``."""
+def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs, on: Target) -> Decision:
+    """:func:`decide` asked about ``problem`` planned for ``on``."""
     rows, cols = problem.shape
     anchors, opts = problem.anchors, problem.options
     kernel = "softmax" if isinstance(stat, Softmax) else "pairwise" if isinstance(stat, PairTerms) else "sigmoid"
@@ -99,50 +98,40 @@ def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs) -> Dec
                   traits=Traits(int(anchors.shape[-1]), isinstance(stat, Softmax) and stat.columns, problem.symmetric,
                                 stat.kernel if isinstance(stat, PairTerms) else None),
                   triton_serves=lambda: triton_refusal(problem),
-                  epilogue_serves=lambda: epilogue_refusal(problem))
+                  epilogue_serves=lambda: epilogue_refusal(problem), on=on)
 
 
-def _softmax_key(problem: Problem, stat: Softmax) -> tuple[Any, ...] | None:
-    """Everything a soft-max plan is decided from, as a dictionary key (a relation by
-    :func:`_relation_key`); None for a problem that is planned afresh every call: a per-call object in
-    it (an exclusion, a distributed column reduction, a relation listed pair by pair or by a sample
-    mask) or a traced call (under ``torch.compile`` the plan is traced once anyway, and an ``id()`` of a
-    traced object is not its own). A simulated device (:func:`simulate`) and its area are part of the key; an
-    explicit kernel backend's plan is kept too, and its refusal asked again at every look-up (it reads more
-    of the problem than the key)."""
-    if stat.exclude is not None or stat.column_comm is not None or not _keyed(problem):  # (no id() under tracing)
+def plan_key(problem: Problem, on: Target) -> tuple[Any, ...] | None:
+    """Everything a plan is decided from, as one dictionary key: the shape, the dtypes, the device and the
+    :class:`~.planner.Target` planned for (a simulated device, its budget, products and area), the TF32 switch, the
+    options, the relation by :func:`_relation_key` and the statistic's own fields. None for a problem planned afresh
+    every call: the sigmoid terms (a plan of a few fields), a per-call object in it (an exclusion, a distributed
+    column reduction, label ranges, a relation listed pair by pair or by a sample mask) or a traced call (under
+    ``torch.compile`` the plan is traced once anyway, and an ``id()`` of a traced object is not its own). An explicit
+    kernel backend's plan is kept too, and its refusal asked again at every look-up (it reads more of the problem
+    than the key)."""
+    if torch.compiler.is_compiling():  # (no id() of a traced object)
+        return None
+    stat = problem.statistic
+    kind = type(stat)
+    if kind is Softmax:
+        if stat.exclude is not None or stat.column_comm is not None:
+            return None
+        own: tuple[Any, ...] = (problem.grad_columns, stat.columns, stat.column_positives, stat.columns_share_alpha,
+                                *(w is not None for w in (*stat.row_weights, *stat.col_weights)))
+    elif kind is PairTerms:
+        if stat.label_ranges is not None:
+            return None
+        own = (stat.kernel,)
+    else:
         return None
     relation = _relation_key(problem.positives)
     if relation is None:
         return None
     a, c, opts = problem.anchors, problem.candidates, problem.options
-    return (Softmax, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
-            opts.chunk_size, opts.backend, stat.fixed, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, _tf32(), relation,
-            problem.self_offset,
-            problem.symmetric, problem.grad_columns, opts.normalize, opts.eps, stat.columns, stat.column_positives,
-            stat.columns_share_alpha, stat.row_weights[0] is not None, stat.row_weights[1] is not None,
-            stat.col_weights[0] is not None, stat.col_weights[1] is not None)
-
-
-def _pair_key(problem: Problem, stat: PairTerms) -> tuple[Any, ...] | None:
-    """:func:`_softmax_key` of a pair problem: None with label ranges (per-call data the plan reads)."""
-    if stat.label_ranges is not None or not _keyed(problem):
-        return None
-    relation = _relation_key(problem.positives)
-    if relation is None:
-        return None
-    a, c, opts = problem.anchors, problem.candidates, problem.options
-    return (PairTerms, a.shape[0], c.shape[0], a.shape[-1], a.device, planner._SIMULATED, planner._SIMULATED_AREA, a.dtype, c.dtype,
-            _tf32(), opts.chunk_size, opts.backend,
-            stat.fixed, stat.kernel, problem.bound, planner.GPU_BUDGET, planner.PRODUCTS, relation, problem.self_offset,
-            problem.symmetric, problem.single, opts.normalize, opts.eps, stat.combine is None)
-
-
-def _keyed(problem: Problem) -> bool:
-    """A problem whose plan may be kept: not a traced call. A simulated device's plan is kept under its own
-    key (the device simulated and the area are part of it): a count then sees a training loop's steady
-    step, whose plan is a look-up, as on the GPU itself."""
-    return not torch.compiler.is_compiling()
+    return (kind, a.shape[0], c.shape[0], a.shape[-1], a.device, on, a.dtype, c.dtype, tf32(), opts.chunk_size,
+            opts.backend, opts.normalize, opts.eps, stat.fixed, problem.bound, relation, problem.self_offset,
+            problem.symmetric, problem.single, *own)
 
 
 def _relation_key(positives: Positives | None) -> Any:
@@ -161,7 +150,7 @@ def _relation_key(positives: Positives | None) -> Any:
     return None
 
 
-#: :func:`plan`'s soft-max and pair plans by :func:`_softmax_key` / :func:`_pair_key`.
+#: :func:`plan`'s soft-max and pair plans by :func:`plan_key`: the engine's one plan cache.
 _PLANS: dict[tuple[Any, ...], SoftmaxPlan | PairPlan] = {}
 
 

@@ -107,7 +107,7 @@ def rounded_mul(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.mul(x, y, out=torch.empty(shape, dtype=dtype, device=x.device))
 
 
-def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
+def mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     """``x @ y`` of two half-precision matrices with fp32 accumulation and an fp32 result.
 
     On CUDA one tensor-core GEMM (``out_dtype``). CPU kernels lack that overload; there the
@@ -128,7 +128,7 @@ def _mm32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mm(xw, yw, out=out)
 
 
-#: > 0 while :func:`_mm32` widens half operands on a CPU (no GPU would): the cost counter
+#: > 0 while :func:`mm32` widens half operands on a CPU (no GPU would): the cost counter
 #: (:mod:`torch_contrastive.cli.traffic`) skips those copies and counts the product at the
 #: operands' own width.
 WIDENING = [0]
@@ -181,7 +181,7 @@ class HalfProducts(_AddedProducts):
         self.split_rows = isinstance(scale, Tensor)
 
     def logits(self, r0: int, r1: int, c0: int, c1: int, out: Tensor | None = None) -> Tensor:
-        s = _mm32(self.a_raw[r0:r1], self.b_raw[c0:c1].t(), out)
+        s = mm32(self.a_raw[r0:r1], self.b_raw[c0:c1].t(), out)
         factor = self.row_factor
         if isinstance(factor, Tensor) and factor.dim() == 1:
             s.mul_(factor[r0:r1, None])
@@ -213,21 +213,21 @@ class HalfProducts(_AddedProducts):
         c1 = self.b_raw.shape[0] if c1 is None else c1
         factor = None if self.inv_b is None else self.inv_b[c0:c1]
         if not (self.rescale or self.split_rows):  # bf16: the gradient tile rounded as it is formed
-            return _mm32(self._rounded(g, factor, 1), self.b_raw[c0:c1])
+            return mm32(self._rounded(g, factor, 1), self.b_raw[c0:c1])
         wide, peak = self._scaled(g, factor, 1)
         gh = wide.to(self.dtype)
-        out = _mm32(gh, self.b_raw[c0:c1])
+        out = mm32(gh, self.b_raw[c0:c1])
         if self.split_rows:  # the rounding remainder, from the same scaled tile
-            out.add_(_mm32((wide - gh.float()).to(self.dtype), self.b_raw[c0:c1]))
+            out.add_(mm32((wide - gh.float()).to(self.dtype), self.b_raw[c0:c1]))
         return out if peak is None else out.mul_(peak)
 
     def column_product(self, g: Tensor, r0: int = 0, r1: int | None = None) -> Tensor:
         r1 = self.a_raw.shape[0] if r1 is None else r1
         factor = None if self.inv_a is None else self.inv_a[r0:r1]
         if not self.rescale:
-            return _mm32(self._rounded(g, factor, 0).t(), self.a_raw[r0:r1])
+            return mm32(self._rounded(g, factor, 0).t(), self.a_raw[r0:r1])
         wide, peak = self._scaled(g, factor, 0)
-        out = _mm32(wide.to(self.dtype).t(), self.a_raw[r0:r1])
+        out = mm32(wide.to(self.dtype).t(), self.a_raw[r0:r1])
         return out if peak is None else out.mul_(peak)
 
 

@@ -21,38 +21,38 @@ if TYPE_CHECKING:
 __all__ = ["explain", "name_executor", "quiet", "record", "record_plan"]
 
 # Set only while explain() runs (a module global: torch.compile guards on it being None).
-_LOG: list[Decision] | None = None
+LOG: list[Decision] | None = None
 
 
 def record(decision: Decision) -> None:
     """Log a decision while :func:`explain` runs (:func:`~.planner.decide` calls it for each one it makes)."""
-    if _LOG is not None:
-        _LOG.append(decision)
+    if LOG is not None:
+        LOG.append(decision)
 
 
 def record_plan(found: AnyPlan) -> None:
     """A kept plan's decision, with its executor (read only while :func:`explain` runs: off the hot path)."""
-    if _LOG is not None:
-        _LOG.append(replace(found.decision, executor=found.executor))
+    if LOG is not None:
+        LOG.append(replace(found.decision, executor=found.executor))
 
 
 def name_executor(executor: str) -> None:
     """While :func:`explain` runs, name the executor in the decision just recorded: the plan chose it, and an
     executor that hands a call on (:mod:`.one_tile`'s per-call checks) names the one that ran it."""
-    if _LOG:
-        _LOG[-1] = replace(_LOG[-1], executor=executor)
+    if LOG:
+        LOG[-1] = replace(LOG[-1], executor=executor)
 
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Plan without logging: a loss that asks the plan a question before its call (the label sort's tile) is
     not a second engine call in :func:`explain`'s answer."""
-    global _LOG
-    previous, _LOG = _LOG, None
+    global LOG
+    previous, LOG = LOG, None
     try:
         yield
     finally:
-        _LOG = previous
+        LOG = previous
 
 
 def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Decision]:
@@ -64,11 +64,11 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Decision]
     """
     if not callable(fn):
         raise TypeError(f"fn must be a callable (a loss function or module), got {type(fn).__name__}")
-    global _LOG
-    previous, _LOG = _LOG, []
+    global LOG
+    previous, LOG = LOG, []
     try:
         with torch.no_grad():
             fn(*args, **kwargs)
-        return list(_LOG)
+        return list(LOG)
     finally:
-        _LOG = previous
+        LOG = previous

@@ -23,12 +23,11 @@ from torch import Tensor
 from .._tensors import self_diagonal
 from .driver import Gradients, Operands, Saved, run
 from .precision import Scale
-from .problem import Options, Problem, SigmoidPairs
+from .problem import Problem, SigmoidPairs
 from .products import Products
 from .tiling import Buffers, gradient_sweep, logits_tile, sweep
 
 if TYPE_CHECKING:
-    from ..positives import Positives
     from .plans import SigmoidPlan
 
 
@@ -129,44 +128,3 @@ class TorchSigmoid(SigmoidExecutor):
 
 #: The torch sigmoid executor (the engine's registry, :data:`~.solve.EXECUTORS`).
 TORCH = TorchSigmoid()
-
-
-def sigmoid_rows(
-    anchors: Tensor,
-    candidates: Tensor,
-    scale: Scale,
-    bias: Scale,
-    positives: Positives,
-    *,
-    diagonal_offset: int | None = None,
-    normalize: bool = False,
-    eps: float = 1e-12,
-    chunk_size: int | None = None,
-    backend: str = "auto",
-) -> Tensor:
-    """Per-row ``sum_j softplus(-z_ij S_ij)`` with ``S = scale * anchors @ candidates.T + bias``.
-
-    Args:
-        anchors: (R, D) image embeddings; candidates: (C, D) text embeddings.
-        scale: the logit scale (multiplier), float or 0-dim tensor (gets its gradient).
-        bias: the logit bias, float or 0-dim tensor (gets its gradient).
-        positives: a :class:`~torch_contrastive.positives.Positives` (R x C, no self
-            pairs) giving ``z_ij = +1``.
-        diagonal_offset: when the only positive of row i is column ``i + diagonal_offset``
-            (no ids), positives are handled as a strided diagonal, without a mask.
-        normalize, eps: L2-normalise both inputs inside the function.
-        chunk_size: tile edge (see :func:`resolve_tile`).
-        backend: ``"torch"``, ``"triton"`` (fused tile kernels, :mod:`.triton_backend.sigmoid_pairs`:
-            positives on the diagonal, by ids or none) or ``"auto"`` -- the torch backend until
-            the kernels are measured faster on a GPU.
-
-    Returns:
-        (R,) row sums in the compute dtype (fp32 for half inputs).
-
-    Memory: O((R + C) * D) plus two tile buffers; a single tile is kept for backward.
-    """
-    problem = Problem(anchors, candidates, scale, SigmoidPairs(bias, diagonal_offset), positives=positives,
-                      options=Options(normalize, float(eps), chunk_size, backend))
-    from .solve import solve  # the keyword form builds a Problem; solve imports this module
-
-    return solve(problem)

@@ -27,8 +27,7 @@ from .._tensors import as_dtype
 from .confident import coefficient, coefficient_from_sums, margin
 from .driver import Gradients, Operands, Saved, run
 from .left_out import Direction
-from .precision import Scale
-from .problem import Options, Problem, Softmax
+from .problem import Problem, Softmax
 from .products import AnyProducts, Products, make_products
 from .softmax_tiles import backward_fixed, backward_online, forward_fixed, forward_online, single_backward, single_forward
 
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
     from .plans import SoftmaxPlan
 
 
-def _weighted(g: Tensor, weight: Tensor | None) -> Tensor:
+def weighted_grad(g: Tensor, weight: Tensor | None) -> Tensor:
     return g if weight is None else g * weight
 
 
@@ -105,7 +104,7 @@ class SoftmaxExecutor:
         ctx.total = total
         ctx.set_materialize_grads(False)  # an output the caller drops (the empty column slot) costs no zeros
         if total is not None:  # the caller's reduction, done here: no autograd nodes after the engine
-            row_out = _total(row_out, col_out if col_lse is not None else None, total)
+            row_out = scalar_total(row_out, col_out if col_lse is not None else None, total)
             col_out = None  # no empty placeholder: an autograd output may be None
         ctx.by_sums = sums is not None
         row_stat, col_stat = (row_lse, col_lse) if sums is None else sums  # what backward divides by
@@ -136,8 +135,8 @@ class SoftmaxExecutor:
                 # Every rank's tiles touch every column: they all need the full column gradient.
                 g_col_c = g_col_c.clone()
                 plan.column_comm.all_sum(g_col_c)
-            col = (_weighted(g_col_c, col_alpha), col_lse)
-        u = _weighted(g_row, row_alpha)
+            col = (weighted_grad(g_col_c, col_alpha), col_lse)
+        u = weighted_grad(g_row, row_alpha)
         # The one tile's sums: every later use reads the soft-max weight u / total, formed once here
         # (the tile gradient's rows, and the positive coefficient -w * excess).
         w_row = u / row_lse if ctx.by_sums else None
@@ -190,7 +189,7 @@ class TorchSoftmax(SoftmaxExecutor):
 TORCH = TorchSoftmax()
 
 
-def _total(row_out: Tensor, col_out: Tensor | None, total: tuple[Any, Any]) -> Tensor:
+def scalar_total(row_out: Tensor, col_out: Tensor | None, total: tuple[Any, Any]) -> Tensor:
     """``c * sum_i row_out_i + c' * sum_j col_out_j``; one sum when both directions share the
     coefficient and the shape (CLIP's mean: three ops instead of five)."""
     if col_out is None:
@@ -213,7 +212,7 @@ def _positive_coefficient(how: Any, u: Tensor, g: Tensor, uniform: Tensor | None
     the loss weighs both parts alike (so it is not formed)."""
     if margins and alike:
         return how(u, None, margins[0], True, w)
-    c = -uniform if uniform is not None and beta is None else -_weighted(g, beta)
+    c = -uniform if uniform is not None and beta is None else -weighted_grad(g, beta)
     return how(u, c, margins[0], False, w) if margins else c
 
 
@@ -238,13 +237,13 @@ def _outputs(plan: SoftmaxPlan, row_lse: Tensor, col_lse: Tensor | None, row_pos
             col_out, col_lse, d_col = _apart_terms(col_lse, col_pos, col_alpha, col_beta)
             margins = (d_row, d_col)
     else:
-        row_out = _weighted(row_lse, row_alpha)
+        row_out = weighted_grad(row_lse, row_alpha)
         if row_pos is not None:
-            row_out = row_out - _weighted(row_pos, row_beta)
+            row_out = row_out - weighted_grad(row_pos, row_beta)
         if col_lse is not None:
-            col_out = _weighted(col_lse, col_alpha)
+            col_out = weighted_grad(col_lse, col_alpha)
             if col_pos is not None:
-                col_out = col_out - _weighted(col_pos, col_beta)
+                col_out = col_out - weighted_grad(col_pos, col_beta)
     if col_lse is None:
         col_out = None
     return row_out, col_out, row_lse, col_lse, margins
@@ -270,7 +269,7 @@ def _apart_out(d: Tensor, pos: Tensor | None, alpha: Tensor | None, beta: Tensor
         return d
     if pos is None:
         raise RuntimeError("internal: weighted outputs need the positive logits")
-    return _weighted(pos + d, alpha) - _weighted(pos, beta)
+    return weighted_grad(pos + d, alpha) - weighted_grad(pos, beta)
 
 
 def _incoming(ctx: Any, g_row: Tensor | None, g_col: Tensor | None, a: Tensor, b: Tensor,
@@ -307,97 +306,3 @@ def _positive_gradients(pos: Positives, a: Tensor, b: Tensor, gb_acc: Tensor, ga
     if c_col is not None:
         ga_acc = ga_acc + c_col[:, None] * pos.aggregate_transposed(a)
     return gb_acc, ga_acc
-
-
-def softmax_terms(
-    anchors: Tensor,
-    candidates: Tensor,
-    scale: Scale,
-    *,
-    self_offset: int | None,
-    positives: Positives | None = None,
-    row_weights: tuple[Tensor | None, Tensor | None] = (None, None),
-    col_weights: tuple[Tensor | None, Tensor | None] = (None, None),
-    symmetric: bool = False,
-    columns: bool = False,
-    column_positives: bool = True,
-    fixed: bool = False,
-    bound: float | None = None,
-    normalize: bool = False,
-    eps: float = 1e-12,
-    chunk_size: int | None = None,
-    column_comm: Any = None,
-    grad_columns: int | None = None,
-    exclude: Any = None,
-    backend: str = "auto",
-    total: tuple[Scale, Scale] | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Per-row (and per-column) soft-max terms of ``S = scale * anchors @ candidates.T``.
-
-    ``row_out_i = alpha_i * LSE_i - beta_i * sum_j P_ij S_ij`` with
-    ``LSE_i = log sum_{j != self(i)} exp(S_ij)``, and with ``columns=True`` also
-    ``col_out_j = alpha'_j * LSE'_j - beta'_j * sum_i P_ij S_ij`` with
-    ``LSE'_j = log sum_i exp(S_ij)``.
-
-    Args:
-        anchors: (R, D) tensor, any float dtype.
-        candidates: (C, D) tensor; pass ``anchors`` itself for a single set.
-        scale: ``1 / temperature``: a float, or a 0-dim tensor (gradients flow to it;
-            its value is never read on the host).
-        self_offset: anchor ``i`` is candidate ``i + self_offset``; that entry is
-            left out of row ``i``. ``None``: nothing is left out.
-        positives: the relation P (R x C); ``None``: no positive part (plain LSE).
-        row_weights, col_weights: ``(alpha, beta)`` (R,) / (C,) tensors without
-            gradient; ``None`` means 1.
-        symmetric: ``candidates`` are the anchors themselves (single-set losses on one
-            process, ``self_offset=0``): only the upper-triangle tiles are visited.
-        columns: also return the column terms (requires ``self_offset=None``).
-        column_positives: include ``sum_i P_ij S_ij`` in the column terms (the caller
-            computes it itself in distributed training, where this rank holds only
-            some rows).
-        fixed: force plain ``exp(S)`` without a shift; only exact when every row has
-            norm <= 1 and the scale is small (see :func:`fixed_scale_applies`).
-        bound: the caller's promise that every ``|S| <= bound`` (unit rows, a host-known
-            scale); the planner then picks the one-``exp`` algorithm where it is exact.
-        normalize: L2-normalise anchors and candidates inside (``x / max(||x||, eps)``),
-            so the whole loss is one autograd node.
-        chunk_size: tile edge (see :func:`resolve_tile`).
-        column_comm: for ``columns=True`` in distributed training, an object with in-place
-            ``all_sum``/``all_max`` over ranks: each rank passes its own anchor rows and
-            all candidates, and gets the *global* column statistic (an O(C) all-reduce
-            forward, one more for the column gradient backward).
-        grad_columns: only the first ``grad_columns`` candidates need a gradient (the
-            rest are constants, e.g. a queue of past keys concatenated after the live
-            keys): their ``G.T @ A`` products are skipped and their gradient rows are 0.
-            ``None``: every candidate (when ``candidates`` requires grad at all).
-        exclude: candidates left out of the log-sum-exp besides the self pair (and out of
-            the column log-sum-exp): a :class:`~torch_contrastive.positives.Exclusion`.
-            With ``symmetric=True`` it must be a symmetric relation. A row whose every
-            candidate is left out gets ``LSE = -inf``.
-        backend: ``"auto"`` (default; :func:`.planner.decide`), ``"torch"`` or ``"triton"``: the log-sum-exp passes as Triton kernels
-            (CUDA tensors, or ``TRITON_INTERPRET=1`` on CPU; see :mod:`.triton_backend`): the
-            same semantics -- both regimes, the single-set triangle, exclusions by ids, a
-            partner relation, a guide or diagonals, distributed column statistics; positives
-            go through ``Positives.aggregate``. Atomic (fused) kernels unless
-            ``torch.use_deterministic_algorithms(True)`` asks for the row-owned ones.
-        total: ``(c, c')``: return the scalar ``c * sum_i row_out_i + c' * sum_j col_out_j``
-            instead (floats or 0-dim tensors without gradient; ``c'`` only with
-            ``columns=True``) -- a loss's ``mean``/``sum`` reduction inside the autograd
-            function, which saves the small batch a few autograd nodes.
-
-    Returns:
-        ``(row_out, col_out)``: (R,) and (C,) or None, fp32 for fp16/bf16 inputs
-        (fp64 for fp64). A row with no candidate at all gets ``LSE = 0``. With ``total``:
-        ``(scalar, None)``.
-
-    Memory: O((R + C) * D) for the compute-dtype copies plus two tile buffers; never
-    R x C (unless one tile covers everything).
-    """
-    problem = Problem(anchors, candidates, scale, Softmax(row_weights=row_weights, col_weights=col_weights, columns=columns,
-                                                          column_positives=column_positives, column_comm=column_comm,
-                                                          exclude=exclude, total=total, fixed=fixed),
-                      positives=positives, self_offset=self_offset, symmetric=symmetric, bound=bound, grad_columns=grad_columns,
-                      options=Options(normalize, float(eps), chunk_size, backend))
-    from .solve import solve  # the keyword form builds a Problem; solve imports this module
-
-    return solve(problem)

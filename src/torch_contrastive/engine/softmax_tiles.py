@@ -171,7 +171,7 @@ def single_forward(prod: AnyProducts, R: int, C: int, plan: SoftmaxPlan) -> tupl
     return row_lse, complete_columns(col_sum, col_max, plan), row_pos, col_pos, s, None
 
 
-def _put(tile: Tensor, at: Tensor, values: Tensor, accumulate: bool = False) -> None:
+def put_at(tile: Tensor, at: Tensor, values: Tensor, accumulate: bool = False) -> None:
     """Write (or add) ``values`` at the flat places ``at`` of the one tile: one ``put_``, or -- ``put_``
     having no deterministic kernel -- an indexed copy (add) through a flat view in deterministic mode."""
     if torch.are_deterministic_algorithms_enabled():
@@ -210,7 +210,7 @@ def kept_apart_terms(e: Tensor, places: FlatPlaces, columns: bool) -> tuple[Any,
 
 def _clear(e: Tensor, places: FlatPlaces) -> None:
     """Zero the left-out places (the self pairs and the positives kept apart) of the one tile."""
-    _put(e, places.left_out, places.zeros)
+    put_at(e, places.left_out, places.zeros)
 
 
 def _single_strided(e: Tensor, places: FlatPlaces, plan: SoftmaxPlan) -> tuple[Any, ...]:
@@ -295,7 +295,7 @@ def _fold_positives(g: Tensor, positives: Positives, plan: SoftmaxPlan, c_row: T
             put_both(g, places, c_row)
             return
         at = places.both if plan.symmetric else places.positives
-        _put(g, at, c_row.expand(at.shape[0]) if c_row.ndim == 0 else c_row, accumulate=True)
+        put_at(g, at, c_row.expand(at.shape[0]) if c_row.ndim == 0 else c_row, accumulate=True)
         return
     c_row = c_row.expand(g.shape[0])
     c_col = None if c_col is None else c_col.expand(g.shape[1])

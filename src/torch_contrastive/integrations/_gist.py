@@ -15,7 +15,7 @@ from .. import _validation as v
 from ..distributed import all_gather_with_grad, is_active
 from ._citations import GIST, GRADCACHE
 from ._strips import per_row_losses
-from .sentence_transformers import _embed, _GradientCache, _module, _wide
+from .sentence_transformers import GradientCache, embed, encoder_of, widened
 
 
 class GISTEmbedLoss(nn.Module):
@@ -53,7 +53,7 @@ class GISTEmbedLoss(nn.Module):
             raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
             raise ValueError(f"margin must be a float >= 0, got {margin!r}")
-        self.model, self.guide = _module(model, "model"), _module(guide, "guide")
+        self.model, self.guide = encoder_of(model, "model"), encoder_of(guide, "guide")
         self.temperature, self.margin_strategy, self.margin = float(temperature), margin_strategy, float(margin)
         self.contrast_anchors = v.check_flag(contrast_anchors, "contrast_anchors")
         self.contrast_positives = v.check_flag(contrast_positives, "contrast_positives")
@@ -89,13 +89,13 @@ class GISTEmbedLoss(nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         columns = list(sentence_features)
-        embeddings = [_embed(self.model, f) for f in columns]
+        embeddings = [embed(self.model, f) for f in columns]
         return self.compute_loss_from_embeddings(embeddings, self.guide_embeddings(columns))
 
     def guide_embeddings(self, columns: list[dict[str, Any]]) -> list[Tensor]:
         """The guide's embeddings of every column (no graph; retokenised when the tokenisers differ)."""
         with torch.no_grad():
-            return [_embed(self.guide, self._guide_features(f)) for f in columns]
+            return [embed(self.guide, self._guide_features(f)) for f in columns]
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], guide_embeddings: list[Tensor],
                                      prefixes: tuple[Sequence[int], Sequence[float]] | None = None) -> Tensor:
@@ -125,10 +125,10 @@ def gist_loss(anchor: Tensor, positive: Tensor, guide_anchor: Tensor, guide_posi
     """
     dims, weights = (None, None) if prefixes is None else (list(prefixes[0]), [float(w) for w in prefixes[1]])
     # the model's rows: normalised here for the plain loss, per prefix (raw here) for Matryoshka
-    unit = [_wide(x) if dims else F.normalize(_wide(x), dim=-1) for x in (anchor, positive)]
-    g_unit = [F.normalize(_wide(x.detach()), dim=-1) for x in (guide_anchor, guide_positive)]
-    neg = None if negative is None else _wide(negative) if dims else F.normalize(_wide(negative), dim=-1)
-    g_neg = None if guide_negative is None else F.normalize(_wide(guide_negative.detach()), dim=-1)
+    unit = [widened(x) if dims else F.normalize(widened(x), dim=-1) for x in (anchor, positive)]
+    g_unit = [F.normalize(widened(x.detach()), dim=-1) for x in (guide_anchor, guide_positive)]
+    neg = None if negative is None else widened(negative) if dims else F.normalize(widened(negative), dim=-1)
+    g_neg = None if guide_negative is None else F.normalize(widened(guide_negative.detach()), dim=-1)
     batch, offset = anchor.shape[0], 0
     a, p_local = unit
     ga, gp_local = g_unit
@@ -194,7 +194,7 @@ def _prefix_cosines(x: Tensor, y: Tensor, dims: list[int]) -> list[Tensor]:
     return [cos[cuts.index(d)] for d in dims]
 
 
-class CachedGISTEmbedLoss(GISTEmbedLoss, _GradientCache):
+class CachedGISTEmbedLoss(GISTEmbedLoss, GradientCache):
     """sentence-transformers' ``CachedGISTEmbedLoss``: :class:`GISTEmbedLoss` with gradient caching
     (the guide's embeddings computed once, without a graph; the model's in mini-batches, replayed in
     backward), same arguments and values.

@@ -26,10 +26,10 @@ from ._gist import GISTEmbedLoss
 from .sentence_transformers import (
     SYMMETRIC_DIRECTIONS,
     SYMMETRIC_PARTITION,
+    GradientCache,
     MultipleNegativesRankingLoss,
-    _embed,
-    _GradientCache,
-    _module,
+    embed,
+    encoder_of,
 )
 
 
@@ -112,14 +112,14 @@ class MatryoshkaLoss(nn.Module):
     def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
                  matryoshka_weights: Sequence[float] | None = None, n_dims_per_step: int = -1) -> None:
         super().__init__()
-        self.model = _module(model, "model")
-        self.loss = _module(loss, "loss")
+        self.model = encoder_of(model, "model")
+        self.loss = encoder_of(loss, "loss")
         width = getattr(model, "get_embedding_dimension", None)
         self.width: int | None = width() if callable(width) else None
         dims, weights = check_prefixes(matryoshka_dims, matryoshka_weights, self.width)
         if isinstance(n_dims_per_step, bool) or not isinstance(n_dims_per_step, int) or n_dims_per_step == 0 or n_dims_per_step < -1:
             raise ValueError(f"n_dims_per_step must be -1 (every dim) or a positive int, got {n_dims_per_step!r}")
-        if hasattr(loss, "calculate_loss") and not isinstance(loss, _GradientCache):
+        if hasattr(loss, "calculate_loss") and not isinstance(loss, GradientCache):
             raise TypeError("a foreign gradient-caching loss cannot be wrapped here: use "
                             "torch_contrastive's CachedMultipleNegativesRankingLoss")
         pairs = sorted(zip(dims, weights), key=lambda p: p[0], reverse=True)
@@ -137,15 +137,15 @@ class MatryoshkaLoss(nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
-        dims, weights = self._prefixes(isinstance(self.loss, _GradientCache))
+        dims, weights = self._prefixes(isinstance(self.loss, GradientCache))
         if isinstance(self.loss, GISTEmbedLoss):  # the guide's embeddings once, every prefix in one pass
             return self._gist(self.loss, features, labels, dims, weights)
-        if isinstance(self.loss, _GradientCache):  # ours: one embedding pass and one replay for every prefix
+        if isinstance(self.loss, GradientCache):  # ours: one embedding pass and one replay for every prefix
             base = self.loss.embedding_loss(features, labels)
             return self.loss.cached_forward(features, labels,
                                             lambda embeddings, labels: self.loss_from_embeddings(embeddings, labels, dims, weights, base))
         if isinstance(self.loss, MultipleNegativesRankingLoss):
-            embeddings = [_embed(self.loss.model, f) for f in features]
+            embeddings = [embed(self.loss.model, f) for f in features]
             return self.loss_from_embeddings(embeddings, labels, dims, weights, self.loss.compute_loss_from_embeddings)
         return self._per_prefix(features, labels, dims, weights)
 
@@ -159,9 +159,9 @@ class MatryoshkaLoss(nn.Module):
         def every_prefix(embeddings: list[Tensor], _labels: Tensor | None) -> Tensor:
             return inner.compute_loss_from_embeddings(embeddings, guides, (dims, weights))
 
-        if isinstance(inner, _GradientCache):
+        if isinstance(inner, GradientCache):
             return inner.cached_forward(features, labels, every_prefix)
-        return every_prefix([_embed(inner.model, f) for f in features], labels)
+        return every_prefix([embed(inner.model, f) for f in features], labels)
 
     def loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None, dims: Sequence[int], weights: Sequence[float],
                              base: Callable[[list[Tensor], Tensor | None], Tensor] | None = None) -> Tensor:

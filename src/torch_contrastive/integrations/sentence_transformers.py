@@ -105,7 +105,7 @@ def _check_mnrl(scale: float, directions: tuple[str, ...], partition_mode: str, 
     return directions
 
 
-def _module(model: object, name: str) -> nn.Module:
+def encoder_of(model: object, name: str) -> nn.Module:
     """The encoder a loss wraps: an ``nn.Module`` (a SentenceTransformer is one)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{name} must be an nn.Module (a SentenceTransformer), got {type(model).__name__}")
@@ -203,19 +203,19 @@ def mnrl_loss(queries: Tensor, docs: list[Tensor], scale: float = 20.0, *, simil
     def row_loss(start: int, stop: int, q_local: Tensor, q_all: Tensor, d_pos: Tensor, d_all: Tensor) -> Tensor:
         rows = torch.arange(stop - start, device=q_local.device)
         own = rows + offset + start  # global index of each row's query and positive
-        q = _wide(q_local[start:stop])
-        d = _wide(d_pos[offset + start:offset + stop])
-        q2d = q @ _wide(d_all).T
+        q = widened(q_local[start:stop])
+        d = widened(d_pos[offset + start:offset + stop])
+        q2d = q @ widened(d_all).T
         blocks = {"query_to_doc": q2d * scale}
         if weighted:
             blocks["query_to_doc"] = blocks["query_to_doc"] + hardness_strength * q2d.detach() * _hardness_mask(
                 hardness_mode, own, world, len(cols))
         if "query_to_query" in directions:
-            blocks["query_to_query"] = (q @ _wide(q_all).T * scale).index_put((rows, own), q.new_tensor(-torch.inf))
+            blocks["query_to_query"] = (q @ widened(q_all).T * scale).index_put((rows, own), q.new_tensor(-torch.inf))
         if "doc_to_query" in directions:
-            blocks["doc_to_query"] = d @ _wide(q_all).T * scale
+            blocks["doc_to_query"] = d @ widened(q_all).T * scale
         if "doc_to_doc" in directions:
-            blocks["doc_to_doc"] = (d @ _wide(d_all).T * scale).masked_fill(_own_docs(own, world, len(cols)), -torch.inf)
+            blocks["doc_to_doc"] = (d @ widened(d_all).T * scale).masked_fill(_own_docs(own, world, len(cols)), -torch.inf)
         positive = blocks["query_to_doc"][rows, own]
         if partition_mode == "joint":
             log_z = torch.logsumexp(torch.cat(list(blocks.values()), dim=1), dim=1)
@@ -254,12 +254,12 @@ def _hardness_mask(mode: str | None, own: Tensor, world: int, n_cols: int) -> Te
     return keep.float()
 
 
-def _wide(x: Tensor) -> Tensor:
+def widened(x: Tensor) -> Tensor:
     """Half inputs compute in fp32, fp32/fp64 in their own precision."""
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _embed(model: nn.Module, features: dict[str, Any]) -> Tensor:
+def embed(model: nn.Module, features: dict[str, Any]) -> Tensor:
     out = model(features)
     try:
         return out["sentence_embedding"]
@@ -299,7 +299,7 @@ class MultipleNegativesRankingLoss(nn.Module):
                  chunk_size: int | None = None) -> None:
         super().__init__()
         self.directions = _check_mnrl(scale, directions, partition_mode, hardness_mode, hardness_strength)
-        self.model = _module(model, "model")
+        self.model = encoder_of(model, "model")
         self.scale = float(scale)
         self.similarity = _similarity_name(similarity_fct)
         self.similarity_fct = _similarity_function(similarity_fct)  # (read by the peer's users; the engine takes the name)
@@ -314,7 +314,7 @@ class MultipleNegativesRankingLoss(nn.Module):
         return 1.0 / self.scale
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        return self.compute_loss_from_embeddings([_embed(self.model, f) for f in sentence_features], labels)
+        return self.compute_loss_from_embeddings([embed(self.model, f) for f in sentence_features], labels)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss of ``embeddings = [queries, positives, *hard_negative_columns]``."""
@@ -419,7 +419,7 @@ class _ReplayBackward(torch.autograd.Function):
         return None, None, None
 
 
-class _GradientCache:
+class GradientCache:
     """Gradient caching (Gao et al. 2021) for a loss module with ``model``, ``mini_batch_size`` and
     ``mini_batch_num_tokens``: :meth:`cached_forward`."""
 
@@ -477,7 +477,7 @@ class _GradientCache:
         with torch.no_grad():
             for k, features in self._mini_batches(columns):
                 snapshots.append(RngSnapshot())
-                parts[k].append(_embed(self.model, features))
+                parts[k].append(embed(self.model, features))
         reps = [[p.detach().requires_grad_() for p in column] for column in parts]
         self._compute = compute
         try:
@@ -491,7 +491,7 @@ class _GradientCache:
             offsets = [0] * len(columns)
             for (k, features), snapshot in zip(self._mini_batches(columns), snapshots):
                 with snapshot.restored():
-                    out = _embed(self.model, features)
+                    out = embed(self.model, features)
                 rows = out.shape[0]
                 if out.requires_grad:
                     out.backward(cached[k][offsets[k]:offsets[k] + rows].to(out.dtype) * grad_output.to(out.dtype))
@@ -502,7 +502,7 @@ class _GradientCache:
         return _ReplayBackward.apply(loss.detach(), anchor, replay)
 
 
-class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss, _GradientCache):
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss, GradientCache):
     """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache): batches
     far beyond activation memory, parameter gradients of the full batch.
 

@@ -15,7 +15,8 @@ its arguments. A later call with the same signature runs the function alone.
 The signature is everything the full path decides from: each argument's type, each feature tensor's shape,
 dtype, device, layout and ``requires_grad``, the other arguments' values and types (``False`` and ``0`` are
 told apart: the full path would refuse the second), how they were passed, and what outside the call a plan
-reads (a simulated device, the GPU scratch budget, the product scheme, TF32). A call is never kept with a
+reads (the :class:`~torch_contrastive.engine.planner.Target` planned for -- a simulated device, the GPU scratch
+budget, the product scheme -- and TF32). A call is never kept with a
 tensor or container among its other arguments (a learnable temperature, ids, a mask, a memory: values the set-up
 reads; only ``bool``, ``int``, ``float``, ``str`` and ``None``) -- except a label loss's ``labels``, whose
 shape, dtype and device are in the signature: its relation is new every step, so while its first call is kept
@@ -59,9 +60,9 @@ _ONE_TILE_KEY = (Softmax, "one_tile")
 _PAIRS_KEY = (PairTerms, "one_tile")
 #: The lean executors by their registry key, and the pair terms' lean functions.
 _LEAN = {_ONE_TILE_KEY: one_tile.ONE_TILE, _PAIRS_KEY: one_tile.ONE_TILE_PAIRS}
-_PAIRS = (one_tile._OneTilePairs,)
+_PAIRS = (one_tile.OneTilePairsFunction,)
 #: The lean functions of a call without labels (a single positive on a strided layout): kept with their plan.
-_STRIDED = (one_tile._OneTile,)
+_STRIDED = (one_tile.OneTileFunction,)
 #: The types a kept call's other arguments may have: values, never tensors or containers the set-up reads.
 _SCALARS = frozenset({bool, int, float, str, type(None)})
 
@@ -91,12 +92,13 @@ def clear() -> None:
 # autograd.Function.apply without its Python wrapper (one_tile.C_APPLY; calls under a functorch transform are never kept)
 _C_APPLY = one_tile.C_APPLY
 _unwrap = one_tile.unwrap
-_transforms_active = one_tile._transforms_active
+_transforms_active = one_tile.transforms_active
 # bound once: a kept call's Python is a few dozen bytecodes, and each attribute path costs some
 _compiling = torch.compiler.is_compiling
 _autocast = torch.is_autocast_enabled
 _dist_initialized = torch.distributed.is_initialized if torch.distributed.is_available() else (lambda: False)
-_tf32 = planner._tf32  # the TF32 switch of fp32 GEMMs, read in C
+_tf32 = planner.tf32  # the TF32 switch of fp32 GEMMs, read in C
+_target = planner.target  # the device planned for (a simulated one inside planner.simulate)
 
 
 def kept(features: int, labels: bool = False) -> Callable[[F], F]:
@@ -124,14 +126,13 @@ def kept(features: int, labels: bool = False) -> Callable[[F], F]:
                 b: Any = args[1] if two else None
                 key = (loss, a.shape, a.dtype, a.device, a.layout, a.requires_grad,
                        (b.shape, b.dtype, b.device, b.layout, b.requires_grad) if two else None,
-                       others or (args[features:], tuple(kwargs.items())), kinds, planner._SIMULATED, planner._SIMULATED_AREA,
-                       planner.GPU_BUDGET, planner.PRODUCTS, _tf32())
+                       others or (args[features:], tuple(kwargs.items())), kinds, _target(a.device), _tf32())
                 replay = _KEPT.get(key)
             except (IndexError, AttributeError, TypeError, KeyError):  # too few arguments, not tensors, an unhashable one
                 return loss(*args, **kwargs)
             # whether a kept call may stand for the full path now (the module docstring's conditions), asked
             # before a call is kept as before one is replayed; inline: this is the kept call's whole Python
-            if replay is _NOT_KEPT or type(a) is not Tensor or recorded._LOG is not None or _transforms_active() or \
+            if replay is _NOT_KEPT or type(a) is not Tensor or recorded.LOG is not None or _transforms_active() or \
                     _autocast(a.device.type) or (_dist_initialized() and distributed.is_active()):
                 return loss(*args, **kwargs)
             if replay is None:

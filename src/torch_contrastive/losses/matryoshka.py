@@ -26,8 +26,8 @@ from .. import _validation as v
 from ..distributed import Scope
 from ..engine.prefixes import Targets
 from .prefix_calls import check_prefixes, one_per_prefix, prefix_sum, prefix_term, refuse_shared_state
-from .prefix_forms import _SHARED, OnePass, _default, _pair_form, _shared_options, _sigmoid_form, _weighted_form, one_pass_softmax
-from .prefix_gather import _gathered
+from .prefix_forms import SHARED, OnePass, default_of, one_pass_softmax, pair_form, shared_options, sigmoid_form, weighted_form
+from .prefix_gather import gathered_form
 from .prefix_global import global_one_pass
 from .prefix_paired import paired_form
 from .prefix_weights import PositiveWeights
@@ -88,27 +88,27 @@ def _one_pass(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     from . import image_text_contrastive_loss, info_nce_loss, nt_bxent_loss, nt_xent_loss, siglip_loss, supcon_loss
 
     if loss_fn is siglip_loss:
-        return _sigmoid_form(tensors, kwargs, set(kwargs) - set(_SHARED))
+        return sigmoid_form(tensors, kwargs, set(kwargs) - set(SHARED))
     if loss_fn not in (image_text_contrastive_loss, info_nce_loss, nt_xent_loss, supcon_loss, nt_bxent_loss):
         return None
-    tau = kwargs.get("temperature", _default(loss_fn, "temperature"))
+    tau = kwargs.get("temperature", default_of(loss_fn, "temperature"))
     if isinstance(tau, bool) or not isinstance(tau, (int, float, Tensor)) or \
             (isinstance(tau, Tensor) and (tau.numel() != 1 or not tau.is_floating_point())):
         return None  # let the loss refuse it
-    options = _shared_options(kwargs)
+    options = shared_options(kwargs)
     if options is None:
         return None
     chunk, reduction, scope = options
     if loss_fn is info_nce_loss and kwargs.get("negative_mode") == "paired":  # each query's own negatives
-        return paired_form(tensors, kwargs, set(kwargs) - {"temperature", *_SHARED}, tau, chunk, reduction, scope)
+        return paired_form(tensors, kwargs, set(kwargs) - {"temperature", *SHARED}, tau, chunk, reduction, scope)
     pairs = loss_fn is nt_bxent_loss or (kwargs.get("labels") is not None and loss_fn is nt_xent_loss)
     if pairs:
-        return _pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *_SHARED},
+        return pair_form(loss_fn is nt_bxent_loss, tensors, kwargs, set(kwargs) - {"temperature", *SHARED},
                           tau.reshape(()) if isinstance(tau, Tensor) else v.check_positive(tau, "temperature"), chunk,
                           reduction, scope)
     # SupCon's scale (tau / tau_base) and its single-class rule apply to the value: the form does not read them
-    keys = set(kwargs) - {"temperature", *_SHARED} - (_SUPCON_VALUE if loss_fn is supcon_loss else set())
-    run = _gathered(loss_fn, tensors, kwargs, keys, tau, scope, chunk, reduction) if scope.distributed else \
+    keys = set(kwargs) - {"temperature", *SHARED} - (_SUPCON_VALUE if loss_fn is supcon_loss else set())
+    run = gathered_form(loss_fn, tensors, kwargs, keys, tau, scope, chunk, reduction) if scope.distributed else \
         _local(loss_fn, tensors, kwargs, keys, tau, chunk, reduction)
     return run if run is None or loss_fn is not supcon_loss else _supcon_value(run, tensors[0], kwargs, tau, scope)
 
@@ -119,7 +119,7 @@ def _local(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[s
     tiles), NT-Xent's positive terms weighted where the call gives weights."""
     from . import image_text_contrastive_loss
 
-    found = _weighted_form(loss_fn, tensors, kwargs, keys)
+    found = weighted_form(loss_fn, tensors, kwargs, keys)
     if found is None:
         return None
     (anchors, candidates, targets, symmetric), given_weight = found
@@ -149,7 +149,7 @@ def _supcon_value(run: OnePass, features: Tensor, kwargs: dict[str, Any], tau: f
     """SupCon's ``base_temperature`` (the loss times ``tau / tau_base``, a learnable tau's gradient through it too)
     and ``single_class="zero"`` (0 when every anchor and candidate share one label), as the loss applies them to
     its value; None for values the loss refuses (it then says why)."""
-    from .supcon import _has_negative_pair
+    from .supcon import has_negative_pair
 
     base, mode = kwargs.get("base_temperature"), kwargs.get("single_class", "keep")
     if mode not in ("keep", "zero") or not (base is None or (isinstance(base, (int, float)) and not isinstance(base, bool))):
@@ -159,7 +159,7 @@ def _supcon_value(run: OnePass, features: Tensor, kwargs: dict[str, Any], tau: f
     flag = None
     if mode == "zero" and isinstance(labels, Tensor):
         memory, reference = (kwargs.get(name) for name in ("memory_labels", "ref_labels"))
-        flag = _has_negative_pair(scope.ints(labels.to(features.device)), None if memory is None else (memory, memory),
+        flag = has_negative_pair(scope.ints(labels.to(features.device)), None if memory is None else (memory, memory),
                                   None if reference is None else (reference, reference))
     if factor is None and flag is None:
         return run

@@ -29,7 +29,7 @@ OnePass = Callable[[list[int], list[float], "list[tuple[str, Tensor]] | None"], 
 
 
 #: The shared options (:mod:`torch_contrastive.options`) the soft-max one pass honours itself.
-_SHARED = ("normalize", "reduction", "chunk_size", "gather", "grad_reduction", "eps", "validate", "backend")
+SHARED = ("normalize", "reduction", "chunk_size", "gather", "grad_reduction", "eps", "validate", "backend")
 
 
 def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims: list[int], weights: list[float],
@@ -65,11 +65,11 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
     if factor != 1.0:
         loss = loss * factor
     if named is not None:
-        _name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
+        name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
     return loss
 
 
-def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]], tau: Tensor | None = None) -> None:
+def name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]], tau: Tensor | None = None) -> None:
     """One host read: a non-finite loss raises ``ValueError`` naming the first non-finite input; with a tensor
     temperature, one that is not positive and finite is named instead (read in the same transfer)."""
     if torch.compiler.is_compiling():
@@ -88,7 +88,7 @@ def _name_non_finite(loss: Tensor, named: list[tuple[str, Tensor]], tau: Tensor 
                 raise ValueError(f"{name} has non-finite values (NaN or inf)")
 
 
-def _default(fn: Callable[..., Tensor], name: str) -> Any:
+def default_of(fn: Callable[..., Tensor], name: str) -> Any:
     return inspect.signature(fn).parameters[name].default
 
 
@@ -101,13 +101,13 @@ def _scalar(value: object, device: torch.device) -> Tensor | None:
     return None
 
 
-def _shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str, Scope] | None:
+def shared_options(kwargs: dict[str, Any]) -> tuple[int | None, str, Scope] | None:
     """``(strip rows, reduction, the call's scope)`` from the shared options of a soft-max loss's call, checked
     as the loss checks them (the same errors, the same warning for ``gather=False`` among several ranks); None
     where the one pass does not compute that call: a kernel backend, or a floor ``eps >= 1`` (which would
     shrink the unit prefixes). ``normalize`` changes nothing here: every prefix arrives normalised (as
     :func:`shrink` gives it)."""
-    given = {name: kwargs[name] for name in _SHARED if name in kwargs}
+    given = {name: kwargs[name] for name in SHARED if name in kwargs}
     options = shared(**given)
     if options.backend not in ("auto", "torch") or options.eps >= 1.0:
         return None
@@ -129,9 +129,9 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
     if loss_fn is image_text_contrastive_loss and len(tensors) == 2 and two_d:
         return _image_text_form(tensors, kwargs, keys)
     if loss_fn is info_nce_loss and len(tensors) in (2, 3) and two_d:
-        return _info_nce_form(tensors, kwargs, keys)
+        return info_nce_form(tensors, kwargs, keys)
     if loss_fn is nt_xent_loss and keys <= {"pairing", "decoupled"} and len(tensors) == 1 and two_d and tensors[0].shape[0] % 2 == 0:
-        pairing, n = kwargs.get("pairing", _default(nt_xent_loss, "pairing")), tensors[0].shape[0]
+        pairing, n = kwargs.get("pairing", default_of(nt_xent_loss, "pairing")), tensors[0].shape[0]
         decoupled = kwargs.get("decoupled", False)
         rows = torch.arange(n, device=tensors[0].device)
         partner = {"adjacent": rows ^ 1, "halves": (rows + n // 2) % n}.get(pairing)
@@ -161,7 +161,7 @@ def _softmax_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs:
     return None
 
 
-def _weighted_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any],
+def weighted_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any],
                    keys: set[str]) -> tuple[tuple[Tensor, Tensor, Targets, bool], Any] | None:
     """:func:`_softmax_form` and NT-Xent's ``positive_weight`` beside it (None without one; a weight needs one
     positive per anchor), or None."""
@@ -179,7 +179,7 @@ _INFO_NCE = {"key_ids", "negative_ids", "guide", "guide_margin", "guide_margin_m
              "negative_mode", "label_smoothing", "gather_negatives"}
 
 
-def _info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str],
+def info_nce_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str],
                    scope: Scope | None = None) -> tuple[Tensor, Tensor, Targets, bool] | None:
     """InfoNCE: query ``i`` against the keys, then the pool of negatives, key ``i`` its positive; the false negatives
     the loss's rules name (duplicate ids, a guide's verdict -- the guide at its full width --, the other keys with
@@ -281,7 +281,7 @@ def _image_text_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[st
                                   smoothing=smoothing), True
 
 
-def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor,
+def pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], tau: float | Tensor,
                chunk: int | None, reduction: str, scope: Scope) -> OnePass | None:
     """The label conventions scored pair by pair (:class:`~torch_contrastive.engine.prefix_pairs.PrefixPairs`):
     pytorch-metric-learning's NT-Xent (``nt_xent_loss(labels=...)``) and NT-BXent (``nt_bxent_loss(labels=...)``),
@@ -322,7 +322,7 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
             col_labels = scope.ints(labels) if col_labels is None else torch.cat([scope.ints(labels), col_labels[x.shape[0]:]])
         if reduction == "mean":  # the positive pairs (PML) or the rows (NT-BXent) of this rank
             # PML: the positive pairs, same-label columns but the row's own, as the soft-max forms count them
-            normaliser = float(x.shape[0]) if binary else _counted(Targets(
+            normaliser = float(x.shape[0]) if binary else counted_positives(Targets(
                 row_keys=labels, col_keys=col_labels, exclude_self=True, offset=own), x, by_pairs=True)
 
     # a tensor (learnable) temperature: the cosines are the plan's logits and 1 / tau multiplies them inside
@@ -335,7 +335,7 @@ def _pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys
         if gathered and not per_row:
             loss = scope.finish(loss, normaliser)
         if named is not None:
-            _name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
+            name_non_finite(loss, named, tau if isinstance(tau, Tensor) else None)
         return loss
 
     return pairs
@@ -356,7 +356,7 @@ def _extra_candidates(x: Tensor, labels: Tensor, kwargs: dict[str, Any],
     return x, None, 0
 
 
-def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
+def sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) -> OnePass | None:
     """SigLIP's sigmoid pairs: two paired sets, a float or 0-dim tensor scale and bias, the diagonal positives or
     (``image_id`` / ``text_id``) every pair whose ids match, as the image-text loss relates them; ``reduction``
     "mean" (over the images) or "sum", and under ``gather=True`` among several ranks this rank's images against
@@ -369,7 +369,7 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
     if not isinstance(negative_only, bool) or (negative_only and keys & {"image_id", "text_id"}):
         return None  # let the loss refuse it
     t, b = (_scalar(kwargs[name], tensors[0].device) for name in ("logit_scale", "logit_bias"))
-    options = _shared_options(kwargs)
+    options = shared_options(kwargs)
     if t is None or b is None or options is None or options[1] == "none":
         return None  # let the loss refuse it, or take it per prefix (per-row values)
     chunk, reduction, scope = options
@@ -379,7 +379,7 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
     targets = Targets() if form is None else form[2]
     if scope.distributed:
         texts = scope.rows(texts)
-        targets = _spread(_global_ids(targets, kwargs, scope), scope)
+        targets = spread_targets(global_ids(targets, kwargs, scope), scope)
     n = images.shape[0]
     if negative_only:  # no pair is a positive: row keys 0 against column keys 1
         zeros = torch.zeros(n, dtype=torch.long, device=images.device)
@@ -392,13 +392,13 @@ def _sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str])
         if scope.distributed:  # the global sum over all pairs, over the global number of images for "mean"
             loss = scope.finish(loss, float(n) if reduction == "mean" else 1.0)
         if named is not None:
-            _name_non_finite(loss, named)
+            name_non_finite(loss, named)
         return loss
 
     return sigmoid
 
 
-def _global_ids(targets: Targets, kwargs: dict[str, Any], scope: Scope) -> Targets:
+def global_ids(targets: Targets, kwargs: dict[str, Any], scope: Scope) -> Targets:
     """An image-text relation by ids with a missing id tensor (every row its own id, ``arange``) made global: this
     rank's rows' own ids shifted by its offset, so that they match no other rank's."""
     if not isinstance(targets.row_keys, tuple):
@@ -407,14 +407,14 @@ def _global_ids(targets: Targets, kwargs: dict[str, Any], scope: Scope) -> Targe
     return replace(targets, row_keys=ids)
 
 
-def _one_key(keys: Tensor | tuple[Tensor, ...] | None) -> Tensor:
+def one_key(keys: Tensor | tuple[Tensor, ...] | None) -> Tensor:
     """One key tensor (SupCon's), refused as anything else."""
     if not isinstance(keys, Tensor):
         raise RuntimeError("internal: one key tensor expected")
     return keys
 
 
-def _spread(targets: Targets, scope: Scope) -> Targets:
+def spread_targets(targets: Targets, scope: Scope) -> Targets:
     """``targets`` of this rank's anchors against the gathered candidates: the columns' keys gathered, the
     anchors' own columns from this rank's offset."""
     if targets.row_keys is None:
@@ -423,7 +423,7 @@ def _spread(targets: Targets, scope: Scope) -> Targets:
     return replace(targets, col_keys=cols, offset=scope.offset)
 
 
-def _counted(targets: Targets, anchors: Tensor, *, by_pairs: bool) -> Tensor | float:
+def counted_positives(targets: Targets, anchors: Tensor, *, by_pairs: bool) -> Tensor | float:
     """This rank's share of the loss's denominator: its anchors (one positive each), its positive pairs
     (``by_pairs``, CLIP's ids) or its anchors with a positive (SupCon), in the loss's dtype."""
     counts = targets.positives(anchors.shape[0], _COUNT_ROWS, anchors.device)

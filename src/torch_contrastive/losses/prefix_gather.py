@@ -14,11 +14,21 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import Scope, all_gather_with_grad
 from ..engine.prefixes import Targets
-from .prefix_forms import OnePass, _counted, _global_ids, _info_nce_form, _name_non_finite, _one_key, _spread, _weighted_form, one_pass_softmax
+from .prefix_forms import (
+    OnePass,
+    counted_positives,
+    global_ids,
+    info_nce_form,
+    name_non_finite,
+    one_key,
+    one_pass_softmax,
+    spread_targets,
+    weighted_form,
+)
 from .prefix_weights import PositiveWeights
 
 
-def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str],
+def gathered_form(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str],
               tau: float | Tensor, scope: Scope, chunk: int | None, reduction: str) -> OnePass | None:
     """The soft-max forms under ``gather=True`` among several ranks, as the losses gather: this rank's anchors
     against every rank's candidates (gathered with their gradients, rank-ordered), each anchor's positive and
@@ -31,10 +41,10 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
     # InfoNCE's false-negative rules: its form gathers every rank's candidates and the rules' rows itself
     rules = loss_fn is info_nce_loss and bool(keys)
     if rules:
-        form = _info_nce_form(tensors, kwargs, keys, scope)
+        form = info_nce_form(tensors, kwargs, keys, scope)
         found = None if form is None else (form, None)
     else:
-        found = _weighted_form(loss_fn, tensors, kwargs, keys)
+        found = weighted_form(loss_fn, tensors, kwargs, keys)
     if found is None or found[0][2].sample_mask is not None:
         return None  # (a mask relates this rank's samples only: the loss refuses it with gather=True)
     (anchors, candidates, targets, _), given_weight = found
@@ -43,8 +53,8 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
         images, texts = tensors[0], tensors[1].to(tensors[0].dtype)
         all_texts, all_images = scope.rows_of(texts, images)
         # gt is symmetric in the pairs: one relation serves both directions (row j's keys are pair j's)
-        targets = _spread(_global_ids(targets, kwargs, scope), scope)
-        normaliser = _counted(targets, anchors, by_pairs=True)
+        targets = spread_targets(global_ids(targets, kwargs, scope), scope)
+        normaliser = counted_positives(targets, anchors, by_pairs=True)
         if targets.smoothing:  # the uniform part's G and N are every rank's
             local = normaliser if isinstance(normaliser, Tensor) else anchors.new_tensor(normaliser)
             targets = replace(targets, population=(scope.total(local), int(sum(scope.sizes))))
@@ -57,7 +67,7 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
             everyone = int(sum(scope.sizes))
             targets = replace(targets, population=(anchors.new_tensor(float(everyone)), everyone))
         directions = [(anchors, pool, targets)]
-        normaliser = _counted(targets, anchors, by_pairs=False) if reduction == "mean" else 1.0
+        normaliser = counted_positives(targets, anchors, by_pairs=False) if reduction == "mean" else 1.0
         factor = 1.0
     # NT-Xent's weighted positive terms (DCLW): this rank's rows' weights, their own gradient summed here and
     # reduced over the ranks with the loss
@@ -79,7 +89,7 @@ def _gathered(loss_fn: Callable[..., Tensor], tensors: list[Tensor], kwargs: dic
             local = local * _clip_rows_factor(targets, anchors, scope)
         loss = local if per_row else scope.finish(local * factor, normaliser)
         if named is not None:
-            _name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
+            name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
         return loss
 
     return run
@@ -102,7 +112,7 @@ def _gathered_candidates(loss_fn: Callable[..., Tensor], tensors: list[Tensor], 
         pool = scope.rows(anchors)
     if loss_fn is nt_xent_loss and targets.partner is not None:  # each rank pairs its own rows
         targets = replace(targets, partner=targets.partner + scope.offset)
-    return pool, _spread(targets, scope)
+    return pool, spread_targets(targets, scope)
 
 
 def _gathered_supcon(kwargs: dict[str, Any], candidates: Tensor, targets: Targets, scope: Scope) -> tuple[Tensor, Targets]:
@@ -113,7 +123,7 @@ def _gathered_supcon(kwargs: dict[str, Any], candidates: Tensor, targets: Target
     extra = memory.shape[0] if isinstance(memory, Tensor) else 0
     n = candidates.shape[0] - extra  # the batch's rows, then the memory's
     pool = scope.rows(candidates[:n])  # (the rank's offset among every rank's rows is known from here)
-    rows, cols = _one_key(targets.row_keys), _one_key(targets.col_keys)
+    rows, cols = one_key(targets.row_keys), one_key(targets.col_keys)
     if kwargs.get("labels") is None:  # views without labels: a sample's key is its own row index, made global
         rows, cols = rows + scope.offset, cols + scope.offset
     col_keys = scope.ints(cols[:n])
@@ -129,7 +139,7 @@ def _clip_rows_factor(targets: Targets, anchors: Tensor, scope: Scope) -> Tensor
     its own ``n / g``, undone here; without ids ``G = N`` (the mean of the two directions)."""
     if not targets.by_pairs:
         return 0.5
-    local = _counted(targets, anchors, by_pairs=True)
+    local = counted_positives(targets, anchors, by_pairs=True)
     counted = local if isinstance(local, Tensor) else anchors.new_tensor(local)
     return 0.5 * counted / anchors.shape[0] * float(sum(scope.sizes)) / scope.total(counted).clamp_min(1)
 

@@ -25,9 +25,9 @@ from torch import Tensor
 from .. import _validation as v
 from ..distributed import Scope
 from ..engine.prefix_lse import PrefixRowLSE
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, _inverse_norms, prefix_dots, prefix_plan
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, inverse_norms, prefix_dots, prefix_plan
 from ._false_negatives import Rules, false_negative_rules, key_exclusion, paired_exclusion
-from .prefix_forms import OnePass, _name_non_finite
+from .prefix_forms import OnePass, name_non_finite
 
 __all__ = ["paired_form"]
 
@@ -65,7 +65,7 @@ def paired_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str], t
         else:  # this rank's queries' terms; the mean over every rank's (a sum: the losses' gathered convention)
             loss = scope.finish(local.sum(), float(query.shape[0]) if reduction == "mean" else 1.0)
         if named is not None:
-            _name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
+            name_non_finite(loss, named, temperature if isinstance(temperature, Tensor) else None)
         return loss
 
     return run
@@ -83,7 +83,7 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
     which = list(cuts.index(d) for d in dims)
     dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     x, y, z = q.to(dtype), k.to(dtype), negs.to(dtype)
-    inv_q, inv_k, inv_n = (_inverse_norms(t, cuts, 1e-12) for t in (x, y, z))  # as F.normalize floors each prefix
+    inv_q, inv_k, inv_n = (inverse_norms(t, cuts, 1e-12) for t in (x, y, z))  # as F.normalize floors each prefix
     positive = prefix_dots(x, y, cuts) * inv_q * inv_k  # (N, cuts)
     paired = prefix_dots(x[:, None, :], z, cuts)
     paired = paired * inv_q[:, None, :] * inv_n  # (N, K, cuts): each query's own negatives' cosines
@@ -116,7 +116,7 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
         uniform, count = neg.sum(1), negs.shape[1]  # each query's own negatives
         if in_batch:  # every key (every rank's under gather): s x_p(i) . sum_j y_p(j) / |y_p(j)|, per cut
             keys = keys_all.to(dtype)
-            inv_all = _inverse_norms(keys, cuts, 1e-12)
+            inv_all = inverse_norms(keys, cuts, 1e-12)
             summed = torch.stack([x[:, :cut] @ (keys[:, :cut] * inv_all[:, j, None]).sum(0) for j, cut in enumerate(cuts)], 1)
             uniform, count = uniform + (summed * inv_q)[:, which] * scale_t, count + keys.shape[0]
         else:  # the positive alone (smoothing refuses DCL: the rules)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..engine.prefix_lse import PrefixRowLSE, upper_strip
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, _inverse_norms, prefix_dots, prefix_plan
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, inverse_norms, prefix_dots, prefix_plan
 
 __all__ = ["upper_softmax"]
 
@@ -51,7 +51,7 @@ def upper_softmax(z: Tensor, targets: Targets, dims: list[int], weights: list[fl
     lse = PrefixRowLSE.apply(z, None, plan, which, leave, False, torch.full((len(dims),), scale, dtype=dtype, device=z.device),
                              (scale,) * len(dims), True)
     x = z.to(dtype)
-    inv = _inverse_norms(x, cuts, eps)
+    inv = inverse_norms(x, cuts, eps)
     if targets.partner is not None:
         partner = targets.partner
         positive = prefix_dots(x, x[partner], cuts) * inv * inv[partner] * scale  # (N, cuts): the partner's logit

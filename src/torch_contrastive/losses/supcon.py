@@ -151,7 +151,7 @@ def supcon_loss(
     loss = _finish(per_anchor, total, factor, n_with_positives, reduction, scope, checks, v.output_needs_check(normalize, bound),
                    covers)
     if single_class == "zero" and labels is not None:
-        loss = loss * mask_as(_has_negative_pair(scope.ints(labels), memory, reference), loss.dtype)
+        loss = loss * mask_as(has_negative_pair(scope.ints(labels), memory, reference), loss.dtype)
     return loss
 
 
@@ -207,7 +207,7 @@ def _candidates(z_all: Tensor, positives: Positives, offset: int, memory: tuple[
     return z_all, positives, None, offset
 
 
-def _has_negative_pair(labels: Tensor, memory: tuple[Tensor, Tensor] | None, reference: tuple[Tensor, Tensor] | None) -> Tensor:
+def has_negative_pair(labels: Tensor, memory: tuple[Tensor, Tensor] | None, reference: tuple[Tensor, Tensor] | None) -> Tensor:
     """0-dim bool: some anchor and some candidate carry different labels (no host read).
 
     With a reference set the candidates are its rows; otherwise the batch (and memory)."""

@@ -1,0 +1,190 @@
+"""The package's structure, walked over every module of ``src/torch_contrastive`` (a new module is covered by
+being there): no module imports another's private name, the engine's modules import each other without a cycle
+(lazy imports counted, type-only ones not), and the device type is read only where a plan is made -- the
+planner and the policy -- or where an API needs it (autocast) or a kernel checks what it can run."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "torch_contrastive"
+
+#: Modules that may read a device's type, and why (everything else takes the plan's answer).
+DEVICE_READS = {
+    "torch_contrastive.engine.planner": "the plan: every device-dependent decision is made here",
+    "torch_contrastive.engine.policy": "the policy: one ordered list of rules per device",
+    "torch_contrastive.engine.products": "torch.mm's fp32-output overload of half operands exists on CUDA only "
+                                         "(a CPU widens the operands: the same numbers)",
+    "torch_contrastive.engine.triton_backend._host": "the Triton kernels' own refusal of a tensor they cannot run on",
+}
+#: Calls that take a device type as their argument (reading it for them decides nothing).
+DEVICE_TYPE_APIS = {"autocast", "autocast_enabled", "_autocast", "is_autocast_enabled"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _target(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ``import from`` names."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str) -> Iterator[tuple[str, str | None]]:
+    """``(module imported, name taken from it or None)`` for each runtime import of the package's own modules."""
+    for node in _runtime_nodes(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom):
+            source = _target(module, node)
+            if source.startswith(PACKAGE):
+                for alias in node.names:
+                    full = f"{source}.{alias.name}"
+                    yield (full, None) if full in MODULES else (source, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PACKAGE):
+                    yield alias.name, None
+
+
+def test_no_module_takes_another_modules_private_name():
+    """A private name is its module's own: imported (``from m import _x``) or read off an imported module
+    (``m._x``) elsewhere, it is a public name in disguise -- made public where it is defined, or not shared."""
+    taken = []
+    for module, path in MODULES.items():
+        bound = {}
+        for source, name in _imports(module):
+            if name is not None and name.startswith("_") and not name.startswith("__") and source != module:
+                taken.append(f"{module} imports {source}.{name}")
+            if name is None or f"{source}.{name}" in MODULES:
+                bound[(name or source).rsplit(".", 1)[-1]] = source if name is None else f"{source}.{name}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                taken.append(f"{module} reads {bound[node.value.id]}.{node.attr}")
+    assert not taken, "\n".join(sorted(set(taken)))
+
+
+def _cycles(nodes: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(nodes):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root] & nodes)))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(edges[child] & nodes))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_the_engine_imports_without_a_cycle():
+    """The engine's modules form a layered graph: each imports only modules below it (an import inside a function
+    counts -- it hides a cycle, it does not remove one; the package's ``__init__`` re-exporting its modules does
+    not: no engine module imports the package)."""
+    engine = {m for m in MODULES if m.startswith(f"{PACKAGE}.engine.")}
+    edges = {m: {source for source, _ in _imports(m)} for m in MODULES}
+    assert not any(f"{PACKAGE}.engine" in edges[m] for m in engine), "an engine module imports the engine package"
+    assert _cycles(engine, edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """The check above can fail: a lazy import back up is a cycle."""
+    nodes = {"a", "b", "c", "d"}
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(nodes, edges) == [["a", "b", "c"]]
+    assert _cycles(nodes, {**edges, "c": set()}) == []
+
+
+def _device_reads(tree: ast.AST) -> Iterator[ast.AST]:
+    """``x.device.type``, ``device.type``, ``x.is_cuda`` and comparisons with ``"cuda"``, except a device type
+    handed straight to an API that takes one (:data:`DEVICE_TYPE_APIS`)."""
+    handed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in DEVICE_TYPE_APIS:
+                handed.update(id(arg) for arg in node.args)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in handed:
+            if node.attr == "is_cuda" or (node.attr == "type" and "dev" in ast.unparse(node.value).rsplit(".", 1)[-1]):
+                yield node
+        elif isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value == "cuda" for c in (node.left, *node.comparators)):
+            yield node
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not m.startswith(f"{PACKAGE}.cli")])
+def test_only_the_plan_reads_the_device_type(module):
+    """No loss, relation, normalisation or executor decides by the device: the plan does (``cli`` picks a training
+    run's device and is not walked)."""
+    reads = [f"line {node.lineno}: {ast.unparse(node)}" for node in _device_reads(ast.parse(MODULES[module].read_text()))]
+    if module in DEVICE_READS:
+        assert reads, f"{module} is allowed a device read it no longer makes: drop it from DEVICE_READS"
+    else:
+        assert not reads, f"{module} reads the device type:\n" + "\n".join(reads)
+
+
+def test_the_device_read_finder_finds_one():
+    """The check above can fail."""
+    tree = ast.parse("a = x.device.type == 'cuda'\nb = y.is_cuda\nwith torch.autocast(z.device.type):\n    pass")
+    assert len(list(_device_reads(tree))) == 3  # the comparison, its device.type, is_cuda; not autocast's
