@@ -174,3 +174,32 @@ def assert_pml_memory(value, a, m, x, mem, labels, mem_labels, tau=0.2):
     assert value.item() == pytest.approx(want.item(), rel=1e-10)
     torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(m.grad.cpu(), n.grad, rtol=1e-9, atol=1e-12)
+
+
+#: The digits' class names, as ``make_digit_files`` names its folders.
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def make_digit_files(root: Path, per_class: int = 12, classes: int = 10, mode: str = "RGB") -> tuple[Path, Path]:
+    """``root/folder/<name>/<k>.png`` and ``root/captions.csv`` (two caption rows per image), from scikit-learn's
+    digits with Pillow (the CLI's own data tests and its path checks share them)."""
+    import csv
+
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rows = []
+    for c in range(classes):
+        folder = root / "folder" / DIGIT_NAMES[c]
+        folder.mkdir(parents=True, exist_ok=True)
+        for k, i in enumerate((digits.target == c).nonzero()[0][:per_class]):
+            pixels = (digits.images[i] * 255 / 16).astype("uint8")
+            Image.fromarray(pixels, mode="L").convert(mode).save(folder / f"{k}.png")
+            for template in ("a handwritten {}", "the digit {}"):
+                rows.append({"image": f"folder/{DIGIT_NAMES[c]}/{k}.png", "caption": template.format(DIGIT_NAMES[c])})
+    with open(root / "captions.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["image", "caption"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return root / "folder", root / "captions.csv"

@@ -4,6 +4,7 @@ so a refactor that moves a mutated line shows here (a stale mutation tests nothi
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,13 @@ def test_every_mutation_names_one_place_in_its_file():
 
 
 def test_every_mutation_runs_tests_that_exist():
+    """Each named test file exists, and each named test function is defined in it (a renamed test would leave the
+    mutation running nothing -- which pytest reports as an error, not as a kill)."""
     for i, m in enumerate(_mutations(), 1):
         for test in m.tests:
-            assert (ROOT / test.split("::")[0]).exists(), f"mutation {i} names a missing test file {test}"
+            path, _, name = test.partition("::")
+            assert (ROOT / path).exists(), f"mutation {i} names a missing test file {test}"
+            if name:
+                function = name.split("[")[0].split("::")[-1]
+                assert re.search(rf"^def {re.escape(function)}\(", (ROOT / path).read_text(), re.M), \
+                    f"mutation {i} names a test that {path} does not define: {function}"

@@ -188,3 +188,16 @@ def test_the_device_read_finder_finds_one():
     """The check above can fail."""
     tree = ast.parse("a = x.device.type == 'cuda'\nb = y.is_cuda\nwith torch.autocast(z.device.type):\n    pass")
     assert len(list(_device_reads(tree))) == 3  # the comparison, its device.type, is_cuda; not autocast's
+
+
+def test_no_test_file_imports_another():
+    """Tests share what they share through the helpers modules (``helpers``, ``reference``, ``peers``, ...), never
+    by importing another test file: walked over every test file of the suite."""
+    tests = pathlib.Path(__file__).resolve().parent
+    taken = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            taken += [f"{path.relative_to(tests)} imports {n}" for n in names if n.rsplit(".", 1)[-1].startswith("test_")]
+    assert not taken, "\n".join(taken)

@@ -43,16 +43,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
+from typing import Any, ClassVar, TypeGuard
 
 import torch
 from torch import Tensor
 
 from ._tensors import mask_as, self_diagonal
 from .engine.precision import ones
-
-if TYPE_CHECKING:
-    from .engine.relation_form import Reader
 
 __all__ = [
     "DENSE_KEYS_LIMIT",
@@ -89,9 +86,9 @@ def _forms() -> Any:
     return planner
 
 
-def _dense_pays(rows: int, cols: int, device: torch.device, reader: Reader | None = None) -> bool:
-    """Whether a key relation is held as a dense mask (else grouped by key): up to :data:`DENSE_KEYS_LIMIT` entries
-    (``device`` and ``reader`` are not read: the rule is one on every device)."""
+def _dense_pays(rows: int, cols: int) -> bool:
+    """Whether a key relation is held as a dense mask (else grouped by key): up to :data:`DENSE_KEYS_LIMIT` entries,
+    one rule on every device (:func:`~torch_contrastive.engine.planner.dense_relation`)."""
     return (_FORMS or _forms()).dense_relation(rows, cols, DENSE_KEYS_LIMIT)
 
 
@@ -137,7 +134,7 @@ class Positives:
 
     @staticmethod
     def from_keys(row_keys: Tensor | tuple[Tensor, ...], col_keys: Tensor | tuple[Tensor, ...] | None = None, *,
-                  self_offset: int | None = 0, reader: Reader | None = None) -> KeyPositives:
+                  self_offset: int | None = 0) -> KeyPositives:
         """Positives by key equality: ``i ~ j`` iff any ``row_keys[k][i] == col_keys[k][j]``.
 
         Args:
@@ -146,9 +143,6 @@ class Positives:
             col_keys: the same for the C candidates; defaults to ``row_keys``
                 (single-set losses).
             self_offset: anchor ``i`` is candidate ``i + self_offset`` (``None``: none).
-            reader: the problem the relation is built for, as the planner prices it (the form of a large
-                relation on a GPU depends on the backend that reads it:
-                not read: the form is decided by size alone, on every device).
         """
         if _int64_vector(row_keys) and (col_keys is None or _int64_vector(col_keys)):  # a loss's labels: no loops
             rows: tuple[Tensor, ...] = (row_keys,)
@@ -156,7 +150,7 @@ class Positives:
         else:
             rows, cols = _key_vectors(row_keys, col_keys)
         num_rows, num_cols = rows[0].shape[0], cols[0].shape[0]
-        if _dense_pays(num_rows, num_cols, rows[0].device, reader):
+        if _dense_pays(num_rows, num_cols):
             # Small batches: the R x C relation itself is cheaper than grouping by a sort
             # (a few element-wise ops instead of a dozen small ones).
             dense = rows[0].unsqueeze(1) == cols[0]  # (R, 1) against (C,): no view of the columns

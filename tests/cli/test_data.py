@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -12,32 +11,11 @@ import torch
 pytest.importorskip("sklearn")
 PIL = pytest.importorskip("PIL.Image")
 
+from helpers import DIGIT_NAMES as NAMES  # noqa: E402
+from helpers import make_digit_files  # noqa: E402
 from torch_contrastive.cli import main  # noqa: E402
 from torch_contrastive.cli.data import DataError, load  # noqa: E402
 from torch_contrastive.cli.evaluate import recall_at_k  # noqa: E402
-
-NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-def make_digit_files(root: Path, per_class: int = 12, classes: int = 10, mode: str = "RGB") -> tuple[Path, Path]:
-    """``root/folder/<name>/<k>.png`` and ``root/captions.csv`` (two caption rows per image)."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    rows = []
-    for c in range(classes):
-        folder = root / "folder" / NAMES[c]
-        folder.mkdir(parents=True, exist_ok=True)
-        for k, i in enumerate((digits.target == c).nonzero()[0][:per_class]):
-            pixels = (digits.images[i] * 255 / 16).astype("uint8")
-            PIL.fromarray(pixels, mode="L").convert(mode).save(folder / f"{k}.png")
-            for template in ("a handwritten {}", "the digit {}"):
-                rows.append({"image": f"folder/{NAMES[c]}/{k}.png", "caption": template.format(NAMES[c])})
-    with open(root / "captions.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["image", "caption"])
-        writer.writeheader()
-        writer.writerows(rows)
-    return root / "folder", root / "captions.csv"
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import pytest
 pytest.importorskip("sklearn")
 PIL = pytest.importorskip("PIL.Image")
 
-from test_data import make_digit_files  # noqa: E402
-
+from helpers import make_digit_files  # noqa: E402
 from torch_contrastive.cli import main  # noqa: E402
 from torch_contrastive.cli._paths import cannot_write  # noqa: E402
 

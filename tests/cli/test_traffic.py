@@ -34,7 +34,7 @@ from torch_contrastive.cli.traffic import (
     count_loss,
     gpu_tiles,
 )
-from torch_contrastive.engine import planner, problem_plan, relation_form
+from torch_contrastive.engine import planner, problem_plan
 from torch_contrastive.engine.products import HalfProducts
 
 
@@ -291,8 +291,10 @@ def test_a_label_relations_form_is_its_size_on_every_device_plan():
         with planner.simulate("cuda") if simulated else contextlib.nullcontext():
             for n, dense in ((side, True), (side + 1, False), (4096, False)):
                 keys = torch.arange(n) % 7
-                reader = relation_form.Reader(torch.bfloat16, torch.bfloat16, None, "auto", 512, True, None)
-                assert (Positives.from_keys(keys, reader=reader).dense is not None) == dense, (simulated, n)
+                assert (Positives.from_keys(keys).dense is not None) == dense, (simulated, n)
+    with planner.simulate("cuda", area=4.0):  # a count standing for one with 4x its entries: the form of that size
+        assert Positives.from_keys(torch.arange(side) % 7).dense is None
+        assert Positives.from_keys(torch.arange(side // 2) % 7).dense is not None
 
 
 def test_an_accumulating_product_counts_its_flops():

@@ -280,6 +280,27 @@ def test_a_labelled_call_is_kept_with_its_relation_rebuilt_from_each_calls_label
     assert not torch.equal(first[0], kept[0])
 
 
+@pytest.mark.parametrize("name", ["supcon, labels by position", "pml nt_xent", "nt_bxent"])
+def test_a_kept_labelled_call_whose_relation_changes_form_runs_the_full_path(name, full_paths, monkeypatch):
+    """A kept label call rebuilds its relation from each call's labels in the form its rule gives now: when the rule
+    changed since the call was kept (the dense mask's limit, here), the relation is not the form the kept plan was
+    made for, and the call runs its full path -- with the same values as a call never kept."""
+    import torch_contrastive.positives as positives_module
+
+    fn = LABEL_CALLS[name]
+    x, y = _rows(14, 5, seed=1), _labels(14, 3, seed=1)
+    _run_labels(fn, x, y)
+    _run_labels(fn, x, y)
+    assert full_paths[0] == 1  # kept, with a dense relation
+    monkeypatch.setattr(positives_module, "DENSE_KEYS_LIMIT", 0)  # every relation grouped by key from now on
+    got = _run_labels(fn, x, y)
+    assert full_paths[0] == 2, "a relation of another form replayed in the kept plan"
+    _kept.clear()
+    want = _run_labels(fn, x, y)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
 def test_a_kept_labelled_call_equals_the_float64_formula():
     """SupCon (Khosla et al.'s SupConLoss on one view) from naive loops, the kept call on new labels."""
     x, y = _rows(10, 4, dtype=torch.float64, seed=5), _labels(10, 3, seed=5)

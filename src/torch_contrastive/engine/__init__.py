@@ -63,7 +63,6 @@ from .precision import Scale, compute_dtype, fixed_scale_applies
 from .problem import LabelRanges, Options, PairTerms, Problem, SigmoidPairs, Softmax
 from .problem_plan import label_sort_tile, plan
 from .recorded import explain
-from .relation_form import Reader
 from .solve import solve
 from .tiling import DEFAULT_TILE, DENSE_BUDGET_BYTES
 
@@ -75,7 +74,6 @@ __all__ = [
     "Options",
     "PairTerms",
     "Problem",
-    "Reader",
     "Scale",
     "SigmoidPairs",
     "Softmax",

@@ -20,7 +20,7 @@ engine asks :func:`decide` how to run it on the inputs' device:
 The decision is a frozen :class:`Decision`; :func:`~.recorded.explain` returns the decisions a call
 made, and the tests check :func:`decide` per device without running a kernel. A problem's whole plan (its
 executor and the choices that follow from the problem itself) is built from these decisions in
-:mod:`.problem_plan`; the form of a label relation in :mod:`.relation_form`.
+:mod:`.problem_plan`; the form of a label relation is :func:`dense_relation`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._normalize import prepare
 from ..distributed import Scope
-from ..engine import LabelRanges, Options, PairTerms, Problem, Reader, Scale, label_sort_tile, solve, tile_label_bounds
+from ..engine import LabelRanges, Options, PairTerms, Problem, Scale, label_sort_tile, solve, tile_label_bounds
 from ..engine.one_tile import note_rebuild
 from ..positives import KeyPositives, Positives
 
@@ -104,18 +104,18 @@ def sort_by_label(problem: Problem, labels: Tensor, checks: v.Checks, scope: Sco
     return SortedByLabel(z[perm], sorted_labels, LabelRanges(tile, blocks, blocks), torch.argsort(perm), scale_bound)
 
 
-def _rebuild_pairs(n: int, device: torch.device, offset: int, reader: Reader, kernel: str,
+def _rebuild_pairs(n: int, device: torch.device, offset: int, kernel: str,
                    combine: Callable[[Positives], Any] | None, labels: Tensor) -> tuple[Positives, PairTerms]:
     """A kept call's relation and statistic from its ``labels`` (:mod:`._kept`): the full path's functions
     for one process's labels, checked as the loss checks them."""
     keys = v.check_labels(labels, "labels", n, device)
-    positives = _same_key(keys, keys, offset, reader)
+    positives = _same_key(keys, keys, offset)
     return positives, PairTerms(kernel, combine=combine and combine(positives))
 
 
-def _same_key(row_keys: Tensor, keys: Tensor, offset: int, reader: Reader) -> KeyPositives:
+def _same_key(row_keys: Tensor, keys: Tensor, offset: int) -> KeyPositives:
     """The same-label relation of this rank's rows (``row_keys``) to the global batch (``keys``)."""
-    return Positives.from_keys(row_keys, keys, self_offset=offset, reader=reader)
+    return Positives.from_keys(row_keys, keys, self_offset=offset)
 
 
 class LabelledRows(NamedTuple):
@@ -141,9 +141,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     """
     given_order = memory is not None or reference is not None
     options = Options(inside, eps, chunk_size, backend)
-    # the relation's form follows the backend that will read it (a GPU's one torch tile reads a mask)
-    reader = Reader(z.dtype, z_all.dtype, chunk_size, backend, z.shape[-1], not scope.distributed, kernel)
-    positives: Positives = _same_key(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, offset, reader)
+    positives: Positives = _same_key(keys[offset : offset + z.shape[0]] if scope.distributed else keys, keys, offset)
     if reference is not None:
         z_all, positives, _ = with_reference(reference, keys, z_all.dtype, inside, normalize, eps)
     if memory is not None:
@@ -154,7 +152,7 @@ def labelled_pairwise_rows(z: Tensor, z_all: Tensor, keys: Tensor, offset: int, 
     by_label = None if given_order else sort_by_label(problem, keys, checks, scope, normalize)
     if by_label is None:
         if memory is reference is None and not scope.distributed:  # the labels alone: a kept call rebuilds these
-            note_rebuild(positives, stat, _rebuild_pairs, z.shape[0], z.device, offset, reader, kernel, combine)
+            note_rebuild(positives, stat, _rebuild_pairs, z.shape[0], z.device, offset, kernel, combine)
         outputs = solve(problem)
         return LabelledRows(outputs, None if combine else positives.row_counts(), bound)
     # Sorted: most tiles hold only negatives.

@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import _validation as v
 from .._tensors import mask_as
 from ..distributed import Scope
-from ..engine import Options, Problem, Reader, Softmax, compute_dtype, solve
+from ..engine import Options, Problem, Softmax, compute_dtype, solve
 from ..engine.one_tile import note_rebuild
 from ..positives import KeyPositives, Positives
 from ._kept import kept
@@ -131,9 +131,7 @@ def supcon_loss(
     if mask is not None:
         positives: Positives = Positives.from_sample_mask(mask, torch.arange(n_anchor, device=device) % bsz, bsz * n_views)
     else:
-        # the relation's form follows the backend that will read it (a GPU's one torch tile reads a mask)
-        reader = Reader(z.dtype, z_all.dtype, chunk_size, backend, z.shape[-1], symmetric, None)
-        relation = (n_views, n_anchor, offset, scope, reader)
+        relation = (n_views, n_anchor, offset, scope)
         positives = _key_relation(labels if labels is not None else torch.arange(bsz, device=device) + offset, *relation)
     anchors = z if n_anchor == z.shape[0] else z[:n_anchor]
     z_all, positives, grad_columns, self_offset = _candidates(z_all, positives, offset, memory, reference, inside, normalize, eps)
@@ -161,12 +159,12 @@ def _check_single_class(single_class: object, labels: Tensor | None) -> None:
         raise ValueError("single_class='zero' needs labels (it looks for a pair of different labels)")
 
 
-def _key_relation(sample_keys: Tensor, n_views: int, n_anchor: int, offset: int, scope: Scope, reader: Reader) -> KeyPositives:
+def _key_relation(sample_keys: Tensor, n_views: int, n_anchor: int, offset: int, scope: Scope) -> KeyPositives:
     """Same key, same class: ``sample_keys`` (labels, or sample indices for SimCLR-style views) per view, this
     rank's anchors its first ``n_anchor`` flattened rows."""
     keys = scope.ints(sample_keys if n_views == 1 else sample_keys.repeat(n_views))
     anchor_keys = keys if offset == 0 and n_anchor == keys.shape[0] else keys[offset : offset + n_anchor]
-    return Positives.from_keys(anchor_keys, None if anchor_keys is keys else keys, self_offset=offset, reader=reader)
+    return Positives.from_keys(anchor_keys, None if anchor_keys is keys else keys, self_offset=offset)
 
 
 def _weighted_rows(positives: Positives, cdtype: torch.dtype, reduction: str, scope: Scope,
