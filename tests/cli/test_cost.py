@@ -26,6 +26,25 @@ def test_the_torch_loops_are_priced_over_the_tiles_they_walk():
         assert priced["torch"] != pytest.approx(cost.predict_path(path, "torch", rows, rows, 512, "bfloat16", 26 - visited))
 
 
+def test_a_call_takes_the_longer_of_its_device_and_its_host_time():
+    """The device runs what the host issues, so a call's time is the longer of the two, computed here from the
+    path's counts and the GPU's constants: a small call is its host's Python and launches, a large one its device's
+    GEMMs and bytes."""
+    path = cost.PATHS[("columns", "torch", "half")]
+    g = cost.GPUS["H100"]
+    for rows, bound in ((256, "host"), (65536, "device")):
+        tiles = 1 if rows == 256 else 36
+        flops = (path.gemms_one if tiles == 1 else path.gemms_strips) * 2.0 * rows * rows * 512
+        passes = path.passes_one if tiles == 1 else path.passes_strips
+        launches = path.launches + path.per_tile * (tiles - 1)
+        kernels = path.kernels + path.kernels_per_tile * (tiles - 1)
+        device = flops / g.gemm_flops["bfloat16"] + passes * 4.0 * rows * rows / g.bandwidth + launches * g.launch
+        host = (launches - kernels) * g.host_op + (path.bytecodes + path.bytecodes_per_tile * (tiles - 1)) * g.host_bytecode \
+            + kernels * g.host_kernel
+        assert (host > device) == (bound == "host"), rows
+        assert cost.predict_path(path, "torch", rows, rows, 512, "bfloat16", tiles) == pytest.approx(max(device, host))
+
+
 def test_half_inputs_are_priced_on_every_counted_backend_and_fp64_not_at_all():
     """bf16: the torch loops, the epilogue, the fused kernels and the widened torch products (cost.WIDE) for the
     soft-max terms; fp32 without the fused kernels (not counted in fp32); fp64 is not priced."""
