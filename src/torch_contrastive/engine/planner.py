@@ -275,7 +275,7 @@ SIMULATING: list[Target] = []
 
 
 def target(device: torch.device) -> Target:
-    """The device a call on ``device`` is planned for: the innermost :func:`simulate` d one, else ``device`` itself
+    """The device a call on ``device`` is planned for: the one the innermost :func:`simulate` holds, else ``device`` itself
     with this process's scratch budget and product scheme. Part of every plan key (:mod:`.problem_plan`) and of a
     kept call's signature: what a plan reads outside the problem, in one object."""
     if SIMULATING:
