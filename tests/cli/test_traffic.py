@@ -463,7 +463,7 @@ def test_the_calibration_counts_the_measured_rows_as_they_ran():
     assert then.launches == now.launches + 2
     assert traffic._square_tiles(16384, "epilogue") == 2 and gpu_tiles(16384, "epilogue", "clip") == 2
     strips = planner.decide(kernel="softmax", rows=16384, cols=16384, device=torch.device("cuda"), dtype=torch.bfloat16,
-                            other_dtype=torch.bfloat16, chunk_size=None, backend="epilogue", epilogue_serves=lambda: None,
+                            other_dtype=torch.bfloat16, chunk_size=None, backend="epilogue", serves=lambda name: None,
                             traits=planner.Traits(512, columns=True))
     assert (strips.tile, strips.tile_cols) == (8192, 16384)
 

@@ -3,7 +3,6 @@ executor, the float64 formulas, and fewer Python calls per call."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import pytest
@@ -14,9 +13,7 @@ import torch_contrastive as tc
 from device import DEVICE
 from helpers import count_applies
 from torch_contrastive.engine import one_tile, pairwise, softmax
-
-solve_module = importlib.import_module("torch_contrastive.engine.solve")  # the module (the package exports the function)
-
+from torch_contrastive.engine.torch_loops import TORCH_LOOPS
 
 LEAN_FUNCTIONS = (one_tile.OneTileFunction, one_tile._OneTileMask, one_tile.OneTilePairsFunction)
 
@@ -29,8 +26,8 @@ def lean_calls(monkeypatch):
 
 def _general(monkeypatch):
     """Send every one-tile plan to the general torch executors (what ran before the one-tile executors)."""
-    monkeypatch.setitem(solve_module.EXECUTORS, (tc.engine.Softmax, "one_tile"), softmax.TORCH)
-    monkeypatch.setitem(solve_module.EXECUTORS, (tc.engine.PairTerms, "one_tile"), pairwise.TORCH)
+    monkeypatch.setitem(TORCH_LOOPS.forms, (tc.engine.Softmax, "one_tile"), softmax.TORCH)
+    monkeypatch.setitem(TORCH_LOOPS.forms, (tc.engine.PairTerms, "one_tile"), pairwise.TORCH)
 
 
 def _rows(n, d, dtype, seed):

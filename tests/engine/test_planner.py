@@ -298,7 +298,7 @@ def test_a_problem_is_immutable_and_checked():
 def test_explicit_backends_are_honoured_or_refused():
     assert _decide(CPU, torch.float32, 10, backend="torch").backend == "torch"
     with pytest.raises(ValueError, match="backend='triton' cannot run this call: no kernels here"):
-        _decide(CUDA, torch.float32, 10, backend="triton", triton_serves=lambda: "no kernels here")
+        _decide(CUDA, torch.float32, 10, backend="triton", serves=lambda name: "no kernels here")
     with pytest.raises(ValueError, match="backend must be one of"):
         _decide(CPU, torch.float32, 10, backend="gpu")
 
@@ -362,7 +362,7 @@ def test_auto_on_a_gpu_is_the_measured_policy():
     from torch_contrastive.engine import policy
 
     clip = planner.Traits(512, columns=True)
-    serve = dict(epilogue_serves=lambda: None, traits=clip)
+    serve = dict(serves=lambda name: None, traits=clip)
     small, below, at, big = (_decide(CUDA, torch.bfloat16, n, **serve) for n in (1024, 8191, 8192, 65536))
     for d in (small, below, at, big):
         assert not hasattr(d, "predicted") and "predicted" not in str(d)
@@ -375,7 +375,7 @@ def test_auto_on_a_gpu_is_the_measured_policy():
     assert (big.tile, big.tile_cols) == (2048, 65536) and "32 strips of 2048x65536" in str(big)
     assert planner.resolve_tile(None, 65536, 65536, "cuda", 8) == 11520 > planner.resolve_tile(None, 65536, 65536, "cuda", 12)
     # only what serves: without the epilogue the torch loops (the fused kernels are no rule's: asked for by name)
-    assert _decide(CUDA, torch.bfloat16, 65536, epilogue_serves=lambda: "no", traits=clip).backend == "torch"
+    assert _decide(CUDA, torch.bfloat16, 65536, serves=lambda name: "no" if name == "epilogue" else None, traits=clip).backend == "torch"
     assert _decide(CUDA, torch.bfloat16, 65536, traits=clip).backend == "torch"  # no epilogue kernels for it
     for dtype in (torch.float32, torch.float16, torch.float64):  # measured on bf16 only
         assert _decide(CUDA, dtype, 65536, **serve).backend == "torch"
@@ -385,10 +385,10 @@ def test_auto_on_a_gpu_is_the_measured_policy():
     asked = _decide(CUDA, torch.bfloat16, 1024, backend="epilogue", **serve)
     assert asked.backend == "epilogue" and asked.reason == "backend='epilogue' as asked"
     # the policy alone: first rule that covers and serves
-    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.bfloat16, {"epilogue": True})[0] == "epilogue"
-    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.float32, {"epilogue": True})[0] == "torch"
-    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.bfloat16, {"epilogue": False})[0] == "torch"
-    assert policy.choose("cpu", "softmax", 65536, torch.bfloat16, torch.bfloat16, {"epilogue": True})[0] == "torch"
+    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.bfloat16, lambda name: None)[0] == "epilogue"
+    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.float32, lambda name: None)[0] == "torch"
+    assert policy.choose("cuda", "softmax", 8192, torch.bfloat16, torch.bfloat16, lambda name: "no" if name == "epilogue" else None)[0] == "torch"
+    assert policy.choose("cpu", "softmax", 65536, torch.bfloat16, torch.bfloat16, lambda name: None)[0] == "torch"
     assert all(rule.measured for rule in policy.CUDA)  # every CUDA rule names its measurement
 
 

@@ -14,6 +14,7 @@ import torch_contrastive as tc
 from device import DEVICE
 from torch_contrastive.cli.synccount import host_sync_events
 from torch_contrastive.engine import planner, softmax
+from torch_contrastive.engine.torch_loops import TORCH_LOOPS
 from torch_contrastive.losses import _kept
 
 solve_module = importlib.import_module("torch_contrastive.engine.solve")
@@ -192,7 +193,7 @@ def test_explain_autocast_and_a_replaced_executor_see_the_full_path(full_paths, 
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         fn()
     assert full_paths[0] == 3
-    monkeypatch.setitem(solve_module.EXECUTORS, (tc.engine.Softmax, "one_tile"), softmax.TORCH)
+    monkeypatch.setitem(TORCH_LOOPS.forms, (tc.engine.Softmax, "one_tile"), softmax.TORCH)
     general = fn()
     assert full_paths[0] == 4
     monkeypatch.undo()

@@ -385,7 +385,7 @@ def gpu_tiles(n: int, impl: str = "torch", name: str = "clip") -> int:
         return 1
     bf16, traits = torch.bfloat16, _traits(name, 0)
     tile = decide(kernel="pairwise" if traits.pairs else "softmax", rows=n, cols=n, device=torch.device("cuda"), dtype=bf16,
-                  other_dtype=bf16, chunk_size=None, backend=impl, epilogue_serves=lambda: None, traits=traits).tile
+                  other_dtype=bf16, chunk_size=None, backend=impl, serves=lambda name: None, traits=traits).tile
     return 1 if tile == 0 else -(-n // tile)
 
 
@@ -451,7 +451,7 @@ def default_backend(name: str, n: int, dim: int) -> str:
     """The backend our default call runs on a GPU for one bf16 loss of :func:`cases` (the epilogue serving it):
     the CUDA policy's first rule that takes the call (``engine/policy.py``)."""
     kernel = "pairwise" if name in ("nt_xent_pml", "nt_bxent") else "softmax"
-    return policy.choose("cuda", kernel, n, torch.bfloat16, torch.bfloat16, {"epilogue": True})[0]
+    return policy.choose("cuda", kernel, n, torch.bfloat16, torch.bfloat16, lambda name: None)[0]
 
 
 def fused_calibration() -> tuple[Fused, float]:

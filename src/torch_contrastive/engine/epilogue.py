@@ -1,4 +1,5 @@
-"""The soft-max terms as cuBLAS GEMMs with Triton epilogues (``backend="epilogue"``).
+"""cuBLAS GEMMs with Triton epilogues as a strategy: :data:`EPILOGUE` (``backend="epilogue"``), the CUDA policy's
+measured default for bf16 soft-max terms from 8,192 rows (:mod:`.policy`).
 
 The tile loops are the torch backend's (:func:`~.tiling.sweep`, :func:`~.tiling.gradient_sweep`);
 what happens between the GEMMs is one kernel each way:
@@ -30,17 +31,21 @@ from ..positives import Exclusion, PartnerPositives
 from .driver import Gradients, Operands, Saved
 from .left_out import Direction, log_total
 from .pairwise import PairExecutor
+from .problem import PairTerms, SigmoidPairs, Softmax
 from .products import KernelOperands, Products, mm32
 from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
 from .softmax_tiles import complete_columns, fixed_lse
+from .strategy import Strategy
 from .tiling import Buffers, gradient_sweep, sweep
-from .triton_executors import kernels, sigmoid_keys
+from .triton_executors import TRITON, kernels, sigmoid_keys
 
 if TYPE_CHECKING:
+    from .planner import Target
     from .plans import PairPlan, SigmoidPlan, SoftmaxPlan
+    from .problem import Problem
 
-__all__ = ["PAIRS", "SIGMOID", "SOFTMAX", "EpilogueProducts", "GradTiles"]
+__all__ = ["EPILOGUE", "PAIRS", "SIGMOID", "SOFTMAX", "EpilogueKernels", "EpilogueProducts", "GradTiles"]
 
 
 class GradTiles(NamedTuple):
@@ -244,7 +249,7 @@ class EpilogueSoftmax(SoftmaxExecutor):
                         folded)
 
 
-#: The epilogue soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The epilogue soft-max executor.
 SOFTMAX = EpilogueSoftmax()
 
 
@@ -308,7 +313,7 @@ def _sigmoid_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
     return {} if given is None else triton_backend.keys(*given)
 
 
-#: The epilogue sigmoid executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The epilogue sigmoid executor.
 SIGMOID = EpilogueSigmoid()
 
 
@@ -436,5 +441,26 @@ def _negatives_lse(prod: EpilogueProducts, rows: int, cols: int, edge: tuple[int
     return torch.where(run_sum > 0, total, float("-inf"))
 
 
-#: The epilogue pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The epilogue pair executor.
 PAIRS = EpiloguePairs()
+
+
+class EpilogueKernels(Strategy):
+    """cuBLAS GEMMs with Triton epilogues (``backend="epilogue"``): what the Triton kernels serve, without fp16."""
+
+    name = "epilogue"
+
+    def serves(self, problem: Problem, on: Target) -> str | None:
+        """None when the epilogues can run ``problem`` (a problem the Triton kernels take, without fp16 inputs),
+        else why not."""
+        why = TRITON.serves(problem, on)
+        if why is not None:
+            return why.replace("backend='triton'", "backend='epilogue'")
+        if torch.float16 in (problem.anchors.dtype, problem.candidates.dtype):
+            return "fp16 gradient tiles need a tile-wide rescale; use backend='torch' or 'triton' (or bf16 inputs)"
+        return None
+
+
+#: The epilogue strategy (the registry: :data:`~.strategies.STRATEGIES`).
+EPILOGUE = EpilogueKernels({(Softmax, "epilogue"): SOFTMAX, (PairTerms, "epilogue"): PAIRS,
+                             (SigmoidPairs, "epilogue"): SIGMOID})

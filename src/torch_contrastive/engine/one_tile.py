@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import as_dtype, refuse_transforms, save_for_backward
+from ..positives import KeyPositives
 from .driver import first_order_only, to_compute
 from .left_out import log_total
 from .normalization import l2_normalize, l2_normalize_backward
@@ -55,10 +56,51 @@ from .softmax_tiles import kept_apart_terms, put_at, put_both
 
 if TYPE_CHECKING:
     from ..positives import Positives
+    from .planner import Decision
     from .plans import PairPlan, SoftmaxPlan
     from .softmax_tiles import FlatPlaces
 
-__all__ = ["ONE_TILE", "ONE_TILE_PAIRS"]
+__all__ = ["ONE_TILE", "ONE_TILE_PAIRS", "lean_pairs", "lean_softmax"]
+
+
+def lean_softmax(plan: SoftmaxPlan, problem: Problem) -> bool:
+    """Whether the lean form serves a torch-loops soft-max ``plan``: one bounded tile (:func:`_one_bounded_tile`);
+    and either an unweighted strided relation kept apart -- a single set visited as its symmetric triangle (the self
+    pair left out, no column terms), or two sets of one dtype on the identity layout (no self pair; the column terms
+    with their positives, or none) whose candidates all take a gradient -- or a single set's dense label relation
+    read off the tile, rows weighted, no column terms (SupCon). (Per call, :class:`OneTileSoftmax` also sends a
+    reduction outside the engine, a tensor scale and an ambient autocast to the general executor.)"""
+    places, n_cols = plan.places, problem.shape[1]
+    if places is None:  # a dense label relation read off the tile (SupCon), rows weighted, no column terms
+        stat = problem.statistic
+        # (two rows or more: every row's sum of exp then holds a candidate, so backward divides by it)
+        masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns \
+            and plan.tile_positives and isinstance(plan.positives, KeyPositives) and isinstance(stat, Softmax) \
+            and stat.col_weights == (None, None)
+        return bool(masked and _one_bounded_tile(plan, problem))
+    if problem.single:
+        shape = plan.symmetric and plan.self_offset == 0 and not plan.columns
+    else:
+        shape = (not plan.symmetric and plan.self_offset is None and problem.anchors.dtype == problem.candidates.dtype
+                 and (plan.column_positives or not plan.columns) and getattr(plan.positives, "layout", None) == "identity")
+    return bool(shape and plan.grad_columns == n_cols and plan.apart is not None and not plan.weighted
+                and _one_bounded_tile(plan, problem))
+
+
+def _one_bounded_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
+    """The torch loops' one bounded tile, rows normalised inside, nothing excluded, one process, in the compute
+    dtype (tensor-core products take the general executor, the form a GPU has measured)."""
+    return (plan.backend == "torch" and plan.single_tile and plan.fixed and plan.operand_dtype is None
+            and not plan.half and plan.normalize and plan.exclude is None and plan.column_comm is None)
+
+
+def lean_pairs(problem: Problem, decision: Decision) -> bool:
+    """Whether the lean form serves a torch-loops pair plan: one set's label relation on one bounded tile, rows
+    normalised inside, in the compute dtype (tensor-core products take the general executor)."""
+    positives = problem.positives
+    return (problem.single and isinstance(positives, KeyPositives) and positives.self_offset == 0
+            and decision.backend == "torch" and decision.tile == 0 and decision.fixed and not decision.half
+            and decision.operand_dtype is None and problem.options.normalize)
 
 #: This thread's lean calls, noted while a loss call is being kept (:mod:`torch_contrastive.losses._kept`):
 #: ``NOTED.calls`` a list of ``(function, plan, stat, scale, a, b, out)`` (the statistic whose parts the call
@@ -109,7 +151,7 @@ def lean_apply(function: Any) -> Any:
 
 
 class OneTileSoftmax:
-    """The executor of a plan marked ``one_tile`` (:func:`~.problem_plan.one_tile`): ``run(problem, plan)`` as :class:`~.softmax.TorchSoftmax`'s.
+    """The executor of a plan marked ``one_tile`` (:func:`lean_softmax`): ``run(problem, plan)`` as :class:`~.softmax.TorchSoftmax`'s.
 
     What the plan key cannot see is checked per call, in a few attribute reads, and sends the call to
     the general executor: a reduction outside the engine (per-row values), a tensor scale (a learnable
@@ -137,7 +179,7 @@ class OneTileSoftmax:
         return out, None
 
 
-#: The one-tile soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The one-tile soft-max executor (a form of the torch loops: :mod:`.torch_loops`).
 ONE_TILE = OneTileSoftmax()
 
 
@@ -252,7 +294,7 @@ class OneTilePairs:
         return (out,)
 
 
-#: The one-tile pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The one-tile pair executor (a form of the torch loops: :mod:`.torch_loops`).
 ONE_TILE_PAIRS = OneTilePairs()
 
 

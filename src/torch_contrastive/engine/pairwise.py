@@ -236,7 +236,7 @@ class TorchPairs(PairExecutor):
         return Gradients(gb, ga)
 
 
-#: The torch pair executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The torch pair executor (a form of the torch loops: :mod:`.torch_loops`).
 TORCH = TorchPairs()
 
 

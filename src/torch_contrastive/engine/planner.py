@@ -165,23 +165,30 @@ def half_products(on: Target, dtype: torch.dtype, other: torch.dtype) -> bool:
     return on.products == "half"
 
 
-def choose_backend(backend: str, triton_serves: Callable[[], str | None],
-                   epilogue_serves: Callable[[], str | None] | None = None) -> str:
+def choose_backend(backend: str, serves: Callable[[str], str | None]) -> str:
     """An explicit backend checked (``"auto"`` is returned as it is: :func:`decide` resolves it).
 
-    ``triton_serves()`` (``epilogue_serves()``) returns None when the fused Triton kernels (the
-    cuBLAS GEMMs with Triton epilogues) can run this call, else why not; no ``epilogue_serves``:
-    the statistic has no epilogue kernels. A backend that cannot run the call is a ``ValueError``
-    that says why -- never a silent switch.
+    ``serves(name)`` is None when the strategy ``name`` can run this call, else why not
+    (:func:`~.problem_plan.serves`). A strategy that cannot run the call is a ``ValueError`` that says why --
+    never a silent switch.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("triton", "epilogue"):
-        serves = triton_serves if backend == "triton" else epilogue_serves
-        why = "this statistic has no epilogue kernels" if serves is None else serves()
+    if backend != "auto":
+        why = serves(backend)
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot run this call: {why}")
     return backend
+
+
+def _as_named(name: str) -> str | None:
+    """:func:`decide` alone, asked for a strategy by name: taken as named (there is no problem to ask it about)."""
+    return None
+
+
+def _torch_only(name: str) -> str | None:
+    """:func:`decide` alone, under ``"auto"``: only the torch loops, which serve every problem, are taken."""
+    return None if name == "torch" else "no problem was given to ask the strategy"
 
 
 class Traits(NamedTuple):
@@ -202,8 +209,7 @@ NO_TRAITS = Traits()
 
 def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype, other_dtype: torch.dtype,
            chunk_size: int | None, backend: str, fixed: bool = False, bound: float | None = None,
-           triton_serves: Callable[[], str | None] = lambda: None, epilogue_serves: Callable[[], str | None] | None = None,
-           one_tile_torch_only: bool = True, half_ok: bool = True, auto_triton: bool = True,
+           serves: Callable[[str], str | None] | None = None, half_ok: bool = True,
            traits: Traits = NO_TRAITS, on: Target | None = None) -> Decision:
     """Every decision for one engine call (see the module docstring).
 
@@ -218,33 +224,28 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         bound: the loss's promise that every ``|S| <= bound`` (unit rows and a host-known scale;
             None: no promise). The bounded algorithm is chosen when it is exact for the dtype
             (:func:`~.precision.fixed_scale_applies`).
-        triton_serves: None when the Triton kernels can serve the call, else the reason.
-        epilogue_serves: the same for the epilogue kernels (None: the statistic has none).
-        one_tile_torch_only: the Triton kernels tile themselves (their tile field is unused).
+        serves: ``serves(name)`` is None when the strategy ``name`` can run the call, else why not
+            (:func:`~.problem_plan.serves`). None: a decision alone, without a problem -- an explicit backend is
+            taken as named, and ``"auto"`` takes the torch loops.
         half_ok: the kernel can take tensor-core products (:mod:`.products`).
-        auto_triton: ``"auto"`` may pick a kernel backend on a GPU, by the device's policy (:mod:`.policy`);
-            False keeps ``"auto"`` on torch.
         traits: the problem's kind (:class:`Traits`).
         on: the device planned for (None: :func:`target` of ``device``, the simulated one inside :func:`simulate`).
     """
     on = target(device) if on is None else on
     fixed = fixed or fixed_scale_applies(bound is not None, bound, dtype)
-    chosen = choose_backend(backend, triton_serves, epilogue_serves)
+    chosen = choose_backend(backend, serves or _as_named)
     reason = f"backend={backend!r} as asked"
-    if chosen == "auto":
-        chosen, reason = "torch", "policy: torch"
-        if on.device == "cuda" and auto_triton:  # the policy's first rule whose backend serves this problem
-            # a problem counted small under simulate() is placed at the size it stands for: the square with as many
-            # logits (policy.Rule)
-            side = round(math.sqrt(rows * cols * on.area))
-            serves = {"epilogue": epilogue_serves is not None and epilogue_serves() is None}
-            chosen, reason = policy.choose(on.device, kernel, side, dtype, other_dtype, serves)
+    if chosen == "auto":  # the device's policy: its first rule that covers the call and whose strategy serves it
+        # a problem counted small under simulate() is placed at the size it stands for: the square with as many
+        # logits (policy.Rule)
+        side = round(math.sqrt(rows * cols * on.area))
+        chosen, reason = policy.choose(on.device, kernel, side, dtype, other_dtype, serves or _torch_only)
     half = half_ok and chosen == "torch" and half_products(on, dtype, other_dtype)
     gpu = on.device == "cuda"
     strips = _walks_strips(chosen, traits, kernel == "softmax")
     tile, tile_cols = _tile_shape(chunk_size, rows, cols, on, bytes_per_logit(chosen, dtype, other_dtype, half)
                                   if gpu else 8, strips)
-    single = tile >= max(rows, cols) and (chosen != "triton" or not one_tile_torch_only)
+    single = tile >= max(rows, cols) and chosen != "triton"  # (the Triton kernels tile themselves)
     operand_dtype = dtype if chosen != "torch" and dtype in _HALF and other_dtype == dtype else None
     decision = Decision(kernel, on.device, chosen, 0 if single else tile, half, fixed,
                         on.budget if gpu else DENSE_BUDGET_BYTES, rows, cols, operand_dtype, 0 if single else tile_cols,

@@ -1,9 +1,10 @@
-"""Which backend ``backend="auto"`` runs, per device: one ordered list of rules, the first that serves the call wins.
+"""Which strategy ``backend="auto"`` runs, per device: one ordered list of rules, the first that covers the call and
+whose strategy serves it wins (:data:`~.strategies.STRATEGIES`, each strategy's ``serves``).
 
-A rule names a backend and the calls it takes (the statistic, the dtype, the smallest size); its crossover comes from a
+A rule names a strategy and the calls it takes (the statistic, the dtype, the smallest size); its crossover comes from a
 measured row -- the device, the commit and the command that measured it, in docs/gpu.md -- never from a model's
-prediction. A backend that no GPU has run is not in the CUDA list; an explicit ``backend=`` still reaches what the
-engine has (the planner checks that it serves the call).
+prediction. A strategy that no GPU has run is not in the CUDA list; an explicit ``backend=`` still reaches every
+strategy the engine has (refused with the strategy's reason when it does not serve the call).
 
 The CUDA list, read against docs/gpu.md ("Measured: one H100, 2026-11-24", commit 04b01f4): every call below about
 8,192 rows is host-bound there, and the torch loops (no Triton launch) beat the epilogue at 1,024 and 4,096 rows
@@ -16,6 +17,7 @@ default, which issue only device-agnostic ATen ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,7 @@ class Rule:
     """One entry of a device's policy.
 
     Attributes:
-        backend: what the rule runs (``"torch"``, ``"epilogue"``).
+        strategy: the strategy the rule runs, by name (:data:`~.strategies.STRATEGIES`: ``"torch"``, ``"epilogue"``).
         kernel: the statistic it takes (``"softmax"``, ``"pairwise"``, ``"sigmoid"``); None: any.
         dtypes: the input dtypes it takes (both sides); empty: any.
         from_rows: the smallest size it takes: the measured crossover, in rows of a square problem. A call of ``R x C``
@@ -37,7 +39,7 @@ class Rule:
         measured: where the crossover comes from (device, commit, date, the docs' table).
     """
 
-    backend: str
+    strategy: str
     kernel: str | None = None
     dtypes: tuple[torch.dtype, ...] = ()
     from_rows: int = 0
@@ -56,7 +58,7 @@ class Rule:
         if self.from_rows:
             what.append(f"from {self.from_rows:,} rows")
         source = f" (measured: {self.measured})" if self.measured else ""
-        return f"policy: {self.backend} for {', '.join(what)}{source}"
+        return f"policy: {self.strategy} for {', '.join(what)}{source}"
 
 
 _H100 = "H100, commit 04b01f4, 2026-11-24, docs/gpu.md"
@@ -71,10 +73,11 @@ CPU: tuple[Rule, ...] = (Rule("torch"),)
 
 
 def choose(device: str, kernel: str, side: int, dtype: torch.dtype, other_dtype: torch.dtype,
-           serves: dict[str, bool]) -> tuple[str, str]:
-    """``(backend, reason)``: the first rule of ``device``'s policy that covers the call and whose backend serves it
-    (``serves[name]``; the torch loops serve every call)."""
+           serves: Callable[[str], str | None]) -> tuple[str, str]:
+    """``(strategy, reason)``: the first rule of ``device``'s policy that covers the call and whose strategy serves
+    it (``serves(name)`` is None; asked only of the rules that cover the call). Every policy ends with the torch
+    loops, which serve every call."""
     for rule in CUDA if device == "cuda" else CPU:
-        if rule.takes(kernel, side, dtype, other_dtype) and serves.get(rule.backend, rule.backend == "torch"):
-            return rule.backend, rule.reason()
-    return "torch", "policy: torch (no rule served the call)"
+        if rule.takes(kernel, side, dtype, other_dtype) and serves(rule.strategy) is None:
+            return rule.strategy, rule.reason()
+    raise RuntimeError(f"no rule of the {device!r} policy served the call")  # the last rule takes every call

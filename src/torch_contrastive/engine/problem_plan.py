@@ -1,29 +1,32 @@
 """The one complete plan of a problem: :func:`plan`.
 
 A loss describes its problem (:class:`~.problem.Problem`); :func:`plan` asks the planner's device decisions
-(:func:`~.planner.decide`) and adds what follows from the problem itself -- which executor runs it (the lean
-one-tile executors, label-sorted tiles, the triangle walk, stacked rows) and whether the kernel backends can
-serve it at all (:func:`triton_refusal`, :func:`epilogue_refusal`) -- into one frozen typed plan, kept per key
-so a training loop's repeated call costs one dictionary look-up.
+(:func:`~.planner.decide`: the device's policy, asking each strategy whether it serves the problem,
+:data:`~.strategies.STRATEGIES`) and adds what follows from the problem itself -- the strategy's form (the torch
+loops' lean one-tile form), label-sorted tiles, the triangle walk, stacked rows -- into one frozen typed plan,
+kept per key so a training loop's repeated call costs one dictionary look-up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..positives import KeyPositives, PairPositives, PartnerPositives, Positives
+from ..positives import KeyPositives, PartnerPositives, Positives
 from .confident import apart_rule
+from .one_tile import lean_pairs, lean_softmax
 from .planner import Decision, Target, Traits, choose_backend, decide, target, tf32
 from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 from .recorded import name_executor, quiet, record_plan
 from .softmax_tiles import flat_places
+from .strategies import STRATEGIES
 
-__all__ = ["epilogue_refusal", "label_sort_tile", "one_tile", "plan", "triton_refusal"]
+__all__ = ["label_sort_tile", "plan", "plan_key", "serves"]
 
 
 def plan(problem: Problem) -> AnyPlan:
@@ -32,10 +35,9 @@ def plan(problem: Problem) -> AnyPlan:
     :func:`~torch_contrastive.engine.solve` would do (``str(plan)`` in words) and is a frozen
     :class:`~.plans.SoftmaxPlan`, :class:`~.plans.PairPlan` or :class:`~.plans.SigmoidPlan`.
 
-    The statistic's traits: the soft-max and pair terms take tensor-core products; the soft-max
-    terms may move to the Triton kernels under ``"auto"``, the pair and sigmoid kernels stay on
-    torch under ``"auto"`` until measured faster on a GPU. :func:`triton_refusal` says whether the Triton
-    kernels serve the problem.
+    The statistic's traits: the soft-max and pair terms take tensor-core products; which strategy runs is the
+    device's policy's first rule that covers the call and whose strategy serves it (:func:`serves`), or the
+    caller's explicit ``backend=``, refused with a ``ValueError`` that says why when its strategy does not serve.
 
     A soft-max or pair plan is kept per key (:func:`plan_key`): a training loop asks the same question
     every step, and the answer costs one dictionary look-up instead of a decision and a plan.
@@ -47,7 +49,7 @@ def plan(problem: Problem) -> AnyPlan:
         found = _PLANS.get(key)
         if found is not None:
             if problem.options.backend in ("triton", "epilogue"):  # an explicit kernel backend: still its refusal
-                choose_backend(problem.options.backend, lambda: triton_refusal(problem), lambda: epilogue_refusal(problem))
+                choose_backend(problem.options.backend, serves(problem, on))
             relation = problem.positives
             if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
                 record_plan(found)
@@ -94,11 +96,16 @@ def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs, on: Ta
     return decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
                   other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
                   bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
-                  half_ok=not isinstance(stat, SigmoidPairs), auto_triton=not isinstance(stat, SigmoidPairs),
+                  half_ok=not isinstance(stat, SigmoidPairs),
                   traits=Traits(int(anchors.shape[-1]), isinstance(stat, Softmax) and stat.columns, problem.symmetric,
                                 stat.kernel if isinstance(stat, PairTerms) else None),
-                  triton_serves=lambda: triton_refusal(problem),
-                  epilogue_serves=lambda: epilogue_refusal(problem), on=on)
+                  serves=serves(problem, on), on=on)
+
+
+def serves(problem: Problem, on: Target) -> Callable[[str], str | None]:
+    """The question the policy asks of each strategy it names: ``serves(problem, on)(name)`` is None when the
+    strategy ``name`` can run ``problem`` planned for ``on``, else why not."""
+    return lambda name: STRATEGIES[name].serves(problem, on)
 
 
 def plan_key(problem: Problem, on: Target) -> tuple[Any, ...] | None:
@@ -177,41 +184,7 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         places=places,
         weighted=any(w is not None for w in (*stat.row_weights, *stat.col_weights)),
         stack_rows=_stacks(decision, problem))
-    return replace(chosen, one_tile=True) if one_tile(chosen, problem) else chosen
-
-
-def one_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
-    """Whether the lean one-tile executor (:mod:`.one_tile`) serves ``plan``: the torch backend's one
-    bounded tile (the compute dtype, or bf16 on tensor cores), rows normalised inside, nothing excluded, one process; and either an
-    unweighted strided relation kept apart -- a single set visited as its symmetric triangle (the self pair
-    left out, no column terms), or two sets of one dtype on the identity layout (no self pair; the column
-    terms with their positives, or none) whose candidates all take a gradient -- or a single set's dense
-    label relation read off the tile, rows weighted, no column terms (SupCon). (Per call, :mod:`.one_tile` also
-    sends a reduction outside the engine, a tensor scale and an ambient autocast to the general executor.)"""
-    places, n_cols = plan.places, problem.shape[1]
-    if places is None:  # a dense label relation read off the tile (SupCon), rows weighted, no column terms
-        stat = problem.statistic
-        # (two rows or more: every row's sum of exp then holds a candidate, so backward divides by it)
-        positives = plan.positives
-        read = plan.tile_positives
-        masked = problem.single and n_cols >= 2 and plan.symmetric and plan.self_offset == 0 and not plan.columns and read \
-            and isinstance(positives, KeyPositives) and isinstance(stat, Softmax) and stat.col_weights == (None, None)
-        return bool(masked and _one_bounded_tile(plan, problem))
-    if problem.single:
-        shape = plan.symmetric and plan.self_offset == 0 and not plan.columns
-    else:
-        shape = (not plan.symmetric and plan.self_offset is None and problem.anchors.dtype == problem.candidates.dtype
-                 and (plan.column_positives or not plan.columns) and getattr(plan.positives, "layout", None) == "identity")
-    return bool(shape and plan.grad_columns == n_cols and plan.apart is not None and not plan.weighted
-                and _one_bounded_tile(plan, problem))
-
-
-def _one_bounded_tile(plan: SoftmaxPlan, problem: Problem) -> bool:
-    """The torch backend's one bounded tile, rows normalised inside, nothing excluded, one process, in the compute
-    dtype (tensor-core products take the general executor, the form a GPU has measured)."""
-    return (plan.backend == "torch" and plan.single_tile and plan.fixed and plan.operand_dtype is None
-            and not plan.half
-            and plan.normalize and plan.exclude is None and plan.column_comm is None)
+    return replace(chosen, one_tile=True) if lean_softmax(chosen, problem) else chosen
 
 
 def _stacks(decision: Decision, problem: Problem) -> bool:
@@ -234,52 +207,6 @@ def _pair_plan(problem: Problem, stat: PairTerms, decision: Decision) -> PairPla
     # PML's one exp for both blocks of a tile needs the bounded regime
     symmetric = (mixed is not None and problem.single and positives.self_offset == 0
                  and (stat.kernel == "binary" or decision.fixed))
-    # the lean one-tile executor: one set's label relation on the torch backend's one bounded tile, rows normalised inside
-    # (in the compute dtype: tensor-core products take the general executor)
-    one_tile = (problem.single and isinstance(positives, KeyPositives) and positives.self_offset == 0
-                and decision.backend == "torch" and decision.tile == 0 and decision.fixed
-                and not decision.half
-                and decision.operand_dtype is None and problem.options.normalize)
+    one_tile = lean_pairs(problem, decision)
     return PairPlan(decision=decision, kernel=stat.kernel, positives=positives, normalize=problem.options.normalize,
                     eps=float(problem.options.eps), mixed=mixed, symmetric=symmetric, one_tile=one_tile)
-
-
-def triton_refusal(problem: Problem) -> str | None:
-    """None when the Triton kernels can run ``problem``, else why not (in words, for the error
-    of an explicit ``backend="triton"``)."""
-    from . import triton_backend
-
-    try:
-        triton_backend.check_device(problem.anchors)
-    except ValueError as err:
-        return str(err)
-    stat, positives = problem.statistic, problem.positives
-    if isinstance(stat, Softmax):
-        try:
-            triton_backend.check_exclusion(stat.exclude)
-        except ValueError as err:
-            return str(err)
-        return None
-    if positives is None:  # Problem refuses pair and sigmoid terms without positives when built
-        return f"{type(stat).__name__} needs positives"
-    kind = positives.kind
-    by_ids = isinstance(positives, KeyPositives)  # one or two keys: the kernels compare both
-    if isinstance(stat, PairTerms):
-        if isinstance(positives, (PartnerPositives, PairPositives)) or by_ids:
-            return None
-        return f"the pair kernels take positives by ids, a partner or index pairs, not a {kind!r} relation"
-    covered = (isinstance(positives, PartnerPositives) and stat.diagonal_offset is not None) \
-        or (by_ids and positives.self_offset is None) \
-        or (isinstance(positives, PairPositives) and positives.pairs.shape[0] == 0)
-    return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
-
-
-def epilogue_refusal(problem: Problem) -> str | None:
-    """None when the epilogue kernels can run ``problem`` (a problem the Triton kernels cover, without
-    fp16 inputs), else why not."""
-    why = triton_refusal(problem)
-    if why is not None:
-        return why.replace("backend='triton'", "backend='epilogue'")
-    if torch.float16 in (problem.anchors.dtype, problem.candidates.dtype):
-        return "fp16 gradient tiles need a tile-wide rescale; use backend='torch' or 'triton' (or bf16 inputs)"
-    return None

@@ -126,5 +126,5 @@ class TorchSigmoid(SigmoidExecutor):
         return gb, ga, gbias
 
 
-#: The torch sigmoid executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The torch sigmoid executor (a form of the torch loops: :mod:`.torch_loops`).
 TORCH = TorchSigmoid()

@@ -185,7 +185,7 @@ class TorchSoftmax(SoftmaxExecutor):
         return (backward_fixed if plan.fixed else backward_online)(prod, a, b, row, col, plan)
 
 
-#: The torch soft-max executor (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The torch soft-max executor (a form of the torch loops: :mod:`.torch_loops`).
 TORCH = TorchSoftmax()
 
 

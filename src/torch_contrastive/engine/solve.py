@@ -1,5 +1,5 @@
-"""The engine's entry: :func:`solve` a :class:`~.problem.Problem` -- plan it, then run the
-executor registered for its statistic and the plan's backend."""
+"""The engine's entry: :func:`solve` a :class:`~.problem.Problem` -- plan it, then run the strategy the plan
+chose (:data:`~.strategies.STRATEGIES`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any, overload
 from torch import Tensor
 
 from .._tensors import refuse_transforms
-from . import epilogue, one_tile, pairwise, sigmoid, softmax, triton_executors
 from .problem import PairTerms, Problem, SigmoidPairs, Softmax
 from .problem_plan import plan
+from .strategies import STRATEGIES
 
-__all__ = ["EXECUTORS", "solve"]
+__all__ = ["solve"]
 
 
 @overload
@@ -33,23 +33,4 @@ def solve(problem: Problem[Any]) -> Any:
     """
     refuse_transforms()
     chosen = plan(problem)
-    return EXECUTORS[type(problem.statistic), chosen.executor].run(problem, chosen)
-
-
-#: The executor of each (statistic, plan's executor: the backend, or ``"one_tile"`` for the lean one-tile
-#: soft-max plan): an object with ``run(problem, plan)`` (and, under the one driver, its ``forward`` /
-#: ``backward``). A new statistic is a description in ``problem.py``, its
-#: plan in ``plans.py`` (built by the planner), its executors, and an entry per backend here.
-EXECUTORS: dict[tuple[type, str], Any] = {
-    (Softmax, "torch"): softmax.TORCH,
-    (Softmax, "one_tile"): one_tile.ONE_TILE,
-    (Softmax, "triton"): triton_executors.SOFTMAX,
-    (Softmax, "epilogue"): epilogue.SOFTMAX,
-    (PairTerms, "torch"): pairwise.TORCH,
-    (PairTerms, "one_tile"): one_tile.ONE_TILE_PAIRS,
-    (PairTerms, "triton"): triton_executors.PAIRS,
-    (PairTerms, "epilogue"): epilogue.PAIRS,
-    (SigmoidPairs, "torch"): sigmoid.TORCH,
-    (SigmoidPairs, "triton"): triton_executors.SIGMOID,
-    (SigmoidPairs, "epilogue"): epilogue.SIGMOID,
-}
+    return STRATEGIES[chosen.backend].run(problem, chosen)

@@ -1,7 +1,10 @@
-"""The engine's statistics on the Triton kernels (:mod:`.triton_backend`): the ``"triton"``
-executors of :data:`~.solve.EXECUTORS`. Each subclasses its statistic's executor, which owns
-weights, positive parts, reductions and coefficients, and supplies only the kernel passes.
-Triton is imported on the first call, not with the package.
+"""The fused Triton kernels (:mod:`.triton_backend`) as a strategy: :data:`TRITON` (``backend="triton"``).
+
+Each statistic's executor subclasses the general one, which owns weights, positive parts, reductions and
+coefficients, and supplies only the kernel passes; the kernels tile themselves (one program per row block, a
+GEMM loop over the features, every tile's mask formed in registers). Triton is imported on the first call, not
+with the package. No GPU has measured a call where these beat the policy's strategies (docs/gpu.md), so the
+CUDA policy does not hold them: they run when asked for by name.
 """
 
 from __future__ import annotations
@@ -11,20 +14,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..positives import Exclusion, KeyPositives
+from ..positives import Exclusion, KeyPositives, PairPositives, PartnerPositives
 from .driver import Gradients, Operands, Saved
 from .left_out import Direction
 from .pairwise import PairExecutor
+from .problem import PairTerms, SigmoidPairs, Softmax
 from .products import KernelOperands, Products
 from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
 from .softmax_tiles import complete_columns, fixed_lse
+from .strategy import Strategy
 
 if TYPE_CHECKING:
     from ..positives import Positives
+    from .planner import Target
     from .plans import PairPlan, SigmoidPlan, SoftmaxPlan
+    from .problem import Problem
 
-__all__ = ["PAIRS", "SIGMOID", "SOFTMAX"]
+__all__ = ["PAIRS", "SIGMOID", "SOFTMAX", "TRITON", "TritonKernels"]
 
 
 # ----------------------------------------------------------------------------- soft-max
@@ -184,5 +191,44 @@ def sigmoid_keys(positives: Positives, diagonal: int | None) -> tuple[tuple[Tens
     return None
 
 
-#: The Triton executors (the engine's registry, :data:`~.solve.EXECUTORS`).
+#: The Triton executors of each statistic.
 SOFTMAX, PAIRS, SIGMOID = TritonSoftmax(), TritonPairs(), TritonSigmoid()
+
+
+class TritonKernels(Strategy):
+    """The fused Triton kernels (``backend="triton"``): a CUDA device (or the interpreter), and the relations the
+    kernels form in registers."""
+
+    name = "triton"
+
+    def serves(self, problem: Problem, on: Target) -> str | None:
+        """None when the kernels can run ``problem`` on its tensors' device (the kernels are never simulated:
+        ``on`` is not read), else why not."""
+        triton_backend = kernels()
+        try:
+            triton_backend.check_device(problem.anchors)
+        except ValueError as err:
+            return str(err)
+        stat, positives = problem.statistic, problem.positives
+        if isinstance(stat, Softmax):
+            try:
+                triton_backend.check_exclusion(stat.exclude)
+            except ValueError as err:
+                return str(err)
+            return None
+        if positives is None:  # Problem refuses pair and sigmoid terms without positives when built
+            return f"{type(stat).__name__} needs positives"
+        kind = positives.kind
+        by_ids = isinstance(positives, KeyPositives)  # one or two keys: the kernels compare both
+        if isinstance(stat, PairTerms):
+            if isinstance(positives, (PartnerPositives, PairPositives)) or by_ids:
+                return None
+            return f"the pair kernels take positives by ids, a partner or index pairs, not a {kind!r} relation"
+        covered = (isinstance(positives, PartnerPositives) and stat.diagonal_offset is not None) \
+            or (by_ids and positives.self_offset is None) \
+            or (isinstance(positives, PairPositives) and positives.pairs.shape[0] == 0)
+        return None if covered else f"the SigLIP kernels take positives on a diagonal, by ids or none, not a {kind!r} relation"
+
+
+#: The Triton strategy (the registry: :data:`~.strategies.STRATEGIES`).
+TRITON = TritonKernels({(Softmax, "triton"): SOFTMAX, (PairTerms, "triton"): PAIRS, (SigmoidPairs, "triton"): SIGMOID})

@@ -49,7 +49,7 @@ from torch import Tensor
 from .. import distributed
 from ..engine import one_tile, planner, recorded
 from ..engine.problem import PairTerms, Softmax
-from ..engine.solve import EXECUTORS
+from ..engine.torch_loops import TORCH_LOOPS
 
 F = TypeVar("F", bound=Callable[..., Tensor])
 
@@ -58,7 +58,9 @@ _KEPT: dict[Any, _Replay] = {}
 LIMIT = 256
 _ONE_TILE_KEY = (Softmax, "one_tile")
 _PAIRS_KEY = (PairTerms, "one_tile")
-#: The lean executors by their registry key, and the pair terms' lean functions.
+#: The torch loops' forms (a test may replace one: then the full path), the lean forms by their key, and the pair
+#: terms' lean functions.
+_FORMS = TORCH_LOOPS.forms
 _LEAN = {_ONE_TILE_KEY: one_tile.ONE_TILE, _PAIRS_KEY: one_tile.ONE_TILE_PAIRS}
 _PAIRS = (one_tile.OneTilePairsFunction,)
 #: The lean functions of a call without labels (a single positive on a strided layout): kept with their plan.
@@ -76,7 +78,7 @@ class _Replay(NamedTuple):
     validate: bool
     rebuild: Any  # a call with labels: labels -> (relation, statistic), the loss's own functions; else None
     grouped: bool  # a call with labels: its relation was grouped by key (else a dense mask), as the plan kept
-    site: tuple[Any, Any]  # the engine's registry key of the executor that made the lean call
+    site: tuple[Any, Any]  # the key of the torch loops' form that made the lean call
     executor: Any  # that executor (another one registered there since: the full path)
 
 
@@ -137,7 +139,7 @@ def kept(features: int, labels: bool = False) -> Callable[[F], F]:
                 return loss(*args, **kwargs)
             if replay is None:
                 return _record(loss, key, features, kinds, args, kwargs, lab)
-            if EXECUTORS[replay.site] is not replay.executor:  # a replaced executor: the full path
+            if _FORMS[replay.site] is not replay.executor:  # a replaced executor: the full path
                 return loss(*args, **kwargs)
             function = replay.function
             inputs = (replay.plan, replay.total, replay.scale, _unwrap(a), b if b is None else _unwrap(b)) \
