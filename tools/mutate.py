@@ -337,7 +337,7 @@ MUTATIONS = [
     Mutation(f"{E}/triton_backend/pair_terms.py", "        second = tl.where(neg, softplus(s), 0.0)",
              "        second = tl.where(neg, softplus(-s), 0.0)",
              "triton NT-BXent: negatives scored as positives", tests=("tests/engine/test_triton.py",)),
-    Mutation(f"{E}/problem_plan.py", "bound=None if isinstance(stat, SigmoidPairs) else problem.bound,", "bound=None,",
+    Mutation(f"{E}/problem_plan.py", "bound=problem.bound if isinstance(stat, (Softmax, PairTerms)) else None,", "bound=None,",
              "planner: a problem's bound is ignored (never the one-exp algorithm)", tests=("tests/engine/test_planner.py",)),
     Mutation(f"{E}/problem.py", "            if self.symmetric and stat.exclude is not None and not stat.exclude.symmetric:",
              "            if False:", "problem: a one-sided exclusion accepted on the symmetric triangle",
@@ -443,7 +443,7 @@ MUTATIONS = [
     Mutation(f"{E}/products.py", "        return rounded_mul(g, factor[None, :] if dim == 1 else factor[:, None], self.dtype)",
              "        return rounded_mul(g, factor[:, None], self.dtype)",
              "tensor-core products: the bf16 gradient tile scaled along the wrong side", ("tests/engine/test_planner.py",)),
-    Mutation(f"{E}/problem_plan.py", "                  half_ok=not isinstance(stat, SigmoidPairs),\n",
+    Mutation(f"{E}/problem_plan.py", "                  half_ok=isinstance(stat, (Softmax, PairTerms)),\n",
              "                  half_ok=isinstance(stat, Softmax),\n",
              "the pair terms (PML NT-Xent, NT-BXent) widen half rows to fp32 products on a GPU", ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/pairwise.py", "                return Gradients(prod.row_product(g + g.t()), None, True)",
@@ -1254,6 +1254,16 @@ MUTATIONS = [
              ("tests/engine/test_planner.py",)),
     Mutation(f"{E}/planner.py", "        why = serves(backend)\n        if why is not None:", "        why = serves(backend)\n        if False:",
              "an explicit backend whose strategy refuses the call runs anyway", ("tests/engine/test_strategies.py",)),
+    # Matryoshka's prefix passes through the strategies (engine/prefix_passes.py, problem_plan._prefixes_plan)
+    Mutation(f"{E}/prefix_passes.py", "        candidates = None if one_set and problem.single else problem.candidates",
+             "        candidates = problem.candidates", "a single set's rows handed to its prefix pass twice (as two inputs)",
+             ("tests/engine/test_prefix_passes.py",)),
+    Mutation(f"{E}/problem_plan.py", "    if stat.upper:\n", "    if False:\n",
+             "one set's upper triangle walked in the plain strips (one strip), not about eight",
+             ("tests/engine/test_prefix_passes.py",)),
+    Mutation(f"{E}/triton_executors.py", "        if isinstance(problem.statistic, Prefixes):", "        if False:",
+             "the Triton strategy serves a Matryoshka prefix problem it has no pass for",
+             ("tests/engine/test_prefix_passes.py",)),
 ]
 
 

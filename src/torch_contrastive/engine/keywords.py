@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from .precision import Scale
-from .problem import Combine, LabelRanges, Options, PairTerms, Problem, SigmoidPairs, Softmax
+from .problem import Combine, LabelRanges, Options, PairTerms, Prefixes, Problem, SigmoidPairs, Softmax
 from .solve import solve
 
 if TYPE_CHECKING:
     from ..positives import Positives
 
-__all__ = ["pairwise_rows", "sigmoid_rows", "softmax_terms"]
+__all__ = ["pairwise_rows", "prefix_pass", "sigmoid_rows", "softmax_terms"]
 
 
 def softmax_terms(
@@ -198,3 +198,13 @@ def sigmoid_rows(
     problem = Problem(anchors, candidates, scale, SigmoidPairs(bias, diagonal_offset), positives=positives,
                       options=Options(normalize, float(eps), chunk_size, backend))
     return solve(problem)
+
+
+def prefix_pass(form: str, anchors: Tensor, candidates: Tensor, dims: list[int] | tuple[int, ...],
+                weights: list[float] | tuple[float, ...], scale: float, *arguments: Any, eps: float = 1e-12,
+                chunk_size: int | None = None, mean: bool = True, per_row: bool = False, upper: bool = False) -> Tensor:
+    """One of the prefix engine's passes (:class:`~.problem.Prefixes`: ``form`` over the prefix ends ``dims``,
+    weighted ``weights``, every prefix normalised on its own) of ``anchors`` against ``candidates`` (the anchors
+    themselves for one set) at the float ``scale``; ``arguments``: the pass's own, in its function's order."""
+    stat = Prefixes(form, tuple(dims), tuple(float(w) for w in weights), arguments, mean, per_row, upper)
+    return solve(Problem(anchors, candidates, float(scale), stat, options=Options(True, eps, chunk_size)))

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..positives import Exclusion, Positives
     from .confident import Apart
     from .planner import Decision
+    from .prefixes import PrefixPlan
     from .softmax_tiles import FlatPlaces
 
 __all__ = ["AnyPlan", "PairPlan", "SigmoidPlan", "SoftmaxPlan"]
@@ -218,7 +219,21 @@ class SigmoidPlan(_Device):
     stack_rows: bool = False
 
 
-AnyPlan = SoftmaxPlan | PairPlan | SigmoidPlan
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixesPlan(_Device):
+    """A :class:`~.problem.Prefixes` call.
+
+    Attributes:
+        decision: the device decisions (its tile: the strip's rows, across every column).
+        prefix: the prefix engine's own plan (the distinct cuts, each prefix's place and weight, the scale,
+            normalisation, the strip height, the reduction).
+    """
+
+    decision: Decision
+    prefix: PrefixPlan
+
+
+AnyPlan = SoftmaxPlan | PairPlan | SigmoidPlan | PrefixesPlan
 
 #: every plan class's field names, and a reader of their values in that order (:meth:`_Device.with_relation`)
 _FIELDS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {

@@ -17,6 +17,8 @@ The statistics:
     per-pair NT-Xent (``"pair_softplus"``) and NT-BXent's binary cross-entropy (``"binary"``).
 :class:`SigmoidPairs`
     SigLIP's ``softplus(-z_ij (S_ij + bias))`` per pair.
+:class:`Prefixes`
+    every prefix of the features at once (Matryoshka): one of the prefix engine's passes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .precision import Scale
 if TYPE_CHECKING:
     from ..positives import Exclusion, Positives
 
-__all__ = ["Options", "PairTerms", "Problem", "SigmoidPairs", "Softmax", "Statistic"]
+__all__ = ["Options", "PairTerms", "Prefixes", "Problem", "SigmoidPairs", "Softmax", "Statistic"]
 
 #: (per-output row weights, reduction factor) of :class:`PairTerms` ``combine``: the weights one per output, or every
 #: output's as the rows of one (K, N) tensor (combined in fewer ops: :func:`~.pairwise.combined`)
@@ -171,8 +173,47 @@ class SigmoidPairs:
     diagonal_offset: int | None = None
 
 
-Statistic = Softmax | PairTerms | SigmoidPairs
-S = TypeVar("S", Softmax, PairTerms, SigmoidPairs)
+#: The prefix engine's passes (:mod:`.prefix_passes`).
+PREFIX_FORMS = ("softmax", "row_lse", "pairs", "sigmoid")
+
+
+@dataclass(frozen=True, eq=False)
+class Prefixes:
+    """Every prefix of the features in one pass (Matryoshka, Kusupati et al. 2022; :mod:`.prefixes`): the pass
+    ``form`` over the prefix ends ``dims`` (each prefix normalised on its own), weighted ``weights``.
+
+    Attributes:
+        form: ``"softmax"`` (each prefix's soft-max cross-entropy, :class:`~.prefixes.PrefixSoftmax`),
+            ``"row_lse"`` (each prefix's row log-sum-exps, :class:`~.prefix_lse.PrefixRowLSE`), ``"pairs"`` (the
+            pair conventions, :class:`~.prefix_pairs.PrefixPairs`) or ``"sigmoid"`` (SigLIP's pairs,
+            :class:`~.prefix_sigmoid.PrefixSigmoid`).
+        dims: each prefix's end, in the caller's order.
+        weights: each prefix's weight.
+        arguments: the pass's own arguments after its rows and plan, in its function's order (the relation or
+            targets, a tensor scale, ...).
+        mean: each prefix's loss is a mean (False: a sum); :class:`~.prefixes.PrefixPlan`'s ``mean``.
+        per_row: per-row values (``reduction="none"``); the plan's ``rows``.
+        upper: the strips of one set's upper triangle (:func:`~.prefix_lse.upper_strip`).
+    """
+
+    form: str
+    dims: tuple[int, ...]
+    weights: tuple[float, ...]
+    arguments: tuple[Any, ...] = ()
+    mean: bool = True
+    per_row: bool = False
+    upper: bool = False
+
+    def __post_init__(self) -> None:
+        if self.form not in PREFIX_FORMS:
+            raise ValueError(f"Prefixes.form must be one of {PREFIX_FORMS}, got {self.form!r}")
+        if not self.dims or len(self.dims) != len(self.weights):
+            raise ValueError(f"Prefixes needs one weight per prefix end, got {len(self.dims)} ends and "
+                             f"{len(self.weights)} weights")
+
+
+Statistic = Softmax | PairTerms | SigmoidPairs | Prefixes
+S = TypeVar("S", Softmax, PairTerms, SigmoidPairs, Prefixes)
 
 
 @dataclass(frozen=True)
@@ -220,6 +261,8 @@ class Problem(Generic[S]):
             if self.symmetric and stat.exclude is not None and not stat.exclude.symmetric:
                 # one mask serves a tile's row block and, transposed, its column block
                 raise ValueError("symmetric=True needs a symmetric exclusion (Exclusion(symmetric=True))")
+        elif isinstance(stat, Prefixes):  # the pass's arguments carry its relation
+            return
         elif self.positives is None:
             raise ValueError(f"{type(stat).__name__} needs positives")
         elif isinstance(stat, PairTerms) and stat.label_ranges is not None \

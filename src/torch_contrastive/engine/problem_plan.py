@@ -19,10 +19,12 @@ from ..positives import KeyPositives, PartnerPositives, Positives
 from .confident import apart_rule
 from .one_tile import lean_pairs, lean_softmax
 from .planner import Decision, Target, Traits, choose_backend, decide, target, tf32
-from .plans import AnyPlan, PairPlan, SigmoidPlan, SoftmaxPlan
+from .plans import AnyPlan, PairPlan, PrefixesPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
-from .problem import PairTerms, Problem, SigmoidPairs, Softmax
-from .recorded import name_executor, quiet, record_plan
+from .prefix_lse import upper_strip
+from .prefixes import prefix_plan
+from .problem import PairTerms, Prefixes, Problem, SigmoidPairs, Softmax
+from .recorded import amend, name_executor, quiet, record_plan
 from .softmax_tiles import flat_places
 from .strategies import STRATEGIES
 
@@ -57,6 +59,8 @@ def plan(problem: Problem) -> AnyPlan:
             if found.positives is None and isinstance(relation, KeyPositives):  # the plan of its shape, kept without it
                 record_plan(found)
                 return found.with_relation(relation)
+    if isinstance(stat, Prefixes):
+        return _prefixes_plan(problem, stat, on)
     decision = _decision(problem, stat, on)
     if isinstance(stat, (Softmax, PairTerms)):
         chosen = _softmax_plan(problem, stat, decision) if isinstance(stat, Softmax) else _pair_plan(problem, stat, decision)
@@ -87,19 +91,43 @@ def label_sort_tile(problem: Problem) -> int:
     return chosen.tile if chosen.backend == "torch" and 0 < chosen.tile < rows else 0
 
 
-def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs, on: Target) -> Decision:
+def _prefixes_plan(problem: Problem, stat: Prefixes, on: Target) -> PrefixesPlan:
+    """The prefix engine's plan (the strip height: the caller's ``chunk_size``, else as many rows as keep one
+    strip's tiles near 64 MiB on every device; one set's upper triangle in about eight strips) beside the device's
+    decision, whose tile is the strip -- what :func:`~.recorded.explain` shows."""
+    rows, cols = problem.shape
+    opts = problem.options
+    scale = problem.scale
+    if not isinstance(scale, float):  # the passes take a tensor scale as one of their own arguments
+        raise TypeError(f"Prefixes needs a float scale (a tensor one is the pass's argument), got {type(scale).__name__}")
+    prefix = prefix_plan(list(stat.dims), list(stat.weights), int(problem.anchors.shape[-1]), scale, opts.normalize,
+                         float(opts.eps), rows, cols, opts.chunk_size, stat.mean, stat.per_row)
+    if stat.upper:
+        prefix = replace(prefix, strip=upper_strip(rows, prefix.strip, opts.chunk_size))
+    decision = _decision(problem, stat, on)
+    strips = replace(decision, tile=0 if prefix.strip >= rows else prefix.strip, tile_cols=0 if prefix.strip >= rows else cols)
+    amend(strips)
+    name_executor(strips.backend)
+    return PrefixesPlan(decision=strips, prefix=prefix)
+
+
+def _decision(problem: Problem, stat: Softmax | PairTerms | SigmoidPairs | Prefixes, on: Target) -> Decision:
     """:func:`decide` asked about ``problem`` planned for ``on``."""
     rows, cols = problem.shape
     anchors, opts = problem.anchors, problem.options
-    kernel = "softmax" if isinstance(stat, Softmax) else "pairwise" if isinstance(stat, PairTerms) else "sigmoid"
+    kernel = _KERNELS[type(stat)]
     fixed = stat.fixed if isinstance(stat, (Softmax, PairTerms)) else False
     return decide(kernel=kernel, rows=rows, cols=cols, device=anchors.device, dtype=anchors.dtype,
                   other_dtype=problem.candidates.dtype, chunk_size=opts.chunk_size, backend=opts.backend, fixed=fixed,
-                  bound=None if isinstance(stat, SigmoidPairs) else problem.bound,
-                  half_ok=not isinstance(stat, SigmoidPairs),
+                  bound=problem.bound if isinstance(stat, (Softmax, PairTerms)) else None,
+                  half_ok=isinstance(stat, (Softmax, PairTerms)),
                   traits=Traits(int(anchors.shape[-1]), isinstance(stat, Softmax) and stat.columns, problem.symmetric,
                                 stat.kernel if isinstance(stat, PairTerms) else None),
                   serves=serves(problem, on), on=on)
+
+
+#: The planner's name of each statistic (what :class:`~.planner.Decision` and a policy's rules call it).
+_KERNELS: dict[type, str] = {Softmax: "softmax", PairTerms: "pairwise", SigmoidPairs: "sigmoid", Prefixes: "prefixes"}
 
 
 def serves(problem: Problem, on: Target) -> Callable[[str], str | None]:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .planner import Decision
     from .plans import AnyPlan
 
-__all__ = ["explain", "name_executor", "quiet", "record", "record_plan"]
+__all__ = ["amend", "explain", "name_executor", "quiet", "record", "record_plan"]
 
 # Set only while explain() runs (a module global: torch.compile guards on it being None).
 LOG: list[Decision] | None = None
@@ -34,6 +34,13 @@ def record_plan(found: AnyPlan) -> None:
     """A kept plan's decision, with its executor (read only while :func:`explain` runs: off the hot path)."""
     if LOG is not None:
         LOG.append(replace(found.decision, executor=found.executor))
+
+
+def amend(decision: Decision) -> None:
+    """While :func:`explain` runs, put ``decision`` in place of the one just recorded (a plan that shapes its own
+    tiles after the decision: the prefix engine's strips)."""
+    if LOG:
+        LOG[-1] = decision
 
 
 def name_executor(executor: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any, overload
 from torch import Tensor
 
 from .._tensors import refuse_transforms
-from .problem import PairTerms, Problem, SigmoidPairs, Softmax
+from .problem import PairTerms, Prefixes, Problem, SigmoidPairs, Softmax
 from .problem_plan import plan
 from .strategies import STRATEGIES
 
@@ -21,6 +21,8 @@ def solve(problem: Problem[Softmax]) -> tuple[Tensor, Tensor | None]: ...
 def solve(problem: Problem[PairTerms]) -> tuple[Tensor, ...]: ...
 @overload
 def solve(problem: Problem[SigmoidPairs]) -> Tensor: ...
+@overload
+def solve(problem: Problem[Prefixes]) -> Tensor: ...
 
 
 def solve(problem: Problem[Any]) -> Any:
@@ -29,7 +31,7 @@ def solve(problem: Problem[Any]) -> Any:
     Returns what the statistic's executor returns: :class:`~.problem.Softmax` ``(row_out,
     col_out or None)`` (the scalar first with ``total``), :class:`~.problem.PairTerms` the
     kernel's per-row outputs (one scalar with ``combine``), :class:`~.problem.SigmoidPairs` the
-    (R,) row sums.
+    (R,) row sums, :class:`~.problem.Prefixes` what its pass returns (the loss, per-row values or log-sum-exps).
     """
     refuse_transforms()
     chosen = plan(problem)

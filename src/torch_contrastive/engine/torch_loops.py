@@ -5,7 +5,9 @@ The tile loop is :func:`~.tiling.sweep` / :func:`~.tiling.gradient_sweep` (share
 the statistics' executors are :mod:`.softmax` (over :mod:`.softmax_tiles`), :mod:`.pairwise` and
 :mod:`.sigmoid`. A problem of one bounded tile of the narrow kinds :func:`~.one_tile.lean_softmax` and
 :func:`~.one_tile.lean_pairs` name runs through one lean autograd function instead (:mod:`.one_tile`: the same
-ATen ops in the same order, without the general executor's Python).
+ATen ops in the same order, without the general executor's Python). Matryoshka's :class:`~.problem.Prefixes` run
+as the prefix passes (:mod:`.prefix_passes`: strips of anchor rows, every prefix's products from one pass over the
+features).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import one_tile, pairwise, sigmoid, softmax
-from .problem import PairTerms, SigmoidPairs, Softmax
+from .prefix_passes import PREFIX_PASSES
+from .problem import PairTerms, Prefixes, SigmoidPairs, Softmax
 from .strategy import Strategy
 
 if TYPE_CHECKING:
@@ -36,4 +39,4 @@ class TorchLoops(Strategy):
 #: The torch loops (the registry: :data:`~.strategies.STRATEGIES`).
 TORCH_LOOPS = TorchLoops({(Softmax, "torch"): softmax.TORCH, (Softmax, "one_tile"): one_tile.ONE_TILE,
                           (PairTerms, "torch"): pairwise.TORCH, (PairTerms, "one_tile"): one_tile.ONE_TILE_PAIRS,
-                          (SigmoidPairs, "torch"): sigmoid.TORCH})
+                          (SigmoidPairs, "torch"): sigmoid.TORCH, (Prefixes, "torch"): PREFIX_PASSES})

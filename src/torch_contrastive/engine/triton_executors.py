@@ -18,7 +18,7 @@ from ..positives import Exclusion, KeyPositives, PairPositives, PartnerPositives
 from .driver import Gradients, Operands, Saved
 from .left_out import Direction
 from .pairwise import PairExecutor
-from .problem import PairTerms, SigmoidPairs, Softmax
+from .problem import PairTerms, Prefixes, SigmoidPairs, Softmax
 from .products import KernelOperands, Products
 from .sigmoid import SigmoidExecutor
 from .softmax import SoftmaxExecutor, Statistics
@@ -204,6 +204,8 @@ class TritonKernels(Strategy):
     def serves(self, problem: Problem, on: Target) -> str | None:
         """None when the kernels can run ``problem`` on its tensors' device (the kernels are never simulated:
         ``on`` is not read), else why not."""
+        if isinstance(problem.statistic, Prefixes):
+            return "the Triton kernels have no prefix passes (Matryoshka); use backend='torch' or 'auto'"
         triton_backend = kernels()
         try:
             triton_backend.check_device(problem.anchors)

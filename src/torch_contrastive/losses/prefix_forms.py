@@ -16,10 +16,9 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import Scope, all_gather_with_grad, make_scope
+from ..engine.keywords import prefix_pass
 from ..engine.precision import compute_dtype
-from ..engine.prefix_pairs import PrefixPairs
-from ..engine.prefix_sigmoid import PrefixSigmoid
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, PrefixSoftmax, Targets, prefix_plan
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets
 from ..options import shared
 from . import prefix_symmetric as upper
 from ._labelled import check_reference
@@ -46,22 +45,23 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
     # a tensor (learnable) scale multiplies the cosines inside: the plan's scale is then 1
     scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
     scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
-    plan = prefix_plan(dims, weights, width, scale, True, eps, anchors.shape[0], candidates.shape[0], chunk, mean, per_row)
+    one: dict[str, Any] = {"eps": eps, "chunk_size": chunk, "mean": mean, "per_row": per_row}
+    if dims and max(dims) > width:
+        raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {max(dims)}")
     if scale_t is None and upper.covers(anchors, candidates, targets, scale, reverse):  # one set: the upper triangle
         loss = upper.upper_softmax(anchors, targets, dims, weights, scale, eps, chunk, mean, per_row)
         reverse = None
     elif reverse is candidates and scale_t is None and scale <= COLUMN_SCALE_LIMIT[compute_dtype(anchors.dtype)]:
         # the candidates' direction from the same tiles (CLIP): one product pass for both directions
         same = candidates.to(anchors.dtype)
-        loss = PrefixSoftmax.apply(anchors, None if same is anchors else same, plan, replace(targets, columns=True), None)
+        loss = prefix_pass("softmax", anchors, same, dims, weights, scale, replace(targets, columns=True), None, **one)
         reverse = None
     else:
         same = candidates.to(anchors.dtype)
-        loss = PrefixSoftmax.apply(anchors, None if same is anchors else same, plan, targets, scale_t)
+        loss = prefix_pass("softmax", anchors, same, dims, weights, scale, targets, scale_t, **one)
     if reverse is not None:
-        back = prefix_plan(dims, weights, width, scale, True, eps, reverse.shape[0], anchors.shape[0], chunk, mean, per_row)
         flipped = reverse.to(anchors.dtype)
-        loss = 0.5 * (loss + PrefixSoftmax.apply(flipped, None if flipped is anchors else anchors, back, targets, scale_t))
+        loss = 0.5 * (loss + prefix_pass("softmax", flipped, anchors, dims, weights, scale, targets, scale_t, **one))
     if factor != 1.0:
         loss = loss * factor
     if named is not None:
@@ -330,8 +330,8 @@ def pair_form(binary: bool, tensors: list[Tensor], kwargs: dict[str, Any], keys:
 
     def pairs(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
-        plan = prefix_plan(dims, weights, x.shape[-1], scale, True, 1e-12, x.shape[0], candidates.shape[0], chunk, mean, per_row)
-        loss = PrefixPairs.apply(x, candidates, plan, labels, kernel, scale_t, col_labels, own)
+        loss = prefix_pass("pairs", x, candidates, dims, weights, scale, labels, kernel, scale_t, col_labels, own,
+                           chunk_size=chunk, mean=mean, per_row=per_row)
         if gathered and not per_row:
             loss = scope.finish(loss, normaliser)
         if named is not None:
@@ -387,8 +387,7 @@ def sigmoid_form(tensors: list[Tensor], kwargs: dict[str, Any], keys: set[str]) 
 
     def sigmoid(dims: list[int], weights: list[float], named: list[tuple[str, Tensor]] | None) -> Tensor:
         mean = reduction == "mean" and not scope.distributed
-        plan = prefix_plan(dims, weights, images.shape[-1], 1.0, True, 1e-12, n, texts.shape[0], chunk, mean)
-        loss = PrefixSigmoid.apply(images, texts, plan, scale, bias, targets)
+        loss = prefix_pass("sigmoid", images, texts, dims, weights, 1.0, scale, bias, targets, chunk_size=chunk, mean=mean)
         if scope.distributed:  # the global sum over all pairs, over the global number of images for "mean"
             loss = scope.finish(loss, float(n) if reduction == "mean" else 1.0)
         if named is not None:

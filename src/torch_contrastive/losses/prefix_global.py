@@ -15,15 +15,14 @@ of its logits, which the same pass gives.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..distributed import is_active, make_scope
-from ..engine.prefix_lse import PrefixRowLSE, upper_strip
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, prefix_plan
+from ..engine.keywords import prefix_pass
+from ..engine.prefixes import COLUMN_SCALE_LIMIT
 from .global_contrastive import GlobalContrastiveLoss, RowStats
 from .prefix_calls import shrink
 
@@ -81,15 +80,14 @@ class _Pass:
              upper: bool = False, columns: bool = False) -> tuple[Tensor, Tensor | None]:
         """``(log-sum-exps, soft-max means or None)`` of ``anchors``' rows (``scales``: their own, individual; ``columns``:
         the candidates' log-sum-exps after the rows', from the same tiles)."""
-        plan = prefix_plan(self.cuts, [1.0] * len(self.cuts), self.width, 1.0, True, 1e-12, anchors.shape[0], candidates.shape[0],
-                           self.strip)
-        if upper:
-            plan = replace(plan, strip=upper_strip(anchors.shape[0], plan.strip, self.strip))
+        ones = [1.0] * len(self.cuts)
         if scales is None and self.scales is not None:
-            return PrefixRowLSE.apply(anchors, candidates, plan, self.which, leave_out, columns, self.scales, self.shifts, upper), None
+            return prefix_pass("row_lse", anchors, candidates, self.cuts, ones, 1.0, self.which, leave_out, columns,
+                               self.scales, self.shifts, upper, chunk_size=self.strip, upper=upper), None
         if scales is None:
             raise RuntimeError("internal: individual temperatures without their rows' scales")
-        out = PrefixRowLSE.apply(anchors, candidates, plan, self.which, leave_out, False, scales, None, False, True)
+        out = prefix_pass("row_lse", anchors, candidates, self.cuts, ones, 1.0, self.which, leave_out, False, scales, None,
+                          False, True, chunk_size=self.strip, upper=upper)
         return out[:, : len(self.which)], out[:, len(self.which):].detach()
 
 

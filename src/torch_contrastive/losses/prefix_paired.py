@@ -24,8 +24,8 @@ from torch import Tensor
 
 from .. import _validation as v
 from ..distributed import Scope
-from ..engine.prefix_lse import PrefixRowLSE
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, inverse_norms, prefix_dots, prefix_plan
+from ..engine.keywords import prefix_pass
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, inverse_norms, prefix_dots
 from ._false_negatives import Rules, false_negative_rules, key_exclusion, paired_exclusion
 from .prefix_forms import OnePass, name_non_finite
 
@@ -78,7 +78,7 @@ _PAIRED = {"negative_mode", "in_batch_negatives", "key_ids", "negative_ids", "gu
 
 def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[float], tau: float | Tensor, in_batch: bool,
             chunk: int | None, reduction: str, scope: Scope, rules: Rules, smoothing: float = 0.0) -> Tensor:
-    n, width = q.shape
+    n = q.shape[0]
     cuts = sorted(set(dims))
     which = list(cuts.index(d) for d in dims)
     dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
@@ -95,7 +95,6 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
         neg = neg.masked_fill(out[:, :, None], -torch.inf)
     keys_all = scope.rows(k) if in_batch else k  # every rank's keys under gather, gathered once
     if in_batch:  # the keys' log-sum-exp (every rank's under gather), positive included, every prefix from one pass over the bands
-        plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, 1e-12, n, keys_all.shape[0], chunk)
         s = scale if isinstance(scale, float) else None
         scales = torch.full((len(dims),), s, dtype=dtype, device=q.device) if s is not None else \
             scale_t.reshape(1).repeat(len(dims))  # type: ignore[union-attr]
@@ -105,7 +104,8 @@ def _paired(q: Tensor, k: Tensor, negs: Tensor, dims: list[int], weights: list[f
         leave_out = (torch.arange(n, device=q.device) + scope.offset)[:, None] if own else \
             torch.empty(n, 0, dtype=torch.long, device=q.device)
         marks = exclude if exclude is not None and (exclude.relation is not None or exclude.guide is not None) else None
-        keys_lse = PrefixRowLSE.apply(q, keys_all, plan, tuple(which), leave_out, False, scales, shifts, False, False, marks)
+        keys_lse = prefix_pass("row_lse", q, keys_all, cuts, [1.0] * len(cuts), 1.0, tuple(which), leave_out, False, scales,
+                               shifts, False, False, marks, chunk_size=chunk)
     else:  # the positive alone, or (DCL) nothing
         keys_lse = torch.full_like(pos, -torch.inf) if rules.decoupled else pos
     both = torch.stack([keys_lse, neg.logsumexp(1) if neg.shape[1] else torch.full_like(pos, -torch.inf)], -1)

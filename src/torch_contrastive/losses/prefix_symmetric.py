@@ -12,13 +12,11 @@ sort (no host read). Taken under a fixed shift (``1 / tau`` within the bounded r
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor
 
-from ..engine.prefix_lse import PrefixRowLSE, upper_strip
-from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, inverse_norms, prefix_dots, prefix_plan
+from ..engine.keywords import prefix_pass
+from ..engine.prefixes import COLUMN_SCALE_LIMIT, Targets, inverse_norms, prefix_dots
 
 __all__ = ["upper_softmax"]
 
@@ -40,16 +38,15 @@ def upper_softmax(z: Tensor, targets: Targets, dims: list[int], weights: list[fl
                   chunk: int | None, mean: bool, per_row: bool) -> Tensor:
     """``sum_p w_p * loss_p`` of one set (see the module docstring): the mean over the counted rows (rows with a
     positive), their sum (``mean`` False), or per row (``per_row``: each row's weighted sum over the prefixes)."""
-    n, width = z.shape
+    n = z.shape[0]
     cuts = sorted(set(dims))
     which = tuple(cuts.index(d) for d in dims)
     dtype = z.dtype if z.dtype in (torch.float32, torch.float64) else torch.float32
     rows = torch.arange(n, device=z.device)
     leave = rows[:, None] if not targets.exclude_positive else torch.stack([rows, targets.partner], 1)  # type: ignore[list-item]
-    plan = prefix_plan(cuts, [1.0] * len(cuts), width, 1.0, True, eps, n, n, chunk)
-    plan = replace(plan, strip=upper_strip(n, plan.strip, chunk))
-    lse = PrefixRowLSE.apply(z, None, plan, which, leave, False, torch.full((len(dims),), scale, dtype=dtype, device=z.device),
-                             (scale,) * len(dims), True)
+    lse = prefix_pass("row_lse", z, z, cuts, [1.0] * len(cuts), 1.0, which, leave, False,
+                      torch.full((len(dims),), scale, dtype=dtype, device=z.device), (scale,) * len(dims), True, eps=eps,
+                      chunk_size=chunk, upper=True)
     x = z.to(dtype)
     inv = inverse_norms(x, cuts, eps)
     if targets.partner is not None:
