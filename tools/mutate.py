@@ -347,12 +347,10 @@ MUTATIONS = [
     Mutation(f"{E}/driver.py", '        ctx.lean = getattr(plan, "operand_dtype", None) is not None', "        ctx.lean = False",
              "driver: the Triton half path keeps fp32 normalised copies for backward",
              tests=("tests/engine/test_triton.py::test_half_inputs_on_triton_keep_only_half_rows_for_backward",)),
-    Mutation(f"{E}/driver.py", "        b_c = a_c if single else b_c / norms[2]", "        b_c = a_c if single else b_c / norms[0]",
+    Mutation(f"{E}/driver.py", "    return a_c, a_c if single else normalize_rows(b, 0.0, norms[2])[0]",
+             "    return a_c, a_c if single else normalize_rows(b, 0.0, norms[0])[0]",
              "driver: the candidates are rebuilt with the anchors' norms",
-             tests=("tests/engine/test_triton.py::test_half_inputs_on_triton_keep_only_half_rows_for_backward",),
-             reason="equivalent as of 2026-12-03 (killed at its earlier run): a lean (half rows kept) call is on a kernel backend with half rows, "
-             "so its rows are always rebuilt by the row kernels (driver.by_kernel); the torch normalisation in _rebuild is "
-             "unreached -- to be removed with it"),
+             tests=("tests/engine/test_triton.py::test_half_inputs_on_triton_keep_only_half_rows_for_backward",)),
     Mutation(f"{E}/triton_backend/_tile.py", "        right = busy & (c < value)", "        right = busy & (c <= value)",
              "listed pairs: the search skips a row's column at the tile's first column",
              tests=("tests/engine/test_triton.py::test_nt_bxent_with_pos_indices_on_triton_equals_the_float64_formula",)),

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .._tensors import as_dtype, save_for_backward
 from .normalization import KERNEL_DTYPES, l2_normalize, l2_normalize_backward
+from .planner import rows_by_kernel
 from .precision import Scale, autocast_enabled, compute_dtype
 
 
@@ -55,10 +56,9 @@ def _compute_scale(scale: Scale, device: torch.device, cdtype: torch.dtype) -> S
 
 
 def by_kernel(plan: Any, a: Tensor, b: Tensor | None = None) -> bool:
-    """Whether the rows are normalised (and their gradients finished) by the Triton row kernels:
-    the plan says so and neither set is fp64 (fp64 keeps the torch form)."""
-    return bool(getattr(plan, "rows_by_kernel", False)) and a.dtype in KERNEL_DTYPES and \
-        (b is None or b.dtype in KERNEL_DTYPES)
+    """Whether the rows are normalised (and their gradients finished) by the Triton row kernels: the planner's one
+    rule (:func:`~.planner.rows_by_kernel`) for the plan's strategy and both sets' dtypes."""
+    return rows_by_kernel(a.device, a.dtype, plan.backend) and (b is None or b.dtype in KERNEL_DTYPES)
 
 
 def prepare_inputs(a: Tensor, b: Tensor | None, scale: Scale, normalize: bool,
@@ -336,7 +336,7 @@ def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
     n_keep, n_extras = ctx.counts
     norms = rest[n_keep:]
     if ctx.lean:
-        a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single, ctx.by_kernel)
+        a, b = _rebuild(a, b, norms, ctx.plan.normalize, ctx.single)
     ctx.operands_need_grad = tuple(ctx.needs_input_grad[2:4])  # (a, b) as given to run()
     plan = ctx.plan
     keep = unpack(ctx.keep_layout, rest[:n_keep])
@@ -350,20 +350,17 @@ def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
     return (None, None, ga, gb, gscale, *extras)
 
 
-def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool,
-             kernel: bool = False) -> tuple[Tensor, Tensor]:
-    """The compute-dtype (normalised) operands from the caller's rows and the saved denominators:
-    the same operations as :func:`prepare_inputs`, so the same bits."""
-    if normalize and kernel:
-        from .triton_backend.normalize_rows import normalize_rows
+def _rebuild(a: Tensor, b: Tensor, norms: list[Tensor], normalize: bool, single: bool) -> tuple[Tensor, Tensor]:
+    """The compute-dtype (normalised) operands from the caller's rows and the saved denominators: the same
+    operations as :func:`prepare_inputs`, so the same bits. A lean call (half rows kept) is on a kernel strategy, so
+    its rows are normalised by the row kernels (:func:`by_kernel` holds for half rows there)."""
+    if not normalize:
+        a_c, b_c, _ = to_compute(a, None if single else b, 1.0)
+        return a_c, b_c
+    from .triton_backend.normalize_rows import normalize_rows
 
-        a_c = normalize_rows(a, 0.0, norms[0])[0]
-        return a_c, a_c if single else normalize_rows(b, 0.0, norms[2])[0]
-    a_c, b_c, _ = to_compute(a, None if single else b, 1.0)
-    if normalize:
-        a_c = a_c / norms[0]
-        b_c = a_c if single else b_c / norms[2]
-    return a_c, b_c
+    a_c = normalize_rows(a, 0.0, norms[0])[0]
+    return a_c, a_c if single else normalize_rows(b, 0.0, norms[2])[0]
 
 
 def run(kernel: Kernel, plan: Any, a: Tensor, b: Tensor | None, scale: Scale, *extras: Any) -> Any:

@@ -386,10 +386,11 @@ def _triton_installed() -> bool:
 
 
 def rows_by_kernel(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
-    """Whether rows normalised before a gather go through the Triton row kernels: on the kernel backends, and for
-    ``"auto"`` on a CUDA device with triton installed (the call is launch-bound at a few thousand rows: one launch
-    each way instead of five and ten); fp64 keeps the torch form. The device is the tensors' own, never a simulated
-    one: the Triton kernels are not simulated (:func:`simulate`)."""
+    """Whether rows are normalised (and their gradients finished) by the Triton row kernels -- one launch each way
+    instead of the torch form's five and ten, where a loss is launch-bound at a few thousand rows: on the kernel
+    strategies (a plan's, :func:`~.driver.by_kernel`), and for ``"auto"`` rows normalised before a gather on a CUDA
+    device with triton installed; fp64 keeps the torch form. The device is the tensors' own, never a simulated one:
+    the Triton kernels are not simulated (:func:`simulate`)."""
     if dtype not in KERNEL_DTYPES:
         return False
     if backend in ("epilogue", "triton"):

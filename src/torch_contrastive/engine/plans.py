@@ -72,13 +72,6 @@ class _Device:
     def single_tile(self) -> bool:
         return self.decision.tile == 0
 
-    @property
-    def rows_by_kernel(self) -> bool:
-        """The row normalisation and its backward run as one Triton launch each (the epilogue and
-        fused backends: at a few thousand rows a loss is launch-bound, and the torch form is five
-        launches forward and ten backward per input); fp64 rows keep the torch form."""
-        return self.decision.backend in ("epilogue", "triton")
-
     def __str__(self) -> str:
         return str(self.decision)
 
