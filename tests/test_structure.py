@@ -201,3 +201,30 @@ def test_no_test_file_imports_another():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             taken += [f"{path.relative_to(tests)} imports {n}" for n in names if n.rsplit(".", 1)[-1].startswith("test_")]
     assert not taken, "\n".join(taken)
+
+
+#: The most parameters a Triton kernel takes (ml-cross-entropy's take about 28): an exclusion, a pair relation and a
+#: folded positive part are one tuple argument each (``excl``, ``rel``, ``pos``), not eleven, seven and eight.
+KERNEL_PARAMETERS = 30
+
+
+def _jit_functions(tree: ast.Module) -> Iterator[ast.FunctionDef]:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(
+                (isinstance(d, ast.Attribute) and d.attr == "jit") or (isinstance(d, ast.Name) and d.id == "jit")
+                for d in node.decorator_list):
+            yield node
+
+
+def test_every_triton_kernel_takes_at_most_thirty_parameters():
+    """Walked over every ``@triton.jit`` function of the package (kernels and the device functions they call)."""
+    found = {f"{path.name}:{fn.name}": len(fn.args.args) for path in sorted(SRC.rglob("*.py"))
+             for fn in _jit_functions(ast.parse(path.read_text()))}
+    assert len(found) > 20  # the walk sees the kernels
+    assert {name: n for name, n in found.items() if n > KERNEL_PARAMETERS} == {}
+
+
+def test_the_kernel_walk_counts_a_wide_kernel():
+    source = "@triton.jit\ndef k(" + ", ".join(f"a{i}" for i in range(31)) + "):\n    pass\n"
+    (fn,) = _jit_functions(ast.parse(source))
+    assert len(fn.args.args) == 31 > KERNEL_PARAMETERS

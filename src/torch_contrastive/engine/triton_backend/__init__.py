@@ -38,7 +38,7 @@ Every launcher sets up the same way (:func:`._host.launch_operands`: the device 
 contiguous operands, so a row's stride is its width; grids from :mod:`._configs`). Optional
 inputs are None, never stand-in tensors: the kernels test them with ``is not None``, which
 Triton folds at compile time, so a plain CLIP call compiles no exclusion code and passes no
-exclusion arguments (they are keyword parameters that default to None, :data:`._host.EXCLUSION`);
+exclusion code (the exclusion is one tuple argument, ``excl``, whose absent parts are None: :func:`._host.packed`);
 the constexprs that follow from the arguments (accumulation dtype, ``tl.dot`` precision, whether
 anything is excluded) come from ``triton.heuristics`` (:data:`._host.DERIVED`). An accumulator
 the autotuner must reset between timed runs is one tensor (rows, then columns), split in views.

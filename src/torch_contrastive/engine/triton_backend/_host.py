@@ -100,6 +100,16 @@ def exclusion(exclude: Any) -> dict[str, Any]:
     return out
 
 
+#: The order of an exclusion's parts in the one tuple the kernels take (``excl``, :func:`packed`).
+EXCLUSION_FIELDS = ("rk0", "ck0", "rk1", "ck1", "partner", "g_rows", "g_cols", "threshold", "dg", "diagonal",
+                    "keep_diagonal")
+
+
+def packed(parts: dict[str, Any]) -> tuple[Any, ...]:
+    """An exclusion's parts by name (:func:`exclusion`) as the kernels' one ``excl`` argument, None where absent."""
+    return tuple(parts.get(name) for name in EXCLUSION_FIELDS)
+
+
 def keys(row_keys: tuple[Tensor, ...], col_keys: tuple[Tensor, ...]) -> dict[str, Tensor]:
     """One or two pairs of id keys as the kernels' ``rk0, ck0 (, rk1, ck1)``."""
     out = {"rk0": row_keys[0].contiguous(), "ck0": col_keys[0].contiguous()}
@@ -113,12 +123,14 @@ def _acc(args: dict[str, Any]) -> Any:
 
 
 def _guide_acc(args: dict[str, Any]) -> Any:
-    guide = args.get("g_rows")
+    excl = args.get("excl")  # (a kernel without exclusions has no excl)
+    guide = None if excl is None else excl[5]  # g_rows
     return tl.float64 if guide is not None and guide.dtype == torch.float64 else tl.float32
 
 
 def _excludes(args: dict[str, Any]) -> bool:
-    return any(args.get(name) is not None for name in ("rk0", "partner", "g_rows", "diagonal"))
+    excl = args.get("excl")
+    return excl is not None and any(excl[i] is not None for i in (0, 4, 5, 9))  # rk0, partner, g_rows, diagonal
 
 
 #: The constexprs every kernel derives from its arguments (``triton.heuristics``): the

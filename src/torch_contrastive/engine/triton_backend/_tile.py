@@ -201,33 +201,37 @@ def listed(rows, cols, r_ok, pair_ptr, pair_col):
 
 
 @triton.jit
-def excluded(orow, ocol, n_orows, n_ocols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
-             keep_diagonal, GACC: tl.constexpr, OM: tl.constexpr, ON: tl.constexpr, PRECISION: tl.constexpr):
+def excluded(orow, ocol, n_orows, n_ocols, excl, GACC: tl.constexpr, OM: tl.constexpr, ON: tl.constexpr,
+             PRECISION: tl.constexpr):
     """(OM, ON) bool, in the problem's own orientation: candidate ``ocol_j`` leaves anchor
     ``orow_i``'s log-sum-exp -- ``(keys | partner | guide) & ~kept diagonal | diagonal``,
-    the same rule as :class:`~torch_contrastive.positives.Exclusion`."""
+    the same rule as :class:`~torch_contrastive.positives.Exclusion`. ``excl`` is the exclusion as one tuple
+    (:data:`~._host.EXCLUSION_FIELDS`: ``rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
+    keep_diagonal``; None where absent): one kernel argument instead of eleven."""
     r_ok = orow < n_orows
     c_ok = ocol < n_ocols
-    out = related(orow, ocol, r_ok, c_ok, rk0, ck0, rk1, ck1, partner)
-    if g_rows is not None:  # contiguous guide rows: a row's stride is dg
+    out = related(orow, ocol, r_ok, c_ok, excl[0], excl[1], excl[2], excl[3], excl[4])
+    if excl[5] is not None:  # contiguous guide rows (g_rows, g_cols): a row's stride is dg
         g = tl.zeros((OM, ON), dtype=GACC)
-        for k0 in range(0, dg, 16):
+        for k0 in range(0, excl[8], 16):
             ks = k0 + tl.arange(0, 16)
-            u = tl.load(g_rows + orow[:, None] * dg + ks[None, :], mask=r_ok[:, None] & (ks[None, :] < dg), other=0.0)
-            v = tl.load(g_cols + ocol[:, None] * dg + ks[None, :], mask=c_ok[:, None] & (ks[None, :] < dg), other=0.0)
+            u = tl.load(excl[5] + orow[:, None] * excl[8] + ks[None, :], mask=r_ok[:, None] & (ks[None, :] < excl[8]),
+                        other=0.0)
+            v = tl.load(excl[6] + ocol[:, None] * excl[8] + ks[None, :], mask=c_ok[:, None] & (ks[None, :] < excl[8]),
+                        other=0.0)
             g += tl.dot(u, tl.trans(v), out_dtype=GACC, input_precision=PRECISION)
-        t = tl.load(threshold + orow, mask=r_ok, other=0.0)
+        t = tl.load(excl[7] + orow, mask=r_ok, other=0.0)
         out = out | (g > t[:, None])
-    if keep_diagonal is not None:  # the positive itself never leaves
-        out = out & (ocol[None, :] != orow[:, None] + keep_diagonal)
-    if diagonal is not None:  # DCL's positive as a strided diagonal
-        out = out | (ocol[None, :] == orow[:, None] + diagonal)
+    if excl[10] is not None:  # keep_diagonal: the positive itself never leaves
+        out = out & (ocol[None, :] != orow[:, None] + excl[10])
+    if excl[9] is not None:  # diagonal: DCL's positive as a strided diagonal
+        out = out | (ocol[None, :] == orow[:, None] + excl[9])
     return out
 
+
 @triton.jit
-def valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
-               keep_diagonal, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr, GACC: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def valid_mask(rows, cols, n_rows, n_cols, self_offset, excl, EXCLUDE: tl.constexpr, TRANSPOSED: tl.constexpr,
+               GACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """(BLOCK_M, BLOCK_N) bool: in bounds, not a self pair (``self_offset`` None: none), not
     excluded. Kernel rows and columns are the problem's columns and rows when ``TRANSPOSED`` (a
     pass over ``S.T``)."""
@@ -236,11 +240,9 @@ def valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, part
         valid = valid & (cols[None, :] != rows[:, None] + self_offset)
     if EXCLUDE:
         if TRANSPOSED:
-            out = tl.trans(excluded(cols, rows, n_cols, n_rows, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                                    diagonal, keep_diagonal, GACC, BLOCK_N, BLOCK_M, PRECISION))
+            out = tl.trans(excluded(cols, rows, n_cols, n_rows, excl, GACC, BLOCK_N, BLOCK_M, PRECISION))
         else:
-            out = excluded(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
-                           keep_diagonal, GACC, BLOCK_M, BLOCK_N, PRECISION)
+            out = excluded(rows, cols, n_rows, n_cols, excl, GACC, BLOCK_M, BLOCK_N, PRECISION)
         valid = valid & ~out
     return valid
 

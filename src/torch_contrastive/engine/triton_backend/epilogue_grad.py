@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ...positives import PartnerPositives
 from ._configs import autotune, bucket, epilogue_tiles
-from ._host import DERIVED_EPILOGUE, announced, keys, per_index, rounded_by_torch, tl, triton
+from ._host import DERIVED_EPILOGUE, announced, keys, packed, per_index, rounded_by_torch, tl, triton
 from ._tile import gradient_tile, related, store_gradient_tiles, valid_mask, with_factors
 
 
@@ -33,9 +33,7 @@ from ._tile import gradient_tile, related, store_gradient_tiles, valid_mask, wit
 def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr,
                           tile_rows, tile_cols, col_width, r0, c0, n_rows, n_cols, bucket, self_offset, EXCLUDE: tl.constexpr,
                           GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, g_rows=None,
-                          g_cols=None, threshold=None, dg=None, diagonal=None, keep_diagonal=None, pos_rk0=None, pos_ck0=None,
-                          pos_rk1=None, pos_ck1=None, pos_partner=None, pos_offset=None, c_row_ptr=None, c_col_ptr=None):
+                          BLOCK_N: tl.constexpr, excl, pos):
     local_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     local_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_in = local_r < tile_rows
@@ -46,12 +44,11 @@ def _epilogue_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, fx_ptr, fy_ptr, fz
     rows = r0 + local_r
     cols = c0 + local_c
     g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr)
-    valid = inside & valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
-                                dg, diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK_M, BLOCK_N, PRECISION)
+    valid = inside & valid_mask(rows, cols, n_rows, n_cols, self_offset, excl, EXCLUDE, False, GACC, BLOCK_M, BLOCK_N, PRECISION)
     g = tl.where(valid, g, 0.0)
-    if c_row_ptr is not None:  # the positive part's coefficients, added before the tile is rounded
-        g = g + positive_part(rows, cols, n_rows, n_cols, inside, pos_rk0, pos_ck0, pos_rk1, pos_ck1, pos_partner, pos_offset,
-                              c_row_ptr, c_col_ptr)
+    if pos[6] is not None:  # the positive part's coefficients (c_row_ptr), added before the tile is rounded
+        g = g + positive_part(rows, cols, n_rows, n_cols, inside, pos[0], pos[1], pos[2], pos[3], pos[4], pos[5], pos[6],
+                              pos[7])
     store_gradient_tiles(g, local_r, local_c, tile_rows, tile_cols, col_width, rows_ptr, low_ptr, cols_ptr, fy_ptr, fz_ptr, ACC)
 
 
@@ -70,26 +67,33 @@ def positive_part(rows, cols, n_rows, n_cols, inside, rk0, ck0, rk1, ck1, partne
     return tl.where(pos, coef, 0.0)
 
 
+#: The order of the positive part's pieces in the kernel's one ``pos`` argument (:func:`positive_terms`).
+POSITIVE_FIELDS = ("rk0", "ck0", "rk1", "ck1", "partner", "offset", "c_row", "c_col")
+
+
 def positive_terms(positives: Any, c_row: Tensor | None, c_col: Tensor | None, n_rows: int, n_cols: int,
-                   dtype: torch.dtype) -> dict[str, Any]:
-    """The kernel's view of the positive part folded into the gradient tile (nothing without ``c_row``):
-    the relation's keys or partner, its self offset, and the (R,) / (C,) coefficients."""
+                   dtype: torch.dtype) -> tuple[Any, ...]:
+    """The kernel's view of the positive part folded into the gradient tile (:data:`POSITIVE_FIELDS`, all None
+    without ``c_row``): the relation's keys or partner, its self offset, and the (R,) / (C,) coefficients."""
     if c_row is None:
-        return {}
-    out: dict[str, Any] = {"pos_offset": positives.self_offset, "c_row_ptr": per_index(c_row, n_rows, dtype)}
+        return NO_POSITIVE
+    out: dict[str, Any] = {"offset": positives.self_offset, "c_row": per_index(c_row, n_rows, dtype)}
     if c_col is not None:
-        out["c_col_ptr"] = per_index(c_col, n_cols, dtype)
+        out["c_col"] = per_index(c_col, n_cols, dtype)
     if isinstance(positives, PartnerPositives):
-        out["pos_partner"] = positives.partner.contiguous()
+        out["partner"] = positives.partner.contiguous()
     else:
-        given = keys(positives.row_keys, positives.col_keys)
-        out.update({f"pos_{name}": t for name, t in given.items()})
-    return out
+        out.update(keys(positives.row_keys, positives.col_keys))
+    return tuple(out.get(name) for name in POSITIVE_FIELDS)
+
+
+#: No positive part in the tile.
+NO_POSITIVE: tuple[None, ...] = (None,) * len(POSITIVE_FIELDS)
 
 
 def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: list[Tensor | None],
                   out: tuple[Tensor, Tensor | None, Tensor | None], factors: tuple[Tensor | None, Tensor | None, Tensor | None],
-                  self_offset: int | None, excluded: dict[str, Any], positive: dict[str, Any] | None = None) -> None:
+                  self_offset: int | None, excluded: dict[str, Any], positive: tuple[Any, ...] | None = None) -> None:
     """Write the gradient tile of the logit tile ``s = S[r0:r0+h, c0:c0+w]``.
 
     Args:
@@ -117,4 +121,4 @@ def epilogue_grad(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, row: li
     with announced("epilogue_grad", reads=(s,), writes=tuple(t for t in out if t is not None)):
         with rounded_by_torch(rows, low, cols) as (k_rows, k_low, k_cols):
             _epilogue_grad_kernel[grid](s, k_rows, k_low, k_cols, fx, fy, fz, *row, h, w, k, r0, c0, n_rows, n_cols, bucket(h, w),
-                                        self_offset, **excluded, **(positive or {}))
+                                        self_offset, excl=packed(excluded), pos=positive or NO_POSITIVE)

@@ -23,12 +23,11 @@ from .pair_terms import pair_gradient
 def _epilogue_pair_grad_kernel(s_ptr, rows_ptr, low_ptr, cols_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr,
                                tile_rows, tile_cols, r0, c0, n_rows, n_cols, bucket, self_offset, BINARY: tl.constexpr,
                                EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None,
-                               partner=None, pair_ptr=None, pair_col=None):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, rel):
     local_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     local_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s, rows, pos, neg = pair_block(s_ptr, local_r, local_c, tile_rows, tile_cols, r0, c0, n_rows, n_cols, fx_ptr, fy_ptr,
-                                   self_offset, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col)
+                                   self_offset, rel)
     grad = pair_gradient(s, rows, pos, neg, n_rows, lse_ptr, w_ptr, g0_ptr, g1_ptr, BINARY)
     store_gradient_tiles(grad, local_r, local_c, tile_rows, tile_cols, tile_cols, rows_ptr, low_ptr, cols_ptr, fy_ptr, fz_ptr, ACC)
 

@@ -18,15 +18,14 @@ from .pair_terms import relation_masks
 
 
 @triton.jit
-def pair_block(s_ptr, local_r, local_c, tile_rows, tile_cols, r0, c0, n_rows, n_cols, fx_ptr, fy_ptr, self_offset, rk0, ck0,
-               rk1, ck1, partner, pair_ptr, pair_col):
+def pair_block(s_ptr, local_r, local_c, tile_rows, tile_cols, r0, c0, n_rows, n_cols, fx_ptr, fy_ptr, self_offset, rel):
     """A block of a raw logit tile with its factors applied, its problem rows, and its positive and
     negative masks (out-of-tile entries are neither)."""
     inside = (local_r[:, None] < tile_rows) & (local_c[None, :] < tile_cols)
     s = tl.load(s_ptr + local_r[:, None] * tile_cols + local_c[None, :], mask=inside, other=0.0)
     s = with_factors(s, local_r, local_c, tile_rows, tile_cols, fx_ptr, fy_ptr)
     rows = r0 + local_r
-    pos, neg = relation_masks(rows, c0 + local_c, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset)
+    pos, neg = relation_masks(rows, c0 + local_c, n_rows, n_cols, rel, self_offset)
     return s, rows, pos & inside, neg & inside
 
 
@@ -35,8 +34,7 @@ def pair_block(s_ptr, local_r, local_c, tile_rows, tile_cols, r0, c0, n_rows, n_
 @triton.jit
 def _epilogue_pair_sums_kernel(s_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, tile_rows, tile_cols, r0, c0, n_rows, n_cols, bucket,
                                self_offset, BINARY: tl.constexpr, EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr,
-                               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, rk0=None, ck0=None,
-                               rk1=None, ck1=None, partner=None, pair_ptr=None, pair_col=None):
+                               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, rel):
     local_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_in = local_r < tile_rows
     first = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -44,7 +42,7 @@ def _epilogue_pair_sums_kernel(s_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, tile_row
     for j0 in range(0, tile_cols, BLOCK_N):
         local_c = j0 + tl.arange(0, BLOCK_N)
         s, rows, pos, neg = pair_block(s_ptr, local_r, local_c, tile_rows, tile_cols, r0, c0, n_rows, n_cols, fx_ptr, fy_ptr,
-                                       self_offset, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col)
+                                       self_offset, rel)
         if BINARY:
             first += tl.sum(tl.where(pos, softplus(-s), 0.0), axis=1)
             second += tl.sum(tl.where(neg, softplus(s), 0.0), axis=1)

@@ -26,8 +26,7 @@ from .epilogue_pair_sums import pair_block
 @triton.jit
 def _epilogue_pml_sums_kernel(s_ptr, lse_ptr, out_ptr, fx_ptr, fy_ptr, tile_rows, n_rows, n_cols, r0, bucket, self_offset,
                               FIXED: tl.constexpr, EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr,
-                              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, rk0=None, ck0=None,
-                              rk1=None, ck1=None, partner=None, pair_ptr=None, pair_col=None):
+                              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, rel):
     local_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_in = local_r < tile_rows
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
@@ -35,7 +34,7 @@ def _epilogue_pml_sums_kernel(s_ptr, lse_ptr, out_ptr, fx_ptr, fy_ptr, tile_rows
     for j0 in range(0, n_cols, BLOCK_N):  # sweep 1: the negatives' log-sum-exp (the self pair is neither)
         local_c = j0 + tl.arange(0, BLOCK_N)
         s, _rows, _pos, neg = pair_block(s_ptr, local_r, local_c, tile_rows, n_cols, r0, 0, n_rows, n_cols, fx_ptr, fy_ptr,
-                                         self_offset, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col)
+                                         self_offset, rel)
         if FIXED:  # |S| is bounded: plain exp(S), as the torch backend's fixed path sums it
             run_sum += tl.sum(tl.where(neg, tl.exp(s), 0.0), axis=1)
         else:
@@ -51,7 +50,7 @@ def _epilogue_pml_sums_kernel(s_ptr, lse_ptr, out_ptr, fx_ptr, fy_ptr, tile_rows
     for j0 in range(0, n_cols, BLOCK_N):  # sweep 2: the positives' terms given L
         local_c = j0 + tl.arange(0, BLOCK_N)
         s, _rows, pos, _neg = pair_block(s_ptr, local_r, local_c, tile_rows, n_cols, r0, 0, n_rows, n_cols, fx_ptr, fy_ptr,
-                                         self_offset, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col)
+                                         self_offset, rel)
         diff = lse[:, None] - s
         first += tl.sum(tl.where(pos, softplus(diff), 0.0), axis=1)
         second += tl.sum(tl.where(pos, tl.sigmoid(diff), 0.0), axis=1)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, epilogue_rows
-from ._host import DERIVED_EPILOGUE, announced, tl, triton
+from ._host import DERIVED_EPILOGUE, announced, packed, tl, triton
 from ._tile import block_stats, fold_running, merged, valid_mask, with_factors
 
 
@@ -29,8 +29,7 @@ def _epilogue_sums_kernel(s_ptr, row_max_ptr, row_sum_ptr, part_max_ptr, part_su
                           r0, c0, n_rows, n_cols, bucket, self_offset, FIXED: tl.constexpr, COLUMNS: tl.constexpr,
                           EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, g_rows=None,
-                          g_cols=None, threshold=None, dg=None, diagonal=None, keep_diagonal=None):
+                          BLOCK_N: tl.constexpr, excl):
     pid = tl.program_id(0)
     local_r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     r_in = local_r < tile_rows
@@ -43,8 +42,7 @@ def _epilogue_sums_kernel(s_ptr, row_max_ptr, row_sum_ptr, part_max_ptr, part_su
         inside = r_in[:, None] & c_in[None, :]
         s = tl.load(s_ptr + local_r[:, None] * tile_cols + local_c[None, :], mask=inside, other=0.0)
         s = with_factors(s, local_r, local_c, tile_rows, tile_cols, fx_ptr, fy_ptr)
-        valid = inside & valid_mask(rows, c0 + local_c, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows,
-                                    g_cols, threshold, dg, diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK_M, BLOCK_N,
+        valid = inside & valid_mask(rows, c0 + local_c, n_rows, n_cols, self_offset, excl, EXCLUDE, False, GACC, BLOCK_M, BLOCK_N,
                                     PRECISION)
         if FIXED:  # |S| is bounded: plain exp(S), one exp per entry for both directions
             e = tl.where(valid, tl.exp(s), 0.0)
@@ -103,7 +101,7 @@ def epilogue_sums(s: Tensor, r0: int, c0: int, n_rows: int, n_cols: int, running
     with announced("epilogue_sums", reads=(s,), writes=()):
         _epilogue_sums_kernel[grid](s, run_max, run_sum, part_max, part_sum, fx, fy, h, w, r0, c0, n_rows, n_cols,
                                     bucket(h, w), self_offset, FIXED=fixed, COLUMNS=partials is not None,
-                                    **excluded)
+                                    excl=packed(excluded))
     return used[0]
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, output_grid, row_output_blocks
-from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, packed, tl, triton
 from ._tile import gradient_tile, logits, owned_product, valid_mask, with_factors
 
 
@@ -20,9 +20,7 @@ from ._tile import gradient_tile, logits, owned_product, valid_mask, with_factor
 def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
                       bucket, d_out, self_offset, TRANSPOSED: tl.constexpr, FACTORS: tl.constexpr, EXCLUDE: tl.constexpr,
                       GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, rk0=None, ck0=None, rk1=None,
-                      ck1=None, partner=None, g_rows=None, g_cols=None, threshold=None, dg=None, diagonal=None,
-                      keep_diagonal=None):
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, excl):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     ds = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -32,8 +30,7 @@ def _grad_rows_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_
         s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
         s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
         g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr)
-        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold,
-                           dg, diagonal, keep_diagonal, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
+        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, excl, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
         # the row-owned product step shared with the pair / SigLIP kernels: Z's rows are this tile's columns
         acc = owned_product(acc, tl.where(valid, g, 0.0), rows, cols, ds, n_rows, n_cols, d_out, z_ptr, z_ptr, fz_ptr, fz_ptr,
                             FACTORS, False, ACC, PRECISION)
@@ -58,5 +55,5 @@ def grad_rows(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     fx, fy, fz = factors if factors is not None else (None, None, None)
     launch(_grad_rows_kernel, output_grid(r, d_out), x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
                                              d_out, self_offset, TRANSPOSED=transposed,
-                                             FACTORS=gradient_factors(factors, x_scaled), **exclusion(exclude))
+                                             FACTORS=gradient_factors(factors, x_scaled), excl=packed(exclusion(exclude)))
     return out

@@ -28,15 +28,16 @@ from .tile_sums import GROUP
 
 
 @triton.jit
-def relation_masks(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset):
-    """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither.
-    Positives by listed pairs (``pair_ptr`` given), else by keys or a partner."""
+def relation_masks(rows, cols, n_rows, n_cols, rel, self_offset):
+    """(positive, negative) masks of the tile; the self pair and out-of-bounds entries are neither. ``rel`` is the
+    relation as one tuple (:data:`RELATION_FIELDS`, None where absent): positives by listed pairs (``pair_ptr``
+    given), else by keys or a partner."""
     r_ok = rows < n_rows
     c_ok = cols < n_cols
-    if pair_ptr is not None:
-        pos = listed(rows, cols, r_ok, pair_ptr, pair_col)
+    if rel[5] is not None:  # pair_ptr, pair_col
+        pos = listed(rows, cols, r_ok, rel[5], rel[6])
     else:
-        pos = related(rows, cols, r_ok, c_ok, rk0, ck0, rk1, ck1, partner)
+        pos = related(rows, cols, r_ok, c_ok, rel[0], rel[1], rel[2], rel[3], rel[4])
     counted = r_ok[:, None] & c_ok[None, :]
     if self_offset is not None:
         counted = counted & (cols[None, :] != rows[:, None] + self_offset)
@@ -44,23 +45,23 @@ def relation_masks(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair
 
 
 @triton.jit
-def _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, n_rows, n_cols, d,
+def _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols, d,
                self_offset, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``: its rows, columns, logits and positive / negative masks."""
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
     s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
     s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
-    pos, neg = relation_masks(rows, cols, n_rows, n_cols, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, self_offset)
+    pos, neg = relation_masks(rows, cols, n_rows, n_cols, rel, self_offset)
     return rows, cols, s, pos, neg
 
 
 @triton.jit
-def _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col, n_rows, n_cols,
+def _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols,
                d, self_offset, BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr,
                BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``'s share of the two per-row sums (see :func:`pair_sums`)."""
-    rows, _cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col,
+    rows, _cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rel,
                                           n_rows, n_cols, d, self_offset, ACC, PRECISION, BLOCK, BLOCK_D)
     if BINARY:
         first = tl.where(pos, softplus(-s), 0.0)
@@ -77,7 +78,7 @@ def _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1
 @triton.jit
 def _pair_sums(x_ptr, y_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, self_offset, BINARY: tl.constexpr,
                OWNED: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, pair_ptr=None, pair_col=None):
+               BLOCK_D: tl.constexpr, rel):
     """Fused: one tile per program, row sums added with atomics. ``OWNED``: one row block per
     program sweeps the column blocks in order and stores its sums (deterministic). ``out`` holds
     the first sum per row, then the second."""
@@ -87,16 +88,16 @@ def _pair_sums(x_ptr, y_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d
         acc0 = tl.zeros((BLOCK,), dtype=ACC)
         acc1 = tl.zeros((BLOCK,), dtype=ACC)
         for bj in range(0, tl.cdiv(n_cols, BLOCK)):
-            _rows, t0, t1 = _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr,
-                                      pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION, BLOCK, BLOCK_D)
+            _rows, t0, t1 = _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols, d, self_offset,
+                                       BINARY, ACC, PRECISION, BLOCK, BLOCK_D)
             acc0 += t0
             acc1 += t1
         tl.store(out_ptr + rows, acc0, mask=rows < n_rows)
         tl.store(out_ptr + n_rows + rows, acc1, mask=rows < n_rows)
     else:
         bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
-        rows, t0, t1 = _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr,
-                                  pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION, BLOCK, BLOCK_D)
+        rows, t0, t1 = _row_terms(bi, bj, x_ptr, y_ptr, lse_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols, d, self_offset,
+                                  BINARY, ACC, PRECISION, BLOCK, BLOCK_D)
         tl.atomic_add(out_ptr + rows, t0, mask=rows < n_rows, sem="relaxed")
         tl.atomic_add(out_ptr + n_rows + rows, t1, mask=rows < n_rows, sem="relaxed")
 
@@ -107,11 +108,11 @@ _pair_sums_owned_kernel = autotune(square_tiles())(_pair_sums)
 
 
 @triton.jit
-def _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr,
-               pair_col, n_rows, n_cols, d, self_offset, BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+def _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols, d, self_offset,
+               BINARY: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tile ``(bi, bj)``'s gradient ``G = d loss / d S`` (see :func:`pair_grad`), with its rows and columns."""
-    rows, cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1, partner, pair_ptr, pair_col,
+    rows, cols, s, pos, neg = _pair_tile(bi, bj, x_ptr, y_ptr, fx_ptr, fy_ptr, rel,
                                          n_rows, n_cols, d, self_offset, ACC, PRECISION, BLOCK, BLOCK_D)
     return rows, cols, pair_gradient(s, rows, pos, neg, n_rows, lse_ptr, w_ptr, g0_ptr, g1_ptr, BINARY)
 
@@ -142,12 +143,11 @@ def pair_gradient(s, rows, pos, neg, n_rows, lse_ptr, w_ptr, g0_ptr, g1_ptr, BIN
 @triton.jit
 def _pair_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols,
                       d, bucket, self_offset, BINARY: tl.constexpr, FACTORS: tl.constexpr, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None,
-                      ck0=None, rk1=None, ck1=None, partner=None, pair_ptr=None, pair_col=None):
+                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, rel):
     """Fused: each tile's gradient formed once, both products added with atomics."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
-    rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
-                                  partner, pair_ptr, pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION, BLOCK,
+    rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols, d,
+                                  self_offset, BINARY, ACC, PRECISION, BLOCK,
                                   BLOCK_D)
     scatter_products(grad, rows, cols, d, y_ptr, z_ptr, ga_ptr, gb_ptr, rows < n_rows, cols < n_cols, cols < n_cols, n_rows,
                      n_cols, fy_ptr, fz_ptr, FACTORS, True, ACC, PRECISION, BLOCK_D)
@@ -158,8 +158,7 @@ def _pair_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_ptr, w_ptr, g0_pt
 def _pair_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols, d,
                      bucket, self_offset, BINARY: tl.constexpr, COLUMNS: tl.constexpr, FACTORS: tl.constexpr,
                      ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_O: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, pair_ptr=None,
-                     pair_col=None):
+                     BLOCK_O: tl.constexpr, rel):
     """Deterministic: the program owns a block of output rows and features and sweeps the other
     side's blocks in order -- ``G diag(fy) @ y`` for a row block, or (``COLUMNS``)
     ``(diag(fz) G).T @ z`` for a column block. Each tile is formed in its own orientation, so the
@@ -171,8 +170,8 @@ def _pair_grad_owned(x_ptr, y_ptr, z_ptr, out_ptr, lse_ptr, w_ptr, g0_ptr, g1_pt
     for other in range(0, n_other):
         bi = other if COLUMNS else own
         bj = own if COLUMNS else other
-        rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rk0, ck0, rk1, ck1,
-                                      partner, pair_ptr, pair_col, n_rows, n_cols, d, self_offset, BINARY, ACC, PRECISION,
+        rows, cols, grad = _grad_tile(bi, bj, x_ptr, y_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, rel, n_rows, n_cols, d,
+                                      self_offset, BINARY, ACC, PRECISION,
                                       BLOCK, BLOCK_D)
         acc = owned_product(acc, grad, rows, cols, ds, n_rows, n_cols, d, y_ptr, z_ptr, fy_ptr, fz_ptr, FACTORS, COLUMNS, ACC,
                             PRECISION)
@@ -185,15 +184,24 @@ _pair_grad_rows_kernel = autotune(owned_outputs())(_pair_grad_owned)
 _pair_grad_cols_kernel = autotune(owned_outputs())(_pair_grad_owned)
 
 
-def relation_args(positives: Any) -> dict[str, Any]:
-    """The positive relation as the kernels read it, by name: keys, a partner or listed pairs."""
+#: The order of a pair relation's parts in the kernels' one ``rel`` argument (:func:`relation_args`).
+RELATION_FIELDS = ("rk0", "ck0", "rk1", "ck1", "partner", "pair_ptr", "pair_col")
+
+
+def relation_args(positives: Any) -> dict[str, tuple[Any, ...]]:
+    """The positive relation as the kernels read it: ``{"rel": (...)}``, keys, a partner or listed pairs in the
+    order of :data:`RELATION_FIELDS`, None where absent (one kernel argument instead of seven)."""
     if isinstance(positives, KeyPositives):
-        return keys(positives.row_keys, positives.col_keys)
-    if isinstance(positives, PartnerPositives):
-        return {"partner": positives.partner.contiguous()}
-    if isinstance(positives, PairPositives):
+        parts: dict[str, Any] = keys(positives.row_keys, positives.col_keys)
+    elif isinstance(positives, PartnerPositives):
+        parts = {"partner": positives.partner.contiguous()}
+    elif isinstance(positives, PairPositives):
         pair_ptr, pair_col = positives.row_lists
-        return {"pair_ptr": pair_ptr, "pair_col": pair_col}
+        parts = {"pair_ptr": pair_ptr, "pair_col": pair_col}
+    else:
+        parts = {}
+    if parts:
+        return {"rel": tuple(parts.get(name) for name in RELATION_FIELDS)}
     # the planner refuses other relations before any work
     raise ValueError(f"the pair kernels take positives by ids, a partner or index pairs, not a {positives.kind!r} relation")
 

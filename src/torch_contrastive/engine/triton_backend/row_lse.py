@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, row_blocks, row_grid
-from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, packed, tl, triton
 from ._tile import block_stats, logits, merged, valid_mask, with_factors
 
 
@@ -22,9 +22,7 @@ from ._tile import block_stats, logits, merged, valid_mask, with_factors
 @triton.jit
 def _row_lse_kernel(x_ptr, y_ptr, out_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, self_offset, TRANSPOSED: tl.constexpr,
                     EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None,
-                    ck1=None, partner=None, g_rows=None, g_cols=None, threshold=None, dg=None, diagonal=None,
-                    keep_diagonal=None):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, excl):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
@@ -33,8 +31,7 @@ def _row_lse_kernel(x_ptr, y_ptr, out_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bu
         cols = c0 + tl.arange(0, BLOCK_N)
         s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK_M, BLOCK_N, BLOCK_D, ACC, PRECISION)
         s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
-        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                           diagonal, keep_diagonal, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
+        valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, excl, EXCLUDE, TRANSPOSED, GACC, BLOCK_M, BLOCK_N, PRECISION)
         run_max, run_sum = merged(run_max, run_sum, *block_stats(tl.where(valid, s, float("-inf")), 1))
     lse = tl.where(run_sum > 0, tl.log(run_sum) + run_max, float("-inf"))
     tl.store(out_ptr + rows, lse, mask=rows < n_rows)
@@ -54,5 +51,5 @@ def row_lse(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any =
     out = torch.empty(r, dtype=acc_dtypes(x)[0], device=x.device)
     fx, fy = factors if factors is not None else (None, None)
     launch(_row_lse_kernel, row_grid(r), x, yy, out, fx, fy, r, c, d, bucket(r, c), self_offset, TRANSPOSED=transposed,
-                                 **exclusion(exclude))
+                                 excl=packed(exclusion(exclude)))
     return out

@@ -11,15 +11,14 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles, tile_grid
-from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, packed, tl, triton
 from ._tile import gradient_tile, logits, scatter_products, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
 
 
 @triton.jit
 def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows,
-               n_cols, d, grad_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal,
-               keep_diagonal, EXCLUDE: tl.constexpr, GACC: tl.constexpr, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr,
+               n_cols, d, grad_cols, self_offset, excl, EXCLUDE: tl.constexpr, GACC: tl.constexpr, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr,
                ACC: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr, BLOCK: tl.constexpr,
                BLOCK_D: tl.constexpr):
     rows = bi * BLOCK + tl.arange(0, BLOCK)
@@ -27,8 +26,7 @@ def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_p
     s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
     s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
     g = gradient_tile(s, rows, cols, n_rows, n_cols, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr)
-    valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                       diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK, BLOCK, PRECISION)
+    valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, excl, EXCLUDE, False, GACC, BLOCK, BLOCK, PRECISION)
     g = tl.where(valid, g, 0.0)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
@@ -46,16 +44,13 @@ def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_p
 def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,
                       bucket, grad_cols, self_offset, GRAD_COLS: tl.constexpr, SYMMETRIC: tl.constexpr,
                       FACTORS: tl.constexpr, EXCLUDE: tl.constexpr, GACC: tl.constexpr, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, rk0=None,
-                      ck0=None, rk1=None, ck1=None, partner=None, g_rows=None, g_cols=None, threshold=None, dg=None,
-                      diagonal=None, keep_diagonal=None):
+                      PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, excl):
     """One tile of the grouped grid; for a single set the programs below the diagonal do nothing.
     ``out`` holds ``G @ Y`` (R rows), then ``G.T @ Z`` (its first ``grad_cols`` rows used)."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
     if not SYMMETRIC or bj >= bi:
         _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, out_ptr, out_ptr + n_rows * d, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr,
-                   lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols,
-                   threshold, dg, diagonal, keep_diagonal, EXCLUDE, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, FACTORS,
+                   lse_c_ptr, v_ptr, n_rows, n_cols, d, grad_cols, self_offset, excl, EXCLUDE, GACC, GRAD_COLS, SYMMETRIC, ACC, PRECISION, FACTORS,
                    BLOCK, BLOCK_D)
 
 
@@ -76,5 +71,5 @@ def tile_grad(x_scaled: Tensor, y: Tensor, z: Tensor, row: tuple[Tensor, Tensor]
     fx, fy, fz = factors if factors is not None else (None, None, None)
     launch(_tile_grad_kernel, tile_grid(r, c), x, yy, zz, out, fx, fy, fz, *directions(row, col, out.dtype), r, c, d, bucket(r, c),
                                        grad_cols, self_offset, GRAD_COLS=grad_cols > 0, SYMMETRIC=symmetric,
-                                       FACTORS=gradient_factors(factors, x_scaled), GROUP=GROUP, **exclusion(exclude))
+                                       FACTORS=gradient_factors(factors, x_scaled), GROUP=GROUP, excl=packed(exclusion(exclude)))
     return out[:r], (out[r:] if grad_cols else None)

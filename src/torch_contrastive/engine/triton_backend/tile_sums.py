@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, square_tiles, tile_grid
-from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, tl, triton
+from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, packed, tl, triton
 from ._tile import logits, tile_of, valid_mask, with_factors
 
 #: Row blocks that sweep the column blocks together (grouped order, L2 reuse).
@@ -18,16 +18,14 @@ GROUP = 8
 
 
 @triton.jit
-def _tile_sums(bi, bj, x_ptr, y_ptr, row_sum_ptr, col_sum_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, self_offset, rk0, ck0, rk1,
-               ck1, partner, g_rows, g_cols, threshold, dg, diagonal, keep_diagonal, EXCLUDE: tl.constexpr,
+def _tile_sums(bi, bj, x_ptr, y_ptr, row_sum_ptr, col_sum_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, self_offset, excl, EXCLUDE: tl.constexpr,
                GACC: tl.constexpr, COLUMNS: tl.constexpr, SYMMETRIC: tl.constexpr, ACC: tl.constexpr,
                PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
     s = logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, BLOCK, BLOCK, BLOCK_D, ACC, PRECISION)
     s = with_factors(s, rows, cols, n_rows, n_cols, fx_ptr, fy_ptr)
-    valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, rk0, ck0, rk1, ck1, partner, g_rows, g_cols, threshold, dg,
-                       diagonal, keep_diagonal, EXCLUDE, False, GACC, BLOCK, BLOCK, PRECISION)
+    valid = valid_mask(rows, cols, n_rows, n_cols, self_offset, excl, EXCLUDE, False, GACC, BLOCK, BLOCK, PRECISION)
     e = tl.where(valid, tl.exp(s), 0.0)
     tl.atomic_add(row_sum_ptr + rows, tl.sum(e, axis=1), mask=rows < n_rows, sem="relaxed")
     if COLUMNS:
@@ -43,14 +41,12 @@ def _tile_sums(bi, bj, x_ptr, y_ptr, row_sum_ptr, col_sum_ptr, fx_ptr, fy_ptr, n
 def _tile_sums_kernel(x_ptr, y_ptr, sums_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, self_offset,
                       COLUMNS: tl.constexpr, SYMMETRIC: tl.constexpr, EXCLUDE: tl.constexpr, GACC: tl.constexpr,
                       ACC: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_D: tl.constexpr, rk0=None, ck0=None, rk1=None, ck1=None, partner=None, g_rows=None, g_cols=None,
-                      threshold=None, dg=None, diagonal=None, keep_diagonal=None):
+                      BLOCK_D: tl.constexpr, excl):
     """One tile: ``exp(S)`` once, its row sums and column sums added with atomics; for a
     single set the programs below the diagonal do nothing."""
     bi, bj = tile_of(n_rows, n_cols, BLOCK, GROUP)
     if not SYMMETRIC or bj >= bi:  # one accumulator: the row sums, then the column sums
-        _tile_sums(bi, bj, x_ptr, y_ptr, sums_ptr, sums_ptr + n_rows, fx_ptr, fy_ptr, n_rows, n_cols, d, self_offset, rk0, ck0,
-                   rk1, ck1, partner, g_rows, g_cols, threshold, dg, diagonal, keep_diagonal, EXCLUDE, GACC, COLUMNS,
+        _tile_sums(bi, bj, x_ptr, y_ptr, sums_ptr, sums_ptr + n_rows, fx_ptr, fy_ptr, n_rows, n_cols, d, self_offset, excl, EXCLUDE, GACC, COLUMNS,
                    SYMMETRIC, ACC, PRECISION, BLOCK, BLOCK_D)
 
 
@@ -67,5 +63,5 @@ def tile_sums(x_scaled: Tensor, y: Tensor, self_offset: int | None, exclude: Any
     sums = torch.zeros(r + (c if columns else 0), dtype=dtype, device=x.device)
     fx, fy = factors if factors is not None else (None, None)
     launch(_tile_sums_kernel, tile_grid(r, c), x, yy, sums, fx, fy, r, c, d, bucket(r, c), self_offset, COLUMNS=columns,
-                                       SYMMETRIC=symmetric, GROUP=GROUP, **exclusion(exclude))
+                                       SYMMETRIC=symmetric, GROUP=GROUP, excl=packed(exclusion(exclude)))
     return sums[:r], (sums[r:] if columns else None)
