@@ -105,9 +105,9 @@ def _prefixes_plan(problem: Problem, stat: Prefixes, on: Target) -> PrefixesPlan
     if stat.upper:
         prefix = replace(prefix, strip=upper_strip(rows, prefix.strip, opts.chunk_size))
     decision = _decision(problem, stat, on)
-    strips = replace(decision, tile=0 if prefix.strip >= rows else prefix.strip, tile_cols=0 if prefix.strip >= rows else cols)
+    one = prefix.strip >= rows
+    strips = replace(decision, tile=0 if one else prefix.strip, tile_cols=0 if one else cols, executor=decision.backend)
     amend(strips)
-    name_executor(strips.backend)
     return PrefixesPlan(decision=strips, prefix=prefix)
 
 

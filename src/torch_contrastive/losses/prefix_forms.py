@@ -41,13 +41,10 @@ def one_pass_softmax(anchors: Tensor, candidates: Tensor, targets: Targets, dims
     value is checked in the one read). ``named``: the inputs to name when the loss is not finite (None: no
     host read). ``mean``: each prefix's mean over its counted anchors (False: their sum), times ``factor``;
     ``per_row``: the per-row values instead (``reduction="none"``, see :class:`~.engine.prefixes.PrefixPlan`)."""
-    width = anchors.shape[-1]
     # a tensor (learnable) scale multiplies the cosines inside: the plan's scale is then 1
     scale_t = 1.0 / tau if isinstance(tau, Tensor) else None
     scale = 1.0 if isinstance(tau, Tensor) else 1.0 / tau
     one: dict[str, Any] = {"eps": eps, "chunk_size": chunk, "mean": mean, "per_row": per_row}
-    if dims and max(dims) > width:
-        raise ValueError(f"matryoshka_dims cannot exceed the embedding size {width}, got {max(dims)}")
     if scale_t is None and upper.covers(anchors, candidates, targets, scale, reverse):  # one set: the upper triangle
         loss = upper.upper_softmax(anchors, targets, dims, weights, scale, eps, chunk, mean, per_row)
         reverse = None
