@@ -385,6 +385,7 @@ def test_a_new_statistic_needs_only_its_tile_functions():
         tile: int
         normalize: bool = True
         eps: float = 1e-12
+        backend: str = "torch"  # a plan names the strategy that runs it; the driver asks it who normalises
 
     a = torch.randn(11, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
     b = torch.randn(7, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
