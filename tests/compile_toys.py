@@ -1,5 +1,6 @@
-"""Toy Triton kernels for tests/test_compile_check.py: one that compiles cleanly on tensor cores and two broken on
-purpose (an unsupported product shape; a tile too large for any GPU's shared memory). Imported by the compile check
+"""Toy Triton kernels for tests/test_compile_check.py: a tensor-core tile (clean at 64 x 64; at 256 x 256 with 512-wide
+feature blocks its operand buffers exceed every GPU's shared memory) and one that does not compile (an unsupported
+product shape). Imported by the compile check
 in a subprocess, outside the interpreter."""
 
 import triton
@@ -26,15 +27,3 @@ def _unsupported_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + rows[:, None] * BLOCK + rows[None, :])
     tl.store(out_ptr + rows[:, None] * BLOCK + rows[None, :], tl.dot(x, x))
 
-
-@triton.jit
-def _huge_kernel(x_ptr, y_ptr, out_ptr, d, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The dot tile of ``_dot_kernel`` at a size whose pipelined operand buffers exceed every GPU's shared memory."""
-    rows = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k in range(0, d, BLOCK_D):
-        feats = k + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + rows[:, None] * d + feats[None, :])
-        y = tl.load(y_ptr + rows[:, None] * d + feats[None, :])
-        acc = tl.dot(x, tl.trans(y), acc)
-    tl.store(out_ptr + rows[:, None] * BLOCK + rows[None, :], acc)
