@@ -68,7 +68,8 @@ PAIR_TESTS = ("tests/engine/test_pairwise.py", "tests/engine/test_one_tile.py", 
 KEPT_TESTS = ("tests/losses/test_kept.py",)
 CORE_TESTS_TUPLE = tuple(CORE_TESTS)
 HALF_TILE_TESTS = ("tests/engine/test_products.py", "tests/engine/test_planner.py", "tests/test_positives.py")
-RELATION_FORM_TESTS = ("tests/cli/test_traffic.py::test_a_label_relations_form_is_its_size_on_every_device_plan",)
+RELATION_FORM_TESTS = ("tests/cli/test_traffic.py::test_a_label_relations_form_is_its_size_on_every_device_plan",
+                       "tests/cli/test_traffic.py::test_a_count_standing_for_a_larger_call_holds_its_relation_in_the_same_form")
 GPU_NORM_TESTS = ("tests/engine/test_engine.py::test_the_normalisation_backward_is_the_formula",)
 _KEEPS_ROWS = '        ctx.lean = getattr(plan, "operand_dtype", None) is not None and not (plan.single_tile and ONE_TILE_KEEPS_ROWS)\n'
 
@@ -1095,12 +1096,11 @@ MUTATIONS = [
              "single set's two roles: the positive coefficients written over the tile, not added", ONE_TILE_TESTS),
     Mutation(f"{E}/normalization.py", "else torch.addcdiv(zero(denom), norm > 0, denom, value=scale)",
              "else torch.div(norm > 0, denom)", "normalisation backward: a float scale left out", CORE_TESTS_TUPLE),
-    # a label relation's form: its size, at the size a simulated count stands for; the lean apply
-    Mutation(f"{E}/planner.py", "    return rows * cols * (SIMULATING[-1].area if SIMULATING else 1.0) <= limit",
-             "    return rows * cols <= limit",
-             "a label relation's form decided at a simulated count's size, not at the size it stands for", RELATION_FORM_TESTS),
-    Mutation(f"{PKG}/positives.py", "    return (_FORMS or _forms()).dense_relation(rows, cols, DENSE_KEYS_LIMIT)",
-             "    return (_FORMS or _forms()).dense_relation(rows, cols, DENSE_KEYS_LIMIT + 1024)",
+    # a label relation's form: its own size; a count standing for a larger call counted where the form is the same
+    Mutation(f"{PKG}/cli/traffic.py", "or not same_relation_form(small, n):", ":",
+             "a count standing for a larger call counted at a size whose label relation takes another form", RELATION_FORM_TESTS),
+    Mutation(f"{PKG}/positives.py", "    return rows * cols <= DENSE_KEYS_LIMIT",
+             "    return rows * cols <= DENSE_KEYS_LIMIT + 1024",
              "a label relation held as a dense mask past its limit", RELATION_FORM_TESTS),
     Mutation(f"{E}/one_tile.py", "    if torch.compiler.is_compiling() or \"apply\" in function.__dict__:", "    if torch.compiler.is_compiling():",
              "lean apply: a replaced apply on the class bypassed", ONE_TILE_TESTS),

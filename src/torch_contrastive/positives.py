@@ -72,24 +72,13 @@ DENSE_KEYS_LIMIT = 256 * 256
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
 
-# the engine's relation-form rule (engine/planner.py; the engine's package imports this module): imported on first
-# use, then kept here (an import statement in a function runs the import machinery's Python on every call)
-_FORMS: Any = None
-
-
-def _forms() -> Any:
-    global _FORMS
-    from .engine import planner
-
-    if not torch.compiler.is_compiling():  # (a traced call may not write a module global: Dynamo refuses the side effect)
-        _FORMS = planner
-    return planner
-
-
 def _dense_pays(rows: int, cols: int) -> bool:
-    """Whether a key relation is held as a dense mask (else grouped by key): up to :data:`DENSE_KEYS_LIMIT` entries,
-    one rule on every device (:func:`~torch_contrastive.engine.planner.dense_relation`)."""
-    return (_FORMS or _forms()).dense_relation(rows, cols, DENSE_KEYS_LIMIT)
+    """Whether a key relation is held as a dense mask (else grouped by key): up to :data:`DENSE_KEYS_LIMIT` entries.
+
+    A rule of the relation's own size, the same on every device: the forms a GPU would choose by price (a mask sized
+    by a cost model, read on tensor cores) are ones no GPU has measured (CHANGELOG, issue 64). A counted problem that
+    stands for a larger one (``bench --traffic``) is counted at a size on the same side of the limit."""
+    return rows * cols <= DENSE_KEYS_LIMIT
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_contrastive as tc
-from torch_contrastive.cli import main
+from torch_contrastive.cli import main, traffic
 from torch_contrastive.cli.cost import (
     GPUS,
     PATHS,
@@ -292,9 +292,25 @@ def test_a_label_relations_form_is_its_size_on_every_device_plan():
             for n, dense in ((side, True), (side + 1, False), (4096, False)):
                 keys = torch.arange(n) % 7
                 assert (Positives.from_keys(keys).dense is not None) == dense, (simulated, n)
-    with planner.simulate("cuda", area=4.0):  # a count standing for one with 4x its entries: the form of that size
-        assert Positives.from_keys(torch.arange(side) % 7).dense is None
-        assert Positives.from_keys(torch.arange(side // 2) % 7).dense is not None
+    with planner.simulate("cuda", area=4.0):  # a count standing for a larger call: the form is still its own size's
+        assert Positives.from_keys(torch.arange(side) % 7).dense is not None
+
+
+def test_a_count_standing_for_a_larger_call_holds_its_relation_in_the_same_form():
+    """The counter counts a large call small: at a size whose label relation takes the large call's form (grouped
+    beyond DENSE_KEYS_LIMIT, dense up to it), with no tile edge a feature side."""
+    from torch_contrastive.positives import DENSE_KEYS_LIMIT
+
+    for n in (64, 200, 256, 258, 4096, 65536):
+        for at in (48, 66, 130):
+            got = traffic.counted_rows(min(at, n), n, 32)
+            assert got % 2 == min(at, n) % 2 and got >= min(at, n)
+            assert (got * got <= DENSE_KEYS_LIMIT) == (n * n <= DENSE_KEYS_LIMIT), (n, at, got)
+            assert got not in traffic.feature_sides(32)
+    assert traffic.counted_rows(66, 4096, 32) == 258  # the first even size past the limit's side (256)
+    # a gathered relation (world times the columns): 66 x 66 x 32 and 1,024 x 1,024 x 32 both past the limit
+    assert traffic.same_relation_form(66, 1024, 32) and traffic.same_relation_form(40, 60, 16)
+    assert not traffic.same_relation_form(60, 1024, 16)  # 57,600 entries: a dense mask, where the real call groups
 
 
 def test_an_accumulating_product_counts_its_flops():

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..engine import policy, products
 from ..engine.planner import Traits, simulate
+from ..positives import DENSE_KEYS_LIMIT
 from .cost import (
     BYTECODES_PER_OP,
     DEVICE_ROWS,
@@ -318,8 +319,7 @@ def count_loss(name: str, impl: str, n: int, d: int, *, at: int | None = None, t
     small = at or n
     per_side = tiles if tiles is not None else 1 if impl == "dense" else \
         gpu_tiles(n, default_backend(name, n, d) if impl == "ours" else impl, name)
-    while any(edge in feature_sides(d) for edge in (small, -(-small // per_side))):
-        small += 2  # a tile edge of D, 2D or 3D would read as features: count two rows more (pairings stay even)
+    small = counted_rows(small, n, d, per_side)
     chunk = None if tiles is None or tiles <= 1 else -(-small // tiles)
     ours, dense = cases(small, d, chunk=chunk, backend="auto" if impl in ("ours", "dense") else impl)[name]
     return count(dense if impl == "dense" else ours, small, small, d, area=(n / small) ** 2).scaled(n, n)
@@ -345,6 +345,21 @@ def dense_clip_gathered(img: torch.Tensor, txt: torch.Tensor, tau: float) -> tor
     return (f(img @ every_txt.T / tau, target) + f(txt @ every_img.T / tau, target)) / 2
 
 
+def counted_rows(small: int, n: int, d: int, per_side: int = 1) -> int:
+    """The rows a call of ``n`` rows is counted at, from ``small`` up by twos (pairings stay even): until no tile edge is
+    a feature side (``D``, ``2D``, ``3D`` would read as features) and a label relation takes the real call's form."""
+    while any(edge in feature_sides(d) for edge in (small, -(-small // per_side))) or not same_relation_form(small, n):
+        small += 2
+    return small
+
+
+def same_relation_form(counted: int, rows: int, world: int = 1) -> bool:
+    """Whether a label relation of ``counted`` rows (against ``world`` times as many columns) takes the form the real
+    one of ``rows`` takes: both dense masks or both grouped by key (:data:`~torch_contrastive.positives.DENSE_KEYS_LIMIT`
+    decides by the relation's own size, and the two forms issue different operations)."""
+    return (counted * counted * world <= DENSE_KEYS_LIMIT) == (rows * rows * world <= DENSE_KEYS_LIMIT)
+
+
 def count_gathered(impl: str, local: int, world: int, d: int, at: int = 66) -> Counts:
     """CLIP under ``gather=True`` on one rank of ``world`` (``impl`` ``"ours"``, the default call, or ``"dense"``,
     :func:`dense_clip_gathered`) on the simulated GPU at ``local`` rows per rank, counted at ``at`` rows per
@@ -358,7 +373,7 @@ def count_gathered(impl: str, local: int, world: int, d: int, at: int = 66) -> C
 
     import torch_contrastive as tc
 
-    while any(edge in feature_sides(d) for edge in (at, at * world)):
+    while any(edge in feature_sides(d) for edge in (at, at * world)) or not same_relation_form(at, local, world):
         at += 2
     if dist.is_initialized():
         raise RuntimeError("count_gathered makes its own process group: none may be running")

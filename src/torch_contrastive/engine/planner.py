@@ -20,7 +20,7 @@ engine asks :func:`decide` how to run it on the inputs' device:
 The decision is a frozen :class:`Decision`; :func:`~.recorded.explain` returns the decisions a call
 made, and the tests check :func:`decide` per device without running a kernel. A problem's whole plan (its
 executor and the choices that follow from the problem itself) is built from these decisions in
-:mod:`.problem_plan`; the form of a label relation is :func:`dense_relation`.
+:mod:`.problem_plan`.
 """
 
 from __future__ import annotations
@@ -315,15 +315,6 @@ def simulate(device: str | Target, budget: int | None = None, area: float = 1.0)
         yield on
     finally:
         SIMULATING.pop()
-
-
-def dense_relation(rows: int, cols: int, limit: int) -> bool:
-    """Whether a label relation of ``R x C`` entries is held as a dense 0/1 mask (else grouped by key): up to
-    ``limit`` entries, on every device -- at the size a problem counted small under :func:`simulate` stands for.
-
-    The forms a GPU would choose by price (a mask sized by a cost model, read on tensor cores) are ones no GPU has
-    measured (CHANGELOG, issue 64); a rule measured on a GPU comes back here, through the plan."""
-    return rows * cols * (SIMULATING[-1].area if SIMULATING else 1.0) <= limit
 
 
 def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
