@@ -12,11 +12,15 @@ and the ``cuobjdump`` inside triton's package reads it.
   note each top-level kernel's argument types (pointer dtypes, scalar widths, tuples, ``None``) and constexpr
   values, and writes the distinct variants: exactly what the launchers produce on the inputs the suite gives them.
 * ``check`` compiles each variant with every config of its kernel's autotune list (the block constexprs, warps and
-  stages replace the interpreter's), for sm_80 and sm_90, and reads registers, local memory (``STL``/``LDL``,
-  the stack), shared memory and the matrix instructions (``HMMA``, ``HGMMA``). A row fails on a compile error,
-  a spill, shared memory beyond the target's per-block limit, or a kernel with ``tl.dot`` that compiles without
-  ``HGMMA`` on sm_90 -- unless the kernel's docstring states why (a line starting ``Compile check:``). Exit 1 when
-  any row fails; ``--table`` writes the markdown table.
+  stages replace the interpreter's; the list as the kernel's own pruning narrows it for the variant's dtypes),
+  for sm_80 and sm_90, and reads registers, local memory (``STL``/``LDL``, the stack), shared memory and the
+  matrix instructions (``HMMA``, ``HGMMA``). A row fails on a compile error, a spill, shared memory beyond the
+  target's per-block limit, or a kernel with products (``tt.dot`` in its IR, helpers included) on half operands (or TF32) without ``HGMMA``
+  on sm_90 -- unless the kernel's docstring states why (a line starting ``Compile check:``). Exit 1 when any row
+  fails; ``--table`` writes the markdown table.
+
+The interpreter gets fp32 stand-ins for half tensors (numpy has no bf16); the launchers tell each stand-in to
+``_host.WIDENING_LISTENERS``, so ``record`` writes the half types a GPU's launch has.
 """
 
 from __future__ import annotations
@@ -44,10 +48,25 @@ _TORCH_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float
                 "int32": "i32", "bool": "i1", "int8": "i8", "uint8": "u8"}
 
 
+#: id -> (a weak reference, the GPU's dtype) of each fp32 stand-in the interpreter gets for a half tensor
+#: (``_host.WIDENING_LISTENERS``): such a launch is recorded with the half type a GPU's launch has.
+_STAND_INS: dict[int, tuple[Any, str]] = {}
+
+
+def _note_stand_in(wide: Any, dtype: Any) -> None:
+    import weakref
+
+    _STAND_INS[id(wide)] = (weakref.ref(wide), _TORCH_TYPES[str(dtype).removeprefix("torch.")])
+
+
 def _type(value: Any) -> Any:
-    """The compiler's type of a launch argument: ``*bf16`` for a tensor, ``i32``/``i64``/``fp32``/``i1`` for a
-    scalar, a list for a tuple, None for ``None`` (a constexpr None to the compiler)."""
+    """The compiler's type of a launch argument: ``*bf16`` for a tensor (the half type a GPU's launch has for the
+    interpreter's fp32 stand-in of a half tensor), ``i32``/``i64``/``fp32``/``i1`` for a scalar, a list for a tuple,
+    None for ``None`` (a constexpr None to the compiler)."""
     if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
+        ref, gpu = _STAND_INS.get(id(value), (None, None))
+        if ref is not None and ref() is value:
+            return "*" + gpu
         return "*" + _TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
     if value is None:
         return None
@@ -92,6 +111,9 @@ def record(out: str, tests: list[str]) -> int:
         return launch(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = noting
+    from torch_contrastive.engine.triton_backend import _host
+
+    _host.WIDENING_LISTENERS.append(_note_stand_in)
     rc = pytest.main(["-q", "-p", "no:cacheprovider", *tests])
     variants = {k: [json.loads(r) for r in sorted(v)] for k, v in sorted(seen.items())}
     pathlib.Path(out).write_text(json.dumps(variants, indent=1) + "\n")
@@ -99,16 +121,60 @@ def record(out: str, tests: list[str]) -> int:
     return int(rc)
 
 
-def _unwrap(kernel: Any) -> tuple[Any, list[Any] | None]:
-    """The ``JITFunction`` under a kernel's autotune / heuristics wrappers, and its autotune configs."""
+def _unwrap(kernel: Any) -> tuple[Any, Any]:
+    """The ``JITFunction`` under a kernel's autotune / heuristics wrappers, and its autotuner (None: none)."""
     import triton
 
-    configs = None
-    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+    tuner = None
+    while isinstance(kernel, (triton.runtime.autotuner.Autotuner, triton.runtime.autotuner.Heuristics)):
         if isinstance(kernel, triton.runtime.autotuner.Autotuner):
-            configs = list(kernel.configs)
+            tuner = kernel
         kernel = kernel.fn
-    return kernel, configs
+    return kernel, tuner  # a JITFunction (an InterpretedFunction under TRITON_INTERPRET=1)
+
+
+class _Typed:
+    """A stand-in launch argument for the autotuner's pruning: a tensor's dtype, nothing else."""
+
+    def __init__(self, type_name: str) -> None:
+        import torch
+
+        names = {v: k for k, v in _TORCH_TYPES.items()}
+        self.dtype = getattr(torch, names[type_name.removeprefix("*")])
+
+
+#: The size bucket the configs are pruned at: every config's tile fits (a large call's list).
+_LARGE_BUCKET = 1 << 16
+
+
+def kernel_of(module: Any, name: str) -> tuple[Any, list[Any]]:
+    """The ``JITFunction`` recorded as ``name`` in ``module`` and every autotuner of the module that launches it (one
+    jitted body may have several, each timing its own list: ``pair_terms._pair_sums``)."""
+    jit, tuner = _unwrap(getattr(module, name))
+    tuners = [tuner] if tuner is not None else []
+    for value in vars(module).values():
+        if value is not getattr(module, name) and hasattr(value, "fn"):
+            inner, other = _unwrap(value)
+            if inner is jit and other is not None and other not in tuners:
+                tuners.append(other)
+    return jit, tuners
+
+
+def configs_of(tuners: list[Any], variant: dict[str, list[Any]]) -> list[Any]:
+    """The configs a launch of ``variant`` may time: each autotuner's list as the kernel's own pruning narrows it
+    for the variant's dtypes at a large size (fp64 operands get the small tiles only), each config once; ``[None]``
+    for a kernel launched without autotuning (its recorded constexprs)."""
+    if not tuners:
+        return [None]
+    named = {name: _Typed(t) if kind == "arg" and isinstance(t, str) and t.startswith("*") else t
+             for name, (kind, t) in variant.items()}
+    named["bucket"] = _LARGE_BUCKET
+    chosen: dict[str, Any] = {}
+    for tuner in tuners:
+        prune = getattr(tuner, "early_config_prune", None)
+        for config in prune(list(tuner.configs), named) if prune else tuner.configs:
+            chosen.setdefault(str(config), config)
+    return list(chosen.values())
 
 
 def _source(jit: Any, variant: dict[str, list[Any]], blocks: dict[str, Any]) -> Any:
@@ -140,6 +206,14 @@ def _stated(jit: Any) -> str:
     return ""
 
 
+def tensor_core_operands(variant: dict[str, list[Any]]) -> bool:
+    """Whether a variant's products may run on tensor cores: half operands, or fp32 ones with TF32 allowed
+    (``PRECISION="tf32"``). fp32 products in IEEE precision and fp64 ones are FMA loops on every GPU (the torch
+    backend's fp32 matmuls are IEEE too unless ``allow_tf32``), so no HGMMA is asked of them."""
+    types = [t for kind, t in variant.values() if kind == "arg" and isinstance(t, str)]
+    return any(t in ("*bf16", "*fp16") for t in types) or variant.get("PRECISION", [None, None])[1] == "tf32"
+
+
 def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int) -> dict[str, Any]:
     """Compile one variant with one config for ``sm_{arch}``; its resources and the rules it breaks."""
     import triton
@@ -148,7 +222,8 @@ def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int)
     tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     blocks = dict(config.kwargs) if config is not None else {}
     options = {"num_warps": config.num_warps if config else 4, "num_stages": config.num_stages if config else 3}
-    row: dict[str, Any] = {"kernel": jit.fn.__name__, "arch": arch, "blocks": blocks, **options}
+    row: dict[str, Any] = {"kernel": jit.fn.__name__, "arch": arch, "blocks": blocks, "triton": triton.__version__,
+                           **options}
     start = time.perf_counter()
     try:
         compiled = triton.compile(_source(jit, variant, blocks), target=GPUTarget("cuda", arch, 32), options=options)
@@ -171,7 +246,7 @@ def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int)
         failures.append("spill")
     if row["shared"] > SHARED_LIMIT[arch]:
         failures.append("shared")
-    if arch >= 90 and "tl.dot(" in inspect.getsource(jit.fn) and not row["hgmma"]:
+    if arch >= 90 and "tt.dot" in compiled.asm["ttir"] and tensor_core_operands(variant) and not row["hgmma"]:
         failures.append("no HGMMA")
     stated = _stated(jit)
     row["failures"] = [] if stated else failures
@@ -179,49 +254,143 @@ def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int)
     return row
 
 
-def check(path: str, archs: list[int], only: str | None = None) -> list[dict[str, Any]]:
-    """Compile every recorded variant of ``path`` with every config for every target; the rows."""
+def operand_class(variant: dict[str, list[Any]]) -> str:
+    """A variant's operand dtype class: ``bf16`` / ``fp16`` when it has half tensors, else ``fp64`` or ``fp32``."""
+    types = {t for kind, t in variant.values() if kind == "arg" and isinstance(t, str)}
+    return next((c for c in ("bf16", "fp16", "fp64") if "*" + c in types), "fp32")
+
+
+def sampled(recorded: list[dict[str, list[Any]]]) -> list[dict[str, list[Any]]]:
+    """The first recorded variant of each operand class (what the suite compiles: each kernel's code for each
+    dtype, every config; the full list differs in the exclusion, relation and factor constexprs)."""
+    first: dict[str, dict[str, list[Any]]] = {}
+    for variant in recorded:
+        first.setdefault(operand_class(variant), variant)
+    return list(first.values())
+
+
+def check(path: str, archs: list[int], only: str | None = None, sample: bool = False,
+          shard: tuple[int, int] = (0, 1), classes: tuple[str, ...] = (),
+          wide_archs: list[int] | None = None) -> list[dict[str, Any]]:
+    """Compile the recorded variants of ``path`` (``sample``: one per kernel and operand class; ``shard`` ``(k, n)``:
+    the kernels whose place in the file is ``k`` modulo ``n``; ``classes``: only these operand classes, all when
+    empty) with every config for every target of ``archs`` (fp32 / fp64 variants: of ``wide_archs`` when given);
+    the rows."""
     variants = json.loads(pathlib.Path(path).read_text())
     rows = []
-    for key, recorded in variants.items():
+    for place, (key, recorded) in enumerate(variants.items()):
         module, name = key.split(":")
-        if only and only not in name:
+        if (only and only not in name) or place % shard[1] != shard[0]:
             continue
-        jit, configs = _unwrap(getattr(importlib.import_module(module), name))
-        for variant in recorded:
-            for config in configs or [None]:
-                for arch in archs:
+        jit, tuners = kernel_of(importlib.import_module(module), name)
+        for variant in sampled(recorded) if sample else recorded:
+            if classes and operand_class(variant) not in classes:
+                continue
+            for config in configs_of(tuners, variant):
+                for arch in archs if operand_class(variant) in ("bf16", "fp16") else wide_archs or archs:
                     row = compile_one(jit, variant, config, arch)
                     row["dtypes"] = "/".join(sorted({t for kind, t in variant.values()
                                                      if kind == "arg" and isinstance(t, str) and t[:2] in ("*f", "*b")}))
+                    row["operands"] = operand_class(variant)
                     rows.append(row)
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of the rows (one per kernel, dtypes, blocks, warps, stages and target)."""
-    import triton
+def _blocks(blocks: dict[str, Any]) -> str:
+    return ",".join(f"{k.removeprefix('BLOCK_') if k != 'BLOCK' else 'B'}{v}" for k, v in blocks.items())
 
-    lines = [f"Triton {triton.__version__}; `python tools/compile_check.py check`.", "",
-             "| kernel | dtypes | blocks | warps/stages | sm | registers | shared KiB | spills (stack B) | HMMA/HGMMA | result |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of the rows: one line per Triton version, kernel, operand class, config and target."""
+    versions = ", ".join(sorted({r.get("triton", "") for r in rows}))
+    lines = ["# Compile table", "", f"Written by `make compile-check` (`tools/compile_check.py table`): every row compiled "
+             f"for its target by the real Triton compiler ({versions}) on a machine without a GPU; docs/gpu.md, "
+             "\"Compile check\", says what the rules are.", "",
+             "| triton | kernel | operands | blocks | warps/stages | sm | registers | shared KiB | spills (stack B) "
+             "| HMMA/HGMMA | result |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     seen = set()
-    for r in rows:
-        blocks = ",".join(f"{k.removeprefix('BLOCK_') if k != 'BLOCK' else 'B'}{v}" for k, v in r["blocks"].items())
-        key = (r["kernel"], r["dtypes"], blocks, r["num_warps"], r["num_stages"], r["arch"], r.get("registers"),
-               r.get("shared"), r.get("spills"), tuple(r["failures"]))
-        if key in seen:
-            continue
-        seen.add(key)
+    for r in sorted(rows, key=lambda r: (r.get("triton", ""), r["kernel"], r.get("operands", ""), _blocks(r["blocks"]),
+                                          r["num_warps"], r["num_stages"], r["arch"])):
+        head = (f"| {r.get('triton', '')} | `{r['kernel']}` | {r.get('operands', '')} | {_blocks(r['blocks'])} "
+                f"| {r['num_warps']}/{r['num_stages']} | {r['arch']} ")
         result = ", ".join(r["failures"]) or ("ok (" + r["stated"] + ")" if r.get("stated") else "ok")
         if "error" in r:
-            lines.append(f"| `{r['kernel']}` | {r['dtypes']} | {blocks} | {r['num_warps']}/{r['num_stages']} | {r['arch']} "
-                         f"| | | | | compile: {r['error']} |")
-            continue
-        lines.append(f"| `{r['kernel']}` | {r['dtypes']} | {blocks} | {r['num_warps']}/{r['num_stages']} | {r['arch']} "
-                     f"| {r['registers']} | {r['shared'] / 1024:.0f} | {r['spills']} ({r['stack']}) "
-                     f"| {r['hmma']}/{r['hgmma']} | {result} |")
+            line = head + f"| | | | | compile: {r['error']} |"
+        else:
+            line = head + (f"| {r['registers']} | {r['shared'] / 1024:.0f} | {r['spills']} ({r['stack']}) "
+                           f"| {r['hmma']}/{r['hgmma']} | {result} |")
+        if line not in seen:  # variants differing only in constexprs the row does not show
+            seen.add(line)
+            lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One line per kernel and operand class, one column per Triton version and target: the most registers and
+    shared memory over the configs, the fewest matrix instructions (HMMA / HGMMA: every config's products on
+    tensor cores when above 0), and how many configs fail a rule."""
+    columns = sorted({(r.get("triton", ""), r["arch"]) for r in rows})
+    groups: dict[tuple[str, str], dict[tuple[str, int], list[dict[str, Any]]]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r.get("operands", "")), {}).setdefault((r.get("triton", ""), r["arch"]), []).append(r)
+    lines = ["| kernel | operands | configs | " + " | ".join(f"triton {v}, sm_{a}" for v, a in columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
+    for (kernel, operands), by_column in sorted(groups.items()):
+        configs = {(_blocks(r["blocks"]), r["num_warps"], r["num_stages"]) for group in by_column.values() for r in group}
+        cells = []
+        for column in columns:
+            group = by_column.get(column, [])
+            built = [r for r in group if "error" not in r]
+            if not group:
+                cells.append("")
+                continue
+            failing = len({(_blocks(r["blocks"]), r["num_warps"], r["num_stages"]) for r in group if r["failures"]})
+            cell = (f"{max((r['registers'] for r in built), default=0)} reg, "
+                    f"{max((r['shared'] for r in built), default=0) / 1024:.0f} KiB, "
+                    f"{min((r['hmma'] for r in built), default=0)}/{min((r['hgmma'] for r in built), default=0)}")
+            cells.append(cell + (f", **{failing} failing**" if failing else ""))
+        lines.append(f"| `{kernel}` | {operands} | {len(configs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+#: The markers of the block :func:`replace_block` rewrites (docs/gpu.md, "Compile check").
+MARKERS = ("<!-- compile-table: written by tools/compile_check.py table -->", "<!-- /compile-table -->")
+
+
+def replace_block(path: pathlib.Path, block: str) -> None:
+    """Put ``block`` between the :data:`MARKERS` of the markdown file ``path`` (which must hold them once)."""
+    text = path.read_text()
+    start, end = text.find(MARKERS[0]), text.find(MARKERS[1])
+    if start < 0 or end < start:
+        raise SystemExit(f"compile_check: {path} has no {MARKERS[0]!r} ... {MARKERS[1]!r} block")
+    path.write_text(text[: start + len(MARKERS[0])] + "\n" + block + text[end:])
+
+
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Any, ...]:
+    """``check``'s targets, shard, operand classes and wide targets, or a usage error (exit 2) naming the option."""
+    try:
+        archs = [int(a) for a in args.targets.split(",")]
+    except ValueError:
+        parser.error(f"--targets: expected compute capabilities like 80,90, got {args.targets!r}")
+    unknown = [a for a in archs if a not in SHARED_LIMIT]
+    if unknown:
+        parser.error(f"--targets: expected some of {sorted(SHARED_LIMIT)}, got {unknown}")
+    try:
+        k, n = (int(part) for part in args.shard.split("/"))
+        if not 0 <= k < n:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shard: expected K/N with 0 <= K < N, got {args.shard!r}")
+    classes = tuple(c for c in args.classes.split(",") if c)
+    if set(classes) - {"bf16", "fp16", "fp32", "fp64"}:
+        parser.error(f"--classes: expected some of bf16,fp16,fp32,fp64, got {args.classes!r}")
+    try:
+        wide = None if args.wide_targets is None else [int(a) for a in args.wide_targets.split(",")]
+    except ValueError:
+        parser.error(f"--wide-targets: expected compute capabilities like 90, got {args.wide_targets!r}")
+    if wide is not None and set(wide) - set(SHARED_LIMIT):
+        parser.error(f"--wide-targets: expected some of {sorted(SHARED_LIMIT)}, got {wide}")
+    return archs, (k, n), classes, wide
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,18 +405,27 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--only", default=None, help="only kernels whose name contains this")
     chk.add_argument("--table", default=None, help="write the markdown table here")
     chk.add_argument("--json", default=None, help="write the rows here")
+    chk.add_argument("--sample", action="store_true", help="one variant per kernel and operand dtype class")
+    chk.add_argument("--shard", default="0/1", help="K/N: the kernels at places K modulo N (parallel runs)")
+    chk.add_argument("--classes", default="", help="only these operand classes, comma-separated (bf16,fp16,fp32,fp64)")
+    chk.add_argument("--wide-targets", default=None, help="the targets of fp32 / fp64 variants (default: --targets)")
+    tab = sub.add_parser("table", help="write the tables of one or more --json outputs (several Triton versions)")
+    tab.add_argument("rows", nargs="+")
+    tab.add_argument("--out", required=True, help="the full table (markdown)")
+    tab.add_argument("--summary", default=None,
+                     help="a markdown file whose block between the compile-table markers gets the summary table")
     args = parser.parse_args(argv)
     if args.command == "record":
         return record(args.out, args.tests)
+    if args.command == "table":
+        merged = [r for path in args.rows for r in json.loads(pathlib.Path(path).read_text())]
+        pathlib.Path(args.out).write_text(table(merged))
+        if args.summary:
+            replace_block(pathlib.Path(args.summary), summary(merged))
+        return 1 if any(r["failures"] for r in merged) else 0
     os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        archs = [int(a) for a in args.targets.split(",")]
-    except ValueError:
-        parser.error(f"--targets: expected compute capabilities like 80,90, got {args.targets!r}")
-    unknown = [a for a in archs if a not in SHARED_LIMIT]
-    if unknown:
-        parser.error(f"--targets: expected some of {sorted(SHARED_LIMIT)}, got {unknown}")
-    rows = check(args.variants, archs, args.only)
+    archs, (k, n), classes, wide = _check_options(parser, args)
+    rows = check(args.variants, archs, args.only, args.sample, (k, n), classes, wide)
     if args.table:
         pathlib.Path(args.table).write_text(table(rows))
     if args.json:

@@ -628,7 +628,7 @@ MUTATIONS = [
              "the host fit prices a Python bytecode as an eager op", ("tests/cli/test_traffic.py",)),
     Mutation(f"{PKG}/_validation.py", '    check_same_device(emb, "memory_emb", device)\n', "",
              "a memory on another device than the batch is not refused", ("tests/test_validation.py",)),
-    Mutation(f"{E}/triton_backend/_configs.py", "    if not tuning():\n        return [min(configs, key=lambda c: (_side(c), c.num_stages))]\n", "",
+    Mutation(f"{E}/triton_backend/_configs.py", "    if not tuning():\n        return [min(served, key=lambda c: (_side(c), c.num_stages))]\n", "",
              "TORCH_CONTRASTIVE_AUTOTUNE=0 still times every config", ("tests/engine/test_triton.py",)),
     Mutation(f"{E}/prefixes.py", "            if k < len(cuts) - 1:\n                folded.add_(d_raw[k])\n", "",
              "a band's gradient takes only the widest prefix's tile", ("tests/losses/test_matryoshka.py",)),
@@ -1262,6 +1262,21 @@ MUTATIONS = [
     Mutation(f"{E}/triton_executors.py", "        if isinstance(problem.statistic, Prefixes):", "        if False:",
              "the Triton strategy serves a Matryoshka prefix problem it has no pass for",
              ("tests/engine/test_prefix_passes.py",)),
+    # the compile check (issue 65): configs by dtype, the recorder's half types, the rules it enforces
+    Mutation(f"{PKG}/engine/triton_backend/_configs.py",
+             "    served = [c for c in configs if x.dtype in getattr(c, \"dtypes\", ANY)] or configs[-1:]",
+             "    served = configs", "every autotune config offered to every dtype (fp32 and fp64 get the tiles that spill)",
+             ("tests/engine/test_triton.py::test_autotuning_configs_are_pruned_per_device_dtype_and_size",)),
+    Mutation(f"{PKG}/engine/triton_backend/_host.py", "        listener(wide, dtype)", "        pass",
+             "the interpreter's fp32 stand-ins for half tensors not reported: bf16 launches recorded as fp32",
+             ("tests/test_compile_check.py::test_the_recorder_writes_the_half_types_a_gpu_launch_has",)),
+    Mutation("tools/compile_check.py", "    if arch >= 90 and \"tt.dot\" in compiled.asm[\"ttir\"]",
+             "    if False and \"tt.dot\" in compiled.asm[\"ttir\"]",
+             "the compile check asks no HGMMA of half-operand products on sm_90",
+             ("tests/test_compile_check.py::test_a_narrow_half_tile_compiles_without_hgmma_and_fails_on_sm90",)),
+    Mutation("tools/compile_check.py", "            if inner is jit and other is not None and other not in tuners:",
+             "            if False:", "a jitted body's second autotuner (and its configs) left out of the check",
+             ("tests/test_compile_check.py::test_the_configs_checked_are_those_the_kernels_autotuners_offer_each_dtype",)),
 ]
 
 
@@ -1269,7 +1284,7 @@ def run_one(index: int, m: Mutation, python: str) -> tuple[str, str, float]:
     """Apply mutation ``index`` in a scratch copy and run its tests: (status, first failure, seconds)."""
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         scratch = Path(tmp)
-        for part in ("src", "tests", "examples"):
+        for part in ("src", "tests", "examples", "tools"):
             shutil.copytree(ROOT / part, scratch / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         shutil.copy(ROOT / "pyproject.toml", scratch / "pyproject.toml")
         target = scratch / m.path

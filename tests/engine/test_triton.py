@@ -215,27 +215,33 @@ def test_grouped_grid_visits_every_tile_once_in_grouped_order(n_row_blocks, n_co
 
 
 def test_autotuning_configs_are_pruned_per_device_dtype_and_size(monkeypatch):
-    """The interpreter runs one 32-wide config (nothing timed); on a GPU fp64 keeps the small
-    tiles and a small problem keeps no tile larger than itself; every list holds 128-wide tiles."""
+    """The interpreter runs one 32-wide config (nothing timed); on a GPU each dtype keeps the configs that name it
+    (fp32 and fp64 the small FMA tiles), a small problem keeps no tile larger than itself; the half lists hold
+    128-wide tiles where the compile check passes them."""
     from torch_contrastive.engine.triton_backend import _configs
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # prune reads the switch per call: on a GPU too
     monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "1")  # the GPU suite turns timing off
-    for configs in (_configs.square_tiles(), _configs.row_blocks(), _configs.row_output_blocks()):
-        assert max(_configs._side(c) for c in configs) == 128
+    lists = (_configs.square_sums(), _configs.square_grads(), _configs.row_blocks(), _configs.row_output_blocks(),
+             _configs.owned_outputs())
+    assert max(_configs._side(c) for c in _configs.row_blocks()) == 128
+    assert max(_configs._side(c) for c in _configs.row_output_blocks()) == 128
+    for configs in lists:
         (only,) = _configs.prune(configs, {"x_ptr": torch.empty(1), "bucket": 4096})
         assert set(only.kwargs.values()) == {_configs.INTERPRETER_BLOCK}
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        wide = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "bucket": 65536})
-        assert wide == configs
-        small = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "bucket": 64})
-        assert small and all(_configs._side(c) <= 64 for c in small)
-        fp64 = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.float64), "bucket": 65536})
-        assert fp64 and all(_configs._side(c) <= 64 and c.num_stages <= 2 for c in fp64)
-        monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "0")  # one config, the smallest tile: nothing timed
-        (untimed,) = _configs.prune(configs, {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "bucket": 65536})
-        assert _configs._side(untimed) == min(_configs._side(c) for c in configs) == 64
-        monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "1")
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            named = {"x_ptr": torch.empty(1, dtype=dtype), "bucket": 65536}
+            wide = _configs.prune(configs, named)
+            assert wide == [c for c in configs if dtype in c.dtypes] and wide, dtype
+            small = _configs.prune(configs, {**named, "bucket": 64})
+            assert small and all(_configs._side(c) <= 64 and dtype in c.dtypes for c in small)
+            monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "0")  # one config, the smallest tile: nothing timed
+            (untimed,) = _configs.prune(configs, named)
+            assert dtype in untimed.dtypes and _configs._side(untimed) == min(_configs._side(c) for c in wide)
+            monkeypatch.setenv("TORCH_CONTRASTIVE_AUTOTUNE", "1")
+        fp32 = _configs.prune(configs, {"x_ptr": torch.empty(1), "bucket": 65536})
+        assert all(_configs._side(c) * c.kwargs["BLOCK_D"] <= 256 * c.num_warps for c in fp32)  # <= 8 per thread
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _configs.bucket(1000, 70) == 1024 and _configs.bucket(1024) == 1024 and _configs.bucket(0) == 1
 

@@ -2,13 +2,15 @@
 
 ``triton.autotune`` times every config on the user's GPU the first time a key is seen (then
 caches the winner, on disk too), so the blocks fit whatever GPU runs them -- also when the code
-was written on a machine without one. The lists hold GEMM-shaped tiles (128 where the shape
-allows, pipelined K loops through ``num_stages``) and one small safe config that fits any GPU's
-shared memory. :func:`prune` narrows a list before timing:
+was written on a machine without one. Every config in the lists compiles for sm_80 and sm_90 without a
+spill and within shared memory for the dtypes it names (``tools/compile_check.py``, run in the suite):
+GEMM-shaped tiles, 128-wide where a kernel's registers allow, pipelined K loops through ``num_stages``.
+:func:`prune` narrows a list before timing:
 
 * under ``TRITON_INTERPRET=1`` (the CPU tests) to one 32-wide config, so small test problems
   still span several tiles and nothing is timed;
-* for fp64 operands (no tensor cores, twice the registers) to the small configs;
+* to the configs that serve the operands' dtype (each config names them: fp32 and fp64 products are FMA
+  loops, with more registers per operand element than the tensor cores' half ones, and take smaller tiles);
 * to configs whose tile is not larger than the problem (a 64-row problem gets no 128-row tile);
 * with ``TORCH_CONTRASTIVE_AUTOTUNE=0`` to the config with the smallest tile, timed nothing: the
   suite on a GPU checks values, not speed, and compiles one variant per kernel instead of four
@@ -36,37 +38,65 @@ def bucket(*sizes: int) -> int:
     return int(triton.next_power_of_2(max(max(sizes), 1)))
 
 
-def _config(num_warps: int, num_stages: int, **blocks: int) -> Any:
-    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+#: The operand dtypes a config serves: half operands (tensor-core products, fp32 accumulators); every dtype.
+HALF = frozenset({torch.bfloat16, torch.float16})
+ANY = HALF | {torch.float32, torch.float64}
+#: fp32 and fp64 operands (their products FMA loops: twice the registers per operand element, or four times).
+WIDE = frozenset({torch.float32, torch.float64})
+#: The logit tiles an epilogue reads in every dtype but fp64 (an fp64 tile takes half the logits per thread).
+NOT_FP64 = HALF | {torch.float32}
 
 
-def square_tiles() -> list[Any]:
-    """Configs of the tile-scheduled kernels (one square ``BLOCK`` tile per program)."""
+def _config(num_warps: int, num_stages: int, dtypes: frozenset[torch.dtype] = ANY, /, **blocks: int) -> Any:
+    """A config for operands of ``dtypes``: the compile check (``tools/compile_check.py``) finds it clean -- no spill,
+    within shared memory -- for each of them on sm_80 and sm_90; :func:`prune` offers it to no other dtype."""
+    config = triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+    config.dtypes = dtypes
+    return config
+
+
+# The lists below hold the configs that compile clean for sm_80 and sm_90 (tools/compile_check.py, docs/gpu.md
+# "Compile check"): 128-wide tiles where a kernel's registers allow them, else the widest that do; fp32 and fp64
+# operands take only the configs marked for them (at most 8 operand elements per thread: FMA products), half
+# operands none narrower than 64 (a 32-row tile's products are mma.sync, not the warpgroup HGMMA, on sm_90).
+def square_sums() -> list[Any]:
+    """Configs of the tile-scheduled sums (one square ``BLOCK`` tile per program: exp and row / column sums)."""
     return [
-        _config(8, 3, BLOCK=128, BLOCK_D=64),
-        _config(8, 4, BLOCK=128, BLOCK_D=32),
-        _config(4, 3, BLOCK=128, BLOCK_D=64),
-        _config(4, 4, BLOCK=64, BLOCK_D=64),
-        _config(4, 2, BLOCK=64, BLOCK_D=32),
+        _config(8, 2, HALF, BLOCK=64, BLOCK_D=64),
+        _config(4, 3, HALF, BLOCK=64, BLOCK_D=32),
+        _config(8, 2, ANY, BLOCK=64, BLOCK_D=32),
+        _config(4, 2, WIDE, BLOCK=32, BLOCK_D=16),
+    ]
+
+
+def square_grads() -> list[Any]:
+    """Configs of the tile-scheduled gradients (a tile's gradient and its two products per program)."""
+    return [
+        _config(8, 2, ANY, BLOCK=64, BLOCK_D=32),
+        _config(4, 2, HALF, BLOCK=64, BLOCK_D=32),
+        _config(4, 2, WIDE, BLOCK=32, BLOCK_D=16),
     ]
 
 
 def row_blocks() -> list[Any]:
     """Configs of the row-owned log-sum-exp kernel (a block of rows sweeps the columns)."""
     return [
-        _config(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64),
-        _config(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_D=32),
-        _config(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64),
-        _config(4, 2, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32),
+        _config(8, 3, HALF, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64),
+        _config(8, 3, HALF, BLOCK_M=128, BLOCK_N=128, BLOCK_D=32),
+        _config(8, 2, HALF | {torch.float64}, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32),
+        _config(4, 2, HALF, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32),
+        _config(4, 2, frozenset({torch.float32}), BLOCK_M=32, BLOCK_N=32, BLOCK_D=16),
     ]
 
 
 def row_output_blocks() -> list[Any]:
     """Configs of the row-owned gradient kernel (rows x output features per program)."""
     return [
-        _config(8, 2, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_O=128),
-        _config(4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_O=128),
-        _config(4, 2, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32, BLOCK_O=64),
+        _config(8, 2, HALF, BLOCK_M=128, BLOCK_N=32, BLOCK_D=32, BLOCK_O=64),
+        _config(8, 2, HALF, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_O=64),
+        _config(4, 2, HALF, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32, BLOCK_O=64),
+        _config(8, 2, HALF | {torch.float64}, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32, BLOCK_O=64),
+        _config(4, 2, WIDE, BLOCK_M=32, BLOCK_N=32, BLOCK_D=16, BLOCK_O=32),
     ]
 
 
@@ -74,19 +104,32 @@ def owned_outputs() -> list[Any]:
     """Configs of the deterministic pair / sigmoid gradients (a block of outputs -- rows or
     columns by features -- per program, square tiles swept in order)."""
     return [
-        _config(8, 2, BLOCK=128, BLOCK_D=64, BLOCK_O=128),
-        _config(4, 2, BLOCK=64, BLOCK_D=64, BLOCK_O=128),
-        _config(4, 2, BLOCK=64, BLOCK_D=32, BLOCK_O=64),
+        _config(8, 2, HALF, BLOCK=64, BLOCK_D=64, BLOCK_O=128),
+        _config(8, 2, HALF, BLOCK=64, BLOCK_D=32, BLOCK_O=64),
+        _config(8, 2, frozenset({torch.float32}), BLOCK=32, BLOCK_D=16, BLOCK_O=32),
+        _config(4, 1, frozenset({torch.float64}), BLOCK=32, BLOCK_D=16, BLOCK_O=32),
     ]
 
 
 def epilogue_rows() -> list[Any]:
-    """Configs of the forward epilogue (a block of rows reads a logit tile's columns block by block)."""
+    """Configs of the forward epilogue (a block of rows reads a logit tile's columns block by block): at most 16
+    logits per thread (32 spill in the log-sum-exp kernels)."""
     return [
-        _config(8, 2, BLOCK_M=64, BLOCK_N=256),
-        _config(4, 2, BLOCK_M=32, BLOCK_N=256),
-        _config(8, 2, BLOCK_M=128, BLOCK_N=128),
-        _config(4, 2, BLOCK_M=64, BLOCK_N=128),
+        _config(8, 2, NOT_FP64, BLOCK_M=32, BLOCK_N=128),
+        _config(8, 2, NOT_FP64, BLOCK_M=64, BLOCK_N=64),
+        _config(4, 2, NOT_FP64, BLOCK_M=32, BLOCK_N=64),
+        _config(8, 2, ANY, BLOCK_M=16, BLOCK_N=128),
+        _config(4, 2, ANY, BLOCK_M=16, BLOCK_N=32),
+    ]
+
+
+def epilogue_pair_rows() -> list[Any]:
+    """Configs of the pair terms' forward epilogue (positives and negatives kept apart: more live values per logit
+    than :func:`epilogue_rows`'s kernels)."""
+    return [
+        _config(8, 2, BLOCK_M=32, BLOCK_N=64),
+        _config(8, 2, BLOCK_M=16, BLOCK_N=128),
+        _config(4, 2, BLOCK_M=16, BLOCK_N=64),
     ]
 
 
@@ -96,11 +139,11 @@ def column_blocks() -> list[Any]:
 
 
 def epilogue_tiles() -> list[Any]:
-    """Configs of the backward epilogue (one block of a logit tile per program)."""
+    """Configs of the backward epilogue (one block of a logit tile per program): 64 x 128 at 8 warps spills on
+    sm_80 under triton 3.6."""
     return [
-        _config(8, 2, BLOCK_M=64, BLOCK_N=256),
-        _config(8, 2, BLOCK_M=128, BLOCK_N=128),
-        _config(4, 2, BLOCK_M=64, BLOCK_N=128),
+        _config(8, 2, BLOCK_M=32, BLOCK_N=128),
+        _config(8, 2, BLOCK_M=64, BLOCK_N=64),
         _config(4, 2, BLOCK_M=32, BLOCK_N=64),
     ]
 
@@ -171,14 +214,12 @@ def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list
     """``early_config_prune`` of every kernel: see the module docstring."""
     if interpreting():
         return [_interpreter_config(configs)]
-    if not tuning():
-        return [min(configs, key=lambda c: (_side(c), c.num_stages))]
     x = next(named_args[name] for name in _DTYPE_ARGS if name in named_args)
-    if x.dtype == torch.float64:
-        small = [c for c in configs if _side(c) <= 64 and c.num_stages <= 2]
-        return small or configs[-1:]
-    fitting = [c for c in configs if _side(c) <= max(64, named_args["bucket"])]
-    return fitting or configs[-1:]
+    served = [c for c in configs if x.dtype in getattr(c, "dtypes", ANY)] or configs[-1:]
+    if not tuning():
+        return [min(served, key=lambda c: (_side(c), c.num_stages))]
+    fitting = [c for c in served if _side(c) <= max(64, named_args["bucket"])]
+    return fitting or served[-1:]
 
 
 def autotune(configs: list[Any], reset_to_zero: list[str] | None = None, key: list[str] | None = None,
@@ -186,5 +227,9 @@ def autotune(configs: list[Any], reset_to_zero: list[str] | None = None, key: li
     """``triton.autotune`` with the kernels' key (default: size bucket and D) and pruning. Timing runs
     a kernel several times: kernels that accumulate with atomics name their outputs in
     ``reset_to_zero``, kernels that update a statistic in place name it in ``restore_value``."""
+    if interpreting():
+        # The interpreter's one config from the start (the process chose the interpreter before defining its kernels):
+        # triton 3.6's autotuner times even a single pruned config, which asks for a GPU driver.
+        configs = [_interpreter_config(configs)]
     return triton.autotune(configs=configs, key=key or ["bucket", "d"], prune_configs_by={"early_config_prune": prune},
                            reset_to_zero=reset_to_zero, restore_value=restore_value)

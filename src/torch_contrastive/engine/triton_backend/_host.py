@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,10 +53,24 @@ def gradient_factors(factors: Any, x: Tensor) -> int:
     return 2 if x.dtype == torch.float16 else 1
 
 
+#: Callbacks told ``(stand_in, dtype)`` for each fp32 tensor the interpreter gets in place of one of half ``dtype``
+#: that a GPU would get (an operand widened, an output written wide and rounded by torch after): the compile
+#: check's recorder notes a launch's GPU types through them. Empty unless a recorder listens.
+WIDENING_LISTENERS: list[Callable[[Tensor, torch.dtype], None]] = []
+
+
+def stand_in(wide: Tensor, dtype: torch.dtype) -> Tensor:
+    """``wide``, an fp32 stand-in for a tensor of ``dtype`` on a GPU, told to :data:`WIDENING_LISTENERS`."""
+    for listener in WIDENING_LISTENERS:
+        listener(wide, dtype)
+    return wide
+
+
 def operand(x: Tensor) -> Tensor:
-    """Operands as the kernels read them: contiguous; fp32 under the interpreter."""
+    """Operands as the kernels read them: contiguous; fp32 under the interpreter (numpy has no bf16, and the
+    interpreter's half ``tl.dot`` is inexact)."""
     x = x.contiguous()
-    return x.float() if interpreting() and x.dtype in (torch.float16, torch.bfloat16) else x
+    return stand_in(x.float(), x.dtype) if interpreting() and x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def acc_dtypes(x: Tensor) -> tuple[torch.dtype, Any]:
@@ -186,8 +200,8 @@ def rounded_by_torch(rows: Tensor, low: Tensor | None, cols: Tensor | None) -> I
     if not (interpreting() and rows.dtype in (torch.float16, torch.bfloat16)):
         yield rows, low, cols
         return
-    wide_rows = torch.empty(rows.shape, device=rows.device)
-    wide_cols = None if cols is None else torch.empty(cols.shape, device=cols.device)
+    wide_rows = stand_in(torch.empty(rows.shape, device=rows.device), rows.dtype)
+    wide_cols = None if cols is None else stand_in(torch.empty(cols.shape, device=cols.device), cols.dtype)
     yield wide_rows, None, wide_cols
     rows.copy_(wide_rows)
     if low is not None:

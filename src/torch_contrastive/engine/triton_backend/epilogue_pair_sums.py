@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ._configs import autotune, bucket, epilogue_rows
+from ._configs import autotune, bucket, epilogue_pair_rows
 from ._host import DERIVED_EPILOGUE, announced, tl, triton
 from ._tile import softplus, with_factors
 from .pair_terms import relation_masks
@@ -29,7 +29,7 @@ def pair_block(s_ptr, local_r, local_c, tile_rows, tile_cols, r0, c0, n_rows, n_
     return s, rows, pos & inside, neg & inside
 
 
-@autotune(epilogue_rows(), key=["bucket"], restore_value=["out_ptr"])
+@autotune(epilogue_pair_rows(), key=["bucket"], restore_value=["out_ptr"])
 @triton.heuristics(DERIVED_EPILOGUE)
 @triton.jit
 def _epilogue_pair_sums_kernel(s_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, tile_rows, tile_cols, r0, c0, n_rows, n_cols, bucket,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ._configs import autotune, bucket, feature_rows
-from ._host import announced, check_device, interpreting, tl, triton
+from ._host import announced, check_device, interpreting, stand_in, tl, triton
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def normalize_rows_grad(g: Tensor, y: Tensor, denom: Tensor, norm: Tensor, eps: 
     n, d = y.shape
     # the interpreter does not round fp32 to half as a GPU does: it writes fp32, torch rounds below
     wide = interpreting() and out_dtype in (torch.float16, torch.bfloat16)
-    out = torch.empty((n, d), device=y.device, dtype=torch.float32 if wide else out_dtype)
+    out = stand_in(torch.empty((n, d), device=y.device), out_dtype) if wide else torch.empty((n, d), device=y.device, dtype=out_dtype)
     tensor_scale = isinstance(scale, Tensor)
 
     def grid(meta: dict[str, Any]) -> tuple[int]:

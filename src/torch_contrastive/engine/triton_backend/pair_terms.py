@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ...positives import KeyPositives, PairPositives, PartnerPositives
-from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
+from ._configs import autotune, bucket, owned_grid, owned_outputs, square_grads, square_sums, tile_grid
 from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch, launch_operands, tl, triton
 from ._tile import listed, logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
@@ -103,8 +103,8 @@ def _pair_sums(x_ptr, y_ptr, out_ptr, lse_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d
 
 
 # One jitted body, two autotuners: each scheme times and caches its own best config.
-_pair_sums_kernel = autotune(square_tiles(), reset_to_zero=["out_ptr"])(_pair_sums)
-_pair_sums_owned_kernel = autotune(square_tiles())(_pair_sums)
+_pair_sums_kernel = autotune(square_sums(), reset_to_zero=["out_ptr"])(_pair_sums)
+_pair_sums_owned_kernel = autotune(square_sums())(_pair_sums)
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def pair_gradient(s, rows, pos, neg, n_rows, lse_ptr, w_ptr, g0_ptr, g1_ptr, BIN
     return grad
 
 
-@autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr"])
+@autotune(square_grads(), reset_to_zero=["ga_ptr", "gb_ptr"])
 @triton.heuristics(DERIVED)
 @triton.jit
 def _pair_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, lse_ptr, w_ptr, g0_ptr, g1_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols,

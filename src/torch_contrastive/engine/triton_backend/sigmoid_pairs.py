@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, owned_grid, owned_outputs, square_tiles, tile_grid
+from ._configs import autotune, bucket, owned_grid, owned_outputs, square_grads, square_sums, tile_grid
 from ._host import DERIVED, acc_dtypes, fused, gradient_factors, keys, launch, launch_operands, tl, triton
 from ._tile import logits, owned_product, related, scatter_products, softplus, tile_of, with_factors
 from .tile_sums import GROUP
@@ -62,8 +62,8 @@ def _sigmoid_sums(x_ptr, y_ptr, out_ptr, bias_ptr, fx_ptr, fy_ptr, n_rows, n_col
 
 
 # One jitted body, two autotuners: each scheme times and caches its own best config.
-_sigmoid_sums_kernel = autotune(square_tiles(), reset_to_zero=["out_ptr"])(_sigmoid_sums)
-_sigmoid_sums_owned_kernel = autotune(square_tiles())(_sigmoid_sums)
+_sigmoid_sums_kernel = autotune(square_sums(), reset_to_zero=["out_ptr"])(_sigmoid_sums)
+_sigmoid_sums_owned_kernel = autotune(square_sums())(_sigmoid_sums)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _grad_tile(bi, bj, x_ptr, y_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, rk0, ck0, 
     return rows, cols, tl.where(inside, grad, 0.0)
 
 
-@autotune(square_tiles(), reset_to_zero=["ga_ptr", "gb_ptr", "gbias_ptr"])
+@autotune(square_grads(), reset_to_zero=["ga_ptr", "gb_ptr", "gbias_ptr"])
 @triton.heuristics(DERIVED)
 @triton.jit
 def _sigmoid_grad_kernel(x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, gbias_ptr, g_ptr, bias_ptr, fx_ptr, fy_ptr, fz_ptr, n_rows, n_cols,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, square_tiles, tile_grid
+from ._configs import autotune, bucket, square_grads, tile_grid
 from ._host import DERIVED_EXCLUSION, acc_dtypes, directions, exclusion, gradient_factors, launch, launch_operands, packed, tl, triton
 from ._tile import gradient_tile, logits, scatter_products, tile_of, valid_mask, with_factors
 from .tile_sums import GROUP
@@ -38,7 +38,7 @@ def _tile_grad(bi, bj, x_ptr, y_ptr, z_ptr, ga_ptr, gb_ptr, fx_ptr, fy_ptr, fz_p
                          fy_ptr, fz_ptr, FACTORS, GRAD_COLS, ACC, PRECISION, BLOCK_D)
 
 
-@autotune(square_tiles(), reset_to_zero=["out_ptr"])
+@autotune(square_grads(), reset_to_zero=["out_ptr"])
 @triton.heuristics(DERIVED_EXCLUSION)
 @triton.jit
 def _tile_grad_kernel(x_ptr, y_ptr, z_ptr, out_ptr, fx_ptr, fy_ptr, fz_ptr, lse_r_ptr, u_ptr, lse_c_ptr, v_ptr, n_rows, n_cols, d,

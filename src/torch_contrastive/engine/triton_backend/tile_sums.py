@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._configs import autotune, bucket, square_tiles, tile_grid
+from ._configs import autotune, bucket, square_sums, tile_grid
 from ._host import DERIVED_EXCLUSION, acc_dtypes, exclusion, launch, launch_operands, packed, tl, triton
 from ._tile import logits, tile_of, valid_mask, with_factors
 
@@ -35,7 +35,7 @@ def _tile_sums(bi, bj, x_ptr, y_ptr, row_sum_ptr, col_sum_ptr, fx_ptr, fy_ptr, n
         tl.atomic_add(row_sum_ptr + cols, tl.sum(e, axis=0), mask=mirror, sem="relaxed")
 
 
-@autotune(square_tiles(), reset_to_zero=["sums_ptr"])
+@autotune(square_sums(), reset_to_zero=["sums_ptr"])
 @triton.heuristics(DERIVED_EXCLUSION)
 @triton.jit
 def _tile_sums_kernel(x_ptr, y_ptr, sums_ptr, fx_ptr, fy_ptr, n_rows, n_cols, d, bucket, self_offset,
