@@ -210,8 +210,7 @@ def tensor_core_operands(variant: dict[str, list[Any]]) -> bool:
     """Whether a variant's products may run on tensor cores: half operands, or fp32 ones with TF32 allowed
     (``PRECISION="tf32"``). fp32 products in IEEE precision and fp64 ones are FMA loops on every GPU (the torch
     backend's fp32 matmuls are IEEE too unless ``allow_tf32``), so no HGMMA is asked of them."""
-    types = [t for kind, t in variant.values() if kind == "arg" and isinstance(t, str)]
-    return any(t in ("*bf16", "*fp16") for t in types) or variant.get("PRECISION", [None, None])[1] == "tf32"
+    return operand_class(variant) in ("bf16", "fp16") or variant.get("PRECISION", [None, None])[1] == "tf32"
 
 
 def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int) -> dict[str, Any]:
@@ -284,15 +283,14 @@ def check(path: str, archs: list[int], only: str | None = None, sample: bool = F
             continue
         jit, tuners = kernel_of(importlib.import_module(module), name)
         for variant in sampled(recorded) if sample else recorded:
-            if classes and operand_class(variant) not in classes:
+            operands = operand_class(variant)
+            if classes and operands not in classes:
                 continue
+            dtypes = "/".join(sorted({t for kind, t in variant.values()
+                                      if kind == "arg" and isinstance(t, str) and t[:2] in ("*f", "*b")}))
             for config in configs_of(tuners, variant):
-                for arch in archs if operand_class(variant) in ("bf16", "fp16") else wide_archs or archs:
-                    row = compile_one(jit, variant, config, arch)
-                    row["dtypes"] = "/".join(sorted({t for kind, t in variant.values()
-                                                     if kind == "arg" and isinstance(t, str) and t[:2] in ("*f", "*b")}))
-                    row["operands"] = operand_class(variant)
-                    rows.append(row)
+                for arch in archs if operands in ("bf16", "fp16") else wide_archs or archs:
+                    rows.append({**compile_one(jit, variant, config, arch), "dtypes": dtypes, "operands": operands})
     return rows
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..normalization import KERNEL_DTYPES
 from ._configs import autotune, bucket, feature_rows
-from ._host import announced, check_device, interpreting, stand_in, tl, triton
+from ._host import announced, check_device, operand, tl, triton
 
 
 @autotune(feature_rows())
@@ -68,8 +68,7 @@ def normalize_rows(x: Tensor, eps: float, denom: Tensor | None = None) -> tuple[
         return (triton.cdiv(n, meta["BLOCK_M"]),)
 
     with announced("normalize_rows", reads=(), writes=()):
-        # the interpreter reads half rows through numpy, which has no bf16: it gets their fp32 values
-        rows = stand_in(x.float().contiguous(), x.dtype) if interpreting() and x.dtype != torch.float32 else x.contiguous()
+        rows = operand(x)  # contiguous; under the interpreter (numpy has no bf16) half rows as their fp32 values
         _normalize_rows_kernel[grid](rows, y, denom, norm, None if given is None else given.contiguous(), n, d, eps,
                                      bucket(n))
     return y, denom, norm
