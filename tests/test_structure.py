@@ -1,15 +1,18 @@
 """The package's structure, walked over every module of ``src/torch_contrastive`` (a new module is covered by
 being there): no module imports another's private name, the engine's modules import each other without a cycle
 (lazy imports counted, type-only ones not), and the device type is read only where a plan is made -- the
-planner and the policy -- or where an API needs it (autocast) or a kernel checks what it can run."""
+planner and the policy -- or where an API needs it (autocast) or a kernel checks what it can run; and a reader
+follows ``clip_loss`` to its first matrix product in at most five files."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import traceback
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "torch_contrastive"
@@ -228,3 +231,57 @@ def test_the_kernel_walk_counts_a_wide_kernel():
     source = "@triton.jit\ndef k(" + ", ".join(f"a{i}" for i in range(31)) + "):\n    pass\n"
     (fn,) = _jit_functions(ast.parse(source))
     assert len(fn.args.args) == 31 > KERNEL_PARAMETERS
+
+
+class _FirstProduct(Exception):
+    """Raised by the patched products at the first one a call makes: it carries the stack there."""
+
+    def __init__(self, stack: traceback.StackSummary) -> None:
+        super().__init__("first product")
+        self.stack = stack
+
+
+#: The product ops of ATen a loss's logits can start from, on the module and on the tensor.
+_PRODUCTS = ((torch, ("mm", "matmul", "addmm", "bmm", "baddbmm", "einsum")),
+             (torch.Tensor, ("mm", "matmul", "__matmul__", "addmm", "addmm_")))
+
+
+def _files_to_first_product(call, monkeypatch) -> list[str]:
+    """The package's files on the stack at ``call``'s first matrix product, outermost first, each once: what a
+    reader opens to follow the call to the product."""
+    def stop(*args, **kwargs):
+        raise _FirstProduct(traceback.extract_stack())
+
+    for owner, names in _PRODUCTS:
+        for name in names:
+            monkeypatch.setattr(owner, name, stop)
+    with pytest.raises(_FirstProduct) as caught:
+        call()
+    monkeypatch.undo()
+    files = [pathlib.Path(frame.filename) for frame in caught.value.stack]
+    ours = [str(f.relative_to(SRC / PACKAGE)) for f in files if (SRC / PACKAGE) in f.parents]
+    return list(dict.fromkeys(ours))
+
+
+#: The most files a reader opens following ``clip_loss`` to its first matrix product (the loss's decorator counted).
+TRAIL_FILES = 5
+
+
+def test_clip_loss_reaches_its_first_product_within_five_files(monkeypatch):
+    """A default call -- a batch whose logits are one tile, every CPU call up to about 1k x 1k -- goes loss, the
+    engine's entry, the strategy, its form; docs/engine.md ("Reading the engine") lists them and the tiled path."""
+    import torch_contrastive as tc
+
+    image, text = torch.randn(256, 32), torch.randn(256, 32)
+    trail = _files_to_first_product(lambda: tc.clip_loss(image, text), monkeypatch)
+    assert trail[-1] == "engine/one_tile.py" and len(trail) <= TRAIL_FILES, trail
+
+
+def test_the_trail_follows_a_tiled_call_to_its_tile_loop(monkeypatch):
+    """The walk above can fail: a tiled call's trail runs through the driver and the tile loop to the products."""
+    import torch_contrastive as tc
+
+    image, text = torch.randn(256, 32), torch.randn(256, 32)
+    trail = _files_to_first_product(lambda: tc.clip_loss(image, text, chunk_size=64), monkeypatch)
+    assert {"losses/image_text.py", "engine/driver.py", "engine/tiling.py"} <= set(trail)
+    assert trail[-1] == "engine/products.py", trail

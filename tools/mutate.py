@@ -1277,6 +1277,10 @@ MUTATIONS = [
     Mutation("tools/compile_check.py", "            if inner is jit and other is not None and other not in tuners:",
              "            if False:", "a jitted body's second autotuner (and its configs) left out of the check",
              ("tests/test_compile_check.py::test_the_configs_checked_are_those_the_kernels_autotuners_offer_each_dtype",)),
+    Mutation(f"{E}/one_tile.py", "        e = torch.addmm(base, za, zb.t(), beta=0, alpha=scale).exp_()",
+             "        e = __import__(f\"{__package__}.products\", fromlist=['_']).logits_tile(None, za * scale, zb).exp_()",
+             "the one-tile form's product taken through another module (one more file on clip_loss's trail)",
+             ("tests/test_structure.py::test_clip_loss_reaches_its_first_product_within_five_files",)),
 ]
 
 

@@ -35,7 +35,13 @@ import torch
 from torch import Tensor
 
 from .precision import Scale, zero
-from .tiling import logits_tile
+
+
+def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
+    """``a_scaled @ b.T``, into ``out`` when given (a reused tile buffer)."""
+    if out is None:
+        return torch.mm(a_scaled, b.t())
+    return torch.mm(a_scaled, b.t(), out=out)
 
 
 class Products:

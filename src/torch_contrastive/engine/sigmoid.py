@@ -24,8 +24,8 @@ from .._tensors import self_diagonal
 from .driver import Gradients, Operands, Saved, run
 from .precision import Scale
 from .problem import Problem, SigmoidPairs
-from .products import Products
-from .tiling import Buffers, gradient_sweep, logits_tile, sweep
+from .products import Products, logits_tile
+from .tiling import Buffers, gradient_sweep, sweep
 
 if TYPE_CHECKING:
     from .plans import SigmoidPlan

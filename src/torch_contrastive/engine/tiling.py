@@ -1,7 +1,7 @@
-"""Tiles of the ``R x C`` logits: their size on a CPU, the visiting order, reused buffers, one logit
-tile, and the engine's two tile loops -- :func:`sweep` (forward: each tile's logits to the
-statistic's tile function) and :func:`gradient_sweep` (backward: each tile's gradient into
-``G @ B`` and ``G.T @ A``) -- with the online maximum's step, :func:`raise_max`."""
+"""Tiles of the ``R x C`` logits: their size on a CPU, the visiting order, reused buffers and the engine's two
+tile loops -- :func:`sweep` (forward: each tile's logits to the statistic's tile function) and
+:func:`gradient_sweep` (backward: each tile's gradient into ``G @ B`` and ``G.T @ A``) -- with the online
+maximum's step, :func:`raise_max`. The products themselves are :mod:`.products`'."""
 
 from __future__ import annotations
 
@@ -64,13 +64,6 @@ class Buffers:
         if key not in self._store:
             self._store[key] = torch.empty(rows, cols, dtype=self.dtype, device=self.device)
         return self._store[key]
-
-
-def logits_tile(out: Tensor | None, a_scaled: Tensor, b: Tensor) -> Tensor:
-    """``a_scaled @ b.T``, into ``out`` when given (a reused tile buffer)."""
-    if out is None:
-        return torch.mm(a_scaled, b.t())
-    return torch.mm(a_scaled, b.t(), out=out)
 
 
 #: A forward tile function: ``visit(s, r0, r1, c0, c1, bufs)`` with ``s`` the logit tile (slot 0
