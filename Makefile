@@ -43,7 +43,8 @@ $(TRITON36): $(STAMP)
 # The interpreter tests of the kernels and the compile check's tests under triton 3.6.0
 triton36: $(TRITON36)
 	PYTHONPATH=$(TRITON36) $(BIN)/python -m pytest -n 2 --dist loadfile -W ignore::DeprecationWarning \
-	  tests/engine/test_triton.py tests/engine/test_epilogue.py tests/engine/test_normalize_rows.py tests/test_compile_check.py
+	  tests/engine/test_triton.py tests/engine/test_epilogue.py tests/engine/test_normalize_rows.py tests/engine/test_gemm.py \
+	  tests/test_compile_check.py
 
 # Every recorded kernel in each operand class, every config, sm_80 and sm_90, under both Triton versions (no GPU):
 # the full table to docs/compile_table.md, its summary into docs/gpu.md; the last step exits 1 if a row fails.

@@ -63,9 +63,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
             raise AssertionError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
 
 
-def ranks_clip_on(rank, world, backend, fixed, deterministic, chunk):
-    """One rank of CLIP with ids, DCL and uneven sizes, gathered: ``backend`` (a kernel backend, run
-    by Triton's interpreter on these CPU tensors) against the torch backend, values and gradients."""
+def ranks_clip_on(rank, world, backend, fixed, deterministic, chunk, decoupled=True):
+    """One rank of CLIP with ids, DCL (unless ``decoupled`` is False) and uneven sizes, gathered: ``backend`` (a
+    kernel backend, run by Triton's interpreter on these CPU tensors) against the torch backend, values and
+    gradients."""
     import torch
 
     import torch_contrastive as tc
@@ -78,7 +79,7 @@ def ranks_clip_on(rank, world, backend, fixed, deterministic, chunk):
     out = {}
     for name in ("torch", backend):
         leaves = [t.clone().requires_grad_() for t in (x, y)]
-        value = tc.image_text_contrastive_loss(*leaves, 0.2, ids, normalize=fixed, gather=True, decoupled=True, chunk_size=chunk,
+        value = tc.image_text_contrastive_loss(*leaves, 0.2, ids, normalize=fixed, gather=True, decoupled=decoupled, chunk_size=chunk,
                                                backend=name)
         out[name] = (value.detach(), *torch.autograd.grad(value, leaves))
     for a, b in zip(out[backend], out["torch"]):

@@ -203,3 +203,27 @@ def make_digit_files(root: Path, per_class: int = 12, classes: int = 10, mode: s
         writer.writeheader()
         writer.writerows(rows)
     return root / "folder", root / "captions.csv"
+
+
+def bf16_siglip_matches_float64(loss) -> None:
+    """SigLIP with bf16 rows, ids and a learnable scale and bias: ``loss(rows, texts, scale, bias, ids)`` (on the
+    suite's device; it returns the loss and may plan as it likes) against the float64 formula -- the value, the rows'
+    gradients at bf16 accuracy, the scale's and the bias's at fp32 accuracy (the row tile's rounding remainder kept)."""
+    from reference import siglip
+
+    g = torch.Generator().manual_seed(4)
+    iid = torch.randint(0, 30, (45,), generator=g)
+    a, b = (torch.randn(45, 20, generator=g).to(torch.bfloat16) for _ in range(2))
+    ref_in = [a.double().requires_grad_(), b.double().requires_grad_()]
+    ref_p = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (10.0, -10.0)]
+    ref = siglip(*ref_in, *ref_p, iid)
+    ref_grads = torch.autograd.grad(ref, [*ref_in, *ref_p])
+    our_in = [t.to(DEVICE).requires_grad_() for t in (a, b)]
+    our_p = [torch.tensor(v, device=DEVICE, requires_grad=True) for v in (10.0, -10.0)]
+    ours = loss(*our_in, *our_p, iid.to(DEVICE))
+    grads = torch.autograd.grad(ours, [*our_in, *our_p])
+    assert ours.item() == pytest.approx(ref.item(), rel=2e-5)
+    for got, want in zip(grads[:2], ref_grads[:2]):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    for got, want in zip(grads[2:], ref_grads[2:]):
+        assert got.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-6)

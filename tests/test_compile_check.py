@@ -67,6 +67,17 @@ def test_a_clean_set_exits_zero_and_bad_targets_exit_two(tmp_path):
     assert rc == 2 and "--targets" in log
 
 
+def test_the_check_compiles_a_large_calls_specialisation_whose_k_loop_is_pipelined(tmp_path):
+    """By default the pointers are 16-byte aligned and the sizes multiples of 16, as a GPU launches a large call: the
+    K loop's operands are staged through shared memory in its three stages (3 x 64 x 64 x 2 bf16 operands = 48 KiB);
+    ``--unaligned`` proves nothing to the compiler, which pipelines nothing (one stage's 16 KiB or less)."""
+    variants = {"compile_toys:_dot_kernel": [_variant({"BLOCK": 64, "BLOCK_D": 64})]}
+    rc, (aligned,), log = _check(tmp_path, variants, "--targets", "90")
+    assert rc == 0 and aligned["aligned"] and aligned["shared"] >= 3 * 64 * 64 * 2 * 2, (aligned, log)
+    rc, (unaligned,), log = _check(tmp_path, variants, "--targets", "90", "--unaligned")
+    assert rc == 0 and not unaligned["aligned"] and unaligned["shared"] <= 64 * 64 * 2 * 2, (unaligned, log)
+
+
 def test_the_recorded_variants_name_the_library_s_kernels():
     """Every key of tools/triton_variants.json is a kernel the library defines, with every argument recorded."""
     variants = json.loads((ROOT / "tools" / "triton_variants.json").read_text())

@@ -42,7 +42,8 @@ from typing import Any
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 #: The interpreter tests that launch the kernels (what ``record`` runs).
-RECORD_TESTS = ["tests/engine/test_triton.py", "tests/engine/test_epilogue.py", "tests/engine/test_normalize_rows.py"]
+RECORD_TESTS = ["tests/engine/test_triton.py", "tests/engine/test_epilogue.py", "tests/engine/test_normalize_rows.py",
+                "tests/engine/test_gemm.py"]
 
 _TORCH_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int64": "i64",
                 "int32": "i32", "bool": "i1", "int8": "i8", "uint8": "u8"}
@@ -177,13 +178,23 @@ def configs_of(tuners: list[Any], variant: dict[str, list[Any]]) -> list[Any]:
     return list(chosen.values())
 
 
-def _source(jit: Any, variant: dict[str, list[Any]], blocks: dict[str, Any]) -> Any:
-    """The ``ASTSource`` of one variant with ``blocks`` in place of the recorded block constexprs."""
+#: The specialisation a GPU's launch gives an argument (triton's ``tt.divisibility``): a pointer 16-byte aligned, an
+#: integer a multiple of 16.
+_DIVISIBLE = [["tt.divisibility", 16]]
+
+
+def _source(jit: Any, variant: dict[str, list[Any]], blocks: dict[str, Any], aligned: bool = True) -> Any:
+    """The ``ASTSource`` of one variant with ``blocks`` in place of the recorded block constexprs. ``aligned``: as a
+    GPU launches a large call -- every pointer 16-byte aligned (torch's CUDA allocations are; the launchers pass
+    contiguous rows) and every integer argument (sizes, D, offsets) a multiple of 16, which is what lets the compiler
+    vectorise the loads and pipeline the K loops through shared memory (``num_stages``); without it the compiler
+    proves nothing and pipelines nothing (``--unaligned``: a ragged call's code)."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
     signature: dict[str, Any] = {}
     constants: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
     for i, name in enumerate(jit.arg_names):
         kind, value = variant[name]
         value = blocks.get(name, value)
@@ -193,9 +204,17 @@ def _source(jit: Any, variant: dict[str, list[Any]], blocks: dict[str, Any]) -> 
         elif isinstance(value, list):
             signature[name] = tuple(t or "constexpr" for t in value)
             constants.update({(i, j): None for j, t in enumerate(value) if t is None})
+            attrs.update({(i, j): _DIVISIBLE for j, t in enumerate(value) if aligned and _divisible(t)})
         else:
             signature[name] = value
-    return ASTSource(jit, signature, constants)
+            if aligned and _divisible(value):
+                attrs[(i,)] = _DIVISIBLE
+    return ASTSource(jit, signature, constants, attrs)
+
+
+def _divisible(type_name: Any) -> bool:
+    """Whether a GPU's launch of a large call specialises an argument of this type as divisible by 16."""
+    return isinstance(type_name, str) and (type_name.startswith("*") or type_name in ("i32", "i64"))
 
 
 def _stated(jit: Any) -> str:
@@ -213,8 +232,9 @@ def tensor_core_operands(variant: dict[str, list[Any]]) -> bool:
     return operand_class(variant) in ("bf16", "fp16") or variant.get("PRECISION", [None, None])[1] == "tf32"
 
 
-def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int) -> dict[str, Any]:
-    """Compile one variant with one config for ``sm_{arch}``; its resources and the rules it breaks."""
+def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int, aligned: bool = True) -> dict[str, Any]:
+    """Compile one variant with one config for ``sm_{arch}`` (``aligned``: :func:`_source`); its resources and the
+    rules it breaks."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -222,10 +242,11 @@ def compile_one(jit: Any, variant: dict[str, list[Any]], config: Any, arch: int)
     blocks = dict(config.kwargs) if config is not None else {}
     options = {"num_warps": config.num_warps if config else 4, "num_stages": config.num_stages if config else 3}
     row: dict[str, Any] = {"kernel": jit.fn.__name__, "arch": arch, "blocks": blocks, "triton": triton.__version__,
-                           **options}
+                           "aligned": aligned, **options}
     start = time.perf_counter()
     try:
-        compiled = triton.compile(_source(jit, variant, blocks), target=GPUTarget("cuda", arch, 32), options=options)
+        compiled = triton.compile(_source(jit, variant, blocks, aligned), target=GPUTarget("cuda", arch, 32),
+                                  options=options)
     except Exception as error:  # the compiler's own error, whatever its class: this row's finding
         row.update(error=(str(error).strip().splitlines() or [repr(error)])[-1][:160], failures=["compile"])
         return row
@@ -270,11 +291,11 @@ def sampled(recorded: list[dict[str, list[Any]]]) -> list[dict[str, list[Any]]]:
 
 def check(path: str, archs: list[int], only: str | None = None, sample: bool = False,
           shard: tuple[int, int] = (0, 1), classes: tuple[str, ...] = (),
-          wide_archs: list[int] | None = None) -> list[dict[str, Any]]:
+          wide_archs: list[int] | None = None, aligned: bool = True) -> list[dict[str, Any]]:
     """Compile the recorded variants of ``path`` (``sample``: one per kernel and operand class; ``shard`` ``(k, n)``:
     the kernels whose place in the file is ``k`` modulo ``n``; ``classes``: only these operand classes, all when
-    empty) with every config for every target of ``archs`` (fp32 / fp64 variants: of ``wide_archs`` when given);
-    the rows."""
+    empty) with every config for every target of ``archs`` (fp32 / fp64 variants: of ``wide_archs`` when given),
+    specialised as a GPU launches a large call unless ``aligned`` is False (:func:`_source`); the rows."""
     variants = json.loads(pathlib.Path(path).read_text())
     rows = []
     for place, (key, recorded) in enumerate(variants.items()):
@@ -290,7 +311,7 @@ def check(path: str, archs: list[int], only: str | None = None, sample: bool = F
                                       if kind == "arg" and isinstance(t, str) and t[:2] in ("*f", "*b")}))
             for config in configs_of(tuners, variant):
                 for arch in archs if operands in ("bf16", "fp16") else wide_archs or archs:
-                    rows.append({**compile_one(jit, variant, config, arch), "dtypes": dtypes, "operands": operands})
+                    rows.append({**compile_one(jit, variant, config, arch, aligned), "dtypes": dtypes, "operands": operands})
     return rows
 
 
@@ -407,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--shard", default="0/1", help="K/N: the kernels at places K modulo N (parallel runs)")
     chk.add_argument("--classes", default="", help="only these operand classes, comma-separated (bf16,fp16,fp32,fp64)")
     chk.add_argument("--wide-targets", default=None, help="the targets of fp32 / fp64 variants (default: --targets)")
+    chk.add_argument("--unaligned", action="store_true",
+                     help="no pointer alignment or size divisibility given to the compiler (a ragged call's code)")
     tab = sub.add_parser("table", help="write the tables of one or more --json outputs (several Triton versions)")
     tab.add_argument("rows", nargs="+")
     tab.add_argument("--out", required=True, help="the full table (markdown)")
@@ -423,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(r["failures"] for r in merged) else 0
     os.environ.pop("TRITON_INTERPRET", None)
     archs, (k, n), classes, wide = _check_options(parser, args)
-    rows = check(args.variants, archs, args.only, args.sample, (k, n), classes, wide)
+    rows = check(args.variants, archs, args.only, args.sample, (k, n), classes, wide, not args.unaligned)
     if args.table:
         pathlib.Path(args.table).write_text(table(rows))
     if args.json:

@@ -474,7 +474,8 @@ MUTATIONS = [
     Mutation(f"{PKG}/cli/traffic.py", "            self.logit_bytes += sum(self._bytes(t) for t in (*reads, *writes))", "            pass",
              "cost counter: a Triton launch's declared bytes are not counted", ("tests/cli/test_traffic.py",)),
     Mutation(f"{E}/problem_plan.py",
-             '        fold_positives=tile_positives or (decision.backend == "epilogue" and isinstance(positives, (KeyPositives, PartnerPositives))),',
+             "        fold_positives=tile_positives or (decision.backend in EPILOGUE_BACKWARD and isinstance(positives, (KeyPositives, "
+             "PartnerPositives))),",
              "        fold_positives=tile_positives,",
              "epilogue: the positive part goes through aggregate in backward (launches per call the kernels save)",
              ("tests/cli/test_traffic.py",)),
@@ -1281,6 +1282,19 @@ MUTATIONS = [
              "        e = __import__(f\"{__package__}.products\", fromlist=['_']).logits_tile(None, za * scale, zb).exp_()",
              "the one-tile form's product taken through another module (one more file on clip_loss's trail)",
              ("tests/test_structure.py::test_clip_loss_reaches_its_first_product_within_five_files",)),
+    Mutation(f"{E}/triton_backend/gemm_sums.py", "        if SYMMETRIC and bj > bi:  # the mirror tile's rows are this tile's columns",
+             "        if False:", "the fused matmul's tiles above the diagonal give their mirror rows nothing",
+             ("tests/engine/test_gemm.py",)),
+    Mutation(f"{E}/triton_backend/gemm_sums.py", "            valid = valid & (cols[None, :] != rows[:, None] + self_offset)",
+             "            valid = valid", "the fused matmul keeps the self pair in the sums", ("tests/engine/test_gemm.py",)),
+    Mutation(f"{E}/triton_backend/gemm_sums.py", "    return top, (parts[1] * torch.exp(parts[0] - safe)).sum(0)",
+             "    return top, parts[1].sum(0)", "the fused matmul's online partials added without bringing them to one maximum",
+             ("tests/engine/test_gemm.py",)),
+    Mutation(f"{E}/gemm.py", "        if isinstance(problem.statistic, Softmax) and problem.statistic.exclude is not None:", "        if False:",
+             "the fused-matmul strategy serves a call with exclusions it does not apply", ("tests/engine/test_gemm.py",)),
+    Mutation("tools/compile_check.py", "            if aligned and _divisible(value):", "            if False:",
+             "the compile check gives the compiler no alignment: it compiles a ragged call's unpipelined code",
+             ("tests/test_compile_check.py::test_the_check_compiles_a_large_calls_specialisation_whose_k_loop_is_pipelined",)),
 ]
 
 

@@ -26,11 +26,13 @@ validate (bool, default True)
     Check device values (finite inputs, a positive tensor temperature, rank agreement) in
     one host synchronisation; ``False`` makes none (``torch.compile``, CUDA graphs, GPU
     pipelines).
-backend (``"auto"`` | ``"torch"`` | ``"triton"``)
-    ``"auto"``: the planner's choice for the device, dtype and shape (CPU: torch tile loops;
-    CUDA: tensor-core products, Triton kernels past 8,192^2 half-precision logits).
-    ``"torch"`` / ``"triton"`` force one; a backend that cannot serve a call is a
-    ``ValueError`` that says why. ``TRITON_INTERPRET=1`` runs the kernels on a CPU (tests).
+backend (``"auto"`` | ``"torch"`` | ``"triton"`` | ``"epilogue"`` | ``"gemm"``)
+    ``"auto"``: the device's measured policy for the dtype and shape (CPU: torch tile loops;
+    CUDA: tensor-core products, cuBLAS GEMMs with Triton epilogues past 8,192^2 bf16 logits).
+    The others force one: the torch loops, the fused Triton kernels, the epilogues, or the matmul
+    with the soft-max statistic in its epilogue (``"gemm"``, opt-in until a GPU measures it); a
+    backend that cannot serve a call is a ``ValueError`` that says why. ``TRITON_INTERPRET=1``
+    runs the kernels on a CPU (tests).
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Shared:
         grad_reduction: ``"mean"`` (DDP) or ``"sum"``.
         eps: the normalisation floor.
         validate: check device values in one host synchronisation.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"epilogue"`` (cuBLAS GEMMs with Triton
-            epilogues; the soft-max losses).
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"epilogue"`` (cuBLAS GEMMs with Triton
+            epilogues) or ``"gemm"`` (the soft-max statistic in a matmul's epilogue; the soft-max losses).
     """
 
     normalize: bool = True

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .plans import PairPlan, SigmoidPlan, SoftmaxPlan
     from .problem import Problem
 
-__all__ = ["EPILOGUE", "PAIRS", "SIGMOID", "SOFTMAX", "EpilogueKernels", "EpilogueProducts", "GradTiles"]
+__all__ = ["EPILOGUE", "PAIRS", "SIGMOID", "SOFTMAX", "EpilogueKernels", "EpilogueProducts", "GradTiles", "sigmoid_kernel_keys"]
 
 
 class GradTiles(NamedTuple):
@@ -266,7 +266,7 @@ class EpilogueSigmoid(SigmoidExecutor):
         prod = EpilogueProducts(kops, ops.a_c)
         rows, cols = ops.a_c.shape[0], ops.b_c.shape[0]
         out = ops.a_c.new_zeros(rows)
-        bias_t, keys = triton_backend.bias_vector(bias, out, out.dtype), _sigmoid_keys(plan)
+        bias_t, keys = triton_backend.bias_vector(bias, out, out.dtype), sigmoid_kernel_keys(plan)
         kept: list[Tensor] = []
 
         def visit(s: Tensor, r0: int, r1: int, c0: int, c1: int, bufs: Buffers) -> None:
@@ -289,7 +289,7 @@ class EpilogueSigmoid(SigmoidExecutor):
         kops = KernelOperands(plan, kept[:n_raw], a, b, saved.scale, saved.norms)
         prod = EpilogueProducts(kops, a, kept[n_raw] if len(kept) > n_raw else None)
         rows, cols = a.shape[0], b.shape[0]
-        bias_t, keys = triton_backend.bias_vector(bias, a, a.dtype), _sigmoid_keys(plan)
+        bias_t, keys = triton_backend.bias_vector(bias, a, a.dtype), sigmoid_kernel_keys(plan)
         g_row = triton_backend.per_index(g_row, rows, a.dtype)  # a reduced loss's incoming gradient is expanded
         parts: list[Tensor] = []
 
@@ -304,7 +304,7 @@ class EpilogueSigmoid(SigmoidExecutor):
         return gb, ga, torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
 
-def _sigmoid_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
+def sigmoid_kernel_keys(plan: SigmoidPlan) -> dict[str, Tensor]:
     """The ids the kernels compare, by name (:func:`~.triton_executors.sigmoid_keys`; none for a strided
     diagonal or no positive at all)."""
     triton_backend = kernels()  # imports triton: on the first call

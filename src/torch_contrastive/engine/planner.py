@@ -5,7 +5,7 @@ engine asks :func:`decide` how to run it on the inputs' device:
 
 * **backend** -- ``"auto"`` is the device's policy (:mod:`.policy`): an ordered list of rules whose crossovers
   come from measured rows, the first that serves the call wins (``str(decision)`` says which and why); an
-  explicit ``"torch"`` / ``"triton"`` / ``"epilogue"`` is honoured or refused with a ``ValueError`` (never a
+  explicit ``"torch"`` / ``"triton"`` / ``"epilogue"`` / ``"gemm"`` is honoured or refused with a ``ValueError`` (never a
   silent switch). The cost model (:mod:`torch_contrastive.cli.cost`) is an offline tool that proposes
   crossovers (``torch-contrastive bench --traffic``); the engine does not import it.
 * **products** -- fp16/bf16 inputs on a GPU are multiplied as given on tensor cores with fp32
@@ -47,7 +47,10 @@ GPU_BUDGET_DEFAULT = 1 << 30
 #: GPU tile edges are multiples of this (GEMM-friendly shapes).
 _GPU_TILE_QUANTUM = 256
 
-BACKENDS = ("auto", "torch", "triton", "epilogue")
+BACKENDS = ("auto", "torch", "triton", "epilogue", "gemm")
+#: The strategies whose backward is the epilogue's (its tile loops, strips and gradient tiles): the epilogue
+#: strategy, and the fused matmul whose forward replaces its strips (:mod:`.gemm`).
+EPILOGUE_BACKWARD = ("epilogue", "gemm")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -97,8 +100,9 @@ class Decision:
             tiles = f"{math.ceil(self.rows / self.tile)} strips of {self.tile}x{self.tile_cols}"
         else:
             tiles = f"{math.ceil(self.rows / self.tile)}x{math.ceil(self.cols / self.tile)} tiles of {self.tile}"
-        if self.backend == "epilogue":
-            products = "GEMMs by torch.mm ({}), Triton epilogues".format(
+        if self.backend in EPILOGUE_BACKWARD:
+            products = "{}GEMMs by torch.mm ({}), Triton epilogues".format(
+                "forward one fused matmul (Triton, no logit in memory), backward " if self.backend == "gemm" else "",
                 "bf16 operands as given, fp32 logits" if self.operand_dtype is not None else "compute dtype")
         else:
             products = "fp16/bf16 operands on tensor cores, fp32 logits" if self.half else "kernel operands" \
@@ -219,7 +223,7 @@ def decide(*, kernel: str, rows: int, cols: int, device: torch.device, dtype: to
         device: the inputs' device.
         dtype, other_dtype: the anchors' and candidates' dtypes.
         chunk_size: the caller's tile (None: chosen here).
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"epilogue"``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"epilogue"`` or ``"gemm"``.
         fixed: force the bounded one-``exp`` algorithm (tests; the caller vouches for it).
         bound: the loss's promise that every ``|S| <= bound`` (unit rows and a host-known scale;
             None: no promise). The bounded algorithm is chosen when it is exact for the dtype
@@ -320,7 +324,7 @@ def simulate(device: str | Target, budget: int | None = None, area: float = 1.0)
 def _walks_strips(backend: str, traits: Traits, softmax: bool = True) -> bool:
     """Whether a problem may walk row strips: on the epilogue, unless it is a single set's soft-max triangle (which
     needs squares; the pair and sigmoid kernels walk every tile)."""
-    return backend == "epilogue" and (not softmax or traits.pairs is not None or not traits.symmetric)
+    return backend in EPILOGUE_BACKWARD and (not softmax or traits.pairs is not None or not traits.symmetric)
 
 
 def strip_rows(rows: int, cols: int, bytes_per_logit: int, budget: int | None = None) -> int:
@@ -384,7 +388,7 @@ def rows_by_kernel(device: torch.device, dtype: torch.dtype, backend: str) -> bo
     the Triton kernels are not simulated (:func:`simulate`)."""
     if dtype not in KERNEL_DTYPES:
         return False
-    if backend in ("epilogue", "triton"):
+    if backend in (*EPILOGUE_BACKWARD, "triton"):
         return True
     return backend == "auto" and device.type == "cuda" and _triton_installed()
 

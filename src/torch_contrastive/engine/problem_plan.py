@@ -18,7 +18,7 @@ import torch
 from ..positives import KeyPositives, PartnerPositives, Positives
 from .confident import apart_rule
 from .one_tile import lean_pairs, lean_softmax
-from .planner import Decision, Target, Traits, choose_backend, decide, target, tf32
+from .planner import EPILOGUE_BACKWARD, Decision, Target, Traits, choose_backend, decide, target, tf32
 from .plans import AnyPlan, PairPlan, PrefixesPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
 from .prefix_lse import upper_strip
@@ -50,7 +50,7 @@ def plan(problem: Problem) -> AnyPlan:
     if key is not None:
         found = _PLANS.get(key)
         if found is not None:
-            if problem.options.backend in ("triton", "epilogue"):  # an explicit kernel backend: still its refusal
+            if problem.options.backend in ("triton", *EPILOGUE_BACKWARD):  # an explicit kernel backend: still its refusal
                 choose_backend(problem.options.backend, serves(problem, on))
             relation = problem.positives
             if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
@@ -202,7 +202,7 @@ def _softmax_plan(problem: Problem, stat: Softmax, decision: Decision) -> Softma
         normalize=problem.options.normalize, eps=float(problem.options.eps), positives=positives,
         column_positives=columns and stat.column_positives,
         tile_positives=tile_positives,
-        fold_positives=tile_positives or (decision.backend == "epilogue" and isinstance(positives, (KeyPositives, PartnerPositives))),
+        fold_positives=tile_positives or (decision.backend in EPILOGUE_BACKWARD and isinstance(positives, (KeyPositives, PartnerPositives))),
         shared_alpha=stat.columns_share_alpha and stat.row_weights[0] is not None,
         column_comm=stat.column_comm if columns else None,
         grad_columns=n_cols if problem.grad_columns is None else max(0, min(int(problem.grad_columns), n_cols)),

@@ -5,6 +5,7 @@ here, and a rule in a device's policy (:mod:`.policy`) once a measurement on tha
 from __future__ import annotations
 
 from .epilogue import EPILOGUE
+from .gemm import GEMM
 from .strategy import Strategy
 from .torch_loops import TORCH_LOOPS
 from .triton_executors import TRITON
@@ -12,4 +13,4 @@ from .triton_executors import TRITON
 __all__ = ["STRATEGIES"]
 
 #: Every strategy by its ``backend=`` name.
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (TORCH_LOOPS, TRITON, EPILOGUE)}
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (TORCH_LOOPS, TRITON, EPILOGUE, GEMM)}

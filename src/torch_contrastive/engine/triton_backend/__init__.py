@@ -62,7 +62,7 @@ from ._host import check_device, check_exclusion, directions, exclusion, fused, 
 
 __all__ = ["bias_vector", "check_device", "check_exclusion", "directions", "epilogue_grad", "epilogue_pair_grad",
            "epilogue_pair_sums", "epilogue_pml_sums", "epilogue_sigmoid_grad", "epilogue_sigmoid_sums", "epilogue_sums", "exclusion",
-           "fold_partials", "fused", "grad_rows", "interpreting", "keys", "pair_grad", "pair_sums", "partial_rows",
+           "fold_partials", "fused", "gemm_sigmoid_sums", "gemm_sums", "grad_rows", "interpreting", "keys", "pair_grad", "pair_sums", "partial_rows",
            "per_index", "positive_terms", "relation_args", "row_lse", "sigmoid_grad", "sigmoid_sums", "tile_grad",
            "tile_sums"]
 
@@ -75,6 +75,8 @@ if triton is not None:
     from .epilogue_sigmoid_sums import epilogue_sigmoid_sums
     from .epilogue_sums import epilogue_sums, partial_rows
     from .fold_partials import fold_partials
+    from .gemm_sigmoid_sums import gemm_sigmoid_sums
+    from .gemm_sums import gemm_sums
     from .grad_rows import grad_rows
     from .pair_terms import pair_grad, pair_sums, relation_args
     from .row_lse import row_lse

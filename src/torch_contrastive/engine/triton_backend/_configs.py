@@ -69,6 +69,19 @@ def square_sums() -> list[Any]:
     ]
 
 
+def gemm_tiles() -> list[Any]:
+    """Configs of the matmul with the soft-max statistic in its epilogue (:mod:`.gemm_sums`): one tile side per
+    dtype (the host sizes the partials' slots by it), 128 for half rows -- the tensor cores' GEMM tile -- and 64 for
+    fp32 and fp64 (FMA products); the lists differ in warps, pipeline stages and the K slice. A 64-wide K slice
+    spills in the online regime's column statistics when the compiler is given no alignment (a ragged call).
+    A 16-wide K slice spills for fp32 (4 or 8 warps), and fp64 at 4 warps."""
+    return [
+        _config(8, 3, HALF, BLOCK=128, BLOCK_D=32),
+        _config(8, 4, HALF, BLOCK=128, BLOCK_D=32),
+        _config(8, 2, WIDE, BLOCK=64, BLOCK_D=32),
+    ]
+
+
 def square_grads() -> list[Any]:
     """Configs of the tile-scheduled gradients (a tile's gradient and its two products per program)."""
     return [
@@ -83,9 +96,9 @@ def row_blocks() -> list[Any]:
     return [
         _config(8, 3, HALF, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64),
         _config(8, 3, HALF, BLOCK_M=128, BLOCK_N=128, BLOCK_D=32),
-        _config(8, 2, HALF | {torch.float64}, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32),
-        _config(4, 2, HALF, BLOCK_M=64, BLOCK_N=32, BLOCK_D=32),
+        _config(8, 2, HALF, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32),
         _config(4, 2, frozenset({torch.float32}), BLOCK_M=32, BLOCK_N=32, BLOCK_D=16),
+        _config(8, 1, frozenset({torch.float64}), BLOCK_M=64, BLOCK_N=64, BLOCK_D=16),
     ]
 
 
@@ -105,8 +118,7 @@ def owned_outputs() -> list[Any]:
     columns by features -- per program, square tiles swept in order)."""
     return [
         _config(8, 2, HALF, BLOCK=64, BLOCK_D=64, BLOCK_O=128),
-        _config(8, 2, HALF, BLOCK=64, BLOCK_D=32, BLOCK_O=64),
-        _config(8, 2, frozenset({torch.float32}), BLOCK=32, BLOCK_D=16, BLOCK_O=32),
+        _config(8, 1, frozenset({torch.float32}), BLOCK=32, BLOCK_D=16, BLOCK_O=32),
         _config(4, 1, frozenset({torch.float64}), BLOCK=32, BLOCK_D=16, BLOCK_O=32),
     ]
 

@@ -1,6 +1,6 @@
-"""What every kernel does inside one tile, in registers: the logits (a GEMM loop over D with
-fp32 accumulation), the exclusion rule, the validity mask, the gradient tile, and which tile a
-program of a grouped grid owns."""
+"""What every kernel does inside one tile, in registers: the logits (a GEMM loop over D with fp32 accumulation;
+:func:`gemm_tile`, the fused matmul's, with a GEMM's unmasked loads), the exclusion rule, the validity mask, the
+gradient tile, and which tile a program of a grouped grid owns."""
 
 from __future__ import annotations
 
@@ -19,6 +19,30 @@ def logits(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d,
         x = tl.load(x_ptr + rows[:, None] * d + ks[None, :], mask=(rows[:, None] < n_rows) & (ks[None, :] < d), other=0.0)
         y = tl.load(y_ptr + cols[:, None] * d + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < d), other=0.0)
         acc += tl.dot(x, tl.trans(y), out_dtype=ACC, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def gemm_tile(x_ptr, y_ptr, rows, cols, n_rows, n_cols, d, EVEN_D: tl.constexpr, ACC: tl.constexpr,
+              PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``X[rows] @ Y[cols].T`` over D, as a GEMM's main loop: rows past the end read row 0 (always there) and are
+    left out by the caller, so only a ragged last slice of D is masked."""
+    safe_r = tl.where(rows < n_rows, rows, 0)
+    safe_c = tl.where(cols < n_cols, cols, 0)
+    ks = tl.arange(0, BLOCK_D)
+    x_at = x_ptr + safe_r[:, None] * d + ks[None, :]
+    y_at = y_ptr + safe_c[:, None] * d + ks[None, :]
+    acc = tl.zeros((BLOCK, BLOCK), dtype=ACC)
+    for k0 in range(0, d, BLOCK_D):
+        if EVEN_D:
+            x = tl.load(x_at)
+            y = tl.load(y_at)
+        else:
+            x = tl.load(x_at, mask=ks[None, :] < d - k0, other=0.0)
+            y = tl.load(y_at, mask=ks[None, :] < d - k0, other=0.0)
+        acc = tl.dot(x, tl.trans(y), acc, out_dtype=ACC, input_precision=PRECISION)
+        x_at += BLOCK_D
+        y_at += BLOCK_D
     return acc
 
 
