@@ -51,6 +51,8 @@ BACKENDS = ("auto", "torch", "triton", "epilogue", "gemm")
 #: The strategies whose backward is the epilogue's (its tile loops, strips and gradient tiles): the epilogue
 #: strategy, and the fused matmul whose forward replaces its strips (:mod:`.gemm`).
 EPILOGUE_BACKWARD = ("epilogue", "gemm")
+#: The strategies that run Triton kernels: an explicit one is asked whether it serves the call even on a kept plan.
+KERNEL_STRATEGIES = ("triton", *EPILOGUE_BACKWARD)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -388,7 +390,7 @@ def rows_by_kernel(device: torch.device, dtype: torch.dtype, backend: str) -> bo
     the Triton kernels are not simulated (:func:`simulate`)."""
     if dtype not in KERNEL_DTYPES:
         return False
-    if backend in (*EPILOGUE_BACKWARD, "triton"):
+    if backend in KERNEL_STRATEGIES:
         return True
     return backend == "auto" and device.type == "cuda" and _triton_installed()
 

@@ -18,7 +18,7 @@ import torch
 from ..positives import KeyPositives, PartnerPositives, Positives
 from .confident import apart_rule
 from .one_tile import lean_pairs, lean_softmax
-from .planner import EPILOGUE_BACKWARD, Decision, Target, Traits, choose_backend, decide, target, tf32
+from .planner import EPILOGUE_BACKWARD, KERNEL_STRATEGIES, Decision, Target, Traits, choose_backend, decide, target, tf32
 from .plans import AnyPlan, PairPlan, PrefixesPlan, SigmoidPlan, SoftmaxPlan
 from .precision import compute_dtype
 from .prefix_lse import upper_strip
@@ -50,7 +50,7 @@ def plan(problem: Problem) -> AnyPlan:
     if key is not None:
         found = _PLANS.get(key)
         if found is not None:
-            if problem.options.backend in ("triton", *EPILOGUE_BACKWARD):  # an explicit kernel backend: still its refusal
+            if problem.options.backend in KERNEL_STRATEGIES:  # an explicit kernel backend: still its refusal
                 choose_backend(problem.options.backend, serves(problem, on))
             relation = problem.positives
             if found.positives is relation:  # (a partner's key holds its id(): the kept plan holds it, so it is its own)
